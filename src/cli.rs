@@ -1,0 +1,212 @@
+//! The command line: `run`, `demo`, `check-config` and `keygen`, and loading the key ring
+//! from the environment or a keys file.
+
+use crate::config::{Config, ConfigError};
+use crate::gateway::server;
+use crate::keys::{self, KeyRing};
+use clap::{Parser, Subcommand, ValueEnum};
+use std::process::ExitCode;
+use std::sync::Arc;
+
+pub const KEYS_ENV: &str = "MRTR_GATEWAY_KEYS";
+
+#[derive(Parser)]
+#[command(
+    name = "mrtr-gateway",
+    version,
+    about = "MCP gateway: legacy servers, stateless clients"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+    /// Log line format.
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(clap::Args)]
+struct Listeners {
+    /// Where MCP clients connect (IP:PORT).
+    #[arg(long)]
+    listen: Option<String>,
+    /// Where /healthz, /readyz and /metrics are served (IP:PORT).
+    #[arg(long)]
+    admin_listen: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway.
+    Run {
+        /// Configuration file (see config/gateway.yaml).
+        #[arg(long, short)]
+        config: Option<std::path::PathBuf>,
+        #[command(flatten)]
+        listeners: Listeners,
+        /// Upstream MCP endpoint URL; repeat for several. Replaces the first group's endpoints.
+        #[arg(long = "upstream")]
+        upstreams: Vec<String>,
+    },
+    /// Run the gateway in front of an embedded legacy demo MCP server, and print a walkthrough.
+    Demo {
+        #[command(flatten)]
+        listeners: Listeners,
+        /// Where the embedded demo server listens (IP:PORT).
+        #[arg(long, default_value = "127.0.0.1:3001")]
+        demo_listen: String,
+    },
+    /// Validate a configuration file; exits non-zero on the first problem.
+    CheckConfig { file: std::path::PathBuf },
+    /// Print a new key entry KID:BASE64URL_32_BYTES.
+    Keygen {
+        /// The key id.
+        #[arg(long, default_value = "k1")]
+        kid: String,
+    },
+}
+
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    let result = match cli.command {
+        Command::Run {
+            config,
+            listeners,
+            upstreams,
+        } => run(config, listeners, upstreams),
+        Command::Demo {
+            listeners,
+            demo_listen,
+        } => demo(listeners, demo_listen),
+        Command::CheckConfig { file } => check_config(&file),
+        Command::Keygen { kid } => keys::generate_entry(&kid)
+            .map(|entry| println!("{entry}"))
+            .map_err(|e| e.to_string()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(message) => {
+            eprintln!("mrtr-gateway: {message}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// The key ring: `MRTR_GATEWAY_KEYS`, else the config's keys file, else an ephemeral key.
+pub fn load_keys(config: &Config) -> Result<KeyRing, String> {
+    if let Ok(text) = std::env::var(KEYS_ENV) {
+        return KeyRing::parse(&text).map_err(|e| format!("{KEYS_ENV}: {e}"));
+    }
+    if let Some(path) = &config.keys_file {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("keys_file {}: {e}", path.display()))?;
+        return KeyRing::parse(&text).map_err(|e| format!("keys_file {}: {e}", path.display()));
+    }
+    tracing::warn!(
+        "no keys configured ({KEYS_ENV} or keys_file): using an ephemeral key; other replicas and restarts will not accept this replica's tokens"
+    );
+    Ok(KeyRing::ephemeral())
+}
+
+fn config_error(e: ConfigError) -> String {
+    format!("invalid configuration: {e}")
+}
+
+fn run(
+    file: Option<std::path::PathBuf>,
+    listeners: Listeners,
+    upstreams: Vec<String>,
+) -> Result<(), String> {
+    let mut config = match &file {
+        Some(path) => Config::load(path).map_err(config_error)?,
+        None => Config::default(),
+    };
+    config.apply_overrides(listeners.listen, listeners.admin_listen, upstreams);
+    config.validate().map_err(config_error)?;
+    let keys = Arc::new(load_keys(&config)?);
+    let (listen, admin) = (config.listen.clone(), config.admin_listen.clone());
+    let (server, _metrics) = server::build(config, keys, Vec::new()).map_err(config_error)?;
+    tracing::info!(%listen, %admin, "mrtr-gateway serving");
+    server::run(server);
+    Ok(())
+}
+
+fn demo(listeners: Listeners, demo_listen: String) -> Result<(), String> {
+    let mut config = Config::default();
+    let upstream = format!("http://{demo_listen}/mcp");
+    config.apply_overrides(
+        listeners.listen,
+        listeners.admin_listen,
+        vec![upstream.clone()],
+    );
+    config.upstreams[0].health_check_interval_ms = 0;
+    config.validate().map_err(config_error)?;
+    let keys = Arc::new(load_keys(&config)?);
+    let gateway_url = format!("http://{}/mcp", config.listen);
+    let admin = config.admin_listen.clone();
+    let extra: server::ExtraServices = vec![Box::new(crate::demo::service(&demo_listen))];
+    let (server, _metrics) = server::build(config, keys, extra).map_err(config_error)?;
+    println!("{}", walkthrough(&gateway_url, &upstream, &admin));
+    server::run(server);
+    Ok(())
+}
+
+/// The walkthrough `demo` prints: commands a newcomer can paste into another shell.
+pub fn walkthrough(gateway: &str, upstream: &str, admin: &str) -> String {
+    const H: &str =
+        "-H 'content-type: application/json' -H 'accept: application/json, text/event-stream'";
+    format!(
+        r#"mrtr-gateway demo
+  gateway:        {gateway}
+  legacy server:  {upstream}  (embedded; 2025-11-25 Streamable HTTP with an event store)
+  metrics:        http://{admin}/metrics
+
+Paste into another shell (bash):
+
+GW={gateway}
+# 1. Open a session. The Mcp-Session-Id you get back is sealed: it names the upstream
+#    endpoint and session, so any gateway replica with the same keys can route it.
+SID=$(curl -si {H} $GW -d '{{"jsonrpc":"2.0","id":1,"method":"initialize","params":{{"protocolVersion":"2025-11-25","capabilities":{{"elicitation":{{}}}},"clientInfo":{{"name":"curl","version":"1"}}}}}}' | tr -d '\r' | sed -n 's/^mcp-session-id: //Ip')
+curl -s {H} -H "mcp-session-id: $SID" $GW -d '{{"jsonrpc":"2.0","method":"notifications/initialized"}}'
+# 2. Call a tool that asks the user a question (elicitation/create on the SSE stream).
+#    The server waits for the answer; curl stops listening after 2 seconds.
+curl -sN --max-time 2 {H} -H "mcp-session-id: $SID" $GW -d '{{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{{"name":"ask_name","arguments":{{}}}}}}'
+# 3. Answer the question (its JSON-RPC id is 0): the gateway answers 202.
+curl -s -o /dev/null -w '%{{http_code}}\n' {H} -H "mcp-session-id: $SID" $GW -d '{{"jsonrpc":"2.0","id":0,"result":{{"action":"accept","content":{{"name":"Ada"}}}}}}'
+# 4. Resume the stream after the question's event id (0-1): the result arrives.
+curl -sN -H 'accept: text/event-stream' -H "mcp-session-id: $SID" -H 'last-event-id: 0-1' $GW
+# 5. End the session.
+curl -s -o /dev/null -w '%{{http_code}}\n' -X DELETE -H "mcp-session-id: $SID" $GW
+"#
+    )
+}
+
+fn check_config(file: &std::path::Path) -> Result<(), String> {
+    let config = Config::load(file).map_err(config_error)?;
+    crate::upstream::Upstreams::build(&config).map_err(config_error)?;
+    if let Some(path) = &config.keys_file {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("keys_file {}: {e}", path.display()))?;
+        KeyRing::parse(&text).map_err(|e| format!("keys_file {}: {e}", path.display()))?;
+    }
+    println!("{}: ok", file.display());
+    Ok(())
+}

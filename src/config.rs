@@ -1,0 +1,421 @@
+//! Configuration: the YAML file, its defaults, command-line overrides, and validation
+//! that names the key path of every problem. Parsing and validation do no I/O beyond
+//! reading the file, so `check-config` and unit tests share them.
+
+use crate::principal::PrincipalSource;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Where MCP clients connect.
+    pub listen: String,
+    /// Where `/healthz`, `/readyz` and `/metrics` are served.
+    pub admin_listen: String,
+    /// A file of `KID:BASE64URL_32_BYTES` keys; `MRTR_GATEWAY_KEYS` takes precedence.
+    pub keys_file: Option<PathBuf>,
+    /// Whom sealed tokens are bound to.
+    pub principal: PrincipalSource,
+    pub limits: Limits,
+    pub server: ServerOptions,
+    pub upstreams: Vec<UpstreamGroupConfig>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: "127.0.0.1:8080".into(),
+            admin_listen: "127.0.0.1:9090".into(),
+            keys_file: None,
+            principal: PrincipalSource::default(),
+            limits: Limits::default(),
+            server: ServerOptions::default(),
+            upstreams: Vec::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Largest request body accepted (413 above it).
+    pub max_body_bytes: usize,
+    /// Most messages in one JSON-RPC batch.
+    pub max_batch: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_body_bytes: 4 << 20,
+            max_batch: 64,
+        }
+    }
+}
+
+/// Process options handed to Pingora.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerOptions {
+    /// Worker threads per listener.
+    pub threads: usize,
+    /// After SIGTERM, how long in-flight requests may run.
+    pub grace_period_seconds: u64,
+    /// Then, how long runtimes get to stop.
+    pub graceful_shutdown_timeout_seconds: u64,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            threads: 2,
+            grace_period_seconds: 20,
+            graceful_shutdown_timeout_seconds: 5,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UpstreamGroupConfig {
+    pub name: String,
+    /// The gateway path this group serves.
+    #[serde(default = "default_path")]
+    pub path: String,
+    /// Upstream MCP endpoints, as `http://host:port/path`.
+    pub endpoints: Vec<String>,
+    #[serde(default = "default_connect_timeout_ms")]
+    pub connect_timeout_ms: u64,
+    /// Longest wait for an upstream's response header.
+    #[serde(default = "default_response_timeout_ms")]
+    pub response_timeout_ms: u64,
+    /// Longest silence on an upstream stream before it is closed; 0 means no limit
+    /// (legacy servers may wait on a user for a long time).
+    #[serde(default)]
+    pub stream_idle_timeout_ms: u64,
+    /// TCP health checks; 0 turns them off.
+    #[serde(default = "default_health_interval_ms")]
+    pub health_check_interval_ms: u64,
+}
+
+fn default_path() -> String {
+    "/mcp".into()
+}
+fn default_connect_timeout_ms() -> u64 {
+    2_000
+}
+fn default_response_timeout_ms() -> u64 {
+    60_000
+}
+fn default_health_interval_ms() -> u64 {
+    5_000
+}
+
+impl UpstreamGroupConfig {
+    pub fn new(name: &str, endpoints: Vec<String>) -> Self {
+        UpstreamGroupConfig {
+            name: name.into(),
+            path: default_path(),
+            endpoints,
+            connect_timeout_ms: default_connect_timeout_ms(),
+            response_timeout_ms: default_response_timeout_ms(),
+            stream_idle_timeout_ms: 0,
+            health_check_interval_ms: default_health_interval_ms(),
+        }
+    }
+}
+
+/// A configuration problem, with the key path it concerns.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    pub path: String,
+    pub problem: String,
+}
+
+impl ConfigError {
+    fn at(path: impl Into<String>, problem: impl Into<String>) -> Self {
+        ConfigError {
+            path: path.into(),
+            problem: problem.into(),
+        }
+    }
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            write!(f, "{}", self.problem)
+        } else {
+            write!(f, "{}: {}", self.path, self.problem)
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// An upstream endpoint URL taken apart.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EndpointUrl {
+    /// `host:port`, for resolution and the `Host` header.
+    pub authority: String,
+    pub host: String,
+    pub port: u16,
+    pub path: String,
+}
+
+pub fn parse_endpoint_url(url: &str) -> Result<EndpointUrl, String> {
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e| format!("'{url}' is not a URL: {e}"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => return Err(format!("'{url}': https upstreams are not supported in this build; terminate TLS in front of the upstream or use http://")),
+        _ => return Err(format!("'{url}' must start with http://")),
+    }
+    let host = uri
+        .host()
+        .filter(|h| !h.is_empty())
+        .ok_or_else(|| format!("'{url}' has no host"))?
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string();
+    let port = uri.port_u16().unwrap_or(80);
+    let path = match uri.path_and_query().map(|p| p.as_str()) {
+        None | Some("") => "/".to_string(),
+        Some(p) => p.to_string(),
+    };
+    let authority = uri
+        .authority()
+        .map(|a| a.as_str().to_string())
+        .unwrap_or_default();
+    Ok(EndpointUrl {
+        authority,
+        host,
+        port,
+        path,
+    })
+}
+
+impl Config {
+    pub fn from_yaml(text: &str) -> Result<Config, ConfigError> {
+        let config: Config = serde_yaml::from_str(text).map_err(yaml_error)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::at("", format!("cannot read {}: {e}", path.display())))?;
+        Config::from_yaml(&text)
+    }
+
+    /// Applies command-line overrides; `--upstream` URLs replace the first group's
+    /// endpoints, or create a group `default` serving `/mcp`.
+    pub fn apply_overrides(
+        &mut self,
+        listen: Option<String>,
+        admin_listen: Option<String>,
+        upstreams: Vec<String>,
+    ) {
+        if let Some(listen) = listen {
+            self.listen = listen;
+        }
+        if let Some(admin) = admin_listen {
+            self.admin_listen = admin;
+        }
+        if !upstreams.is_empty() {
+            match self.upstreams.first_mut() {
+                Some(first) => first.endpoints = upstreams,
+                None => self
+                    .upstreams
+                    .push(UpstreamGroupConfig::new("default", upstreams)),
+            }
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        check_addr("listen", &self.listen)?;
+        check_addr("admin_listen", &self.admin_listen)?;
+        if self.listen == self.admin_listen {
+            return Err(ConfigError::at("admin_listen", "must differ from listen"));
+        }
+        if self.limits.max_body_bytes < 1024 {
+            return Err(ConfigError::at(
+                "limits.max_body_bytes",
+                "must be at least 1024",
+            ));
+        }
+        if self.limits.max_batch == 0 {
+            return Err(ConfigError::at("limits.max_batch", "must be at least 1"));
+        }
+        if self.server.threads == 0 {
+            return Err(ConfigError::at("server.threads", "must be at least 1"));
+        }
+        if let PrincipalSource::Header(name) = &self.principal {
+            if http::HeaderName::from_bytes(name.as_bytes()).is_err() {
+                return Err(ConfigError::at(
+                    "principal.header",
+                    format!("'{name}' is not a header name"),
+                ));
+            }
+        }
+        if self.upstreams.is_empty() {
+            return Err(ConfigError::at(
+                "upstreams",
+                "no upstream configured: give at least one group, or pass --upstream URL",
+            ));
+        }
+        for (i, group) in self.upstreams.iter().enumerate() {
+            validate_group(&format!("upstreams[{i}]"), group)?;
+            let earlier = &self.upstreams[..i];
+            if earlier.iter().any(|g| g.name == group.name) {
+                return Err(ConfigError::at(
+                    format!("upstreams[{i}].name"),
+                    format!("'{}' is used twice", group.name),
+                ));
+            }
+            if earlier.iter().any(|g| g.path == group.path) {
+                return Err(ConfigError::at(
+                    format!("upstreams[{i}].path"),
+                    format!("'{}' is served by another group", group.path),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn validate_group(at: &str, group: &UpstreamGroupConfig) -> Result<(), ConfigError> {
+    let name_ok = !group.name.is_empty()
+        && group.name.len() <= 64
+        && group
+            .name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if !name_ok {
+        return Err(ConfigError::at(
+            format!("{at}.name"),
+            "must be 1 to 64 letters, digits, '-' or '_'",
+        ));
+    }
+    if !group.path.starts_with('/') || group.path.contains(['?', '#']) {
+        return Err(ConfigError::at(
+            format!("{at}.path"),
+            "must be an absolute path like /mcp",
+        ));
+    }
+    if group.endpoints.is_empty() {
+        return Err(ConfigError::at(
+            format!("{at}.endpoints"),
+            "needs at least one endpoint URL",
+        ));
+    }
+    for (j, url) in group.endpoints.iter().enumerate() {
+        parse_endpoint_url(url).map_err(|p| ConfigError::at(format!("{at}.endpoints[{j}]"), p))?;
+    }
+    if group.connect_timeout_ms == 0 {
+        return Err(ConfigError::at(
+            format!("{at}.connect_timeout_ms"),
+            "must be above 0",
+        ));
+    }
+    if group.response_timeout_ms == 0 {
+        return Err(ConfigError::at(
+            format!("{at}.response_timeout_ms"),
+            "must be above 0",
+        ));
+    }
+    Ok(())
+}
+
+fn check_addr(path: &str, addr: &str) -> Result<(), ConfigError> {
+    addr.parse::<SocketAddr>()
+        .map(|_| ())
+        .map_err(|_| ConfigError::at(path, format!("'{addr}' is not an IP:PORT socket address")))
+}
+
+/// serde_yaml reports the key path first ("upstreams[0]: unknown field ..."); split it off.
+fn yaml_error(e: serde_yaml::Error) -> ConfigError {
+    let text = e.to_string();
+    match text.split_once(": ") {
+        Some((path, problem)) if !path.contains(' ') => ConfigError::at(path, problem),
+        _ => ConfigError::at("", text),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str =
+        "upstreams:\n  - name: default\n    endpoints: [\"http://127.0.0.1:3001/mcp\"]\n";
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c = Config::from_yaml(MINIMAL).unwrap();
+        assert_eq!(c.listen, "127.0.0.1:8080");
+        assert_eq!(c.upstreams[0].path, "/mcp");
+        assert_eq!(c.principal, PrincipalSource::Authorization);
+    }
+
+    #[test]
+    fn the_example_config_is_valid() {
+        let text = include_str!("../config/gateway.yaml");
+        Config::from_yaml(text).unwrap();
+    }
+
+    #[test]
+    fn errors_name_the_key_path() {
+        let e = Config::from_yaml("upstreams:\n  - name: a\n    endpoint: []\n").unwrap_err();
+        assert_eq!(e.path, "upstreams[0]");
+        assert!(e.problem.contains("unknown field `endpoint`"), "{e}");
+        let e = Config::from_yaml("listen: nowhere\nupstreams: []\n").unwrap_err();
+        assert_eq!(e.path, "listen");
+        let bad_url = MINIMAL.replace("http://127.0.0.1:3001/mcp", "ftp://x");
+        let e = Config::from_yaml(&bad_url).unwrap_err();
+        assert_eq!(e.path, "upstreams[0].endpoints[0]");
+        let e = Config::from_yaml("limits:\n  max_body_bytes: many\n").unwrap_err();
+        assert_eq!(e.path, "limits.max_body_bytes");
+        let e = Config::from_yaml("").unwrap_err();
+        assert_eq!(e.path, "upstreams");
+        let two = format!("{MINIMAL}{}", MINIMAL.trim_start_matches("upstreams:\n"));
+        assert_eq!(
+            Config::from_yaml(&two).unwrap_err().path,
+            "upstreams[1].name"
+        );
+    }
+
+    #[test]
+    fn overrides_replace_the_first_group_or_create_one() {
+        let mut c = Config::default();
+        c.apply_overrides(
+            Some("127.0.0.1:1".into()),
+            None,
+            vec!["http://h:1/x".into()],
+        );
+        assert_eq!(c.listen, "127.0.0.1:1");
+        assert_eq!(c.upstreams[0].name, "default");
+        c.validate().unwrap();
+        c.apply_overrides(None, None, vec!["http://h:2/y".into()]);
+        assert_eq!(c.upstreams.len(), 1);
+        assert_eq!(c.upstreams[0].endpoints, ["http://h:2/y"]);
+    }
+
+    #[test]
+    fn endpoint_urls_are_taken_apart() {
+        let e = parse_endpoint_url("http://127.0.0.1:3001/mcp").unwrap();
+        assert_eq!(
+            (e.host.as_str(), e.port, e.path.as_str()),
+            ("127.0.0.1", 3001, "/mcp")
+        );
+        assert_eq!(parse_endpoint_url("http://svc").unwrap().path, "/");
+        assert_eq!(parse_endpoint_url("http://[::1]:9/m").unwrap().host, "::1");
+        assert!(parse_endpoint_url("https://x/mcp")
+            .unwrap_err()
+            .contains("https"));
+        assert!(parse_endpoint_url("not a url").is_err());
+    }
+}

@@ -1,0 +1,353 @@
+//! Legacy pass-through: a 2024-11-05 … 2025-11-25 client talks to its upstream through
+//! the gateway unchanged, except that the `Mcp-Session-Id` it sees is a sealed token
+//! naming the upstream endpoint and session. Any replica opens the token and routes the
+//! request there; a token that does not open is answered 404 and reaches no upstream.
+
+use super::respond;
+use super::Gateway;
+use crate::metrics::method_label;
+use crate::protocol::headers::{self, MCP_SESSION_ID};
+use crate::protocol::jsonrpc::{self, code, Body};
+use crate::protocol::session_token::SessionToken;
+use crate::upstream::exchange::{ExchangeError, Response};
+use crate::upstream::{Endpoint, UpstreamGroup};
+use bytes::{Bytes, BytesMut};
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::protocols::http::ServerSession;
+use serde_json::Value;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// How a request ended, for the requests metric.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Ok,
+    BadRequest,
+    TooLarge,
+    SessionRejected,
+    NoUpstream,
+    UpstreamError,
+    ClientGone,
+}
+
+impl Outcome {
+    fn label(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::BadRequest => "bad_request",
+            Outcome::TooLarge => "too_large",
+            Outcome::SessionRejected => "session_rejected",
+            Outcome::NoUpstream => "no_upstream",
+            Outcome::UpstreamError => "upstream_error",
+            Outcome::ClientGone => "client_gone",
+        }
+    }
+}
+
+/// Where a request goes: the endpoint and, inside a session, the upstream's session id.
+struct Route<'g> {
+    endpoint: &'g Endpoint,
+    upstream_session: Option<String>,
+    /// The client's token, echoed back unchanged while the upstream session is the same.
+    client_token: Option<String>,
+}
+
+pub async fn serve(gw: &Gateway, session: &mut ServerSession, group: &UpstreamGroup) {
+    let mut method = None;
+    let outcome = serve_inner(gw, session, group, &mut method).await;
+    gw.metrics
+        .requests
+        .with_label_values(&["legacy", method_label(method.as_deref()), outcome.label()])
+        .inc();
+}
+
+async fn serve_inner(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    group: &UpstreamGroup,
+    method_seen: &mut Option<String>,
+) -> Outcome {
+    let binding = principal_binding(gw, session);
+    let route = match route(gw, session, group, &binding) {
+        Ok(route) => route,
+        Err(outcome) => {
+            respond_route_error(session, outcome).await;
+            return outcome;
+        }
+    };
+    let (body, parsed) = if session.req_header().method == http::Method::POST {
+        match read_json_body(gw, session).await {
+            Ok(read) => read,
+            Err(outcome) => return outcome,
+        }
+    } else {
+        (Bytes::new(), None)
+    };
+    *method_seen = parsed.as_ref().and_then(|b| b.method().map(str::to_string));
+    let id = parsed.as_ref().and_then(Body::id).cloned();
+    let request = upstream_request(session, &route, &body);
+    let mut response = match gw
+        .client
+        .send(route.endpoint, &group.timeouts, request, body)
+        .await
+    {
+        Ok(response) => response,
+        Err(e) => {
+            tracing::warn!(group = %group.name, endpoint = %route.endpoint.addr, error = %e, "upstream exchange failed");
+            respond_upstream_error(session, group, id.as_ref(), &e).await;
+            return Outcome::UpstreamError;
+        }
+    };
+    let header = client_response_header(gw, group, &route, &binding, response.header());
+    let outcome = relay(gw, session, header, &mut response).await;
+    gw.client.finish(response).await;
+    outcome
+}
+
+fn principal_binding(gw: &Gateway, session: &ServerSession) -> [u8; 32] {
+    let source = gw.principal_source();
+    let value = source
+        .header_name()
+        .and_then(|name| session.get_header(name))
+        .map(|v| v.as_bytes());
+    source.digest(value)
+}
+
+fn route<'g>(
+    gw: &Gateway,
+    session: &ServerSession,
+    group: &'g UpstreamGroup,
+    binding: &[u8],
+) -> Result<Route<'g>, Outcome> {
+    let Some(token) = session.get_header(MCP_SESSION_ID) else {
+        let endpoint = group.pick().ok_or(Outcome::NoUpstream)?;
+        return Ok(Route {
+            endpoint,
+            upstream_session: None,
+            client_token: None,
+        });
+    };
+    let reject = |reason: &str| {
+        gw.metrics
+            .session_rejections
+            .with_label_values(&[reason])
+            .inc();
+        tracing::info!(group = %group.name, reason, "session token refused");
+        Outcome::SessionRejected
+    };
+    let text = token.to_str().map_err(|_| reject("malformed"))?;
+    let opened = SessionToken::open(&gw.keys, binding, text).map_err(|e| reject(e.reason()))?;
+    if opened.group != group.name {
+        return Err(reject("other_group"));
+    }
+    let endpoint = group
+        .endpoint(opened.endpoint)
+        .ok_or_else(|| reject("unknown_endpoint"))?;
+    Ok(Route {
+        endpoint,
+        upstream_session: Some(opened.upstream_session),
+        client_token: Some(text.to_string()),
+    })
+}
+
+async fn respond_route_error(session: &mut ServerSession, outcome: Outcome) {
+    let (status, message) = match outcome {
+        Outcome::SessionRejected => (
+            404,
+            "Session not found: the Mcp-Session-Id is unknown, expired or not valid here; start a new session with initialize",
+        ),
+        _ => (503, "no healthy upstream endpoint is available"),
+    };
+    respond::error(session, status, None, code::INVALID_REQUEST, message).await;
+}
+
+/// Reads and classifies a POST body within the configured limits.
+async fn read_json_body(
+    gw: &Gateway,
+    session: &mut ServerSession,
+) -> Result<(Bytes, Option<Body>), Outcome> {
+    let limits = &gw.config.limits;
+    let declared = session
+        .get_header(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limits.max_body_bytes) {
+        return Err(too_large(session, limits.max_body_bytes).await);
+    }
+    let mut body = BytesMut::with_capacity(declared.unwrap_or(1024).min(limits.max_body_bytes));
+    loop {
+        match session.read_request_body().await {
+            Ok(Some(chunk)) => {
+                if body.len() + chunk.len() > limits.max_body_bytes {
+                    return Err(too_large(session, limits.max_body_bytes).await);
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(None) => break,
+            Err(e) => {
+                tracing::info!(error = %e, "client request body not read");
+                return Err(Outcome::ClientGone);
+            }
+        }
+    }
+    match jsonrpc::classify(&body, limits.max_batch) {
+        Ok(parsed) => Ok((body.freeze(), Some(parsed))),
+        Err(invalid) => {
+            respond::error(
+                session,
+                400,
+                invalid.id.as_ref(),
+                invalid.code,
+                &invalid.message,
+            )
+            .await;
+            Err(Outcome::BadRequest)
+        }
+    }
+}
+
+async fn too_large(session: &mut ServerSession, limit: usize) -> Outcome {
+    let message = format!("request body exceeds the limit of {limit} bytes");
+    session.set_keepalive(None);
+    respond::error(session, 413, None, code::INVALID_REQUEST, &message).await;
+    Outcome::TooLarge
+}
+
+/// The request sent upstream: the client's, with the upstream path, host and session.
+fn upstream_request(session: &ServerSession, route: &Route, body: &Bytes) -> RequestHeader {
+    let client = session.req_header();
+    let method = client.method.as_str();
+    let mut req = RequestHeader::build(method, route.endpoint.path.as_bytes(), Some(16))
+        .expect("method and configured path are valid");
+    for (name, value) in headers::forwardable(&client.headers) {
+        let _ = req.append_header(name.clone(), value.clone());
+    }
+    let _ = req.insert_header("host", route.endpoint.authority.as_str());
+    if let Some(upstream) = &route.upstream_session {
+        let _ = req.insert_header(MCP_SESSION_ID, upstream.as_str());
+    }
+    if method == "POST" || !body.is_empty() {
+        let _ = req.insert_header("content-length", body.len());
+    }
+    req
+}
+
+/// The response header the client gets: the upstream's, with its session id sealed.
+fn client_response_header(
+    gw: &Gateway,
+    group: &UpstreamGroup,
+    route: &Route,
+    binding: &[u8],
+    upstream: &ResponseHeader,
+) -> ResponseHeader {
+    let mut out = ResponseHeader::build(upstream.status, Some(upstream.headers.len() + 2))
+        .expect("a status read from the upstream is valid");
+    for (name, value) in headers::forwardable(&upstream.headers) {
+        let _ = out.append_header(name.clone(), value.clone());
+    }
+    if let Some(length) = upstream.headers.get(http::header::CONTENT_LENGTH) {
+        let _ = out.insert_header(http::header::CONTENT_LENGTH, length.clone());
+    } else {
+        let _ = out.insert_header(http::header::TRANSFER_ENCODING, "chunked");
+    }
+    let is_sse = upstream
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    if is_sse {
+        let _ = out.insert_header("x-accel-buffering", "no");
+    }
+    if let Some(sid) = upstream.headers.get(MCP_SESSION_ID) {
+        match client_session_token(gw, group, route, binding, sid.as_bytes()) {
+            Some(token) => {
+                let _ = out.insert_header(MCP_SESSION_ID, token);
+            }
+            None => {
+                tracing::warn!(group = %group.name, "upstream sent an invalid Mcp-Session-Id; dropped")
+            }
+        }
+    }
+    out
+}
+
+fn client_session_token(
+    gw: &Gateway,
+    group: &UpstreamGroup,
+    route: &Route,
+    binding: &[u8],
+    upstream_sid: &[u8],
+) -> Option<String> {
+    let sid = std::str::from_utf8(upstream_sid).ok()?;
+    SessionToken::validate_upstream_session(sid).ok()?;
+    if route.upstream_session.as_deref() == Some(sid) {
+        return route.client_token.clone();
+    }
+    let token = SessionToken {
+        group: group.name.clone(),
+        endpoint: route.endpoint.addr,
+        upstream_session: sid.to_string(),
+        issued_at: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    };
+    Some(token.seal(&gw.keys, binding))
+}
+
+/// Streams the upstream body to the client as it arrives, until either side ends.
+async fn relay(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    header: ResponseHeader,
+    upstream: &mut Response,
+) -> Outcome {
+    if session
+        .write_response_header(Box::new(header))
+        .await
+        .is_err()
+    {
+        return Outcome::ClientGone;
+    }
+    gw.metrics.active_client_streams.inc();
+    let outcome = pump(session, upstream).await;
+    gw.metrics.active_client_streams.dec();
+    outcome
+}
+
+async fn pump(session: &mut ServerSession, upstream: &mut Response) -> Outcome {
+    loop {
+        let chunk = tokio::select! {
+            chunk = upstream.next_chunk() => chunk,
+            _ = session.read_body_or_idle(true) => return Outcome::ClientGone,
+        };
+        match chunk {
+            Ok(Some(bytes)) => {
+                if session.write_response_body(bytes, false).await.is_err() {
+                    return Outcome::ClientGone;
+                }
+            }
+            Ok(None) => {
+                let _ = session.write_response_body(Bytes::new(), true).await;
+                return Outcome::Ok;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "upstream stream ended abnormally");
+                session.set_keepalive(None);
+                return Outcome::UpstreamError;
+            }
+        }
+    }
+}
+
+async fn respond_upstream_error(
+    session: &mut ServerSession,
+    group: &UpstreamGroup,
+    id: Option<&Value>,
+    e: &ExchangeError,
+) {
+    let (status, what) = match e {
+        ExchangeError::Connect(_) => (502, "is unreachable"),
+        ExchangeError::Timeout => (504, "did not answer in time"),
+        ExchangeError::Broken(_) => (502, "broke the exchange"),
+    };
+    let message = format!("upstream group '{}' {what}", group.name);
+    respond::error(session, status, id, code::INTERNAL_ERROR, &message).await;
+}

@@ -1,0 +1,134 @@
+//! Assembling a pingora `Server`: the MCP listener, the admin listener, the drain watch
+//! and one health-check service per upstream group. `run` blocks until a signal;
+//! `spawn` runs the same server on a thread with a shutdown channel, for tests and for
+//! `demo`.
+
+use super::admin::{AdminApp, DrainWatch};
+use super::Gateway;
+use crate::config::Config;
+use crate::keys::KeyRing;
+use crate::metrics::Metrics;
+use crate::upstream::Upstreams;
+use async_trait::async_trait;
+use pingora::server::configuration::ServerConf;
+use pingora::server::{RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
+use pingora::services::background::{background_service, GenBackgroundService};
+use pingora::services::listening::Service;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use tokio::sync::{oneshot, Mutex};
+
+/// Extra services run in the same pingora server (the embedded demo upstream).
+pub type ExtraServices = Vec<Box<dyn pingora::services::ServiceWithDependents>>;
+
+fn server_conf(config: &Config) -> ServerConf {
+    ServerConf {
+        threads: config.server.threads,
+        grace_period_seconds: Some(config.server.grace_period_seconds),
+        graceful_shutdown_timeout_seconds: Some(config.server.graceful_shutdown_timeout_seconds),
+        ..ServerConf::default()
+    }
+}
+
+/// Builds the server. The returned metrics belong to this gateway instance.
+pub fn build(
+    config: Config,
+    keys: Arc<KeyRing>,
+    extra: ExtraServices,
+) -> Result<(Server, Arc<Metrics>), crate::config::ConfigError> {
+    let upstreams = Upstreams::build(&config)?;
+    let mut server = Server::new_with_opt_and_conf(None, server_conf(&config));
+    server.bootstrap();
+    for group in &upstreams.groups {
+        if group.health_check_interval.is_some() {
+            let name = format!("health check {}", group.name);
+            server.add_service(GenBackgroundService::new(name, group.balancer()));
+        }
+    }
+    let listen = config.listen.clone();
+    let admin_listen = config.admin_listen.clone();
+    let gateway = Gateway::new(config, keys, upstreams);
+    let metrics = gateway.metrics.clone();
+    let draining = Arc::new(AtomicBool::new(false));
+    let mut mcp = Service::new("mcp".to_string(), gateway);
+    mcp.add_tcp(&listen);
+    let mut admin = Service::new(
+        "admin".to_string(),
+        AdminApp {
+            metrics: metrics.clone(),
+            draining: draining.clone(),
+        },
+    );
+    admin.add_tcp(&admin_listen);
+    server.add_service(mcp);
+    server.add_service(admin);
+    server.add_service(background_service("drain watch", DrainWatch { draining }));
+    for service in extra {
+        server.add_boxed_service(service);
+    }
+    Ok((server, metrics))
+}
+
+/// Runs until SIGTERM (graceful), SIGINT (fast) or SIGQUIT (upgrade).
+pub fn run(server: Server) {
+    server.run(RunArgs::default());
+}
+
+struct ChannelShutdown(Mutex<Option<oneshot::Receiver<ShutdownSignal>>>);
+
+#[async_trait]
+impl ShutdownSignalWatch for ChannelShutdown {
+    async fn recv(&self) -> ShutdownSignal {
+        let rx = self.0.lock().await.take();
+        match rx {
+            Some(rx) => rx.await.unwrap_or(ShutdownSignal::FastShutdown),
+            None => std::future::pending().await,
+        }
+    }
+}
+
+/// A server running on its own thread until told to stop.
+pub struct Running {
+    stop: Option<oneshot::Sender<ShutdownSignal>>,
+    thread: Option<JoinHandle<()>>,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Running {
+    /// Starts `server`; returns at once (poll the listeners to know they are up).
+    pub fn spawn(server: Server, metrics: Arc<Metrics>) -> Running {
+        let (tx, rx) = oneshot::channel();
+        let watch = ChannelShutdown(Mutex::new(Some(rx)));
+        let thread = std::thread::spawn(move || {
+            server.run(RunArgs {
+                shutdown_signal: Box::new(watch),
+            })
+        });
+        Running {
+            stop: Some(tx),
+            thread: Some(thread),
+            metrics,
+        }
+    }
+
+    /// Stops with the given kind of shutdown and waits for the thread to end.
+    pub fn stop_with(mut self, signal: ShutdownSignal) {
+        self.shutdown(signal);
+    }
+
+    fn shutdown(&mut self, signal: ShutdownSignal) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(signal);
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.shutdown(ShutdownSignal::FastShutdown);
+    }
+}

@@ -1,0 +1,259 @@
+//! JSON-RPC 2.0 as MCP uses it: classifying a POSTed body into requests, notifications
+//! and responses without materialising params or results, and building error bodies.
+
+use serde::de::IgnoredAny;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+/// Standard JSON-RPC error codes used by the gateway.
+pub mod code {
+    pub const PARSE_ERROR: i64 = -32700;
+    pub const INVALID_REQUEST: i64 = -32600;
+    pub const METHOD_NOT_FOUND: i64 = -32601;
+    pub const INVALID_PARAMS: i64 = -32602;
+    pub const INTERNAL_ERROR: i64 = -32603;
+}
+
+/// What one JSON-RPC message is.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Message {
+    Request { id: Value, method: String },
+    Notification { method: String },
+    Response { id: Value },
+}
+
+impl Message {
+    pub fn method(&self) -> Option<&str> {
+        match self {
+            Message::Request { method, .. } | Message::Notification { method } => Some(method),
+            Message::Response { .. } => None,
+        }
+    }
+
+    pub fn id(&self) -> Option<&Value> {
+        match self {
+            Message::Request { id, .. } | Message::Response { id } => Some(id),
+            Message::Notification { .. } => None,
+        }
+    }
+}
+
+/// A POSTed body: one message, or a batch (2025-03-26 allowed batches).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Body {
+    Single(Message),
+    Batch(Vec<Message>),
+}
+
+impl Body {
+    /// The request id to echo in an error about this body, when there is exactly one.
+    pub fn id(&self) -> Option<&Value> {
+        match self {
+            Body::Single(m) => m.id(),
+            Body::Batch(_) => None,
+        }
+    }
+
+    /// The method of a single message, for logs and metrics.
+    pub fn method(&self) -> Option<&str> {
+        match self {
+            Body::Single(m) => m.method(),
+            Body::Batch(_) => Some("batch"),
+        }
+    }
+
+    pub fn is_initialize(&self) -> bool {
+        self.method() == Some("initialize")
+    }
+}
+
+/// A body the gateway refuses, with the JSON-RPC error it answers.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Invalid {
+    pub code: i64,
+    pub message: String,
+    pub id: Option<Value>,
+}
+
+#[derive(Deserialize)]
+struct Envelope {
+    jsonrpc: Option<String>,
+    /// `Some(Value::Null)` for an explicit `"id": null`, which is not a valid request id.
+    #[serde(default, deserialize_with = "present")]
+    id: Option<Value>,
+    method: Option<String>,
+    result: Option<IgnoredAny>,
+    error: Option<IgnoredAny>,
+}
+
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(d).map(Some)
+}
+
+/// Classifies a POSTed body. The longest batch accepted is `max_batch`.
+pub fn classify(body: &[u8], max_batch: usize) -> Result<Body, Invalid> {
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    if first == Some(&b'[') {
+        let items: Vec<Envelope> = serde_json::from_slice(body).map_err(parse_error)?;
+        if items.is_empty() || items.len() > max_batch {
+            return Err(invalid(
+                None,
+                format!("a batch must hold 1 to {max_batch} messages"),
+            ));
+        }
+        let messages = items.into_iter().map(message).collect::<Result<_, _>>()?;
+        return Ok(Body::Batch(messages));
+    }
+    let envelope: Envelope = serde_json::from_slice(body).map_err(parse_error)?;
+    message(envelope).map(Body::Single)
+}
+
+fn parse_error(e: serde_json::Error) -> Invalid {
+    let message = if e.is_data() {
+        format!("the body is not a JSON-RPC message object: {e}")
+    } else {
+        format!("the body is not valid JSON: {e}")
+    };
+    let code = if e.is_data() {
+        code::INVALID_REQUEST
+    } else {
+        code::PARSE_ERROR
+    };
+    Invalid {
+        code,
+        message,
+        id: None,
+    }
+}
+
+fn invalid(id: Option<Value>, message: String) -> Invalid {
+    Invalid {
+        code: code::INVALID_REQUEST,
+        message,
+        id,
+    }
+}
+
+fn valid_id(id: &Value) -> bool {
+    id.is_string() || id.is_i64() || id.is_u64()
+}
+
+fn message(e: Envelope) -> Result<Message, Invalid> {
+    if e.jsonrpc.as_deref() != Some("2.0") {
+        return Err(invalid(e.id, "\"jsonrpc\" must be \"2.0\"".into()));
+    }
+    if let Some(id) = &e.id {
+        if !valid_id(id) {
+            return Err(invalid(
+                None,
+                "\"id\" must be a string or an integer".into(),
+            ));
+        }
+    }
+    match (e.method, e.id, e.result.is_some() || e.error.is_some()) {
+        (Some(method), _, true) => Err(invalid(
+            None,
+            format!("a message with method '{method}' cannot carry result or error"),
+        )),
+        (Some(method), Some(id), false) => Ok(Message::Request { id, method }),
+        (Some(method), None, false) => Ok(Message::Notification { method }),
+        (None, Some(id), true) => Ok(Message::Response { id }),
+        (None, id, _) => Err(invalid(
+            id,
+            "a message needs a \"method\", or an \"id\" with a \"result\" or \"error\"".into(),
+        )),
+    }
+}
+
+/// A JSON-RPC error response body.
+pub fn error_body(id: Option<&Value>, code: i64, message: &str, data: Option<Value>) -> Vec<u8> {
+    let mut error = json!({ "code": code, "message": message });
+    if let Some(data) = data {
+        error["data"] = data;
+    }
+    let body =
+        json!({ "jsonrpc": "2.0", "id": id.cloned().unwrap_or(Value::Null), "error": error });
+    serde_json::to_vec(&body).expect("a JSON value always serializes")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn one(body: &str) -> Result<Message, Invalid> {
+        match classify(body.as_bytes(), 16)? {
+            Body::Single(m) => Ok(m),
+            Body::Batch(_) => panic!("expected a single message"),
+        }
+    }
+
+    #[test]
+    fn classifies_the_three_kinds() {
+        assert_eq!(
+            one(r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"x"}}"#),
+            Ok(Message::Request {
+                id: json!(1),
+                method: "tools/call".into()
+            })
+        );
+        assert_eq!(
+            one(r#"{"jsonrpc":"2.0","method":"notifications/initialized"}"#),
+            Ok(Message::Notification {
+                method: "notifications/initialized".into()
+            })
+        );
+        assert_eq!(
+            one(r#"{"jsonrpc":"2.0","id":"0","result":{"action":"accept"}}"#),
+            Ok(Message::Response { id: json!("0") })
+        );
+        assert_eq!(
+            one(r#"{"jsonrpc":"2.0","id":0,"error":{"code":-1,"message":"no"}}"#),
+            Ok(Message::Response { id: json!(0) })
+        );
+    }
+
+    #[test]
+    fn rejects_with_the_right_code_and_a_reason() {
+        let e = one("{not json").unwrap_err();
+        assert_eq!(e.code, code::PARSE_ERROR);
+        let e = one(r#"{"id":1,"method":"x"}"#).unwrap_err();
+        assert_eq!(e.code, code::INVALID_REQUEST);
+        assert!(e.message.contains("jsonrpc"));
+        assert_eq!(e.id, Some(json!(1)));
+        let e = one(r#"{"jsonrpc":"2.0","id":1.5,"method":"x"}"#).unwrap_err();
+        assert!(e.message.contains("id"));
+        let e = one(r#"{"jsonrpc":"2.0","id":null,"method":"x"}"#).unwrap_err();
+        assert!(e.message.contains("id"));
+        let e = one(r#"{"jsonrpc":"2.0","id":1}"#).unwrap_err();
+        assert!(e.message.contains("method"));
+        let e = one(r#"{"jsonrpc":"2.0","method":"x","result":{}}"#).unwrap_err();
+        assert_eq!(e.code, code::INVALID_REQUEST);
+        assert_eq!(one("42").unwrap_err().code, code::INVALID_REQUEST);
+        assert_eq!(
+            one(r#"{"jsonrpc":"2.0","method":7}"#).unwrap_err().code,
+            code::INVALID_REQUEST
+        );
+    }
+
+    #[test]
+    fn batches_are_bounded() {
+        let m = r#"{"jsonrpc":"2.0","method":"n"}"#;
+        let ok = format!("[{m},{m}]");
+        assert!(matches!(classify(ok.as_bytes(), 2), Ok(Body::Batch(v)) if v.len() == 2));
+        let long = format!("[{m},{m},{m}]");
+        assert!(classify(long.as_bytes(), 2).is_err());
+        assert!(classify(b"[]", 2).is_err());
+    }
+
+    #[test]
+    fn error_body_shape() {
+        let body = error_body(Some(&json!(3)), -32600, "bad", Some(json!({"k":1})));
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            v,
+            json!({"jsonrpc":"2.0","id":3,"error":{"code":-32600,"message":"bad","data":{"k":1}}})
+        );
+        let v: Value = serde_json::from_slice(&error_body(None, -1, "m", None)).unwrap();
+        assert_eq!(v["id"], Value::Null);
+    }
+}

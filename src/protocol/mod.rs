@@ -1,0 +1,8 @@
+//! Socket-free MCP protocol logic: JSON-RPC classification and error bodies, the SSE
+//! codec, and the sealed legacy session token. Nothing here does I/O; the gateway shell
+//! feeds bytes in and acts on what comes out.
+
+pub mod headers;
+pub mod jsonrpc;
+pub mod session_token;
+pub mod sse;

@@ -1,0 +1,244 @@
+//! Server-Sent Events: an incremental parser that takes chunks as they arrive (split
+//! anywhere, lines ending in LF, CRLF or CR) and yields whole events, and an encoder.
+//!
+//! Unlike a browser, the parser yields every event that set any field, including an
+//! empty `data` (an MCP priming event is `id` plus empty `data`), because the gateway
+//! must track the last event id a stream delivered. Events are bounded in size.
+
+use std::fmt;
+
+/// One event. `data` lines are joined with `\n` as the SSE standard says.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Event {
+    pub id: Option<String>,
+    pub event: Option<String>,
+    pub data: String,
+    pub retry: Option<u64>,
+}
+
+impl Event {
+    pub fn message(id: Option<String>, data: String) -> Event {
+        Event {
+            id,
+            event: Some("message".into()),
+            data,
+            retry: None,
+        }
+    }
+
+    /// Wire form, ending in the blank line that dispatches it.
+    pub fn encode(&self) -> String {
+        let mut out = String::with_capacity(self.data.len() + 64);
+        if let Some(id) = &self.id {
+            push_field(&mut out, "id", id);
+        }
+        if let Some(event) = &self.event {
+            push_field(&mut out, "event", event);
+        }
+        if let Some(retry) = self.retry {
+            push_field(&mut out, "retry", &retry.to_string());
+        }
+        for line in self.data.split('\n') {
+            push_field(&mut out, "data", line);
+        }
+        out.push('\n');
+        out
+    }
+}
+
+fn push_field(out: &mut String, name: &str, value: &str) {
+    out.push_str(name);
+    out.push_str(": ");
+    out.push_str(value);
+    out.push('\n');
+}
+
+/// The stream broke the size bound.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TooLarge {
+    pub limit: usize,
+}
+
+impl fmt::Display for TooLarge {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "an SSE event exceeds {} bytes", self.limit)
+    }
+}
+
+impl std::error::Error for TooLarge {}
+
+/// Incremental SSE parser.
+#[derive(Debug)]
+pub struct Parser {
+    line: Vec<u8>,
+    after_cr: bool,
+    current: Event,
+    fields: usize,
+    data_lines: usize,
+    event_bytes: usize,
+    max_event_bytes: usize,
+}
+
+impl Parser {
+    pub fn new(max_event_bytes: usize) -> Parser {
+        Parser {
+            line: Vec::new(),
+            after_cr: false,
+            current: Event::default(),
+            fields: 0,
+            data_lines: 0,
+            event_bytes: 0,
+            max_event_bytes,
+        }
+    }
+
+    /// Feeds one chunk, appending every completed event to `out`.
+    pub fn push(&mut self, chunk: &[u8], out: &mut Vec<Event>) -> Result<(), TooLarge> {
+        let mut rest = chunk;
+        if std::mem::take(&mut self.after_cr) {
+            rest = rest.strip_prefix(b"\n").unwrap_or(rest);
+        }
+        while let Some(pos) = rest.iter().position(|&b| b == b'\n' || b == b'\r') {
+            self.take(&rest[..pos])?;
+            self.end_line(out);
+            let is_cr = rest[pos] == b'\r';
+            let mut next = pos + 1;
+            if is_cr && rest.get(next) == Some(&b'\n') {
+                next += 1;
+            } else if is_cr && next == rest.len() {
+                self.after_cr = true;
+            }
+            rest = &rest[next..];
+        }
+        self.take(rest)
+    }
+
+    fn take(&mut self, bytes: &[u8]) -> Result<(), TooLarge> {
+        self.event_bytes += bytes.len();
+        if self.event_bytes > self.max_event_bytes {
+            return Err(TooLarge {
+                limit: self.max_event_bytes,
+            });
+        }
+        self.line.extend_from_slice(bytes);
+        Ok(())
+    }
+
+    fn end_line(&mut self, out: &mut Vec<Event>) {
+        if self.line.is_empty() {
+            if self.fields > 0 {
+                out.push(std::mem::take(&mut self.current));
+            }
+            self.fields = 0;
+            self.data_lines = 0;
+            self.event_bytes = 0;
+            return;
+        }
+        let line = std::mem::take(&mut self.line);
+        self.field(&line);
+        self.line = line;
+        self.line.clear();
+    }
+
+    fn field(&mut self, line: &[u8]) {
+        if line[0] == b':' {
+            return;
+        }
+        let (name, value) = match line.iter().position(|&b| b == b':') {
+            Some(i) => {
+                let v = &line[i + 1..];
+                (&line[..i], v.strip_prefix(b" ").unwrap_or(v))
+            }
+            None => (line, &b""[..]),
+        };
+        let value = String::from_utf8_lossy(value);
+        match name {
+            b"data" => {
+                if self.data_lines > 0 {
+                    self.current.data.push('\n');
+                }
+                self.current.data.push_str(&value);
+                self.data_lines += 1;
+            }
+            b"id" if !value.contains('\0') => self.current.id = Some(value.into_owned()),
+            b"event" => self.current.event = Some(value.into_owned()),
+            b"retry" => match value.parse() {
+                Ok(ms) => self.current.retry = Some(ms),
+                Err(_) => return,
+            },
+            _ => return,
+        }
+        self.fields += 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse_in_pieces(input: &[u8], piece: usize) -> Vec<Event> {
+        let mut p = Parser::new(1 << 16);
+        let mut out = Vec::new();
+        for chunk in input.chunks(piece) {
+            p.push(chunk, &mut out).unwrap();
+        }
+        out
+    }
+
+    const STREAM: &str = "id: a1\ndata: \nretry: 1000\n\n: keep-alive\n\nid: a2\nevent: message\ndata: {\"x\":1}\n\ndata: one\ndata: two\n\n";
+
+    fn expected() -> Vec<Event> {
+        vec![
+            Event {
+                id: Some("a1".into()),
+                event: None,
+                data: String::new(),
+                retry: Some(1000),
+            },
+            Event::message(Some("a2".into()), "{\"x\":1}".into()),
+            Event {
+                data: "one\ntwo".into(),
+                ..Event::default()
+            },
+        ]
+    }
+
+    #[test]
+    fn lf_crlf_and_cr_streams_split_anywhere_give_the_same_events() {
+        let crlf = STREAM.replace('\n', "\r\n");
+        let cr = STREAM.replace('\n', "\r");
+        for input in [STREAM.to_string(), crlf, cr] {
+            for piece in 1..=input.len() {
+                assert_eq!(
+                    parse_in_pieces(input.as_bytes(), piece),
+                    expected(),
+                    "piece {piece}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn encode_round_trips() {
+        let events = expected();
+        let wire: String = events.iter().map(Event::encode).collect();
+        assert_eq!(parse_in_pieces(wire.as_bytes(), 7), events);
+    }
+
+    #[test]
+    fn oversized_events_are_refused_and_the_bound_resets_per_event() {
+        let mut p = Parser::new(16);
+        let mut out = Vec::new();
+        assert!(p.push(b"data: 0123456789\n\n", &mut out).is_ok());
+        assert!(p.push(b"data: 0123456789\n\n", &mut out).is_ok());
+        assert_eq!(out.len(), 2);
+        let err = p.push(b"data: 0123456789abcdef\n", &mut out).unwrap_err();
+        assert_eq!(err, TooLarge { limit: 16 });
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_retry_are_ignored() {
+        let out = parse_in_pieces(b"foo: bar\nretry: soon\n\ndata\n\n", 3);
+        assert_eq!(out, vec![Event::default()]);
+    }
+}

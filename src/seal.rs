@@ -1,0 +1,253 @@
+//! The sealed envelope shared by session tokens and `requestState`: XChaCha20-Poly1305
+//! under a purpose subkey of the key ring, with the key id in the clear so any replica
+//! holding that key can open it.
+//!
+//! Wire form, base64url without padding:
+//! `version (1) | kid length (1) | kid | nonce (24) | ciphertext | tag (16)`.
+//! The associated data is `purpose label | version | kid | binding`, where the binding is
+//! supplied by the caller (for example a digest of the principal). A blob therefore opens
+//! only for the purpose, key and binding it was sealed with.
+//!
+//! Every failure is an [`OpenError`] whose variant says why, for the logs; callers answer
+//! clients with one uniform error whatever the variant.
+
+use crate::keys::{KeyRing, Purpose, MAX_KID_LEN};
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use base64::Engine;
+use chacha20poly1305::aead::{Aead, Payload};
+use chacha20poly1305::XNonce;
+use rand::RngCore;
+use std::fmt;
+
+const VERSION: u8 = 1;
+const NONCE_LEN: usize = 24;
+const TAG_LEN: usize = 16;
+
+/// Why a sealed blob did not open. Logged, never shown to clients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpenError {
+    /// Longer than the caller allows.
+    TooLong,
+    /// Not base64url, too short, or an unknown envelope version.
+    Malformed,
+    /// Sealed under a key id this ring does not hold.
+    UnknownKey,
+    /// Authentication failed: tampered, another purpose, or another binding.
+    Rejected,
+    /// Authentic, but the payload does not decode.
+    BadPayload,
+    /// Authentic, but past its expiry.
+    Expired,
+}
+
+impl OpenError {
+    /// A stable, low-cardinality name for logs and metric labels.
+    pub fn reason(self) -> &'static str {
+        match self {
+            OpenError::TooLong => "too_long",
+            OpenError::Malformed => "malformed",
+            OpenError::UnknownKey => "unknown_key",
+            OpenError::Rejected => "rejected",
+            OpenError::BadPayload => "bad_payload",
+            OpenError::Expired => "expired",
+        }
+    }
+}
+
+impl fmt::Display for OpenError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.reason())
+    }
+}
+
+fn associated_data(purpose: Purpose, kid: &[u8], binding: &[u8]) -> Vec<u8> {
+    let label = purpose.label();
+    let mut aad = Vec::with_capacity(label.len() + 2 + kid.len() + binding.len());
+    aad.extend_from_slice(label);
+    aad.push(VERSION);
+    aad.extend_from_slice(kid);
+    aad.extend_from_slice(binding);
+    aad
+}
+
+/// Seals `plaintext` under the ring's current key. Returns base64url text.
+pub fn seal(ring: &KeyRing, purpose: Purpose, binding: &[u8], plaintext: &[u8]) -> String {
+    let key = ring.current();
+    let kid = key.kid().as_bytes();
+    let mut nonce = [0u8; NONCE_LEN];
+    rand::thread_rng().fill_bytes(&mut nonce);
+    let aad = associated_data(purpose, kid, binding);
+    let ciphertext = key
+        .cipher(purpose)
+        .encrypt(
+            XNonce::from_slice(&nonce),
+            Payload {
+                msg: plaintext,
+                aad: &aad,
+            },
+        )
+        .expect("XChaCha20-Poly1305 encryption of an in-memory buffer cannot fail");
+    let mut raw = Vec::with_capacity(2 + kid.len() + NONCE_LEN + ciphertext.len());
+    raw.push(VERSION);
+    raw.push(kid.len() as u8);
+    raw.extend_from_slice(kid);
+    raw.extend_from_slice(&nonce);
+    raw.extend_from_slice(&ciphertext);
+    URL_SAFE_NO_PAD.encode(raw)
+}
+
+/// Opens text produced by [`seal`] with the same purpose and binding.
+/// `max_len` bounds the encoded length before any work is done.
+pub fn open(
+    ring: &KeyRing,
+    purpose: Purpose,
+    binding: &[u8],
+    sealed: &str,
+    max_len: usize,
+) -> Result<Vec<u8>, OpenError> {
+    if sealed.len() > max_len {
+        return Err(OpenError::TooLong);
+    }
+    let raw = URL_SAFE_NO_PAD
+        .decode(sealed)
+        .map_err(|_| OpenError::Malformed)?;
+    let (kid, rest) = split_header(&raw)?;
+    let key = ring.find(kid).ok_or(OpenError::UnknownKey)?;
+    let (nonce, ciphertext) = rest.split_at(NONCE_LEN);
+    let aad = associated_data(purpose, kid, binding);
+    key.cipher(purpose)
+        .decrypt(
+            XNonce::from_slice(nonce),
+            Payload {
+                msg: ciphertext,
+                aad: &aad,
+            },
+        )
+        .map_err(|_| OpenError::Rejected)
+}
+
+/// Splits `version | kid len | kid | rest`, checking that `rest` holds a nonce and a tag.
+fn split_header(raw: &[u8]) -> Result<(&[u8], &[u8]), OpenError> {
+    let [version, kid_len, rest @ ..] = raw else {
+        return Err(OpenError::Malformed);
+    };
+    let kid_len = *kid_len as usize;
+    if *version != VERSION || kid_len == 0 || kid_len > MAX_KID_LEN || rest.len() < kid_len {
+        return Err(OpenError::Malformed);
+    }
+    let (kid, rest) = rest.split_at(kid_len);
+    if rest.len() < NONCE_LEN + TAG_LEN {
+        return Err(OpenError::Malformed);
+    }
+    Ok((kid, rest))
+}
+
+/// The key id a sealed blob names, without opening it (for `inspect` and logs).
+pub fn peek_kid(sealed: &str) -> Option<String> {
+    let raw = URL_SAFE_NO_PAD.decode(sealed).ok()?;
+    let (kid, _) = split_header(&raw).ok()?;
+    String::from_utf8(kid.to_vec()).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keys::generate_entry;
+
+    fn ring(kids: &[&str]) -> KeyRing {
+        let entries: Vec<String> = kids.iter().map(|k| generate_entry(k).unwrap()).collect();
+        KeyRing::parse(&entries.join(",")).unwrap()
+    }
+
+    const MAX: usize = 4096;
+
+    #[test]
+    fn round_trip_and_kid_is_visible() {
+        let r = ring(&["k1"]);
+        let s = seal(&r, Purpose::Session, b"alice", b"payload");
+        assert_eq!(
+            open(&r, Purpose::Session, b"alice", &s, MAX).unwrap(),
+            b"payload"
+        );
+        assert_eq!(peek_kid(&s).as_deref(), Some("k1"));
+        assert!(!s.contains("payload"));
+    }
+
+    #[test]
+    fn wrong_purpose_binding_or_key_is_rejected() {
+        let r = ring(&["k1"]);
+        let s = seal(&r, Purpose::Session, b"alice", b"payload");
+        assert_eq!(
+            open(&r, Purpose::RequestState, b"alice", &s, MAX),
+            Err(OpenError::Rejected)
+        );
+        assert_eq!(
+            open(&r, Purpose::Session, b"bob", &s, MAX),
+            Err(OpenError::Rejected)
+        );
+        let other = ring(&["k2"]);
+        assert_eq!(
+            open(&other, Purpose::Session, b"alice", &s, MAX),
+            Err(OpenError::UnknownKey)
+        );
+        let same_kid_other_secret = ring(&["k1"]);
+        assert_eq!(
+            open(&same_kid_other_secret, Purpose::Session, b"alice", &s, MAX),
+            Err(OpenError::Rejected)
+        );
+    }
+
+    #[test]
+    fn every_bit_flip_is_caught() {
+        let r = ring(&["k1"]);
+        let s = seal(&r, Purpose::Session, b"", b"some payload bytes");
+        let raw = URL_SAFE_NO_PAD.decode(&s).unwrap();
+        for i in 0..raw.len() * 8 {
+            let mut flipped = raw.clone();
+            flipped[i / 8] ^= 1 << (i % 8);
+            let text = URL_SAFE_NO_PAD.encode(&flipped);
+            assert!(
+                open(&r, Purpose::Session, b"", &text, MAX).is_err(),
+                "bit {i}"
+            );
+        }
+    }
+
+    #[test]
+    fn truncation_garbage_and_length_are_caught() {
+        let r = ring(&["k1"]);
+        let s = seal(&r, Purpose::Session, b"", b"x");
+        for cut in 0..s.len() {
+            assert!(open(&r, Purpose::Session, b"", &s[..cut], MAX).is_err());
+        }
+        assert_eq!(
+            open(&r, Purpose::Session, b"", "!!not base64!!", MAX),
+            Err(OpenError::Malformed)
+        );
+        assert_eq!(
+            open(&r, Purpose::Session, b"", &s, s.len() - 1),
+            Err(OpenError::TooLong)
+        );
+    }
+
+    #[test]
+    fn rotation_keeps_old_tokens_open_until_their_key_is_removed() {
+        use crate::keys::Key;
+        let before = KeyRing::from_keys(vec![Key::new("old", &[1u8; 32]).unwrap()]).unwrap();
+        let during = KeyRing::from_keys(vec![
+            Key::new("new", &[2u8; 32]).unwrap(),
+            Key::new("old", &[1u8; 32]).unwrap(),
+        ])
+        .unwrap();
+        let after = KeyRing::from_keys(vec![Key::new("new", &[2u8; 32]).unwrap()]).unwrap();
+        let old_token = seal(&before, Purpose::Session, b"", b"flow");
+        let new_token = seal(&during, Purpose::Session, b"", b"flow");
+        assert_eq!(peek_kid(&new_token).as_deref(), Some("new"));
+        assert!(open(&during, Purpose::Session, b"", &old_token, MAX).is_ok());
+        assert!(open(&after, Purpose::Session, b"", &new_token, MAX).is_ok());
+        assert_eq!(
+            open(&after, Purpose::Session, b"", &old_token, MAX),
+            Err(OpenError::UnknownKey)
+        );
+    }
+}

@@ -1,0 +1,178 @@
+//! One HTTP exchange with an upstream endpoint over pingora's pooled client: send the
+//! request, read the response header within the response timeout, then hand out body
+//! chunks. A response read to its end goes back to the pool; one abandoned midway is
+//! shut down, so a half-read stream is never reused.
+
+use super::{Endpoint, Timeouts};
+use bytes::Bytes;
+use pingora::connectors::http::Connector;
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::protocols::http::client::HttpSession;
+use pingora::upstreams::peer::HttpPeer;
+use std::fmt;
+use std::time::Duration;
+
+/// How long an idle pooled upstream connection is kept.
+const POOL_IDLE: Duration = Duration::from_secs(60);
+
+/// Why an exchange failed, for the status and message the client gets.
+#[derive(Debug)]
+pub enum ExchangeError {
+    /// Could not connect (refused, unreachable, connect timeout).
+    Connect(String),
+    /// Connected, but no complete response header in time.
+    Timeout,
+    /// The upstream broke the exchange (reset, malformed HTTP).
+    Broken(String),
+}
+
+impl fmt::Display for ExchangeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExchangeError::Connect(e) => write!(f, "cannot connect: {e}"),
+            ExchangeError::Timeout => write!(f, "no response in time"),
+            ExchangeError::Broken(e) => write!(f, "exchange broken: {e}"),
+        }
+    }
+}
+
+/// The pooled client every exchange goes through.
+pub struct UpstreamClient {
+    connector: Connector,
+}
+
+impl Default for UpstreamClient {
+    fn default() -> Self {
+        UpstreamClient {
+            connector: Connector::new(None),
+        }
+    }
+}
+
+fn is_timeout(e: &pingora::Error) -> bool {
+    use pingora::ErrorType::*;
+    matches!(e.etype(), ReadTimedout | WriteTimedout | ConnectTimedout)
+}
+
+impl UpstreamClient {
+    fn peer(endpoint: &Endpoint, timeouts: &Timeouts) -> HttpPeer {
+        let mut peer = HttpPeer::new(endpoint.addr, false, String::new());
+        peer.options.connection_timeout = Some(timeouts.connect);
+        peer.options.total_connection_timeout = Some(timeouts.connect);
+        peer.options.idle_timeout = Some(POOL_IDLE);
+        peer
+    }
+
+    /// Sends `request` with `body` and waits for the response header.
+    pub async fn send(
+        &self,
+        endpoint: &Endpoint,
+        timeouts: &Timeouts,
+        request: RequestHeader,
+        body: Bytes,
+    ) -> Result<Response, ExchangeError> {
+        let peer = Self::peer(endpoint, timeouts);
+        let (mut http, reused) = self
+            .connector
+            .get_http_session(&peer)
+            .await
+            .map_err(|e| ExchangeError::Connect(e.to_string()))?;
+        match Self::write_and_read_header(&mut http, timeouts, &request, &body).await {
+            Ok(()) => {}
+            // A pooled connection the upstream closed meanwhile: retry once on a fresh one.
+            Err(_) if reused => {
+                http.shutdown().await;
+                let (fresh, _) = self
+                    .connector
+                    .get_http_session(&peer)
+                    .await
+                    .map_err(|e| ExchangeError::Connect(e.to_string()))?;
+                http = fresh;
+                Self::write_and_read_header(&mut http, timeouts, &request, &body).await?;
+            }
+            Err(e) => {
+                http.shutdown().await;
+                return Err(e);
+            }
+        }
+        http.set_read_timeout(timeouts.stream_idle);
+        Ok(Response { http, peer })
+    }
+
+    async fn write_and_read_header(
+        http: &mut HttpSession,
+        timeouts: &Timeouts,
+        request: &RequestHeader,
+        body: &Bytes,
+    ) -> Result<(), ExchangeError> {
+        let broken = |e: Box<pingora::Error>| {
+            if is_timeout(&e) {
+                ExchangeError::Timeout
+            } else {
+                ExchangeError::Broken(e.to_string())
+            }
+        };
+        http.set_write_timeout(Some(timeouts.response));
+        http.set_read_timeout(Some(timeouts.response));
+        http.write_request_header(Box::new(request.clone()))
+            .await
+            .map_err(broken)?;
+        if !body.is_empty() {
+            http.write_request_body(body.clone(), true)
+                .await
+                .map_err(broken)?;
+        }
+        http.finish_request_body().await.map_err(broken)?;
+        http.read_response_header().await.map_err(broken)
+    }
+
+    /// Returns a fully read response's connection to the pool, or closes it.
+    pub async fn finish(&self, mut response: Response) {
+        if response.http.response_done() {
+            self.connector
+                .release_http_session(response.http, &response.peer, Some(POOL_IDLE))
+                .await;
+        } else {
+            response.http.shutdown().await;
+        }
+    }
+}
+
+/// A response whose header has arrived.
+pub struct Response {
+    http: HttpSession,
+    peer: HttpPeer,
+}
+
+impl Response {
+    pub fn header(&self) -> &ResponseHeader {
+        self.http
+            .response_header()
+            .expect("send() returns only after the response header was read")
+    }
+
+    /// The next body chunk; `None` at the end of the body.
+    pub async fn next_chunk(&mut self) -> Result<Option<Bytes>, ExchangeError> {
+        self.http.read_response_body().await.map_err(|e| {
+            if is_timeout(&e) {
+                ExchangeError::Timeout
+            } else {
+                ExchangeError::Broken(e.to_string())
+            }
+        })
+    }
+
+    /// Reads the whole body, refusing more than `max` bytes.
+    pub async fn read_all(&mut self, max: usize) -> Result<Bytes, ExchangeError> {
+        let mut body = Vec::new();
+        while let Some(chunk) = self.next_chunk().await? {
+            if body.len() + chunk.len() > max {
+                return Err(ExchangeError::Broken(format!(
+                    "body larger than {max} bytes"
+                )));
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(body.into())
+    }
+}
