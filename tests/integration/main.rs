@@ -1,0 +1,8 @@
+//! Integration tests: in-process gateways in front of real MCP servers, driven by real
+//! MCP clients and by raw HTTP where a client hides the wire.
+
+mod bad_input;
+mod cli;
+mod common;
+mod conformance;
+mod real_peers;

@@ -1,0 +1,1 @@
+//! Real MCP servers behind the gateway, driven by real MCP clients.
