@@ -1,1 +1,244 @@
-//! Real MCP servers behind the gateway, driven by real MCP clients.
+//! Real MCP servers behind the gateway (Python `mcp==2.3.0`, TypeScript SDK 1.32.2,
+//! server-everything), driven by the real legacy clients of both SDKs and by raw HTTP
+//! where the wire itself is the point (resumption, replicas).
+
+use crate::common::*;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+const CLIENT_LIMIT: Duration = Duration::from_secs(60);
+
+/// Every string anywhere in the client's output lines.
+fn strings(lines: &[Value]) -> Vec<String> {
+    fn walk(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::String(s) => out.push(s.clone()),
+            Value::Array(a) => a.iter().for_each(|x| walk(x, out)),
+            Value::Object(o) => o.values().for_each(|x| walk(x, out)),
+            _ => {}
+        }
+    }
+    let mut out = Vec::new();
+    lines.iter().for_each(|l| walk(l, &mut out));
+    out
+}
+
+fn assert_saw(lines: &[Value], needle: &str, what: &str) {
+    assert!(
+        strings(lines).iter().any(|s| s.contains(needle)),
+        "{what}: no output contains {needle:?}; got {lines:#?}"
+    );
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Client {
+    Python,
+    TypeScript,
+}
+
+fn run_scenario(client: Client, url: &str, scenario: &str) -> Vec<Value> {
+    let out = match client {
+        Client::Python => {
+            let script = root().join("tests/clients/py_legacy_client.py");
+            run_client(
+                python(),
+                &[script.to_str().unwrap(), url, scenario],
+                CLIENT_LIMIT,
+            )
+        }
+        Client::TypeScript => {
+            let script = root().join("tests/clients/ts_legacy_client.mjs");
+            run_client(
+                node(),
+                &[script.to_str().unwrap(), url, scenario],
+                CLIENT_LIMIT,
+            )
+        }
+    };
+    json_lines(&out)
+}
+
+/// The legacy client scenarios every fixture server supports, with what must be seen.
+const SCENARIOS: &[(&str, &str)] = &[
+    ("basic", "5"),
+    ("elicit", "Hello, Alice!"),
+    ("multi", "Trip to Lisbon for 3 nights"),
+    ("sample", "summary: short"),
+    ("roots", "file:///tmp/project"),
+    ("progress", "counted 3"),
+    ("delete", "delete"),
+];
+
+fn clients_through_gateway(server: Upstream) {
+    let (_upstream, url) = start_upstream(server);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    for client in [Client::Python, Client::TypeScript] {
+        for (scenario, needle) in SCENARIOS {
+            let lines = run_scenario(client, &gw.url, scenario);
+            assert_saw(
+                &lines,
+                needle,
+                &format!("{client:?} client, {scenario}, {server:?} server"),
+            );
+            if *scenario == "progress" {
+                let progress = lines.iter().filter(|l| l["step"] == "progress").count();
+                assert_eq!(
+                    progress, 3,
+                    "{client:?}: progress notifications before the result: {lines:#?}"
+                );
+            }
+            println!("{client:?} client -> gateway -> {server:?} server: {scenario} ok");
+        }
+    }
+}
+
+#[test]
+fn legacy_clients_through_the_gateway_to_the_python_server() {
+    clients_through_gateway(Upstream::Python);
+}
+
+#[test]
+fn legacy_clients_through_the_gateway_to_the_typescript_server() {
+    clients_through_gateway(Upstream::TypeScript);
+}
+
+#[test]
+fn legacy_clients_through_the_gateway_to_server_everything() {
+    let (_upstream, url) = start_upstream(Upstream::Everything);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    for client in [Client::Python, Client::TypeScript] {
+        let lines = run_scenario(client, &gw.url, "everything");
+        assert_saw(
+            &lines,
+            "trigger-elicitation-request",
+            &format!("{client:?} tools/list"),
+        );
+        assert_saw(
+            &lines,
+            "hello from the gateway test",
+            &format!("{client:?} echo"),
+        );
+        println!("{client:?} client -> gateway -> server-everything: ok");
+    }
+}
+
+/// Calls an eliciting tool, drops the stream after the question, answers it, and resumes
+/// with GET + Last-Event-ID through the gateway.
+fn resume_after_disconnect(server: Upstream, tool: &str, answer: Value, expect: &str) {
+    let (_upstream, url) = start_upstream(server);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let sid = raw.initialize(json!({"elicitation": {}}));
+    let call = json!({"jsonrpc":"2.0","id":42,"method":"tools/call","params":{"name":tool,"arguments":{}}});
+    let mut stream = raw.post(Some(&sid), &call);
+    assert!(
+        stream.content_type.starts_with("text/event-stream"),
+        "{server:?}: {}",
+        stream.content_type
+    );
+    let seen = Raw::messages_until(&mut stream, |m| m["method"] == "elicitation/create");
+    let (event_id, question) = seen.last().cloned().unwrap();
+    let event_id =
+        event_id.unwrap_or_else(|| panic!("{server:?} sent the question without an event id"));
+    drop(stream);
+
+    let reply = raw.post(
+        Some(&sid),
+        &json!({"jsonrpc":"2.0","id":question["id"],"result":answer}),
+    );
+    assert_eq!(reply.status, 202, "{server:?}: answer not accepted");
+    let headers = [
+        ("accept", "text/event-stream"),
+        ("mcp-session-id", sid.as_str()),
+        ("last-event-id", event_id.as_str()),
+        ("mcp-protocol-version", "2025-11-25"),
+    ];
+    let mut resumed = raw.request("GET", &headers, None);
+    assert_eq!(resumed.status, 200, "{server:?}: resumption refused");
+    let seen = Raw::messages_until(&mut resumed, |m| m["id"] == 42);
+    let result = &seen.last().unwrap().1;
+    assert!(result.to_string().contains(expect), "{server:?}: {result}");
+    assert!(
+        seen.iter()
+            .all(|(_, m)| m["method"] != "elicitation/create" || m["id"] != question["id"]),
+        "{server:?}: the answered question was replayed"
+    );
+
+    let delete = raw.request("DELETE", &[("mcp-session-id", sid.as_str())], None);
+    assert!(
+        matches!(delete.status, 200 | 202 | 204),
+        "{server:?}: DELETE gave {}",
+        delete.status
+    );
+    let after = raw.post(
+        Some(&sid),
+        &json!({"jsonrpc":"2.0","id":43,"method":"tools/list"}),
+    );
+    assert_eq!(after.status, 404, "{server:?}: the session outlived DELETE");
+    println!("{server:?}: Last-Event-ID resumption and DELETE through the gateway ok");
+}
+
+#[test]
+fn last_event_id_resumption_through_the_gateway_python() {
+    let answer = json!({"action":"accept","content":{"name":"Resumer"}});
+    resume_after_disconnect(Upstream::Python, "ask_name", answer, "Hello, Resumer!");
+}
+
+#[test]
+fn last_event_id_resumption_through_the_gateway_typescript() {
+    let answer = json!({"action":"accept","content":{"name":"Resumer"}});
+    resume_after_disconnect(Upstream::TypeScript, "ask_name", answer, "Hello, Resumer!");
+}
+
+#[test]
+fn last_event_id_resumption_through_the_gateway_server_everything() {
+    resume_after_disconnect(
+        Upstream::Everything,
+        "trigger-elicitation-request",
+        json!({"action":"decline"}),
+        "decline",
+    );
+}
+
+#[test]
+fn a_session_opened_on_one_replica_continues_on_another() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let a = TestGateway::start(&[&url], &test_keys());
+    let b = TestGateway::start(&[&url], &test_keys());
+    let foreign = TestGateway::start(&[&url], "other:AQECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8");
+    let (via_a, via_b) = (Raw::new(&a.url), Raw::new(&b.url));
+
+    let sid = via_a.initialize(json!({"elicitation": {}}));
+    let tools = via_b.post(
+        Some(&sid),
+        &json!({"jsonrpc":"2.0","id":2,"method":"tools/list"}),
+    );
+    assert_eq!(tools.status, 200, "replica B does not know the session");
+
+    let call = json!({"jsonrpc":"2.0","id":3,"method":"tools/call","params":{"name":"ask_name","arguments":{}}});
+    let mut stream_on_a = via_a.post(Some(&sid), &call);
+    let question = Raw::messages_until(&mut stream_on_a, |m| m["method"] == "elicitation/create")
+        .pop()
+        .unwrap()
+        .1;
+    let answer = json!({"jsonrpc":"2.0","id":question["id"],"result":{"action":"accept","content":{"name":"Bea"}}});
+    assert_eq!(
+        via_b.post(Some(&sid), &answer).status,
+        202,
+        "replica B did not route the answer"
+    );
+    let result = Raw::messages_until(&mut stream_on_a, |m| m["id"] == 3)
+        .pop()
+        .unwrap()
+        .1;
+    assert!(result.to_string().contains("Hello, Bea!"), "{result}");
+
+    let refused = Raw::new(&foreign.url).post(
+        Some(&sid),
+        &json!({"jsonrpc":"2.0","id":4,"method":"tools/list"}),
+    );
+    assert_eq!(
+        refused.status, 404,
+        "a replica with other keys accepted the session"
+    );
+}

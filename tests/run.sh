@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Runs every test of mrtr-gateway on a fresh machine: installs what is missing (cmake,
+# the pinned npm and PyPI fixtures, Node 22), checks formatting and lints, then runs the
+# unit tests, the integration tests against real MCP servers and clients, and the
+# conformance suite through the gateway.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+bash tests/setup.sh
+echo "== cargo fmt --check"
+cargo fmt --all -- --check
+echo "== cargo clippy -D warnings"
+cargo clippy --all-targets --quiet -- -D warnings
+echo "== cargo test"
+cargo test --all-targets -- --nocapture 2>&1 | tee target/test-output.txt
