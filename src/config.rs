@@ -19,6 +19,9 @@ pub struct Config {
     pub keys_file: Option<PathBuf>,
     /// Whom sealed tokens are bound to.
     pub principal: PrincipalSource,
+    /// Host names the MCP listener accepts in `Host` and `Origin` (DNS-rebinding
+    /// protection). Empty: loopback names only on a loopback listener, any otherwise.
+    pub allowed_hosts: Vec<String>,
     pub limits: Limits,
     pub server: ServerOptions,
     pub upstreams: Vec<UpstreamGroupConfig>,
@@ -31,6 +34,7 @@ impl Default for Config {
             admin_listen: "127.0.0.1:9090".into(),
             keys_file: None,
             principal: PrincipalSource::default(),
+            allowed_hosts: Vec::new(),
             limits: Limits::default(),
             server: ServerOptions::default(),
             upstreams: Vec::new(),

@@ -11,6 +11,7 @@ use crate::config::Config;
 use crate::keys::KeyRing;
 use crate::metrics::Metrics;
 use crate::principal::PrincipalSource;
+use crate::protocol::host_check::HostPolicy;
 use crate::protocol::jsonrpc::code;
 use crate::upstream::exchange::UpstreamClient;
 use crate::upstream::Upstreams;
@@ -31,11 +32,15 @@ pub struct Gateway {
     pub upstreams: Upstreams,
     pub client: UpstreamClient,
     pub metrics: Arc<Metrics>,
+    host_policy: HostPolicy,
 }
 
 impl Gateway {
     pub fn new(config: Config, keys: Arc<KeyRing>, upstreams: Upstreams) -> Gateway {
+        let listen = config.listen.parse().expect("validated listen address");
+        let host_policy = HostPolicy::for_listener(listen, &config.allowed_hosts);
         Gateway {
+            host_policy,
             config,
             keys,
             upstreams,
@@ -49,6 +54,12 @@ impl Gateway {
     }
 
     async fn handle(&self, session: &mut ServerSession) {
+        let header = |name: &str| session.get_header(name).and_then(|v| v.to_str().ok());
+        if let Err(why) = self.host_policy.check(header("host"), header("origin")) {
+            let message = format!("Forbidden: {why} (DNS-rebinding protection; see allowed_hosts)");
+            respond::error(session, 403, None, code::INVALID_REQUEST, &message).await;
+            return;
+        }
         let path = session.req_header().uri.path();
         let Some(group) = self.upstreams.by_path(path) else {
             let message = format!("no MCP endpoint at {path}");

@@ -3,6 +3,7 @@
 //! feeds bytes in and acts on what comes out.
 
 pub mod headers;
+pub mod host_check;
 pub mod jsonrpc;
 pub mod session_token;
 pub mod sse;

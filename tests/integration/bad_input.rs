@@ -172,3 +172,36 @@ fn stopped_upstream_gets_502_with_a_jsonrpc_error() {
         "a dead upstream must not hang the client"
     );
 }
+
+#[test]
+fn foreign_origins_are_refused_on_a_loopback_listener() {
+    let tripwire = Tripwire::start();
+    let gw = TestGateway::start(&[&tripwire.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let init = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{}}"#;
+    let headers = [
+        ("content-type", "application/json"),
+        ("origin", "http://evil.example.com"),
+    ];
+    let reply = raw.request("POST", &headers, Some(init));
+    assert_eq!(reply.status, 403);
+    let body = reply.json();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("evil.example.com"),
+        "{body}"
+    );
+    assert_eq!(
+        tripwire.count(),
+        0,
+        "a request from a foreign origin reached the upstream"
+    );
+    let local = [
+        ("content-type", "application/json"),
+        ("origin", "http://localhost:3000"),
+    ];
+    raw.request("POST", &local, Some(init));
+    assert!(tripwire.count() >= 1, "a local origin was not forwarded");
+}

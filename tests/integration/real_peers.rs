@@ -260,3 +260,53 @@ fn a_session_opened_on_one_replica_continues_on_another() {
         "a replica with other keys accepted the session"
     );
 }
+
+/// SEP-1699 polling through the gateway: the server closes the call's SSE stream after a
+/// priming event with `retry`, and the client resumes with GET + Last-Event-ID.
+#[test]
+fn sse_polling_resumes_through_the_gateway() {
+    let (_upstream, url) = start_upstream(Upstream::Conformance);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let sid = raw.initialize(json!({}));
+    let call = json!({"jsonrpc":"2.0","id":9,"method":"tools/call","params":{"name":"test_reconnection","arguments":{}}});
+    let mut stream = raw.post(Some(&sid), &call);
+    let priming = stream.next_event().expect("a priming event");
+    assert!(
+        priming.data.is_empty() && priming.id.is_some(),
+        "{priming:?}"
+    );
+    assert_eq!(
+        priming.retry,
+        Some(1000),
+        "the retry field must pass through"
+    );
+    let mut last_id = priming.id.clone().unwrap();
+    while let Some(event) = stream.next_event() {
+        assert!(
+            !event.data.contains("\"id\":9"),
+            "the server did not close the stream mid-call"
+        );
+        if let Some(id) = event.id {
+            last_id = id;
+        }
+    }
+    let headers = [
+        ("accept", "text/event-stream"),
+        ("mcp-session-id", sid.as_str()),
+        ("last-event-id", last_id.as_str()),
+        ("mcp-protocol-version", "2025-11-25"),
+    ];
+    let mut resumed = raw.request("GET", &headers, None);
+    assert_eq!(resumed.status, 200);
+    let result = Raw::messages_until(&mut resumed, |m| m["id"] == 9)
+        .pop()
+        .unwrap()
+        .1;
+    assert!(
+        result
+            .to_string()
+            .contains("Reconnection test completed successfully"),
+        "{result}"
+    );
+}

@@ -1,0 +1,116 @@
+//! DNS-rebinding protection: which `Host` and `Origin` values the MCP listener accepts.
+//!
+//! The gateway rewrites `Host` for its upstreams, so an upstream's own protection never
+//! sees what the client sent: the gateway must check it. A listener on a loopback address
+//! accepts only loopback names by default (`localhost`, `127.0.0.1`, `[::1]`), so a web
+//! page whose DNS name resolves to 127.0.0.1 cannot drive a local gateway. Other listeners
+//! accept any host unless `allowed_hosts` lists the names to accept.
+
+use std::net::SocketAddr;
+
+const LOOPBACK_NAMES: &[&str] = &["localhost", "127.0.0.1", "::1"];
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HostPolicy {
+    Any,
+    /// Lower-case host names (no port, no brackets).
+    Only(Vec<String>),
+}
+
+impl HostPolicy {
+    pub fn for_listener(listen: SocketAddr, allowed_hosts: &[String]) -> HostPolicy {
+        if !allowed_hosts.is_empty() {
+            return HostPolicy::Only(
+                allowed_hosts
+                    .iter()
+                    .map(|h| h.to_ascii_lowercase())
+                    .collect(),
+            );
+        }
+        if listen.ip().is_loopback() {
+            return HostPolicy::Only(LOOPBACK_NAMES.iter().map(|h| h.to_string()).collect());
+        }
+        HostPolicy::Any
+    }
+
+    /// Checks the request's `Host` and, when present, `Origin`. The error names the value.
+    pub fn check(&self, host: Option<&str>, origin: Option<&str>) -> Result<(), String> {
+        let HostPolicy::Only(allowed) = self else {
+            return Ok(());
+        };
+        let allowed_name = |name: Option<&str>| {
+            name.is_some_and(|n| allowed.iter().any(|a| a.eq_ignore_ascii_case(n)))
+        };
+        if !allowed_name(host.and_then(authority_host)) {
+            return Err(format!("Host '{}' is not allowed", host.unwrap_or("")));
+        }
+        if let Some(origin) = origin {
+            let origin_host = origin
+                .split_once("://")
+                .and_then(|(_, rest)| authority_host(rest));
+            if origin != "null" && !allowed_name(origin_host) {
+                return Err(format!("Origin '{origin}' is not allowed"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The host name of an authority `host[:port]` or `[v6][:port]`, with any path cut off.
+fn authority_host(authority: &str) -> Option<&str> {
+    let authority = authority.split('/').next()?;
+    if let Some(v6) = authority.strip_prefix('[') {
+        return v6.split_once(']').map(|(h, _)| h);
+    }
+    let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
+    (!host.is_empty()).then_some(host)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn loopback() -> HostPolicy {
+        HostPolicy::for_listener("127.0.0.1:8080".parse().unwrap(), &[])
+    }
+
+    #[test]
+    fn loopback_listeners_accept_only_loopback_names() {
+        let p = loopback();
+        for host in [
+            "localhost:8080",
+            "127.0.0.1:8080",
+            "[::1]:8080",
+            "LOCALHOST",
+            "127.0.0.1",
+        ] {
+            assert!(p.check(Some(host), None).is_ok(), "{host}");
+        }
+        assert!(p
+            .check(Some("evil.example.com"), None)
+            .unwrap_err()
+            .contains("evil.example.com"));
+        assert!(p.check(None, None).is_err());
+        assert!(p
+            .check(Some("localhost:1"), Some("http://evil.example.com"))
+            .is_err());
+        assert!(p
+            .check(Some("localhost:1"), Some("http://localhost:3000"))
+            .is_ok());
+        assert!(p
+            .check(Some("localhost:1"), Some("http://[::1]:3000"))
+            .is_ok());
+    }
+
+    #[test]
+    fn other_listeners_accept_any_host_unless_configured() {
+        let any = HostPolicy::for_listener("0.0.0.0:8080".parse().unwrap(), &[]);
+        assert!(any
+            .check(Some("mcp.example.com"), Some("https://app.example.com"))
+            .is_ok());
+        let only =
+            HostPolicy::for_listener("0.0.0.0:8080".parse().unwrap(), &["MCP.example.com".into()]);
+        assert!(only.check(Some("mcp.example.com:443"), None).is_ok());
+        assert!(only.check(Some("other.example.com"), None).is_err());
+    }
+}
