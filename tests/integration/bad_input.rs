@@ -205,3 +205,33 @@ fn foreign_origins_are_refused_on_a_loopback_listener() {
     raw.request("POST", &local, Some(init));
     assert!(tripwire.count() >= 1, "a local origin was not forwarded");
 }
+
+#[test]
+fn a_silent_upstream_gets_504_within_the_response_timeout() {
+    // Accepts connections and never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}/mcp", silent.local_addr().unwrap());
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.upstreams[0].response_timeout_ms = 300
+    });
+    let started = std::time::Instant::now();
+    let reply = Raw::new(&gw.url).post(
+        None,
+        &json!({"jsonrpc":"2.0","id":5,"method":"initialize","params":{}}),
+    );
+    assert_eq!(reply.status, 504);
+    let body = reply.json();
+    assert_eq!(body["id"], 5);
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("did not answer in time"),
+        "{body}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the response timeout was not applied"
+    );
+    drop(silent);
+}

@@ -310,3 +310,55 @@ fn sse_polling_resumes_through_the_gateway() {
         "{result}"
     );
 }
+
+/// The endpoint a session token names, read with the test keys.
+fn endpoint_of(session: &str) -> std::net::SocketAddr {
+    use mrtr_gateway::principal::PrincipalSource;
+    use mrtr_gateway::protocol::session_token::SessionToken;
+    let ring = mrtr_gateway::keys::KeyRing::parse(&test_keys()).unwrap();
+    let binding = PrincipalSource::Authorization.digest(None);
+    SessionToken::open(&ring, &binding, session)
+        .expect("the gateway's own token")
+        .endpoint
+}
+
+#[test]
+fn new_sessions_balance_over_healthy_endpoints() {
+    let (_a, url_a) = start_upstream(Upstream::TypeScript);
+    let (mut b, url_b) = start_upstream(Upstream::TypeScript);
+    let gw = TestGateway::start_with(&[&url_a, &url_b], &test_keys(), |c| {
+        c.upstreams[0].health_check_interval_ms = 100;
+    });
+    let raw = Raw::new(&gw.url);
+    let port = |url: &str| {
+        url.split(':')
+            .nth(2)
+            .unwrap()
+            .trim_end_matches("/mcp")
+            .parse::<u16>()
+            .unwrap()
+    };
+    let ports: Vec<u16> = (0..4)
+        .map(|_| endpoint_of(&raw.initialize(json!({}))).port())
+        .collect();
+    for url in [&url_a, &url_b] {
+        assert_eq!(
+            ports.iter().filter(|p| **p == port(url)).count(),
+            2,
+            "not round-robin: {ports:?}"
+        );
+    }
+    b.kill();
+    // Once a health check has marked B down, every new session lands on A.
+    wait_until(
+        "sessions to avoid the dead endpoint",
+        Duration::from_secs(10),
+        || {
+            (0..3).all(|_| {
+            let init = json!({"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-11-25","capabilities":{},"clientInfo":{"name":"t","version":"1"}}});
+            let reply = raw.post(None, &init);
+            reply.status == 200 && reply.session.as_deref().map(endpoint_of).map(|a| a.port()) == Some(port(&url_a))
+        })
+        },
+    );
+}
