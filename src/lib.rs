@@ -11,6 +11,7 @@ pub mod demo;
 pub mod gateway;
 pub mod keys;
 pub mod metrics;
+pub mod mrtr;
 pub mod principal;
 pub mod protocol;
 pub mod seal;

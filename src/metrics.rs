@@ -8,6 +8,7 @@ pub struct Metrics {
     pub registry: Registry,
     pub requests: IntCounterVec,
     pub session_rejections: IntCounterVec,
+    pub state_rejections: IntCounterVec,
     pub active_client_streams: IntGauge,
 }
 
@@ -64,6 +65,14 @@ impl Metrics {
             &["reason"],
         )
         .expect("valid metric");
+        let state_rejections = IntCounterVec::new(
+            Opts::new(
+                "mrtr_gateway_request_state_rejections_total",
+                "requestState values refused, by reason",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
         let active_client_streams = IntGauge::new(
             "mrtr_gateway_active_client_streams",
             "Client responses currently streaming",
@@ -78,6 +87,7 @@ impl Metrics {
         for m in [
             Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(session_rejections.clone()),
+            Box::new(state_rejections.clone()),
             Box::new(active_client_streams.clone()),
             Box::new(build_info),
         ] {
@@ -87,6 +97,7 @@ impl Metrics {
             registry,
             requests,
             session_rejections,
+            state_rejections,
             active_client_streams,
         }
     }

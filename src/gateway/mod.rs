@@ -3,6 +3,7 @@
 //! admin listener, and the assembly of both into a pingora `Server`.
 
 pub mod admin;
+pub mod bridge;
 pub mod passthrough;
 pub mod respond;
 pub mod server;
@@ -10,15 +11,20 @@ pub mod server;
 use crate::config::Config;
 use crate::keys::KeyRing;
 use crate::metrics::Metrics;
+use crate::mrtr::modern::{era, Era};
 use crate::principal::PrincipalSource;
+use crate::protocol::headers::MCP_SESSION_ID;
 use crate::protocol::host_check::HostPolicy;
-use crate::protocol::jsonrpc::code;
+use crate::protocol::jsonrpc::{self, code, Body};
 use crate::upstream::exchange::UpstreamClient;
-use crate::upstream::Upstreams;
+use crate::upstream::legacy_session::{LegacySession, SessionError};
+use crate::upstream::{UpstreamGroup, Upstreams};
 use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
 use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream};
 use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
+use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,6 +39,9 @@ pub struct Gateway {
     pub client: UpstreamClient,
     pub metrics: Arc<Metrics>,
     host_policy: HostPolicy,
+    /// Each group's InitializeResult, learnt from the first session opened there; it
+    /// answers `server/discover` and names the server in every modern result.
+    initialize_results: std::sync::Mutex<std::collections::HashMap<String, Value>>,
 }
 
 impl Gateway {
@@ -41,6 +50,7 @@ impl Gateway {
         let host_policy = HostPolicy::for_listener(listen, &config.allowed_hosts);
         Gateway {
             host_policy,
+            initialize_results: Default::default(),
             config,
             keys,
             upstreams,
@@ -49,13 +59,67 @@ impl Gateway {
         }
     }
 
+    pub fn remember_initialize(&self, group: &UpstreamGroup, result: &Value) {
+        let mut cache = self
+            .initialize_results
+            .lock()
+            .expect("initialize cache lock");
+        cache
+            .entry(group.name.clone())
+            .or_insert_with(|| result.clone());
+    }
+
+    /// The group's InitializeResult, opening (and closing) a session to learn it once.
+    pub async fn initialize_result(
+        &self,
+        group: &UpstreamGroup,
+        client_info: &Value,
+    ) -> Result<Value, SessionError> {
+        if let Some(known) = self
+            .initialize_results
+            .lock()
+            .expect("initialize cache lock")
+            .get(&group.name)
+        {
+            return Ok(known.clone());
+        }
+        let endpoint = group.pick().ok_or_else(|| {
+            SessionError::Protocol("no healthy upstream endpoint is available".into())
+        })?;
+        let (session, result) = LegacySession::open(
+            &self.client,
+            endpoint,
+            &group.timeouts,
+            &json!({}),
+            client_info,
+        )
+        .await?;
+        session.delete().await;
+        self.remember_initialize(group, &result);
+        Ok(result)
+    }
+
+    /// The upstream's serverInfo for modern results, once known.
+    pub fn server_info(&self, group: &UpstreamGroup) -> Value {
+        let cache = self
+            .initialize_results
+            .lock()
+            .expect("initialize cache lock");
+        cache
+            .get(&group.name)
+            .map(|r| r["serverInfo"].clone())
+            .unwrap_or_else(|| json!({"name": group.name, "version": "unknown"}))
+    }
+
     pub fn principal_source(&self) -> &PrincipalSource {
         &self.config.principal
     }
 
     async fn handle(&self, session: &mut ServerSession) {
-        let header = |name: &str| session.get_header(name).and_then(|v| v.to_str().ok());
-        if let Err(why) = self.host_policy.check(header("host"), header("origin")) {
+        if let Err(why) = self
+            .host_policy
+            .check(header(session, "host"), header(session, "origin"))
+        {
             let message = format!("Forbidden: {why} (DNS-rebinding protection; see allowed_hosts)");
             respond::error(session, 403, None, code::INVALID_REQUEST, &message).await;
             return;
@@ -72,8 +136,88 @@ impl Gateway {
             respond::error(session, 405, None, code::INVALID_REQUEST, &message).await;
             return;
         }
-        passthrough::serve(self, session, group).await;
+        let has_session = session.get_header(MCP_SESSION_ID).is_some();
+        let version = header(session, "mcp-protocol-version").map(str::to_string);
+        if method != http::Method::POST {
+            match era(version.as_deref(), None, has_session, None) {
+                Era::Modern => {
+                    let message = format!(
+                        "{method} is not supported in protocol version 2026-07-28; use POST"
+                    );
+                    respond::error(session, 405, None, code::INVALID_REQUEST, &message).await;
+                }
+                Era::Legacy => passthrough::serve(self, session, group, Bytes::new(), None).await,
+            }
+            return;
+        }
+        let Ok((body, parsed)) = self.read_json_body(session).await else {
+            return;
+        };
+        match era(version.as_deref(), None, has_session, parsed.method()) {
+            Era::Modern => bridge::serve(self, session, group, &body).await,
+            Era::Legacy => passthrough::serve(self, session, group, body, Some(parsed)).await,
+        }
     }
+
+    /// The principal binding of a request.
+    pub fn principal(&self, session: &ServerSession) -> [u8; 32] {
+        let source = self.principal_source();
+        let value = source
+            .header_name()
+            .and_then(|name| session.get_header(name))
+            .map(|v| v.as_bytes());
+        source.digest(value)
+    }
+
+    /// Reads and classifies a POST body within the configured limits; on failure the
+    /// client has had its answer.
+    async fn read_json_body(&self, session: &mut ServerSession) -> Result<(Bytes, Body), ()> {
+        let limits = &self.config.limits;
+        let declared = header(session, "content-length").and_then(|v| v.parse::<usize>().ok());
+        if declared.is_some_and(|n| n > limits.max_body_bytes) {
+            too_large(session, limits.max_body_bytes).await;
+            return Err(());
+        }
+        let mut body = BytesMut::with_capacity(declared.unwrap_or(1024).min(limits.max_body_bytes));
+        loop {
+            match session.read_request_body().await {
+                Ok(Some(chunk)) if body.len() + chunk.len() > limits.max_body_bytes => {
+                    too_large(session, limits.max_body_bytes).await;
+                    return Err(());
+                }
+                Ok(Some(chunk)) => body.extend_from_slice(&chunk),
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::info!(error = %e, "client request body not read");
+                    return Err(());
+                }
+            }
+        }
+        match jsonrpc::classify(&body, limits.max_batch) {
+            Ok(parsed) => Ok((body.freeze(), parsed)),
+            Err(invalid) => {
+                respond::error(
+                    session,
+                    400,
+                    invalid.id.as_ref(),
+                    invalid.code,
+                    &invalid.message,
+                )
+                .await;
+                Err(())
+            }
+        }
+    }
+}
+
+fn header<'s>(session: &'s ServerSession, name: &str) -> Option<&'s str> {
+    session.get_header(name).and_then(|v| v.to_str().ok())
+}
+
+async fn too_large(session: &mut ServerSession, limit: usize) {
+    let message = format!("request body exceeds the limit of {limit} bytes");
+    session.set_keepalive(None);
+    respond::error(session, 413, None, code::INVALID_REQUEST, &message).await;
 }
 
 #[async_trait]

@@ -7,11 +7,11 @@ use super::respond;
 use super::Gateway;
 use crate::metrics::method_label;
 use crate::protocol::headers::{self, MCP_SESSION_ID};
-use crate::protocol::jsonrpc::{self, code, Body};
+use crate::protocol::jsonrpc::{code, Body};
 use crate::protocol::session_token::SessionToken;
 use crate::upstream::exchange::{ExchangeError, Response};
 use crate::upstream::{Endpoint, UpstreamGroup};
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::ServerSession;
 use serde_json::Value;
@@ -51,12 +51,19 @@ struct Route<'g> {
     client_token: Option<String>,
 }
 
-pub async fn serve(gw: &Gateway, session: &mut ServerSession, group: &UpstreamGroup) {
-    let mut method = None;
-    let outcome = serve_inner(gw, session, group, &mut method).await;
+/// Serves one legacy request; `body` is the POST body already read and classified.
+pub async fn serve(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    group: &UpstreamGroup,
+    body: Bytes,
+    parsed: Option<Body>,
+) {
+    let method = parsed.as_ref().and_then(Body::method);
+    let outcome = serve_inner(gw, session, group, body, parsed.as_ref()).await;
     gw.metrics
         .requests
-        .with_label_values(&["legacy", method_label(method.as_deref()), outcome.label()])
+        .with_label_values(&["legacy", method_label(method), outcome.label()])
         .inc();
 }
 
@@ -64,9 +71,10 @@ async fn serve_inner(
     gw: &Gateway,
     session: &mut ServerSession,
     group: &UpstreamGroup,
-    method_seen: &mut Option<String>,
+    body: Bytes,
+    parsed: Option<&Body>,
 ) -> Outcome {
-    let binding = principal_binding(gw, session);
+    let binding = gw.principal(session);
     let route = match route(gw, session, group, &binding) {
         Ok(route) => route,
         Err(outcome) => {
@@ -74,16 +82,7 @@ async fn serve_inner(
             return outcome;
         }
     };
-    let (body, parsed) = if session.req_header().method == http::Method::POST {
-        match read_json_body(gw, session).await {
-            Ok(read) => read,
-            Err(outcome) => return outcome,
-        }
-    } else {
-        (Bytes::new(), None)
-    };
-    *method_seen = parsed.as_ref().and_then(|b| b.method().map(str::to_string));
-    let id = parsed.as_ref().and_then(Body::id).cloned();
+    let id = parsed.and_then(Body::id).cloned();
     let request = upstream_request(session, &route, &body);
     let mut response = match gw
         .client
@@ -101,15 +100,6 @@ async fn serve_inner(
     let outcome = relay(gw, session, header, &mut response).await;
     gw.client.finish(response).await;
     outcome
-}
-
-fn principal_binding(gw: &Gateway, session: &ServerSession) -> [u8; 32] {
-    let source = gw.principal_source();
-    let value = source
-        .header_name()
-        .and_then(|name| session.get_header(name))
-        .map(|v| v.as_bytes());
-    source.digest(value)
 }
 
 fn route<'g>(
@@ -158,57 +148,6 @@ async fn respond_route_error(session: &mut ServerSession, outcome: Outcome) {
         _ => (503, "no healthy upstream endpoint is available"),
     };
     respond::error(session, status, None, code::INVALID_REQUEST, message).await;
-}
-
-/// Reads and classifies a POST body within the configured limits.
-async fn read_json_body(
-    gw: &Gateway,
-    session: &mut ServerSession,
-) -> Result<(Bytes, Option<Body>), Outcome> {
-    let limits = &gw.config.limits;
-    let declared = session
-        .get_header(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > limits.max_body_bytes) {
-        return Err(too_large(session, limits.max_body_bytes).await);
-    }
-    let mut body = BytesMut::with_capacity(declared.unwrap_or(1024).min(limits.max_body_bytes));
-    loop {
-        match session.read_request_body().await {
-            Ok(Some(chunk)) => {
-                if body.len() + chunk.len() > limits.max_body_bytes {
-                    return Err(too_large(session, limits.max_body_bytes).await);
-                }
-                body.extend_from_slice(&chunk);
-            }
-            Ok(None) => break,
-            Err(e) => {
-                tracing::info!(error = %e, "client request body not read");
-                return Err(Outcome::ClientGone);
-            }
-        }
-    }
-    match jsonrpc::classify(&body, limits.max_batch) {
-        Ok(parsed) => Ok((body.freeze(), Some(parsed))),
-        Err(invalid) => {
-            respond::error(
-                session,
-                400,
-                invalid.id.as_ref(),
-                invalid.code,
-                &invalid.message,
-            )
-            .await;
-            Err(Outcome::BadRequest)
-        }
-    }
-}
-
-async fn too_large(session: &mut ServerSession, limit: usize) -> Outcome {
-    let message = format!("request body exceeds the limit of {limit} bytes");
-    session.set_keepalive(None);
-    respond::error(session, 413, None, code::INVALID_REQUEST, &message).await;
-    Outcome::TooLarge
 }
 
 /// The request sent upstream: the client's, with the upstream path, host and session.

@@ -3,6 +3,7 @@
 //! keeps a sealed endpoint from ever naming an address outside the configuration.
 
 pub mod exchange;
+pub mod legacy_session;
 
 use crate::config::{parse_endpoint_url, Config, ConfigError, UpstreamGroupConfig};
 use pingora::lb::health_check::TcpHealthCheck;

@@ -1,0 +1,7 @@
+//! The 2026-07-28 surface and the MRTR translation, socket-free: which era a request
+//! speaks, what a modern request must carry (headers matching the body, `_meta`), and the
+//! sealed `requestState` that lets any replica resume a flow.
+
+pub mod modern;
+pub mod state;
+pub mod translate;

@@ -1,0 +1,353 @@
+//! Era detection and the validation of a 2026-07-28 request: the `MCP-Protocol-Version`,
+//! `Mcp-Method` and `Mcp-Name` headers must match the body, and `_meta` must carry the
+//! protocol version and client capabilities. Every refusal is the spec's own error.
+
+use serde_json::{Map, Value};
+
+pub const MODERN_VERSION: &str = "2026-07-28";
+pub const SUPPORTED_VERSIONS: &[&str] = &[MODERN_VERSION];
+pub const LEGACY_VERSIONS: &[&str] = &["2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"];
+
+const META_VERSION: &str = "io.modelcontextprotocol/protocolVersion";
+const META_CAPABILITIES: &str = "io.modelcontextprotocol/clientCapabilities";
+const META_LOG_LEVEL: &str = "io.modelcontextprotocol/logLevel";
+
+/// MCP error codes of the 2026-07-28 revision.
+pub mod code {
+    pub const HEADER_MISMATCH: i64 = -32020;
+    pub const MISSING_REQUIRED_CLIENT_CAPABILITY: i64 = -32021;
+    pub const UNSUPPORTED_PROTOCOL_VERSION: i64 = -32022;
+}
+
+/// Which protocol era a request speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Era {
+    Legacy,
+    Modern,
+}
+
+/// Decides the era of one request. A session id, `initialize`, or a legacy (or absent)
+/// protocol version means the legacy transport; any other declared version, in the header
+/// or in `_meta`, is answered by the modern surface (which refuses versions it lacks).
+pub fn era(
+    header_version: Option<&str>,
+    meta_version: Option<&str>,
+    has_session: bool,
+    method: Option<&str>,
+) -> Era {
+    if has_session || method == Some("initialize") {
+        return Era::Legacy;
+    }
+    match header_version.or(meta_version) {
+        Some(v) if !LEGACY_VERSIONS.contains(&v) => Era::Modern,
+        _ => Era::Legacy,
+    }
+}
+
+/// A refusal in the protocol's own form: HTTP status and JSON-RPC error.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Refusal {
+    pub status: u16,
+    pub code: i64,
+    pub message: String,
+    pub data: Option<Value>,
+}
+
+impl Refusal {
+    fn new(status: u16, code: i64, message: impl Into<String>) -> Refusal {
+        Refusal {
+            status,
+            code,
+            message: message.into(),
+            data: None,
+        }
+    }
+
+    fn header_mismatch(message: impl Into<String>) -> Refusal {
+        Refusal::new(400, code::HEADER_MISMATCH, message)
+    }
+
+    fn invalid_params(message: impl Into<String>) -> Refusal {
+        Refusal::new(400, crate::protocol::jsonrpc::code::INVALID_PARAMS, message)
+    }
+}
+
+/// The request headers the modern surface checks.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ModernHeaders<'a> {
+    pub protocol_version: Option<&'a str>,
+    pub method: Option<&'a str>,
+    pub name: Option<&'a str>,
+}
+
+/// A validated 2026-07-28 request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModernRequest {
+    pub id: Value,
+    pub method: String,
+    pub params: Map<String, Value>,
+    pub client_capabilities: Map<String, Value>,
+    /// The tool or prompt name, or the resource uri, for the methods that carry one.
+    pub target: Option<String>,
+    pub log_level: Option<String>,
+    pub progress_token: Option<Value>,
+}
+
+/// The body parameter `Mcp-Name` mirrors for `method`, if any.
+pub fn name_param(method: &str) -> Option<&'static str> {
+    match method {
+        "tools/call" | "prompts/get" => Some("name"),
+        "resources/read" => Some("uri"),
+        _ => None,
+    }
+}
+
+/// Decodes a header value that may use the `=?base64?…?=` form for non-ASCII text.
+pub fn decode_header_value(value: &str) -> Option<String> {
+    use base64::Engine;
+    match value
+        .strip_prefix("=?base64?")
+        .and_then(|v| v.strip_suffix("?="))
+    {
+        Some(b64) => {
+            let raw = base64::engine::general_purpose::STANDARD.decode(b64).ok()?;
+            String::from_utf8(raw).ok()
+        }
+        None => Some(value.to_string()),
+    }
+}
+
+impl ModernRequest {
+    /// Validates a parsed JSON-RPC request against its headers.
+    pub fn validate(
+        id: Value,
+        method: &str,
+        params: Option<&Value>,
+        headers: ModernHeaders,
+    ) -> Result<ModernRequest, Refusal> {
+        let params = match params {
+            None => Map::new(),
+            Some(Value::Object(p)) => p.clone(),
+            Some(_) => return Err(Refusal::invalid_params("params must be an object")),
+        };
+        let meta = params
+            .get("_meta")
+            .and_then(Value::as_object)
+            .ok_or_else(|| {
+                Refusal::invalid_params("params._meta is required in protocol version 2026-07-28")
+            })?;
+        let version = meta
+            .get(META_VERSION)
+            .and_then(Value::as_str)
+            .ok_or_else(|| {
+                Refusal::invalid_params(format!("params._meta[\"{META_VERSION}\"] is required"))
+            })?;
+        match headers.protocol_version {
+            Some(h) if h == version => {}
+            Some(h) => {
+                return Err(Refusal::header_mismatch(format!(
+                    "MCP-Protocol-Version header '{h}' does not match _meta version '{version}'"
+                )))
+            }
+            None => {
+                return Err(Refusal::header_mismatch(
+                    "the MCP-Protocol-Version header is required",
+                ))
+            }
+        }
+        if !SUPPORTED_VERSIONS.contains(&version) {
+            let mut refusal = Refusal::new(
+                400,
+                code::UNSUPPORTED_PROTOCOL_VERSION,
+                format!("Unsupported protocol version '{version}'"),
+            );
+            refusal.data =
+                Some(serde_json::json!({"supported": SUPPORTED_VERSIONS, "requested": version}));
+            return Err(refusal);
+        }
+        let client_capabilities = meta
+            .get(META_CAPABILITIES)
+            .and_then(Value::as_object)
+            .cloned()
+            .ok_or_else(|| {
+                Refusal::invalid_params(format!(
+                    "params._meta[\"{META_CAPABILITIES}\"] is required"
+                ))
+            })?;
+        match headers.method {
+            Some(m) if m == method => {}
+            Some(m) => {
+                return Err(Refusal::header_mismatch(format!(
+                    "Mcp-Method header '{m}' does not match the body's method '{method}'"
+                )))
+            }
+            None => {
+                return Err(Refusal::header_mismatch(
+                    "the Mcp-Method header is required",
+                ))
+            }
+        }
+        let target = check_name(method, &params, headers.name)?;
+        if params.get("inputResponses").is_some_and(|v| !v.is_object()) {
+            return Err(Refusal::invalid_params("inputResponses must be an object"));
+        }
+        if params.get("requestState").is_some_and(|v| !v.is_string()) {
+            return Err(Refusal::invalid_params("requestState must be a string"));
+        }
+        Ok(ModernRequest {
+            id,
+            method: method.to_string(),
+            log_level: meta
+                .get(META_LOG_LEVEL)
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            progress_token: meta.get("progressToken").cloned(),
+            client_capabilities,
+            target,
+            params,
+        })
+    }
+}
+
+fn check_name(
+    method: &str,
+    params: &Map<String, Value>,
+    header: Option<&str>,
+) -> Result<Option<String>, Refusal> {
+    let Some(field) = name_param(method) else {
+        return Ok(None);
+    };
+    let body = params.get(field).and_then(Value::as_str).ok_or_else(|| {
+        Refusal::invalid_params(format!("params.{field} is required for {method}"))
+    })?;
+    let header = header.ok_or_else(|| {
+        Refusal::header_mismatch(format!("the Mcp-Name header is required for {method}"))
+    })?;
+    match decode_header_value(header) {
+        Some(decoded) if decoded == body => Ok(Some(body.to_string())),
+        _ => Err(Refusal::header_mismatch(format!(
+            "Mcp-Name header does not match the body's '{field}' parameter"
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn params(extra: Value) -> Value {
+        let mut p = json!({"_meta": {META_VERSION: MODERN_VERSION, META_CAPABILITIES: {"elicitation": {}}}});
+        p.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        p
+    }
+
+    fn headers<'a>(method: &'a str, name: Option<&'a str>) -> ModernHeaders<'a> {
+        ModernHeaders {
+            protocol_version: Some(MODERN_VERSION),
+            method: Some(method),
+            name,
+        }
+    }
+
+    #[test]
+    fn eras() {
+        assert_eq!(
+            era(Some("2026-07-28"), None, false, Some("tools/call")),
+            Era::Modern
+        );
+        assert_eq!(
+            era(Some("2099-01-01"), None, false, Some("tools/call")),
+            Era::Modern
+        );
+        assert_eq!(
+            era(None, Some("2026-07-28"), false, Some("tools/call")),
+            Era::Modern
+        );
+        assert_eq!(
+            era(Some("2025-11-25"), None, false, Some("tools/call")),
+            Era::Legacy
+        );
+        assert_eq!(era(None, None, false, Some("tools/list")), Era::Legacy);
+        assert_eq!(
+            era(Some("2026-07-28"), None, true, Some("tools/call")),
+            Era::Legacy
+        );
+        assert_eq!(
+            era(Some("2026-07-28"), None, false, Some("initialize")),
+            Era::Legacy
+        );
+    }
+
+    #[test]
+    fn a_valid_tool_call() {
+        let p = params(json!({"name": "ask", "arguments": {}, "_x": 1}));
+        let r = ModernRequest::validate(
+            json!(1),
+            "tools/call",
+            Some(&p),
+            headers("tools/call", Some("ask")),
+        )
+        .unwrap();
+        assert_eq!(r.target.as_deref(), Some("ask"));
+        assert!(r.client_capabilities.contains_key("elicitation"));
+        let b64 = format!(
+            "=?base64?{}?=",
+            base64::Engine::encode(&base64::engine::general_purpose::STANDARD, "ünï")
+        );
+        let p = params(json!({"name": "ünï"}));
+        assert!(ModernRequest::validate(
+            json!(1),
+            "tools/call",
+            Some(&p),
+            headers("tools/call", Some(&b64))
+        )
+        .is_ok());
+    }
+
+    #[test]
+    fn refusals_use_the_spec_codes() {
+        let p = params(json!({"name": "ask"}));
+        let v = |p: &Value, h: ModernHeaders| {
+            ModernRequest::validate(json!(1), "tools/call", Some(p), h).unwrap_err()
+        };
+        assert_eq!(
+            v(&p, headers("tools/call", Some("other"))).code,
+            code::HEADER_MISMATCH
+        );
+        assert_eq!(
+            v(&p, headers("tools/call", None)).code,
+            code::HEADER_MISMATCH
+        );
+        assert_eq!(
+            v(&p, headers("tools/list", Some("ask"))).code,
+            code::HEADER_MISMATCH
+        );
+        let mut h = headers("tools/call", Some("ask"));
+        h.protocol_version = Some("2025-11-25");
+        assert_eq!(v(&p, h).code, code::HEADER_MISMATCH);
+        let future =
+            json!({"name": "ask", "_meta": {META_VERSION: "2099-01-01", META_CAPABILITIES: {}}});
+        let mut h = headers("tools/call", Some("ask"));
+        h.protocol_version = Some("2099-01-01");
+        let r = v(&future, h);
+        assert_eq!(
+            (r.status, r.code),
+            (400, code::UNSUPPORTED_PROTOCOL_VERSION)
+        );
+        assert_eq!(r.data.unwrap()["supported"], json!([MODERN_VERSION]));
+        let no_caps = json!({"name": "ask", "_meta": {META_VERSION: MODERN_VERSION}});
+        assert_eq!(v(&no_caps, headers("tools/call", Some("ask"))).code, -32602);
+        assert_eq!(
+            v(&json!({"name": "ask"}), headers("tools/call", Some("ask"))).code,
+            -32602
+        );
+        let bad_state = params(json!({"name": "ask", "requestState": 5}));
+        assert_eq!(
+            v(&bad_state, headers("tools/call", Some("ask"))).code,
+            -32602
+        );
+    }
+}

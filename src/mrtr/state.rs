@@ -1,0 +1,199 @@
+//! The `requestState` of a bridged flow: a sealed pointer to the upstream call that is
+//! waiting for answers, so that any replica can post them and resume the stream.
+//!
+//! It is sealed with `Purpose::RequestState` and bound, as associated data, to the
+//! principal, the method, the tool name or resource uri, and a digest of the arguments: a
+//! state presented by someone else, or on another request, does not open. It expires.
+
+use crate::keys::{KeyRing, Purpose};
+use crate::seal::{self, OpenError};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use std::net::SocketAddr;
+
+/// Longest `requestState` accepted before any decoding.
+pub const MAX_STATE_LEN: usize = 4096;
+
+/// A JSON-RPC id the upstream chose for one of its requests (0 is valid).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum UpstreamId {
+    Number(i64),
+    Text(String),
+}
+
+impl UpstreamId {
+    pub fn from_json(id: &Value) -> Option<UpstreamId> {
+        match id {
+            Value::Number(n) => n.as_i64().map(UpstreamId::Number),
+            Value::String(s) => Some(UpstreamId::Text(s.clone())),
+            _ => None,
+        }
+    }
+
+    pub fn to_json(&self) -> Value {
+        match self {
+            UpstreamId::Number(n) => Value::from(*n),
+            UpstreamId::Text(s) => Value::from(s.as_str()),
+        }
+    }
+}
+
+/// A server request waiting for the client's answer under `key`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Pending {
+    pub key: String,
+    pub upstream_id: UpstreamId,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FlowState {
+    pub group: String,
+    pub endpoint: SocketAddr,
+    pub upstream_session: String,
+    /// The id the gateway gave the call upstream; its response ends the flow.
+    pub call_id: UpstreamId,
+    pub pending: Vec<Pending>,
+    /// The last event id read on the call's POST stream, to resume it.
+    pub last_event_id: Option<String>,
+    /// The call-stream position before this round's first question, to ask again.
+    pub round_start: Option<String>,
+    pub round: u16,
+    /// Seconds since the Unix epoch after which the state is refused.
+    pub expires_at: u64,
+    /// Random id that stays the same across rounds and replicas, for logs.
+    pub flow_id: u64,
+}
+
+/// The associated data a state is bound to.
+pub fn binding(
+    principal: &[u8; 32],
+    method: &str,
+    target: Option<&str>,
+    arguments: Option<&Value>,
+) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(b"mrtr-gateway request binding v1\0");
+    h.update(principal);
+    for part in [method, target.unwrap_or("")] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    // serde_json keeps object keys sorted, so equal arguments serialize equally.
+    let args = arguments.map(|a| a.to_string()).unwrap_or_default();
+    h.update(Sha256::digest(args.as_bytes()));
+    h.finalize().into()
+}
+
+impl FlowState {
+    pub fn seal(&self, ring: &KeyRing, binding: &[u8; 32]) -> String {
+        let plain = postcard::to_allocvec(self).expect("a flow state always serializes");
+        seal::seal(ring, Purpose::RequestState, binding, &plain)
+    }
+
+    /// Opens a state; `now` is seconds since the Unix epoch.
+    pub fn open(
+        ring: &KeyRing,
+        binding: &[u8; 32],
+        text: &str,
+        now: u64,
+    ) -> Result<FlowState, OpenError> {
+        let plain = seal::open(ring, Purpose::RequestState, binding, text, MAX_STATE_LEN)?;
+        let state: FlowState = postcard::from_bytes(&plain).map_err(|_| OpenError::BadPayload)?;
+        if now >= state.expires_at {
+            return Err(OpenError::Expired);
+        }
+        Ok(state)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn ring() -> KeyRing {
+        KeyRing::parse("k1:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8").unwrap()
+    }
+
+    fn one_elicitation() -> FlowState {
+        FlowState {
+            group: "default".into(),
+            endpoint: "10.0.0.7:3001".parse().unwrap(),
+            upstream_session: "5b0c3a1e-4d2f-4f8e-9c1a-7f6e5d4c3b2a".into(),
+            call_id: UpstreamId::Number(1),
+            pending: vec![Pending {
+                key: "elicitation_0".into(),
+                upstream_id: UpstreamId::Number(0),
+            }],
+            last_event_id: Some("7a655773-cec9-4f18-9782-81d58bb08a83_3".into()),
+            round_start: Some("7a655773-cec9-4f18-9782-81d58bb08a83_2".into()),
+            round: 1,
+            expires_at: 2_000_000_000,
+            flow_id: 0x1234_5678_9abc_def0,
+        }
+    }
+
+    #[test]
+    fn a_one_elicitation_state_is_small_and_round_trips() {
+        let b = binding(&[1; 32], "tools/call", Some("ask_name"), Some(&json!({})));
+        let sealed = one_elicitation().seal(&ring(), &b);
+        assert!(sealed.len() <= 400, "state is {} bytes", sealed.len());
+        assert_eq!(
+            FlowState::open(&ring(), &b, &sealed, 1_900_000_000).unwrap(),
+            one_elicitation()
+        );
+    }
+
+    #[test]
+    fn it_is_bound_to_principal_request_and_time() {
+        let args = json!({"city": "Lisbon", "nights": 3});
+        let b = binding(&[1; 32], "tools/call", Some("plan"), Some(&args));
+        let sealed = one_elicitation().seal(&ring(), &b);
+        let now = 1_900_000_000;
+        let other = [
+            binding(&[2; 32], "tools/call", Some("plan"), Some(&args)),
+            binding(&[1; 32], "prompts/get", Some("plan"), Some(&args)),
+            binding(&[1; 32], "tools/call", Some("other"), Some(&args)),
+            binding(
+                &[1; 32],
+                "tools/call",
+                Some("plan"),
+                Some(&json!({"city": "Porto", "nights": 3})),
+            ),
+        ];
+        for b in other {
+            assert_eq!(
+                FlowState::open(&ring(), &b, &sealed, now),
+                Err(OpenError::Rejected)
+            );
+        }
+        assert_eq!(
+            FlowState::open(&ring(), &b, &sealed, 2_000_000_000),
+            Err(OpenError::Expired)
+        );
+        let reordered =
+            serde_json::from_str::<Value>(r#"{"nights": 3, "city": "Lisbon"}"#).unwrap();
+        assert_eq!(
+            b,
+            binding(&[1; 32], "tools/call", Some("plan"), Some(&reordered))
+        );
+    }
+
+    #[test]
+    fn a_session_token_never_opens_as_a_state() {
+        use crate::protocol::session_token::SessionToken;
+        let b = binding(&[1; 32], "tools/call", Some("x"), None);
+        let token = SessionToken {
+            group: "default".into(),
+            endpoint: "10.0.0.7:3001".parse().unwrap(),
+            upstream_session: "s".into(),
+            issued_at: 0,
+        }
+        .seal(&ring(), &b);
+        assert_eq!(
+            FlowState::open(&ring(), &b, &token, 0),
+            Err(OpenError::Rejected)
+        );
+    }
+}

@@ -1,0 +1,392 @@
+//! One round of a bridged call, as a state machine: upstream messages in (from the call's
+//! POST stream or the session's GET stream), actions out. Server requests become
+//! `inputRequests` entries; progress and opted-in log messages go to the client; `ping`
+//! and requests the client cannot take are answered upstream; the call's response ends
+//! the flow.
+
+use super::state::{Pending, UpstreamId};
+use serde_json::{json, Map, Value};
+
+/// A legacy server may name an input key itself with this `_meta` hint on its request.
+pub const INPUT_KEY_HINT: &str = "io.modelcontextprotocol/inputKey";
+const MAX_KEY_LEN: usize = 64;
+
+/// What the shell must do after a message.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Action {
+    /// Write this notification to the client's SSE response, if it has one.
+    Notify(Value),
+    /// POST this JSON-RPC response upstream (ping, or a request refused on the client's behalf).
+    AnswerUpstream(Value),
+    /// The upstream answered the call: the JSON-RPC response (result or error).
+    Complete(Value),
+    /// The upstream asked for something the client did not declare: fail with -32021.
+    MissingCapability { method: String, required: Value },
+}
+
+/// The client capability an input request needs, as `ClientCapabilities` JSON.
+fn required_capability(method: &str, params: &Value) -> Value {
+    match method {
+        "elicitation/create" if params["mode"] == "url" => json!({"elicitation": {"url": {}}}),
+        "elicitation/create" => json!({"elicitation": {}}),
+        "sampling/createMessage" => json!({"sampling": {}}),
+        _ => json!({"roots": {}}),
+    }
+}
+
+fn declared(capabilities: &Map<String, Value>, method: &str, params: &Value) -> bool {
+    match method {
+        "elicitation/create" if params["mode"] == "url" => capabilities
+            .get("elicitation")
+            .is_some_and(|e| e.get("url").is_some()),
+        "elicitation/create" => capabilities.contains_key("elicitation"),
+        "sampling/createMessage" => capabilities.contains_key("sampling"),
+        _ => capabilities.contains_key("roots"),
+    }
+}
+
+fn short_kind(method: &str) -> &'static str {
+    match method {
+        "elicitation/create" => "elicitation",
+        "sampling/createMessage" => "sampling",
+        _ => "roots",
+    }
+}
+
+/// The state of one round.
+#[derive(Debug)]
+pub struct Round {
+    call_id: UpstreamId,
+    capabilities: Map<String, Value>,
+    forward_logs: bool,
+    input_requests: Map<String, Value>,
+    pending: Vec<Pending>,
+    last_event_id: Option<String>,
+    /// The event id before the current one, and before this round's first question.
+    previous_event_id: Option<String>,
+    round_start: Option<String>,
+    /// Server requests already answered, to ignore when a stream is replayed.
+    answered: Vec<UpstreamId>,
+}
+
+impl Round {
+    pub fn new(
+        call_id: UpstreamId,
+        capabilities: Map<String, Value>,
+        forward_logs: bool,
+        last_event_id: Option<String>,
+    ) -> Round {
+        Round {
+            call_id,
+            capabilities,
+            forward_logs,
+            input_requests: Map::new(),
+            pending: Vec::new(),
+            previous_event_id: last_event_id.clone(),
+            round_start: None,
+            last_event_id,
+            answered: Vec::new(),
+        }
+    }
+
+    /// Ignores these server requests if a replayed stream sends them again.
+    pub fn skip(&mut self, answered: impl IntoIterator<Item = UpstreamId>) {
+        self.answered.extend(answered);
+    }
+
+    /// Records the id of an event read on the call's own stream (including priming events).
+    pub fn saw_call_event(&mut self, id: &str) {
+        self.previous_event_id = self.last_event_id.replace(id.to_string());
+    }
+
+    /// The call-stream position just before this round's first question: replaying from
+    /// here asks every question of the round again.
+    pub fn round_start(&self) -> Option<&str> {
+        self.round_start.as_deref()
+    }
+
+    pub fn last_event_id(&self) -> Option<&str> {
+        self.last_event_id.as_deref()
+    }
+
+    pub fn has_questions(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    pub fn pending(&self) -> &[Pending] {
+        &self.pending
+    }
+
+    /// Feeds one upstream JSON-RPC message.
+    pub fn on_message(&mut self, message: Value) -> Vec<Action> {
+        let method = message
+            .get("method")
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        match (method, message.get("id").cloned()) {
+            (Some(method), Some(id)) => self.on_request(
+                &method,
+                id,
+                message.get("params").cloned().unwrap_or(json!({})),
+            ),
+            (Some(method), None) => self.on_notification(&method, message),
+            (None, Some(id)) if UpstreamId::from_json(&id).as_ref() == Some(&self.call_id) => {
+                vec![Action::Complete(message)]
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    fn on_notification(&self, method: &str, message: Value) -> Vec<Action> {
+        match method {
+            "notifications/progress" => vec![Action::Notify(message)],
+            "notifications/message" if self.forward_logs => vec![Action::Notify(message)],
+            _ => Vec::new(),
+        }
+    }
+
+    fn on_request(&mut self, method: &str, id: Value, mut params: Value) -> Vec<Action> {
+        let refuse = |code: i64, text: &str| {
+            Action::AnswerUpstream(
+                json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": text}}),
+            )
+        };
+        match method {
+            "ping" => {
+                return vec![Action::AnswerUpstream(
+                    json!({"jsonrpc": "2.0", "id": id, "result": {}}),
+                )]
+            }
+            "elicitation/create" | "sampling/createMessage" | "roots/list" => {}
+            _ => {
+                return vec![refuse(
+                    -32601,
+                    "the client cannot take this request through the gateway",
+                )]
+            }
+        }
+        let Some(upstream_id) = UpstreamId::from_json(&id) else {
+            return Vec::new();
+        };
+        if self.answered.contains(&upstream_id)
+            || self.pending.iter().any(|p| p.upstream_id == upstream_id)
+        {
+            return Vec::new();
+        }
+        if !declared(&self.capabilities, method, &params) {
+            return vec![
+                refuse(-32601, "the client did not declare this capability"),
+                Action::MissingCapability {
+                    method: method.to_string(),
+                    required: required_capability(method, &params),
+                },
+            ];
+        }
+        if self.pending.is_empty() {
+            self.round_start = self.previous_event_id.clone();
+        }
+        let key = self.key_for(method, &upstream_id, &mut params);
+        strip_legacy_fields(&mut params);
+        self.input_requests
+            .insert(key.clone(), json!({"method": method, "params": params}));
+        self.pending.push(Pending { key, upstream_id });
+        Vec::new()
+    }
+
+    /// The hint the server gave, when usable and unique; else `KIND_ID`.
+    fn key_for(&self, method: &str, id: &UpstreamId, params: &mut Value) -> String {
+        let hint = params
+            .get_mut("_meta")
+            .and_then(Value::as_object_mut)
+            .and_then(|meta| meta.remove(INPUT_KEY_HINT))
+            .and_then(|v| v.as_str().map(str::to_string))
+            .filter(|k| {
+                !k.is_empty() && k.len() <= MAX_KEY_LEN && !self.input_requests.contains_key(k)
+            });
+        hint.unwrap_or_else(|| match id {
+            UpstreamId::Number(n) => format!("{}_{n}", short_kind(method)),
+            UpstreamId::Text(t) => format!("{}_{t}", short_kind(method)),
+        })
+    }
+
+    /// The `InputRequiredResult` for the questions gathered so far.
+    pub fn input_required(&self, request_state: String) -> Value {
+        json!({"resultType": "input_required", "inputRequests": self.input_requests, "requestState": request_state})
+    }
+}
+
+/// Removes what a 2026-07-28 input request may not carry: the legacy progress token and an
+/// empty `_meta`, the task augmentation, and a URL elicitation's `elicitationId`.
+fn strip_legacy_fields(params: &mut Value) {
+    let Some(p) = params.as_object_mut() else {
+        return;
+    };
+    p.remove("task");
+    p.remove("elicitationId");
+    if let Some(meta) = p.get_mut("_meta").and_then(Value::as_object_mut) {
+        meta.remove("progressToken");
+        if meta.is_empty() {
+            p.remove("_meta");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn caps(v: Value) -> Map<String, Value> {
+        v.as_object().unwrap().clone()
+    }
+
+    fn round(capabilities: Value) -> Round {
+        Round::new(UpstreamId::Number(1), caps(capabilities), false, None)
+    }
+
+    fn elicit(id: i64, extra_meta: Value) -> Value {
+        json!({"jsonrpc": "2.0", "id": id, "method": "elicitation/create",
+               "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}, "_meta": extra_meta}})
+    }
+
+    #[test]
+    fn server_requests_become_input_requests_with_stable_keys() {
+        let mut r = round(json!({"elicitation": {}, "sampling": {}, "roots": {}}));
+        assert!(r
+            .on_message(elicit(0, json!({"progressToken": 3})))
+            .is_empty());
+        let sampling = json!({"jsonrpc": "2.0", "id": "s-1", "method": "sampling/createMessage", "params": {"messages": [], "maxTokens": 5}});
+        assert!(r.on_message(sampling).is_empty());
+        assert!(r
+            .on_message(json!({"jsonrpc": "2.0", "id": 2, "method": "roots/list"}))
+            .is_empty());
+        let result = r.input_required("STATE".into());
+        let requests = result["inputRequests"].as_object().unwrap();
+        assert_eq!(
+            requests.keys().collect::<Vec<_>>(),
+            ["elicitation_0", "roots_2", "sampling_s-1"]
+        );
+        assert_eq!(
+            requests["elicitation_0"]["params"],
+            json!({"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}})
+        );
+        assert!(
+            requests["elicitation_0"].get("jsonrpc").is_none()
+                && requests["elicitation_0"].get("id").is_none()
+        );
+        assert_eq!(result["resultType"], "input_required");
+        assert_eq!(result["requestState"], "STATE");
+        assert_eq!(r.pending()[1].upstream_id, UpstreamId::Text("s-1".into()));
+    }
+
+    #[test]
+    fn a_key_hint_names_the_input_and_is_stripped() {
+        let mut r = round(json!({"elicitation": {}}));
+        r.on_message(elicit(4, json!({INPUT_KEY_HINT: "user_name"})));
+        r.on_message(elicit(5, json!({INPUT_KEY_HINT: "user_name"})));
+        let result = r.input_required(String::new());
+        let requests = result["inputRequests"].as_object().unwrap();
+        assert_eq!(
+            requests.keys().collect::<Vec<_>>(),
+            ["elicitation_5", "user_name"],
+            "a duplicate hint falls back"
+        );
+        assert!(requests["user_name"]["params"].get("_meta").is_none());
+    }
+
+    #[test]
+    fn ping_undeclared_and_unknown_requests_are_answered_upstream() {
+        let mut r = round(json!({"sampling": {}}));
+        let ping = r.on_message(json!({"jsonrpc": "2.0", "id": 9, "method": "ping"}));
+        assert_eq!(
+            ping,
+            vec![Action::AnswerUpstream(
+                json!({"jsonrpc": "2.0", "id": 9, "result": {}})
+            )]
+        );
+        let actions = r.on_message(elicit(1, json!({})));
+        assert!(matches!(&actions[0], Action::AnswerUpstream(a) if a["error"]["code"] == -32601));
+        assert_eq!(
+            actions[1],
+            Action::MissingCapability {
+                method: "elicitation/create".into(),
+                required: json!({"elicitation": {}})
+            }
+        );
+        let url = json!({"jsonrpc": "2.0", "id": 2, "method": "elicitation/create", "params": {"mode": "url", "url": "https://x", "message": "m", "elicitationId": "e"}});
+        let mut form_only = round(json!({"elicitation": {}}));
+        assert!(
+            matches!(&form_only.on_message(url)[1], Action::MissingCapability { required, .. } if required == &json!({"elicitation": {"url": {}}}))
+        );
+        let custom = r
+            .on_message(json!({"jsonrpc": "2.0", "id": 3, "method": "tasks/result", "params": {}}));
+        assert!(matches!(&custom[..], [Action::AnswerUpstream(a)] if a["error"]["code"] == -32601));
+        assert!(!r.has_questions());
+    }
+
+    #[test]
+    fn notifications_and_the_final_response() {
+        let mut quiet = round(json!({}));
+        let progress = json!({"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": 1, "progress": 1}});
+        assert_eq!(
+            quiet.on_message(progress.clone()),
+            vec![Action::Notify(progress)]
+        );
+        let log = json!({"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "info", "data": "x"}});
+        assert!(
+            quiet.on_message(log.clone()).is_empty(),
+            "logs need the logLevel opt-in"
+        );
+        let mut verbose = Round::new(UpstreamId::Number(1), Map::new(), true, None);
+        assert_eq!(verbose.on_message(log.clone()), vec![Action::Notify(log)]);
+        assert!(quiet
+            .on_message(json!({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}))
+            .is_empty());
+        let other = json!({"jsonrpc": "2.0", "id": 7, "result": {}});
+        assert!(
+            quiet.on_message(other).is_empty(),
+            "only the call's own response completes it"
+        );
+        let done = json!({"jsonrpc": "2.0", "id": 1, "result": {"content": []}});
+        assert_eq!(quiet.on_message(done.clone()), vec![Action::Complete(done)]);
+    }
+
+    #[test]
+    fn a_replayed_round_asks_only_what_was_not_answered() {
+        let mut first = round(json!({"elicitation": {}}));
+        first.saw_call_event("s-0");
+        first.saw_call_event("s-1");
+        first.on_message(elicit(0, json!({})));
+        first.saw_call_event("s-2");
+        first.on_message(elicit(1, json!({})));
+        assert_eq!(
+            first.round_start(),
+            Some("s-0"),
+            "the position before the first question"
+        );
+        let mut replay = round(json!({"elicitation": {}}));
+        replay.skip([UpstreamId::Number(0)]);
+        replay.on_message(elicit(0, json!({})));
+        replay.on_message(elicit(1, json!({})));
+        replay.on_message(elicit(1, json!({})));
+        let result = replay.input_required(String::new());
+        assert_eq!(
+            result["inputRequests"]
+                .as_object()
+                .unwrap()
+                .keys()
+                .collect::<Vec<_>>(),
+            ["elicitation_1"]
+        );
+    }
+
+    #[test]
+    fn url_elicitations_lose_their_legacy_id() {
+        let mut r = round(json!({"elicitation": {"url": {}}}));
+        r.on_message(json!({"jsonrpc": "2.0", "id": 2, "method": "elicitation/create", "params": {"mode": "url", "url": "https://x", "message": "m", "elicitationId": "e"}}));
+        let result = r.input_required(String::new());
+        assert_eq!(
+            result["inputRequests"]["elicitation_2"]["params"],
+            json!({"mode": "url", "url": "https://x", "message": "m"})
+        );
+    }
+}

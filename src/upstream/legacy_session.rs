@@ -1,0 +1,227 @@
+//! A legacy upstream session driven on behalf of a modern client: `initialize` with the
+//! client's declared capabilities (legacy servers register tools by them), then
+//! `notifications/initialized`, then calls, answers to server requests, resumption GETs,
+//! and finally DELETE.
+
+use super::exchange::{ExchangeError, Response, UpstreamClient};
+use super::{Endpoint, Timeouts};
+use crate::protocol::headers::MCP_SESSION_ID;
+use crate::protocol::sse;
+use bytes::Bytes;
+use pingora::http::RequestHeader;
+use serde_json::{json, Value};
+
+/// The legacy revision the gateway speaks upstream.
+pub const UPSTREAM_VERSION: &str = "2025-11-25";
+/// Largest upstream SSE event or JSON body the bridge reads.
+pub const MAX_UPSTREAM_MESSAGE: usize = 4 << 20;
+
+pub struct LegacySession<'a> {
+    pub client: &'a UpstreamClient,
+    pub endpoint: &'a Endpoint,
+    pub timeouts: &'a Timeouts,
+    pub session_id: Option<String>,
+    pub version: String,
+}
+
+/// Why the upstream could not be driven.
+#[derive(Debug)]
+pub enum SessionError {
+    Exchange(ExchangeError),
+    /// The upstream answered something other than what the protocol requires.
+    Protocol(String),
+}
+
+impl std::fmt::Display for SessionError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SessionError::Exchange(e) => write!(f, "{e}"),
+            SessionError::Protocol(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+impl From<ExchangeError> for SessionError {
+    fn from(e: ExchangeError) -> Self {
+        SessionError::Exchange(e)
+    }
+}
+
+fn is_sse(response: &Response) -> bool {
+    response
+        .header()
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"))
+}
+
+impl<'a> LegacySession<'a> {
+    /// Opens a session: initialize, then notifications/initialized. Returns the
+    /// InitializeResult.
+    pub async fn open(
+        client: &'a UpstreamClient,
+        endpoint: &'a Endpoint,
+        timeouts: &'a Timeouts,
+        capabilities: &Value,
+        client_info: &Value,
+    ) -> Result<(LegacySession<'a>, Value), SessionError> {
+        let mut session = LegacySession {
+            client,
+            endpoint,
+            timeouts,
+            session_id: None,
+            version: UPSTREAM_VERSION.into(),
+        };
+        let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
+            "protocolVersion": UPSTREAM_VERSION, "capabilities": capabilities, "clientInfo": client_info}});
+        let mut response = session.post(&init).await?;
+        session.session_id = response
+            .header()
+            .headers
+            .get(MCP_SESSION_ID)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let message = read_single(&mut response).await;
+        client.finish(response).await;
+        let result = message?
+            .get("result")
+            .cloned()
+            .ok_or_else(|| SessionError::Protocol("initialize failed upstream".into()))?;
+        if let Some(v) = result["protocolVersion"].as_str() {
+            session.version = v.to_string();
+        }
+        let initialized = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+        session.post_and_expect_accepted(&initialized).await?;
+        Ok((session, result))
+    }
+
+    /// A session opened earlier, possibly by another replica.
+    pub fn resume(
+        client: &'a UpstreamClient,
+        endpoint: &'a Endpoint,
+        timeouts: &'a Timeouts,
+        session_id: String,
+    ) -> LegacySession<'a> {
+        LegacySession {
+            client,
+            endpoint,
+            timeouts,
+            session_id: Some(session_id),
+            version: UPSTREAM_VERSION.into(),
+        }
+    }
+
+    fn request(&self, method: &str, body_len: usize, last_event_id: Option<&str>) -> RequestHeader {
+        let mut req = RequestHeader::build(method, self.endpoint.path.as_bytes(), Some(8))
+            .expect("valid method and path");
+        let _ = req.insert_header("host", self.endpoint.authority.as_str());
+        let accept = if method == "GET" {
+            "text/event-stream"
+        } else {
+            "application/json, text/event-stream"
+        };
+        let _ = req.insert_header("accept", accept);
+        let _ = req.insert_header("mcp-protocol-version", self.version.as_str());
+        if let Some(sid) = &self.session_id {
+            let _ = req.insert_header(MCP_SESSION_ID, sid.as_str());
+        }
+        if let Some(id) = last_event_id {
+            let _ = req.insert_header("last-event-id", id);
+        }
+        if method == "POST" {
+            let _ = req.insert_header("content-type", "application/json");
+            let _ = req.insert_header("content-length", body_len);
+        }
+        req
+    }
+
+    /// POSTs one JSON-RPC message and returns the response with its header read.
+    pub async fn post(&self, message: &Value) -> Result<Response, SessionError> {
+        let body = Bytes::from(message.to_string());
+        let req = self.request("POST", body.len(), None);
+        let response = self
+            .client
+            .send(self.endpoint, self.timeouts, req, body)
+            .await?;
+        let status = response.header().status.as_u16();
+        if status >= 400 {
+            let what = if status == 404 {
+                "the upstream session is gone"
+            } else {
+                "the upstream refused the request"
+            };
+            self.client.finish(response).await;
+            return Err(SessionError::Protocol(format!("{what} (HTTP {status})")));
+        }
+        Ok(response)
+    }
+
+    /// POSTs a notification or a response, which the upstream must accept with 202.
+    pub async fn post_and_expect_accepted(&self, message: &Value) -> Result<(), SessionError> {
+        let mut response = self.post(message).await?;
+        let status = response.header().status.as_u16();
+        let _ = response.read_all(64 << 10).await;
+        self.client.finish(response).await;
+        match status {
+            200..=299 => Ok(()),
+            other => Err(SessionError::Protocol(format!("expected 202, got {other}"))),
+        }
+    }
+
+    /// GET on the session: the standalone stream, or a resumption after `last_event_id`.
+    pub async fn get(&self, last_event_id: Option<&str>) -> Result<Response, SessionError> {
+        let req = self.request("GET", 0, last_event_id);
+        let response = self
+            .client
+            .send(self.endpoint, self.timeouts, req, Bytes::new())
+            .await?;
+        let status = response.header().status.as_u16();
+        if status != 200 || !is_sse(&response) {
+            self.client.finish(response).await;
+            return Err(SessionError::Protocol(format!(
+                "the upstream refused the GET stream (HTTP {status})"
+            )));
+        }
+        Ok(response)
+    }
+
+    /// Ends the upstream session (best effort).
+    pub async fn delete(&self) {
+        if self.session_id.is_none() {
+            return;
+        }
+        let req = self.request("DELETE", 0, None);
+        if let Ok(mut response) = self
+            .client
+            .send(self.endpoint, self.timeouts, req, Bytes::new())
+            .await
+        {
+            let _ = response.read_all(64 << 10).await;
+            self.client.finish(response).await;
+        }
+    }
+}
+
+/// Reads the single JSON-RPC message of a response: a JSON body, or the first message
+/// event of an SSE body.
+pub async fn read_single(response: &mut Response) -> Result<Value, SessionError> {
+    if !is_sse(response) {
+        let body = response.read_all(MAX_UPSTREAM_MESSAGE).await?;
+        return serde_json::from_slice(&body)
+            .map_err(|e| SessionError::Protocol(format!("upstream sent invalid JSON: {e}")));
+    }
+    let mut parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
+    let mut events = Vec::new();
+    while let Some(chunk) = response.next_chunk().await? {
+        parser
+            .push(&chunk, &mut events)
+            .map_err(|e| SessionError::Protocol(e.to_string()))?;
+        if let Some(event) = events.iter().find(|e| !e.data.is_empty()) {
+            return serde_json::from_str(&event.data)
+                .map_err(|e| SessionError::Protocol(format!("upstream sent invalid JSON: {e}")));
+        }
+    }
+    Err(SessionError::Protocol(
+        "the upstream stream ended without a message".into(),
+    ))
+}
