@@ -421,3 +421,30 @@ impl Raw {
         panic!("stream ended before the awaited message; saw {seen:?}");
     }
 }
+
+impl Raw {
+    /// A 2026-07-28 request with matching headers and `_meta`.
+    pub fn modern(&self, id: u64, method: &str, mut params: Value, capabilities: Value) -> Reply {
+        params["_meta"] = serde_json::json!({
+            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+            "io.modelcontextprotocol/clientCapabilities": capabilities,
+        });
+        let name = params
+            .get("name")
+            .or(params.get("uri"))
+            .and_then(Value::as_str)
+            .map(str::to_string);
+        let mut headers = vec![
+            ("content-type", "application/json"),
+            ("accept", "application/json, text/event-stream"),
+            ("mcp-protocol-version", "2026-07-28"),
+            ("mcp-method", method),
+        ];
+        if let Some(name) = &name {
+            headers.push(("mcp-name", name.as_str()));
+        }
+        let body =
+            serde_json::json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
+        self.request("POST", &headers, Some(&body.to_string()))
+    }
+}

@@ -2,6 +2,7 @@
 //! MCP clients and by raw HTTP where a client hides the wire.
 
 mod bad_input;
+mod bridge;
 mod cli;
 mod common;
 mod conformance;

@@ -1,0 +1,118 @@
+"""Drives 2026-07-28 flows with the Python SDK's real client (`mcp==2.3.0`,
+`Client(url, mode="auto")`), printing one JSON object per step on stdout.
+
+    tests/.venv/bin/python tests/clients/py_modern_client.py URL SCENARIO [URL2]
+
+Scenarios: elicit, multi, two, sample, roots (the client fulfils input requests itself),
+and alternate: the rounds of plan_trip are sent by hand, each to the other of URL and
+URL2 (two gateway replicas), with the SDK's own retry parameters.
+Exits non-zero, with the reason on stderr, when a step fails or 30 s pass.
+"""
+
+import asyncio
+import json
+import sys
+
+import mcp_types as types
+from mcp import Client
+
+ANSWERS = {
+    "What is your name?": {"name": "Alice"},
+    "Where do you want to go?": {"destination": "Lisbon"},
+    "How many nights in Lisbon?": {"nights": 3},
+    "Which color?": {"color": "red"},
+    "Which size?": {"size": "M"},
+}
+
+
+def emit(step: str, **fields) -> None:
+    print(json.dumps({"step": step, **fields}), flush=True)
+
+
+def expect(condition: bool, what: str) -> None:
+    if not condition:
+        raise AssertionError(what)
+
+
+async def on_elicit(context, params: types.ElicitRequestParams) -> types.ElicitResult:
+    emit("elicitation", message=params.message)
+    return types.ElicitResult(action="accept", content=ANSWERS[params.message])
+
+
+async def on_sample(context, params: types.CreateMessageRequestParams) -> types.CreateMessageResult:
+    emit("sampling")
+    return types.CreateMessageResult(role="assistant", content=types.TextContent(type="text", text="short"), model="m", stop_reason="endTurn")
+
+
+async def on_roots(context) -> types.ListRootsResult:
+    emit("roots")
+    return types.ListRootsResult(roots=[types.Root(uri="file:///tmp/project", name="project")])
+
+
+def text_of(result: types.CallToolResult) -> str:
+    return " ".join(c.text for c in result.content if isinstance(c, types.TextContent))
+
+
+def client(url: str) -> Client:
+    return Client(url, mode="auto", elicitation_callback=on_elicit, sampling_callback=on_sample, list_roots_callback=on_roots)
+
+
+async def automatic(url: str, tool: str, args: dict, want: str) -> None:
+    async with client(url) as c:
+        emit("connected", protocolVersion=c.protocol_version)
+        expect(c.protocol_version == "2026-07-28", f"negotiated {c.protocol_version}, not 2026-07-28")
+        result = await c.call_tool(tool, args)
+        text = text_of(result)
+        emit("call", tool=tool, text=text)
+        expect(text == want, f"{tool} gave {text!r}, wanted {want!r}")
+
+
+async def alternate(url_a: str, url_b: str) -> None:
+    async with client(url_a) as a, client(url_b) as b:
+        replicas = [a, b]
+        responses, state, rounds = None, None, 0
+        while True:
+            replica = replicas[rounds % 2]
+            result = await replica.session.call_tool(
+                "plan_trip", {}, input_responses=responses, request_state=state, allow_input_required=True
+            )
+            rounds += 1
+            if not isinstance(result, types.InputRequiredResult):
+                text = text_of(result)
+                emit("call", tool="plan_trip", text=text, rounds=rounds)
+                expect(text == "Trip to Lisbon for 3 nights", f"wrong result {text!r}")
+                expect(rounds == 3, f"expected 3 requests (2 rounds of questions), made {rounds}")
+                return
+            keys = sorted(result.input_requests or {})
+            emit("input_required", replica="AB"[(rounds - 1) % 2], keys=keys, stateBytes=len(result.request_state or ""))
+            responses = {}
+            for key, request in (result.input_requests or {}).items():
+                message = request.params.message
+                responses[key] = types.ElicitResult(action="accept", content=ANSWERS[message])
+            state = result.request_state
+
+
+async def main(url: str, scenario: str, url2: str | None) -> None:
+    if scenario == "elicit":
+        await automatic(url, "ask_name", {}, "Hello, Alice!")
+    elif scenario == "multi":
+        await automatic(url, "plan_trip", {}, "Trip to Lisbon for 3 nights")
+    elif scenario == "two":
+        await automatic(url, "ask_two", {}, "color=red size=M")
+    elif scenario == "sample":
+        await automatic(url, "summarize", {"text": "a long text"}, "summary: short")
+    elif scenario == "roots":
+        await automatic(url, "show_roots", {}, "roots: file:///tmp/project")
+    elif scenario == "alternate":
+        await alternate(url, url2 or url)
+    else:
+        raise ValueError(f"unknown scenario {scenario}")
+
+
+if __name__ == "__main__":
+    try:
+        args = sys.argv[1:]
+        asyncio.run(asyncio.wait_for(main(args[0], args[1], args[2] if len(args) > 2 else None), timeout=30))
+    except BaseException as e:  # noqa: BLE001 - report any failure and exit non-zero
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,293 @@
+//! The MRTR bridge: 2026-07-28 clients against unchanged legacy servers through the
+//! gateway, with official clients, rounds on different replicas, a killed replica, and
+//! hostile `requestState` values that must reach no upstream.
+
+use crate::common::*;
+use mrtr_gateway::keys::KeyRing;
+use mrtr_gateway::mrtr::state::{binding, FlowState, Pending, UpstreamId};
+use mrtr_gateway::principal::PrincipalSource;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+fn python_modern(args: &[&str]) -> Vec<Value> {
+    let script = root().join("tests/clients/py_modern_client.py");
+    let mut all = vec![script.to_str().unwrap()];
+    all.extend_from_slice(args);
+    json_lines(&run_client(python(), &all, Duration::from_secs(60)))
+}
+
+#[test]
+fn the_python_modern_client_completes_flows_against_a_legacy_server() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    for scenario in ["elicit", "multi", "two", "sample", "roots"] {
+        let lines = python_modern(&[&gw.url, scenario]);
+        assert_eq!(
+            lines[0]["protocolVersion"], "2026-07-28",
+            "{scenario}: {lines:?}"
+        );
+        assert!(
+            lines.iter().any(|l| l["step"] == "call"),
+            "{scenario}: {lines:?}"
+        );
+        println!("Python modern client -> gateway -> Python legacy server: {scenario} ok");
+    }
+}
+
+#[test]
+fn every_round_can_land_on_another_replica() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let a = TestGateway::start(&[&url], &test_keys());
+    let b = TestGateway::start(&[&url], &test_keys());
+    let lines = python_modern(&[&a.url, "alternate", &b.url]);
+    let replicas: Vec<&str> = lines.iter().filter_map(|l| l["replica"].as_str()).collect();
+    assert_eq!(replicas, ["A", "B"], "{lines:?}");
+    let result = lines.last().unwrap();
+    assert_eq!(result["text"], "Trip to Lisbon for 3 nights");
+    for l in lines.iter().filter(|l| l["step"] == "input_required") {
+        assert!(
+            l["stateBytes"].as_u64().unwrap() <= 400,
+            "a one-elicitation state over 400 bytes: {l}"
+        );
+    }
+}
+
+fn ask_name(raw: &Raw, id: u64, extra: Value) -> Value {
+    let mut params = json!({"name": "ask_name", "arguments": {}});
+    params
+        .as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    let reply = raw.modern(id, "tools/call", params, json!({"elicitation": {}}));
+    assert_eq!(reply.status, 200);
+    reply.json()
+}
+
+#[test]
+fn a_replica_killed_between_rounds_loses_nothing() {
+    let (_upstream, url) = start_upstream(Upstream::TypeScript);
+    let mut a = TestGateway::start(&[&url], &test_keys());
+    let b = TestGateway::start(&[&url], &test_keys());
+    let first = ask_name(&Raw::new(&a.url), 1, json!({}));
+    let result = &first["result"];
+    assert_eq!(result["resultType"], "input_required", "{first}");
+    let (key, question) = result["inputRequests"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .next()
+        .unwrap();
+    assert_eq!(question["method"], "elicitation/create");
+    assert!(question.get("id").is_none() && question.get("jsonrpc").is_none());
+    a.kill();
+    let answers = json!({"inputResponses": {key: {"action": "accept", "content": {"name": "Kim"}}}, "requestState": result["requestState"]});
+    let second = ask_name(&Raw::new(&b.url), 2, answers);
+    assert_eq!(second["id"], 2, "the retry's own id");
+    assert_eq!(second["result"]["resultType"], "complete", "{second}");
+    assert_eq!(second["result"]["content"][0]["text"], "Hello, Kim!");
+}
+
+/// A state as the gateway would seal it for `ask_name` with no Authorization, naming
+/// `port`.
+fn state_for(
+    port: u16,
+    principal: Option<&[u8]>,
+    tool: &str,
+    args: Value,
+    expires_at: u64,
+) -> String {
+    let ring = KeyRing::parse(&test_keys()).unwrap();
+    let principal = PrincipalSource::Authorization.digest(principal);
+    let flow = FlowState {
+        group: "default".into(),
+        endpoint: format!("127.0.0.1:{port}").parse().unwrap(),
+        upstream_session: "upstream-session".into(),
+        call_id: UpstreamId::Number(1),
+        pending: vec![Pending {
+            key: "user_name".into(),
+            upstream_id: UpstreamId::Number(0),
+        }],
+        last_event_id: Some("s_1".into()),
+        round_start: Some("s_0".into()),
+        round: 1,
+        expires_at,
+        flow_id: 7,
+    };
+    flow.seal(
+        &ring,
+        &binding(&principal, "tools/call", Some(tool), Some(&args)),
+    )
+}
+
+#[test]
+fn hostile_request_states_get_one_error_and_reach_no_upstream() {
+    let tripwire = Tripwire::start();
+    let gw = TestGateway::start(&[&tripwire.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let future = 4_000_000_000;
+    let genuine = state_for(tripwire.port, None, "ask_name", json!({}), future);
+    let mut flipped = genuine.clone().into_bytes();
+    flipped[40] = if flipped[40] == b'A' { b'B' } else { b'A' };
+    let cases = [
+        ("tampered", String::from_utf8(flipped).unwrap()),
+        ("truncated", genuine[..genuine.len() - 3].to_string()),
+        ("garbage", "not a state".to_string()),
+        (
+            "expired",
+            state_for(tripwire.port, None, "ask_name", json!({}), 1),
+        ),
+        (
+            "other principal",
+            state_for(
+                tripwire.port,
+                Some(b"Bearer other"),
+                "ask_name",
+                json!({}),
+                future,
+            ),
+        ),
+        (
+            "other tool",
+            state_for(tripwire.port, None, "plan_trip", json!({}), future),
+        ),
+        (
+            "other arguments",
+            state_for(tripwire.port, None, "ask_name", json!({"x": 1}), future),
+        ),
+        (
+            "unknown endpoint",
+            state_for(free_port(), None, "ask_name", json!({}), future),
+        ),
+        ("oversized", "A".repeat(10_000)),
+    ];
+    let answers = json!({"user_name": {"action": "accept", "content": {"name": "x"}}});
+    for (case, state) in &cases {
+        let body = ask_name_refused(
+            &raw,
+            json!({"inputResponses": answers, "requestState": state}),
+        );
+        assert_eq!(body["error"]["code"], -32602, "{case}: {body}");
+        assert_eq!(
+            body["error"]["message"], "Invalid or expired requestState",
+            "{case}"
+        );
+    }
+    assert_eq!(tripwire.count(), 0, "a refused state reached the upstream");
+    println!(
+        "hostile requestState values refused without reaching the upstream: {}",
+        cases.len()
+    );
+    // Control: the genuine state is acted on, so the tripwire can count.
+    let reply = raw.modern(9, "tools/call", json!({"name": "ask_name", "arguments": {}, "inputResponses": answers, "requestState": genuine}), json!({"elicitation": {}}));
+    assert_eq!(reply.status, 502);
+    assert!(tripwire.count() >= 1, "the genuine state was not acted on");
+}
+
+fn ask_name_refused(raw: &Raw, extra: Value) -> Value {
+    let mut params = json!({"name": "ask_name", "arguments": {}});
+    params
+        .as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    let reply = raw.modern(3, "tools/call", params, json!({"elicitation": {}}));
+    assert_eq!(reply.status, 400);
+    reply.json()
+}
+
+/// A request that must be refused: name, headers, body, HTTP status, JSON-RPC code.
+type RefusalCase<'a> = (&'a str, Vec<(&'a str, &'a str)>, Value, u16, i64);
+
+#[test]
+fn the_modern_surface_refuses_bad_requests_in_the_spec_form() {
+    let tripwire = Tripwire::start();
+    let gw = TestGateway::start(&[&tripwire.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let base = [
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+    ];
+    let post = |extra: &[(&str, &str)], body: Value| {
+        let mut headers = base.to_vec();
+        headers.extend_from_slice(extra);
+        raw.request("POST", &headers, Some(&body.to_string()))
+    };
+    let meta = json!({"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {}});
+    let call = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "t", "_meta": meta}});
+    let cases: Vec<RefusalCase> = vec![
+        (
+            "Mcp-Name mismatch",
+            vec![
+                ("mcp-protocol-version", "2026-07-28"),
+                ("mcp-method", "tools/call"),
+                ("mcp-name", "u"),
+            ],
+            call.clone(),
+            400,
+            -32020,
+        ),
+        (
+            "Mcp-Method mismatch",
+            vec![
+                ("mcp-protocol-version", "2026-07-28"),
+                ("mcp-method", "tools/list"),
+                ("mcp-name", "t"),
+            ],
+            call.clone(),
+            400,
+            -32020,
+        ),
+        (
+            "no _meta",
+            vec![
+                ("mcp-protocol-version", "2026-07-28"),
+                ("mcp-method", "tools/list"),
+            ],
+            json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list", "params": {}}),
+            400,
+            -32602,
+        ),
+        (
+            "unsupported version",
+            vec![
+                ("mcp-protocol-version", "2099-01-01"),
+                ("mcp-method", "tools/list"),
+            ],
+            json!({"jsonrpc": "2.0", "id": 3, "method": "tools/list", "params": {"_meta": {"io.modelcontextprotocol/protocolVersion": "2099-01-01", "io.modelcontextprotocol/clientCapabilities": {}}}}),
+            400,
+            -32022,
+        ),
+        (
+            "unknown method",
+            vec![
+                ("mcp-protocol-version", "2026-07-28"),
+                ("mcp-method", "no/such"),
+            ],
+            json!({"jsonrpc": "2.0", "id": 4, "method": "no/such", "params": {"_meta": meta}}),
+            404,
+            -32601,
+        ),
+    ];
+    for (case, headers, body, status, code) in cases {
+        let reply = post(&headers, body);
+        assert_eq!(reply.status, status, "{case}");
+        let body = reply.json();
+        assert_eq!(body["error"]["code"], code, "{case}: {body}");
+        if code == -32022 {
+            assert_eq!(body["error"]["data"]["supported"], json!(["2026-07-28"]));
+        }
+    }
+    let get = raw.request(
+        "GET",
+        &[
+            ("accept", "text/event-stream"),
+            ("mcp-protocol-version", "2026-07-28"),
+        ],
+        None,
+    );
+    assert_eq!(get.status, 405);
+    assert_eq!(
+        tripwire.count(),
+        0,
+        "a refused modern request reached the upstream"
+    );
+}
