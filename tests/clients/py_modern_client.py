@@ -3,7 +3,8 @@
 
     tests/.venv/bin/python tests/clients/py_modern_client.py URL SCENARIO [URL2]
 
-Scenarios: elicit, multi, two, sample, roots (the client fulfils input requests itself),
+Scenarios: elicit, multi, two, sample, roots, everything (server-everything's tools); the
+client fulfils input requests itself. And
 and alternate: the rounds of plan_trip are sent by hand, each to the other of URL and
 URL2 (two gateway replicas), with the SDK's own retry parameters.
 Exits non-zero, with the reason on stderr, when a step fails or 30 s pass.
@@ -36,6 +37,8 @@ def expect(condition: bool, what: str) -> None:
 
 async def on_elicit(context, params: types.ElicitRequestParams) -> types.ElicitResult:
     emit("elicitation", message=params.message)
+    if params.message not in ANSWERS:
+        return types.ElicitResult(action="decline")
     return types.ElicitResult(action="accept", content=ANSWERS[params.message])
 
 
@@ -103,6 +106,11 @@ async def main(url: str, scenario: str, url2: str | None) -> None:
         await automatic(url, "summarize", {"text": "a long text"}, "summary: short")
     elif scenario == "roots":
         await automatic(url, "show_roots", {}, "roots: file:///tmp/project")
+    elif scenario == "everything":
+        async with client(url) as c:
+            expect(c.protocol_version == "2026-07-28", f"negotiated {c.protocol_version}")
+            for tool, args in [("echo", {"message": "hi"}), ("trigger-elicitation-request", {}), ("trigger-sampling-request", {"prompt": "hi", "maxTokens": 10})]:
+                emit("call", tool=tool, text=text_of(await c.call_tool(tool, args)))
     elif scenario == "alternate":
         await alternate(url, url2 or url)
     else:

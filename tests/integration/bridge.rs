@@ -35,6 +35,38 @@ fn the_python_modern_client_completes_flows_against_a_legacy_server() {
 }
 
 #[test]
+fn the_typescript_modern_client_completes_flows_against_a_legacy_server() {
+    let (_upstream, url) = start_upstream(Upstream::TypeScript);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let script = root().join("tests/clients/ts_modern_client.mjs");
+    for scenario in ["elicit", "multi", "two", "sample", "roots", "getstream"] {
+        let args = [script.to_str().unwrap(), gw.url.as_str(), scenario];
+        let lines = json_lines(&run_client(node(), &args, Duration::from_secs(60)));
+        assert_eq!(
+            lines[0]["protocolVersion"], "2026-07-28",
+            "{scenario}: {lines:?}"
+        );
+        assert!(
+            lines.iter().any(|l| l["step"] == "call"),
+            "{scenario}: {lines:?}"
+        );
+        println!("TypeScript modern client -> gateway -> TypeScript legacy server: {scenario} ok");
+    }
+}
+
+#[test]
+fn server_everything_serves_modern_clients_through_the_gateway() {
+    let (_upstream, url) = start_upstream(Upstream::Everything);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let lines = python_modern(&[&gw.url, "everything"]);
+    let texts: Vec<&str> = lines.iter().filter_map(|l| l["text"].as_str()).collect();
+    assert_eq!(texts.len(), 3, "{lines:?}");
+    assert_eq!(texts[0], "Echo: hi");
+    assert!(texts[1].contains("declined"), "{}", texts[1]);
+    assert!(texts[2].contains("\"text\": \"short\""), "{}", texts[2]);
+}
+
+#[test]
 fn every_round_can_land_on_another_replica() {
     let (_upstream, url) = start_upstream(Upstream::Python);
     let a = TestGateway::start(&[&url], &test_keys());
