@@ -23,6 +23,7 @@ pub struct Config {
     /// protection). Empty: loopback names only on a loopback listener, any otherwise.
     pub allowed_hosts: Vec<String>,
     pub limits: Limits,
+    pub bridge: BridgeOptions,
     pub server: ServerOptions,
     pub upstreams: Vec<UpstreamGroupConfig>,
 }
@@ -36,6 +37,7 @@ impl Default for Config {
             principal: PrincipalSource::default(),
             allowed_hosts: Vec::new(),
             limits: Limits::default(),
+            bridge: BridgeOptions::default(),
             server: ServerOptions::default(),
             upstreams: Vec::new(),
         }
@@ -56,6 +58,33 @@ impl Default for Limits {
         Limits {
             max_body_bytes: 4 << 20,
             max_batch: 64,
+        }
+    }
+}
+
+/// How modern (2026-07-28) calls are bridged onto legacy upstreams.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BridgeOptions {
+    /// How long each round's requestState stays valid.
+    pub request_state_ttl_seconds: u64,
+    /// The most a whole flow may take, across all its rounds; at this deadline the
+    /// replica that opened it deletes the upstream session if it is still open.
+    pub max_flow_seconds: u64,
+    /// How long after the last server request a round waits for more before answering.
+    pub quiet_window_ms: u64,
+    /// Most abandoned-flow sessions one replica watches; beyond it new interactive flows
+    /// are refused rather than left unwatched.
+    pub max_watched_sessions: usize,
+}
+
+impl Default for BridgeOptions {
+    fn default() -> Self {
+        BridgeOptions {
+            request_state_ttl_seconds: 600,
+            max_flow_seconds: 1800,
+            quiet_window_ms: 50,
+            max_watched_sessions: 100_000,
         }
     }
 }
@@ -254,6 +283,19 @@ impl Config {
         }
         if self.limits.max_batch == 0 {
             return Err(ConfigError::at("limits.max_batch", "must be at least 1"));
+        }
+        let b = &self.bridge;
+        if b.request_state_ttl_seconds == 0 || b.max_flow_seconds < b.request_state_ttl_seconds {
+            return Err(ConfigError::at(
+                "bridge.max_flow_seconds",
+                "must be at least bridge.request_state_ttl_seconds, which must be above 0",
+            ));
+        }
+        if b.quiet_window_ms == 0 || b.quiet_window_ms > 10_000 {
+            return Err(ConfigError::at(
+                "bridge.quiet_window_ms",
+                "must be 1 to 10000",
+            ));
         }
         if self.server.threads == 0 {
             return Err(ConfigError::at("server.threads", "must be at least 1"));

@@ -28,12 +28,9 @@ use pingora::http::ResponseHeader;
 use pingora::protocols::http::ServerSession;
 use serde_json::{json, Map, Value};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
 use tokio::time::Instant;
 
-/// How long after the last server request a round waits for more before answering.
-const QUIET_WINDOW: Duration = Duration::from_millis(50);
-/// How long a round's `requestState` stays valid.
-const STATE_TTL: Duration = Duration::from_secs(600);
 /// How often the bridge follows an upstream that closes the call's stream mid-call.
 const MAX_RESUMPTIONS: usize = 8;
 /// The id the gateway gives every call upstream (each flow has its own session).
@@ -331,6 +328,14 @@ async fn one_shot(
     }
 }
 
+/// Deletes the flow's upstream session and stops the reaper watching it.
+async fn end_session(gw: &Gateway, upstream: &LegacySession<'_>) {
+    upstream.delete().await;
+    if let Some(sid) = &upstream.session_id {
+        gw.reaper.forget(upstream.endpoint, sid);
+    }
+}
+
 /// Answers the client with the upstream's final response to the call.
 async fn finish_with(
     reply: ClientReply,
@@ -456,6 +461,7 @@ async fn start(
         round_start: None,
         round: 1,
         expires_at: 0,
+        flow_deadline: now_secs() + gw.config.bridge.max_flow_seconds,
         flow_id: rand::random(),
     };
     let streams = Streams::new(Some(call_response), session_stream);
@@ -522,29 +528,53 @@ async fn run_round(
         flow.last_event_id.clone(),
     );
     round.skip(answered.0);
-    let end = drive(session, &upstream, &mut reply, &mut round, &mut streams).await;
+    let quiet = Duration::from_millis(gw.config.bridge.quiet_window_ms);
+    let end = drive(
+        session,
+        &upstream,
+        &mut reply,
+        &mut round,
+        &mut streams,
+        quiet,
+    )
+    .await;
     let cacheable = request.method == "resources/read";
     match end {
         RoundEnd::Complete(message) => {
             streams.close(gw).await;
-            upstream.delete().await;
+            end_session(gw, &upstream).await;
             finish_with(reply, session, message, server_info, cacheable).await
         }
         RoundEnd::Questions if round.last_event_id().is_none() => {
             streams.close(gw).await;
-            upstream.delete().await;
+            end_session(gw, &upstream).await;
             let text = format!("upstream group '{}' cannot resume streams (its SSE events carry no ids), so its interactive calls cannot be bridged yet", group.name);
             reply
                 .error(session, 502, code::INTERNAL_ERROR, &text, None)
                 .await;
             "upstream_error"
         }
+        RoundEnd::Questions if flow.round == 1 && !watch(gw, &upstream, &flow) => {
+            streams.close(gw).await;
+            end_session(gw, &upstream).await;
+            reply
+                .error(
+                    session,
+                    503,
+                    code::INTERNAL_ERROR,
+                    "too many flows are waiting for input on this replica; retry later",
+                    None,
+                )
+                .await;
+            "overloaded"
+        }
         RoundEnd::Questions => {
             streams.close(gw).await;
             flow.pending = round.pending().to_vec();
             flow.last_event_id = round.last_event_id().map(str::to_string);
             flow.round_start = round.round_start().map(str::to_string);
-            flow.expires_at = now_secs() + STATE_TTL.as_secs();
+            flow.expires_at =
+                (now_secs() + gw.config.bridge.request_state_ttl_seconds).min(flow.flow_deadline);
             let sealed = flow.seal(&gw.keys, bind);
             tracing::info!(
                 flow = format!("{:016x}", flow.flow_id),
@@ -562,7 +592,7 @@ async fn run_round(
         }
         RoundEnd::MissingCapability(required) => {
             streams.close(gw).await;
-            upstream.delete().await;
+            end_session(gw, &upstream).await;
             let data = json!({"requiredCapabilities": required});
             reply
                 .error(
@@ -577,6 +607,7 @@ async fn run_round(
         }
         RoundEnd::Failed(why) => {
             streams.close(gw).await;
+            end_session(gw, &upstream).await;
             let text = format!(
                 "upstream group '{}' failed during the call: {why}",
                 group.name
@@ -587,7 +618,9 @@ async fn run_round(
             "upstream_error"
         }
         RoundEnd::ClientGone => {
+            // A 2026-07-28 client closing its response cancels the request.
             streams.close(gw).await;
+            end_session(gw, &upstream).await;
             "client_gone"
         }
     }
@@ -600,6 +633,7 @@ async fn drive(
     reply: &mut ClientReply,
     round: &mut Round,
     streams: &mut Streams,
+    quiet_window: Duration,
 ) -> RoundEnd {
     if let Some(call) = streams.call.as_mut() {
         if !is_sse(call) {
@@ -688,9 +722,22 @@ async fn drive(
             }
         }
         if round.has_questions() {
-            quiet_until = Some(Instant::now() + QUIET_WINDOW);
+            quiet_until = Some(Instant::now() + quiet_window);
         }
     }
+}
+
+/// Has the reaper watch a new flow's upstream session until the flow's deadline.
+fn watch(gw: &Gateway, upstream: &LegacySession<'_>, flow: &FlowState) -> bool {
+    let Some(sid) = &upstream.session_id else {
+        return true;
+    };
+    gw.reaper.watch(
+        upstream.endpoint,
+        upstream.timeouts,
+        sid,
+        flow.flow_deadline,
+    )
 }
 
 fn is_sse(response: &Response) -> bool {

@@ -5,6 +5,7 @@
 pub mod admin;
 pub mod bridge;
 pub mod passthrough;
+pub mod reaper;
 pub mod respond;
 pub mod server;
 
@@ -39,6 +40,7 @@ pub struct Gateway {
     pub client: UpstreamClient,
     pub metrics: Arc<Metrics>,
     host_policy: HostPolicy,
+    pub reaper: Arc<reaper::Reaper>,
     /// Each group's InitializeResult, learnt from the first session opened there; it
     /// answers `server/discover` and names the server in every modern result.
     initialize_results: std::sync::Mutex<std::collections::HashMap<String, Value>>,
@@ -48,7 +50,9 @@ impl Gateway {
     pub fn new(config: Config, keys: Arc<KeyRing>, upstreams: Upstreams) -> Gateway {
         let listen = config.listen.parse().expect("validated listen address");
         let host_policy = HostPolicy::for_listener(listen, &config.allowed_hosts);
+        let reaper = Arc::new(reaper::Reaper::new(config.bridge.max_watched_sessions));
         Gateway {
+            reaper,
             host_policy,
             initialize_results: Default::default(),
             config,

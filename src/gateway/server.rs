@@ -4,6 +4,7 @@
 //! `demo`.
 
 use super::admin::{AdminApp, DrainWatch};
+use super::reaper::ReaperService;
 use super::Gateway;
 use crate::config::Config;
 use crate::keys::KeyRing;
@@ -50,6 +51,7 @@ pub fn build(
     let admin_listen = config.admin_listen.clone();
     let gateway = Gateway::new(config, keys, upstreams);
     let metrics = gateway.metrics.clone();
+    let reaper = gateway.reaper.clone();
     let draining = Arc::new(AtomicBool::new(false));
     let mut mcp = Service::new("mcp".to_string(), gateway);
     mcp.add_tcp(&listen);
@@ -64,6 +66,10 @@ pub fn build(
     server.add_service(mcp);
     server.add_service(admin);
     server.add_service(background_service("drain watch", DrainWatch { draining }));
+    server.add_service(background_service(
+        "abandoned-flow reaper",
+        ReaperService { reaper },
+    ));
     for service in extra {
         server.add_boxed_service(service);
     }

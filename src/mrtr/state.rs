@@ -61,6 +61,8 @@ pub struct FlowState {
     pub round: u16,
     /// Seconds since the Unix epoch after which the state is refused.
     pub expires_at: u64,
+    /// The flow's hard deadline; no round's `expires_at` passes it.
+    pub flow_deadline: u64,
     /// Random id that stays the same across rounds and replicas, for logs.
     pub flow_id: u64,
 }
@@ -130,6 +132,7 @@ mod tests {
             round_start: Some("7a655773-cec9-4f18-9782-81d58bb08a83_2".into()),
             round: 1,
             expires_at: 2_000_000_000,
+            flow_deadline: 2_000_000_600,
             flow_id: 0x1234_5678_9abc_def0,
         }
     }

@@ -143,6 +143,7 @@ fn state_for(
         round_start: Some("s_0".into()),
         round: 1,
         expires_at,
+        flow_deadline: expires_at,
         flow_id: 7,
     };
     flow.seal(
@@ -321,5 +322,47 @@ fn the_modern_surface_refuses_bad_requests_in_the_spec_form() {
         tripwire.count(),
         0,
         "a refused modern request reached the upstream"
+    );
+}
+
+#[test]
+fn an_abandoned_flow_has_its_upstream_session_deleted_at_its_deadline() {
+    let (_upstream, url) = start_upstream(Upstream::TypeScript);
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.bridge.request_state_ttl_seconds = 1;
+        c.bridge.max_flow_seconds = 2;
+    });
+    let first = ask_name(&Raw::new(&gw.url), 1, json!({}));
+    let sealed = first["result"]["requestState"]
+        .as_str()
+        .expect("a requestState")
+        .to_string();
+    let ring = KeyRing::parse(&test_keys()).unwrap();
+    let principal = PrincipalSource::Authorization.digest(None);
+    let bind = binding(&principal, "tools/call", Some("ask_name"), Some(&json!({})));
+    let flow = FlowState::open(&ring, &bind, &sealed, 0).expect("the gateway's own state");
+    assert!(
+        flow.expires_at <= flow.flow_deadline,
+        "a round outlives its flow"
+    );
+    // Ask the upstream directly whether the session still exists.
+    let upstream = Raw::new(&url);
+    let alive = || {
+        upstream
+            .post(
+                Some(&flow.upstream_session),
+                &json!({"jsonrpc":"2.0","id":5,"method":"tools/list"}),
+            )
+            .status
+            == 200
+    };
+    assert!(
+        alive(),
+        "the pending flow's session must stay open until its deadline"
+    );
+    wait_until(
+        "the reaper to delete the abandoned session",
+        Duration::from_secs(15),
+        || !alive(),
     );
 }
