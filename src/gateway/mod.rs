@@ -73,6 +73,27 @@ impl Gateway {
             .or_insert_with(|| result.clone());
     }
 
+    /// Opens an upstream session on a healthy endpoint of `group` with the client's
+    /// declared capabilities, and remembers the group's InitializeResult.
+    pub async fn open_upstream<'g>(
+        &'g self,
+        group: &'g UpstreamGroup,
+        capabilities: &Value,
+        client_info: &Value,
+    ) -> Result<(LegacySession<'g>, Value), SessionError> {
+        let endpoint = group.pick().ok_or(SessionError::NoEndpoint)?;
+        let opened = LegacySession::open(
+            &self.client,
+            endpoint,
+            &group.timeouts,
+            capabilities,
+            client_info,
+        )
+        .await?;
+        self.remember_initialize(group, &opened.1);
+        Ok(opened)
+    }
+
     /// The group's InitializeResult, opening (and closing) a session to learn it once.
     pub async fn initialize_result(
         &self,
@@ -87,19 +108,8 @@ impl Gateway {
         {
             return Ok(known.clone());
         }
-        let endpoint = group.pick().ok_or_else(|| {
-            SessionError::Protocol("no healthy upstream endpoint is available".into())
-        })?;
-        let (session, result) = LegacySession::open(
-            &self.client,
-            endpoint,
-            &group.timeouts,
-            &json!({}),
-            client_info,
-        )
-        .await?;
+        let (session, result) = self.open_upstream(group, &json!({}), client_info).await?;
         session.delete().await;
-        self.remember_initialize(group, &result);
         Ok(result)
     }
 

@@ -15,7 +15,6 @@ use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::ServerSession;
 use serde_json::Value;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 /// How a request ended, for the requests metric.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -223,10 +222,7 @@ fn client_session_token(
         group: group.name.clone(),
         endpoint: route.endpoint.addr,
         upstream_session: sid.to_string(),
-        issued_at: SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
+        issued_at: crate::mrtr::state::now_secs(),
     };
     Some(token.seal(&gw.keys, binding))
 }

@@ -8,6 +8,7 @@
 //! completes on another replica has its session deleted there, and the reaper's later
 //! DELETE gets a harmless 404.
 
+use crate::mrtr::state::now_secs;
 use crate::upstream::exchange::UpstreamClient;
 use crate::upstream::legacy_session::LegacySession;
 use crate::upstream::{Endpoint, Timeouts};
@@ -16,7 +17,7 @@ use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// How often due sessions are looked for.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
@@ -30,13 +31,6 @@ struct Watched {
 pub struct Reaper {
     watched: Mutex<HashMap<String, Watched>>,
     capacity: usize,
-}
-
-fn now_secs() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
 }
 
 impl Reaper {

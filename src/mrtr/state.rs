@@ -12,6 +12,14 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 use std::net::SocketAddr;
 
+/// Seconds since the Unix epoch: the clock of expiries and deadlines.
+pub fn now_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
 /// Longest `requestState` accepted before any decoding.
 pub const MAX_STATE_LEN: usize = 4096;
 

@@ -151,6 +151,14 @@ impl Response {
             .expect("send() returns only after the response header was read")
     }
 
+    /// Whether the body is an SSE stream.
+    pub fn is_sse(&self) -> bool {
+        self.header()
+            .headers
+            .get(http::header::CONTENT_TYPE)
+            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"))
+    }
+
     /// The next body chunk; `None` at the end of the body.
     pub async fn next_chunk(&mut self) -> Result<Option<Bytes>, ExchangeError> {
         self.http.read_response_body().await.map_err(|e| {

@@ -27,6 +27,8 @@ pub struct LegacySession<'a> {
 /// Why the upstream could not be driven.
 #[derive(Debug)]
 pub enum SessionError {
+    /// The group has no healthy endpoint for a new session.
+    NoEndpoint,
     Exchange(ExchangeError),
     /// The upstream answered something other than what the protocol requires.
     Protocol(String),
@@ -35,6 +37,7 @@ pub enum SessionError {
 impl std::fmt::Display for SessionError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
+            SessionError::NoEndpoint => write!(f, "no healthy upstream endpoint is available"),
             SessionError::Exchange(e) => write!(f, "{e}"),
             SessionError::Protocol(e) => write!(f, "{e}"),
         }
@@ -45,14 +48,6 @@ impl From<ExchangeError> for SessionError {
     fn from(e: ExchangeError) -> Self {
         SessionError::Exchange(e)
     }
-}
-
-fn is_sse(response: &Response) -> bool {
-    response
-        .header()
-        .headers
-        .get(http::header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"))
 }
 
 impl<'a> LegacySession<'a> {
@@ -176,7 +171,7 @@ impl<'a> LegacySession<'a> {
             .send(self.endpoint, self.timeouts, req, Bytes::new())
             .await?;
         let status = response.header().status.as_u16();
-        if status != 200 || !is_sse(&response) {
+        if status != 200 || !response.is_sse() {
             self.client.finish(response).await;
             return Err(SessionError::Protocol(format!(
                 "the upstream refused the GET stream (HTTP {status})"
@@ -205,7 +200,7 @@ impl<'a> LegacySession<'a> {
 /// Reads the single JSON-RPC message of a response: a JSON body, or the first message
 /// event of an SSE body.
 pub async fn read_single(response: &mut Response) -> Result<Value, SessionError> {
-    if !is_sse(response) {
+    if !response.is_sse() {
         let body = response.read_all(MAX_UPSTREAM_MESSAGE).await?;
         return serde_json::from_slice(&body)
             .map_err(|e| SessionError::Protocol(format!("upstream sent invalid JSON: {e}")));

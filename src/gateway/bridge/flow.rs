@@ -1,0 +1,455 @@
+//! An interactive call (`tools/call`, `prompts/get`, `resources/read`) as rounds: the
+//! first opens an upstream session and posts the call; each retry opens the sealed
+//! `requestState`, posts the answers and resumes the call's stream. Between rounds the
+//! upstream keeps running and the gateway holds nothing but the reaper's entry.
+
+use super::reply::{decorate, ClientReply};
+use super::{client_info, end_session, finish_with, upstream_failed, upstream_params, CALL_ID};
+use crate::gateway::Gateway;
+use crate::mrtr::modern::{code as mcode, ModernRequest};
+use crate::mrtr::state::{binding, now_secs, FlowState, UpstreamId};
+use crate::mrtr::translate::{Action, Round};
+use crate::protocol::jsonrpc::code;
+use crate::protocol::sse;
+use crate::upstream::exchange::Response;
+use crate::upstream::legacy_session::{read_single, LegacySession, MAX_UPSTREAM_MESSAGE};
+use crate::upstream::UpstreamGroup;
+use bytes::Bytes;
+use pingora::protocols::http::ServerSession;
+use serde_json::{json, Value};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// How often the bridge follows an upstream that closes the call's stream mid-call.
+const MAX_RESUMPTIONS: usize = 8;
+const INVALID_STATE: &str = "Invalid or expired requestState";
+
+/// The upstream streams of a flow in progress.
+struct Streams {
+    call: Option<Response>,
+    call_parser: sse::Parser,
+    session: Option<Response>,
+    session_parser: sse::Parser,
+}
+
+/// How a round ended.
+enum RoundEnd {
+    Complete(Value),
+    Questions,
+    MissingCapability(Value),
+    Failed(String),
+    ClientGone,
+}
+
+/// What every step of one client request needs.
+#[derive(Clone, Copy)]
+struct Call<'a> {
+    gw: &'a Gateway,
+    group: &'a UpstreamGroup,
+    request: &'a ModernRequest,
+    /// The associated data of this request's `requestState`.
+    bind: [u8; 32],
+}
+
+pub(super) async fn interactive(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    group: &UpstreamGroup,
+    request: ModernRequest,
+    reply: ClientReply,
+) -> &'static str {
+    let principal = gw.principal(session);
+    let bind = binding(
+        &principal,
+        &request.method,
+        request.target.as_deref(),
+        request.params.get("arguments"),
+    );
+    let call = Call {
+        gw,
+        group,
+        request: &request,
+        bind,
+    };
+    match request.params.get("requestState").and_then(Value::as_str) {
+        None => start(&call, session, reply).await,
+        Some(text) => resume(&call, session, reply, text).await,
+    }
+}
+
+async fn start(call: &Call<'_>, session: &mut ServerSession, reply: ClientReply) -> &'static str {
+    let Call {
+        gw, group, request, ..
+    } = *call;
+    let caps = Value::Object(request.client_capabilities.clone());
+    let (upstream, _init) = match gw.open_upstream(group, &caps, &client_info(request)).await {
+        Ok(opened) => opened,
+        Err(e) => return upstream_failed(reply, session, group, &e).await,
+    };
+    let endpoint = upstream.endpoint;
+    let session_stream = upstream.get(None).await.ok();
+    let message = json!({"jsonrpc": "2.0", "id": CALL_ID, "method": request.method, "params": upstream_params(&request.params)});
+    let call_response = match upstream.post(&message).await {
+        Ok(r) => r,
+        Err(e) => {
+            upstream.delete().await;
+            return upstream_failed(reply, session, group, &e).await;
+        }
+    };
+    let flow = FlowState {
+        group: group.name.clone(),
+        endpoint: endpoint.addr,
+        upstream_session: upstream.session_id.clone().unwrap_or_default(),
+        call_id: UpstreamId::Number(CALL_ID),
+        pending: Vec::new(),
+        last_event_id: None,
+        round_start: None,
+        round: 1,
+        expires_at: 0,
+        flow_deadline: now_secs() + gw.config.bridge.max_flow_seconds,
+        flow_id: rand::random(),
+    };
+    let streams = Streams::new(Some(call_response), session_stream);
+    let round = new_round(request, &flow);
+    run_round(call, session, reply, upstream, flow, streams, round).await
+}
+
+impl Streams {
+    fn new(call: Option<Response>, session: Option<Response>) -> Streams {
+        Streams {
+            call,
+            call_parser: sse::Parser::new(MAX_UPSTREAM_MESSAGE),
+            session,
+            session_parser: sse::Parser::new(MAX_UPSTREAM_MESSAGE),
+        }
+    }
+
+    async fn close(self, gw: &Gateway) {
+        for response in [self.call, self.session].into_iter().flatten() {
+            gw.client.finish(response).await;
+        }
+    }
+}
+
+async fn next_chunk(response: &mut Option<Response>) -> Option<Result<Option<Bytes>, String>> {
+    match response {
+        Some(r) => Some(r.next_chunk().await.map_err(|e| e.to_string())),
+        None => std::future::pending().await,
+    }
+}
+
+/// A round's translator, for `request` continuing from the flow's stream position.
+fn new_round(request: &ModernRequest, flow: &FlowState) -> Round {
+    let forward_logs = request.log_level.is_some();
+    let capabilities = request.client_capabilities.clone();
+    Round::new(
+        flow.call_id.clone(),
+        capabilities,
+        forward_logs,
+        flow.last_event_id.clone(),
+    )
+}
+
+async fn run_round(
+    call: &Call<'_>,
+    session: &mut ServerSession,
+    mut reply: ClientReply,
+    upstream: LegacySession<'_>,
+    mut flow: FlowState,
+    mut streams: Streams,
+    mut round: Round,
+) -> &'static str {
+    let Call {
+        gw, group, request, ..
+    } = *call;
+    let bind = &call.bind;
+    let server_info = &gw.server_info(group);
+    let quiet = Duration::from_millis(gw.config.bridge.quiet_window_ms);
+    let end = drive(
+        session,
+        &upstream,
+        &mut reply,
+        &mut round,
+        &mut streams,
+        quiet,
+    )
+    .await;
+    let cacheable = request.method == "resources/read";
+    match end {
+        RoundEnd::Complete(message) => {
+            streams.close(gw).await;
+            end_session(gw, &upstream).await;
+            finish_with(reply, session, message, server_info, cacheable).await
+        }
+        RoundEnd::Questions if round.last_event_id().is_none() => {
+            streams.close(gw).await;
+            end_session(gw, &upstream).await;
+            let text = format!("upstream group '{}' cannot resume streams (its SSE events carry no ids), so its interactive calls cannot be bridged yet", group.name);
+            reply
+                .error(session, 502, code::INTERNAL_ERROR, &text, None)
+                .await;
+            "upstream_error"
+        }
+        RoundEnd::Questions if flow.round == 1 && !watch(gw, &upstream, &flow) => {
+            streams.close(gw).await;
+            end_session(gw, &upstream).await;
+            reply
+                .error(
+                    session,
+                    503,
+                    code::INTERNAL_ERROR,
+                    "too many flows are waiting for input on this replica; retry later",
+                    None,
+                )
+                .await;
+            "overloaded"
+        }
+        RoundEnd::Questions => {
+            streams.close(gw).await;
+            flow.pending = round.pending().to_vec();
+            flow.last_event_id = round.last_event_id().map(str::to_string);
+            flow.round_start = round.round_start().map(str::to_string);
+            flow.expires_at =
+                (now_secs() + gw.config.bridge.request_state_ttl_seconds).min(flow.flow_deadline);
+            let sealed = flow.seal(&gw.keys, bind);
+            tracing::info!(
+                flow = format!("{:016x}", flow.flow_id),
+                round = flow.round,
+                questions = flow.pending.len(),
+                "input required"
+            );
+            reply
+                .result(
+                    session,
+                    decorate(round.input_required(sealed), server_info, false),
+                )
+                .await;
+            "input_required"
+        }
+        RoundEnd::MissingCapability(required) => {
+            streams.close(gw).await;
+            end_session(gw, &upstream).await;
+            let data = json!({"requiredCapabilities": required});
+            reply
+                .error(
+                    session,
+                    400,
+                    mcode::MISSING_REQUIRED_CLIENT_CAPABILITY,
+                    "the server needs a client capability this request did not declare",
+                    Some(data),
+                )
+                .await;
+            "missing_capability"
+        }
+        RoundEnd::Failed(why) => {
+            streams.close(gw).await;
+            end_session(gw, &upstream).await;
+            let text = format!(
+                "upstream group '{}' failed during the call: {why}",
+                group.name
+            );
+            reply
+                .error(session, 502, code::INTERNAL_ERROR, &text, None)
+                .await;
+            "upstream_error"
+        }
+        RoundEnd::ClientGone => {
+            // A 2026-07-28 client closing its response cancels the request.
+            streams.close(gw).await;
+            end_session(gw, &upstream).await;
+            "client_gone"
+        }
+    }
+}
+
+/// Reads the upstream streams until the call completes or a round of questions is whole.
+async fn drive(
+    session: &mut ServerSession,
+    upstream: &LegacySession<'_>,
+    reply: &mut ClientReply,
+    round: &mut Round,
+    streams: &mut Streams,
+    quiet_window: Duration,
+) -> RoundEnd {
+    if let Some(call) = streams.call.as_mut() {
+        if !call.is_sse() {
+            return match read_single(call).await {
+                Ok(message) => RoundEnd::Complete(message),
+                Err(e) => RoundEnd::Failed(e.to_string()),
+            };
+        }
+    }
+    let mut quiet_until: Option<Instant> = None;
+    let mut resumptions = 0;
+    loop {
+        let quiet = async {
+            match quiet_until {
+                Some(t) => tokio::time::sleep_until(t).await,
+                None => std::future::pending().await,
+            }
+        };
+        let (from_call, chunk) = tokio::select! {
+            c = next_chunk(&mut streams.call) => (true, c),
+            c = next_chunk(&mut streams.session) => (false, c),
+            _ = quiet => return RoundEnd::Questions,
+            _ = session.read_body_or_idle(true) => return RoundEnd::ClientGone,
+        };
+        let events = match chunk {
+            Some(Ok(Some(bytes))) => {
+                let parser = if from_call {
+                    &mut streams.call_parser
+                } else {
+                    &mut streams.session_parser
+                };
+                let mut events = Vec::new();
+                if let Err(e) = parser.push(&bytes, &mut events) {
+                    return RoundEnd::Failed(e.to_string());
+                }
+                events
+            }
+            Some(Ok(None)) | Some(Err(_)) if !from_call => {
+                streams.session = None;
+                continue;
+            }
+            Some(Ok(None)) | Some(Err(_)) => {
+                // The upstream closed the call's stream mid-call (SSE polling): resume it.
+                streams.call = None;
+                resumptions += 1;
+                let Some(last) = round.last_event_id().map(str::to_string) else {
+                    return RoundEnd::Failed("the call's stream ended without a result".into());
+                };
+                if resumptions > MAX_RESUMPTIONS {
+                    return RoundEnd::Failed("the upstream kept closing the call's stream".into());
+                }
+                match upstream.get(Some(&last)).await {
+                    Ok(r) => streams.call = Some(r),
+                    Err(e) => return RoundEnd::Failed(e.to_string()),
+                }
+                streams.call_parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
+                continue;
+            }
+            None => continue,
+        };
+        for event in events {
+            if from_call {
+                if let Some(id) = &event.id {
+                    round.saw_call_event(id);
+                }
+            }
+            if event.data.is_empty() {
+                continue;
+            }
+            let Ok(message) = serde_json::from_str::<Value>(&event.data) else {
+                return RoundEnd::Failed("the upstream sent an event that is not JSON".into());
+            };
+            for action in round.on_message(message) {
+                match action {
+                    Action::Notify(n) => reply.notify(session, &n).await,
+                    Action::AnswerUpstream(a) => {
+                        if let Err(e) = upstream.post_and_expect_accepted(&a).await {
+                            return RoundEnd::Failed(e.to_string());
+                        }
+                    }
+                    Action::Complete(m) => return RoundEnd::Complete(m),
+                    Action::MissingCapability { required, .. } => {
+                        return RoundEnd::MissingCapability(required)
+                    }
+                }
+            }
+        }
+        if round.has_questions() {
+            quiet_until = Some(Instant::now() + quiet_window);
+        }
+    }
+}
+
+/// Has the reaper watch a new flow's upstream session until the flow's deadline.
+fn watch(gw: &Gateway, upstream: &LegacySession<'_>, flow: &FlowState) -> bool {
+    let Some(sid) = &upstream.session_id else {
+        return true;
+    };
+    gw.reaper.watch(
+        upstream.endpoint,
+        upstream.timeouts,
+        sid,
+        flow.flow_deadline,
+    )
+}
+
+async fn resume(
+    call: &Call<'_>,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    text: &str,
+) -> &'static str {
+    let Call {
+        gw, group, request, ..
+    } = *call;
+    let bind = &call.bind;
+    let opened = FlowState::open(&gw.keys, bind, text, now_secs())
+        .map_err(|e| e.reason())
+        .and_then(|state| {
+            let endpoint = (state.group == group.name)
+                .then(|| group.endpoint(state.endpoint))
+                .flatten();
+            endpoint.map(|e| (state, e)).ok_or("unknown_endpoint")
+        });
+    let (mut flow, endpoint) = match opened {
+        Ok(o) => o,
+        Err(reason) => {
+            gw.metrics
+                .state_rejections
+                .with_label_values(&[reason])
+                .inc();
+            tracing::info!(group = %group.name, reason, "requestState refused");
+            reply
+                .error(session, 400, code::INVALID_PARAMS, INVALID_STATE, None)
+                .await;
+            return "state_rejected";
+        }
+    };
+    let upstream = LegacySession::resume(
+        &gw.client,
+        endpoint,
+        &group.timeouts,
+        flow.upstream_session.clone(),
+    );
+    let responses = request
+        .params
+        .get("inputResponses")
+        .and_then(Value::as_object)
+        .cloned()
+        .unwrap_or_default();
+    let mut answered = Vec::new();
+    for pending in &flow.pending {
+        let Some(answer) = responses.get(&pending.key) else {
+            continue;
+        };
+        let message =
+            json!({"jsonrpc": "2.0", "id": pending.upstream_id.to_json(), "result": answer});
+        if let Err(e) = upstream.post_and_expect_accepted(&message).await {
+            return upstream_failed(reply, session, group, &e).await;
+        }
+        answered.push(pending.upstream_id.clone());
+    }
+    // With every answer given, continue after the last event; otherwise replay the round
+    // from its start so the unanswered questions are asked again.
+    let all_answered = answered.len() == flow.pending.len();
+    let from = if all_answered {
+        flow.last_event_id.clone()
+    } else {
+        flow.round_start.clone().or(flow.last_event_id.clone())
+    };
+    let call_stream = match upstream.get(from.as_deref()).await {
+        Ok(r) => r,
+        Err(e) => return upstream_failed(reply, session, group, &e).await,
+    };
+    let streams = Streams::new(Some(call_stream), upstream.get(None).await.ok());
+    if all_answered {
+        flow.round += 1;
+    }
+    flow.last_event_id = from;
+    let mut round = new_round(request, &flow);
+    round.skip(answered);
+    run_round(call, session, reply, upstream, flow, streams, round).await
+}

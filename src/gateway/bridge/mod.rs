@@ -1,0 +1,238 @@
+//! The MRTR bridge: 2026-07-28 requests served by legacy upstreams.
+//!
+//! Each request gets an upstream session opened with the client's declared capabilities.
+//! `tools/call`, `prompts/get` and `resources/read` run as rounds: server requests that
+//! arrive on the call's stream or the session's GET stream are gathered (within a quiet
+//! window) into an `InputRequiredResult` whose sealed `requestState` points at the waiting
+//! upstream call. The retry, on any replica, posts the answers and resumes the call's
+//! stream with `Last-Event-ID`. The upstream keeps running in between: its connections
+//! are closed, never cancelled, and no per-flow memory stays on the gateway.
+
+mod flow;
+mod reply;
+
+use super::respond;
+use super::Gateway;
+use crate::metrics::method_label;
+use crate::mrtr::modern::{ModernHeaders, ModernRequest, Refusal, SUPPORTED_VERSIONS};
+use crate::protocol::jsonrpc::code;
+use crate::upstream::legacy_session::{read_single, LegacySession, SessionError};
+use crate::upstream::UpstreamGroup;
+use bytes::Bytes;
+use pingora::protocols::http::ServerSession;
+use reply::{decorate, ClientReply};
+use serde_json::{json, Map, Value};
+
+/// The id the gateway gives every call upstream (each flow has its own session).
+const CALL_ID: i64 = 1;
+
+/// The params sent upstream: the client's, less what only the 2026-07-28 wire carries.
+pub(crate) fn upstream_params(params: &Map<String, Value>) -> Value {
+    let mut p = params.clone();
+    p.remove("inputResponses");
+    p.remove("requestState");
+    if let Some(meta) = p.get_mut("_meta").and_then(Value::as_object_mut) {
+        meta.retain(|k, _| !k.starts_with("io.modelcontextprotocol/"));
+        if meta.is_empty() {
+            p.remove("_meta");
+        }
+    }
+    Value::Object(p)
+}
+
+pub async fn serve(gw: &Gateway, session: &mut ServerSession, group: &UpstreamGroup, body: &[u8]) {
+    let message: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let method = message["method"].as_str().unwrap_or_default().to_string();
+    let outcome = serve_inner(gw, session, group, &message).await;
+    gw.metrics
+        .requests
+        .with_label_values(&["modern", method_label(Some(&method)), outcome])
+        .inc();
+}
+
+async fn serve_inner(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    group: &UpstreamGroup,
+    message: &Value,
+) -> &'static str {
+    let (Some(method), Some(id)) = (message["method"].as_str(), message.get("id")) else {
+        if message.get("method").is_some() {
+            respond::write(session, 202, "application/json", Bytes::new()).await;
+            return "ok";
+        }
+        respond::error(
+            session,
+            400,
+            None,
+            code::INVALID_REQUEST,
+            "clients send no JSON-RPC responses in protocol version 2026-07-28",
+        )
+        .await;
+        return "bad_request";
+    };
+    let header = |name: &str| session.get_header(name).and_then(|v| v.to_str().ok());
+    let headers = ModernHeaders {
+        protocol_version: header("mcp-protocol-version"),
+        method: header("mcp-method"),
+        name: header("mcp-name"),
+    };
+    let accepts_sse = header("accept").is_some_and(|a| a.contains("text/event-stream"));
+    let request = match ModernRequest::validate(id.clone(), method, message.get("params"), headers)
+    {
+        Ok(r) => r,
+        Err(Refusal {
+            status,
+            code,
+            message: text,
+            data,
+        }) => {
+            let reply = ClientReply {
+                id: id.clone(),
+                accepts_sse: false,
+                streaming: false,
+            };
+            reply.error(session, status, code, &text, data).await;
+            return "bad_request";
+        }
+    };
+    let reply = ClientReply {
+        id: id.clone(),
+        accepts_sse,
+        streaming: false,
+    };
+    match method {
+        "server/discover" => discover(gw, session, group, &request, reply).await,
+        "tools/call" | "prompts/get" | "resources/read" => {
+            flow::interactive(gw, session, group, request, reply).await
+        }
+        "tools/list"
+        | "prompts/list"
+        | "resources/list"
+        | "resources/templates/list"
+        | "completion/complete" => one_shot(gw, session, group, &request, reply).await,
+        other => {
+            let text = format!("Method not found: {other}");
+            reply
+                .error(session, 404, code::METHOD_NOT_FOUND, &text, None)
+                .await;
+            "bad_request"
+        }
+    }
+}
+
+pub(crate) fn client_info(request: &ModernRequest) -> Value {
+    request.params["_meta"]
+        .get("io.modelcontextprotocol/clientInfo")
+        .cloned()
+        .unwrap_or_else(|| json!({"name": "mrtr-gateway", "version": env!("CARGO_PKG_VERSION")}))
+}
+
+pub(crate) async fn upstream_failed(
+    reply: ClientReply,
+    session: &mut ServerSession,
+    group: &UpstreamGroup,
+    e: &SessionError,
+) -> &'static str {
+    let status = if matches!(e, SessionError::NoEndpoint) {
+        503
+    } else {
+        502
+    };
+    tracing::warn!(group = %group.name, error = %e, "bridged upstream exchange failed");
+    let text = format!("upstream group '{}' failed: {e}", group.name);
+    reply
+        .error(session, status, code::INTERNAL_ERROR, &text, None)
+        .await;
+    "upstream_error"
+}
+
+async fn discover(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    group: &UpstreamGroup,
+    request: &ModernRequest,
+    reply: ClientReply,
+) -> &'static str {
+    let init = match gw.initialize_result(group, &client_info(request)).await {
+        Ok(init) => init,
+        Err(e) => return upstream_failed(reply, session, group, &e).await,
+    };
+    let mut result =
+        json!({"supportedVersions": SUPPORTED_VERSIONS, "capabilities": init["capabilities"]});
+    if let Some(instructions) = init.get("instructions") {
+        result["instructions"] = instructions.clone();
+    }
+    reply
+        .result(session, decorate(result, &init["serverInfo"], true))
+        .await;
+    "ok"
+}
+
+async fn one_shot(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    group: &UpstreamGroup,
+    request: &ModernRequest,
+    reply: ClientReply,
+) -> &'static str {
+    let caps = Value::Object(request.client_capabilities.clone());
+    let (upstream, init) = match gw.open_upstream(group, &caps, &client_info(request)).await {
+        Ok(opened) => opened,
+        Err(e) => return upstream_failed(reply, session, group, &e).await,
+    };
+    let call = json!({"jsonrpc": "2.0", "id": CALL_ID, "method": request.method, "params": upstream_params(&request.params)});
+    let answer = match upstream.post(&call).await {
+        Ok(mut response) => {
+            let message = read_single(&mut response).await;
+            gw.client.finish(response).await;
+            message
+        }
+        Err(e) => Err(e),
+    };
+    upstream.delete().await;
+    match answer {
+        Ok(message) => finish_with(reply, session, message, &init["serverInfo"], true).await,
+        Err(e) => upstream_failed(reply, session, group, &e).await,
+    }
+}
+
+/// Deletes the flow's upstream session and stops the reaper watching it.
+pub(crate) async fn end_session(gw: &Gateway, upstream: &LegacySession<'_>) {
+    upstream.delete().await;
+    if let Some(sid) = &upstream.session_id {
+        gw.reaper.forget(upstream.endpoint, sid);
+    }
+}
+
+/// Answers the client with the upstream's final response to the call.
+pub(crate) async fn finish_with(
+    reply: ClientReply,
+    session: &mut ServerSession,
+    message: Value,
+    server_info: &Value,
+    cacheable: bool,
+) -> &'static str {
+    match message.get("result") {
+        Some(result) => {
+            reply
+                .result(session, decorate(result.clone(), server_info, cacheable))
+                .await;
+            "ok"
+        }
+        None => {
+            let error = &message["error"];
+            let text = error["message"].as_str().unwrap_or("upstream error");
+            reply
+                .error(
+                    session,
+                    200,
+                    error["code"].as_i64().unwrap_or(code::INTERNAL_ERROR),
+                    text,
+                    error.get("data").cloned(),
+                )
+                .await;
+            "upstream_error"
+        }
+    }
+}

@@ -1,0 +1,107 @@
+//! The client's side of a bridged request: a JSON response, or an SSE response once a
+//! notification (progress, an opted-in log message) has to be streamed; and the fields
+//! every 2026-07-28 result carries.
+
+use crate::gateway::respond;
+use crate::protocol::sse;
+use bytes::Bytes;
+use pingora::http::ResponseHeader;
+use pingora::protocols::http::ServerSession;
+use serde_json::{json, Value};
+
+/// The client's response: JSON at the end, or SSE once a notification has been sent.
+pub struct ClientReply {
+    pub id: Value,
+    pub accepts_sse: bool,
+    pub streaming: bool,
+}
+
+impl ClientReply {
+    pub async fn notify(&mut self, session: &mut ServerSession, message: &Value) {
+        if !self.accepts_sse {
+            return;
+        }
+        if !self.streaming {
+            let Ok(mut header) = ResponseHeader::build(200, Some(4)) else {
+                return;
+            };
+            let _ = header.insert_header("content-type", "text/event-stream");
+            let _ = header.insert_header("cache-control", "no-cache");
+            let _ = header.insert_header("x-accel-buffering", "no");
+            let _ = header.insert_header("transfer-encoding", "chunked");
+            if session
+                .write_response_header(Box::new(header))
+                .await
+                .is_err()
+            {
+                return;
+            }
+            self.streaming = true;
+        }
+        let event = sse::Event::message(None, message.to_string()).encode();
+        let _ = session.write_response_body(Bytes::from(event), false).await;
+    }
+
+    pub async fn result(self, session: &mut ServerSession, result: Value) {
+        self.finish(
+            session,
+            200,
+            json!({"jsonrpc": "2.0", "id": self.id, "result": result}),
+        )
+        .await;
+    }
+
+    pub async fn error(
+        self,
+        session: &mut ServerSession,
+        status: u16,
+        code: i64,
+        message: &str,
+        data: Option<Value>,
+    ) {
+        let mut error = json!({"code": code, "message": message});
+        if let Some(data) = data {
+            error["data"] = data;
+        }
+        self.finish(
+            session,
+            status,
+            json!({"jsonrpc": "2.0", "id": self.id, "error": error}),
+        )
+        .await;
+    }
+
+    async fn finish(&self, session: &mut ServerSession, status: u16, message: Value) {
+        if self.streaming {
+            let event = sse::Event::message(None, message.to_string()).encode();
+            let _ = session.write_response_body(Bytes::from(event), true).await;
+        } else {
+            respond::write(
+                session,
+                status,
+                "application/json",
+                Bytes::from(message.to_string()),
+            )
+            .await;
+        }
+    }
+}
+
+/// Adds what every 2026-07-28 result carries.
+pub fn decorate(mut result: Value, server_info: &Value, cacheable: bool) -> Value {
+    if let Some(r) = result.as_object_mut() {
+        r.entry("resultType").or_insert(json!("complete"));
+        let meta = r.entry("_meta").or_insert(json!({}));
+        if let Some(meta) = meta.as_object_mut() {
+            meta.insert(
+                "io.modelcontextprotocol/serverInfo".into(),
+                server_info.clone(),
+            );
+        }
+        if cacheable {
+            r.entry("ttlMs").or_insert(json!(0));
+            r.entry("cacheScope").or_insert(json!("private"));
+        }
+    }
+    result
+}
