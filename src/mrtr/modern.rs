@@ -26,21 +26,32 @@ pub enum Era {
     Modern,
 }
 
-/// Decides the era of one request. A session id, `initialize`, or a legacy (or absent)
-/// protocol version means the legacy transport; any other declared version, in the header
-/// or in `_meta`, is answered by the modern surface (which refuses versions it lacks).
+/// Decides the era of one request. A session id, or a legacy (or absent) protocol version,
+/// means the legacy transport, and so does `initialize` unless the header explicitly names
+/// a later version (then the modern surface answers that `initialize` no longer exists).
+/// Any other declared version, in the header or in `_meta`, is answered by the modern
+/// surface, which refuses versions it lacks.
 pub fn era(
     header_version: Option<&str>,
     meta_version: Option<&str>,
     has_session: bool,
     method: Option<&str>,
 ) -> Era {
-    if has_session || method == Some("initialize") {
+    let declared_modern = |v: Option<&str>| v.is_some_and(|v| !LEGACY_VERSIONS.contains(&v));
+    if has_session {
         return Era::Legacy;
     }
-    match header_version.or(meta_version) {
-        Some(v) if !LEGACY_VERSIONS.contains(&v) => Era::Modern,
-        _ => Era::Legacy,
+    if method == Some("initialize") {
+        return if declared_modern(header_version) {
+            Era::Modern
+        } else {
+            Era::Legacy
+        };
+    }
+    if declared_modern(header_version.or(meta_version)) {
+        Era::Modern
+    } else {
+        Era::Legacy
     }
 }
 
@@ -275,10 +286,15 @@ mod tests {
             era(Some("2026-07-28"), None, true, Some("tools/call")),
             Era::Legacy
         );
+        let init = |header, meta| era(header, meta, false, Some("initialize"));
         assert_eq!(
-            era(Some("2026-07-28"), None, false, Some("initialize")),
-            Era::Legacy
+            init(Some("2026-07-28"), None),
+            Era::Modern,
+            "initialize no longer exists there"
         );
+        assert_eq!(init(Some("2025-11-25"), None), Era::Legacy);
+        assert_eq!(init(None, None), Era::Legacy);
+        assert_eq!(init(None, Some("2026-07-28")), Era::Legacy);
     }
 
     #[test]

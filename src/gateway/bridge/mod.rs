@@ -40,6 +40,30 @@ pub(crate) fn upstream_params(params: &Map<String, Value>) -> Value {
     Value::Object(p)
 }
 
+/// How the bridge serves each 2026-07-28 method it knows.
+enum Kind {
+    Discover,
+    /// May need input from the client: run as rounds.
+    Interactive,
+    /// Forwarded once on a fresh upstream session.
+    OneShot,
+}
+
+impl Kind {
+    fn of(method: &str) -> Option<Kind> {
+        match method {
+            "server/discover" => Some(Kind::Discover),
+            "tools/call" | "prompts/get" | "resources/read" => Some(Kind::Interactive),
+            "tools/list"
+            | "prompts/list"
+            | "resources/list"
+            | "resources/templates/list"
+            | "completion/complete" => Some(Kind::OneShot),
+            _ => None,
+        }
+    }
+}
+
 pub async fn serve(gw: &Gateway, session: &mut ServerSession, group: &UpstreamGroup, body: &[u8]) {
     let message: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
     let method = message["method"].as_str().unwrap_or_default().to_string();
@@ -78,6 +102,18 @@ async fn serve_inner(
         name: header("mcp-name"),
     };
     let accepts_sse = header("accept").is_some_and(|a| a.contains("text/event-stream"));
+    let reply = ClientReply {
+        id: id.clone(),
+        accepts_sse: false,
+        streaming: false,
+    };
+    let Some(kind) = Kind::of(method) else {
+        let text = format!("Method not found: {method}");
+        reply
+            .error(session, 404, code::METHOD_NOT_FOUND, &text, None)
+            .await;
+        return "bad_request";
+    };
     let request = match ModernRequest::validate(id.clone(), method, message.get("params"), headers)
     {
         Ok(r) => r,
@@ -87,37 +123,18 @@ async fn serve_inner(
             message: text,
             data,
         }) => {
-            let reply = ClientReply {
-                id: id.clone(),
-                accepts_sse: false,
-                streaming: false,
-            };
             reply.error(session, status, code, &text, data).await;
             return "bad_request";
         }
     };
     let reply = ClientReply {
-        id: id.clone(),
         accepts_sse,
-        streaming: false,
+        ..reply
     };
-    match method {
-        "server/discover" => discover(gw, session, group, &request, reply).await,
-        "tools/call" | "prompts/get" | "resources/read" => {
-            flow::interactive(gw, session, group, request, reply).await
-        }
-        "tools/list"
-        | "prompts/list"
-        | "resources/list"
-        | "resources/templates/list"
-        | "completion/complete" => one_shot(gw, session, group, &request, reply).await,
-        other => {
-            let text = format!("Method not found: {other}");
-            reply
-                .error(session, 404, code::METHOD_NOT_FOUND, &text, None)
-                .await;
-            "bad_request"
-        }
+    match kind {
+        Kind::Discover => discover(gw, session, group, &request, reply).await,
+        Kind::Interactive => flow::interactive(gw, session, group, request, reply).await,
+        Kind::OneShot => one_shot(gw, session, group, &request, reply).await,
     }
 }
 
@@ -147,6 +164,22 @@ pub(crate) async fn upstream_failed(
     "upstream_error"
 }
 
+/// The upstream's capabilities as the bridge can honour them: list-changed notifications
+/// and resource subscriptions need `subscriptions/listen`, which the bridge does not serve
+/// yet, so they are not advertised.
+fn modern_capabilities(upstream: &Value) -> Value {
+    let mut caps = upstream.clone();
+    if let Some(map) = caps.as_object_mut() {
+        for (_, cap) in map.iter_mut() {
+            if let Some(cap) = cap.as_object_mut() {
+                cap.remove("listChanged");
+                cap.remove("subscribe");
+            }
+        }
+    }
+    caps
+}
+
 async fn discover(
     gw: &Gateway,
     session: &mut ServerSession,
@@ -158,8 +191,7 @@ async fn discover(
         Ok(init) => init,
         Err(e) => return upstream_failed(reply, session, group, &e).await,
     };
-    let mut result =
-        json!({"supportedVersions": SUPPORTED_VERSIONS, "capabilities": init["capabilities"]});
+    let mut result = json!({"supportedVersions": SUPPORTED_VERSIONS, "capabilities": modern_capabilities(&init["capabilities"])});
     if let Some(instructions) = init.get("instructions") {
         result["instructions"] = instructions.clone();
     }
