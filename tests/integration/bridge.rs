@@ -366,3 +366,35 @@ fn an_abandoned_flow_has_its_upstream_session_deleted_at_its_deadline() {
         || !alive(),
     );
 }
+
+#[test]
+fn an_upstream_that_cannot_resume_gets_a_clear_error_not_a_hang() {
+    let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let started = std::time::Instant::now();
+    let reply = Raw::new(&gw.url).modern(
+        1,
+        "tools/call",
+        json!({"name": "ask_name", "arguments": {}}),
+        json!({"elicitation": {}}),
+    );
+    assert_eq!(reply.status, 502);
+    let body = reply.json();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("cannot resume streams"),
+        "{body}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(10));
+    // A call that asks nothing still works through the same upstream.
+    let plain = Raw::new(&gw.url).modern(
+        2,
+        "tools/call",
+        json!({"name": "add", "arguments": {"a": 2, "b": 3}}),
+        json!({}),
+    );
+    assert_eq!(plain.status, 200);
+    assert_eq!(plain.json()["result"]["content"][0]["text"], "2+3=5");
+}

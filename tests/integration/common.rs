@@ -82,6 +82,8 @@ impl Drop for Proc {
 pub enum Upstream {
     /// Python `mcp==2.3.0` fixture with an event store.
     Python,
+    /// The same Python fixture without an event store: its streams cannot be resumed.
+    PythonWithoutEventStore,
     /// TypeScript `@modelcontextprotocol/sdk@1.32.2` fixture.
     TypeScript,
     /// `@modelcontextprotocol/server-everything@2026.8.31`.
@@ -95,10 +97,13 @@ pub fn start_upstream(kind: Upstream) -> (Proc, String) {
     let port = free_port();
     let fixtures = root().join("tests/fixtures");
     let mut cmd = match kind {
-        Upstream::Python => {
+        Upstream::Python | Upstream::PythonWithoutEventStore => {
             let mut c = Command::new(python());
             c.arg(fixtures.join("py_legacy_server.py"))
                 .arg(port.to_string());
+            if matches!(kind, Upstream::PythonWithoutEventStore) {
+                c.arg("--no-event-store");
+            }
             c
         }
         Upstream::TypeScript | Upstream::Conformance => {
