@@ -170,9 +170,9 @@ fn demo(listeners: Listeners, demo_listen: String) -> Result<(), String> {
 }
 
 /// The walkthrough `demo` prints: commands a newcomer can paste into another shell.
+/// Part 1 is the gateway's main job (a 2026-07-28 client, MRTR); part 2 a legacy client.
 pub fn walkthrough(gateway: &str, upstream: &str, admin: &str) -> String {
-    const H: &str =
-        "-H 'content-type: application/json' -H 'accept: application/json, text/event-stream'";
+    const H: &str = "-H 'content-type: application/json' -H 'accept: application/json, text/event-stream'";
     format!(
         r#"mrtr-gateway demo
   gateway:        {gateway}
@@ -182,18 +182,34 @@ pub fn walkthrough(gateway: &str, upstream: &str, admin: &str) -> String {
 Paste into another shell (bash):
 
 GW={gateway}
-# 1. Open a session. The Mcp-Session-Id you get back is sealed: it names the upstream
-#    endpoint and session, so any gateway replica with the same keys can route it.
+# Part 1. A 2026-07-28 client and Multi Round-Trip Requests. `mcp TOOL ID EXTRA` posts a
+# modern tools/call (headers and _meta as the 2026-07-28 revision requires).
+mcp() {{ curl -s {H} -H 'mcp-protocol-version: 2026-07-28' -H 'mcp-method: tools/call' -H "mcp-name: $1" $GW -d "{{\"jsonrpc\":\"2.0\",\"id\":$2,\"method\":\"tools/call\",\"params\":{{\"name\":\"$1\",\"arguments\":{{}},$3\"_meta\":{{\"io.modelcontextprotocol/protocolVersion\":\"2026-07-28\",\"io.modelcontextprotocol/clientCapabilities\":{{\"elicitation\":{{}}}}}}}}}}"; }}
+state() {{ sed -n 's/.*"requestState":"\([^"]*\)".*/\1/p'; }}
+# 1. plan_trip asks the user twice. The legacy server pushes its first question; the
+#    gateway answers with an InputRequiredResult and a sealed requestState, and keeps no
+#    connection open.
+R1=$(mcp plan_trip 1 ''); echo "$R1"
+# 2. Retry with the answer and the state (any replica with the same keys could take it):
+#    the gateway posts the answer upstream, resumes the server's stream, and returns the
+#    second question.
+R2=$(mcp plan_trip 2 "\"inputResponses\":{{\"elicitation_0\":{{\"action\":\"accept\",\"content\":{{\"destination\":\"Lisbon\"}}}}}},\"requestState\":\"$(echo "$R1" | state)\","); echo "$R2"
+# 3. Answer the second question: the result.
+mcp plan_trip 3 "\"inputResponses\":{{\"elicitation_1\":{{\"action\":\"accept\",\"content\":{{\"nights\":3}}}}}},\"requestState\":\"$(echo "$R2" | state)\","; echo
+
+# Part 2. A 2025-era client passes through; its session id is sealed so any replica
+# routes it.
+# 4. Open a session. The Mcp-Session-Id you get back names the upstream endpoint and session.
 SID=$(curl -si {H} $GW -d '{{"jsonrpc":"2.0","id":1,"method":"initialize","params":{{"protocolVersion":"2025-11-25","capabilities":{{"elicitation":{{}}}},"clientInfo":{{"name":"curl","version":"1"}}}}}}' | tr -d '\r' | sed -n 's/^mcp-session-id: //Ip')
 curl -s {H} -H "mcp-session-id: $SID" $GW -d '{{"jsonrpc":"2.0","method":"notifications/initialized"}}'
-# 2. Call a tool that asks the user a question (elicitation/create on the SSE stream).
-#    The server waits for the answer; curl stops listening after 2 seconds.
+# 5. Call a tool that asks a question on the SSE stream. The server waits for the answer;
+#    curl stops listening after 2 seconds.
 curl -sN --max-time 2 {H} -H "mcp-session-id: $SID" $GW -d '{{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{{"name":"ask_name","arguments":{{}}}}}}'
-# 3. Answer the question (its JSON-RPC id is 0): the gateway answers 202.
+# 6. Answer the question (its JSON-RPC id is 0): the gateway answers 202.
 curl -s -o /dev/null -w '%{{http_code}}\n' {H} -H "mcp-session-id: $SID" $GW -d '{{"jsonrpc":"2.0","id":0,"result":{{"action":"accept","content":{{"name":"Ada"}}}}}}'
-# 4. Resume the stream after the question's event id (0-1): the result arrives.
+# 7. Resume the stream after the question's event id (0-1): the result arrives.
 curl -sN -H 'accept: text/event-stream' -H "mcp-session-id: $SID" -H 'last-event-id: 0-1' $GW
-# 5. End the session.
+# 8. End the session.
 curl -s -o /dev/null -w '%{{http_code}}\n' -X DELETE -H "mcp-session-id: $SID" $GW
 "#
     )
