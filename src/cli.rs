@@ -172,7 +172,8 @@ fn demo(listeners: Listeners, demo_listen: String) -> Result<(), String> {
 /// The walkthrough `demo` prints: commands a newcomer can paste into another shell.
 /// Part 1 is the gateway's main job (a 2026-07-28 client, MRTR); part 2 a legacy client.
 pub fn walkthrough(gateway: &str, upstream: &str, admin: &str) -> String {
-    const H: &str = "-H 'content-type: application/json' -H 'accept: application/json, text/event-stream'";
+    const H: &str =
+        "-H 'content-type: application/json' -H 'accept: application/json, text/event-stream'";
     format!(
         r#"mrtr-gateway demo
   gateway:        {gateway}

@@ -129,9 +129,18 @@ fn demo_walkthrough_works_as_printed() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("\"resultType\":\"input_required\""), "{stdout}");
-    assert!(stdout.contains("How many nights in Lisbon?"), "the second round: {stdout}");
-    assert!(stdout.contains("Trip to Lisbon for 3 nights"), "the MRTR result: {stdout}");
+    assert!(
+        stdout.contains("\"resultType\":\"input_required\""),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("How many nights in Lisbon?"),
+        "the second round: {stdout}"
+    );
+    assert!(
+        stdout.contains("Trip to Lisbon for 3 nights"),
+        "the MRTR result: {stdout}"
+    );
     assert!(stdout.contains("elicitation/create"), "{stdout}");
     assert!(
         stdout.contains("\n202\n"),
