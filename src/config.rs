@@ -73,6 +73,9 @@ pub struct BridgeOptions {
     pub max_flow_seconds: u64,
     /// How long after the last server request a round waits for more before answering.
     pub quiet_window_ms: u64,
+    /// How long a followed upstream stream may stay silent before the bridge reopens it
+    /// with `Last-Event-ID` (recovers events an upstream stored but did not deliver).
+    pub resume_poll_ms: u64,
     /// Most abandoned-flow sessions one replica watches; beyond it new interactive flows
     /// are refused rather than left unwatched.
     pub max_watched_sessions: usize,
@@ -84,6 +87,7 @@ impl Default for BridgeOptions {
             request_state_ttl_seconds: 600,
             max_flow_seconds: 1800,
             quiet_window_ms: 50,
+            resume_poll_ms: 2000,
             max_watched_sessions: 100_000,
         }
     }
@@ -289,6 +293,12 @@ impl Config {
             return Err(ConfigError::at(
                 "bridge.max_flow_seconds",
                 "must be at least bridge.request_state_ttl_seconds, which must be above 0",
+            ));
+        }
+        if b.resume_poll_ms < 100 {
+            return Err(ConfigError::at(
+                "bridge.resume_poll_ms",
+                "must be at least 100",
             ));
         }
         if b.quiet_window_ms == 0 || b.quiet_window_ms > 10_000 {

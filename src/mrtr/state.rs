@@ -71,6 +71,8 @@ pub struct FlowState {
     pub expires_at: u64,
     /// The flow's hard deadline; no round's `expires_at` passes it.
     pub flow_deadline: u64,
+    /// The call ended with a URL-elicitation-required error: the retry issues it again.
+    pub reissue: bool,
     /// Random id that stays the same across rounds and replicas, for logs.
     pub flow_id: u64,
 }
@@ -141,6 +143,7 @@ mod tests {
             round: 1,
             expires_at: 2_000_000_000,
             flow_deadline: 2_000_000_600,
+            reissue: false,
             flow_id: 0x1234_5678_9abc_def0,
         }
     }

@@ -209,6 +209,45 @@ impl Round {
         })
     }
 
+    /// The 2025-11-25 error a server answers when the user must first visit URLs.
+    pub const URL_ELICITATION_REQUIRED: i64 = -32042;
+
+    /// Takes a 2025-11-25 URL-elicitation-required error (-32042) ending the call as
+    /// URL-mode input requests (`url_0`, `url_1`, …), which 2026-07-28 asks for instead.
+    /// Nothing is pending upstream: the call ended, and the retry re-issues it. Returns
+    /// false when `response` is not such an error, or names no usable elicitation.
+    pub fn absorb_url_required(&mut self, response: &Value) -> bool {
+        let error = &response["error"];
+        if error["code"].as_i64() != Some(Self::URL_ELICITATION_REQUIRED) {
+            return false;
+        }
+        let Some(elicitations) = error["data"]["elicitations"].as_array() else {
+            return false;
+        };
+        let mut absorbed = false;
+        for (i, e) in elicitations.iter().enumerate() {
+            let (Some(url), Some(message)) = (e["url"].as_str(), e["message"].as_str()) else {
+                continue;
+            };
+            let params = json!({"mode": "url", "url": url, "message": message});
+            self.input_requests.insert(
+                format!("url_{i}"),
+                json!({"method": "elicitation/create", "params": params}),
+            );
+            absorbed = true;
+        }
+        absorbed
+    }
+
+    /// Whether the client declared URL-mode elicitation.
+    pub fn accepts_url_elicitation(&self) -> bool {
+        declared(
+            &self.capabilities,
+            "elicitation/create",
+            &json!({"mode": "url"}),
+        )
+    }
+
     /// The `InputRequiredResult` for the questions gathered so far.
     pub fn input_required(&self, request_state: String) -> Value {
         json!({"resultType": "input_required", "inputRequests": self.input_requests, "requestState": request_state})
@@ -377,6 +416,25 @@ mod tests {
                 .collect::<Vec<_>>(),
             ["elicitation_1"]
         );
+    }
+
+    #[test]
+    fn a_url_elicitation_required_error_becomes_url_input_requests() {
+        let mut r = round(json!({"elicitation": {"url": {}}}));
+        assert!(r.accepts_url_elicitation());
+        let error = json!({"jsonrpc": "2.0", "id": 1, "error": {"code": -32042, "message": "needs auth", "data": {"elicitations": [
+            {"mode": "url", "elicitationId": "e1", "url": "https://example.com/a", "message": "Open A"},
+            {"mode": "url", "url": "https://example.com/b"}]}}});
+        assert!(r.absorb_url_required(&error));
+        let result = r.input_required("S".into());
+        assert_eq!(
+            result["inputRequests"],
+            json!({"url_0": {"method": "elicitation/create", "params": {"mode": "url", "url": "https://example.com/a", "message": "Open A"}}})
+        );
+        assert!(!r.has_questions(), "nothing waits upstream");
+        let other = json!({"jsonrpc": "2.0", "id": 1, "error": {"code": -32603, "message": "x"}});
+        assert!(!round(json!({})).absorb_url_required(&other));
+        assert!(!round(json!({"elicitation": {}})).accepts_url_elicitation());
     }
 
     #[test]

@@ -3,7 +3,8 @@
 
     tests/.venv/bin/python tests/clients/py_modern_client.py URL SCENARIO [URL2]
 
-Scenarios: elicit, multi, two, sample, roots, everything (server-everything's tools); the
+Scenarios: elicit, multi, two, sample, roots, everything and everything-url-roots
+(server-everything's tools: URL elicitation, including its -32042 error path, and roots); the
 client fulfils input requests itself. And
 and alternate: the rounds of plan_trip are sent by hand, each to the other of URL and
 URL2 (two gateway replicas), with the SDK's own retry parameters.
@@ -36,6 +37,9 @@ def expect(condition: bool, what: str) -> None:
 
 
 async def on_elicit(context, params: types.ElicitRequestParams) -> types.ElicitResult:
+    if getattr(params, "mode", None) == "url":
+        emit("url_elicitation", url=params.url)
+        return types.ElicitResult(action="accept")
     emit("elicitation", message=params.message)
     if params.message not in ANSWERS:
         return types.ElicitResult(action="decline")
@@ -110,6 +114,11 @@ async def main(url: str, scenario: str, url2: str | None) -> None:
         async with client(url) as c:
             expect(c.protocol_version == "2026-07-28", f"negotiated {c.protocol_version}")
             for tool, args in [("echo", {"message": "hi"}), ("trigger-elicitation-request", {}), ("trigger-sampling-request", {"prompt": "hi", "maxTokens": 10})]:
+                emit("call", tool=tool, text=text_of(await c.call_tool(tool, args)))
+    elif scenario == "everything-url-roots":
+        async with client(url) as c:
+            consent = {"url": "https://example.com/consent", "message": "Open the consent page"}
+            for tool, args in [("trigger-url-elicitation", consent), ("trigger-url-elicitation", {**consent, "errorPath": True}), ("get-roots-list", {})]:
                 emit("call", tool=tool, text=text_of(await c.call_tool(tool, args)))
     elif scenario == "alternate":
         await alternate(url, url2 or url)

@@ -144,6 +144,7 @@ fn state_for(
         round: 1,
         expires_at,
         flow_deadline: expires_at,
+        reissue: false,
         flow_id: 7,
     };
     flow.seal(
@@ -397,4 +398,44 @@ fn an_upstream_that_cannot_resume_gets_a_clear_error_not_a_hang() {
     );
     assert_eq!(plain.status, 200);
     assert_eq!(plain.json()["result"]["content"][0]["text"], "2+3=5");
+}
+
+#[test]
+fn server_everything_url_elicitation_its_error_path_and_roots_through_the_bridge() {
+    let (_upstream, url) = start_upstream(Upstream::Everything);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let lines = python_modern(&[&gw.url, "everything-url-roots"]);
+    let texts: Vec<&str> = lines.iter().filter_map(|l| l["text"].as_str()).collect();
+    assert_eq!(texts.len(), 3, "{lines:#?}");
+    assert!(
+        texts[0].contains("User completed the URL elicitation flow"),
+        "{}",
+        texts[0]
+    );
+    // errorPath: the upstream's -32042 became a URL-mode input request for its
+    // prerequisite; the retry re-issued the call, which then asked its own URL.
+    let urls: Vec<&str> = lines
+        .iter()
+        .filter(|l| l["step"] == "url_elicitation")
+        .filter_map(|l| l["url"].as_str())
+        .collect();
+    assert_eq!(
+        urls,
+        [
+            "https://example.com/consent",
+            "https://modelcontextprotocol.io",
+            "https://example.com/consent"
+        ],
+        "{lines:#?}"
+    );
+    assert!(
+        texts[1].contains("User completed the URL elicitation flow"),
+        "{}",
+        texts[1]
+    );
+    assert!(
+        texts[2].contains("file:///tmp/project"),
+        "get-roots-list: {}",
+        texts[2]
+    );
 }

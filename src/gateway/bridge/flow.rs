@@ -107,6 +107,7 @@ async fn start(call: &Call<'_>, session: &mut ServerSession, reply: ClientReply)
         round: 1,
         expires_at: 0,
         flow_deadline: now_secs() + gw.config.bridge.max_flow_seconds,
+        reissue: false,
         flow_id: rand::random(),
     };
     let streams = Streams::new(Some(call_response), session_stream);
@@ -164,18 +165,56 @@ async fn run_round(
     } = *call;
     let bind = &call.bind;
     let server_info = &gw.server_info(group);
-    let quiet = Duration::from_millis(gw.config.bridge.quiet_window_ms);
+    let pacing = Pacing {
+        quiet_window: Duration::from_millis(gw.config.bridge.quiet_window_ms),
+        poll: Duration::from_millis(gw.config.bridge.resume_poll_ms),
+    };
     let end = drive(
         session,
         &upstream,
         &mut reply,
         &mut round,
         &mut streams,
-        quiet,
+        pacing,
     )
     .await;
     let cacheable = request.method == "resources/read";
     match end {
+        RoundEnd::Complete(message) if round.absorb_url_required(&message) => {
+            streams.close(gw).await;
+            if !round.accepts_url_elicitation() {
+                end_session(gw, &upstream).await;
+                let data = json!({"requiredCapabilities": {"elicitation": {"url": {}}}});
+                reply
+                    .error(
+                        session,
+                        400,
+                        mcode::MISSING_REQUIRED_CLIENT_CAPABILITY,
+                        "the server needs URL-mode elicitation, which this request did not declare",
+                        Some(data),
+                    )
+                    .await;
+                return "missing_capability";
+            }
+            if flow.round == 1 && !watch(gw, &upstream, &flow) {
+                end_session(gw, &upstream).await;
+                reply
+                    .error(
+                        session,
+                        503,
+                        code::INTERNAL_ERROR,
+                        "too many flows are waiting for input on this replica; retry later",
+                        None,
+                    )
+                    .await;
+                return "overloaded";
+            }
+            flow.reissue = true;
+            flow.pending.clear();
+            flow.last_event_id = None;
+            flow.round_start = None;
+            ask_client(gw, session, reply, flow, &round, bind, server_info).await
+        }
         RoundEnd::Complete(message) => {
             streams.close(gw).await;
             end_session(gw, &upstream).await;
@@ -206,25 +245,11 @@ async fn run_round(
         }
         RoundEnd::Questions => {
             streams.close(gw).await;
+            flow.reissue = false;
             flow.pending = round.pending().to_vec();
             flow.last_event_id = round.last_event_id().map(str::to_string);
             flow.round_start = round.round_start().map(str::to_string);
-            flow.expires_at =
-                (now_secs() + gw.config.bridge.request_state_ttl_seconds).min(flow.flow_deadline);
-            let sealed = flow.seal(&gw.keys, bind);
-            tracing::info!(
-                flow = format!("{:016x}", flow.flow_id),
-                round = flow.round,
-                questions = flow.pending.len(),
-                "input required"
-            );
-            reply
-                .result(
-                    session,
-                    decorate(round.input_required(sealed), server_info, false),
-                )
-                .await;
-            "input_required"
+            ask_client(gw, session, reply, flow, &round, bind, server_info).await
         }
         RoundEnd::MissingCapability(required) => {
             streams.close(gw).await;
@@ -262,14 +287,72 @@ async fn run_round(
     }
 }
 
+/// How a round paces itself.
+#[derive(Clone, Copy)]
+struct Pacing {
+    /// After a question, how long to wait for more before answering the round.
+    quiet_window: Duration,
+    /// How long a call stream may stay silent before it is polled again.
+    poll: Duration,
+}
+
+/// Following the call's stream across upstream reconnections.
+struct Follow {
+    /// The upstream's SSE `retry` hint: the wait before reconnecting after it ends a stream.
+    retry: Duration,
+    /// Stream ends in a row without a message in between.
+    empty_ends: usize,
+    last_activity: Instant,
+}
+
+/// Longest `retry` hint honoured.
+const MAX_RETRY: Duration = Duration::from_secs(10);
+
+async fn sleep_until_or_never(at: Option<Instant>) {
+    match at {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Reopens the call's stream after the last event seen, waiting `wait` first.
+async fn reopen_call(
+    upstream: &LegacySession<'_>,
+    round: &Round,
+    streams: &mut Streams,
+    wait: Duration,
+) -> Result<(), RoundEnd> {
+    streams.call = None;
+    let Some(last) = round.last_event_id().map(str::to_string) else {
+        return Err(RoundEnd::Failed(
+            "the call's stream ended without a result".into(),
+        ));
+    };
+    if !wait.is_zero() {
+        tokio::time::sleep(wait).await;
+    }
+    let response = upstream
+        .get(Some(&last))
+        .await
+        .map_err(|e| RoundEnd::Failed(e.to_string()))?;
+    streams.call = Some(response);
+    streams.call_parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
+    Ok(())
+}
+
 /// Reads the upstream streams until the call completes or a round of questions is whole.
+///
+/// The call's stream is followed across reconnections: when the upstream ends it
+/// mid-call (SEP-1699 polling) it is reopened with `Last-Event-ID` after the upstream's
+/// `retry` hint; when it stays silent for the poll interval it is reopened at once, which
+/// recovers events an upstream stored but did not deliver to a resumed connection.
 async fn drive(
     session: &mut ServerSession,
     upstream: &LegacySession<'_>,
     reply: &mut ClientReply,
     round: &mut Round,
     streams: &mut Streams,
-    quiet_window: Duration,
+    pacing: Pacing,
 ) -> RoundEnd {
     if let Some(call) = streams.call.as_mut() {
         if !call.is_sse() {
@@ -280,18 +363,25 @@ async fn drive(
         }
     }
     let mut quiet_until: Option<Instant> = None;
-    let mut resumptions = 0;
+    let mut follow = Follow {
+        retry: Duration::from_secs(1),
+        empty_ends: 0,
+        last_activity: Instant::now(),
+    };
     loop {
-        let quiet = async {
-            match quiet_until {
-                Some(t) => tokio::time::sleep_until(t).await,
-                None => std::future::pending().await,
-            }
-        };
+        let poll_at = (quiet_until.is_none() && streams.call.is_some())
+            .then(|| follow.last_activity + pacing.poll);
         let (from_call, chunk) = tokio::select! {
             c = next_chunk(&mut streams.call) => (true, c),
             c = next_chunk(&mut streams.session) => (false, c),
-            _ = quiet => return RoundEnd::Questions,
+            _ = sleep_until_or_never(quiet_until) => return RoundEnd::Questions,
+            _ = sleep_until_or_never(poll_at) => {
+                if let Err(end) = reopen_call(upstream, round, streams, Duration::ZERO).await {
+                    return end;
+                }
+                follow.last_activity = Instant::now();
+                continue;
+            }
             _ = session.read_body_or_idle(true) => return RoundEnd::ClientGone,
         };
         let events = match chunk {
@@ -312,32 +402,35 @@ async fn drive(
                 continue;
             }
             Some(Ok(None)) | Some(Err(_)) => {
-                // The upstream closed the call's stream mid-call (SSE polling): resume it.
-                streams.call = None;
-                resumptions += 1;
-                let Some(last) = round.last_event_id().map(str::to_string) else {
-                    return RoundEnd::Failed("the call's stream ended without a result".into());
-                };
-                if resumptions > MAX_RESUMPTIONS {
+                follow.empty_ends += 1;
+                if follow.empty_ends > MAX_RESUMPTIONS {
                     return RoundEnd::Failed("the upstream kept closing the call's stream".into());
                 }
-                match upstream.get(Some(&last)).await {
-                    Ok(r) => streams.call = Some(r),
-                    Err(e) => return RoundEnd::Failed(e.to_string()),
+                if let Err(end) = reopen_call(upstream, round, streams, follow.retry).await {
+                    return end;
                 }
-                streams.call_parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
+                follow.last_activity = Instant::now();
                 continue;
             }
             None => continue,
         };
+        if from_call {
+            follow.last_activity = Instant::now();
+        }
         for event in events {
             if from_call {
                 if let Some(id) = &event.id {
                     round.saw_call_event(id);
                 }
+                if let Some(ms) = event.retry {
+                    follow.retry = Duration::from_millis(ms).min(MAX_RETRY);
+                }
             }
             if event.data.is_empty() {
                 continue;
+            }
+            if from_call {
+                follow.empty_ends = 0;
             }
             let Ok(message) = serde_json::from_str::<Value>(&event.data) else {
                 return RoundEnd::Failed("the upstream sent an event that is not JSON".into());
@@ -358,9 +451,61 @@ async fn drive(
             }
         }
         if round.has_questions() {
-            quiet_until = Some(Instant::now() + quiet_window);
+            quiet_until = Some(Instant::now() + pacing.quiet_window);
         }
     }
+}
+
+/// After a URL-elicitation-required error: the user has visited the URLs, so the call is
+/// posted again, under a new id, in the same upstream session.
+async fn reissue(
+    call: &Call<'_>,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    upstream: LegacySession<'_>,
+    mut flow: FlowState,
+) -> &'static str {
+    let Call { group, request, .. } = *call;
+    let next_id = match flow.call_id {
+        UpstreamId::Number(n) => n + 1,
+        UpstreamId::Text(_) => CALL_ID + 1,
+    };
+    let message = json!({"jsonrpc": "2.0", "id": next_id, "method": request.method, "params": upstream_params(&request.params)});
+    let call_stream = match upstream.post(&message).await {
+        Ok(r) => r,
+        Err(e) => return upstream_failed(reply, session, group, &e).await,
+    };
+    flow.call_id = UpstreamId::Number(next_id);
+    flow.reissue = false;
+    flow.round += 1;
+    let streams = Streams::new(Some(call_stream), upstream.get(None).await.ok());
+    let round = new_round(request, &flow);
+    run_round(call, session, reply, upstream, flow, streams, round).await
+}
+
+/// Ends a round by sending the client its questions with the sealed state.
+async fn ask_client(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    mut flow: FlowState,
+    round: &Round,
+    bind: &[u8; 32],
+    server_info: &Value,
+) -> &'static str {
+    flow.expires_at =
+        (now_secs() + gw.config.bridge.request_state_ttl_seconds).min(flow.flow_deadline);
+    let sealed = flow.seal(&gw.keys, bind);
+    tracing::info!(
+        flow = format!("{:016x}", flow.flow_id),
+        round = flow.round,
+        questions = flow.pending.len(),
+        reissue = flow.reissue,
+        "input required"
+    );
+    let result = decorate(round.input_required(sealed), server_info, false);
+    reply.result(session, result).await;
+    "input_required"
 }
 
 /// Has the reaper watch a new flow's upstream session until the flow's deadline.
@@ -431,6 +576,9 @@ async fn resume(
             return upstream_failed(reply, session, group, &e).await;
         }
         answered.push(pending.upstream_id.clone());
+    }
+    if flow.reissue {
+        return reissue(call, session, reply, upstream, flow).await;
     }
     // With every answer given, continue after the last event; otherwise replay the round
     // from its start so the unanswered questions are asked again.
