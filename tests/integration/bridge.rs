@@ -439,3 +439,69 @@ fn server_everything_url_elicitation_its_error_path_and_roots_through_the_bridge
         texts[2]
     );
 }
+
+/// Reads an SSE response to its end: the notifications, then the final message.
+fn notifications_then_result(reply: &mut Reply) -> (Vec<Value>, Value) {
+    let mut messages = Vec::new();
+    while let Some((_, m)) = reply.next_message() {
+        messages.push(m);
+    }
+    let last = messages.pop().expect("a final message");
+    (messages, last)
+}
+
+#[test]
+fn progress_streams_to_the_client_and_logs_only_when_asked() {
+    let (_upstream, url) = start_upstream(Upstream::Conformance);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let progress = json!({"name": "test_tool_with_progress", "arguments": {}, "_meta": {"progressToken": "p-7"}});
+    let mut reply = raw.modern(1, "tools/call", progress, json!({}));
+    assert!(
+        reply.content_type.starts_with("text/event-stream"),
+        "{}",
+        reply.content_type
+    );
+    let (notes, last) = notifications_then_result(&mut reply);
+    assert_eq!(notes.len(), 3, "{notes:?}");
+    for (n, want) in notes.iter().zip([0, 50, 100]) {
+        assert_eq!(n["method"], "notifications/progress");
+        assert_eq!(
+            n["params"]["progressToken"], "p-7",
+            "the client's own token"
+        );
+        assert_eq!(n["params"]["progress"], want);
+    }
+    assert_eq!(last["id"], 1);
+    assert_eq!(last["result"]["resultType"], "complete");
+
+    let silent = raw.modern(
+        2,
+        "tools/call",
+        json!({"name": "test_tool_with_logging", "arguments": {}}),
+        json!({}),
+    );
+    assert!(
+        silent.content_type.starts_with("application/json"),
+        "no logLevel, so nothing streams"
+    );
+    assert_eq!(silent.json()["result"]["resultType"], "complete");
+
+    let asked = json!({"name": "test_tool_with_logging", "arguments": {}, "_meta": {"io.modelcontextprotocol/logLevel": "info"}});
+    let mut reply = raw.modern(3, "tools/call", asked, json!({}));
+    let (notes, last) = notifications_then_result(&mut reply);
+    let logs: Vec<&str> = notes
+        .iter()
+        .filter(|n| n["method"] == "notifications/message")
+        .filter_map(|n| n["params"]["data"].as_str())
+        .collect();
+    assert_eq!(
+        logs,
+        [
+            "Tool execution started",
+            "Tool processing data",
+            "Tool execution completed"
+        ]
+    );
+    assert_eq!(last["result"]["resultType"], "complete");
+}

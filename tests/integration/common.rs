@@ -428,12 +428,19 @@ impl Raw {
 }
 
 impl Raw {
-    /// A 2026-07-28 request with matching headers and `_meta`.
+    /// A 2026-07-28 request with matching headers and `_meta` (merged with any `_meta` in
+    /// `params`).
     pub fn modern(&self, id: u64, method: &str, mut params: Value, capabilities: Value) -> Reply {
-        params["_meta"] = serde_json::json!({
+        let mut meta = serde_json::json!({
             "io.modelcontextprotocol/protocolVersion": "2026-07-28",
             "io.modelcontextprotocol/clientCapabilities": capabilities,
         });
+        if let Some(extra) = params.get("_meta").and_then(Value::as_object) {
+            meta.as_object_mut()
+                .expect("an object")
+                .extend(extra.clone());
+        }
+        params["_meta"] = meta;
         let name = params
             .get("name")
             .or(params.get("uri"))
