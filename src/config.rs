@@ -136,6 +136,24 @@ pub struct UpstreamGroupConfig {
     /// TCP health checks; 0 turns them off.
     #[serde(default = "default_health_interval_ms")]
     pub health_check_interval_ms: u64,
+    /// How 2026-07-28 requests reach this group.
+    #[serde(default)]
+    pub era: UpstreamEra,
+}
+
+/// How 2026-07-28 requests reach an upstream group.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UpstreamEra {
+    /// Bridge while the upstream speaks the 2025 transport (so push-style tools keep
+    /// working even on servers that also speak 2026-07-28); relay when it refuses
+    /// `initialize` but answers `server/discover`.
+    #[default]
+    Auto,
+    /// Always bridge.
+    Legacy,
+    /// Always relay unchanged: the upstream's tools answer MRTR themselves.
+    Modern,
 }
 
 fn default_path() -> String {
@@ -161,6 +179,7 @@ impl UpstreamGroupConfig {
             response_timeout_ms: default_response_timeout_ms(),
             stream_idle_timeout_ms: 0,
             health_check_interval_ms: default_health_interval_ms(),
+            era: UpstreamEra::Auto,
         }
     }
 }

@@ -9,7 +9,7 @@ pub mod reaper;
 pub mod respond;
 pub mod server;
 
-use crate::config::Config;
+use crate::config::{Config, UpstreamEra};
 use crate::keys::KeyRing;
 use crate::metrics::Metrics;
 use crate::mrtr::modern::{era, Era};
@@ -44,6 +44,8 @@ pub struct Gateway {
     /// Each group's InitializeResult, learnt from the first session opened there; it
     /// answers `server/discover` and names the server in every modern result.
     initialize_results: std::sync::Mutex<std::collections::HashMap<String, Value>>,
+    /// For `era: auto` groups, whether they were found to speak only 2026-07-28.
+    modern_only: std::sync::Mutex<std::collections::HashMap<String, bool>>,
 }
 
 impl Gateway {
@@ -55,6 +57,7 @@ impl Gateway {
             reaper,
             host_policy,
             initialize_results: Default::default(),
+            modern_only: Default::default(),
             config,
             keys,
             upstreams,
@@ -113,6 +116,55 @@ impl Gateway {
         Ok(result)
     }
 
+    /// Whether 2026-07-28 requests to `group` are relayed unchanged rather than bridged.
+    pub async fn relays(&self, group: &UpstreamGroup, client_info: &Value) -> bool {
+        match group.era {
+            UpstreamEra::Legacy => false,
+            UpstreamEra::Modern => true,
+            UpstreamEra::Auto => {
+                let known = self
+                    .modern_only
+                    .lock()
+                    .expect("era cache lock")
+                    .get(&group.name)
+                    .copied();
+                if let Some(known) = known {
+                    return known;
+                }
+                match self.probe_modern_only(group, client_info).await {
+                    Some(verdict) => {
+                        self.modern_only
+                            .lock()
+                            .expect("era cache lock")
+                            .insert(group.name.clone(), verdict);
+                        verdict
+                    }
+                    None => false,
+                }
+            }
+        }
+    }
+
+    /// An upstream that refuses `initialize` but answers `server/discover` speaks only
+    /// 2026-07-28. `None` when it could not be reached: no verdict, probe again later.
+    async fn probe_modern_only(&self, group: &UpstreamGroup, client_info: &Value) -> Option<bool> {
+        match self.initialize_result(group, client_info).await {
+            Ok(_) => Some(false),
+            Err(SessionError::Protocol(_)) => {
+                let endpoint = group.pick()?;
+                Some(
+                    crate::upstream::legacy_session::answers_modern_discover(
+                        &self.client,
+                        endpoint,
+                        &group.timeouts,
+                    )
+                    .await,
+                )
+            }
+            Err(_) => None,
+        }
+    }
+
     /// The upstream's serverInfo for modern results, once known.
     pub fn server_info(&self, group: &UpstreamGroup) -> Value {
         let cache = self
@@ -160,7 +212,9 @@ impl Gateway {
                     );
                     respond::error(session, 405, None, code::INVALID_REQUEST, &message).await;
                 }
-                Era::Legacy => passthrough::serve(self, session, group, Bytes::new(), None).await,
+                Era::Legacy => {
+                    passthrough::serve(self, session, group, Bytes::new(), None, "legacy").await
+                }
             }
             return;
         }
@@ -168,8 +222,10 @@ impl Gateway {
             return;
         };
         match era(version.as_deref(), None, has_session, parsed.method()) {
-            Era::Modern => bridge::serve(self, session, group, &body).await,
-            Era::Legacy => passthrough::serve(self, session, group, body, Some(parsed)).await,
+            Era::Modern => bridge::serve(self, session, group, body, parsed).await,
+            Era::Legacy => {
+                passthrough::serve(self, session, group, body, Some(parsed), "legacy").await
+            }
         }
     }
 

@@ -50,19 +50,22 @@ struct Route<'g> {
     client_token: Option<String>,
 }
 
-/// Serves one legacy request; `body` is the POST body already read and classified.
+/// Serves one request unchanged (a legacy client, or a modern one relayed to an upstream
+/// that speaks 2026-07-28); `body` is the POST body already read and classified, and
+/// `era` labels the request in the metrics.
 pub async fn serve(
     gw: &Gateway,
     session: &mut ServerSession,
     group: &UpstreamGroup,
     body: Bytes,
     parsed: Option<Body>,
+    era: &'static str,
 ) {
     let method = parsed.as_ref().and_then(Body::method);
     let outcome = serve_inner(gw, session, group, body, parsed.as_ref()).await;
     gw.metrics
         .requests
-        .with_label_values(&["legacy", method_label(method), outcome.label()])
+        .with_label_values(&[era, method_label(method), outcome.label()])
         .inc();
 }
 

@@ -220,3 +220,39 @@ pub async fn read_single(response: &mut Response) -> Result<Value, SessionError>
         "the upstream stream ended without a message".into(),
     ))
 }
+
+/// Whether the upstream answers a 2026-07-28 `server/discover` with a DiscoverResult
+/// naming that version.
+pub async fn answers_modern_discover(
+    client: &UpstreamClient,
+    endpoint: &Endpoint,
+    timeouts: &Timeouts,
+) -> bool {
+    let version = crate::mrtr::modern::MODERN_VERSION;
+    let message = json!({"jsonrpc": "2.0", "id": 0, "method": "server/discover", "params": {"_meta": {
+        "io.modelcontextprotocol/protocolVersion": version, "io.modelcontextprotocol/clientCapabilities": {}}}});
+    let body = Bytes::from(message.to_string());
+    let Ok(mut req) = RequestHeader::build("POST", endpoint.path.as_bytes(), Some(8)) else {
+        return false;
+    };
+    for (name, value) in [
+        ("host", endpoint.authority.as_str()),
+        ("accept", "application/json, text/event-stream"),
+        ("content-type", "application/json"),
+        ("mcp-protocol-version", version),
+        ("mcp-method", "server/discover"),
+    ] {
+        let _ = req.insert_header(name, value);
+    }
+    let _ = req.insert_header("content-length", body.len());
+    let Ok(mut response) = client.send(endpoint, timeouts, req, body).await else {
+        return false;
+    };
+    let answer = read_single(&mut response).await;
+    client.finish(response).await;
+    answer.is_ok_and(|m| {
+        m["result"]["supportedVersions"]
+            .as_array()
+            .is_some_and(|v| v.iter().any(|x| x == version))
+    })
+}

@@ -32,6 +32,7 @@ pub struct Timeouts {
 
 pub struct UpstreamGroup {
     pub name: String,
+    pub era: crate::config::UpstreamEra,
     pub path: String,
     pub endpoints: Vec<Endpoint>,
     pub timeouts: Timeouts,
@@ -74,6 +75,7 @@ impl UpstreamGroup {
         }
         Ok(UpstreamGroup {
             name: cfg.name.clone(),
+            era: cfg.era,
             path: cfg.path.clone(),
             endpoints,
             timeouts: Timeouts {

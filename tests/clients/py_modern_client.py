@@ -120,6 +120,16 @@ async def main(url: str, scenario: str, url2: str | None) -> None:
             consent = {"url": "https://example.com/consent", "message": "Open the consent page"}
             for tool, args in [("trigger-url-elicitation", consent), ("trigger-url-elicitation", {**consent, "errorPath": True}), ("get-roots-list", {})]:
                 emit("call", tool=tool, text=text_of(await c.call_tool(tool, args)))
+    elif scenario == "relayed":
+        # Drives native_city by hand to show whose InputRequiredResult comes back.
+        async with client(url) as c:
+            result = await c.session.call_tool("native_city", {}, allow_input_required=True)
+            expect(isinstance(result, types.InputRequiredResult), f"expected input_required, got {result}")
+            keys = sorted(result.input_requests or {})
+            emit("input_required", keys=keys, requestState=result.request_state)
+            answers = {k: types.ElicitResult(action="accept", content={"city": "Lisbon"}) for k in keys}
+            done = await c.session.call_tool("native_city", {}, input_responses=answers, request_state=result.request_state, allow_input_required=True)
+            emit("call", tool="native_city", text=text_of(done))
     elif scenario == "alternate":
         await alternate(url, url2 or url)
     else:

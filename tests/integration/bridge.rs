@@ -505,3 +505,56 @@ fn progress_streams_to_the_client_and_logs_only_when_asked() {
     );
     assert_eq!(last["result"]["resultType"], "complete");
 }
+
+#[test]
+fn an_upstream_that_answers_mrtr_itself_is_relayed_unchanged_when_configured() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    // The gateway's own states are its sealed envelope under the test key id.
+    let ours = |state: &str| mrtr_gateway::seal::peek_kid(state).as_deref() == Some("test1");
+    // era: modern, the upstream's own InputRequiredResult and state reach the client.
+    let relay = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Modern
+    });
+    let lines = python_modern(&[&relay.url, "relayed"]);
+    let asked = &lines[0];
+    let keys = asked["keys"].as_array().unwrap();
+    assert!(
+        !keys
+            .iter()
+            .any(|k| k.as_str().unwrap().starts_with("elicitation_")),
+        "bridged, not relayed: {asked}"
+    );
+    assert!(
+        !ours(asked["requestState"].as_str().unwrap()),
+        "the state is the gateway's, not the upstream's: {asked}"
+    );
+    assert_eq!(lines.last().unwrap()["text"], "City: Lisbon");
+    // era: auto, the same dual-era upstream speaks the 2025 transport, so it is bridged.
+    let bridged = TestGateway::start(&[&url], &test_keys());
+    let lines = python_modern(&[&bridged.url, "relayed"]);
+    let keys = lines[0]["keys"].as_array().unwrap();
+    assert!(
+        keys.len() == 1 && keys[0].as_str().unwrap().starts_with("elicitation_"),
+        "{lines:?}"
+    );
+    assert!(ours(lines[0]["requestState"].as_str().unwrap()));
+    assert_eq!(lines.last().unwrap()["text"], "City: Lisbon");
+}
+
+#[test]
+fn an_upstream_that_speaks_only_2026_07_28_is_detected_and_relayed() {
+    let (_upstream, url) = start_upstream(Upstream::TypeScriptModern);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let lines = python_modern(&[&gw.url, "relayed"]);
+    assert_eq!(
+        lines[0]["keys"],
+        json!(["city"]),
+        "the upstream's own key: {lines:?}"
+    );
+    let state = lines[0]["requestState"].as_str();
+    assert!(
+        state.is_none_or(|s| mrtr_gateway::seal::peek_kid(s).is_none()),
+        "the gateway sealed a state for a relayed flow: {lines:?}"
+    );
+    assert_eq!(lines.last().unwrap()["text"], "City: Lisbon");
+}

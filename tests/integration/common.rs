@@ -90,6 +90,8 @@ pub enum Upstream {
     Everything,
     /// The conformance suite's fixture tools, TypeScript SDK 1.32.2.
     Conformance,
+    /// A 2026-07-28-only server on `@modelcontextprotocol/server` 2.4.0.
+    TypeScriptModern,
 }
 
 /// Starts `kind` on a free loopback port; returns the process and its MCP URL.
@@ -106,9 +108,10 @@ pub fn start_upstream(kind: Upstream) -> (Proc, String) {
             }
             c
         }
-        Upstream::TypeScript | Upstream::Conformance => {
+        Upstream::TypeScript | Upstream::Conformance | Upstream::TypeScriptModern => {
             let script = match kind {
                 Upstream::TypeScript => "ts_legacy_server.mjs",
+                Upstream::TypeScriptModern => "ts_modern_server.mjs",
                 _ => "conformance_server.mjs",
             };
             let mut c = Command::new(node());

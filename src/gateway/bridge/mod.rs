@@ -15,7 +15,7 @@ use super::respond;
 use super::Gateway;
 use crate::metrics::method_label;
 use crate::mrtr::modern::{ModernHeaders, ModernRequest, Refusal, SUPPORTED_VERSIONS};
-use crate::protocol::jsonrpc::code;
+use crate::protocol::jsonrpc::{code, Body};
 use crate::upstream::legacy_session::{read_single, LegacySession, SessionError};
 use crate::upstream::UpstreamGroup;
 use bytes::Bytes;
@@ -64,8 +64,24 @@ impl Kind {
     }
 }
 
-pub async fn serve(gw: &Gateway, session: &mut ServerSession, group: &UpstreamGroup, body: &[u8]) {
-    let message: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+pub async fn serve(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    group: &UpstreamGroup,
+    body: Bytes,
+    parsed: Body,
+) {
+    let message: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let info = message["params"]["_meta"]["io.modelcontextprotocol/clientInfo"].clone();
+    let info = if info.is_object() {
+        info
+    } else {
+        json!({"name": "mrtr-gateway", "version": env!("CARGO_PKG_VERSION")})
+    };
+    if gw.relays(group, &info).await {
+        return super::passthrough::serve(gw, session, group, body, Some(parsed), "modern_relayed")
+            .await;
+    }
     let method = message["method"].as_str().unwrap_or_default().to_string();
     let outcome = serve_inner(gw, session, group, &message).await;
     gw.metrics
