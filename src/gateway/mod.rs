@@ -27,7 +27,18 @@ use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
 use serde_json::{json, Value};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// After a probe of an `era: auto` group got no verdict (the upstream was unreachable),
+/// how long until the next one; until then the group is bridged.
+const PROBE_RETRY: Duration = Duration::from_secs(10);
+
+/// What probing an `era: auto` group found.
+#[derive(Clone, Copy)]
+enum Probed {
+    Verdict(bool),
+    RetryAfter(Instant),
+}
 
 /// Longest wait for each read of a client's request body.
 const CLIENT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -44,8 +55,8 @@ pub struct Gateway {
     /// Each group's InitializeResult, learnt from the first session opened there; it
     /// answers `server/discover` and names the server in every modern result.
     initialize_results: std::sync::Mutex<std::collections::HashMap<String, Value>>,
-    /// For `era: auto` groups, whether they were found to speak only 2026-07-28.
-    modern_only: std::sync::Mutex<std::collections::HashMap<String, bool>>,
+    /// For `era: auto` groups, what the probe found.
+    modern_only: std::sync::Mutex<std::collections::HashMap<String, Probed>>,
 }
 
 impl Gateway {
@@ -122,25 +133,26 @@ impl Gateway {
             UpstreamEra::Legacy => false,
             UpstreamEra::Modern => true,
             UpstreamEra::Auto => {
-                let known = self
+                let probed = self
                     .modern_only
                     .lock()
                     .expect("era cache lock")
                     .get(&group.name)
                     .copied();
-                if let Some(known) = known {
-                    return known;
+                match probed {
+                    Some(Probed::Verdict(modern_only)) => return modern_only,
+                    Some(Probed::RetryAfter(at)) if Instant::now() < at => return false,
+                    _ => {}
                 }
-                match self.probe_modern_only(group, client_info).await {
-                    Some(verdict) => {
-                        self.modern_only
-                            .lock()
-                            .expect("era cache lock")
-                            .insert(group.name.clone(), verdict);
-                        verdict
-                    }
-                    None => false,
-                }
+                let probed = match self.probe_modern_only(group, client_info).await {
+                    Some(verdict) => Probed::Verdict(verdict),
+                    None => Probed::RetryAfter(Instant::now() + PROBE_RETRY),
+                };
+                self.modern_only
+                    .lock()
+                    .expect("era cache lock")
+                    .insert(group.name.clone(), probed);
+                matches!(probed, Probed::Verdict(true))
             }
         }
     }

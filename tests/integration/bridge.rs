@@ -156,7 +156,11 @@ fn state_for(
 #[test]
 fn hostile_request_states_get_one_error_and_reach_no_upstream() {
     let tripwire = Tripwire::start();
-    let gw = TestGateway::start(&[&tripwire.url()], &test_keys());
+    // The group is declared legacy: with era auto the gateway would first probe what the
+    // upstream speaks, which is the gateway's own act, not the request reaching it.
+    let gw = TestGateway::start_with(&[&tripwire.url()], &test_keys(), |c| {
+        c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Legacy;
+    });
     let raw = Raw::new(&gw.url);
     let future = 4_000_000_000;
     let genuine = state_for(tripwire.port, None, "ask_name", json!({}), future);
@@ -557,4 +561,21 @@ fn an_upstream_that_speaks_only_2026_07_28_is_detected_and_relayed() {
         "the gateway sealed a state for a relayed flow: {lines:?}"
     );
     assert_eq!(lines.last().unwrap()["text"], "City: Lisbon");
+}
+
+#[test]
+fn hostile_requests_cannot_make_an_auto_group_probe_its_upstream_repeatedly() {
+    let tripwire = Tripwire::start();
+    let gw = TestGateway::start(&[&tripwire.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    for i in 0..10 {
+        let params = json!({"name": "ask_name", "arguments": {}, "inputResponses": {}, "requestState": format!("garbage-{i}")});
+        let reply = raw.modern(i, "tools/call", params, json!({"elicitation": {}}));
+        assert_eq!(reply.status, 400, "request {i}");
+    }
+    assert!(
+        tripwire.count() <= 1,
+        "{} upstream connections for 10 refused requests",
+        tripwire.count()
+    );
 }

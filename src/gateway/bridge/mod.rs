@@ -72,22 +72,25 @@ pub async fn serve(
     parsed: Body,
 ) {
     let message: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    let info = message["params"]["_meta"]["io.modelcontextprotocol/clientInfo"].clone();
-    let info = if info.is_object() {
-        info
-    } else {
-        json!({"name": "mrtr-gateway", "version": env!("CARGO_PKG_VERSION")})
-    };
-    if gw.relays(group, &info).await {
-        return super::passthrough::serve(gw, session, group, body, Some(parsed), "modern_relayed")
-            .await;
-    }
     let method = message["method"].as_str().unwrap_or_default().to_string();
-    let outcome = serve_inner(gw, session, group, &message).await;
-    gw.metrics
-        .requests
-        .with_label_values(&["modern", method_label(Some(&method)), outcome])
-        .inc();
+    match serve_inner(gw, session, group, &message).await {
+        Served::Relay => {
+            let era = "modern_relayed";
+            super::passthrough::serve(gw, session, group, body, Some(parsed), era).await
+        }
+        Served::Done(outcome) => gw
+            .metrics
+            .requests
+            .with_label_values(&["modern", method_label(Some(&method)), outcome])
+            .inc(),
+    }
+}
+
+/// What became of a request: answered here (with its metrics outcome), or to be relayed
+/// unchanged to an upstream that speaks 2026-07-28.
+enum Served {
+    Done(&'static str),
+    Relay,
 }
 
 async fn serve_inner(
@@ -95,11 +98,11 @@ async fn serve_inner(
     session: &mut ServerSession,
     group: &UpstreamGroup,
     message: &Value,
-) -> &'static str {
+) -> Served {
     let (Some(method), Some(id)) = (message["method"].as_str(), message.get("id")) else {
         if message.get("method").is_some() {
             respond::write(session, 202, "application/json", Bytes::new()).await;
-            return "ok";
+            return Served::Done("ok");
         }
         respond::error(
             session,
@@ -109,7 +112,7 @@ async fn serve_inner(
             "clients send no JSON-RPC responses in protocol version 2026-07-28",
         )
         .await;
-        return "bad_request";
+        return Served::Done("bad_request");
     };
     let header = |name: &str| session.get_header(name).and_then(|v| v.to_str().ok());
     let headers = ModernHeaders {
@@ -128,7 +131,7 @@ async fn serve_inner(
         reply
             .error(session, 404, code::METHOD_NOT_FOUND, &text, None)
             .await;
-        return "bad_request";
+        return Served::Done("bad_request");
     };
     let request = match ModernRequest::validate(id.clone(), method, message.get("params"), headers)
     {
@@ -140,18 +143,22 @@ async fn serve_inner(
             data,
         }) => {
             reply.error(session, status, code, &text, data).await;
-            return "bad_request";
+            return Served::Done("bad_request");
         }
     };
+    // Only a request that passed validation may make the gateway probe the upstream.
+    if gw.relays(group, &client_info(&request)).await {
+        return Served::Relay;
+    }
     let reply = ClientReply {
         accepts_sse,
         ..reply
     };
-    match kind {
+    Served::Done(match kind {
         Kind::Discover => discover(gw, session, group, &request, reply).await,
         Kind::Interactive => flow::interactive(gw, session, group, request, reply).await,
         Kind::OneShot => one_shot(gw, session, group, &request, reply).await,
-    }
+    })
 }
 
 pub(crate) fn client_info(request: &ModernRequest) -> Value {
