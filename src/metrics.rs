@@ -10,6 +10,8 @@ pub struct Metrics {
     pub session_rejections: IntCounterVec,
     pub state_rejections: IntCounterVec,
     pub active_client_streams: IntGauge,
+    /// Flows waiting for a client's retry that this replica opened (the reaper's table).
+    pub pending_flows: IntGauge,
 }
 
 /// Methods a label may name; anything else is `other`.
@@ -78,6 +80,11 @@ impl Metrics {
             "Client responses currently streaming",
         )
         .expect("valid metric");
+        let pending_flows = IntGauge::new(
+            "mrtr_gateway_pending_flows",
+            "Flows waiting for input whose upstream session this replica watches",
+        )
+        .expect("valid metric");
         let build_info = IntGauge::with_opts(
             Opts::new("mrtr_gateway_build_info", "Build information")
                 .const_label("version", env!("CARGO_PKG_VERSION")),
@@ -89,6 +96,7 @@ impl Metrics {
             Box::new(session_rejections.clone()),
             Box::new(state_rejections.clone()),
             Box::new(active_client_streams.clone()),
+            Box::new(pending_flows.clone()),
             Box::new(build_info),
         ] {
             registry.register(m).expect("metric names are unique");
@@ -99,6 +107,7 @@ impl Metrics {
             session_rejections,
             state_rejections,
             active_client_streams,
+            pending_flows,
         }
     }
 

@@ -14,6 +14,7 @@ use std::sync::Arc;
 pub struct AdminApp {
     pub metrics: Arc<Metrics>,
     pub draining: Arc<AtomicBool>,
+    pub reaper: Arc<super::reaper::Reaper>,
 }
 
 fn reply(status: u16, content_type: &str, body: Vec<u8>) -> Response<Vec<u8>> {
@@ -35,11 +36,14 @@ impl ServeHttp for AdminApp {
                 reply(503, json, br#"{"status":"draining"}"#.to_vec())
             }
             "/readyz" => reply(200, json, br#"{"status":"ready"}"#.to_vec()),
-            "/metrics" => reply(
-                200,
-                "text/plain; version=0.0.4",
-                self.metrics.render().into_bytes(),
-            ),
+            "/metrics" => {
+                self.metrics.pending_flows.set(self.reaper.watched() as i64);
+                reply(
+                    200,
+                    "text/plain; version=0.0.4",
+                    self.metrics.render().into_bytes(),
+                )
+            }
             _ => reply(404, json, br#"{"error":"not found"}"#.to_vec()),
         }
     }

@@ -60,6 +60,7 @@ pub fn build(
         AdminApp {
             metrics: metrics.clone(),
             draining: draining.clone(),
+            reaper: reaper.clone(),
         },
     );
     admin.add_tcp(&admin_listen);

@@ -579,3 +579,48 @@ fn hostile_requests_cannot_make_an_auto_group_probe_its_upstream_repeatedly() {
         tripwire.count()
     );
 }
+
+/// A metric's value from the admin listener's `/metrics`.
+fn metric(admin: &str, name: &str) -> f64 {
+    let text = ureq::get(&format!("{admin}/metrics"))
+        .call()
+        .expect("/metrics")
+        .into_string()
+        .unwrap();
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in /metrics"))
+}
+
+#[test]
+fn a_pending_flow_holds_no_stream_only_its_reaper_entry() {
+    let (_upstream, url) = start_upstream(Upstream::TypeScript);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let first = ask_name(&Raw::new(&gw.url), 1, json!({}));
+    assert_eq!(first["result"]["resultType"], "input_required");
+    assert_eq!(
+        metric(&gw.admin, "mrtr_gateway_active_client_streams"),
+        0.0,
+        "a stream is still held"
+    );
+    assert_eq!(
+        metric(&gw.admin, "mrtr_gateway_pending_flows"),
+        1.0,
+        "the reaper watches the flow"
+    );
+    let (key, _) = first["result"]["inputRequests"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .next()
+        .unwrap();
+    let answers = json!({"inputResponses": {key: {"action": "accept", "content": {"name": "Lu"}}}, "requestState": first["result"]["requestState"]});
+    let done = ask_name(&Raw::new(&gw.url), 2, answers);
+    assert_eq!(done["result"]["content"][0]["text"], "Hello, Lu!");
+    assert_eq!(
+        metric(&gw.admin, "mrtr_gateway_pending_flows"),
+        0.0,
+        "a completed flow is forgotten"
+    );
+}
