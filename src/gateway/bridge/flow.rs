@@ -197,17 +197,7 @@ async fn run_round(
                 return "missing_capability";
             }
             if flow.round == 1 && !watch(gw, &upstream, &flow) {
-                end_session(gw, &upstream).await;
-                reply
-                    .error(
-                        session,
-                        503,
-                        code::INTERNAL_ERROR,
-                        "too many flows are waiting for input on this replica; retry later",
-                        None,
-                    )
-                    .await;
-                return "overloaded";
+                return refuse_overloaded(gw, session, reply, &upstream).await;
             }
             flow.reissue = true;
             flow.pending.clear();
@@ -231,17 +221,7 @@ async fn run_round(
         }
         RoundEnd::Questions if flow.round == 1 && !watch(gw, &upstream, &flow) => {
             streams.close(gw).await;
-            end_session(gw, &upstream).await;
-            reply
-                .error(
-                    session,
-                    503,
-                    code::INTERNAL_ERROR,
-                    "too many flows are waiting for input on this replica; retry later",
-                    None,
-                )
-                .await;
-            "overloaded"
+            refuse_overloaded(gw, session, reply, &upstream).await
         }
         RoundEnd::Questions => {
             streams.close(gw).await;
@@ -506,6 +486,21 @@ async fn ask_client(
     let result = decorate(round.input_required(sealed), server_info, false);
     reply.result(session, result).await;
     "input_required"
+}
+
+/// Refuses a new flow the reaper has no room to watch: it would otherwise go unwatched.
+async fn refuse_overloaded(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    upstream: &LegacySession<'_>,
+) -> &'static str {
+    end_session(gw, upstream).await;
+    let text = "too many flows are waiting for input on this replica; retry later";
+    reply
+        .error(session, 503, code::INTERNAL_ERROR, text, None)
+        .await;
+    "overloaded"
 }
 
 /// Has the reaper watch a new flow's upstream session until the flow's deadline.
