@@ -1,5 +1,5 @@
-//! The command line: `run`, `demo`, `check-config` and `keygen`, and loading the key ring
-//! from the environment or a keys file.
+//! The command line: `run`, `demo`, `check-config`, `inspect` and `keygen`, and loading
+//! the key ring from the environment or a keys file.
 
 use crate::config::{Config, ConfigError};
 use crate::gateway::server;
@@ -63,6 +63,15 @@ enum Command {
     },
     /// Validate a configuration file; exits non-zero on the first problem.
     CheckConfig { file: std::path::PathBuf },
+    /// Decode a requestState or Mcp-Session-Id with the configured keys and print its
+    /// fields; refuses without the key that sealed it.
+    Inspect {
+        /// The token, as the client sent it.
+        token: String,
+        /// Configuration file naming the keys file (MRTR_GATEWAY_KEYS takes precedence).
+        #[arg(long, short)]
+        config: Option<std::path::PathBuf>,
+    },
     /// Print a new key entry KID:BASE64URL_32_BYTES.
     Keygen {
         /// The key id.
@@ -85,6 +94,7 @@ pub fn main() -> ExitCode {
             demo_listen,
         } => demo(listeners, demo_listen),
         Command::CheckConfig { file } => check_config(&file),
+        Command::Inspect { token, config } => inspect(&token, config.as_deref()),
         Command::Keygen { kid } => keys::generate_entry(&kid)
             .map(|entry| println!("{entry}"))
             .map_err(|e| e.to_string()),
@@ -110,15 +120,18 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-/// The key ring: `MRTR_GATEWAY_KEYS`, else the config's keys file, else an ephemeral key.
-pub fn load_keys(config: &Config) -> Result<KeyRing, String> {
+/// The key ring: `MRTR_GATEWAY_KEYS`, else the config's keys file (which is then watched
+/// for changes), else an ephemeral key. Keys from the environment cannot be reloaded, so
+/// they clear `keys_file`.
+pub fn load_keys(config: &mut Config) -> Result<KeyRing, String> {
     if let Ok(text) = std::env::var(KEYS_ENV) {
+        if config.keys_file.take().is_some() {
+            tracing::warn!("{KEYS_ENV} is set: keys_file is ignored and not watched");
+        }
         return KeyRing::parse(&text).map_err(|e| format!("{KEYS_ENV}: {e}"));
     }
     if let Some(path) = &config.keys_file {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("keys_file {}: {e}", path.display()))?;
-        return KeyRing::parse(&text).map_err(|e| format!("keys_file {}: {e}", path.display()));
+        return KeyRing::load_file(path);
     }
     tracing::warn!(
         "no keys configured ({KEYS_ENV} or keys_file): using an ephemeral key; other replicas and restarts will not accept this replica's tokens"
@@ -141,7 +154,7 @@ fn run(
     };
     config.apply_overrides(listeners.listen, listeners.admin_listen, upstreams);
     config.validate().map_err(config_error)?;
-    let keys = Arc::new(load_keys(&config)?);
+    let keys = Arc::new(load_keys(&mut config)?);
     let (listen, admin) = (config.listen.clone(), config.admin_listen.clone());
     let (server, _metrics) = server::build(config, keys, Vec::new()).map_err(config_error)?;
     tracing::info!(%listen, %admin, "mrtr-gateway serving");
@@ -159,7 +172,7 @@ fn demo(listeners: Listeners, demo_listen: String) -> Result<(), String> {
     );
     config.upstreams[0].health_check_interval_ms = 0;
     config.validate().map_err(config_error)?;
-    let keys = Arc::new(load_keys(&config)?);
+    let keys = Arc::new(load_keys(&mut config)?);
     let gateway_url = format!("http://{}/mcp", config.listen);
     let admin = config.admin_listen.clone();
     let extra: server::ExtraServices = vec![Box::new(crate::demo::service(&demo_listen))];
@@ -216,14 +229,30 @@ curl -s -o /dev/null -w '%{{http_code}}\n' -X DELETE -H "mcp-session-id: $SID" $
     )
 }
 
+fn inspect(token: &str, file: Option<&std::path::Path>) -> Result<(), String> {
+    let mut config = match file {
+        Some(path) => Config::load(path).map_err(config_error)?,
+        None => Config::default(),
+    };
+    if std::env::var(KEYS_ENV).is_err() && config.keys_file.is_none() {
+        return Err(format!(
+            "no keys configured: set {KEYS_ENV} or pass --config with a keys_file"
+        ));
+    }
+    let ring = load_keys(&mut config)?;
+    let report = crate::inspect::inspect(&ring, token.trim(), crate::mrtr::state::now_secs())?;
+    println!("{report}");
+    Ok(())
+}
+
 fn check_config(file: &std::path::Path) -> Result<(), String> {
     let config = Config::load(file).map_err(config_error)?;
     crate::upstream::Upstreams::build(&config).map_err(config_error)?;
     if let Some(path) = &config.keys_file {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("keys_file {}: {e}", path.display()))?;
-        KeyRing::parse(&text).map_err(|e| format!("keys_file {}: {e}", path.display()))?;
+        KeyRing::load_file(path)?;
     }
+    crate::principal::Authenticator::new(&config.principal)
+        .map_err(|e| format!("principal.jwt: {e}"))?;
     println!("{}: ok", file.display());
     Ok(())
 }

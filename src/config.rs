@@ -17,6 +17,8 @@ pub struct Config {
     pub admin_listen: String,
     /// A file of `KID:BASE64URL_32_BYTES` keys; `MRTR_GATEWAY_KEYS` takes precedence.
     pub keys_file: Option<PathBuf>,
+    /// How often the keys file is checked for changes (it is also re-read on SIGHUP).
+    pub keys_poll_ms: u64,
     /// Whom sealed tokens are bound to.
     pub principal: PrincipalSource,
     /// Host names the MCP listener accepts in `Host` and `Origin` (DNS-rebinding
@@ -34,6 +36,7 @@ impl Default for Config {
             listen: "127.0.0.1:8080".into(),
             admin_listen: "127.0.0.1:9090".into(),
             keys_file: None,
+            keys_poll_ms: 2_000,
             principal: PrincipalSource::default(),
             allowed_hosts: Vec::new(),
             limits: Limits::default(),
@@ -51,6 +54,22 @@ pub struct Limits {
     pub max_body_bytes: usize,
     /// Most messages in one JSON-RPC batch.
     pub max_batch: usize,
+    /// Most request headers (431 above it).
+    pub max_header_count: usize,
+    /// Most bytes of request header names and values together (431 above it).
+    pub max_header_bytes: usize,
+    /// Longest wait for a request's headers (the connection is closed after it).
+    pub header_timeout_ms: u64,
+    /// Longest time a request body may take to arrive in full (408 after it).
+    pub body_timeout_ms: u64,
+    /// Longest `requestState` accepted, checked before any decoding.
+    pub max_request_state_bytes: usize,
+    /// Largest `inputResponses` object accepted, as serialized JSON.
+    pub max_input_responses_bytes: usize,
+    /// Most server requests gathered into one `InputRequiredResult`.
+    pub max_input_requests_per_round: usize,
+    /// Most rounds one call may take.
+    pub max_rounds: u16,
 }
 
 impl Default for Limits {
@@ -58,11 +77,62 @@ impl Default for Limits {
         Limits {
             max_body_bytes: 4 << 20,
             max_batch: 64,
+            max_header_count: 100,
+            max_header_bytes: 32 << 10,
+            header_timeout_ms: 10_000,
+            body_timeout_ms: 30_000,
+            max_request_state_bytes: 4096,
+            max_input_responses_bytes: 1 << 20,
+            max_input_requests_per_round: 16,
+            max_rounds: 32,
         }
     }
 }
 
-/// How modern (2026-07-28) calls are bridged onto legacy upstreams.
+impl Limits {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let at_least = |name: &str, value: u64, min: u64| {
+            if value < min {
+                Err(ConfigError::at(
+                    format!("limits.{name}"),
+                    format!("must be at least {min}"),
+                ))
+            } else {
+                Ok(())
+            }
+        };
+        at_least("max_body_bytes", self.max_body_bytes as u64, 1024)?;
+        at_least("max_batch", self.max_batch as u64, 1)?;
+        at_least("max_header_count", self.max_header_count as u64, 8)?;
+        at_least("max_header_bytes", self.max_header_bytes as u64, 1024)?;
+        at_least("header_timeout_ms", self.header_timeout_ms, 100)?;
+        at_least("body_timeout_ms", self.body_timeout_ms, 100)?;
+        at_least(
+            "max_request_state_bytes",
+            self.max_request_state_bytes as u64,
+            256,
+        )?;
+        if self.max_request_state_bytes > crate::mrtr::state::MAX_STATE_LEN {
+            return Err(ConfigError::at(
+                "limits.max_request_state_bytes",
+                format!("must be at most {}", crate::mrtr::state::MAX_STATE_LEN),
+            ));
+        }
+        at_least(
+            "max_input_responses_bytes",
+            self.max_input_responses_bytes as u64,
+            2,
+        )?;
+        at_least(
+            "max_input_requests_per_round",
+            self.max_input_requests_per_round as u64,
+            1,
+        )?;
+        at_least("max_rounds", u64::from(self.max_rounds), 1)
+    }
+}
+
+/// How 2026-07-28 calls are bridged onto legacy upstreams.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct BridgeOptions {
@@ -79,6 +149,9 @@ pub struct BridgeOptions {
     /// Most abandoned-flow sessions one replica watches; beyond it new interactive flows
     /// are refused rather than left unwatched.
     pub max_watched_sessions: usize,
+    /// Most used `requestState`s one replica remembers (each until its expiry) to refuse
+    /// replays; beyond it, retries are refused (503) rather than let through unguarded.
+    pub max_used_states: usize,
 }
 
 impl Default for BridgeOptions {
@@ -89,6 +162,7 @@ impl Default for BridgeOptions {
             quiet_window_ms: 50,
             resume_poll_ms: 2000,
             max_watched_sessions: 100_000,
+            max_used_states: 200_000,
         }
     }
 }
@@ -192,7 +266,7 @@ pub struct ConfigError {
 }
 
 impl ConfigError {
-    fn at(path: impl Into<String>, problem: impl Into<String>) -> Self {
+    pub fn at(path: impl Into<String>, problem: impl Into<String>) -> Self {
         ConfigError {
             path: path.into(),
             problem: problem.into(),
@@ -298,14 +372,9 @@ impl Config {
         if self.listen == self.admin_listen {
             return Err(ConfigError::at("admin_listen", "must differ from listen"));
         }
-        if self.limits.max_body_bytes < 1024 {
-            return Err(ConfigError::at(
-                "limits.max_body_bytes",
-                "must be at least 1024",
-            ));
-        }
-        if self.limits.max_batch == 0 {
-            return Err(ConfigError::at("limits.max_batch", "must be at least 1"));
+        self.limits.validate()?;
+        if self.keys_poll_ms < 100 {
+            return Err(ConfigError::at("keys_poll_ms", "must be at least 100"));
         }
         let b = &self.bridge;
         if b.request_state_ttl_seconds == 0 || b.max_flow_seconds < b.request_state_ttl_seconds {

@@ -12,6 +12,8 @@ use hkdf::Hkdf;
 use rand::RngCore;
 use sha2::Sha256;
 use std::fmt;
+use std::path::Path;
+use std::sync::{Arc, RwLock};
 
 /// What a sealed blob is for. Each purpose has its own subkey, so a blob sealed for one
 /// purpose never opens as another.
@@ -182,6 +184,34 @@ impl KeyRing {
 
     pub fn kids(&self) -> impl Iterator<Item = &str> {
         self.keys.iter().map(|k| k.kid.as_str())
+    }
+}
+
+impl KeyRing {
+    /// Reads and parses a keys file; errors name the file.
+    pub fn load_file(path: &Path) -> Result<KeyRing, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("keys_file {}: {e}", path.display()))?;
+        KeyRing::parse(&text).map_err(|e| format!("keys_file {}: {e}", path.display()))
+    }
+}
+
+/// The ring in use, replaced whole when the keys are reloaded. A request takes the ring
+/// once (`load`) and uses that snapshot throughout.
+#[derive(Debug)]
+pub struct SharedKeyRing(RwLock<Arc<KeyRing>>);
+
+impl SharedKeyRing {
+    pub fn new(ring: Arc<KeyRing>) -> SharedKeyRing {
+        SharedKeyRing(RwLock::new(ring))
+    }
+
+    pub fn load(&self) -> Arc<KeyRing> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    pub fn store(&self, ring: KeyRing) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(ring);
     }
 }
 

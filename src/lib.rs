@@ -9,6 +9,7 @@ pub mod cli;
 pub mod config;
 pub mod demo;
 pub mod gateway;
+pub mod inspect;
 pub mod keys;
 pub mod metrics;
 pub mod mrtr;

@@ -12,6 +12,10 @@ pub struct Metrics {
     pub active_client_streams: IntGauge,
     /// Flows waiting for a client's retry that this replica opened (the reaper's table).
     pub pending_flows: IntGauge,
+    /// Key-ring reloads from the keys file, by outcome (`ok`, `error`).
+    pub key_reloads: IntCounterVec,
+    /// Keys in the ring now.
+    pub keys_loaded: IntGauge,
 }
 
 /// Methods a label may name; anything else is `other`.
@@ -85,6 +89,16 @@ impl Metrics {
             "Flows waiting for input whose upstream session this replica watches",
         )
         .expect("valid metric");
+        let key_reloads = IntCounterVec::new(
+            Opts::new(
+                "mrtr_gateway_key_reloads_total",
+                "Key-ring reloads from the keys file, by outcome",
+            ),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        let keys_loaded = IntGauge::new("mrtr_gateway_keys_loaded", "Keys in the key ring")
+            .expect("valid metric");
         let build_info = IntGauge::with_opts(
             Opts::new("mrtr_gateway_build_info", "Build information")
                 .const_label("version", env!("CARGO_PKG_VERSION")),
@@ -97,6 +111,8 @@ impl Metrics {
             Box::new(state_rejections.clone()),
             Box::new(active_client_streams.clone()),
             Box::new(pending_flows.clone()),
+            Box::new(key_reloads.clone()),
+            Box::new(keys_loaded.clone()),
             Box::new(build_info),
         ] {
             registry.register(m).expect("metric names are unique");
@@ -108,6 +124,8 @@ impl Metrics {
             state_rejections,
             active_client_streams,
             pending_flows,
+            key_reloads,
+            keys_loaded,
         }
     }
 

@@ -3,10 +3,17 @@
 //! The source is configurable. `authorization` (the default) hashes the `Authorization`
 //! header, so a token only works with the credential it was issued under. `header: NAME`
 //! hashes a header set by an authenticating ingress (for example `X-Forwarded-User`).
+//! `jwt` verifies the bearer token's signature against a JWKS file and binds to its
+//! `iss` and `sub` claims, so a refreshed token of the same subject keeps its flows; a
+//! request whose token does not verify is refused before anything is forwarded.
 //! `none` binds nothing; use it only where every caller is trusted alike.
 
+use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, JwkSet};
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
+use std::path::PathBuf;
+use std::str::FromStr;
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -14,14 +21,36 @@ pub enum PrincipalSource {
     #[default]
     Authorization,
     Header(String),
+    Jwt(JwtConfig),
     None,
+}
+
+/// Verifying bearer JWTs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JwtConfig {
+    /// A JSON Web Key Set (`{"keys": [...]}`), for example a mounted Secret or ConfigMap.
+    pub jwks_file: PathBuf,
+    /// Accepted `iss` values; empty accepts any issuer (the issuer is still bound).
+    #[serde(default)]
+    pub issuers: Vec<String>,
+    /// Accepted `aud` values; empty skips the audience check.
+    #[serde(default)]
+    pub audiences: Vec<String>,
+    /// Clock skew tolerated on `exp` and `nbf`.
+    #[serde(default = "default_leeway")]
+    pub leeway_seconds: u64,
+}
+
+fn default_leeway() -> u64 {
+    30
 }
 
 impl PrincipalSource {
     /// The header whose value names the principal, if any.
     pub fn header_name(&self) -> Option<&str> {
         match self {
-            PrincipalSource::Authorization => Some("authorization"),
+            PrincipalSource::Authorization | PrincipalSource::Jwt(_) => Some("authorization"),
             PrincipalSource::Header(name) => Some(name),
             PrincipalSource::None => None,
         }
@@ -43,9 +72,303 @@ impl PrincipalSource {
     }
 }
 
+/// Why a request was not authenticated; the text is safe to show the client.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unauthenticated(pub String);
+
+/// Turns a request's credentials into its principal digest.
+pub struct Authenticator {
+    source: PrincipalSource,
+    jwt: Option<JwtVerifier>,
+}
+
+impl Authenticator {
+    /// Builds the authenticator; for `jwt` this reads and checks the JWKS file.
+    pub fn new(source: &PrincipalSource) -> Result<Authenticator, String> {
+        let jwt = match source {
+            PrincipalSource::Jwt(config) => Some(JwtVerifier::load(config)?),
+            _ => None,
+        };
+        Ok(Authenticator {
+            source: source.clone(),
+            jwt,
+        })
+    }
+
+    /// The principal of a request whose principal header (see
+    /// [`PrincipalSource::header_name`]) holds `value`.
+    pub fn principal(&self, value: Option<&[u8]>) -> Result<[u8; 32], Unauthenticated> {
+        match &self.jwt {
+            Some(verifier) => verifier.principal(value),
+            None => Ok(self.source.digest(value)),
+        }
+    }
+}
+
+struct JwtVerifier {
+    keys: Vec<(Option<String>, DecodingKey, Validation)>,
+}
+
+#[derive(Deserialize)]
+struct Claims {
+    iss: Option<String>,
+    sub: Option<String>,
+}
+
+impl JwtVerifier {
+    fn load(config: &JwtConfig) -> Result<JwtVerifier, String> {
+        let path = config.jwks_file.display();
+        let text = std::fs::read_to_string(&config.jwks_file)
+            .map_err(|e| format!("jwks_file {path}: {e}"))?;
+        let set: JwkSet = serde_json::from_str(&text)
+            .map_err(|e| format!("jwks_file {path}: not a JWK set: {e}"))?;
+        let mut keys = Vec::new();
+        for (i, jwk) in set.keys.iter().enumerate() {
+            let key = DecodingKey::from_jwk(jwk)
+                .map_err(|e| format!("jwks_file {path}: key #{}: {e}", i + 1))?;
+            let algorithms = algorithms_for(jwk)
+                .map_err(|e| format!("jwks_file {path}: key #{}: {e}", i + 1))?;
+            let mut v = Validation::new(algorithms[0]);
+            v.algorithms = algorithms;
+            v.leeway = config.leeway_seconds;
+            v.set_required_spec_claims(&["exp", "iss", "sub"]);
+            if !config.issuers.is_empty() {
+                v.set_issuer(&config.issuers);
+            }
+            if config.audiences.is_empty() {
+                v.validate_aud = false;
+            } else {
+                v.set_audience(&config.audiences);
+            }
+            keys.push((jwk.common.key_id.clone(), key, v));
+        }
+        if keys.is_empty() {
+            return Err(format!("jwks_file {path}: holds no keys"));
+        }
+        Ok(JwtVerifier { keys })
+    }
+
+    fn principal(&self, authorization: Option<&[u8]>) -> Result<[u8; 32], Unauthenticated> {
+        let refuse = |why: &str| Unauthenticated(why.to_string());
+        let token = authorization
+            .and_then(|v| std::str::from_utf8(v).ok())
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            })
+            .ok_or_else(|| refuse("a bearer token is required"))?;
+        let header = jsonwebtoken::decode_header(token)
+            .map_err(|_| refuse("the bearer token is not a JWT"))?;
+        let (_, key, validation) = match &header.kid {
+            Some(kid) => self.keys.iter().find(|(k, ..)| k.as_deref() == Some(kid)),
+            None if self.keys.len() == 1 => self.keys.first(),
+            None => None,
+        }
+        .ok_or_else(|| refuse("the bearer token names no known key"))?;
+        let data = jsonwebtoken::decode::<Claims>(token, key, validation).map_err(|e| {
+            use jsonwebtoken::errors::ErrorKind as K;
+            refuse(match e.kind() {
+                K::ExpiredSignature => "the bearer token has expired",
+                K::ImmatureSignature => "the bearer token is not valid yet",
+                K::InvalidIssuer => "the bearer token's issuer is not accepted",
+                K::InvalidAudience => "the bearer token's audience is not accepted",
+                K::MissingRequiredClaim(_) => "the bearer token lacks exp, iss or sub",
+                _ => "the bearer token did not verify",
+            })
+        })?;
+        match (&data.claims.iss, &data.claims.sub) {
+            (Some(iss), Some(sub)) => Ok(jwt_digest(iss, sub)),
+            _ => Err(refuse("the bearer token lacks exp, iss or sub")),
+        }
+    }
+}
+
+/// The algorithms a key may verify: the one it declares, else its type's own.
+fn algorithms_for(jwk: &Jwk) -> Result<Vec<Algorithm>, String> {
+    if let Some(alg) = jwk.common.key_algorithm {
+        let alg = Algorithm::from_str(&alg.to_string())
+            .map_err(|_| format!("algorithm {alg} is not supported"))?;
+        return Ok(vec![alg]);
+    }
+    Ok(match &jwk.algorithm {
+        AlgorithmParameters::RSA(_) => vec![
+            Algorithm::RS256,
+            Algorithm::RS384,
+            Algorithm::RS512,
+            Algorithm::PS256,
+            Algorithm::PS384,
+            Algorithm::PS512,
+        ],
+        AlgorithmParameters::EllipticCurve(ec) => match ec.curve {
+            EllipticCurve::P256 => vec![Algorithm::ES256],
+            EllipticCurve::P384 => vec![Algorithm::ES384],
+            _ => return Err("only P-256 and P-384 curves are supported".into()),
+        },
+        AlgorithmParameters::OctetKeyPair(_) => vec![Algorithm::EdDSA],
+        AlgorithmParameters::OctetKey(_) => {
+            vec![Algorithm::HS256, Algorithm::HS384, Algorithm::HS512]
+        }
+    })
+}
+
+fn jwt_digest(iss: &str, sub: &str) -> [u8; 32] {
+    let mut h = Sha256::new();
+    h.update(b"mrtr-gateway principal v1 jwt\0");
+    for part in [iss, sub] {
+        h.update((part.len() as u64).to_be_bytes());
+        h.update(part.as_bytes());
+    }
+    h.finalize().into()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use jsonwebtoken::{encode, EncodingKey, Header};
+    use serde_json::json;
+
+    const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
+
+    fn jwt_authenticator(issuers: &[&str]) -> (Authenticator, tempfile_path::Path) {
+        let jwks = json!({"keys": [{"kty": "oct", "kid": "hs", "alg": "HS256",
+            "k": base64::Engine::encode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, SECRET)}]});
+        let file = tempfile_path::Path::with_contents(&jwks.to_string());
+        let config = JwtConfig {
+            jwks_file: file.0.clone(),
+            issuers: issuers.iter().map(|s| s.to_string()).collect(),
+            audiences: vec![],
+            leeway_seconds: 0,
+        };
+        let auth = Authenticator::new(&PrincipalSource::Jwt(config)).unwrap();
+        (auth, file)
+    }
+
+    fn token(kid: Option<&str>, claims: serde_json::Value, secret: &[u8]) -> Vec<u8> {
+        let mut header = Header::new(Algorithm::HS256);
+        header.kid = kid.map(str::to_string);
+        let jwt = encode(&header, &claims, &EncodingKey::from_secret(secret)).unwrap();
+        format!("Bearer {jwt}").into_bytes()
+    }
+
+    /// A file under the target directory, removed when dropped.
+    mod tempfile_path {
+        pub struct Path(pub std::path::PathBuf);
+        impl Path {
+            pub fn with_contents(text: &str) -> Path {
+                let dir = std::env::temp_dir();
+                let name = format!(
+                    "mrtr-jwks-{}-{}.json",
+                    std::process::id(),
+                    rand::random::<u64>()
+                );
+                let path = dir.join(name);
+                std::fs::write(&path, text).unwrap();
+                Path(path)
+            }
+        }
+        impl Drop for Path {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_file(&self.0);
+            }
+        }
+    }
+
+    #[test]
+    fn a_jwt_principal_is_its_issuer_and_subject() {
+        let (auth, _file) = jwt_authenticator(&["https://idp"]);
+        let exp = crate::mrtr::state::now_secs() + 600;
+        let alice = json!({"iss": "https://idp", "sub": "alice", "exp": exp});
+        let first = auth.principal(Some(&token(Some("hs"), alice.clone(), SECRET)));
+        let refreshed = json!({"iss": "https://idp", "sub": "alice", "exp": exp + 60, "jti": "2"});
+        let second = auth.principal(Some(&token(Some("hs"), refreshed, SECRET)));
+        assert_eq!(first, second, "a refreshed token keeps the principal");
+        let bob = json!({"iss": "https://idp", "sub": "bob", "exp": exp});
+        assert_ne!(first, auth.principal(Some(&token(Some("hs"), bob, SECRET))));
+        // One key and no kid: that key.
+        assert_eq!(first, auth.principal(Some(&token(None, alice, SECRET))));
+    }
+
+    #[test]
+    fn a_jwt_that_does_not_verify_is_refused_with_a_reason() {
+        let (auth, _file) = jwt_authenticator(&["https://idp"]);
+        let now = crate::mrtr::state::now_secs();
+        let ok = json!({"iss": "https://idp", "sub": "alice", "exp": now + 600});
+        let cases: Vec<(Option<Vec<u8>>, &str)> = vec![
+            (None, "a bearer token is required"),
+            (
+                Some(b"Basic YWxpY2U6cHc=".to_vec()),
+                "a bearer token is required",
+            ),
+            (
+                Some(b"Bearer not.a.jwt".to_vec()),
+                "the bearer token is not a JWT",
+            ),
+            (
+                Some(token(Some("other"), ok.clone(), SECRET)),
+                "the bearer token names no known key",
+            ),
+            (
+                Some(token(
+                    Some("hs"),
+                    ok.clone(),
+                    b"another secret of 32 bytes......",
+                )),
+                "the bearer token did not verify",
+            ),
+            (
+                Some(token(
+                    Some("hs"),
+                    json!({"iss": "https://idp", "sub": "a", "exp": now - 10}),
+                    SECRET,
+                )),
+                "the bearer token has expired",
+            ),
+            (
+                Some(token(
+                    Some("hs"),
+                    json!({"iss": "https://evil", "sub": "a", "exp": now + 600}),
+                    SECRET,
+                )),
+                "the bearer token's issuer is not accepted",
+            ),
+            (
+                Some(token(
+                    Some("hs"),
+                    json!({"iss": "https://idp", "exp": now + 600}),
+                    SECRET,
+                )),
+                "the bearer token lacks exp, iss or sub",
+            ),
+        ];
+        for (value, why) in cases {
+            assert_eq!(
+                auth.principal(value.as_deref()),
+                Err(Unauthenticated(why.to_string())),
+                "{why}"
+            );
+        }
+        assert!(auth.principal(Some(&token(Some("hs"), ok, SECRET))).is_ok());
+    }
+
+    #[test]
+    fn a_bad_jwks_file_is_a_startup_error() {
+        let file = tempfile_path::Path::with_contents("{\"keys\": []}");
+        let config = JwtConfig {
+            jwks_file: file.0.clone(),
+            issuers: vec![],
+            audiences: vec![],
+            leeway_seconds: 30,
+        };
+        let err = Authenticator::new(&PrincipalSource::Jwt(config.clone()))
+            .err()
+            .unwrap();
+        assert!(err.contains("holds no keys"), "{err}");
+        let missing = JwtConfig {
+            jwks_file: "/nonexistent/jwks.json".into(),
+            ..config
+        };
+        assert!(Authenticator::new(&PrincipalSource::Jwt(missing)).is_err());
+    }
 
     #[test]
     fn distinct_credentials_give_distinct_digests() {

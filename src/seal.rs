@@ -38,6 +38,10 @@ pub enum OpenError {
     BadPayload,
     /// Authentic, but past its expiry.
     Expired,
+    /// Authentic, but bound to another principal.
+    Principal,
+    /// Authentic and the caller's, but bound to another request (method, name, arguments).
+    Binding,
 }
 
 impl OpenError {
@@ -50,6 +54,8 @@ impl OpenError {
             OpenError::Rejected => "rejected",
             OpenError::BadPayload => "bad_payload",
             OpenError::Expired => "expired",
+            OpenError::Principal => "principal",
+            OpenError::Binding => "binding",
         }
     }
 }

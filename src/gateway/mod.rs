@@ -4,16 +4,17 @@
 
 pub mod admin;
 pub mod bridge;
+pub mod key_reload;
 pub mod passthrough;
 pub mod reaper;
 pub mod respond;
 pub mod server;
 
-use crate::config::{Config, UpstreamEra};
-use crate::keys::KeyRing;
+use crate::config::{Config, ConfigError, UpstreamEra};
+use crate::keys::{KeyRing, SharedKeyRing};
 use crate::metrics::Metrics;
 use crate::mrtr::modern::{era, Era};
-use crate::principal::PrincipalSource;
+use crate::principal::{Authenticator, PrincipalSource, Unauthenticated};
 use crate::protocol::headers::MCP_SESSION_ID;
 use crate::protocol::host_check::HostPolicy;
 use crate::protocol::jsonrpc::{self, code, Body};
@@ -46,12 +47,16 @@ const CLIENT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Everything one gateway instance shares across requests.
 pub struct Gateway {
     pub config: Config,
-    pub keys: Arc<KeyRing>,
+    /// The key ring, swapped whole when the keys file is reloaded.
+    pub keys: Arc<SharedKeyRing>,
     pub upstreams: Upstreams,
     pub client: UpstreamClient,
     pub metrics: Arc<Metrics>,
     host_policy: HostPolicy,
+    authenticator: Authenticator,
     pub reaper: Arc<reaper::Reaper>,
+    /// The `requestState`s this replica has accepted, to refuse replays.
+    pub used_states: std::sync::Mutex<crate::mrtr::replay::UsedStates>,
     /// Each group's InitializeResult, learnt from the first session opened there; it
     /// answers `server/discover` and names the server in every modern result.
     initialize_results: std::sync::Mutex<std::collections::HashMap<String, Value>>,
@@ -60,21 +65,32 @@ pub struct Gateway {
 }
 
 impl Gateway {
-    pub fn new(config: Config, keys: Arc<KeyRing>, upstreams: Upstreams) -> Gateway {
+    pub fn new(
+        config: Config,
+        keys: Arc<KeyRing>,
+        upstreams: Upstreams,
+    ) -> Result<Gateway, ConfigError> {
+        let authenticator = Authenticator::new(&config.principal)
+            .map_err(|e| ConfigError::at("principal.jwt", e))?;
         let listen = config.listen.parse().expect("validated listen address");
         let host_policy = HostPolicy::for_listener(listen, &config.allowed_hosts);
         let reaper = Arc::new(reaper::Reaper::new(config.bridge.max_watched_sessions));
-        Gateway {
+        let used_states = crate::mrtr::replay::UsedStates::new(config.bridge.max_used_states);
+        let metrics = Arc::new(Metrics::new());
+        metrics.keys_loaded.set(keys.kids().count() as i64);
+        Ok(Gateway {
+            authenticator,
             reaper,
+            used_states: std::sync::Mutex::new(used_states),
             host_policy,
             initialize_results: Default::default(),
             modern_only: Default::default(),
             config,
-            keys,
+            keys: Arc::new(SharedKeyRing::new(keys)),
             upstreams,
             client: UpstreamClient::default(),
-            metrics: Arc::new(Metrics::new()),
-        }
+            metrics,
+        })
     }
 
     pub fn remember_initialize(&self, group: &UpstreamGroup, result: &Value) {
@@ -194,6 +210,9 @@ impl Gateway {
     }
 
     async fn handle(&self, session: &mut ServerSession) {
+        if let Err(message) = check_header_limits(session, &self.config.limits) {
+            return refuse_and_close(session, 431, &message).await;
+        }
         if let Err(why) = self
             .host_policy
             .check(header(session, "host"), header(session, "origin"))
@@ -214,6 +233,10 @@ impl Gateway {
             respond::error(session, 405, None, code::INVALID_REQUEST, &message).await;
             return;
         }
+        let principal = match self.principal(session) {
+            Ok(p) => p,
+            Err(Unauthenticated(why)) => return unauthenticated(session, &why).await,
+        };
         let has_session = session.get_header(MCP_SESSION_ID).is_some();
         let version = header(session, "mcp-protocol-version").map(str::to_string);
         if method != http::Method::POST {
@@ -225,7 +248,8 @@ impl Gateway {
                     respond::error(session, 405, None, code::INVALID_REQUEST, &message).await;
                 }
                 Era::Legacy => {
-                    passthrough::serve(self, session, group, Bytes::new(), None, "legacy").await
+                    let body = Bytes::new();
+                    passthrough::serve(self, session, group, body, None, "legacy", &principal).await
                 }
             }
             return;
@@ -234,21 +258,23 @@ impl Gateway {
             return;
         };
         match era(version.as_deref(), None, has_session, parsed.method()) {
-            Era::Modern => bridge::serve(self, session, group, body, parsed).await,
+            Era::Modern => bridge::serve(self, session, group, body, parsed, &principal).await,
             Era::Legacy => {
-                passthrough::serve(self, session, group, body, Some(parsed), "legacy").await
+                let parsed = Some(parsed);
+                passthrough::serve(self, session, group, body, parsed, "legacy", &principal).await
             }
         }
     }
 
-    /// The principal binding of a request.
-    pub fn principal(&self, session: &ServerSession) -> [u8; 32] {
-        let source = self.principal_source();
-        let value = source
+    /// The principal of a request; `Err` with a reason the client may see when its
+    /// credentials do not verify (JWT principals).
+    pub fn principal(&self, session: &ServerSession) -> Result<[u8; 32], Unauthenticated> {
+        let value = self
+            .principal_source()
             .header_name()
             .and_then(|name| session.get_header(name))
             .map(|v| v.as_bytes());
-        source.digest(value)
+        self.authenticator.principal(value)
     }
 
     /// Reads and classifies a POST body within the configured limits; on failure the
@@ -261,16 +287,27 @@ impl Gateway {
             return Err(());
         }
         let mut body = BytesMut::with_capacity(declared.unwrap_or(1024).min(limits.max_body_bytes));
+        let deadline = Instant::now() + Duration::from_millis(limits.body_timeout_ms);
         loop {
-            match session.read_request_body().await {
-                Ok(Some(chunk)) if body.len() + chunk.len() > limits.max_body_bytes => {
+            let read = tokio::time::timeout_at(deadline.into(), session.read_request_body());
+            match read.await {
+                Ok(Ok(Some(chunk))) if body.len() + chunk.len() > limits.max_body_bytes => {
                     too_large(session, limits.max_body_bytes).await;
                     return Err(());
                 }
-                Ok(Some(chunk)) => body.extend_from_slice(&chunk),
-                Ok(None) => break,
-                Err(e) => {
+                Ok(Ok(Some(chunk))) => body.extend_from_slice(&chunk),
+                Ok(Ok(None)) => break,
+                Ok(Err(e)) => {
                     tracing::info!(error = %e, "client request body not read");
+                    return Err(());
+                }
+                Err(_) => {
+                    let message = format!(
+                        "the request body did not arrive within {} ms",
+                        limits.body_timeout_ms
+                    );
+                    session.set_keepalive(None);
+                    respond::error(session, 408, None, code::INVALID_REQUEST, &message).await;
                     return Err(());
                 }
             }
@@ -296,10 +333,63 @@ fn header<'s>(session: &'s ServerSession, name: &str) -> Option<&'s str> {
     session.get_header(name).and_then(|v| v.to_str().ok())
 }
 
+/// Refuses requests with more headers, or more header bytes, than the limits allow.
+fn check_header_limits(
+    session: &ServerSession,
+    limits: &crate::config::Limits,
+) -> Result<(), String> {
+    let headers = &session.req_header().headers;
+    if headers.len() > limits.max_header_count {
+        return Err(format!(
+            "the request has {} headers, above the limit of {}",
+            headers.len(),
+            limits.max_header_count
+        ));
+    }
+    let bytes: usize = headers
+        .iter()
+        .map(|(name, value)| name.as_str().len() + value.len())
+        .sum();
+    if bytes > limits.max_header_bytes {
+        return Err(format!(
+            "the request headers hold {bytes} bytes, above the limit of {}",
+            limits.max_header_bytes
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses a request whose bearer token did not verify (RFC 6750).
+async fn unauthenticated(session: &mut ServerSession, why: &str) {
+    let body = jsonrpc::error_body(
+        None,
+        code::INVALID_REQUEST,
+        &format!("Unauthorized: {why}"),
+        None,
+    );
+    let Ok(mut header) = pingora::http::ResponseHeader::build(401, Some(4)) else {
+        return;
+    };
+    let challenge = format!("Bearer error=\"invalid_token\", error_description=\"{why}\"");
+    let _ = header.insert_header("www-authenticate", challenge);
+    respond::write_with(session, header, "application/json", body.into()).await;
+}
+
 async fn too_large(session: &mut ServerSession, limit: usize) {
     let message = format!("request body exceeds the limit of {limit} bytes");
+    refuse_and_close(session, 413, &message).await;
+}
+
+/// How long a refused request's unread body is drained before the connection closes.
+const LINGER: Duration = Duration::from_secs(1);
+
+/// Answers with an error and closes the connection. The unread body is drained for a
+/// moment first (a lingering close): closing on unread data would reset the connection,
+/// and the client could lose the answer before reading it.
+async fn refuse_and_close(session: &mut ServerSession, status: u16, message: &str) {
     session.set_keepalive(None);
-    respond::error(session, 413, None, code::INVALID_REQUEST, &message).await;
+    respond::error(session, status, None, code::INVALID_REQUEST, message).await;
+    let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
 }
 
 #[async_trait]
@@ -309,8 +399,9 @@ impl HttpServerApp for Gateway {
         mut session: ServerSession,
         shutdown: &ShutdownWatch,
     ) -> Option<ReusedHttpStream> {
-        match session.read_request().await {
-            Ok(true) => {}
+        let header_timeout = Duration::from_millis(self.config.limits.header_timeout_ms);
+        match tokio::time::timeout(header_timeout, session.read_request()).await {
+            Ok(Ok(true)) => {}
             _ => return None,
         }
         session.set_read_timeout(Some(CLIENT_BODY_READ_TIMEOUT));

@@ -60,9 +60,10 @@ pub async fn serve(
     body: Bytes,
     parsed: Option<Body>,
     era: &'static str,
+    principal: &[u8; 32],
 ) {
     let method = parsed.as_ref().and_then(Body::method);
-    let outcome = serve_inner(gw, session, group, body, parsed.as_ref()).await;
+    let outcome = serve_inner(gw, session, group, body, parsed.as_ref(), principal).await;
     gw.metrics
         .requests
         .with_label_values(&[era, method_label(method), outcome.label()])
@@ -75,9 +76,9 @@ async fn serve_inner(
     group: &UpstreamGroup,
     body: Bytes,
     parsed: Option<&Body>,
+    binding: &[u8; 32],
 ) -> Outcome {
-    let binding = gw.principal(session);
-    let route = match route(gw, session, group, &binding) {
+    let route = match route(gw, session, group, binding) {
         Ok(route) => route,
         Err(outcome) => {
             respond_route_error(session, outcome).await;
@@ -98,7 +99,7 @@ async fn serve_inner(
             return Outcome::UpstreamError;
         }
     };
-    let header = client_response_header(gw, group, &route, &binding, response.header());
+    let header = client_response_header(gw, group, &route, binding, response.header());
     let outcome = relay(gw, session, header, &mut response).await;
     gw.client.finish(response).await;
     outcome
@@ -127,7 +128,8 @@ fn route<'g>(
         Outcome::SessionRejected
     };
     let text = token.to_str().map_err(|_| reject("malformed"))?;
-    let opened = SessionToken::open(&gw.keys, binding, text).map_err(|e| reject(e.reason()))?;
+    let opened =
+        SessionToken::open(&gw.keys.load(), binding, text).map_err(|e| reject(e.reason()))?;
     if opened.group != group.name {
         return Err(reject("other_group"));
     }
@@ -227,7 +229,7 @@ fn client_session_token(
         upstream_session: sid.to_string(),
         issued_at: crate::mrtr::state::now_secs(),
     };
-    Some(token.seal(&gw.keys, binding))
+    Some(token.seal(&gw.keys.load(), binding))
 }
 
 /// Streams the upstream body to the client as it arrives, until either side ends.

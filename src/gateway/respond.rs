@@ -9,9 +9,19 @@ use serde_json::Value;
 
 /// Writes a whole response. Errors mean the client is gone; there is nothing to add.
 pub async fn write(session: &mut ServerSession, status: u16, content_type: &str, body: Bytes) {
-    let Ok(mut header) = ResponseHeader::build(status, Some(3)) else {
+    let Ok(header) = ResponseHeader::build(status, Some(3)) else {
         return;
     };
+    write_with(session, header, content_type, body).await
+}
+
+/// Writes a whole response under a header the caller started (extra headers set).
+pub async fn write_with(
+    session: &mut ServerSession,
+    mut header: ResponseHeader,
+    content_type: &str,
+    body: Bytes,
+) {
     let _ = header.insert_header("content-type", content_type);
     let _ = header.insert_header("content-length", body.len());
     if session

@@ -4,6 +4,7 @@
 //! `demo`.
 
 use super::admin::{AdminApp, DrainWatch};
+use super::key_reload::KeyReloader;
 use super::reaper::ReaperService;
 use super::Gateway;
 use crate::config::Config;
@@ -18,6 +19,7 @@ use pingora::services::listening::Service;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 use tokio::sync::{oneshot, Mutex};
 
 /// Extra services run in the same pingora server (the embedded demo upstream).
@@ -49,8 +51,12 @@ pub fn build(
     }
     let listen = config.listen.clone();
     let admin_listen = config.admin_listen.clone();
-    let gateway = Gateway::new(config, keys, upstreams);
+    let keys_file = config.keys_file.clone();
+    let keys_poll = Duration::from_millis(config.keys_poll_ms);
+    let gateway = Gateway::new(config, keys, upstreams)?;
     let metrics = gateway.metrics.clone();
+    let reloader = KeyReloader::new(gateway.keys.clone(), metrics.clone(), keys_file, keys_poll);
+    server.add_service(background_service("key reloader", reloader));
     let reaper = gateway.reaper.clone();
     let draining = Arc::new(AtomicBool::new(false));
     let mut mcp = Service::new("mcp".to_string(), gateway);

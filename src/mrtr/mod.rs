@@ -3,5 +3,6 @@
 //! sealed `requestState` that lets any replica resume a flow.
 
 pub mod modern;
+pub mod replay;
 pub mod state;
 pub mod translate;

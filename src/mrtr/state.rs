@@ -1,9 +1,12 @@
 //! The `requestState` of a bridged flow: a sealed pointer to the upstream call that is
 //! waiting for answers, so that any replica can post them and resume the stream.
 //!
-//! It is sealed with `Purpose::RequestState` and bound, as associated data, to the
-//! principal, the method, the tool name or resource uri, and a digest of the arguments: a
-//! state presented by someone else, or on another request, does not open. It expires.
+//! It is sealed with `Purpose::RequestState` together with its binding: a digest of the
+//! principal, and a digest of the method, the tool name or resource uri and the
+//! arguments. A state presented by someone else, or on another request, is refused, and
+//! the logs can say which of the two it was. It expires. Because the binding travels
+//! inside the ciphertext rather than as associated data, an operator holding the keys can
+//! `inspect` a state without knowing the request it belongs to.
 
 use crate::keys::{KeyRing, Purpose};
 use crate::seal::{self, OpenError};
@@ -20,8 +23,9 @@ pub fn now_secs() -> u64 {
         .unwrap_or(0)
 }
 
-/// Longest `requestState` accepted before any decoding.
-pub const MAX_STATE_LEN: usize = 4096;
+/// The hard ceiling on a `requestState`'s length, whatever the configured limit
+/// (`limits.max_request_state_bytes`, checked first) says.
+pub const MAX_STATE_LEN: usize = 64 << 10;
 
 /// A JSON-RPC id the upstream chose for one of its requests (0 is valid).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -77,7 +81,8 @@ pub struct FlowState {
     pub flow_id: u64,
 }
 
-/// The associated data a state is bound to.
+/// What a state is bound to: the first half names the principal (a prefix of its
+/// digest), the second the request (a digest of method, name or uri, and arguments).
 pub fn binding(
     principal: &[u8; 32],
     method: &str,
@@ -85,8 +90,7 @@ pub fn binding(
     arguments: Option<&Value>,
 ) -> [u8; 32] {
     let mut h = Sha256::new();
-    h.update(b"mrtr-gateway request binding v1\0");
-    h.update(principal);
+    h.update(b"mrtr-gateway request binding v2\0");
     for part in [method, target.unwrap_or("")] {
         h.update((part.len() as u64).to_be_bytes());
         h.update(part.as_bytes());
@@ -94,28 +98,56 @@ pub fn binding(
     // serde_json keeps object keys sorted, so equal arguments serialize equally.
     let args = arguments.map(|a| a.to_string()).unwrap_or_default();
     h.update(Sha256::digest(args.as_bytes()));
-    h.finalize().into()
+    let request: [u8; 32] = h.finalize().into();
+    let mut bound = [0u8; 32];
+    bound[..16].copy_from_slice(&principal[..16]);
+    bound[16..].copy_from_slice(&request[..16]);
+    bound
+}
+
+/// Compares a sealed binding with a request's: the principal half first.
+pub fn check_binding(sealed: &[u8; 32], presented: &[u8; 32]) -> Result<(), OpenError> {
+    if !same(&sealed[..16], &presented[..16]) {
+        return Err(OpenError::Principal);
+    }
+    if !same(&sealed[16..], &presented[16..]) {
+        return Err(OpenError::Binding);
+    }
+    Ok(())
+}
+
+/// Equality in time independent of where the inputs differ.
+pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 impl FlowState {
     pub fn seal(&self, ring: &KeyRing, binding: &[u8; 32]) -> String {
-        let plain = postcard::to_allocvec(self).expect("a flow state always serializes");
-        seal::seal(ring, Purpose::RequestState, binding, &plain)
+        let plain =
+            postcard::to_allocvec(&(binding, self)).expect("a flow state always serializes");
+        seal::seal(ring, Purpose::RequestState, b"", &plain)
     }
 
-    /// Opens a state; `now` is seconds since the Unix epoch.
+    /// Opens a state presented with `binding`; `now` is seconds since the Unix epoch.
     pub fn open(
         ring: &KeyRing,
         binding: &[u8; 32],
         text: &str,
         now: u64,
     ) -> Result<FlowState, OpenError> {
-        let plain = seal::open(ring, Purpose::RequestState, binding, text, MAX_STATE_LEN)?;
-        let state: FlowState = postcard::from_bytes(&plain).map_err(|_| OpenError::BadPayload)?;
+        let (bound, state) = FlowState::open_unbound(ring, text)?;
+        check_binding(&bound, binding)?;
         if now >= state.expires_at {
             return Err(OpenError::Expired);
         }
         Ok(state)
+    }
+
+    /// Opens a state without checking its binding or expiry (for `inspect`); returns the
+    /// binding it was sealed with.
+    pub fn open_unbound(ring: &KeyRing, text: &str) -> Result<([u8; 32], FlowState), OpenError> {
+        let plain = seal::open(ring, Purpose::RequestState, b"", text, MAX_STATE_LEN)?;
+        postcard::from_bytes(&plain).map_err(|_| OpenError::BadPayload)
     }
 }
 
@@ -176,11 +208,14 @@ mod tests {
                 Some(&json!({"city": "Porto", "nights": 3})),
             ),
         ];
-        for b in other {
-            assert_eq!(
-                FlowState::open(&ring(), &b, &sealed, now),
-                Err(OpenError::Rejected)
-            );
+        let reasons = [
+            OpenError::Principal,
+            OpenError::Binding,
+            OpenError::Binding,
+            OpenError::Binding,
+        ];
+        for (b, reason) in other.iter().zip(reasons) {
+            assert_eq!(FlowState::open(&ring(), b, &sealed, now), Err(reason));
         }
         assert_eq!(
             FlowState::open(&ring(), &b, &sealed, 2_000_000_000),

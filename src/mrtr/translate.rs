@@ -113,6 +113,11 @@ impl Round {
         !self.pending.is_empty()
     }
 
+    /// How many input requests this round's `InputRequiredResult` carries.
+    pub fn question_count(&self) -> usize {
+        self.input_requests.len()
+    }
+
     pub fn pending(&self) -> &[Pending] {
         &self.pending
     }

@@ -4,7 +4,7 @@
 
 use crate::common::*;
 use mrtr_gateway::keys::KeyRing;
-use mrtr_gateway::mrtr::state::{binding, FlowState, Pending, UpstreamId};
+use mrtr_gateway::mrtr::state::{binding, FlowState};
 use mrtr_gateway::principal::PrincipalSource;
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -116,119 +116,6 @@ fn a_replica_killed_between_rounds_loses_nothing() {
     assert_eq!(second["id"], 2, "the retry's own id");
     assert_eq!(second["result"]["resultType"], "complete", "{second}");
     assert_eq!(second["result"]["content"][0]["text"], "Hello, Kim!");
-}
-
-/// A state as the gateway would seal it for `ask_name` with no Authorization, naming
-/// `port`.
-fn state_for(
-    port: u16,
-    principal: Option<&[u8]>,
-    tool: &str,
-    args: Value,
-    expires_at: u64,
-) -> String {
-    let ring = KeyRing::parse(&test_keys()).unwrap();
-    let principal = PrincipalSource::Authorization.digest(principal);
-    let flow = FlowState {
-        group: "default".into(),
-        endpoint: format!("127.0.0.1:{port}").parse().unwrap(),
-        upstream_session: "upstream-session".into(),
-        call_id: UpstreamId::Number(1),
-        pending: vec![Pending {
-            key: "user_name".into(),
-            upstream_id: UpstreamId::Number(0),
-        }],
-        last_event_id: Some("s_1".into()),
-        round_start: Some("s_0".into()),
-        round: 1,
-        expires_at,
-        flow_deadline: expires_at,
-        reissue: false,
-        flow_id: 7,
-    };
-    flow.seal(
-        &ring,
-        &binding(&principal, "tools/call", Some(tool), Some(&args)),
-    )
-}
-
-#[test]
-fn hostile_request_states_get_one_error_and_reach_no_upstream() {
-    let tripwire = Tripwire::start();
-    // The group is declared legacy: with era auto the gateway would first probe what the
-    // upstream speaks, which is the gateway's own act, not the request reaching it.
-    let gw = TestGateway::start_with(&[&tripwire.url()], &test_keys(), |c| {
-        c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Legacy;
-    });
-    let raw = Raw::new(&gw.url);
-    let future = 4_000_000_000;
-    let genuine = state_for(tripwire.port, None, "ask_name", json!({}), future);
-    let mut flipped = genuine.clone().into_bytes();
-    flipped[40] = if flipped[40] == b'A' { b'B' } else { b'A' };
-    let cases = [
-        ("tampered", String::from_utf8(flipped).unwrap()),
-        ("truncated", genuine[..genuine.len() - 3].to_string()),
-        ("garbage", "not a state".to_string()),
-        (
-            "expired",
-            state_for(tripwire.port, None, "ask_name", json!({}), 1),
-        ),
-        (
-            "other principal",
-            state_for(
-                tripwire.port,
-                Some(b"Bearer other"),
-                "ask_name",
-                json!({}),
-                future,
-            ),
-        ),
-        (
-            "other tool",
-            state_for(tripwire.port, None, "plan_trip", json!({}), future),
-        ),
-        (
-            "other arguments",
-            state_for(tripwire.port, None, "ask_name", json!({"x": 1}), future),
-        ),
-        (
-            "unknown endpoint",
-            state_for(free_port(), None, "ask_name", json!({}), future),
-        ),
-        ("oversized", "A".repeat(10_000)),
-    ];
-    let answers = json!({"user_name": {"action": "accept", "content": {"name": "x"}}});
-    for (case, state) in &cases {
-        let body = ask_name_refused(
-            &raw,
-            json!({"inputResponses": answers, "requestState": state}),
-        );
-        assert_eq!(body["error"]["code"], -32602, "{case}: {body}");
-        assert_eq!(
-            body["error"]["message"], "Invalid or expired requestState",
-            "{case}"
-        );
-    }
-    assert_eq!(tripwire.count(), 0, "a refused state reached the upstream");
-    println!(
-        "hostile requestState values refused without reaching the upstream: {}",
-        cases.len()
-    );
-    // Control: the genuine state is acted on, so the tripwire can count.
-    let reply = raw.modern(9, "tools/call", json!({"name": "ask_name", "arguments": {}, "inputResponses": answers, "requestState": genuine}), json!({"elicitation": {}}));
-    assert_eq!(reply.status, 502);
-    assert!(tripwire.count() >= 1, "the genuine state was not acted on");
-}
-
-fn ask_name_refused(raw: &Raw, extra: Value) -> Value {
-    let mut params = json!({"name": "ask_name", "arguments": {}});
-    params
-        .as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    let reply = raw.modern(3, "tools/call", params, json!({"elicitation": {}}));
-    assert_eq!(reply.status, 400);
-    reply.json()
 }
 
 /// A request that must be refused: name, headers, body, HTTP status, JSON-RPC code.
@@ -577,19 +464,6 @@ fn hostile_requests_cannot_make_an_auto_group_probe_its_upstream_repeatedly() {
         "{} upstream connections for 10 refused requests",
         tripwire.count()
     );
-}
-
-/// A metric's value from the admin listener's `/metrics`.
-fn metric(admin: &str, name: &str) -> f64 {
-    let text = ureq::get(&format!("{admin}/metrics"))
-        .call()
-        .expect("/metrics")
-        .into_string()
-        .unwrap();
-    text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in /metrics"))
 }
 
 #[test]

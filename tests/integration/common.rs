@@ -433,7 +433,19 @@ impl Raw {
 impl Raw {
     /// A 2026-07-28 request with matching headers and `_meta` (merged with any `_meta` in
     /// `params`).
-    pub fn modern(&self, id: u64, method: &str, mut params: Value, capabilities: Value) -> Reply {
+    pub fn modern(&self, id: u64, method: &str, params: Value, capabilities: Value) -> Reply {
+        self.modern_with(id, method, params, capabilities, &[])
+    }
+
+    /// [`Raw::modern`] with extra headers.
+    pub fn modern_with(
+        &self,
+        id: u64,
+        method: &str,
+        mut params: Value,
+        capabilities: Value,
+        extra: &[(&str, &str)],
+    ) -> Reply {
         let mut meta = serde_json::json!({
             "io.modelcontextprotocol/protocolVersion": "2026-07-28",
             "io.modelcontextprotocol/clientCapabilities": capabilities,
@@ -458,8 +470,28 @@ impl Raw {
         if let Some(name) = &name {
             headers.push(("mcp-name", name.as_str()));
         }
+        headers.extend_from_slice(extra);
         let body =
             serde_json::json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
         self.request("POST", &headers, Some(&body.to_string()))
     }
+}
+
+/// A metric's value from the admin listener's `/metrics`: the first series of `name`
+/// whose labels contain `labels` (give "" for an unlabelled metric).
+pub fn metric_with(admin: &str, name: &str, labels: &str) -> Option<f64> {
+    let text = ureq::get(&format!("{admin}/metrics"))
+        .call()
+        .expect("/metrics")
+        .into_string()
+        .unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with([' ', '{']))
+        .find(|l| l.contains(labels))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+}
+
+/// A metric's value from the admin listener's `/metrics` (its first series).
+pub fn metric(admin: &str, name: &str) -> f64 {
+    metric_with(admin, name, "").unwrap_or_else(|| panic!("no {name} in /metrics"))
 }

@@ -6,4 +6,6 @@ mod bridge;
 mod cli;
 mod common;
 mod conformance;
+mod hostile;
+mod keys;
 mod real_peers;

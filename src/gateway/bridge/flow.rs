@@ -5,14 +5,18 @@
 
 use super::reply::{decorate, ClientReply};
 use super::{client_info, end_session, finish_with, upstream_failed, upstream_params, CALL_ID};
+use crate::config::Limits;
 use crate::gateway::Gateway;
 use crate::mrtr::modern::{code as mcode, ModernRequest};
+use crate::mrtr::replay::{self, Claim};
 use crate::mrtr::state::{binding, now_secs, FlowState, UpstreamId};
 use crate::mrtr::translate::{Action, Round};
 use crate::protocol::jsonrpc::code;
 use crate::protocol::sse;
-use crate::upstream::exchange::Response;
-use crate::upstream::legacy_session::{read_single, LegacySession, MAX_UPSTREAM_MESSAGE};
+use crate::upstream::exchange::{ExchangeError, Response};
+use crate::upstream::legacy_session::{
+    read_single, LegacySession, SessionError, MAX_UPSTREAM_MESSAGE,
+};
 use crate::upstream::UpstreamGroup;
 use bytes::Bytes;
 use pingora::protocols::http::ServerSession;
@@ -57,10 +61,10 @@ pub(super) async fn interactive(
     group: &UpstreamGroup,
     request: ModernRequest,
     reply: ClientReply,
+    principal: &[u8; 32],
 ) -> &'static str {
-    let principal = gw.principal(session);
     let bind = binding(
-        &principal,
+        principal,
         &request.method,
         request.target.as_deref(),
         request.params.get("arguments"),
@@ -71,10 +75,65 @@ pub(super) async fn interactive(
         request: &request,
         bind,
     };
+    if let Err(text) = check_retry_limits(&request, &gw.config.limits) {
+        reply
+            .error(session, 400, code::INVALID_PARAMS, &text, None)
+            .await;
+        return "bad_request";
+    }
     match request.params.get("requestState").and_then(Value::as_str) {
         None => start(&call, session, reply).await,
         Some(text) => resume(&call, session, reply, text).await,
     }
+}
+
+/// Refuses a retry whose `requestState` or `inputResponses` exceed the limits, before
+/// any decoding.
+fn check_retry_limits(request: &ModernRequest, limits: &Limits) -> Result<(), String> {
+    if let Some(state) = request.params.get("requestState").and_then(Value::as_str) {
+        if state.len() > limits.max_request_state_bytes {
+            return Err(format!(
+                "requestState is {} bytes, above the limit of {}",
+                state.len(),
+                limits.max_request_state_bytes
+            ));
+        }
+    }
+    let Some(responses) = request.params.get("inputResponses") else {
+        return Ok(());
+    };
+    let count = responses.as_object().map_or(0, |r| r.len());
+    if count > limits.max_input_requests_per_round {
+        return Err(format!(
+            "inputResponses has {count} entries, above the limit of {}",
+            limits.max_input_requests_per_round
+        ));
+    }
+    let size = serde_json::to_vec(responses).map_or(usize::MAX, |v| v.len());
+    if size > limits.max_input_responses_bytes {
+        return Err(format!(
+            "inputResponses is {size} bytes, above the limit of {}",
+            limits.max_input_responses_bytes
+        ));
+    }
+    Ok(())
+}
+
+/// Why a round may not go to the client: too many questions at once, or too many rounds.
+fn round_over_limits(limits: &Limits, flow: &FlowState, round: &Round) -> Option<String> {
+    if round.question_count() > limits.max_input_requests_per_round {
+        return Some(format!(
+            "the server asked {} questions in one round, above the limit of {}",
+            round.question_count(),
+            limits.max_input_requests_per_round
+        ));
+    }
+    (flow.round > limits.max_rounds).then(|| {
+        format!(
+            "the call needed more than {} rounds, the limit",
+            limits.max_rounds
+        )
+    })
 }
 
 async fn start(call: &Call<'_>, session: &mut ServerSession, reply: ClientReply) -> &'static str {
@@ -163,7 +222,6 @@ async fn run_round(
     let Call {
         gw, group, request, ..
     } = *call;
-    let bind = &call.bind;
     let server_info = &gw.server_info(group);
     let pacing = Pacing {
         quiet_window: Duration::from_millis(gw.config.bridge.quiet_window_ms),
@@ -203,7 +261,7 @@ async fn run_round(
             flow.pending.clear();
             flow.last_event_id = None;
             flow.round_start = None;
-            ask_client(gw, session, reply, flow, &round, bind, server_info).await
+            ask_client(call, session, reply, &upstream, flow, &round, server_info).await
         }
         RoundEnd::Complete(message) => {
             streams.close(gw).await;
@@ -229,7 +287,7 @@ async fn run_round(
             flow.pending = round.pending().to_vec();
             flow.last_event_id = round.last_event_id().map(str::to_string);
             flow.round_start = round.round_start().map(str::to_string);
-            ask_client(gw, session, reply, flow, &round, bind, server_info).await
+            ask_client(call, session, reply, &upstream, flow, &round, server_info).await
         }
         RoundEnd::MissingCapability(required) => {
             streams.close(gw).await;
@@ -463,19 +521,29 @@ async fn reissue(
     run_round(call, session, reply, upstream, flow, streams, round).await
 }
 
-/// Ends a round by sending the client its questions with the sealed state.
+/// Ends a round by sending the client its questions with the sealed state, unless the
+/// round is over the limits: then the call ends with an error naming the limit.
 async fn ask_client(
-    gw: &Gateway,
+    call: &Call<'_>,
     session: &mut ServerSession,
     reply: ClientReply,
+    upstream: &LegacySession<'_>,
     mut flow: FlowState,
     round: &Round,
-    bind: &[u8; 32],
     server_info: &Value,
 ) -> &'static str {
+    let gw = call.gw;
+    if let Some(text) = round_over_limits(&gw.config.limits, &flow, round) {
+        end_session(gw, upstream).await;
+        tracing::info!(flow = format!("{:016x}", flow.flow_id), %text, "round over the limits");
+        reply
+            .error(session, 502, code::INTERNAL_ERROR, &text, None)
+            .await;
+        return "over_limit";
+    }
     flow.expires_at =
         (now_secs() + gw.config.bridge.request_state_ttl_seconds).min(flow.flow_deadline);
-    let sealed = flow.seal(&gw.keys, bind);
+    let sealed = flow.seal(&gw.keys.load(), &call.bind);
     tracing::info!(
         flow = format!("{:016x}", flow.flow_id),
         round = flow.round,
@@ -526,7 +594,7 @@ async fn resume(
         gw, group, request, ..
     } = *call;
     let bind = &call.bind;
-    let opened = FlowState::open(&gw.keys, bind, text, now_secs())
+    let opened = FlowState::open(&gw.keys.load(), bind, text, now_secs())
         .map_err(|e| e.reason())
         .and_then(|state| {
             let endpoint = (state.group == group.name)
@@ -536,18 +604,25 @@ async fn resume(
         });
     let (mut flow, endpoint) = match opened {
         Ok(o) => o,
-        Err(reason) => {
-            gw.metrics
-                .state_rejections
-                .with_label_values(&[reason])
-                .inc();
-            tracing::info!(group = %group.name, reason, "requestState refused");
-            reply
-                .error(session, 400, code::INVALID_PARAMS, INVALID_STATE, None)
-                .await;
-            return "state_rejected";
-        }
+        Err(reason) => return refuse_state(gw, session, reply, group, reason).await,
     };
+    let used = replay::digest(text);
+    let claim =
+        gw.used_states
+            .lock()
+            .expect("used-states lock")
+            .claim(used, flow.expires_at, now_secs());
+    match claim {
+        Claim::Fresh => {}
+        Claim::Replayed => return refuse_state(gw, session, reply, group, "replayed").await,
+        Claim::Full => {
+            let text = "too many retries are in flight on this replica; retry later";
+            reply
+                .error(session, 503, code::INTERNAL_ERROR, text, None)
+                .await;
+            return "overloaded";
+        }
+    }
     let upstream = LegacySession::resume(
         &gw.client,
         endpoint,
@@ -568,6 +643,18 @@ async fn resume(
         let message =
             json!({"jsonrpc": "2.0", "id": pending.upstream_id.to_json(), "result": answer});
         if let Err(e) = upstream.post_and_expect_accepted(&message).await {
+            let never_delivered = matches!(
+                e,
+                SessionError::Exchange(ExchangeError::Connect(_)) | SessionError::Protocol(_)
+            );
+            if answered.is_empty() && never_delivered {
+                // The upstream has no answer of this state's (it was unreachable, or
+                // refused the answer): the same state may be retried.
+                gw.used_states
+                    .lock()
+                    .expect("used-states lock")
+                    .release(&used);
+            }
             return upstream_failed(reply, session, group, &e).await;
         }
         answered.push(pending.upstream_id.clone());
@@ -595,4 +682,24 @@ async fn resume(
     let mut round = new_round(request, &flow);
     round.skip(answered);
     run_round(call, session, reply, upstream, flow, streams, round).await
+}
+
+/// Answers a `requestState` that was refused, with one uniform error whatever the reason;
+/// the reason goes to the logs and the rejection metric.
+async fn refuse_state(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    group: &UpstreamGroup,
+    reason: &'static str,
+) -> &'static str {
+    gw.metrics
+        .state_rejections
+        .with_label_values(&[reason])
+        .inc();
+    tracing::info!(group = %group.name, reason, "requestState refused");
+    reply
+        .error(session, 400, code::INVALID_PARAMS, INVALID_STATE, None)
+        .await;
+    "state_rejected"
 }

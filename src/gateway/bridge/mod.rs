@@ -70,13 +70,14 @@ pub async fn serve(
     group: &UpstreamGroup,
     body: Bytes,
     parsed: Body,
+    principal: &[u8; 32],
 ) {
     let message: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     let method = message["method"].as_str().unwrap_or_default().to_string();
-    match serve_inner(gw, session, group, &message).await {
+    match serve_inner(gw, session, group, &message, principal).await {
         Served::Relay => {
             let era = "modern_relayed";
-            super::passthrough::serve(gw, session, group, body, Some(parsed), era).await
+            super::passthrough::serve(gw, session, group, body, Some(parsed), era, principal).await
         }
         Served::Done(outcome) => gw
             .metrics
@@ -98,6 +99,7 @@ async fn serve_inner(
     session: &mut ServerSession,
     group: &UpstreamGroup,
     message: &Value,
+    principal: &[u8; 32],
 ) -> Served {
     let (Some(method), Some(id)) = (message["method"].as_str(), message.get("id")) else {
         if message.get("method").is_some() {
@@ -156,7 +158,7 @@ async fn serve_inner(
     };
     Served::Done(match kind {
         Kind::Discover => discover(gw, session, group, &request, reply).await,
-        Kind::Interactive => flow::interactive(gw, session, group, request, reply).await,
+        Kind::Interactive => flow::interactive(gw, session, group, request, reply, principal).await,
         Kind::OneShot => one_shot(gw, session, group, &request, reply).await,
     })
 }

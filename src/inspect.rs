@@ -1,0 +1,171 @@
+//! `mrtr-gateway inspect`: what a sealed token says, for an operator debugging a flow.
+//! It opens a `requestState` or a session token with the configured keys, without the
+//! request it belongs to, and lists its fields. Without the key that sealed it, it says
+//! which key id that was and refuses.
+
+use crate::keys::KeyRing;
+use crate::mrtr::state::FlowState;
+use crate::protocol::session_token::SessionToken;
+use crate::seal::{self, OpenError};
+use std::fmt::Write;
+
+/// The report for `token`, or why it cannot be opened.
+pub fn inspect(ring: &KeyRing, token: &str, now: u64) -> Result<String, String> {
+    let kid = seal::peek_kid(token).ok_or("not a sealed token: the envelope does not parse")?;
+    if ring.find(kid.as_bytes()).is_none() {
+        let held: Vec<&str> = ring.kids().collect();
+        return Err(format!(
+            "sealed under key '{kid}', which the configured keys ({}) do not hold",
+            held.join(", ")
+        ));
+    }
+    if let Ok((bound, state)) = FlowState::open_unbound(ring, token) {
+        return Ok(state_report(&kid, &bound, &state, now));
+    }
+    if let Ok((bound, session)) = SessionToken::open_unbound(ring, token) {
+        return Ok(session_report(&kid, &bound, &session));
+    }
+    Err(format!(
+        "does not open under key '{kid}' as a requestState or a session token ({}): tampered, or sealed with another secret under the same key id",
+        OpenError::Rejected
+    ))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().fold(String::new(), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+fn expiry(at: u64, now: u64) -> String {
+    if at > now {
+        format!("{at} (valid for {} s more)", at - now)
+    } else {
+        format!("{at} (expired {} s ago)", now - at)
+    }
+}
+
+fn state_report(kid: &str, bound: &[u8; 32], s: &FlowState, now: u64) -> String {
+    let pending: Vec<String> = s
+        .pending
+        .iter()
+        .map(|p| format!("{}={}", p.key, p.upstream_id.to_json()))
+        .collect();
+    let fields = [
+        ("kind", "requestState".to_string()),
+        ("key id", kid.to_string()),
+        ("flow id", format!("{:016x}", s.flow_id)),
+        ("group", s.group.clone()),
+        ("endpoint", s.endpoint.to_string()),
+        ("upstream session", s.upstream_session.clone()),
+        ("upstream call id", s.call_id.to_json().to_string()),
+        ("pending", pending.join(", ")),
+        ("round", s.round.to_string()),
+        ("last event id", s.last_event_id.clone().unwrap_or_default()),
+        ("round start", s.round_start.clone().unwrap_or_default()),
+        ("reissue", s.reissue.to_string()),
+        ("expires", expiry(s.expires_at, now)),
+        ("flow deadline", expiry(s.flow_deadline, now)),
+        ("principal tag", hex(&bound[..16])),
+        ("request tag", hex(&bound[16..])),
+    ];
+    table(&fields)
+}
+
+fn session_report(kid: &str, bound: &[u8], s: &SessionToken) -> String {
+    let fields = [
+        ("kind", "session token (Mcp-Session-Id)".to_string()),
+        ("key id", kid.to_string()),
+        ("group", s.group.clone()),
+        ("endpoint", s.endpoint.to_string()),
+        ("upstream session", s.upstream_session.clone()),
+        ("issued at", s.issued_at.to_string()),
+        ("principal tag", hex(bound)),
+    ];
+    table(&fields)
+}
+
+fn table(fields: &[(&str, String)]) -> String {
+    fields
+        .iter()
+        .map(|(k, v)| format!("{k:<17} {v}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mrtr::state::{binding, Pending, UpstreamId};
+
+    fn ring(text: &str) -> KeyRing {
+        KeyRing::parse(text).unwrap()
+    }
+
+    const K1: &str = "k1:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8";
+
+    #[test]
+    fn a_state_shows_its_fields_and_a_foreign_one_is_refused() {
+        let state = FlowState {
+            group: "default".into(),
+            endpoint: "10.0.0.7:3001".parse().unwrap(),
+            upstream_session: "sess-1".into(),
+            call_id: UpstreamId::Number(1),
+            pending: vec![Pending {
+                key: "elicitation_0".into(),
+                upstream_id: UpstreamId::Number(0),
+            }],
+            last_event_id: Some("ev-3".into()),
+            round_start: Some("ev-2".into()),
+            round: 2,
+            expires_at: 1_000,
+            flow_deadline: 2_000,
+            reissue: false,
+            flow_id: 0xabc,
+        };
+        let bind = binding(&[9; 32], "tools/call", Some("t"), None);
+        let sealed = state.seal(&ring(K1), &bind);
+        let report = inspect(&ring(K1), &sealed, 400).unwrap();
+        for expected in [
+            "requestState",
+            "key id            k1",
+            "10.0.0.7:3001",
+            "sess-1",
+            "elicitation_0=0",
+            "round             2",
+            "ev-3",
+            "1000 (valid for 600 s more)",
+            "0000000000000abc",
+            "09090909090909090909090909090909",
+        ] {
+            assert!(report.contains(expected), "{expected} in\n{report}");
+        }
+        let other = ring("k2:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8");
+        let err = inspect(&other, &sealed, 400).unwrap_err();
+        assert!(err.contains("key 'k1'") && err.contains("(k2)"), "{err}");
+        let same_kid = ring("k1:AQECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8");
+        assert!(inspect(&same_kid, &sealed, 400).is_err());
+        assert!(inspect(&ring(K1), "garbage!", 400).is_err());
+    }
+
+    #[test]
+    fn a_session_token_shows_its_upstream() {
+        let token = SessionToken {
+            group: "g".into(),
+            endpoint: "127.0.0.1:9".parse().unwrap(),
+            upstream_session: "up-1".into(),
+            issued_at: 5,
+        }
+        .seal(&ring(K1), &[7; 32]);
+        let report = inspect(&ring(K1), &token, 0).unwrap();
+        assert!(
+            report.contains("session token") && report.contains("up-1"),
+            "{report}"
+        );
+        assert!(
+            report.contains("07070707070707070707070707070707"),
+            "{report}"
+        );
+    }
+}
