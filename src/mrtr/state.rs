@@ -184,6 +184,7 @@ mod tests {
     fn a_one_elicitation_state_is_small_and_round_trips() {
         let b = binding(&[1; 32], "tools/call", Some("ask_name"), Some(&json!({})));
         let sealed = one_elicitation().seal(&ring(), &b);
+        println!("a one-elicitation requestState is {} bytes", sealed.len());
         assert!(sealed.len() <= 400, "state is {} bytes", sealed.len());
         assert_eq!(
             FlowState::open(&ring(), &b, &sealed, 1_900_000_000).unwrap(),

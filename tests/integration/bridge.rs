@@ -76,6 +76,10 @@ fn every_round_can_land_on_another_replica() {
     let result = lines.last().unwrap();
     assert_eq!(result["text"], "Trip to Lisbon for 3 nights");
     for l in lines.iter().filter(|l| l["step"] == "input_required") {
+        println!(
+            "a one-elicitation requestState from the Python fixture: {} bytes",
+            l["stateBytes"]
+        );
         assert!(
             l["stateBytes"].as_u64().unwrap() <= 400,
             "a one-elicitation state over 400 bytes: {l}"
