@@ -196,24 +196,27 @@ impl KeyRing {
     }
 }
 
-/// The ring in use, replaced whole when the keys are reloaded. A request takes the ring
-/// once (`load`) and uses that snapshot throughout.
+/// A value in use that a reload replaces whole (the key ring, the JWT verifier). A
+/// request takes it once (`load`) and uses that snapshot throughout.
 #[derive(Debug)]
-pub struct SharedKeyRing(RwLock<Arc<KeyRing>>);
+pub struct Reloadable<T>(RwLock<Arc<T>>);
 
-impl SharedKeyRing {
-    pub fn new(ring: Arc<KeyRing>) -> SharedKeyRing {
-        SharedKeyRing(RwLock::new(ring))
+impl<T> Reloadable<T> {
+    pub fn new(value: Arc<T>) -> Reloadable<T> {
+        Reloadable(RwLock::new(value))
     }
 
-    pub fn load(&self) -> Arc<KeyRing> {
+    pub fn load(&self) -> Arc<T> {
         self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    pub fn store(&self, ring: KeyRing) {
-        *self.0.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(ring);
+    pub fn store(&self, value: T) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(value);
     }
 }
+
+/// The key ring in use.
+pub type SharedKeyRing = Reloadable<KeyRing>;
 
 fn parse_entry(entry: &str) -> Result<Key, String> {
     let (kid, b64) = entry

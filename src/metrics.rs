@@ -12,8 +12,8 @@ pub struct Metrics {
     pub active_client_streams: IntGauge,
     /// Flows waiting for a client's retry that this replica opened (the reaper's table).
     pub pending_flows: IntGauge,
-    /// Key-ring reloads from the keys file, by outcome (`ok`, `error`).
-    pub key_reloads: IntCounterVec,
+    /// Reloads of the keys file and the JWKS, by file and outcome (`ok`, `error`).
+    pub reloads: IntCounterVec,
     /// Keys in the ring now.
     pub keys_loaded: IntGauge,
 }
@@ -89,12 +89,12 @@ impl Metrics {
             "Flows waiting for input whose upstream session this replica watches",
         )
         .expect("valid metric");
-        let key_reloads = IntCounterVec::new(
+        let reloads = IntCounterVec::new(
             Opts::new(
-                "mrtr_gateway_key_reloads_total",
-                "Key-ring reloads from the keys file, by outcome",
+                "mrtr_gateway_reloads_total",
+                "Reloads of the keys file and the JWKS, by file and outcome",
             ),
-            &["outcome"],
+            &["file", "outcome"],
         )
         .expect("valid metric");
         let keys_loaded = IntGauge::new("mrtr_gateway_keys_loaded", "Keys in the key ring")
@@ -111,7 +111,7 @@ impl Metrics {
             Box::new(state_rejections.clone()),
             Box::new(active_client_streams.clone()),
             Box::new(pending_flows.clone()),
-            Box::new(key_reloads.clone()),
+            Box::new(reloads.clone()),
             Box::new(keys_loaded.clone()),
             Box::new(build_info),
         ] {
@@ -124,7 +124,7 @@ impl Metrics {
             state_rejections,
             active_client_streams,
             pending_flows,
-            key_reloads,
+            reloads,
             keys_loaded,
         }
     }

@@ -4,14 +4,14 @@
 
 pub mod admin;
 pub mod bridge;
-pub mod key_reload;
 pub mod passthrough;
 pub mod reaper;
+pub mod reload;
 pub mod respond;
 pub mod server;
 
 use crate::config::{Config, ConfigError, UpstreamEra};
-use crate::keys::{KeyRing, SharedKeyRing};
+use crate::keys::{KeyRing, Reloadable, SharedKeyRing};
 use crate::metrics::Metrics;
 use crate::mrtr::modern::{era, Era};
 use crate::principal::{Authenticator, PrincipalSource, Unauthenticated};
@@ -53,7 +53,8 @@ pub struct Gateway {
     pub client: UpstreamClient,
     pub metrics: Arc<Metrics>,
     host_policy: HostPolicy,
-    authenticator: Authenticator,
+    /// Turns credentials into principals; swapped whole when the JWKS is reloaded.
+    pub authenticator: Arc<Reloadable<Authenticator>>,
     pub reaper: Arc<reaper::Reaper>,
     /// The `requestState`s this replica has accepted, to refuse replays.
     pub used_states: std::sync::Mutex<crate::mrtr::replay::UsedStates>,
@@ -79,7 +80,7 @@ impl Gateway {
         let metrics = Arc::new(Metrics::new());
         metrics.keys_loaded.set(keys.kids().count() as i64);
         Ok(Gateway {
-            authenticator,
+            authenticator: Arc::new(Reloadable::new(Arc::new(authenticator))),
             reaper,
             used_states: std::sync::Mutex::new(used_states),
             host_policy,
@@ -274,7 +275,7 @@ impl Gateway {
             .header_name()
             .and_then(|name| session.get_header(name))
             .map(|v| v.as_bytes());
-        self.authenticator.principal(value)
+        self.authenticator.load().principal(value)
     }
 
     /// Reads and classifies a POST body within the configured limits; on failure the

@@ -4,12 +4,13 @@
 //! `demo`.
 
 use super::admin::{AdminApp, DrainWatch};
-use super::key_reload::KeyReloader;
 use super::reaper::ReaperService;
+use super::reload::{Reloader, WatchedFile};
 use super::Gateway;
 use crate::config::Config;
 use crate::keys::KeyRing;
 use crate::metrics::Metrics;
+use crate::principal::{Authenticator, PrincipalSource};
 use crate::upstream::Upstreams;
 use async_trait::async_trait;
 use pingora::server::configuration::ServerConf;
@@ -51,12 +52,11 @@ pub fn build(
     }
     let listen = config.listen.clone();
     let admin_listen = config.admin_listen.clone();
-    let keys_file = config.keys_file.clone();
     let keys_poll = Duration::from_millis(config.keys_poll_ms);
     let gateway = Gateway::new(config, keys, upstreams)?;
     let metrics = gateway.metrics.clone();
-    let reloader = KeyReloader::new(gateway.keys.clone(), metrics.clone(), keys_file, keys_poll);
-    server.add_service(background_service("key reloader", reloader));
+    let reloader = Reloader::new(watched_files(&gateway), metrics.clone(), keys_poll);
+    server.add_service(background_service("reloader", reloader));
     let reaper = gateway.reaper.clone();
     let draining = Arc::new(AtomicBool::new(false));
     let mut mcp = Service::new("mcp".to_string(), gateway);
@@ -81,6 +81,37 @@ pub fn build(
         server.add_boxed_service(service);
     }
     Ok((server, metrics))
+}
+
+/// The keys file and the JWKS file, when configured, each with how to put it in use.
+fn watched_files(gateway: &Gateway) -> Vec<WatchedFile> {
+    let mut files = Vec::new();
+    if let Some(path) = &gateway.config.keys_file {
+        let (keys, metrics) = (gateway.keys.clone(), gateway.metrics.clone());
+        let apply = move |path: &std::path::Path| {
+            let ring = KeyRing::load_file(path)?;
+            let kids: Vec<String> = ring.kids().map(str::to_string).collect();
+            metrics.keys_loaded.set(kids.len() as i64);
+            keys.store(ring);
+            Ok(format!("key ring: {} (the first seals)", kids.join(", ")))
+        };
+        files.push(WatchedFile::new("keys", path.clone(), Box::new(apply)));
+    }
+    if let PrincipalSource::Jwt(jwt) = &gateway.config.principal {
+        let source = gateway.config.principal.clone();
+        let authenticator = gateway.authenticator.clone();
+        let apply = move |_: &std::path::Path| {
+            let fresh = Authenticator::new(&source)?;
+            authenticator.store(fresh);
+            Ok("JWKS".to_string())
+        };
+        files.push(WatchedFile::new(
+            "jwks",
+            jwt.jwks_file.clone(),
+            Box::new(apply),
+        ));
+    }
+    files
 }
 
 /// Runs until SIGTERM (graceful), SIGINT (fast) or SIGQUIT (upgrade).

@@ -83,13 +83,9 @@ fn state_of(first: &Value) -> String {
         .to_string()
 }
 
-fn reloads(admin: &str, outcome: &str) -> f64 {
-    metric_with(
-        admin,
-        "mrtr_gateway_key_reloads_total",
-        &format!("outcome=\"{outcome}\""),
-    )
-    .unwrap_or(0.0)
+fn reloads(admin: &str, file: &str, outcome: &str) -> f64 {
+    let labels = format!("file=\"{file}\",outcome=\"{outcome}\"");
+    metric_with(admin, "mrtr_gateway_reloads_total", &labels).unwrap_or(0.0)
 }
 
 #[test]
@@ -115,7 +111,7 @@ fn keys_rotate_without_a_restart_and_flows_in_progress_survive() {
     // Step 1: add the new key everywhere and make it current; `old` still opens.
     scratch.write("keys", &format!("{new}\n{old}\n"));
     wait_until("reload 1", Duration::from_secs(10), || {
-        reloads(&gw.admin, "ok") >= 1.0
+        reloads(&gw.admin, "keys", "ok") >= 1.0
     });
     assert_eq!(metric(&gw.admin, "mrtr_gateway_keys_loaded"), 2.0);
     let second = call(
@@ -151,7 +147,7 @@ fn keys_rotate_without_a_restart_and_flows_in_progress_survive() {
     // A broken keys file is refused and the ring in use kept.
     scratch.write("keys", "new:not-a-key");
     wait_until("reload error", Duration::from_secs(10), || {
-        reloads(&gw.admin, "error") >= 1.0
+        reloads(&gw.admin, "keys", "error") >= 1.0
     });
     let during = call(&raw, 6, "ask_name", json!({}), None);
     assert_eq!(peek_kid(&state_of(&during)).as_deref(), Some("new"));
@@ -159,7 +155,7 @@ fn keys_rotate_without_a_restart_and_flows_in_progress_survive() {
     // Step 2, after the longest TTL: remove the old key. Tokens under it fail cleanly.
     scratch.write("keys", &new);
     wait_until("reload 2", Duration::from_secs(10), || {
-        reloads(&gw.admin, "ok") >= 2.0
+        reloads(&gw.admin, "keys", "ok") >= 2.0
     });
     assert_eq!(metric(&gw.admin, "mrtr_gateway_keys_loaded"), 1.0);
     let refused = call(
@@ -246,7 +242,7 @@ fn sighup_reloads_the_keys_and_inspect_reads_a_token() {
         }
         panic!("the gateway never logged '{what}'");
     };
-    await_line("key reloader started");
+    await_line("reloader started");
     wait_until("gateway listener", Duration::from_secs(10), || {
         port_open(port)
     });
@@ -299,7 +295,7 @@ fn sighup_reloads_the_keys_and_inspect_reads_a_token() {
     std::fs::write(&keys_file, format!("{k2},{k1}")).unwrap();
     let hup = Command::new("kill").args(["-HUP", &pid]).status().unwrap();
     assert!(hup.success());
-    await_line("key ring reloaded");
+    await_line("key ring: k2, k1");
     let after = call(&raw, 2, "ask_name", json!({}), None);
     assert_eq!(peek_kid(&state_of(&after)).as_deref(), Some("k2"));
     let finished = call(
@@ -359,7 +355,10 @@ fn a_jwt_principal_survives_token_refresh_and_refuses_others() {
         leeway_seconds: 0,
     };
     let principal = PrincipalSource::Jwt(jwt_config);
-    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| c.principal = principal.clone());
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.principal = principal.clone();
+        c.keys_poll_ms = 100;
+    });
     let raw = Raw::new(&gw.url);
     let alice = jwt(secret, "alice", 600, "1");
     let first = call(&raw, 1, "ask_name", json!({}), Some(&alice));
@@ -389,6 +388,28 @@ fn a_jwt_principal_survives_token_refresh_and_refuses_others() {
         done["result"]["content"][0]["text"], "Hello, Alice!",
         "{done}"
     );
+
+    // The identity provider rotates its signing key: the JWKS file is reloaded in place.
+    let rotated_secret = b"the ingress's next signing secret";
+    let rotated = json!({"keys": [{"kty": "oct", "kid": "ingress", "alg": "HS256", "k": URL_SAFE_NO_PAD.encode(rotated_secret)}]});
+    scratch.write("jwks.json", &rotated.to_string());
+    wait_until("JWKS reload", Duration::from_secs(10), || {
+        reloads(&gw.admin, "jwks", "ok") >= 1.0
+    });
+    let next = jwt(rotated_secret, "alice", 600, "6");
+    let after = call(&raw, 4, "ask_name", json!({}), Some(&next));
+    assert_eq!(after["result"]["resultType"], "input_required", "{after}");
+    let list = json!({"jsonrpc": "2.0", "id": 5, "method": "tools/list"});
+    let old_key = raw.request(
+        "POST",
+        &[
+            ("content-type", "application/json"),
+            ("accept", "application/json, text/event-stream"),
+            ("authorization", &refreshed),
+        ],
+        Some(&list.to_string()),
+    );
+    assert_eq!(old_key.status, 401, "a token under the retired JWK");
 
     // Requests whose token does not verify get 401 and reach no upstream.
     let guarded = TestGateway::start_with(&[&tripwire.url()], &test_keys(), |c| {

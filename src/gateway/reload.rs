@@ -1,0 +1,125 @@
+//! Reloading, without a restart, the files the gateway reads at start: the keys file and
+//! a JWT principal's JWKS. Each is re-read when its contents change (polled, which also
+//! catches a Kubernetes Secret's symlink swap) and on SIGHUP. A file that does not parse
+//! is logged and counted, and what is in use is kept.
+
+use crate::metrics::Metrics;
+use async_trait::async_trait;
+use pingora::server::ShutdownWatch;
+use pingora::services::background::BackgroundService;
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::signal::unix::{signal, Signal, SignalKind};
+
+/// Parses a file and puts the result in use; `Ok` carries a summary for the log.
+pub type Apply = Box<dyn Fn(&Path) -> Result<String, String> + Send + Sync>;
+
+/// One file to keep current.
+pub struct WatchedFile {
+    /// The metric label and log name: `keys` or `jwks`.
+    pub name: &'static str,
+    pub path: PathBuf,
+    pub apply: Apply,
+    /// A digest of the contents last seen, so an unchanged file costs no parse.
+    seen: Mutex<Option<[u8; 32]>>,
+}
+
+impl WatchedFile {
+    pub fn new(name: &'static str, path: PathBuf, apply: Apply) -> WatchedFile {
+        let seen = std::fs::read(&path).ok().map(|b| Sha256::digest(b).into());
+        WatchedFile {
+            name,
+            path,
+            apply,
+            seen: Mutex::new(seen),
+        }
+    }
+
+    /// Re-reads the file if it changed (or always, when `forced`); `None` if unchanged.
+    fn reload(&self, forced: bool) -> Option<Result<String, String>> {
+        let bytes = match std::fs::read(&self.path) {
+            Ok(b) => b,
+            Err(e) => return Some(Err(format!("{}: {e}", self.path.display()))),
+        };
+        let digest: [u8; 32] = Sha256::digest(&bytes).into();
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if !forced && *seen == Some(digest) {
+            return None;
+        }
+        // Remember even contents that fail, so an error is logged once, not every poll.
+        *seen = Some(digest);
+        Some((self.apply)(&self.path))
+    }
+}
+
+pub struct Reloader {
+    files: Vec<WatchedFile>,
+    metrics: Arc<Metrics>,
+    poll: Duration,
+}
+
+impl Reloader {
+    pub fn new(files: Vec<WatchedFile>, metrics: Arc<Metrics>, poll: Duration) -> Reloader {
+        Reloader {
+            files,
+            metrics,
+            poll,
+        }
+    }
+
+    fn reload_all(&self, forced: bool) {
+        if forced && self.files.is_empty() {
+            tracing::info!("SIGHUP: no keys file or JWKS file configured; nothing to reload");
+        }
+        for file in &self.files {
+            let Some(outcome) = file.reload(forced) else {
+                continue;
+            };
+            let label = if outcome.is_ok() { "ok" } else { "error" };
+            self.metrics
+                .reloads
+                .with_label_values(&[file.name, label])
+                .inc();
+            match outcome {
+                Ok(summary) => tracing::info!(file = file.name, %summary, "reloaded"),
+                Err(e) => tracing::error!(
+                    file = file.name,
+                    error = %e,
+                    "not reloaded; keeping what is in use"
+                ),
+            }
+        }
+    }
+}
+
+async fn next_hangup(hangup: &mut Option<Signal>) {
+    match hangup {
+        Some(s) => {
+            s.recv().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+#[async_trait]
+impl BackgroundService for Reloader {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut hangup = signal(SignalKind::hangup())
+            .map_err(|e| tracing::warn!(error = %e, "no SIGHUP handler; files are still polled"))
+            .ok();
+        if hangup.is_some() {
+            let files: Vec<&str> = self.files.iter().map(|f| f.name).collect();
+            tracing::info!(?files, "reloader started: SIGHUP reloads the files");
+        }
+        let mut tick = tokio::time::interval(self.poll);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => self.reload_all(false),
+                _ = next_hangup(&mut hangup) => self.reload_all(true),
+                _ = shutdown.changed() => return,
+            }
+        }
+    }
+}
