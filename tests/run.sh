@@ -13,3 +13,5 @@ echo "== cargo clippy -D warnings"
 cargo clippy --all-targets --quiet -- -D warnings
 echo "== cargo test"
 cargo test --all-targets -- --nocapture 2>&1 | tee target/test-output.txt
+echo "== fuzz (bounded: FUZZ_SECONDS per target, default 30)"
+bash tests/fuzz.sh

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Fuzzes the code that reads untrusted input (the SSE parser, the token opener, the
+# JSON-RPC classifier and validation, the MRTR translator) with cargo-fuzz / libFuzzer,
+# each target for a bounded time (FUZZ_SECONDS, default 30) starting from the seeds
+# checked in under fuzz/seeds. Fails on the first crash, leaving the reproducer in
+# fuzz/artifacts. Longer runs: FUZZ_SECONDS=3600 bash tests/fuzz.sh, or
+# cargo +nightly fuzz run -O TARGET fuzz/corpus/TARGET.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+seconds=${FUZZ_SECONDS:-30}
+cargo_fuzz_version=0.13.1
+
+if ! cargo fuzz --version 2>/dev/null | grep -q " $cargo_fuzz_version"; then
+  echo "fuzz: cargo install cargo-fuzz $cargo_fuzz_version"
+  cargo install cargo-fuzz --locked --version "$cargo_fuzz_version" --quiet
+fi
+# libFuzzer's instrumentation needs unstable compiler flags: use nightly when installed,
+# else let the stable compiler accept them.
+if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
+  fuzz() { cargo +nightly fuzz "$@"; }
+  echo "fuzz: toolchain nightly"
+else
+  fuzz() { RUSTC_BOOTSTRAP=1 cargo fuzz "$@"; }
+  echo "fuzz: toolchain stable (RUSTC_BOOTSTRAP=1)"
+fi
+
+fuzz build -O
+for target in $(fuzz list); do
+  corpus=fuzz/corpus/$target
+  mkdir -p "$corpus"
+  cp fuzz/seeds/"$target"/* "$corpus"/
+  log=fuzz/$target.log
+  if ! fuzz run -O "$target" "$corpus" -- -max_total_time="$seconds" -rss_limit_mb=2048 \
+    -timeout=10 -print_final_stats=1 >"$log" 2>&1; then
+    tail -n 60 "$log" >&2
+    echo "fuzz: $target FAILED; the reproducer is in fuzz/artifacts/$target" >&2
+    exit 1
+  fi
+  runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
+  echo "fuzz: $target ok: $runs inputs in ${seconds} s, corpus $(ls "$corpus" | wc -l) files"
+done
