@@ -14,8 +14,8 @@
 use crate::keys::{KeyRing, Purpose, MAX_KID_LEN};
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine;
-use chacha20poly1305::aead::{Aead, Payload};
-use chacha20poly1305::XNonce;
+use chacha20poly1305::aead::AeadInPlace;
+use chacha20poly1305::{Tag, XNonce};
 use rand::RngCore;
 use std::fmt;
 
@@ -77,28 +77,27 @@ fn associated_data(purpose: Purpose, kid: &[u8], binding: &[u8]) -> Vec<u8> {
 }
 
 /// Seals `plaintext` under the ring's current key. Returns base64url text.
+///
+/// The envelope is built in one buffer and encrypted in place, so sealing allocates only
+/// that buffer, the associated data and the text.
 pub fn seal(ring: &KeyRing, purpose: Purpose, binding: &[u8], plaintext: &[u8]) -> String {
     let key = ring.current();
     let kid = key.kid().as_bytes();
-    let mut nonce = [0u8; NONCE_LEN];
-    rand::thread_rng().fill_bytes(&mut nonce);
-    let aad = associated_data(purpose, kid, binding);
-    let ciphertext = key
-        .cipher(purpose)
-        .encrypt(
-            XNonce::from_slice(&nonce),
-            Payload {
-                msg: plaintext,
-                aad: &aad,
-            },
-        )
-        .expect("XChaCha20-Poly1305 encryption of an in-memory buffer cannot fail");
-    let mut raw = Vec::with_capacity(2 + kid.len() + NONCE_LEN + ciphertext.len());
+    let body_at = 2 + kid.len() + NONCE_LEN;
+    let mut raw = Vec::with_capacity(body_at + plaintext.len() + TAG_LEN);
     raw.push(VERSION);
     raw.push(kid.len() as u8);
     raw.extend_from_slice(kid);
+    let mut nonce = [0u8; NONCE_LEN];
+    rand::thread_rng().fill_bytes(&mut nonce);
     raw.extend_from_slice(&nonce);
-    raw.extend_from_slice(&ciphertext);
+    raw.extend_from_slice(plaintext);
+    let aad = associated_data(purpose, kid, binding);
+    let tag = key
+        .cipher(purpose)
+        .encrypt_in_place_detached(XNonce::from_slice(&nonce), &aad, &mut raw[body_at..])
+        .expect("XChaCha20-Poly1305 encryption of an in-memory buffer cannot fail");
+    raw.extend_from_slice(&tag);
     URL_SAFE_NO_PAD.encode(raw)
 }
 
@@ -114,22 +113,27 @@ pub fn open(
     if sealed.len() > max_len {
         return Err(OpenError::TooLong);
     }
-    let raw = URL_SAFE_NO_PAD
+    let mut raw = URL_SAFE_NO_PAD
         .decode(sealed)
         .map_err(|_| OpenError::Malformed)?;
-    let (kid, rest) = split_header(&raw)?;
+    let (kid, _) = split_header(&raw)?;
     let key = ring.find(kid).ok_or(OpenError::UnknownKey)?;
-    let (nonce, ciphertext) = rest.split_at(NONCE_LEN);
     let aad = associated_data(purpose, kid, binding);
+    let body_at = 2 + kid.len() + NONCE_LEN;
+    let tag_at = raw.len() - TAG_LEN;
+    let (head, rest) = raw.split_at_mut(body_at);
+    let (body, tag) = rest.split_at_mut(tag_at - body_at);
     key.cipher(purpose)
-        .decrypt(
-            XNonce::from_slice(nonce),
-            Payload {
-                msg: ciphertext,
-                aad: &aad,
-            },
+        .decrypt_in_place_detached(
+            XNonce::from_slice(&head[body_at - NONCE_LEN..]),
+            &aad,
+            body,
+            Tag::from_slice(tag),
         )
-        .map_err(|_| OpenError::Rejected)
+        .map_err(|_| OpenError::Rejected)?;
+    raw.truncate(tag_at);
+    raw.drain(..body_at);
+    Ok(raw)
 }
 
 /// Splits `version | kid len | kid | rest`, checking that `rest` holds a nonce and a tag.

@@ -123,8 +123,8 @@ pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
 
 impl FlowState {
     pub fn seal(&self, ring: &KeyRing, binding: &[u8; 32]) -> String {
-        let plain =
-            postcard::to_allocvec(&(binding, self)).expect("a flow state always serializes");
+        let plain = postcard::to_extend(&(binding, self), Vec::with_capacity(256))
+            .expect("a flow state always serializes");
         seal::seal(ring, Purpose::RequestState, b"", &plain)
     }
 

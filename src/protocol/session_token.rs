@@ -43,7 +43,7 @@ impl SessionToken {
     /// Seals the token bound to `principal` (a digest, of which the first 16 bytes are
     /// kept), which travels inside the ciphertext so that `inspect` can show it.
     pub fn seal(&self, ring: &KeyRing, principal: &[u8]) -> String {
-        let plain = postcard::to_allocvec(&(principal_tag(principal), self))
+        let plain = postcard::to_extend(&(principal_tag(principal), self), Vec::with_capacity(128))
             .expect("a session token always serializes");
         seal::seal(ring, Purpose::Session, b"", &plain)
     }
