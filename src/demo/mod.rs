@@ -376,6 +376,8 @@ impl HttpServerApp for DemoServer {
         mut http: ServerSession,
         _shutdown: &ShutdownWatch,
     ) -> Option<ReusedHttpStream> {
+        // Keeps the bytes of a next request that arrives while a stream is written.
+        http.set_pipelining_enabled(true);
         if !http.read_request().await.ok()? {
             return None;
         }
@@ -387,6 +389,18 @@ impl HttpServerApp for DemoServer {
         let stream = http.finish().await.ok()??;
         Some(ReusedHttpStream::from_reusable_stream(stream, settings))
     }
+}
+
+/// Runs the demo server alone, on `threads` worker threads, until SIGTERM or SIGINT.
+pub fn serve(listen: &str, threads: usize) {
+    let conf = pingora::server::configuration::ServerConf {
+        threads: threads.max(1),
+        ..Default::default()
+    };
+    let mut server = pingora::server::Server::new_with_opt_and_conf(None, conf);
+    server.bootstrap();
+    server.add_service(service(listen));
+    server.run(pingora::server::RunArgs::default());
 }
 
 /// A pingora service running the demo server on `listen`.

@@ -401,6 +401,10 @@ impl HttpServerApp for Gateway {
         shutdown: &ShutdownWatch,
     ) -> Option<ReusedHttpStream> {
         let header_timeout = Duration::from_millis(self.config.limits.header_timeout_ms);
+        // While a response is relayed the client side is watched for a disconnect; a
+        // client that already sends its next request must keep those bytes. Pipelining
+        // stashes them for the next request on this connection (answered in order).
+        session.set_pipelining_enabled(true);
         match tokio::time::timeout(header_timeout, session.read_request()).await {
             Ok(Ok(true)) => {}
             _ => return None,

@@ -389,3 +389,39 @@ fn new_sessions_balance_over_healthy_endpoints() {
         },
     );
 }
+
+/// Two requests written back to back on one keep-alive connection (HTTP/1.1 pipelining,
+/// and what a fast client's next request looks like while the gateway still relays the
+/// previous response): both are answered, in order, and no byte of the second is lost.
+#[test]
+fn pipelined_requests_on_one_connection_are_answered_in_order() {
+    use std::io::{Read, Write};
+    let (_upstream, url) = start_upstream(Upstream::TypeScript);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let session = Raw::new(&gw.url).initialize(json!({}));
+    let authority = gw
+        .url
+        .trim_start_matches("http://")
+        .trim_end_matches("/mcp");
+    let request = |id: u64, method: &str, last: bool| {
+        let body = json!({"jsonrpc": "2.0", "id": id, "method": method}).to_string();
+        let connection = if last { "close" } else { "keep-alive" };
+        format!("POST /mcp HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\nAccept: application/json, text/event-stream\r\nMcp-Protocol-Version: 2025-11-25\r\nMcp-Session-Id: {session}\r\nConnection: {connection}\r\nContent-Length: {}\r\n\r\n{body}", body.len())
+    };
+    let mut tcp = std::net::TcpStream::connect(authority).expect("connect to the gateway");
+    tcp.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    let both = request(101, "ping", false) + &request(102, "tools/list", true);
+    tcp.write_all(both.as_bytes()).expect("write both requests");
+    let mut received = Vec::new();
+    tcp.read_to_end(&mut received)
+        .expect("the gateway closes after the second response");
+    let text = String::from_utf8_lossy(&received);
+    assert_eq!(
+        text.matches("HTTP/1.1 200").count(),
+        2,
+        "two responses: {text}"
+    );
+    let first = text.find(r#""id":101"#).expect("the ping's response");
+    let second = text.find(r#""id":102"#).expect("the tools/list response");
+    assert!(first < second, "in order: {text}");
+}
