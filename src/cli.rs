@@ -61,6 +61,15 @@ enum Command {
         #[arg(long, default_value = "127.0.0.1:3001")]
         demo_listen: String,
     },
+    /// Run only the embedded legacy demo MCP server (the benchmarks' backend).
+    DemoServer {
+        /// Where it listens (IP:PORT).
+        #[arg(long, default_value = "127.0.0.1:3001")]
+        listen: String,
+        /// Worker threads.
+        #[arg(long, default_value_t = 1)]
+        threads: usize,
+    },
     /// Validate a configuration file; exits non-zero on the first problem.
     CheckConfig { file: std::path::PathBuf },
     /// Decode a requestState or Mcp-Session-Id with the configured keys and print its
@@ -93,6 +102,10 @@ pub fn main() -> ExitCode {
             listeners,
             demo_listen,
         } => demo(listeners, demo_listen),
+        Command::DemoServer { listen, threads } => {
+            crate::demo::serve(&listen, threads);
+            Ok(())
+        }
         Command::CheckConfig { file } => check_config(&file),
         Command::Inspect { token, config } => inspect(&token, config.as_deref()),
         Command::Keygen { kid } => keys::generate_entry(&kid)

@@ -31,6 +31,12 @@ impl std::fmt::Display for ServerRequestError {
     }
 }
 
+/// A server request sent and not yet answered.
+pub struct Asked {
+    id: i64,
+    rx: oneshot::Receiver<Value>,
+}
+
 pub struct DemoSession {
     pub capabilities: Value,
     streams: Mutex<HashMap<u64, Arc<EventStream>>>,
@@ -74,10 +80,23 @@ impl DemoSession {
         method: &str,
         params: Value,
     ) -> Result<Value, ServerRequestError> {
+        let asked = self.send_request(stream, method, params);
+        self.answer_to(asked).await
+    }
+
+    /// Sends a server request on `stream`; [`DemoSession::answer_to`] waits for its answer.
+    /// Several may be sent before waiting, as servers that ask in parallel do.
+    pub fn send_request(&self, stream: &EventStream, method: &str, params: Value) -> Asked {
         let id = self.next_request.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         self.pending.lock().expect("pending lock").insert(id, tx);
         stream.send(&json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params}));
+        Asked { id, rx }
+    }
+
+    /// The client's answer to a request sent with [`DemoSession::send_request`].
+    pub async fn answer_to(&self, asked: Asked) -> Result<Value, ServerRequestError> {
+        let Asked { id, rx } = asked;
         let answer = tokio::time::timeout(ANSWER_TIMEOUT, rx).await;
         self.pending.lock().expect("pending lock").remove(&id);
         match answer {

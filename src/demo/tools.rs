@@ -28,6 +28,13 @@ fn steps_arg() -> Value {
     json!({"type": "object", "properties": {"steps": {"type": "integer", "minimum": 1, "maximum": 100}}})
 }
 
+fn interview_args() -> Value {
+    json!({"type": "object", "properties": {
+        "rounds": {"type": "integer", "minimum": 1, "maximum": 10},
+        "questions": {"type": "integer", "minimum": 1, "maximum": 10}
+    }})
+}
+
 pub const TOOLS: &[Tool] = &[
     Tool {
         name: "echo",
@@ -64,6 +71,13 @@ pub const TOOLS: &[Tool] = &[
         needs: Some("elicitation"),
         streams: true,
         input_schema: no_args,
+    },
+    Tool {
+        name: "interview",
+        description: "Asks `questions` elicitations at once, `rounds` times in a row, and lists the answers (the benchmarks' multi-round tool).",
+        needs: Some("elicitation"),
+        streams: true,
+        input_schema: interview_args,
     },
     Tool {
         name: "summarize",
@@ -196,6 +210,27 @@ pub async fn call_streaming(
                 Ok(n) => text_result(format!("Trip to {destination} for {n} nights")),
                 Err(why) => text_result(why),
             }
+        }
+        "interview" => {
+            let rounds = args["rounds"].as_u64().unwrap_or(1).clamp(1, 10);
+            let questions = args["questions"].as_u64().unwrap_or(1).clamp(1, 10);
+            let mut answers = Vec::new();
+            for round in 1..=rounds {
+                let asked: Vec<_> = (1..=questions)
+                    .map(|q| {
+                        let message = format!("Round {round}, question {q}?");
+                        let params = form(&message, "answer", "string");
+                        session.send_request(stream, "elicitation/create", params)
+                    })
+                    .collect();
+                for asked in asked {
+                    match accepted(&session.answer_to(asked).await?, "answer") {
+                        Ok(a) => answers.push(a.as_str().unwrap_or("?").to_string()),
+                        Err(why) => return Ok(text_result(why)),
+                    }
+                }
+            }
+            text_result(format!("answers: {}", answers.join(", ")))
         }
         "summarize" => {
             let text = args["text"].as_str().unwrap_or_default();

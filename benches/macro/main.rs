@@ -1,0 +1,208 @@
+//! The macro benchmark harness: real processes on loopback, one load generator, every
+//! comparison of the benchmarks issue in one run.
+//!
+//! `cargo bench --bench macro` runs it at full scale (a few minutes) and writes the report
+//! to `target/macro-report.md`; `cargo test` runs it at smoke scale, which checks that
+//! every comparison still works and loses nothing. Scale can be overridden with
+//! `MRTR_BENCH_SECONDS`, `MRTR_BENCH_CONNECTIONS`, `MRTR_BENCH_FLOW_CONNECTIONS`,
+//! `MRTR_BENCH_PENDING` and `MRTR_BENCH_HELD`.
+//!
+//! 1. Pass-through: a legacy client's `tools/call`, JSON and streamed, direct to the demo
+//!    backend, through the gateway and through nginx.
+//! 2. The elicitation flow: a 2026-07-28 client through the gateway (MRTR) against the
+//!    legacy stateful flow driven directly, for one and three rounds.
+//! 3. Pending flows: N flows stopped at an `InputRequiredResult`, the gateway's footprint
+//!    before and after, then all completed (none lost, none completed twice); against
+//!    flows whose SSE stream the gateway's legacy pass-through holds.
+//! 4. `requestState` size on the wire for 1, 3 and 10 input requests.
+
+mod client;
+mod load;
+mod mcp;
+mod pending;
+mod procs;
+mod report;
+
+use client::Conn;
+use load::{drive, Budget, Stats};
+use mcp::Interview;
+use procs::{GatewayOptions, Proc};
+use report::Report;
+use serde_json::json;
+use std::path::Path;
+use std::time::Duration;
+
+pub struct Scale {
+    pub full: bool,
+    pub seconds: f64,
+    pub workers: usize,
+    pub flow_workers: usize,
+    pub pending: usize,
+    pub held: usize,
+}
+
+impl Scale {
+    fn from_args() -> Scale {
+        let full = std::env::args().any(|a| a == "--bench");
+        let env = |name: &str, default: f64| {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(default)
+        };
+        let (seconds, pending, held) = if full {
+            (5.0, 10_000.0, 5_000.0)
+        } else {
+            (0.5, 200.0, 100.0)
+        };
+        Scale {
+            full,
+            seconds: env("MRTR_BENCH_SECONDS", seconds),
+            workers: env("MRTR_BENCH_CONNECTIONS", if full { 8.0 } else { 4.0 }) as usize,
+            flow_workers: env("MRTR_BENCH_FLOW_CONNECTIONS", if full { 8.0 } else { 4.0 }) as usize,
+            pending: env("MRTR_BENCH_PENDING", pending) as usize,
+            held: env("MRTR_BENCH_HELD", held) as usize,
+        }
+    }
+
+    fn budget(&self) -> Budget {
+        Budget::new(Duration::from_secs_f64(self.seconds), 5_000_000)
+    }
+}
+
+const DEFAULT_GATEWAY: GatewayOptions = GatewayOptions {
+    threads: 1,
+    quiet_window_ms: 50,
+};
+
+fn main() {
+    let scale = Scale::from_args();
+    let dir = std::env::temp_dir().join(format!("mrtr-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a scratch directory");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let mut report = Report::new(&scale);
+    runtime.block_on(async {
+        pass_through(&scale, &dir, &mut report).await;
+        elicitation(&scale, &dir, &mut report).await;
+        pending::compare(&scale, &dir, &mut report).await;
+        state_sizes(&dir, &mut report).await;
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    report.finish();
+}
+
+/// One legacy session per target, shared by every worker (as one busy client would).
+async fn legacy_load(scale: &Scale, target: &Proc, streamed: bool) -> Stats {
+    let session = mcp::initialize(&mut Conn::new(&target.addr))
+        .await
+        .unwrap_or_else(|e| panic!("initialize through {}: {e}", target.name));
+    let (tool, args, expect) = if streamed {
+        ("count", json!({"steps": 3}), "counted to 3")
+    } else {
+        ("echo", json!({"text": "hello"}), "hello")
+    };
+    let session = &session;
+    let args = &args;
+    drive(
+        scale.workers,
+        scale.budget(),
+        |_| async { Conn::new(&target.addr) },
+        |mut conn, n| async move {
+            let outcome = mcp::call(&mut conn, session, n as u64, tool, args.clone(), expect).await;
+            (conn, outcome)
+        },
+    )
+    .await
+}
+
+async fn pass_through(scale: &Scale, dir: &Path, report: &mut Report) {
+    let backend = procs::backend();
+    let (gateway, _admin) = procs::gateway(dir, &backend, DEFAULT_GATEWAY);
+    let two_threads = GatewayOptions {
+        threads: 2,
+        ..DEFAULT_GATEWAY
+    };
+    let (gateway2, _admin2) = procs::gateway(dir, &backend, two_threads);
+    let nginx = procs::nginx(dir, &backend);
+    let targets = [
+        ("direct to the backend", &backend),
+        ("nginx (1 worker)", &nginx),
+        ("mrtr-gateway (1 thread)", &gateway),
+        ("mrtr-gateway (2 threads)", &gateway2),
+    ];
+    for streamed in [false, true] {
+        let mut rows = Vec::new();
+        for (label, target) in targets {
+            if scale.full {
+                legacy_load(scale, target, streamed).await;
+            }
+            rows.push((label, legacy_load(scale, target, streamed).await));
+        }
+        report.pass_through(streamed, &rows);
+    }
+}
+
+async fn flow_load(scale: &Scale, target: &Proc, interview: Interview, modern: bool) -> Stats {
+    drive(
+        scale.flow_workers,
+        scale.budget(),
+        |_| async { (Conn::new(&target.addr), Conn::new(&target.addr)) },
+        |(mut a, mut b), n| async move {
+            let tag = format!("f{n}");
+            let outcome = if modern {
+                mcp::modern_flow(&mut a, interview, &tag).await
+            } else {
+                mcp::legacy_flow(&mut a, &mut b, interview, &tag).await
+            };
+            ((a, b), outcome)
+        },
+    )
+    .await
+}
+
+async fn elicitation(scale: &Scale, dir: &Path, report: &mut Report) {
+    let backend = procs::backend();
+    let (gateway, _admin) = procs::gateway(dir, &backend, DEFAULT_GATEWAY);
+    let short = GatewayOptions {
+        quiet_window_ms: 1,
+        ..DEFAULT_GATEWAY
+    };
+    let (gateway_short, _admin2) = procs::gateway(dir, &backend, short);
+    for rounds in [1, 3] {
+        let interview = Interview {
+            rounds,
+            questions: 1,
+        };
+        if scale.full {
+            flow_load(scale, &backend, interview, false).await;
+        }
+        let direct = flow_load(scale, &backend, interview, false).await;
+        let through = flow_load(scale, &gateway, interview, true).await;
+        let through_short = flow_load(scale, &gateway_short, interview, true).await;
+        report.elicitation(rounds, &direct, &through, &through_short);
+    }
+}
+
+async fn state_sizes(dir: &Path, report: &mut Report) {
+    let backend = procs::backend();
+    let (gateway, _admin) = procs::gateway(dir, &backend, DEFAULT_GATEWAY);
+    let mut conn = Conn::new(&gateway.addr);
+    let mut sizes = Vec::new();
+    for questions in [1, 3, 10] {
+        let interview = Interview {
+            rounds: 1,
+            questions,
+        };
+        let step = mcp::modern_round(&mut conn, 1, interview, Default::default(), "s")
+            .await
+            .unwrap_or_else(|e| panic!("first round with {questions} questions: {e}"));
+        let mcp::Step::Input { retry } = step else {
+            panic!("the interview did not ask");
+        };
+        sizes.push((questions, mcp::state_len(&retry)));
+    }
+    report.state_sizes(&sizes);
+}

@@ -1,0 +1,284 @@
+//! Pending flows: what a user thinking costs the gateway. N 2026-07-28 flows stop at an
+//! `InputRequiredResult`, then all are completed and every used `requestState` replayed;
+//! against M legacy flows whose call stream the gateway's pass-through holds open.
+
+use crate::client::{Conn, Events};
+use crate::load::{drive, Budget};
+use crate::mcp::{self, Interview, Step};
+use crate::procs::{self, Footprint, Proc};
+use crate::report::Report;
+use crate::{Scale, DEFAULT_GATEWAY};
+use serde_json::{json, Map, Value};
+use std::cell::RefCell;
+use std::path::Path;
+use std::time::Duration;
+
+/// Concurrent clients while opening and completing flows.
+const WORKERS: usize = 64;
+/// Full flows run first, so pools and allocator arenas are warm before measuring.
+const WARM_UP: usize = 200;
+/// No phase may take longer than this.
+const PHASE_LIMIT: Duration = Duration::from_secs(600);
+const ONE_QUESTION: Interview = Interview {
+    rounds: 1,
+    questions: 1,
+};
+
+pub struct Pending {
+    pub flows: usize,
+    pub opened: usize,
+    pub before: Footprint,
+    pub pending: Footprint,
+    pub after: Footprint,
+    pub completed: usize,
+    /// Replayed retries the gateway ran again (must be 0).
+    pub duplicated: usize,
+    pub errors: Vec<String>,
+}
+
+impl Pending {
+    pub fn bytes_per_flow(&self) -> f64 {
+        (self.pending.rss_kib as f64 - self.before.rss_kib as f64) * 1024.0
+            / self.opened.max(1) as f64
+    }
+
+    pub fn lost(&self) -> usize {
+        self.flows - self.completed
+    }
+}
+
+pub async fn compare(scale: &Scale, dir: &Path, report: &mut Report) {
+    let mrtr = mrtr_flows(scale.pending, dir).await;
+    let held = held_streams(scale.held, dir).await;
+    report.pending(&mrtr, &held);
+}
+
+fn phase(flows: usize) -> Budget {
+    Budget::new(PHASE_LIMIT, flows)
+}
+
+async fn warm_up(target: &Proc, modern: bool) {
+    let stats = drive(
+        WORKERS.min(WARM_UP),
+        phase(WARM_UP),
+        |_| async { (Conn::new(&target.addr), Conn::new(&target.addr)) },
+        |(mut a, mut b), n| async move {
+            let tag = format!("w{n}");
+            let outcome = if modern {
+                mcp::modern_flow(&mut a, ONE_QUESTION, &tag).await
+            } else {
+                mcp::legacy_flow(&mut a, &mut b, ONE_QUESTION, &tag).await
+            };
+            ((a, b), outcome)
+        },
+    )
+    .await;
+    assert_eq!(stats.errors, 0, "warm-up: {:?}", stats.first_error);
+}
+
+async fn mrtr_flows(flows: usize, dir: &Path) -> Pending {
+    let backend = procs::backend();
+    let (gateway, _admin) = procs::gateway(dir, &backend, DEFAULT_GATEWAY);
+    warm_up(&gateway, true).await;
+    let before = procs::footprint(gateway.pid());
+    let open: RefCell<Vec<(String, Map<String, Value>)>> = RefCell::new(Vec::new());
+    let opening = drive(
+        WORKERS,
+        phase(flows),
+        |_| async { Conn::new(&gateway.addr) },
+        |mut conn, n| {
+            let open = &open;
+            async move {
+                let tag = format!("p{n}");
+                let outcome =
+                    match mcp::modern_round(&mut conn, 1, ONE_QUESTION, Map::new(), &tag).await {
+                        Ok(Step::Input { retry }) => {
+                            open.borrow_mut().push((tag, retry));
+                            Ok(())
+                        }
+                        Ok(Step::Done(text)) => Err(format!("completed without asking: {text}")),
+                        Err(e) => Err(e),
+                    };
+                (conn, outcome)
+            }
+        },
+    )
+    .await;
+    let pending = procs::footprint(gateway.pid());
+    let opened = open.borrow().len();
+    let used: RefCell<Vec<(String, Map<String, Value>)>> = RefCell::new(Vec::new());
+    let completing =
+        drive(
+            WORKERS,
+            phase(opened),
+            |_| async { Conn::new(&gateway.addr) },
+            |mut conn, _| {
+                let (open, used) = (&open, &used);
+                async move {
+                    let Some((tag, retry)) = open.borrow_mut().pop() else {
+                        return (conn, Err("nothing left to complete".into()));
+                    };
+                    let outcome =
+                        match mcp::modern_round(&mut conn, 2, ONE_QUESTION, retry.clone(), &tag)
+                            .await
+                        {
+                            Ok(Step::Done(text)) => mcp::check(&text, &ONE_QUESTION.expected(&tag)),
+                            Ok(Step::Input { .. }) => Err("asked again".into()),
+                            Err(e) => Err(e),
+                        };
+                    used.borrow_mut().push((tag, retry));
+                    (conn, outcome)
+                }
+            },
+        )
+        .await;
+    let after = procs::footprint(gateway.pid());
+    let used = used.into_inner();
+    let replay_count = used.len();
+    let replays = RefCell::new(used);
+    let duplicated = RefCell::new(0usize);
+    let replaying = drive(
+        WORKERS,
+        phase(replay_count),
+        |_| async { Conn::new(&gateway.addr) },
+        |mut conn, _| {
+            let (replays, duplicated) = (&replays, &duplicated);
+            async move {
+                let Some((_, retry)) = replays.borrow_mut().pop() else {
+                    return (conn, Err("nothing left to replay".into()));
+                };
+                let outcome = match mcp::modern_call(&mut conn, 3, ONE_QUESTION, retry).await {
+                    Ok(m) if m["error"]["code"] == -32602 => Ok(()),
+                    Ok(m) if m.get("result").is_some() => {
+                        *duplicated.borrow_mut() += 1;
+                        Err(format!("a replay was accepted: {m}"))
+                    }
+                    Ok(m) => Err(format!("unexpected reply to a replay: {m}")),
+                    Err(e) => Err(e),
+                };
+                (conn, outcome)
+            }
+        },
+    )
+    .await;
+    let errors = [&opening, &completing, &replaying]
+        .iter()
+        .filter_map(|s| s.first_error.clone())
+        .collect();
+    Pending {
+        flows,
+        opened,
+        before,
+        pending,
+        after,
+        completed: completing.ok,
+        duplicated: duplicated.into_inner(),
+        errors,
+    }
+}
+
+/// A legacy flow waiting for its answer: its session, and its call stream held open.
+struct Held {
+    tag: String,
+    session: String,
+    question: Value,
+    _conn: Conn,
+    events: Events,
+}
+
+async fn hold(conn: &mut Conn, tag: String) -> Result<Held, String> {
+    let session = mcp::initialize(conn).await?;
+    let mut stream = Conn::new(conn.addr());
+    let params = json!({"name": "interview", "arguments": {"rounds": 1, "questions": 1}});
+    let body = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params});
+    let mut events = mcp::legacy_post(&mut stream, Some(&session), body)
+        .await?
+        .events();
+    let question = events
+        .next()
+        .await?
+        .ok_or("the stream ended before asking")?;
+    Ok(Held {
+        tag,
+        session,
+        question,
+        _conn: stream,
+        events,
+    })
+}
+
+async fn answer(conn: &mut Conn, held: Held) -> Result<(), String> {
+    let Held {
+        tag,
+        session,
+        question,
+        mut events,
+        ..
+    } = held;
+    let answer = json!({"jsonrpc": "2.0", "id": question["id"], "result": mcp::accept(&tag, &question["params"])});
+    let reply = mcp::legacy_post(conn, Some(&session), answer).await?;
+    mcp::expect_status(reply, 202, "answer").await?;
+    while let Some(message) = events.next().await? {
+        if message["id"] == 1 {
+            mcp::check(mcp::result_text(&message)?, &ONE_QUESTION.expected(&tag))?;
+            return mcp::delete(conn, &session).await;
+        }
+    }
+    Err("the stream ended without a result".into())
+}
+
+async fn held_streams(flows: usize, dir: &Path) -> Pending {
+    let backend = procs::backend();
+    let (gateway, _admin) = procs::gateway(dir, &backend, DEFAULT_GATEWAY);
+    warm_up(&gateway, false).await;
+    let before = procs::footprint(gateway.pid());
+    let held: RefCell<Vec<Held>> = RefCell::new(Vec::new());
+    let opening = drive(
+        WORKERS,
+        phase(flows),
+        |_| async { Conn::new(&gateway.addr) },
+        |mut conn, n| {
+            let held = &held;
+            async move {
+                let outcome = hold(&mut conn, format!("h{n}"))
+                    .await
+                    .map(|h| held.borrow_mut().push(h));
+                (conn, outcome)
+            }
+        },
+    )
+    .await;
+    let pending = procs::footprint(gateway.pid());
+    let opened = held.borrow().len();
+    let completing = drive(
+        WORKERS,
+        phase(opened),
+        |_| async { Conn::new(&gateway.addr) },
+        |mut conn, _| {
+            let held = &held;
+            async move {
+                let Some(h) = held.borrow_mut().pop() else {
+                    return (conn, Err("nothing left to answer".into()));
+                };
+                let outcome = answer(&mut conn, h).await;
+                (conn, outcome)
+            }
+        },
+    )
+    .await;
+    let after = procs::footprint(gateway.pid());
+    let errors = [&opening, &completing]
+        .iter()
+        .filter_map(|s| s.first_error.clone())
+        .collect();
+    Pending {
+        flows,
+        opened,
+        before,
+        pending,
+        after,
+        completed: completing.ok,
+        duplicated: 0,
+        errors,
+    }
+}

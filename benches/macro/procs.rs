@@ -1,0 +1,171 @@
+//! The processes under test: the demo backend, the gateway and nginx, each on a free
+//! loopback port, killed on drop; and what /proc says about a process's footprint.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const GATEWAY: &str = env!("CARGO_BIN_EXE_mrtr-gateway");
+
+pub struct Proc {
+    pub name: &'static str,
+    pub addr: String,
+    child: Child,
+}
+
+impl Proc {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Proc {
+    /// nginx is asked to stop (SIGTERM), so that its master stops its worker too; the
+    /// others are single processes and are killed.
+    fn drop(&mut self) {
+        if self.name == "nginx" {
+            let pid = self.child.id().to_string();
+            let stopped = Command::new("kill").args(["-TERM", &pid]).status();
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while stopped.is_ok() && Instant::now() < deadline {
+                if let Ok(Some(_)) = self.child.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_addr() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
+    listener.local_addr().expect("bound").to_string()
+}
+
+fn start(name: &'static str, addr: String, command: &mut Command) -> Proc {
+    let child = command
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {name}: {e}"));
+    let proc = Proc { name, addr, child };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(&proc.addr).is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "{name} did not listen on {}",
+            proc.addr
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    proc
+}
+
+/// The embedded legacy demo server, alone, on one thread.
+pub fn backend() -> Proc {
+    let addr = free_addr();
+    start(
+        "backend",
+        addr.clone(),
+        Command::new(GATEWAY)
+            .args(["demo-server", "--threads", "1", "--listen", &addr])
+            .env("RUST_LOG", "warn"),
+    )
+}
+
+/// Gateway options the harness varies.
+#[derive(Clone, Copy)]
+pub struct GatewayOptions {
+    pub threads: usize,
+    pub quiet_window_ms: u64,
+}
+
+/// The gateway in front of `backend`, its config written to `dir`.
+pub fn gateway(dir: &Path, backend: &Proc, options: GatewayOptions) -> (Proc, String) {
+    let (addr, admin) = (free_addr(), free_addr());
+    let config = format!(
+        "listen: {addr}\nadmin_listen: {admin}\nserver:\n  threads: {}\nbridge:\n  quiet_window_ms: {}\n  max_used_states: 1000000\nupstreams:\n  - name: demo\n    path: /mcp\n    endpoints: [http://{}/mcp]\n    health_check_interval_ms: 0\n",
+        options.threads, options.quiet_window_ms, backend.addr
+    );
+    let path = dir.join(format!("gateway-{}.yaml", addr.replace([':', '.'], "-")));
+    std::fs::write(&path, config).expect("write the gateway config");
+    let keys = mrtr_gateway::keys::generate_entry("bench").expect("a valid key id");
+    let proc = start(
+        "gateway",
+        addr,
+        Command::new(GATEWAY)
+            .args(["run", "--config"])
+            .arg(&path)
+            .env("MRTR_GATEWAY_KEYS", &keys)
+            .env("RUST_LOG", "warn"),
+    );
+    (proc, admin)
+}
+
+pub fn nginx_binary() -> Option<PathBuf> {
+    ["/usr/sbin/nginx", "/usr/bin/nginx"]
+        .into_iter()
+        .map(PathBuf::from)
+        .find(|p| p.exists())
+}
+
+/// nginx as a reverse proxy for `backend`: one worker, upstream keepalive, no buffering
+/// (so SSE streams through), no access log.
+pub fn nginx(dir: &Path, backend: &Proc) -> Proc {
+    let binary = nginx_binary().expect("nginx is installed (tests/setup.sh installs nginx-light)");
+    let addr = free_addr();
+    let prefix = dir.join(format!("nginx-{}", addr.replace([':', '.'], "-")));
+    std::fs::create_dir_all(prefix.join("logs")).expect("nginx prefix");
+    let config = format!(
+        "worker_processes 1;\ndaemon off;\npid {p}/nginx.pid;\nerror_log {p}/logs/error.log warn;\nevents {{ worker_connections 16384; }}\nhttp {{\n  access_log off;\n  client_body_temp_path {p}/body;\n  proxy_temp_path {p}/proxy;\n  upstream backend {{ server {backend}; keepalive 64; }}\n  server {{\n    listen {addr};\n    location / {{\n      proxy_pass http://backend;\n      proxy_http_version 1.1;\n      proxy_set_header Connection \"\";\n      proxy_buffering off;\n      proxy_read_timeout 600s;\n    }}\n  }}\n}}\n",
+        p = prefix.display(),
+        backend = backend.addr,
+    );
+    let path = prefix.join("nginx.conf");
+    std::fs::write(&path, config).expect("write the nginx config");
+    start(
+        "nginx",
+        addr,
+        Command::new(binary)
+            .arg("-p")
+            .arg(&prefix)
+            .arg("-c")
+            .arg(&path),
+    )
+}
+
+/// A process's resident memory, open descriptors and sockets, from /proc.
+#[derive(Clone, Copy, Debug)]
+pub struct Footprint {
+    pub rss_kib: u64,
+    pub fds: usize,
+    pub sockets: usize,
+}
+
+pub fn footprint(pid: u32) -> Footprint {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let rss_kib = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0);
+    let links: Vec<PathBuf> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|dir| {
+            dir.flatten()
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    let sockets = links
+        .iter()
+        .filter(|l| l.to_string_lossy().starts_with("socket:"))
+        .count();
+    Footprint {
+        rss_kib,
+        fds: links.len(),
+        sockets,
+    }
+}

@@ -1,0 +1,271 @@
+//! The harness's report: markdown tables with each goal next to its measured figure,
+//! printed and written to `target/macro-report.md`. Any lost, duplicated or failed
+//! operation is a failure: the report says so and the run exits non-zero.
+
+use crate::load::Stats;
+use crate::pending::Pending;
+use crate::Scale;
+use std::fmt::Write;
+
+pub struct Report {
+    text: String,
+    goals: Vec<String>,
+    failures: Vec<String>,
+}
+
+fn command_output(program: &str, args: &[&str]) -> String {
+    std::process::Command::new(program)
+        .args(args)
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
+}
+
+fn machine() -> String {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|m| m.trim_start_matches([' ', '\t', ':']).to_string())
+        .unwrap_or_default();
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{cores} cores, {model}")
+}
+
+fn ms(stats: &Stats, p: f64) -> String {
+    format!("{:.2}", stats.percentile_ms(p))
+}
+
+impl Report {
+    pub fn new(scale: &Scale) -> Report {
+        let mut text = String::from("# Macro benchmarks\n\n");
+        let _ = writeln!(text, "- Machine: {}", machine());
+        let _ = writeln!(
+            text,
+            "- Date: {}. Commit: `{}`{}",
+            command_output("date", &["-u", "+%Y-%m-%d %H:%M UTC"]),
+            command_output("git", &["rev-parse", "--short", "HEAD"]),
+            if command_output("git", &["status", "--porcelain", "--untracked-files=no"]).is_empty()
+            {
+                ""
+            } else {
+                " (with uncommitted changes)"
+            }
+        );
+        let _ = writeln!(
+            text,
+            "- Scale: {} s per load run, {} connections for calls, {} for flows; {} pending MRTR flows, {} held streams. Loopback only; one single-threaded load generator; the demo backend on one thread.\n",
+            scale.seconds, scale.workers, scale.flow_workers, scale.pending, scale.held
+        );
+        Report {
+            text,
+            goals: Vec::new(),
+            failures: Vec::new(),
+        }
+    }
+
+    fn check(&mut self, what: &str, stats: &Stats) {
+        if stats.errors > 0 || stats.ok == 0 {
+            self.failures.push(format!(
+                "{what}: {} ok, {} failed; first error: {}",
+                stats.ok,
+                stats.errors,
+                stats.first_error.as_deref().unwrap_or("none")
+            ));
+        }
+    }
+
+    fn goal(&mut self, goal: &str, figure: String, met: bool) {
+        let verdict = if met { "met" } else { "**missed**" };
+        self.goals
+            .push(format!("| {goal} | {figure} | {verdict} |"));
+    }
+
+    pub fn pass_through(&mut self, streamed: bool, rows: &[(&str, Stats)]) {
+        let kind = if streamed {
+            "streamed (`count`, 3 progress events and the result over SSE)"
+        } else {
+            "JSON (`echo`)"
+        };
+        let _ = writeln!(
+            self.text,
+            "## Pass-through: a legacy `tools/call`, {kind}\n"
+        );
+        let _ = writeln!(
+            self.text,
+            "| target | req/s | p50 ms | p99 ms | errors |\n| --- | ---: | ---: | ---: | ---: |"
+        );
+        for (label, stats) in rows {
+            let _ = writeln!(
+                self.text,
+                "| {label} | {:.0} | {} | {} | {} |",
+                stats.rate(),
+                ms(stats, 0.5),
+                ms(stats, 0.99),
+                stats.errors
+            );
+            self.check(&format!("pass-through {kind}, {label}"), stats);
+        }
+        let rate = |prefix: &str| {
+            rows.iter()
+                .find(|(l, _)| l.starts_with(prefix))
+                .map_or(f64::NAN, |(_, s)| s.rate())
+        };
+        let (direct, nginx) = (rate("direct"), rate("nginx"));
+        let (one, two) = (rate("mrtr-gateway (1"), rate("mrtr-gateway (2"));
+        let _ = writeln!(
+            self.text,
+            "\nRatios: gateway (1 thread) / nginx (1 worker) = {:.2}; gateway (2 threads) / nginx = {:.2}; gateway (1 thread) / direct = {:.2}.\n",
+            one / nginx,
+            two / nginx,
+            one / direct
+        );
+        let figure = format!("{:.2}× nginx ({kind}, 1 thread vs 1 worker)", one / nginx);
+        self.goal("pass-through req/s ≥ nginx's", figure, one >= nginx);
+    }
+
+    pub fn elicitation(&mut self, rounds: u64, direct: &Stats, through: &Stats, short: &Stats) {
+        let _ = writeln!(
+            self.text,
+            "## The elicitation flow, {rounds} round(s) of one question\n"
+        );
+        let _ = writeln!(
+            self.text,
+            "| client | flows/s | p50 ms | p99 ms | errors |\n| --- | ---: | ---: | ---: | ---: |"
+        );
+        let rows = [
+            (
+                "legacy stateful, direct (initialize, held stream, answers POSTed, DELETE)",
+                direct,
+            ),
+            (
+                "2026-07-28 MRTR through the gateway (quiet window 50 ms, the default)",
+                through,
+            ),
+            (
+                "2026-07-28 MRTR through the gateway (quiet window 1 ms)",
+                short,
+            ),
+        ];
+        for (label, stats) in rows {
+            let _ = writeln!(
+                self.text,
+                "| {label} | {:.1} | {} | {} | {} |",
+                stats.rate(),
+                ms(stats, 0.5),
+                ms(stats, 0.99),
+                stats.errors
+            );
+            self.check(&format!("elicitation, {rounds} rounds, {label}"), stats);
+        }
+        let ratio = |s: &Stats| s.percentile_ms(0.5) / direct.percentile_ms(0.5);
+        let _ = writeln!(
+            self.text,
+            "\nRatio of p50 flow time, gateway / direct: {:.2} (default), {:.2} (1 ms quiet window).\n",
+            ratio(through),
+            ratio(short)
+        );
+        let goal = format!("MRTR flow ≤ 1.2× direct stateful, {rounds} round(s)");
+        let figure = format!(
+            "{:.2}× (default); {:.2}× (1 ms quiet window)",
+            ratio(through),
+            ratio(short)
+        );
+        self.goal(&goal, figure, ratio(through) <= 1.2);
+    }
+
+    pub fn pending(&mut self, mrtr: &Pending, held: &Pending) {
+        let _ = writeln!(
+            self.text,
+            "## Pending flows: the gateway's footprint while users think\n"
+        );
+        let _ = writeln!(self.text, "| flows | count | RSS before → pending → after (MiB) | bytes per pending flow | fds before → pending → after | sockets pending | completed | lost | duplicated |\n| --- | ---: | --- | ---: | --- | ---: | ---: | ---: | ---: |");
+        let mib = |k: u64| k as f64 / 1024.0;
+        for (label, p) in [
+            ("MRTR, stopped at InputRequiredResult", mrtr),
+            (
+                "legacy, SSE stream held by the gateway's pass-through",
+                held,
+            ),
+        ] {
+            let _ = writeln!(
+                self.text,
+                "| {label} | {} | {:.1} → {:.1} → {:.1} | {:.0} | {} → {} → {} | {} | {} | {} | {} |",
+                p.opened,
+                mib(p.before.rss_kib),
+                mib(p.pending.rss_kib),
+                mib(p.after.rss_kib),
+                p.bytes_per_flow(),
+                p.before.fds,
+                p.pending.fds,
+                p.after.fds,
+                p.pending.sockets,
+                p.completed,
+                p.lost(),
+                p.duplicated
+            );
+            if p.lost() > 0 || p.duplicated > 0 || !p.errors.is_empty() {
+                self.failures.push(format!(
+                    "pending, {label}: {} lost, {} duplicated; errors: {:?}",
+                    p.lost(),
+                    p.duplicated,
+                    p.errors
+                ));
+            }
+        }
+        let _ = writeln!(
+            self.text,
+            "\nEvery completed flow's result listed exactly its own answer; every used `requestState` was replayed once and refused (duplicated counts replays that ran).\n"
+        );
+        let figure = format!(
+            "{:.0} B per MRTR flow ({:.1} MB for {}); {:.0} B per held stream",
+            mrtr.bytes_per_flow(),
+            mrtr.bytes_per_flow() * mrtr.opened as f64 / 1e6,
+            mrtr.opened,
+            held.bytes_per_flow()
+        );
+        self.goal(
+            "a pending flow < 500 B at the gateway",
+            figure,
+            mrtr.bytes_per_flow() < 500.0,
+        );
+    }
+
+    pub fn state_sizes(&mut self, sizes: &[(u64, usize)]) {
+        let _ = writeln!(
+            self.text,
+            "## `requestState` on the wire (demo `interview`, one round)\n"
+        );
+        let _ = writeln!(
+            self.text,
+            "| input requests | requestState characters |\n| ---: | ---: |"
+        );
+        for (questions, len) in sizes {
+            let _ = writeln!(self.text, "| {questions} | {len} |");
+        }
+        let _ = writeln!(self.text);
+    }
+
+    pub fn finish(mut self) {
+        let _ = writeln!(
+            self.text,
+            "## Goals\n\n| goal | measured | verdict |\n| --- | --- | --- |"
+        );
+        for goal in &self.goals {
+            let _ = writeln!(self.text, "{goal}");
+        }
+        let _ = writeln!(self.text, "| seal + open < 5 µs | `cargo bench --bench core` (micro benchmarks) | see benches/RESULTS.md |");
+        println!("{}", self.text);
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/target/macro-report.md");
+        if let Err(e) = std::fs::write(path, &self.text) {
+            eprintln!("could not write {path}: {e}");
+        }
+        if !self.failures.is_empty() {
+            for failure in &self.failures {
+                eprintln!("FAILED: {failure}");
+            }
+            std::process::exit(1);
+        }
+    }
+}
