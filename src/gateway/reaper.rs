@@ -22,27 +22,58 @@ use std::time::Duration;
 /// How often due sessions are looked for.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
-struct Watched {
+/// Where a watched session lives: interned, since many sessions share one endpoint.
+struct Target {
     endpoint: Endpoint,
     timeouts: Timeouts,
-    deadline: u64,
+}
+
+/// The watched sessions: (target index, upstream session id) → deadline. An entry costs
+/// about a hundred bytes, so a pending flow stays cheap (benches/RESULTS.md).
+#[derive(Default)]
+struct Table {
+    targets: Vec<Target>,
+    deadlines: HashMap<(u32, Box<str>), u64>,
+}
+
+impl Table {
+    fn find(&self, endpoint: &Endpoint) -> Option<u32> {
+        let same = |t: &Target| {
+            t.endpoint.addr == endpoint.addr
+                && t.endpoint.path == endpoint.path
+                && t.endpoint.authority == endpoint.authority
+        };
+        self.targets.iter().position(same).map(|i| i as u32)
+    }
+
+    fn intern(&mut self, endpoint: &Endpoint, timeouts: &Timeouts) -> u32 {
+        match self.find(endpoint) {
+            Some(i) => {
+                self.targets[i as usize].timeouts = *timeouts;
+                i
+            }
+            None => {
+                self.targets.push(Target {
+                    endpoint: endpoint.clone(),
+                    timeouts: *timeouts,
+                });
+                (self.targets.len() - 1) as u32
+            }
+        }
+    }
 }
 
 pub struct Reaper {
-    watched: Mutex<HashMap<String, Watched>>,
+    table: Mutex<Table>,
     capacity: usize,
 }
 
 impl Reaper {
     pub fn new(capacity: usize) -> Reaper {
         Reaper {
-            watched: Mutex::new(HashMap::new()),
+            table: Mutex::new(Table::default()),
             capacity,
         }
-    }
-
-    fn key(endpoint: &Endpoint, session: &str) -> String {
-        format!("{} {session}", endpoint.addr)
     }
 
     /// Watches an upstream session until `deadline` (seconds since the epoch). Returns
@@ -54,46 +85,43 @@ impl Reaper {
         session: &str,
         deadline: u64,
     ) -> bool {
-        let mut watched = self.watched.lock().expect("reaper lock");
-        let key = Self::key(endpoint, session);
-        if watched.len() >= self.capacity && !watched.contains_key(&key) {
+        let mut table = self.table.lock().expect("reaper lock");
+        let target = table.intern(endpoint, timeouts);
+        let key = (target, Box::<str>::from(session));
+        if table.deadlines.len() >= self.capacity && !table.deadlines.contains_key(&key) {
             return false;
         }
-        let entry = Watched {
-            endpoint: endpoint.clone(),
-            timeouts: *timeouts,
-            deadline,
-        };
-        watched.insert(key, entry);
+        table.deadlines.insert(key, deadline);
         true
     }
 
     /// Stops watching a session this replica has deleted itself.
     pub fn forget(&self, endpoint: &Endpoint, session: &str) {
-        self.watched
-            .lock()
-            .expect("reaper lock")
-            .remove(&Self::key(endpoint, session));
+        let mut table = self.table.lock().expect("reaper lock");
+        if let Some(target) = table.find(endpoint) {
+            table.deadlines.remove(&(target, Box::<str>::from(session)));
+        }
     }
 
     /// How many sessions are watched now.
     pub fn watched(&self) -> usize {
-        self.watched.lock().expect("reaper lock").len()
+        self.table.lock().expect("reaper lock").deadlines.len()
     }
 
-    /// Removes and returns the sessions due at `now`.
-    fn take_due(&self, now: u64) -> Vec<(Watched, String)> {
-        let mut watched = self.watched.lock().expect("reaper lock");
-        let due: Vec<String> = watched
+    /// Removes and returns the sessions due at `now`, with where they live.
+    fn take_due(&self, now: u64) -> Vec<(Endpoint, Timeouts, String)> {
+        let mut table = self.table.lock().expect("reaper lock");
+        let due: Vec<(u32, Box<str>)> = table
+            .deadlines
             .iter()
-            .filter(|(_, w)| w.deadline <= now)
-            .map(|(k, _)| k.clone())
+            .filter(|(_, deadline)| **deadline <= now)
+            .map(|(key, _)| key.clone())
             .collect();
         due.into_iter()
-            .filter_map(|k| {
-                let w = watched.remove(&k)?;
-                let session = k.split_once(' ').map(|(_, s)| s.to_string())?;
-                Some((w, session))
+            .map(|key| {
+                table.deadlines.remove(&key);
+                let target = &table.targets[key.0 as usize];
+                (target.endpoint.clone(), target.timeouts, key.1.into())
             })
             .collect()
     }
@@ -101,8 +129,8 @@ impl Reaper {
     /// Deletes every session due at `now`; returns how many.
     pub async fn sweep(&self, client: &UpstreamClient, now: u64) -> usize {
         let due = self.take_due(now);
-        for (w, session) in &due {
-            LegacySession::resume(client, &w.endpoint, &w.timeouts, session.clone())
+        for (endpoint, timeouts, session) in &due {
+            LegacySession::resume(client, endpoint, timeouts, session.clone())
                 .delete()
                 .await;
         }
@@ -169,7 +197,8 @@ mod tests {
         assert!(r.take_due(149).is_empty());
         let due = r.take_due(150);
         assert_eq!(due.len(), 1);
-        assert_eq!(due[0].1, "a");
+        assert_eq!(due[0].2, "a");
+        assert_eq!(due[0].0.addr, endpoint(1).addr);
         assert_eq!(r.watched(), 0);
     }
 }
