@@ -35,6 +35,8 @@ use std::time::Duration;
 pub struct Scale {
     pub full: bool,
     pub seconds: f64,
+    /// Load runs per target, interleaved across targets; the median run is reported.
+    pub repeats: usize,
     pub workers: usize,
     pub flow_workers: usize,
     pub pending: usize,
@@ -51,13 +53,14 @@ impl Scale {
                 .unwrap_or(default)
         };
         let (seconds, pending, held) = if full {
-            (5.0, 10_000.0, 5_000.0)
+            (3.0, 10_000.0, 5_000.0)
         } else {
             (0.5, 200.0, 100.0)
         };
         Scale {
             full,
             seconds: env("MRTR_BENCH_SECONDS", seconds),
+            repeats: env("MRTR_BENCH_REPEATS", if full { 3.0 } else { 1.0 }) as usize,
             workers: env("MRTR_BENCH_CONNECTIONS", if full { 8.0 } else { 4.0 }) as usize,
             flow_workers: env("MRTR_BENCH_FLOW_CONNECTIONS", if full { 8.0 } else { 4.0 }) as usize,
             pending: env("MRTR_BENCH_PENDING", pending) as usize,
@@ -79,16 +82,28 @@ fn main() {
     let scale = Scale::from_args();
     let dir = std::env::temp_dir().join(format!("mrtr-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("a scratch directory");
+    let mut report = Report::new(&scale);
+    procs::pin_load_generator();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .expect("a runtime");
-    let mut report = Report::new(&scale);
+    // MRTR_BENCH_ONLY=pending (or pass, flow, state) runs one section while iterating.
+    let only = std::env::var("MRTR_BENCH_ONLY").unwrap_or_default();
+    let run = |section: &str| only.is_empty() || only == section;
     runtime.block_on(async {
-        pass_through(&scale, &dir, &mut report).await;
-        elicitation(&scale, &dir, &mut report).await;
-        pending::compare(&scale, &dir, &mut report).await;
-        state_sizes(&dir, &mut report).await;
+        if run("pass") {
+            pass_through(&scale, &dir, &mut report).await;
+        }
+        if run("flow") {
+            elicitation(&scale, &dir, &mut report).await;
+        }
+        if run("pending") {
+            pending::compare(&scale, &dir, &mut report).await;
+        }
+        if run("state") {
+            state_sizes(&dir, &mut report).await;
+        }
     });
     let _ = std::fs::remove_dir_all(&dir);
     report.finish();
@@ -134,15 +149,25 @@ async fn pass_through(scale: &Scale, dir: &Path, report: &mut Report) {
         ("mrtr-gateway (2 threads)", &gateway2),
     ];
     for streamed in [false, true] {
-        let mut rows = Vec::new();
-        for (label, target) in targets {
-            if scale.full {
-                legacy_load(scale, target, streamed).await;
+        let mut runs: Vec<Vec<Stats>> = targets.iter().map(|_| Vec::new()).collect();
+        for _ in 0..scale.repeats {
+            for ((_, target), runs) in targets.iter().zip(&mut runs) {
+                runs.push(legacy_load(scale, target, streamed).await);
             }
-            rows.push((label, legacy_load(scale, target, streamed).await));
         }
+        let rows: Vec<_> = targets
+            .iter()
+            .zip(runs)
+            .map(|((label, _), runs)| (*label, median(runs)))
+            .collect();
         report.pass_through(streamed, &rows);
     }
+}
+
+/// The run with the median rate.
+fn median(mut runs: Vec<Stats>) -> Stats {
+    runs.sort_by(|a, b| a.rate().total_cmp(&b.rate()));
+    runs.swap_remove(runs.len() / 2)
 }
 
 async fn flow_load(scale: &Scale, target: &Proc, interview: Interview, modern: bool) -> Stats {
@@ -176,13 +201,15 @@ async fn elicitation(scale: &Scale, dir: &Path, report: &mut Report) {
             rounds,
             questions: 1,
         };
-        if scale.full {
-            flow_load(scale, &backend, interview, false).await;
+        let clients = [(&backend, false), (&gateway, true), (&gateway_short, true)];
+        let mut runs: [Vec<Stats>; 3] = Default::default();
+        for _ in 0..scale.repeats {
+            for ((target, modern), runs) in clients.iter().zip(runs.iter_mut()) {
+                runs.push(flow_load(scale, target, interview, *modern).await);
+            }
         }
-        let direct = flow_load(scale, &backend, interview, false).await;
-        let through = flow_load(scale, &gateway, interview, true).await;
-        let through_short = flow_load(scale, &gateway_short, interview, true).await;
-        report.elicitation(rounds, &direct, &through, &through_short);
+        let [direct, through, short] = runs.map(median);
+        report.elicitation(rounds, &direct, &through, &short);
     }
 }
 

@@ -40,6 +40,50 @@ impl Drop for Proc {
     }
 }
 
+/// Where each side runs. With two or more CPUs the proxy under test gets CPU 1 to
+/// itself, and the backend and the load generator share CPU 0, so every proxy is measured
+/// on exactly one core and the runs do not fight over the scheduler.
+#[derive(Clone, Copy)]
+pub enum Side {
+    Proxy,
+    Backend,
+}
+
+fn pinned() -> bool {
+    std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2)
+}
+
+fn cpu(side: Side) -> &'static str {
+    match side {
+        Side::Proxy => "1",
+        Side::Backend => "0",
+    }
+}
+
+/// A command for `program`, pinned to its side's CPU when pinning applies.
+fn command(side: Side, program: impl AsRef<std::ffi::OsStr>) -> Command {
+    if !pinned() {
+        return Command::new(program);
+    }
+    let mut command = Command::new("taskset");
+    command.args(["-c", cpu(side)]).arg(program);
+    command
+}
+
+/// Pins the calling thread (the load generator) to the backend's CPU.
+pub fn pin_load_generator() {
+    if !pinned() {
+        return;
+    }
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET and sched_setaffinity
+    // only read and write that set.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(0, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set);
+    }
+}
+
 fn free_addr() -> String {
     let listener = TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
     listener.local_addr().expect("bound").to_string()
@@ -70,7 +114,7 @@ pub fn backend() -> Proc {
     start(
         "backend",
         addr.clone(),
-        Command::new(GATEWAY)
+        command(Side::Backend, GATEWAY)
             .args(["demo-server", "--threads", "1", "--listen", &addr])
             .env("RUST_LOG", "warn"),
     )
@@ -96,7 +140,7 @@ pub fn gateway(dir: &Path, backend: &Proc, options: GatewayOptions) -> (Proc, St
     let proc = start(
         "gateway",
         addr,
-        Command::new(GATEWAY)
+        command(Side::Proxy, GATEWAY)
             .args(["run", "--config"])
             .arg(&path)
             .env("MRTR_GATEWAY_KEYS", &keys)
@@ -129,7 +173,7 @@ pub fn nginx(dir: &Path, backend: &Proc) -> Proc {
     start(
         "nginx",
         addr,
-        Command::new(binary)
+        command(Side::Proxy, binary)
             .arg("-p")
             .arg(&prefix)
             .arg("-c")

@@ -55,8 +55,8 @@ impl Report {
         );
         let _ = writeln!(
             text,
-            "- Scale: {} s per load run, {} connections for calls, {} for flows; {} pending MRTR flows, {} held streams. Loopback only; one single-threaded load generator; the demo backend on one thread.\n",
-            scale.seconds, scale.workers, scale.flow_workers, scale.pending, scale.held
+            "- Scale: {} s per load run (the median of {} runs, interleaved), {} connections for calls, {} for flows; {} pending MRTR flows, {} held streams.\n- Loopback only. One single-threaded load generator and the demo backend (one thread) share CPU 0; the proxy under test runs alone on CPU 1 (with two or more CPUs).\n",
+            scale.seconds, scale.repeats, scale.workers, scale.flow_workers, scale.pending, scale.held
         );
         Report {
             text,
