@@ -1,7 +1,8 @@
 //! Micro benchmarks of the per-request protocol core: sealing and opening a session
 //! token and a `requestState` (with a PBKDF2-per-token scheme as the baseline, measured
 //! in the same run), parsing SSE events (LF, CRLF, split chunks), classifying a JSON-RPC
-//! body. Token sizes on the wire are printed first, the seal+open ratio last.
+//! body, and translating one bridged round of a `tools/call` with and without an input
+//! request. Token sizes on the wire are printed first, the seal+open ratio last.
 //! Run: `cargo bench --bench core`. `cargo test --benches` runs each once as a check.
 
 use chacha20poly1305::aead::{Aead, KeyInit, Payload};
@@ -9,6 +10,7 @@ use chacha20poly1305::{XChaCha20Poly1305, XNonce};
 use criterion::{black_box, criterion_group, Criterion, Throughput};
 use mrtr_gateway::keys::KeyRing;
 use mrtr_gateway::mrtr::state::{binding, FlowState, Pending, UpstreamId};
+use mrtr_gateway::mrtr::translate::{Action, Round};
 use mrtr_gateway::protocol::jsonrpc;
 use mrtr_gateway::protocol::session_token::SessionToken;
 use mrtr_gateway::protocol::sse::Parser;
@@ -197,6 +199,41 @@ fn classify(c: &mut Criterion) {
     });
 }
 
+/// One bridged round of a typical `tools/call`: classify the client's body, translate the
+/// upstream's messages, and serialize what goes back, with an input request (an
+/// elicitation becomes an `InputRequiredResult`) and without (the result passes through).
+fn translate(c: &mut Criterion) {
+    let call = br#"{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"book_trip","arguments":{"city":"Lisbon"},"_meta":{"io.modelcontextprotocol/protocolVersion":"2026-07-28","io.modelcontextprotocol/clientCapabilities":{"elicitation":{}}}}}"#;
+    let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create", "params": {"mode": "form", "message": "How many nights?", "requestedSchema": {"type": "object", "properties": {"nights": {"type": "integer"}}, "required": ["nights"]}}});
+    let result = json!({"jsonrpc": "2.0", "id": 1, "result": {"content": [{"type": "text", "text": "Booked 3 nights in Lisbon"}]}});
+    let capabilities = json!({"elicitation": {}})
+        .as_object()
+        .cloned()
+        .unwrap_or_default();
+    let round = || Round::new(UpstreamId::Number(1), capabilities.clone(), false, None);
+    let mut g = c.benchmark_group("translate_tools_call");
+    g.bench_function("with_input_request", |b| {
+        b.iter(|| {
+            let _ = jsonrpc::classify(black_box(call), 64).unwrap();
+            let mut r = round();
+            let actions = r.on_message(black_box(question.clone()));
+            assert!(actions.is_empty() && r.has_questions());
+            serde_json::to_vec(&r.input_required("s".repeat(236))).unwrap()
+        })
+    });
+    g.bench_function("without_input_request", |b| {
+        b.iter(|| {
+            let _ = jsonrpc::classify(black_box(call), 64).unwrap();
+            let mut r = round();
+            match r.on_message(black_box(result.clone())).pop() {
+                Some(Action::Complete(m)) => serde_json::to_vec(&m).unwrap(),
+                _ => unreachable!("a result completes the round"),
+            }
+        })
+    });
+    g.finish();
+}
+
 /// The median of a finished benchmark, from criterion's saved estimates (absent when the
 /// benches only ran once, as `cargo test --benches` does).
 fn median_ns(group: &str, function: &str) -> Option<f64> {
@@ -228,7 +265,8 @@ criterion_group!(
     request_state,
     seal_plus_open,
     sse,
-    classify
+    classify,
+    translate
 );
 
 fn main() {

@@ -159,7 +159,7 @@ impl Default for BridgeOptions {
         BridgeOptions {
             request_state_ttl_seconds: 600,
             max_flow_seconds: 1800,
-            quiet_window_ms: 50,
+            quiet_window_ms: 10,
             resume_poll_ms: 2000,
             max_watched_sessions: 100_000,
             max_used_states: 200_000,

@@ -75,7 +75,7 @@ impl Scale {
 
 const DEFAULT_GATEWAY: GatewayOptions = GatewayOptions {
     threads: 1,
-    quiet_window_ms: 50,
+    quiet_window_ms: 10,
 };
 
 fn main() {

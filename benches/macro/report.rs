@@ -140,7 +140,7 @@ impl Report {
                 direct,
             ),
             (
-                "2026-07-28 MRTR through the gateway (quiet window 50 ms, the default)",
+                "2026-07-28 MRTR through the gateway (quiet window 10 ms, the default)",
                 through,
             ),
             (
