@@ -171,9 +171,27 @@ fn median(mut runs: Vec<Stats>) -> Stats {
 }
 
 async fn flow_load(scale: &Scale, target: &Proc, interview: Interview, modern: bool) -> Stats {
-    drive(
+    flows(
         scale.flow_workers,
         scale.budget(),
+        target,
+        interview,
+        modern,
+    )
+    .await
+}
+
+/// Whole interview flows against `target`: MRTR (`modern`) or the legacy stateful flow.
+pub async fn flows(
+    workers: usize,
+    budget: Budget,
+    target: &Proc,
+    interview: Interview,
+    modern: bool,
+) -> Stats {
+    drive(
+        workers,
+        budget,
         |_| async { (Conn::new(&target.addr), Conn::new(&target.addr)) },
         |(mut a, mut b), n| async move {
             let tag = format!("f{n}");

@@ -3,7 +3,7 @@
 //! against M legacy flows whose call stream the gateway's pass-through holds open.
 
 use crate::client::{Conn, Events};
-use crate::load::{drive, Budget};
+use crate::load::{drive, Budget, Stats};
 use crate::mcp::{self, Interview, Step};
 use crate::procs::{self, Footprint, Proc};
 use crate::report::Report;
@@ -58,22 +58,15 @@ fn phase(flows: usize) -> Budget {
 }
 
 async fn warm_up(target: &Proc, modern: bool) {
-    let stats = drive(
-        WORKERS.min(WARM_UP),
-        phase(WARM_UP),
-        |_| async { (Conn::new(&target.addr), Conn::new(&target.addr)) },
-        |(mut a, mut b), n| async move {
-            let tag = format!("w{n}");
-            let outcome = if modern {
-                mcp::modern_flow(&mut a, ONE_QUESTION, &tag).await
-            } else {
-                mcp::legacy_flow(&mut a, &mut b, ONE_QUESTION, &tag).await
-            };
-            ((a, b), outcome)
-        },
-    )
-    .await;
+    let stats = crate::flows(WORKERS, phase(WARM_UP), target, ONE_QUESTION, modern).await;
     assert_eq!(stats.errors, 0, "warm-up: {:?}", stats.first_error);
+}
+
+fn first_errors(phases: &[&Stats]) -> Vec<String> {
+    phases
+        .iter()
+        .filter_map(|s| s.first_error.clone())
+        .collect()
 }
 
 async fn mrtr_flows(flows: usize, dir: &Path) -> Pending {
@@ -161,10 +154,7 @@ async fn mrtr_flows(flows: usize, dir: &Path) -> Pending {
         },
     )
     .await;
-    let errors = [&opening, &completing, &replaying]
-        .iter()
-        .filter_map(|s| s.first_error.clone())
-        .collect();
+    let errors = first_errors(&[&opening, &completing, &replaying]);
     Pending {
         flows,
         opened,
@@ -267,10 +257,7 @@ async fn held_streams(flows: usize, dir: &Path) -> Pending {
     )
     .await;
     let after = procs::footprint(gateway.pid());
-    let errors = [&opening, &completing]
-        .iter()
-        .filter_map(|s| s.first_error.clone())
-        .collect();
+    let errors = first_errors(&[&opening, &completing]);
     Pending {
         flows,
         opened,
