@@ -46,6 +46,7 @@ fn state(questions: usize) -> FlowState {
         round: 1,
         expires_at: 2_000_000_000,
         flow_deadline: 2_000_001_200,
+        started_ms: 1_000_000,
         reissue: false,
         flow_id: 0x1234_5678_9abc_def0,
     }

@@ -24,6 +24,9 @@ pub struct Config {
     /// Host names the MCP listener accepts in `Host` and `Origin` (DNS-rebinding
     /// protection). Empty: loopback names only on a loopback listener, any otherwise.
     pub allowed_hosts: Vec<String>,
+    /// How long a client's SSE stream may stay silent before the gateway writes a
+    /// keep-alive comment, so idle timeouts in front do not cut it; 0 turns them off.
+    pub sse_keepalive_ms: u64,
     pub limits: Limits,
     pub bridge: BridgeOptions,
     pub server: ServerOptions,
@@ -39,6 +42,7 @@ impl Default for Config {
             keys_poll_ms: 2_000,
             principal: PrincipalSource::default(),
             allowed_hosts: Vec::new(),
+            sse_keepalive_ms: 15_000,
             limits: Limits::default(),
             bridge: BridgeOptions::default(),
             server: ServerOptions::default(),
@@ -375,6 +379,12 @@ impl Config {
         self.limits.validate()?;
         if self.keys_poll_ms < 100 {
             return Err(ConfigError::at("keys_poll_ms", "must be at least 100"));
+        }
+        if self.sse_keepalive_ms != 0 && self.sse_keepalive_ms < 100 {
+            return Err(ConfigError::at(
+                "sse_keepalive_ms",
+                "must be 0 (off) or at least 100",
+            ));
         }
         let b = &self.bridge;
         if b.request_state_ttl_seconds == 0 || b.max_flow_seconds < b.request_state_ttl_seconds {

@@ -121,6 +121,7 @@ mod tests {
             round: 2,
             expires_at: 1_000,
             flow_deadline: 2_000,
+            started_ms: 1_000_000,
             reissue: false,
             flow_id: 0xabc,
         };

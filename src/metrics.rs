@@ -1,17 +1,42 @@
 //! Prometheus metrics, prefixed `mrtr_gateway_`, in a registry per gateway instance so
 //! that several gateways in one process (tests, `demo`) never mix their counts.
-//! Labels stay bounded: methods outside the MCP set are counted as `other`.
+//! Labels stay bounded: methods outside the MCP set are counted as `other`, reasons and
+//! outcomes are fixed names, upstreams are the configured `host:port` authorities, and no
+//! label ever carries a session id, a token or an argument.
 
-use prometheus::{IntCounterVec, IntGauge, Opts, Registry};
+use prometheus::core::Collector;
+use prometheus::{
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+};
 
 pub struct Metrics {
     pub registry: Registry,
+    /// Client requests by era (`legacy`, `modern`, `modern_relayed`), method and outcome.
     pub requests: IntCounterVec,
+    /// InputRequiredResult responses sent (one per round that asked), by method.
+    pub input_required: IntCounterVec,
+    /// Rounds a bridged flow took, observed when it completes.
+    pub flow_rounds: Histogram,
+    /// From a bridged flow's first request to its completion, across rounds and replicas.
+    pub flow_duration: Histogram,
     pub session_rejections: IntCounterVec,
     pub state_rejections: IntCounterVec,
+    /// Upstream streams reopened with `Last-Event-ID`, by outcome (`ok`, `failed`).
+    pub upstream_resumptions: IntCounterVec,
+    /// Upstream sessions by event: `opened`, `reused` (a request in an existing one),
+    /// `deleted`, `reaped` (deleted at an abandoned flow's deadline).
+    pub upstream_sessions: IntCounterVec,
+    /// Time from sending a request upstream to its response header, by upstream.
+    pub upstream_duration: HistogramVec,
     pub active_client_streams: IntGauge,
+    /// Upstream connections in use: an exchange waiting for, or reading, a response.
+    pub upstream_connections: IntGauge,
     /// Flows waiting for a client's retry that this replica opened (the reaper's table).
     pub pending_flows: IntGauge,
+    /// SSE keep-alive comments written to idle client streams.
+    pub sse_keepalives: IntCounter,
+    /// 1 once a graceful shutdown began.
+    pub draining: IntGauge,
     /// Reloads of the keys file and the JWKS, by file and outcome (`ok`, `error`).
     pub reloads: IntCounterVec,
     /// Keys in the ring now.
@@ -52,81 +77,190 @@ pub fn method_label(method: Option<&str>) -> &'static str {
     }
 }
 
+/// Why a token or a state is refused: `seal::OpenError` reasons, then the checks after
+/// opening.
+const REJECTION_REASONS: &[&str] = &[
+    "too_long",
+    "malformed",
+    "unknown_key",
+    "tampered",
+    "bad_payload",
+    "expired",
+    "principal",
+    "binding",
+    "other_group",
+    "unknown_endpoint",
+    "replayed",
+];
+
+/// Latency buckets for upstream exchanges, in seconds: 1 ms to 30 s.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+/// Flow durations, in seconds: a flow waits for people, so up to the 30-minute default
+/// flow deadline.
+const FLOW_BUCKETS: &[f64] = &[
+    0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0,
+];
+const ROUND_BUCKETS: &[f64] = &[1.0, 2.0, 3.0, 4.0, 5.0, 8.0, 16.0, 32.0];
+
+/// Registers `metric` and hands it back.
+fn register<M: Collector + Clone + 'static>(registry: &Registry, metric: M) -> M {
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("metric names are unique");
+    metric
+}
+
+fn counters(registry: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let vec = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    register(registry, vec)
+}
+
+fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
+    register(registry, IntGauge::new(name, help).expect("valid metric"))
+}
+
+fn histogram(registry: &Registry, name: &str, help: &str, buckets: &[f64]) -> Histogram {
+    let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
+    register(registry, Histogram::with_opts(opts).expect("valid metric"))
+}
+
 impl Metrics {
     pub fn new() -> Metrics {
-        let registry = Registry::new();
-        let requests = IntCounterVec::new(
-            Opts::new(
-                "mrtr_gateway_requests_total",
-                "Client requests by era, method and outcome",
-            ),
-            &["era", "method", "outcome"],
-        )
-        .expect("valid metric");
-        let session_rejections = IntCounterVec::new(
-            Opts::new(
-                "mrtr_gateway_session_token_rejections_total",
-                "Client Mcp-Session-Id tokens refused, by reason",
-            ),
-            &["reason"],
-        )
-        .expect("valid metric");
-        let state_rejections = IntCounterVec::new(
-            Opts::new(
-                "mrtr_gateway_request_state_rejections_total",
-                "requestState values refused, by reason",
-            ),
-            &["reason"],
-        )
-        .expect("valid metric");
-        let active_client_streams = IntGauge::new(
-            "mrtr_gateway_active_client_streams",
-            "Client responses currently streaming",
-        )
-        .expect("valid metric");
-        let pending_flows = IntGauge::new(
-            "mrtr_gateway_pending_flows",
-            "Flows waiting for input whose upstream session this replica watches",
-        )
-        .expect("valid metric");
-        let reloads = IntCounterVec::new(
-            Opts::new(
-                "mrtr_gateway_reloads_total",
-                "Reloads of the keys file and the JWKS, by file and outcome",
-            ),
-            &["file", "outcome"],
-        )
-        .expect("valid metric");
-        let keys_loaded = IntGauge::new("mrtr_gateway_keys_loaded", "Keys in the key ring")
-            .expect("valid metric");
+        let r = Registry::new();
         let build_info = IntGauge::with_opts(
             Opts::new("mrtr_gateway_build_info", "Build information")
                 .const_label("version", env!("CARGO_PKG_VERSION")),
         )
         .expect("valid metric");
-        build_info.set(1);
-        for m in [
-            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(session_rejections.clone()),
-            Box::new(state_rejections.clone()),
-            Box::new(active_client_streams.clone()),
-            Box::new(pending_flows.clone()),
-            Box::new(reloads.clone()),
-            Box::new(keys_loaded.clone()),
-            Box::new(build_info),
-        ] {
-            registry.register(m).expect("metric names are unique");
+        register(&r, build_info).set(1);
+        let upstream_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "mrtr_gateway_upstream_request_duration_seconds",
+                "Time from sending a request upstream to its response header, by upstream",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+            &["upstream"],
+        )
+        .expect("valid metric");
+        let metrics = Metrics {
+            requests: counters(
+                &r,
+                "mrtr_gateway_requests_total",
+                "Client requests by era, method and outcome",
+                &["era", "method", "outcome"],
+            ),
+            input_required: counters(
+                &r,
+                "mrtr_gateway_input_required_total",
+                "InputRequiredResult responses sent (rounds that asked the client), by method",
+                &["method"],
+            ),
+            flow_rounds: histogram(
+                &r,
+                "mrtr_gateway_flow_rounds",
+                "Rounds per completed bridged flow",
+                ROUND_BUCKETS,
+            ),
+            flow_duration: histogram(
+                &r,
+                "mrtr_gateway_flow_duration_seconds",
+                "Duration of completed bridged flows, from the first request to the result",
+                FLOW_BUCKETS,
+            ),
+            session_rejections: counters(
+                &r,
+                "mrtr_gateway_session_token_rejections_total",
+                "Client Mcp-Session-Id tokens refused, by reason",
+                &["reason"],
+            ),
+            state_rejections: counters(
+                &r,
+                "mrtr_gateway_request_state_rejections_total",
+                "requestState values refused, by reason",
+                &["reason"],
+            ),
+            upstream_resumptions: counters(
+                &r,
+                "mrtr_gateway_upstream_resumptions_total",
+                "Upstream streams reopened with Last-Event-ID, by outcome",
+                &["outcome"],
+            ),
+            upstream_sessions: counters(
+                &r,
+                "mrtr_gateway_upstream_sessions_total",
+                "Upstream sessions opened, reused, deleted and reaped",
+                &["event"],
+            ),
+            upstream_duration: register(&r, upstream_duration),
+            active_client_streams: gauge(
+                &r,
+                "mrtr_gateway_active_client_streams",
+                "Client responses currently streaming",
+            ),
+            upstream_connections: gauge(
+                &r,
+                "mrtr_gateway_upstream_connections",
+                "Upstream connections in use (a response awaited or being read)",
+            ),
+            pending_flows: gauge(
+                &r,
+                "mrtr_gateway_pending_flows",
+                "Flows waiting for input whose upstream session this replica watches",
+            ),
+            sse_keepalives: register(
+                &r,
+                IntCounter::new(
+                    "mrtr_gateway_sse_keepalives_total",
+                    "SSE keep-alive comments written to idle client streams",
+                )
+                .expect("valid metric"),
+            ),
+            draining: gauge(
+                &r,
+                "mrtr_gateway_draining",
+                "1 once a graceful shutdown began",
+            ),
+            reloads: counters(
+                &r,
+                "mrtr_gateway_reloads_total",
+                "Reloads of the keys file and the JWKS, by file and outcome",
+                &["file", "outcome"],
+            ),
+            keys_loaded: gauge(&r, "mrtr_gateway_keys_loaded", "Keys in the key ring"),
+            registry: r,
+        };
+        metrics.zero_known_series();
+        metrics
+    }
+
+    /// Creates every fixed-label series at 0, so a dashboard or an alert sees "none yet"
+    /// rather than "no data".
+    fn zero_known_series(&self) {
+        for event in ["opened", "reused", "deleted", "reaped"] {
+            self.upstream_sessions.with_label_values(&[event]);
         }
-        Metrics {
-            registry,
-            requests,
-            session_rejections,
-            state_rejections,
-            active_client_streams,
-            pending_flows,
-            reloads,
-            keys_loaded,
+        for outcome in ["ok", "failed"] {
+            self.upstream_resumptions.with_label_values(&[outcome]);
         }
+        for method in ["tools/call", "prompts/get", "resources/read"] {
+            self.input_required.with_label_values(&[method]);
+        }
+        for file in ["keys", "jwks"] {
+            for outcome in ["ok", "error"] {
+                self.reloads.with_label_values(&[file, outcome]);
+            }
+        }
+        for reason in REJECTION_REASONS {
+            self.state_rejections.with_label_values(&[reason]);
+            self.session_rejections.with_label_values(&[reason]);
+        }
+    }
+
+    /// Counts an upstream session event (`opened`, `reused`, `deleted`, `reaped`).
+    pub fn upstream_session(&self, event: &'static str) {
+        self.upstream_sessions.with_label_values(&[event]).inc();
     }
 
     /// The text exposition of every metric.
@@ -142,5 +276,21 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// Holds a gauge one higher while alive: an upstream connection in use, a client stream.
+pub struct InUse(IntGauge);
+
+impl InUse {
+    pub fn new(gauge: &IntGauge) -> InUse {
+        gauge.inc();
+        InUse(gauge.clone())
+    }
+}
+
+impl Drop for InUse {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }

@@ -51,7 +51,7 @@ impl OpenError {
             OpenError::TooLong => "too_long",
             OpenError::Malformed => "malformed",
             OpenError::UnknownKey => "unknown_key",
-            OpenError::Rejected => "rejected",
+            OpenError::Rejected => "tampered",
             OpenError::BadPayload => "bad_payload",
             OpenError::Expired => "expired",
             OpenError::Principal => "principal",

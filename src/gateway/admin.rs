@@ -1,5 +1,6 @@
 //! The admin listener: `/healthz` (the process serves), `/readyz` (503 once draining, so
-//! balancers stop sending new work) and `/metrics` (Prometheus text format).
+//! balancers stop sending new work) and `/metrics` (Prometheus text format); and the
+//! drain signal that long requests watch to end cleanly when a graceful shutdown begins.
 
 use crate::metrics::Metrics;
 use async_trait::async_trait;
@@ -8,12 +9,38 @@ use pingora::apps::http_app::ServeHttp;
 use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use tokio::sync::watch;
+
+/// Whether a graceful shutdown began. Streams end cleanly on it: a bridged round hands
+/// its flow to another replica, a relayed SSE stream ends between two events.
+pub struct Drain(watch::Sender<bool>);
+
+impl Default for Drain {
+    fn default() -> Self {
+        Drain(watch::Sender::new(false))
+    }
+}
+
+impl Drain {
+    pub fn begin(&self) {
+        self.0.send_replace(true);
+    }
+
+    pub fn is_draining(&self) -> bool {
+        *self.0.borrow()
+    }
+
+    /// Completes once draining has begun.
+    pub async fn wait(&self) {
+        let mut rx = self.0.subscribe();
+        let _ = rx.wait_for(|draining| *draining).await;
+    }
+}
 
 pub struct AdminApp {
     pub metrics: Arc<Metrics>,
-    pub draining: Arc<AtomicBool>,
+    pub drain: Arc<Drain>,
     pub reaper: Arc<super::reaper::Reaper>,
 }
 
@@ -32,7 +59,7 @@ impl ServeHttp for AdminApp {
         let json = "application/json";
         match session.req_header().uri.path() {
             "/healthz" => reply(200, json, br#"{"status":"ok"}"#.to_vec()),
-            "/readyz" if self.draining.load(Ordering::Relaxed) => {
+            "/readyz" if self.drain.is_draining() => {
                 reply(503, json, br#"{"status":"draining"}"#.to_vec())
             }
             "/readyz" => reply(200, json, br#"{"status":"ready"}"#.to_vec()),
@@ -49,9 +76,10 @@ impl ServeHttp for AdminApp {
     }
 }
 
-/// Sets the draining flag when pingora begins shutting down.
+/// Begins the drain when pingora begins shutting down.
 pub struct DrainWatch {
-    pub draining: Arc<AtomicBool>,
+    pub drain: Arc<Drain>,
+    pub metrics: Arc<Metrics>,
 }
 
 #[async_trait]
@@ -62,7 +90,10 @@ impl BackgroundService for DrainWatch {
                 break;
             }
         }
-        self.draining.store(true, Ordering::Relaxed);
-        tracing::info!("draining: /readyz now answers 503");
+        self.drain.begin();
+        self.metrics.draining.set(1);
+        tracing::info!(
+            "draining: /readyz answers 503, streams end cleanly, in-flight requests finish"
+        );
     }
 }

@@ -18,6 +18,7 @@ use crate::principal::{Authenticator, PrincipalSource, Unauthenticated};
 use crate::protocol::headers::MCP_SESSION_ID;
 use crate::protocol::host_check::HostPolicy;
 use crate::protocol::jsonrpc::{self, code, Body};
+use crate::protocol::trace::TraceContext;
 use crate::upstream::exchange::UpstreamClient;
 use crate::upstream::legacy_session::{LegacySession, SessionError};
 use crate::upstream::{UpstreamGroup, Upstreams};
@@ -56,6 +57,8 @@ pub struct Gateway {
     /// Turns credentials into principals; swapped whole when the JWKS is reloaded.
     pub authenticator: Arc<Reloadable<Authenticator>>,
     pub reaper: Arc<reaper::Reaper>,
+    /// Set when a graceful shutdown begins.
+    pub drain: Arc<admin::Drain>,
     /// The `requestState`s this replica has accepted, to refuse replays.
     pub used_states: std::sync::Mutex<crate::mrtr::replay::UsedStates>,
     /// Each group's InitializeResult, learnt from the first session opened there; it
@@ -82,6 +85,7 @@ impl Gateway {
         Ok(Gateway {
             authenticator: Arc::new(Reloadable::new(Arc::new(authenticator))),
             reaper,
+            drain: Arc::default(),
             used_states: std::sync::Mutex::new(used_states),
             host_policy,
             initialize_results: Default::default(),
@@ -89,7 +93,7 @@ impl Gateway {
             config,
             keys: Arc::new(SharedKeyRing::new(keys)),
             upstreams,
-            client: UpstreamClient::default(),
+            client: UpstreamClient::new(metrics.clone()),
             metrics,
         })
     }
@@ -111,6 +115,7 @@ impl Gateway {
         group: &'g UpstreamGroup,
         capabilities: &Value,
         client_info: &Value,
+        trace: &TraceContext,
     ) -> Result<(LegacySession<'g>, Value), SessionError> {
         let endpoint = group.pick().ok_or(SessionError::NoEndpoint)?;
         let opened = LegacySession::open(
@@ -119,6 +124,7 @@ impl Gateway {
             &group.timeouts,
             capabilities,
             client_info,
+            trace,
         )
         .await?;
         self.remember_initialize(group, &opened.1);
@@ -139,7 +145,10 @@ impl Gateway {
         {
             return Ok(known.clone());
         }
-        let (session, result) = self.open_upstream(group, &json!({}), client_info).await?;
+        let none = TraceContext::default();
+        let (session, result) = self
+            .open_upstream(group, &json!({}), client_info, &none)
+            .await?;
         session.delete().await;
         Ok(result)
     }
@@ -204,6 +213,23 @@ impl Gateway {
             .get(&group.name)
             .map(|r| r["serverInfo"].clone())
             .unwrap_or_else(|| json!({"name": group.name, "version": "unknown"}))
+    }
+
+    /// Counts a finished client request and logs its one access line (target
+    /// `mrtr_gateway::access`; a bridged flow's id comes from the enclosing span).
+    pub fn record(
+        &self,
+        era: &'static str,
+        method: &'static str,
+        outcome: &'static str,
+        started: Instant,
+    ) {
+        self.metrics
+            .requests
+            .with_label_values(&[era, method, outcome])
+            .inc();
+        let ms = started.elapsed().as_secs_f64() * 1000.0;
+        tracing::info!(target: "mrtr_gateway::access", era, method, outcome, ms, "request");
     }
 
     pub fn principal_source(&self) -> &PrincipalSource {

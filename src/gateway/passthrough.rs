@@ -5,16 +5,18 @@
 
 use super::respond;
 use super::Gateway;
-use crate::metrics::method_label;
+use crate::metrics::{method_label, InUse};
 use crate::protocol::headers::{self, MCP_SESSION_ID};
 use crate::protocol::jsonrpc::{code, Body};
 use crate::protocol::session_token::SessionToken;
+use crate::protocol::sse::{self, BoundaryTracker};
 use crate::upstream::exchange::{ExchangeError, Response};
 use crate::upstream::{Endpoint, UpstreamGroup};
 use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::ServerSession;
 use serde_json::Value;
+use std::time::Duration;
 
 /// How a request ended, for the requests metric.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,6 +28,8 @@ pub enum Outcome {
     NoUpstream,
     UpstreamError,
     ClientGone,
+    /// An SSE stream ended cleanly because the gateway is shutting down.
+    Drained,
 }
 
 impl Outcome {
@@ -38,6 +42,7 @@ impl Outcome {
             Outcome::NoUpstream => "no_upstream",
             Outcome::UpstreamError => "upstream_error",
             Outcome::ClientGone => "client_gone",
+            Outcome::Drained => "drained",
         }
     }
 }
@@ -62,12 +67,10 @@ pub async fn serve(
     era: &'static str,
     principal: &[u8; 32],
 ) {
-    let method = parsed.as_ref().and_then(Body::method);
+    let started = std::time::Instant::now();
+    let method = method_label(parsed.as_ref().and_then(Body::method));
     let outcome = serve_inner(gw, session, group, body, parsed.as_ref(), principal).await;
-    gw.metrics
-        .requests
-        .with_label_values(&[era, method_label(method), outcome.label()])
-        .inc();
+    gw.record(era, method, outcome.label(), started);
 }
 
 async fn serve_inner(
@@ -99,10 +102,28 @@ async fn serve_inner(
             return Outcome::UpstreamError;
         }
     };
+    count_session_event(gw, session, &route, response.header());
     let header = client_response_header(gw, group, &route, binding, response.header());
     let outcome = relay(gw, session, header, &mut response).await;
     gw.client.finish(response).await;
     outcome
+}
+
+/// Counts a request in an existing upstream session, and a session the client deleted.
+/// (A session the upstream opens is counted where its token is sealed.)
+fn count_session_event(
+    gw: &Gateway,
+    session: &ServerSession,
+    route: &Route,
+    upstream: &ResponseHeader,
+) {
+    if route.upstream_session.is_none() {
+        return;
+    }
+    let deleted =
+        session.req_header().method == http::Method::DELETE && upstream.status.is_success();
+    gw.metrics
+        .upstream_session(if deleted { "deleted" } else { "reused" });
 }
 
 fn route<'g>(
@@ -223,6 +244,7 @@ fn client_session_token(
     if route.upstream_session.as_deref() == Some(sid) {
         return route.client_token.clone();
     }
+    gw.metrics.upstream_session("opened");
     let token = SessionToken {
         group: group.name.clone(),
         endpoint: route.endpoint.addr,
@@ -246,20 +268,50 @@ async fn relay(
     {
         return Outcome::ClientGone;
     }
-    gw.metrics.active_client_streams.inc();
-    let outcome = pump(session, upstream).await;
-    gw.metrics.active_client_streams.dec();
-    outcome
+    let _streaming = InUse::new(&gw.metrics.active_client_streams);
+    let sse = upstream.is_sse();
+    // A session's GET stream never ends by itself; a POST's stream ends with its response.
+    let endless = sse && session.req_header().method == http::Method::GET;
+    pump(gw, session, upstream, sse, endless).await
 }
 
-async fn pump(session: &mut ServerSession, upstream: &mut Response) -> Outcome {
+/// Relays body chunks. An SSE stream gets keep-alive comments while the upstream is
+/// silent. An endless one (a session's GET stream) ends between two events once the
+/// gateway drains, and the client reconnects elsewhere; a POST's response, SSE or not, is
+/// in flight and is relayed to its end.
+async fn pump(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    upstream: &mut Response,
+    sse: bool,
+    endless: bool,
+) -> Outcome {
+    let keepalive = (sse && gw.config.sse_keepalive_ms > 0)
+        .then(|| Duration::from_millis(gw.config.sse_keepalive_ms));
+    let mut position = BoundaryTracker::default();
     loop {
+        let at_boundary = sse && position.between_events();
+        if endless && at_boundary && gw.drain.is_draining() {
+            let _ = session.write_response_body(Bytes::new(), true).await;
+            session.set_keepalive(None);
+            return Outcome::Drained;
+        }
         let chunk = tokio::select! {
             chunk = upstream.next_chunk() => chunk,
             _ = session.read_body_or_idle(true) => return Outcome::ClientGone,
+            _ = gw.drain.wait(), if endless && at_boundary => continue,
+            _ = sleep_or_never(keepalive), if at_boundary => {
+                let comment = Bytes::from_static(sse::KEEP_ALIVE);
+                if session.write_response_body(comment, false).await.is_err() {
+                    return Outcome::ClientGone;
+                }
+                gw.metrics.sse_keepalives.inc();
+                continue;
+            }
         };
         match chunk {
             Ok(Some(bytes)) => {
+                position.push(&bytes);
                 if session.write_response_body(bytes, false).await.is_err() {
                     return Outcome::ClientGone;
                 }
@@ -290,4 +342,12 @@ async fn respond_upstream_error(
     };
     let message = format!("upstream group '{}' {what}", group.name);
     respond::error(session, status, id, code::INTERNAL_ERROR, &message).await;
+}
+
+/// Sleeps for `period`, or forever when there is none.
+pub(crate) async fn sleep_or_never(period: Option<Duration>) {
+    match period {
+        Some(p) => tokio::time::sleep(p).await,
+        None => std::future::pending().await,
+    }
 }

@@ -131,7 +131,7 @@ impl Reaper {
         let due = self.take_due(now);
         for (endpoint, timeouts, session) in &due {
             LegacySession::resume(client, endpoint, timeouts, session.clone())
-                .delete()
+                .reap()
                 .await;
         }
         due.len()
@@ -141,12 +141,14 @@ impl Reaper {
 /// Runs the sweeps until shutdown.
 pub struct ReaperService {
     pub reaper: Arc<Reaper>,
+    /// The gateway's metrics, where reaped sessions are counted.
+    pub metrics: Arc<crate::metrics::Metrics>,
 }
 
 #[async_trait]
 impl BackgroundService for ReaperService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let client = UpstreamClient::default();
+        let client = UpstreamClient::new(self.metrics.clone());
         let mut tick = tokio::time::interval(SWEEP_EVERY);
         loop {
             tokio::select! {

@@ -17,7 +17,6 @@ use pingora::server::configuration::ServerConf;
 use pingora::server::{RunArgs, Server, ShutdownSignal, ShutdownSignalWatch};
 use pingora::services::background::{background_service, GenBackgroundService};
 use pingora::services::listening::Service;
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -58,24 +57,31 @@ pub fn build(
     let reloader = Reloader::new(watched_files(&gateway), metrics.clone(), keys_poll);
     server.add_service(background_service("reloader", reloader));
     let reaper = gateway.reaper.clone();
-    let draining = Arc::new(AtomicBool::new(false));
+    let drain = gateway.drain.clone();
     let mut mcp = Service::new("mcp".to_string(), gateway);
     mcp.add_tcp(&listen);
     let mut admin = Service::new(
         "admin".to_string(),
         AdminApp {
             metrics: metrics.clone(),
-            draining: draining.clone(),
+            drain: drain.clone(),
             reaper: reaper.clone(),
         },
     );
     admin.add_tcp(&admin_listen);
     server.add_service(mcp);
     server.add_service(admin);
-    server.add_service(background_service("drain watch", DrainWatch { draining }));
+    let drain_watch = DrainWatch {
+        drain,
+        metrics: metrics.clone(),
+    };
+    server.add_service(background_service("drain watch", drain_watch));
     server.add_service(background_service(
         "abandoned-flow reaper",
-        ReaperService { reaper },
+        ReaperService {
+            reaper,
+            metrics: metrics.clone(),
+        },
     ));
     for service in extra {
         server.add_boxed_service(service);

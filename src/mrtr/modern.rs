@@ -2,6 +2,7 @@
 //! `Mcp-Method` and `Mcp-Name` headers must match the body, and `_meta` must carry the
 //! protocol version and client capabilities. Every refusal is the spec's own error.
 
+use crate::protocol::trace::TraceContext;
 use serde_json::{Map, Value};
 
 pub const MODERN_VERSION: &str = "2026-07-28";
@@ -89,6 +90,8 @@ pub struct ModernHeaders<'a> {
     pub protocol_version: Option<&'a str>,
     pub method: Option<&'a str>,
     pub name: Option<&'a str>,
+    pub traceparent: Option<&'a str>,
+    pub tracestate: Option<&'a str>,
 }
 
 /// A validated 2026-07-28 request.
@@ -102,6 +105,8 @@ pub struct ModernRequest {
     pub target: Option<String>,
     pub log_level: Option<String>,
     pub progress_token: Option<Value>,
+    /// The W3C trace context of the request's headers, for every upstream request.
+    pub trace: TraceContext,
 }
 
 /// The body parameter `Mcp-Name` mirrors for `method`, if any.
@@ -213,6 +218,7 @@ impl ModernRequest {
                 .and_then(Value::as_str)
                 .map(str::to_string),
             progress_token: meta.get("progressToken").cloned(),
+            trace: TraceContext::from_headers(headers.traceparent, headers.tracestate),
             client_capabilities,
             target,
             params,
@@ -260,6 +266,7 @@ mod tests {
             protocol_version: Some(MODERN_VERSION),
             method: Some(method),
             name,
+            ..Default::default()
         }
     }
 

@@ -17,9 +17,14 @@ use std::net::SocketAddr;
 
 /// Seconds since the Unix epoch: the clock of expiries and deadlines.
 pub fn now_secs() -> u64 {
+    now_ms() / 1000
+}
+
+/// Milliseconds since the Unix epoch: when a flow began, for its duration.
+pub fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
+        .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
 }
 
@@ -75,6 +80,8 @@ pub struct FlowState {
     pub expires_at: u64,
     /// The flow's hard deadline; no round's `expires_at` passes it.
     pub flow_deadline: u64,
+    /// When the flow began, in milliseconds since the Unix epoch (its duration metric).
+    pub started_ms: u64,
     /// The call ended with a URL-elicitation-required error: the retry issues it again.
     pub reissue: bool,
     /// Random id that stays the same across rounds and replicas, for logs.
@@ -175,6 +182,7 @@ mod tests {
             round: 1,
             expires_at: 2_000_000_000,
             flow_deadline: 2_000_000_600,
+            started_ms: 2_000_000_000_000,
             reissue: false,
             flow_id: 0x1234_5678_9abc_def0,
         }

@@ -253,9 +253,14 @@ impl Round {
         )
     }
 
-    /// The `InputRequiredResult` for the questions gathered so far.
+    /// The `InputRequiredResult` for the questions gathered so far; with none (a round
+    /// handed over while draining) it carries only the state, which the client retries.
     pub fn input_required(&self, request_state: String) -> Value {
-        json!({"resultType": "input_required", "inputRequests": self.input_requests, "requestState": request_state})
+        let mut result = json!({"resultType": "input_required", "requestState": request_state});
+        if !self.input_requests.is_empty() {
+            result["inputRequests"] = json!(self.input_requests);
+        }
+        result
     }
 }
 
@@ -320,6 +325,15 @@ mod tests {
         assert_eq!(result["resultType"], "input_required");
         assert_eq!(result["requestState"], "STATE");
         assert_eq!(r.pending()[1].upstream_id, UpstreamId::Text("s-1".into()));
+    }
+
+    #[test]
+    fn a_round_without_questions_yields_a_state_only_result() {
+        let r = round(json!({"elicitation": {}}));
+        assert_eq!(
+            r.input_required("s".into()),
+            json!({"resultType": "input_required", "requestState": "s"})
+        );
     }
 
     #[test]

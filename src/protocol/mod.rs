@@ -1,5 +1,5 @@
 //! Socket-free MCP protocol logic: JSON-RPC classification and error bodies, the SSE
-//! codec, and the sealed legacy session token. Nothing here does I/O; the gateway shell
+//! codec, the sealed legacy session token and W3C trace context. Nothing here does I/O; the gateway shell
 //! feeds bytes in and acts on what comes out.
 
 pub mod headers;
@@ -7,3 +7,4 @@ pub mod host_check;
 pub mod jsonrpc;
 pub mod session_token;
 pub mod sse;
+pub mod trace;

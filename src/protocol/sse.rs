@@ -172,6 +172,40 @@ impl Parser {
     }
 }
 
+/// The comment a gateway writes into an idle SSE stream; clients ignore comments.
+pub const KEEP_ALIVE: &[u8] = b": keep-alive\n\n";
+
+/// Follows the tail of a relayed SSE byte stream to tell whether it stands between two
+/// events, where a keep-alive comment can be inserted without corrupting an event.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct BoundaryTracker {
+    tail: [u8; 4],
+    len: usize,
+}
+
+impl BoundaryTracker {
+    pub fn push(&mut self, chunk: &[u8]) {
+        for &b in &chunk[chunk.len().saturating_sub(4)..] {
+            self.tail.rotate_left(1);
+            self.tail[3] = b;
+        }
+        self.len = (self.len + chunk.len()).min(4);
+    }
+
+    /// True at the start of the stream, or after an empty line (two line ends in a row,
+    /// in any of LF, CRLF and CR).
+    pub fn between_events(&self) -> bool {
+        let tail = &self.tail[4 - self.len..];
+        let rest = match tail {
+            [] => return true,
+            [.., b'\r', b'\n'] => &tail[..tail.len() - 2],
+            [.., b'\n'] | [.., b'\r'] => &tail[..tail.len() - 1],
+            _ => return false,
+        };
+        matches!(rest, [.., b'\n'] | [.., b'\r'])
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -216,6 +250,39 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn boundaries_are_found_in_every_line_ending_and_across_chunks() {
+        let at = |chunks: &[&[u8]]| {
+            let mut t = BoundaryTracker::default();
+            for c in chunks {
+                t.push(c);
+            }
+            t.between_events()
+        };
+        assert!(at(&[]));
+        for done in [
+            &b"data: x\n\n"[..],
+            b"data: x\r\n\r\n",
+            b"data: x\r\r",
+            b": c\n\r\n",
+        ] {
+            assert!(at(&[done]), "{:?}", String::from_utf8_lossy(done));
+            for split in 1..done.len() {
+                assert!(at(&[&done[..split], &done[split..]]));
+            }
+        }
+        for open in [
+            &b"data: x"[..],
+            b"data: x\n",
+            b"data: x\r\n",
+            b"data: x\r",
+            b"id: 1\r\n",
+        ] {
+            assert!(!at(&[open]), "{:?}", String::from_utf8_lossy(open));
+        }
+        assert!(!at(&[b"data: x\n\n", b"data: y\n"]));
     }
 
     #[test]

@@ -4,13 +4,15 @@
 //! shut down, so a half-read stream is never reused.
 
 use super::{Endpoint, Timeouts};
+use crate::metrics::{InUse, Metrics};
 use bytes::Bytes;
 use pingora::connectors::http::Connector;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::client::HttpSession;
 use pingora::upstreams::peer::HttpPeer;
 use std::fmt;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// How long an idle pooled upstream connection is kept.
 const POOL_IDLE: Duration = Duration::from_secs(60);
@@ -36,16 +38,26 @@ impl fmt::Display for ExchangeError {
     }
 }
 
-/// The pooled client every exchange goes through.
+/// The pooled client every exchange goes through; it counts upstream latency, the
+/// connections in use and upstream session events into its gateway's metrics.
 pub struct UpstreamClient {
     connector: Connector,
+    pub metrics: Arc<Metrics>,
+}
+
+impl UpstreamClient {
+    pub fn new(metrics: Arc<Metrics>) -> UpstreamClient {
+        UpstreamClient {
+            connector: Connector::new(None),
+            metrics,
+        }
+    }
 }
 
 impl Default for UpstreamClient {
+    /// A client with metrics of its own (tests).
     fn default() -> Self {
-        UpstreamClient {
-            connector: Connector::new(None),
-        }
+        Self::new(Arc::default())
     }
 }
 
@@ -72,6 +84,8 @@ impl UpstreamClient {
         body: Bytes,
     ) -> Result<Response, ExchangeError> {
         let peer = Self::peer(endpoint, timeouts);
+        let started = Instant::now();
+        let in_use = InUse::new(&self.metrics.upstream_connections);
         let (mut http, reused) = self
             .connector
             .get_http_session(&peer)
@@ -96,7 +110,15 @@ impl UpstreamClient {
             }
         }
         http.set_read_timeout(timeouts.stream_idle);
-        Ok(Response { http, peer })
+        self.metrics
+            .upstream_duration
+            .with_label_values(&[endpoint.authority.as_str()])
+            .observe(started.elapsed().as_secs_f64());
+        Ok(Response {
+            http,
+            peer,
+            _in_use: in_use,
+        })
     }
 
     async fn write_and_read_header(
@@ -142,6 +164,8 @@ impl UpstreamClient {
 pub struct Response {
     http: HttpSession,
     peer: HttpPeer,
+    /// Counts this connection in use until the response is finished or dropped.
+    _in_use: InUse,
 }
 
 impl Response {

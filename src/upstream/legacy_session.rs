@@ -7,6 +7,7 @@ use super::exchange::{ExchangeError, Response, UpstreamClient};
 use super::{Endpoint, Timeouts};
 use crate::protocol::headers::MCP_SESSION_ID;
 use crate::protocol::sse;
+use crate::protocol::trace::TraceContext;
 use bytes::Bytes;
 use pingora::http::RequestHeader;
 use serde_json::{json, Value};
@@ -22,6 +23,8 @@ pub struct LegacySession<'a> {
     pub timeouts: &'a Timeouts,
     pub session_id: Option<String>,
     pub version: String,
+    /// The client request's trace context, sent with every request of this session.
+    pub trace: TraceContext,
 }
 
 /// Why the upstream could not be driven.
@@ -59,6 +62,7 @@ impl<'a> LegacySession<'a> {
         timeouts: &'a Timeouts,
         capabilities: &Value,
         client_info: &Value,
+        trace: &TraceContext,
     ) -> Result<(LegacySession<'a>, Value), SessionError> {
         let mut session = LegacySession {
             client,
@@ -66,6 +70,7 @@ impl<'a> LegacySession<'a> {
             timeouts,
             session_id: None,
             version: UPSTREAM_VERSION.into(),
+            trace: trace.clone(),
         };
         let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
             "protocolVersion": UPSTREAM_VERSION, "capabilities": capabilities, "clientInfo": client_info}});
@@ -85,6 +90,7 @@ impl<'a> LegacySession<'a> {
         if let Some(v) = result["protocolVersion"].as_str() {
             session.version = v.to_string();
         }
+        client.metrics.upstream_session("opened");
         let initialized = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
         session.post_and_expect_accepted(&initialized).await?;
         Ok((session, result))
@@ -103,6 +109,7 @@ impl<'a> LegacySession<'a> {
             timeouts,
             session_id: Some(session_id),
             version: UPSTREAM_VERSION.into(),
+            trace: TraceContext::default(),
         }
     }
 
@@ -122,6 +129,9 @@ impl<'a> LegacySession<'a> {
         }
         if let Some(id) = last_event_id {
             let _ = req.insert_header("last-event-id", id);
+        }
+        for (name, value) in self.trace.headers() {
+            let _ = req.insert_header(name, value);
         }
         if method == "POST" {
             let _ = req.insert_header("content-type", "application/json");
@@ -163,8 +173,22 @@ impl<'a> LegacySession<'a> {
         }
     }
 
-    /// GET on the session: the standalone stream, or a resumption after `last_event_id`.
+    /// GET on the session: the standalone stream, or a resumption after `last_event_id`
+    /// (counted in `upstream_resumptions_total`).
     pub async fn get(&self, last_event_id: Option<&str>) -> Result<Response, SessionError> {
+        let got = self.get_stream(last_event_id).await;
+        if last_event_id.is_some() {
+            let outcome = if got.is_ok() { "ok" } else { "failed" };
+            self.client
+                .metrics
+                .upstream_resumptions
+                .with_label_values(&[outcome])
+                .inc();
+        }
+        got
+    }
+
+    async fn get_stream(&self, last_event_id: Option<&str>) -> Result<Response, SessionError> {
         let req = self.request("GET", 0, last_event_id);
         let response = self
             .client
@@ -182,6 +206,15 @@ impl<'a> LegacySession<'a> {
 
     /// Ends the upstream session (best effort).
     pub async fn delete(&self) {
+        self.delete_counting("deleted").await
+    }
+
+    /// Ends the session of a flow its client abandoned (best effort).
+    pub async fn reap(&self) {
+        self.delete_counting("reaped").await
+    }
+
+    async fn delete_counting(&self, event: &'static str) {
         if self.session_id.is_none() {
             return;
         }
@@ -193,6 +226,7 @@ impl<'a> LegacySession<'a> {
         {
             let _ = response.read_all(64 << 10).await;
             self.client.finish(response).await;
+            self.client.metrics.upstream_session(event);
         }
     }
 }

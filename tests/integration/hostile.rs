@@ -135,6 +135,7 @@ impl Fixture {
             round: 1,
             expires_at,
             flow_deadline: expires_at,
+            started_ms: 1_000_000,
             reissue: false,
             flow_id: rand::random(),
         }

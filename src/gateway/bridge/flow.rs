@@ -6,10 +6,11 @@
 use super::reply::{decorate, ClientReply};
 use super::{client_info, end_session, finish_with, upstream_failed, upstream_params, CALL_ID};
 use crate::config::Limits;
+use crate::gateway::passthrough::sleep_or_never;
 use crate::gateway::Gateway;
 use crate::mrtr::modern::{code as mcode, ModernRequest};
 use crate::mrtr::replay::{self, Claim};
-use crate::mrtr::state::{binding, now_secs, FlowState, UpstreamId};
+use crate::mrtr::state::{binding, now_ms, now_secs, FlowState, UpstreamId};
 use crate::mrtr::translate::{Action, Round};
 use crate::protocol::jsonrpc::code;
 use crate::protocol::sse;
@@ -43,6 +44,8 @@ enum RoundEnd {
     MissingCapability(Value),
     Failed(String),
     ClientGone,
+    /// The gateway began draining: the flow goes on, on another replica.
+    Draining,
 }
 
 /// What every step of one client request needs.
@@ -141,13 +144,16 @@ async fn start(call: &Call<'_>, session: &mut ServerSession, reply: ClientReply)
         gw, group, request, ..
     } = *call;
     let caps = Value::Object(request.client_capabilities.clone());
-    let (upstream, _init) = match gw.open_upstream(group, &caps, &client_info(request)).await {
+    let (upstream, _init) = match gw
+        .open_upstream(group, &caps, &client_info(request), &request.trace)
+        .await
+    {
         Ok(opened) => opened,
         Err(e) => return upstream_failed(reply, session, group, &e).await,
     };
     let endpoint = upstream.endpoint;
     let session_stream = upstream.get(None).await.ok();
-    let message = json!({"jsonrpc": "2.0", "id": CALL_ID, "method": request.method, "params": upstream_params(&request.params)});
+    let message = json!({"jsonrpc": "2.0", "id": CALL_ID, "method": request.method, "params": upstream_params(request)});
     let call_response = match upstream.post(&message).await {
         Ok(r) => r,
         Err(e) => {
@@ -166,9 +172,11 @@ async fn start(call: &Call<'_>, session: &mut ServerSession, reply: ClientReply)
         round: 1,
         expires_at: 0,
         flow_deadline: now_secs() + gw.config.bridge.max_flow_seconds,
+        started_ms: now_ms(),
         reissue: false,
         flow_id: rand::random(),
     };
+    name_flow(&flow);
     let streams = Streams::new(Some(call_response), session_stream);
     let round = new_round(request, &flow);
     run_round(call, session, reply, upstream, flow, streams, round).await
@@ -226,8 +234,11 @@ async fn run_round(
     let pacing = Pacing {
         quiet_window: Duration::from_millis(gw.config.bridge.quiet_window_ms),
         poll: Duration::from_millis(gw.config.bridge.resume_poll_ms),
+        keepalive: (gw.config.sse_keepalive_ms > 0)
+            .then(|| Duration::from_millis(gw.config.sse_keepalive_ms)),
     };
     let end = drive(
+        call,
         session,
         &upstream,
         &mut reply,
@@ -266,7 +277,27 @@ async fn run_round(
         RoundEnd::Complete(message) => {
             streams.close(gw).await;
             end_session(gw, &upstream).await;
+            observe_completed(gw, &flow);
             finish_with(reply, session, message, server_info, cacheable).await
+        }
+        RoundEnd::Draining if flow.round == 1 && !watch(gw, &upstream, &flow) => {
+            streams.close(gw).await;
+            refuse_overloaded(gw, session, reply, &upstream).await
+        }
+        RoundEnd::Draining => {
+            // A round cut short: whatever was asked goes to the client, with a state from
+            // which any replica resumes the call (no questions: a requestState-only result,
+            // which the client retries at once).
+            streams.close(gw).await;
+            flow.reissue = false;
+            flow.pending = round.pending().to_vec();
+            flow.last_event_id = round.last_event_id().map(str::to_string);
+            flow.round_start = round.round_start().map(str::to_string);
+            tracing::info!(
+                flow = format!("{:016x}", flow.flow_id),
+                "round handed over: draining"
+            );
+            ask_client(call, session, reply, &upstream, flow, &round, server_info).await
         }
         RoundEnd::Questions if round.last_event_id().is_none() => {
             streams.close(gw).await;
@@ -332,6 +363,8 @@ struct Pacing {
     quiet_window: Duration,
     /// How long a call stream may stay silent before it is polled again.
     poll: Duration,
+    /// How long the client's response may stay silent before a keep-alive comment.
+    keepalive: Option<Duration>,
 }
 
 /// Following the call's stream across upstream reconnections.
@@ -385,6 +418,7 @@ async fn reopen_call(
 /// `retry` hint; when it stays silent for the poll interval it is reopened at once, which
 /// recovers events an upstream stored but did not deliver to a resumed connection.
 async fn drive(
+    call: &Call<'_>,
     session: &mut ServerSession,
     upstream: &LegacySession<'_>,
     reply: &mut ClientReply,
@@ -421,6 +455,14 @@ async fn drive(
                 continue;
             }
             _ = session.read_body_or_idle(true) => return RoundEnd::ClientGone,
+            // Only a resumable round can be handed over; others finish here.
+            _ = call.gw.drain.wait(), if round.last_event_id().is_some() => return RoundEnd::Draining,
+            _ = sleep_or_never(pacing.keepalive) => {
+                if reply.keep_alive(session).await {
+                    call.gw.metrics.sse_keepalives.inc();
+                }
+                continue;
+            }
         };
         let events = match chunk {
             Some(Ok(Some(bytes))) => {
@@ -508,7 +550,7 @@ async fn reissue(
         UpstreamId::Number(n) => n + 1,
         UpstreamId::Text(_) => CALL_ID + 1,
     };
-    let message = json!({"jsonrpc": "2.0", "id": next_id, "method": request.method, "params": upstream_params(&request.params)});
+    let message = json!({"jsonrpc": "2.0", "id": next_id, "method": request.method, "params": upstream_params(request)});
     let call_stream = match upstream.post(&message).await {
         Ok(r) => r,
         Err(e) => return upstream_failed(reply, session, group, &e).await,
@@ -553,7 +595,24 @@ async fn ask_client(
     );
     let result = decorate(round.input_required(sealed), server_info, false);
     reply.result(session, result).await;
+    gw.metrics
+        .input_required
+        .with_label_values(&[call.request.method.as_str()])
+        .inc();
     "input_required"
+}
+
+/// Names the flow in the request's span, so its access line carries the flow id; the id
+/// travels in the state, so every round on every replica logs the same one.
+fn name_flow(flow: &FlowState) {
+    tracing::Span::current().record("flow", format!("{:016x}", flow.flow_id));
+}
+
+/// Counts a flow that reached its result: its rounds and its duration across them.
+fn observe_completed(gw: &Gateway, flow: &FlowState) {
+    gw.metrics.flow_rounds.observe(f64::from(flow.round));
+    let ms = now_ms().saturating_sub(flow.started_ms);
+    gw.metrics.flow_duration.observe(ms as f64 / 1000.0);
 }
 
 /// Refuses a new flow the reaper has no room to watch: it would otherwise go unwatched.
@@ -606,6 +665,7 @@ async fn resume(
         Ok(o) => o,
         Err(reason) => return refuse_state(gw, session, reply, group, reason).await,
     };
+    name_flow(&flow);
     let used = replay::digest(text);
     let claim =
         gw.used_states
@@ -623,12 +683,14 @@ async fn resume(
             return "overloaded";
         }
     }
-    let upstream = LegacySession::resume(
+    let mut upstream = LegacySession::resume(
         &gw.client,
         endpoint,
         &group.timeouts,
         flow.upstream_session.clone(),
     );
+    upstream.trace = request.trace.clone();
+    gw.metrics.upstream_session("reused");
     let responses = request
         .params
         .get("inputResponses")

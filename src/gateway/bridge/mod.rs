@@ -21,14 +21,17 @@ use crate::upstream::UpstreamGroup;
 use bytes::Bytes;
 use pingora::protocols::http::ServerSession;
 use reply::{decorate, ClientReply};
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
+use tracing::Instrument;
 
 /// The id the gateway gives every call upstream (each flow has its own session).
 const CALL_ID: i64 = 1;
 
-/// The params sent upstream: the client's, less what only the 2026-07-28 wire carries.
-pub(crate) fn upstream_params(params: &Map<String, Value>) -> Value {
-    let mut p = params.clone();
+/// The params sent upstream: the client's, less what only the 2026-07-28 wire carries,
+/// with the request's trace context in `_meta` unless the client put one there.
+pub(crate) fn upstream_params(request: &ModernRequest) -> Value {
+    let mut p = request.params.clone();
+    request.trace.fill_meta(&mut p);
     p.remove("inputResponses");
     p.remove("requestState");
     if let Some(meta) = p.get_mut("_meta").and_then(Value::as_object_mut) {
@@ -72,18 +75,20 @@ pub async fn serve(
     parsed: Body,
     principal: &[u8; 32],
 ) {
+    let started = std::time::Instant::now();
     let message: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
-    let method = message["method"].as_str().unwrap_or_default().to_string();
-    match serve_inner(gw, session, group, &message, principal).await {
+    let method = method_label(message["method"].as_str());
+    // The flow id is recorded into this span once known, so the access line carries it.
+    let span = tracing::info_span!("request", flow = tracing::field::Empty);
+    let served = serve_inner(gw, session, group, &message, principal)
+        .instrument(span.clone())
+        .await;
+    match served {
         Served::Relay => {
             let era = "modern_relayed";
             super::passthrough::serve(gw, session, group, body, Some(parsed), era, principal).await
         }
-        Served::Done(outcome) => gw
-            .metrics
-            .requests
-            .with_label_values(&["modern", method_label(Some(&method)), outcome])
-            .inc(),
+        Served::Done(outcome) => span.in_scope(|| gw.record("modern", method, outcome, started)),
     }
 }
 
@@ -121,6 +126,8 @@ async fn serve_inner(
         protocol_version: header("mcp-protocol-version"),
         method: header("mcp-method"),
         name: header("mcp-name"),
+        traceparent: header("traceparent"),
+        tracestate: header("tracestate"),
     };
     let accepts_sse = header("accept").is_some_and(|a| a.contains("text/event-stream"));
     let reply = ClientReply {
@@ -234,11 +241,14 @@ async fn one_shot(
     reply: ClientReply,
 ) -> &'static str {
     let caps = Value::Object(request.client_capabilities.clone());
-    let (upstream, init) = match gw.open_upstream(group, &caps, &client_info(request)).await {
+    let (upstream, init) = match gw
+        .open_upstream(group, &caps, &client_info(request), &request.trace)
+        .await
+    {
         Ok(opened) => opened,
         Err(e) => return upstream_failed(reply, session, group, &e).await,
     };
-    let call = json!({"jsonrpc": "2.0", "id": CALL_ID, "method": request.method, "params": upstream_params(&request.params)});
+    let call = json!({"jsonrpc": "2.0", "id": CALL_ID, "method": request.method, "params": upstream_params(request)});
     let answer = match upstream.post(&call).await {
         Ok(mut response) => {
             let message = read_single(&mut response).await;

@@ -18,28 +18,44 @@ pub struct ClientReply {
 
 impl ClientReply {
     pub async fn notify(&mut self, session: &mut ServerSession, message: &Value) {
-        if !self.accepts_sse {
+        if !self.start_stream(session).await {
             return;
-        }
-        if !self.streaming {
-            let Ok(mut header) = ResponseHeader::build(200, Some(4)) else {
-                return;
-            };
-            let _ = header.insert_header("content-type", "text/event-stream");
-            let _ = header.insert_header("cache-control", "no-cache");
-            let _ = header.insert_header("x-accel-buffering", "no");
-            let _ = header.insert_header("transfer-encoding", "chunked");
-            if session
-                .write_response_header(Box::new(header))
-                .await
-                .is_err()
-            {
-                return;
-            }
-            self.streaming = true;
         }
         let event = sse::Event::message(None, message.to_string()).encode();
         let _ = session.write_response_body(Bytes::from(event), false).await;
+    }
+
+    /// Writes a keep-alive comment, switching the response to SSE if the client accepts
+    /// it; returns whether one was written.
+    pub async fn keep_alive(&mut self, session: &mut ServerSession) -> bool {
+        if !self.start_stream(session).await {
+            return false;
+        }
+        let comment = Bytes::from_static(sse::KEEP_ALIVE);
+        session.write_response_body(comment, false).await.is_ok()
+    }
+
+    /// Sends the SSE response header unless it was sent; false when the client does not
+    /// accept SSE or is gone.
+    async fn start_stream(&mut self, session: &mut ServerSession) -> bool {
+        if !self.accepts_sse {
+            return false;
+        }
+        if self.streaming {
+            return true;
+        }
+        let Ok(mut header) = ResponseHeader::build(200, Some(4)) else {
+            return false;
+        };
+        let _ = header.insert_header("content-type", "text/event-stream");
+        let _ = header.insert_header("cache-control", "no-cache");
+        let _ = header.insert_header("x-accel-buffering", "no");
+        let _ = header.insert_header("transfer-encoding", "chunked");
+        self.streaming = session
+            .write_response_header(Box::new(header))
+            .await
+            .is_ok();
+        self.streaming
     }
 
     pub async fn result(self, session: &mut ServerSession, result: Value) {
