@@ -69,6 +69,17 @@ impl Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+
+    /// Whether the process has ended (with a success status, or the test fails).
+    pub fn exited(&mut self) -> bool {
+        match self.child.try_wait().expect("process status") {
+            Some(status) => {
+                assert!(status.success(), "{} exited with {status}", self.name);
+                true
+            }
+            None => false,
+        }
+    }
 }
 
 impl Drop for Proc {
@@ -295,6 +306,11 @@ pub struct Reply {
 }
 
 impl Reply {
+    /// Raw body bytes as they arrive, before any SSE parsing.
+    pub fn read_raw(&mut self, buf: &mut [u8]) -> usize {
+        self.reader.read(buf).expect("body bytes")
+    }
+
     pub fn text(mut self) -> String {
         let mut s = String::new();
         let _ = self.reader.read_to_string(&mut s);

@@ -8,4 +8,5 @@ mod common;
 mod conformance;
 mod hostile;
 mod keys;
+mod operations;
 mod real_peers;

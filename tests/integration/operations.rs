@@ -1,0 +1,336 @@
+//! What operators rely on: every metric after a real flow, the dashboard built only on
+//! exported metrics, SSE keep-alives on idle streams, and a SIGTERM drain that finishes
+//! in-flight requests, refuses new connections and hands bridged rounds to another replica.
+
+use crate::common::*;
+use mrtr_gateway::config::UpstreamEra;
+use serde_json::{json, Value};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+fn metrics_text(admin: &str) -> String {
+    ureq::get(&format!("{admin}/metrics"))
+        .call()
+        .expect("/metrics")
+        .into_string()
+        .expect("metrics text")
+}
+
+fn value(admin: &str, name: &str, labels: &str) -> f64 {
+    metric_with(admin, name, labels).unwrap_or_else(|| panic!("no {name}{{{labels}}}"))
+}
+
+fn ask_name(raw: &Raw, id: u64, extra: Value) -> Value {
+    let mut params = json!({"name": "ask_name", "arguments": {}});
+    params
+        .as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    raw.modern(id, "tools/call", params, json!({"elicitation": {}}))
+        .json()
+}
+
+#[test]
+fn metrics_after_a_flow_and_a_refused_state_hold_every_named_metric() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+    });
+    let raw = Raw::new(&gw.url);
+    let first = ask_name(&raw, 1, json!({}));
+    let result = &first["result"];
+    assert_eq!(result["resultType"], "input_required", "{first}");
+    let key = result["inputRequests"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .next()
+        .unwrap();
+    let state = result["requestState"].as_str().unwrap();
+    let mut tampered = state.to_string();
+    tampered.replace_range(40..41, if &state[40..41] == "A" { "B" } else { "A" });
+    let answers = |s: &str| json!({"inputResponses": {key: {"action": "accept", "content": {"name": "Ada"}}}, "requestState": s});
+    let refused = ask_name(&raw, 2, answers(&tampered));
+    assert_eq!(refused["error"]["code"], -32602, "{refused}");
+    let done = ask_name(&raw, 3, answers(state));
+    assert_eq!(
+        done["result"]["content"][0]["text"], "Hello, Ada!",
+        "{done}"
+    );
+
+    let a = gw.admin.as_str();
+    let upstream = url.trim_start_matches("http://").trim_end_matches("/mcp");
+    let requests = "mrtr_gateway_requests_total";
+    for (outcome, n) in [
+        ("input_required", 1.0),
+        ("state_rejected", 1.0),
+        ("ok", 1.0),
+    ] {
+        let labels = format!("era=\"modern\",method=\"tools/call\",outcome=\"{outcome}\"");
+        assert_eq!(value(a, requests, &labels), n, "{outcome}");
+    }
+    let input_required = "mrtr_gateway_input_required_total";
+    assert_eq!(value(a, input_required, "method=\"tools/call\""), 1.0);
+    assert_eq!(value(a, "mrtr_gateway_flow_rounds_count", ""), 1.0);
+    assert_eq!(
+        value(a, "mrtr_gateway_flow_rounds_sum", ""),
+        2.0,
+        "two rounds"
+    );
+    assert_eq!(
+        value(a, "mrtr_gateway_flow_duration_seconds_count", ""),
+        1.0
+    );
+    assert!(value(a, "mrtr_gateway_flow_duration_seconds_sum", "") > 0.0);
+    let state_rejections = "mrtr_gateway_request_state_rejections_total";
+    assert_eq!(value(a, state_rejections, "reason=\"tampered\""), 1.0);
+    assert_eq!(value(a, state_rejections, "reason=\"expired\""), 0.0);
+    let token_rejections = "mrtr_gateway_session_token_rejections_total";
+    assert_eq!(value(a, token_rejections, "reason=\"principal\""), 0.0);
+    let resumptions = "mrtr_gateway_upstream_resumptions_total";
+    assert!(
+        value(a, resumptions, "outcome=\"ok\"") >= 1.0,
+        "the retry resumed"
+    );
+    assert_eq!(value(a, resumptions, "outcome=\"failed\""), 0.0);
+    let sessions = "mrtr_gateway_upstream_sessions_total";
+    for (event, n) in [
+        ("opened", 1.0),
+        ("reused", 1.0),
+        ("deleted", 1.0),
+        ("reaped", 0.0),
+    ] {
+        assert_eq!(
+            value(a, sessions, &format!("event=\"{event}\"")),
+            n,
+            "{event}"
+        );
+    }
+    let latency = "mrtr_gateway_upstream_request_duration_seconds_count";
+    let exchanges = value(a, latency, &format!("upstream=\"{upstream}\""));
+    assert!(
+        exchanges >= 6.0,
+        "initialize, initialized, GET, call, answer, resume: {exchanges}"
+    );
+    wait_until(
+        "upstream connections released",
+        Duration::from_secs(5),
+        || value(a, "mrtr_gateway_upstream_connections", "") == 0.0,
+    );
+    assert_eq!(value(a, "mrtr_gateway_active_client_streams", ""), 0.0);
+    assert_eq!(value(a, "mrtr_gateway_pending_flows", ""), 0.0);
+    assert_eq!(value(a, "mrtr_gateway_draining", ""), 0.0);
+    assert_eq!(value(a, "mrtr_gateway_keys_loaded", ""), 1.0);
+    assert_eq!(value(a, "mrtr_gateway_sse_keepalives_total", ""), 0.0);
+    let version = format!("version=\"{}\"", env!("CARGO_PKG_VERSION"));
+    assert_eq!(value(a, "mrtr_gateway_build_info", &version), 1.0);
+    let text = metrics_text(a);
+    assert!(!text.contains(state), "no state in the metrics");
+}
+
+#[test]
+fn the_dashboard_uses_only_metrics_the_gateway_exports() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    // Series with labels per request appear with the first request.
+    Raw::new(&gw.url).initialize(json!({}));
+    let out = Command::new(python())
+        .arg(root().join("deploy/dashboard_metrics.py"))
+        .arg(root().join("deploy/grafana/mrtr-gateway.json"))
+        .output()
+        .expect("the dashboard metrics script runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let used = String::from_utf8(out.stdout).unwrap();
+    let names: Vec<&str> = used.lines().filter(|l| !l.is_empty()).collect();
+    assert!(names.len() >= 10, "the dashboard uses {names:?}");
+    let exported = metrics_text(&gw.admin);
+    for name in names {
+        assert!(
+            exported.contains(&format!("# TYPE {name} ")),
+            "the dashboard uses {name}, which /metrics does not export"
+        );
+    }
+}
+
+#[test]
+fn idle_client_streams_get_keep_alive_comments() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| c.sse_keepalive_ms = 100);
+    let raw = Raw::new(&gw.url);
+    let session = raw.initialize(json!({}));
+    let mut stream = raw.request(
+        "GET",
+        &[
+            ("accept", "text/event-stream"),
+            ("mcp-session-id", &session),
+            ("mcp-protocol-version", "2025-11-25"),
+        ],
+        None,
+    );
+    assert_eq!(stream.status, 200);
+    wait_until(
+        "three keep-alives on the idle GET stream",
+        Duration::from_secs(10),
+        || metric(&gw.admin, "mrtr_gateway_sse_keepalives_total") >= 3.0,
+    );
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 256];
+    while !String::from_utf8_lossy(&seen).contains(": keep-alive\n\n") {
+        let n = stream.read_raw(&mut buf);
+        assert!(
+            n > 0 && seen.len() < 4096,
+            "no keep-alive in {:?}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+}
+
+/// A gateway process started from the binary, so that it can get a real SIGTERM.
+struct GatewayProcess {
+    proc: Proc,
+    pid: i32,
+    port: u16,
+    url: String,
+    admin: String,
+    _dir: TempDir,
+}
+
+struct TempDir(std::path::PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl GatewayProcess {
+    fn start(upstream: &str) -> GatewayProcess {
+        let (port, admin_port) = (free_port(), free_port());
+        let dir = std::env::temp_dir().join(format!("mrtr-drain-{port}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = format!(
+            "listen: 127.0.0.1:{port}\nadmin_listen: 127.0.0.1:{admin_port}\n\
+             server: {{threads: 1, grace_period_seconds: 5, graceful_shutdown_timeout_seconds: 1}}\n\
+             upstreams:\n  - name: default\n    path: /mcp\n    era: legacy\n    \
+             health_check_interval_ms: 0\n    endpoints: [\"{upstream}\"]\n"
+        );
+        let file = dir.join("gateway.yaml");
+        std::fs::write(&file, config).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_mrtr-gateway"))
+            .args(["run", "--config"])
+            .arg(&file)
+            .env("MRTR_GATEWAY_KEYS", test_keys())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(if std::env::var_os("MRTR_TEST_GATEWAY_LOG").is_some() {
+                Stdio::inherit()
+            } else {
+                Stdio::null()
+            })
+            .spawn()
+            .expect("the gateway binary starts");
+        let pid = child.id() as i32;
+        let proc = Proc::adopt(child, "gateway");
+        wait_until("gateway listener", Duration::from_secs(10), || {
+            port_open(port)
+        });
+        GatewayProcess {
+            proc,
+            pid,
+            port,
+            url: format!("http://127.0.0.1:{port}/mcp"),
+            admin: format!("http://127.0.0.1:{admin_port}"),
+            _dir: TempDir(dir),
+        }
+    }
+
+    fn sigterm(&self) {
+        // SAFETY: kill(2) with a child's pid and a signal number has no memory effects.
+        let rc = unsafe { libc::kill(self.pid, libc::SIGTERM) };
+        assert_eq!(rc, 0, "SIGTERM delivered");
+    }
+}
+
+/// Waits until the gateway has `n` upstream exchanges in progress.
+fn wait_for_upstream_exchanges(gw: &GatewayProcess, n: f64) {
+    wait_until(
+        "the call in flight upstream",
+        Duration::from_secs(10),
+        || metric(&gw.admin, "mrtr_gateway_upstream_connections") >= n,
+    );
+}
+
+/// The response to request `id`: the JSON body, or the SSE event that carries it.
+fn final_message(mut reply: Reply, id: u64) -> Value {
+    if reply.content_type.starts_with("application/json") {
+        return reply.json();
+    }
+    let seen = Raw::messages_until(&mut reply, |m| m["id"] == id);
+    seen.last().unwrap().1.clone()
+}
+
+#[test]
+fn sigterm_finishes_the_request_in_flight_and_refuses_new_connections() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let mut gw = GatewayProcess::start(&url);
+    let raw = Raw::new(&gw.url);
+    let session = raw.initialize(json!({}));
+    let call = json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+        "params": {"name": "slow_echo", "arguments": {"text": "still here", "ms": 2500}}});
+    let in_flight = std::thread::spawn(move || final_message(raw.post(Some(&session), &call), 7));
+    wait_for_upstream_exchanges(&gw, 1.0);
+    gw.sigterm();
+    wait_until("new connections refused", Duration::from_secs(5), || {
+        !port_open(gw.port)
+    });
+    let answer = in_flight.join().expect("the in-flight request");
+    assert_eq!(
+        answer["result"]["content"][0]["text"], "echo: still here",
+        "{answer}"
+    );
+    wait_until("the drained gateway exits", Duration::from_secs(15), || {
+        gw.proc.exited()
+    });
+}
+
+#[test]
+fn a_round_cut_by_sigterm_is_handed_to_another_replica() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let mut a = GatewayProcess::start(&url);
+    let b = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+    });
+    let params = json!({"name": "slow_echo", "arguments": {"text": "moved", "ms": 3000}});
+    let (raw_a, call) = (Raw::new(&a.url), params.clone());
+    let first = std::thread::spawn(move || {
+        let reply = raw_a.modern(1, "tools/call", call, json!({}));
+        final_message(reply, 1)
+    });
+    // The session's GET stream and the call's stream.
+    wait_for_upstream_exchanges(&a, 2.0);
+    a.sigterm();
+    let handed = first.join().expect("the first round");
+    let result = &handed["result"];
+    assert_eq!(result["resultType"], "input_required", "{handed}");
+    assert!(
+        result.get("inputRequests").is_none(),
+        "nothing was asked: {handed}"
+    );
+    let state = result["requestState"].as_str().expect("a requestState");
+    wait_until("the drained gateway exits", Duration::from_secs(15), || {
+        a.proc.exited()
+    });
+    let mut retry = params;
+    retry["requestState"] = json!(state);
+    let done = final_message(
+        Raw::new(&b.url).modern(2, "tools/call", retry, json!({})),
+        2,
+    );
+    assert_eq!(done["result"]["resultType"], "complete", "{done}");
+    assert_eq!(done["result"]["content"][0]["text"], "echo: moved");
+}
