@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs every test of mrtr-gateway on a fresh machine: installs what is missing (cmake,
-# the pinned npm and PyPI fixtures, Node 22), checks formatting and lints, then runs the
-# unit tests, the integration tests against real MCP servers and clients, the
-# conformance suite through the gateway, the benchmarks at smoke scale (the macro harness
-# under cargo test, the micro benchmarks with a short measurement) and the fuzz targets.
+# the pinned npm and PyPI fixtures, Node 22), checks formatting, lints and the deployment
+# manifests and dashboard, then runs the unit tests, the integration tests against real
+# MCP servers and clients, the conformance suite through the gateway, the benchmarks at
+# smoke scale (the macro harness under cargo test, the micro benchmarks with a short
+# measurement) and the fuzz targets.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,6 +13,8 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy -D warnings"
 cargo clippy --all-targets --quiet -- -D warnings
+echo "== deploy: manifests against the Kubernetes schemas, dashboard JSON"
+bash deploy/validate.sh
 echo "== cargo test"
 cargo test --all-targets -- --nocapture 2>&1 | tee target/test-output.txt
 echo "== micro benchmarks, release, short measurement (full runs: benches/RESULTS.md)"

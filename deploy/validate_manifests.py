@@ -1,0 +1,139 @@
+"""Validates the Kubernetes manifests under a folder.
+
+- Every object against the Kubernetes OpenAPI schemas that kubernetes-validate ships, for
+  each version given, in strict mode (an unknown field is an error). An object with no
+  schema fails, except a ServiceMonitor (a Prometheus Operator CRD), which is checked by
+  hand.
+- Every kustomization.yaml lists files that exist, and every manifest but the Secret
+  example is listed by one.
+- Each gateway Deployment agrees with the gateway.yaml of the ConfigMap it mounts: the
+  listeners are on 0.0.0.0 at the container's ports, the Service's name is in
+  allowed_hosts, and preStop + grace period + shutdown timeout fit in
+  terminationGracePeriodSeconds.
+
+Usage: validate_manifests.py FOLDER KUBERNETES_VERSION...
+"""
+
+import pathlib
+import sys
+
+import yaml
+from kubernetes_validate import utils as kv
+
+GATEWAY_IMAGE = "mrtr-gateway"
+NOT_IN_KUSTOMIZATION = {"secret.example.yaml"}
+
+problems = []
+
+
+def problem(where, text):
+    problems.append(f"{where}: {text}")
+
+
+def check_servicemonitor(where, obj):
+    if obj.get("apiVersion") != "monitoring.coreos.com/v1":
+        problem(where, "ServiceMonitor apiVersion must be monitoring.coreos.com/v1")
+    spec = obj.get("spec") or {}
+    if not (spec.get("selector") or {}).get("matchLabels"):
+        problem(where, "ServiceMonitor needs spec.selector.matchLabels")
+    endpoints = spec.get("endpoints") or []
+    if not endpoints or any(e.get("port") != "metrics" or e.get("path") != "/metrics" for e in endpoints):
+        problem(where, "ServiceMonitor endpoints must scrape port `metrics`, path /metrics")
+
+
+def check_schema(where, obj, versions):
+    if obj.get("kind") == "ServiceMonitor":
+        check_servicemonitor(where, obj)
+        return
+    for version in versions:
+        try:
+            kv.validate(obj, version, strict=True)
+        except kv.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            problem(where, f"Kubernetes {version}: {path}: {e.message}")
+        except kv.SchemaNotFoundError:
+            problem(where, f"no Kubernetes {version} schema for {obj.get('apiVersion')} {obj.get('kind')}")
+
+
+def check_kustomizations(root, manifest_files):
+    listed = set()
+    for kfile in sorted(root.rglob("kustomization.yaml")):
+        k = yaml.safe_load(kfile.read_text()) or {}
+        for resource in k.get("resources") or []:
+            target = (kfile.parent / resource).resolve()
+            if not target.exists():
+                problem(kfile, f"resource {resource} does not exist")
+            listed.add(target)
+    for f in manifest_files:
+        if f.name not in NOT_IN_KUSTOMIZATION and f.resolve() not in listed:
+            problem(f, "not listed in any kustomization.yaml")
+
+
+def port_of(address):
+    host, _, port = str(address).rpartition(":")
+    return host, int(port)
+
+
+def check_gateway(where, deployment, configmaps, services):
+    pod = deployment["spec"]["template"]["spec"]
+    grace_total = pod.get("terminationGracePeriodSeconds", 30)
+    volumes = {v["name"]: v for v in pod.get("volumes") or []}
+    for c in pod["containers"]:
+        if GATEWAY_IMAGE not in c["image"].rsplit("/", 1)[-1]:
+            continue
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == "/etc/mrtr-gateway")
+        config = yaml.safe_load(configmaps[volumes[mount["name"]]["configMap"]["name"]]["gateway.yaml"])
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        for key, port_name in (("listen", "mcp"), ("admin_listen", "admin")):
+            host, port = port_of(config[key])
+            if host != "0.0.0.0" or port != ports[port_name]:
+                problem(where, f"{key} {config[key]} must be 0.0.0.0:{ports[port_name]}")
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        for name, svc in services.items():
+            if svc["spec"]["selector"].items() <= labels.items() and name not in config.get("allowed_hosts", []):
+                problem(where, f"allowed_hosts lacks the Service name {name}")
+        server = config.get("server") or {}
+        pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        needed = pre_stop + server["grace_period_seconds"] + server["graceful_shutdown_timeout_seconds"]
+        if needed >= grace_total:
+            problem(where, f"preStop + grace + shutdown = {needed} s, not below terminationGracePeriodSeconds {grace_total}")
+
+
+def main(argv):
+    if len(argv) < 3:
+        sys.exit(__doc__.strip())
+    root, versions = pathlib.Path(argv[1]), argv[2:]
+    files = sorted(f for f in root.rglob("*.yaml") if f.name != "kustomization.yaml")
+    count = 0
+    for folder in sorted({f.parent for f in files}):
+        configmaps, services, deployments = {}, {}, []
+        for f in (f for f in files if f.parent == folder):
+            for obj in yaml.safe_load_all(f.read_text()):
+                if not obj:
+                    continue
+                count += 1
+                where = f"{f} {obj.get('kind')}/{obj.get('metadata', {}).get('name')}"
+                check_schema(where, obj, versions)
+                kind, name = obj.get("kind"), obj["metadata"]["name"]
+                if kind == "ConfigMap":
+                    configmaps[name] = obj["data"]
+                elif kind == "Service":
+                    services[name] = obj
+                elif kind == "Deployment":
+                    deployments.append((where, obj))
+        for where, deployment in deployments:
+            try:
+                check_gateway(where, deployment, configmaps, services)
+            except (KeyError, StopIteration, TypeError, ValueError) as e:
+                problem(where, f"gateway Deployment or its config is incomplete: {e!r}")
+    check_kustomizations(root, files)
+    for p in problems:
+        print(f"FAIL {p}")
+    if problems:
+        sys.exit(f"{len(problems)} problem(s) in {root}")
+    print(f"{count} objects in {len(files)} files valid (strict) against Kubernetes {', '.join(versions)}; "
+          "kustomizations complete; gateway configs match their Deployments")
+
+
+if __name__ == "__main__":
+    main(sys.argv)
