@@ -210,6 +210,11 @@ impl Drop for TempDir {
 
 impl GatewayProcess {
     fn start(upstream: &str) -> GatewayProcess {
+        Self::start_logging(upstream, None)
+    }
+
+    /// Starts the binary; with `json_log`, its JSON log lines go to that file.
+    fn start_logging(upstream: &str, json_log: Option<&std::path::Path>) -> GatewayProcess {
         let (port, admin_port) = (free_port(), free_port());
         let dir = std::env::temp_dir().join(format!("mrtr-drain-{port}"));
         std::fs::create_dir_all(&dir).unwrap();
@@ -221,17 +226,25 @@ impl GatewayProcess {
         );
         let file = dir.join("gateway.yaml");
         std::fs::write(&file, config).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_mrtr-gateway"))
+        let mut command = Command::new(env!("CARGO_BIN_EXE_mrtr-gateway"));
+        command
             .args(["run", "--config"])
             .arg(&file)
-            .env("MRTR_GATEWAY_KEYS", test_keys())
+            .env("MRTR_GATEWAY_KEYS", test_keys());
+        if let Some(log) = json_log {
+            let file = std::fs::File::create(log).expect("log file");
+            command
+                .arg("--log-format=json")
+                .env("RUST_LOG", "info")
+                .stderr(file);
+        } else if std::env::var_os("MRTR_TEST_GATEWAY_LOG").is_some() {
+            command.stderr(Stdio::inherit());
+        } else {
+            command.stderr(Stdio::null());
+        }
+        let child = command
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(if std::env::var_os("MRTR_TEST_GATEWAY_LOG").is_some() {
-                Stdio::inherit()
-            } else {
-                Stdio::null()
-            })
             .spawn()
             .expect("the gateway binary starts");
         let pid = child.id() as i32;
@@ -333,4 +346,71 @@ fn a_round_cut_by_sigterm_is_handed_to_another_replica() {
     );
     assert_eq!(done["result"]["resultType"], "complete", "{done}");
     assert_eq!(done["result"]["content"][0]["text"], "echo: moved");
+}
+
+#[test]
+fn json_access_lines_carry_one_flow_id_across_replicas_and_no_secrets() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let dir = TempDir(std::env::temp_dir().join(format!("mrtr-logs-{}", free_port())));
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let (log_a, log_b) = (dir.0.join("a.log"), dir.0.join("b.log"));
+    let a = GatewayProcess::start_logging(&url, Some(&log_a));
+    let b = GatewayProcess::start_logging(&url, Some(&log_b));
+    let bearer = "Bearer s3cr3t-token-value";
+    let ask = |gw: &GatewayProcess, id: u64, extra: Value| {
+        let mut params = json!({"name": "ask_name", "arguments": {}});
+        params
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let caps = json!({"elicitation": {}});
+        let reply = Raw::new(&gw.url).modern_with(
+            id,
+            "tools/call",
+            params,
+            caps,
+            &[("authorization", bearer)],
+        );
+        final_message(reply, id)
+    };
+    let first = ask(&a, 1, json!({}));
+    let result = &first["result"];
+    let key = result["inputRequests"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .next()
+        .unwrap();
+    let state = result["requestState"].as_str().unwrap().to_string();
+    let answers = json!({"inputResponses": {key: {"action": "accept", "content": {"name": "Io"}}}, "requestState": state});
+    let done = ask(&b, 2, answers);
+    assert_eq!(done["result"]["content"][0]["text"], "Hello, Io!", "{done}");
+
+    let access_flow = |log: &std::path::Path, outcome: &str| -> String {
+        let mut found = None;
+        wait_until("the access line", Duration::from_secs(5), || {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            found = text
+                .lines()
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .find(|l| {
+                    l["target"] == "mrtr_gateway::access" && l["fields"]["outcome"] == outcome
+                });
+            found.is_some()
+        });
+        let line = found.unwrap();
+        assert_eq!(line["fields"]["method"], "tools/call", "{line}");
+        line["span"]["flow"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no flow id: {line}"))
+            .to_string()
+    };
+    let flow_a = access_flow(&log_a, "input_required");
+    let flow_b = access_flow(&log_b, "ok");
+    assert_eq!(flow_a.len(), 16);
+    assert_eq!(flow_a, flow_b, "one flow id on both replicas");
+    let logs = std::fs::read_to_string(&log_a).unwrap() + &std::fs::read_to_string(&log_b).unwrap();
+    for secret in [&state[..], "s3cr3t-token-value", &test_keys()[6..]] {
+        assert!(!logs.contains(secret), "a secret reached the logs");
+    }
 }
