@@ -90,15 +90,15 @@ impl UpstreamGroup {
     }
 
     /// The next healthy endpoint for a new session, round-robin.
-    pub fn pick(&self) -> Option<&Endpoint> {
+    pub fn pick(&self) -> Option<Endpoint> {
         let backend = self.balancer.select(b"", self.endpoints.len().max(1) * 2)?;
         let addr = backend.addr.as_inet().copied()?;
         self.endpoint(addr)
     }
 
     /// The configured endpoint at `addr`, if this group has one.
-    pub fn endpoint(&self, addr: SocketAddr) -> Option<&Endpoint> {
-        self.endpoints.iter().find(|e| e.addr == addr)
+    pub fn endpoint(&self, addr: SocketAddr) -> Option<Endpoint> {
+        self.endpoints.iter().find(|e| e.addr == addr).cloned()
     }
 
     /// The balancer, to run as a background health-check service.
