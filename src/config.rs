@@ -27,6 +27,9 @@ pub struct Config {
     /// How long a client's SSE stream may stay silent before the gateway writes a
     /// keep-alive comment, so idle timeouts in front do not cut it; 0 turns them off.
     pub sse_keepalive_ms: u64,
+    /// The DNS server (`IP:PORT`) that groups with `discovery: dns` ask; `None`: the
+    /// system resolver of `/etc/resolv.conf`.
+    pub dns_resolver: Option<String>,
     pub limits: Limits,
     pub bridge: BridgeOptions,
     pub server: ServerOptions,
@@ -43,6 +46,7 @@ impl Default for Config {
             principal: PrincipalSource::default(),
             allowed_hosts: Vec::new(),
             sse_keepalive_ms: 15_000,
+            dns_resolver: None,
             limits: Limits::default(),
             bridge: BridgeOptions::default(),
             server: ServerOptions::default(),
@@ -217,6 +221,24 @@ pub struct UpstreamGroupConfig {
     /// How 2026-07-28 requests reach this group.
     #[serde(default)]
     pub era: UpstreamEra,
+    /// Where the group's endpoints come from.
+    #[serde(default)]
+    pub discovery: Discovery,
+    /// With `discovery: dns`, how often the endpoint's host name is resolved again.
+    #[serde(default = "default_dns_refresh_ms")]
+    pub dns_refresh_ms: u64,
+}
+
+/// Where an upstream group's endpoints come from.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Discovery {
+    /// Each endpoint's host is resolved once, at start.
+    #[default]
+    Static,
+    /// The one endpoint's host name (a Kubernetes headless Service) is resolved every
+    /// `dns_refresh_ms`; its addresses, with the URL's port and path, are the endpoints.
+    Dns,
 }
 
 /// How 2026-07-28 requests reach an upstream group.
@@ -246,6 +268,9 @@ fn default_response_timeout_ms() -> u64 {
 fn default_health_interval_ms() -> u64 {
     5_000
 }
+fn default_dns_refresh_ms() -> u64 {
+    5_000
+}
 
 impl UpstreamGroupConfig {
     pub fn new(name: &str, endpoints: Vec<String>) -> Self {
@@ -258,6 +283,8 @@ impl UpstreamGroupConfig {
             stream_idle_timeout_ms: 0,
             health_check_interval_ms: default_health_interval_ms(),
             era: UpstreamEra::Auto,
+            discovery: Discovery::Static,
+            dns_refresh_ms: default_dns_refresh_ms(),
         }
     }
 }
@@ -405,6 +432,9 @@ impl Config {
                 "must be 1 to 10000",
             ));
         }
+        if let Some(resolver) = &self.dns_resolver {
+            check_addr("dns_resolver", resolver)?;
+        }
         if self.server.threads == 0 {
             return Err(ConfigError::at("server.threads", "must be at least 1"));
         }
@@ -470,6 +500,9 @@ fn validate_group(at: &str, group: &UpstreamGroupConfig) -> Result<(), ConfigErr
     for (j, url) in group.endpoints.iter().enumerate() {
         parse_endpoint_url(url).map_err(|p| ConfigError::at(format!("{at}.endpoints[{j}]"), p))?;
     }
+    if group.discovery == Discovery::Dns {
+        validate_dns_discovery(at, group)?;
+    }
     if group.connect_timeout_ms == 0 {
         return Err(ConfigError::at(
             format!("{at}.connect_timeout_ms"),
@@ -480,6 +513,34 @@ fn validate_group(at: &str, group: &UpstreamGroupConfig) -> Result<(), ConfigErr
         return Err(ConfigError::at(
             format!("{at}.response_timeout_ms"),
             "must be above 0",
+        ));
+    }
+    Ok(())
+}
+
+/// A `discovery: dns` group names one endpoint whose host is a DNS name: its addresses
+/// become the endpoints, so a list or an IP address would say something else.
+fn validate_dns_discovery(at: &str, group: &UpstreamGroupConfig) -> Result<(), ConfigError> {
+    if group.endpoints.len() != 1 {
+        return Err(ConfigError::at(
+            format!("{at}.endpoints"),
+            "with discovery: dns, give exactly one endpoint URL, whose host name is resolved",
+        ));
+    }
+    let url = &group.endpoints[0];
+    let host = parse_endpoint_url(url)
+        .map(|parsed| parsed.host)
+        .map_err(|p| ConfigError::at(format!("{at}.endpoints[0]"), p))?;
+    if host.parse::<std::net::IpAddr>().is_ok() {
+        return Err(ConfigError::at(
+            format!("{at}.endpoints[0]"),
+            format!("'{url}': with discovery: dns, the host must be a DNS name, not an IP address"),
+        ));
+    }
+    if group.dns_refresh_ms == 0 {
+        return Err(ConfigError::at(
+            format!("{at}.dns_refresh_ms"),
+            "must be above 0 with discovery: dns",
         ));
     }
     Ok(())
@@ -540,6 +601,40 @@ mod tests {
             Config::from_yaml(&two).unwrap_err().path,
             "upstreams[1].name"
         );
+    }
+
+    #[test]
+    fn dns_discovery_needs_one_named_endpoint_and_a_refresh() {
+        let dns = "upstreams:\n  - name: legacy\n    discovery: dns\n    endpoints: [\"http://legacy.ns.svc:3001/mcp\"]\n";
+        let c = Config::from_yaml(dns).unwrap();
+        assert_eq!(c.upstreams[0].discovery, Discovery::Dns);
+        assert_eq!(c.upstreams[0].dns_refresh_ms, 5000);
+        assert_eq!(c.dns_resolver, None);
+        assert_eq!(
+            Config::from_yaml(MINIMAL).unwrap().upstreams[0].discovery,
+            Discovery::Static
+        );
+        let path_of = |text: &str| Config::from_yaml(text).unwrap_err().path;
+        let two = dns.replace(
+            "[\"http://legacy.ns.svc:3001/mcp\"]",
+            "[\"http://a:1/mcp\", \"http://b:1/mcp\"]",
+        );
+        assert_eq!(path_of(&two), "upstreams[0].endpoints");
+        let ip = dns.replace("legacy.ns.svc", "10.0.0.7");
+        assert_eq!(path_of(&ip), "upstreams[0].endpoints[0]");
+        assert_eq!(
+            path_of(&dns.replace("legacy.ns.svc", "[::1]")),
+            "upstreams[0].endpoints[0]"
+        );
+        let never = format!("{dns}    dns_refresh_ms: 0\n");
+        assert_eq!(path_of(&never), "upstreams[0].dns_refresh_ms");
+        let resolver = format!("dns_resolver: 127.0.0.1:5353\n{dns}");
+        let c = Config::from_yaml(&resolver).unwrap();
+        assert_eq!(c.dns_resolver.as_deref(), Some("127.0.0.1:5353"));
+        let bad = format!("dns_resolver: kube-dns\n{dns}");
+        assert_eq!(path_of(&bad), "dns_resolver");
+        let typo = dns.replace("discovery: dns", "discovery: srv");
+        assert_eq!(path_of(&typo), "upstreams[0].discovery");
     }
 
     #[test]

@@ -193,7 +193,7 @@ impl Gateway {
                 Some(
                     crate::upstream::legacy_session::answers_modern_discover(
                         &self.client,
-                        endpoint,
+                        &endpoint,
                         &group.timeouts,
                     )
                     .await,

@@ -48,8 +48,8 @@ impl Outcome {
 }
 
 /// Where a request goes: the endpoint and, inside a session, the upstream's session id.
-struct Route<'g> {
-    endpoint: &'g Endpoint,
+struct Route {
+    endpoint: Endpoint,
     upstream_session: Option<String>,
     /// The client's token, echoed back unchanged while the upstream session is the same.
     client_token: Option<String>,
@@ -92,7 +92,7 @@ async fn serve_inner(
     let request = upstream_request(session, &route, &body);
     let mut response = match gw
         .client
-        .send(route.endpoint, &group.timeouts, request, body)
+        .send(&route.endpoint, &group.timeouts, request, body)
         .await
     {
         Ok(response) => response,
@@ -126,12 +126,12 @@ fn count_session_event(
         .upstream_session(if deleted { "deleted" } else { "reused" });
 }
 
-fn route<'g>(
+fn route(
     gw: &Gateway,
     session: &ServerSession,
-    group: &'g UpstreamGroup,
+    group: &UpstreamGroup,
     binding: &[u8],
-) -> Result<Route<'g>, Outcome> {
+) -> Result<Route, Outcome> {
     let Some(token) = session.get_header(MCP_SESSION_ID) else {
         let endpoint = group.pick().ok_or(Outcome::NoUpstream)?;
         return Ok(Route {

@@ -130,7 +130,7 @@ impl Reaper {
     pub async fn sweep(&self, client: &UpstreamClient, now: u64) -> usize {
         let due = self.take_due(now);
         for (endpoint, timeouts, session) in &due {
-            LegacySession::resume(client, endpoint, timeouts, session.clone())
+            LegacySession::resume(client, endpoint.clone(), timeouts, session.clone())
                 .reap()
                 .await;
         }

@@ -44,7 +44,7 @@ pub fn build(
     let mut server = Server::new_with_opt_and_conf(None, server_conf(&config));
     server.bootstrap();
     for group in &upstreams.groups {
-        if group.health_check_interval.is_some() {
+        if group.needs_background_service() {
             let name = format!("health check {}", group.name);
             server.add_service(GenBackgroundService::new(name, group.balancer()));
         }

@@ -19,7 +19,7 @@ pub const MAX_UPSTREAM_MESSAGE: usize = 4 << 20;
 
 pub struct LegacySession<'a> {
     pub client: &'a UpstreamClient,
-    pub endpoint: &'a Endpoint,
+    pub endpoint: Endpoint,
     pub timeouts: &'a Timeouts,
     pub session_id: Option<String>,
     pub version: String,
@@ -58,7 +58,7 @@ impl<'a> LegacySession<'a> {
     /// InitializeResult.
     pub async fn open(
         client: &'a UpstreamClient,
-        endpoint: &'a Endpoint,
+        endpoint: Endpoint,
         timeouts: &'a Timeouts,
         capabilities: &Value,
         client_info: &Value,
@@ -99,7 +99,7 @@ impl<'a> LegacySession<'a> {
     /// A session opened earlier, possibly by another replica.
     pub fn resume(
         client: &'a UpstreamClient,
-        endpoint: &'a Endpoint,
+        endpoint: Endpoint,
         timeouts: &'a Timeouts,
         session_id: String,
     ) -> LegacySession<'a> {
@@ -146,7 +146,7 @@ impl<'a> LegacySession<'a> {
         let req = self.request("POST", body.len(), None);
         let response = self
             .client
-            .send(self.endpoint, self.timeouts, req, body)
+            .send(&self.endpoint, self.timeouts, req, body)
             .await?;
         let status = response.header().status.as_u16();
         if status >= 400 {
@@ -192,7 +192,7 @@ impl<'a> LegacySession<'a> {
         let req = self.request("GET", 0, last_event_id);
         let response = self
             .client
-            .send(self.endpoint, self.timeouts, req, Bytes::new())
+            .send(&self.endpoint, self.timeouts, req, Bytes::new())
             .await?;
         let status = response.header().status.as_u16();
         if status != 200 || !response.is_sse() {
@@ -221,7 +221,7 @@ impl<'a> LegacySession<'a> {
         let req = self.request("DELETE", 0, None);
         if let Ok(mut response) = self
             .client
-            .send(self.endpoint, self.timeouts, req, Bytes::new())
+            .send(&self.endpoint, self.timeouts, req, Bytes::new())
             .await
         {
             let _ = response.read_all(64 << 10).await;

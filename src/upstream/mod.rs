@@ -1,14 +1,16 @@
-//! Upstream groups: their endpoints resolved to socket addresses, round-robin selection
-//! over healthy endpoints with pingora's load balancer, and the membership check that
-//! keeps a sealed endpoint from ever naming an address outside the configuration.
+//! Upstream groups: their endpoints resolved to socket addresses (once at start, or from
+//! a DNS name's current answer), round-robin selection over healthy endpoints with
+//! pingora's load balancer, and the membership check that keeps a sealed endpoint from
+//! ever naming an address outside the configuration or the current answer.
 
+pub mod dns;
 pub mod exchange;
 pub mod legacy_session;
 
-use crate::config::{parse_endpoint_url, Config, ConfigError, UpstreamGroupConfig};
+use crate::config::{parse_endpoint_url, Config, ConfigError, Discovery, UpstreamGroupConfig};
 use pingora::lb::health_check::TcpHealthCheck;
 use pingora::lb::selection::RoundRobin;
-use pingora::lb::LoadBalancer;
+use pingora::lb::{Backends, LoadBalancer};
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,14 +36,65 @@ pub struct UpstreamGroup {
     pub name: String,
     pub era: crate::config::UpstreamEra,
     pub path: String,
-    pub endpoints: Vec<Endpoint>,
+    members: Members,
     pub timeouts: Timeouts,
     pub health_check_interval: Option<Duration>,
+    /// How often the endpoints are resolved again (`discovery: dns`).
+    pub dns_refresh: Option<Duration>,
     balancer: Arc<LoadBalancer<RoundRobin>>,
 }
 
+/// Which addresses are the group's endpoints.
+enum Members {
+    /// The configured endpoints, resolved at start.
+    Static(Vec<Endpoint>),
+    /// The balancer's current backends, the DNS name's last answer; each is an endpoint
+    /// with the configured URL's authority (the `Host` a Kubernetes backend expects) and
+    /// path.
+    Dns { authority: String, path: String },
+}
+
 impl UpstreamGroup {
-    fn build(at: &str, cfg: &UpstreamGroupConfig) -> Result<UpstreamGroup, ConfigError> {
+    fn build(
+        at: &str,
+        cfg: &UpstreamGroupConfig,
+        dns_resolver: Option<SocketAddr>,
+    ) -> Result<UpstreamGroup, ConfigError> {
+        let (members, mut balancer) = match cfg.discovery {
+            Discovery::Static => Self::resolve_static(at, cfg)?,
+            Discovery::Dns => Self::discover_by_dns(at, cfg, dns_resolver)?,
+        };
+        let health_check_interval = (cfg.health_check_interval_ms > 0)
+            .then(|| Duration::from_millis(cfg.health_check_interval_ms));
+        if let Some(every) = health_check_interval {
+            balancer.set_health_check(TcpHealthCheck::new());
+            balancer.health_check_frequency = Some(every);
+        }
+        let dns_refresh =
+            (cfg.discovery == Discovery::Dns).then(|| Duration::from_millis(cfg.dns_refresh_ms));
+        balancer.update_frequency = dns_refresh;
+        Ok(UpstreamGroup {
+            name: cfg.name.clone(),
+            era: cfg.era,
+            path: cfg.path.clone(),
+            members,
+            timeouts: Timeouts {
+                connect: Duration::from_millis(cfg.connect_timeout_ms),
+                response: Duration::from_millis(cfg.response_timeout_ms),
+                stream_idle: (cfg.stream_idle_timeout_ms > 0)
+                    .then(|| Duration::from_millis(cfg.stream_idle_timeout_ms)),
+            },
+            health_check_interval,
+            dns_refresh,
+            balancer: Arc::new(balancer),
+        })
+    }
+
+    /// Resolves every endpoint now (blocking DNS, at start).
+    fn resolve_static(
+        at: &str,
+        cfg: &UpstreamGroupConfig,
+    ) -> Result<(Members, LoadBalancer<RoundRobin>), ConfigError> {
         let mut endpoints = Vec::with_capacity(cfg.endpoints.len());
         for (j, url) in cfg.endpoints.iter().enumerate() {
             let err = |problem: String| ConfigError {
@@ -60,48 +113,73 @@ impl UpstreamGroup {
                 path: parsed.path,
             });
         }
-        let mut balancer = LoadBalancer::<RoundRobin>::try_from_iter(
-            endpoints.iter().map(|e| e.addr),
-        )
-        .map_err(|e| ConfigError {
-            path: format!("{at}.endpoints"),
-            problem: e.to_string(),
-        })?;
-        let health_check_interval = (cfg.health_check_interval_ms > 0)
-            .then(|| Duration::from_millis(cfg.health_check_interval_ms));
-        if let Some(every) = health_check_interval {
-            balancer.set_health_check(TcpHealthCheck::new());
-            balancer.health_check_frequency = Some(every);
-        }
-        Ok(UpstreamGroup {
-            name: cfg.name.clone(),
-            era: cfg.era,
-            path: cfg.path.clone(),
-            endpoints,
-            timeouts: Timeouts {
-                connect: Duration::from_millis(cfg.connect_timeout_ms),
-                response: Duration::from_millis(cfg.response_timeout_ms),
-                stream_idle: (cfg.stream_idle_timeout_ms > 0)
-                    .then(|| Duration::from_millis(cfg.stream_idle_timeout_ms)),
-            },
-            health_check_interval,
-            balancer: Arc::new(balancer),
-        })
+        let balancer = LoadBalancer::<RoundRobin>::try_from_iter(endpoints.iter().map(|e| e.addr))
+            .map_err(|e| ConfigError {
+                path: format!("{at}.endpoints"),
+                problem: e.to_string(),
+            })?;
+        Ok((Members::Static(endpoints), balancer))
+    }
+
+    /// A balancer whose backends are the DNS name's answers, resolved by its background
+    /// service from the start on: nothing is looked up here, so an unresolvable name at
+    /// start is no error (the group has no endpoint until the name resolves).
+    fn discover_by_dns(
+        at: &str,
+        cfg: &UpstreamGroupConfig,
+        dns_resolver: Option<SocketAddr>,
+    ) -> Result<(Members, LoadBalancer<RoundRobin>), ConfigError> {
+        let url = cfg
+            .endpoints
+            .first()
+            .map(String::as_str)
+            .unwrap_or_default();
+        let parsed = parse_endpoint_url(url)
+            .map_err(|p| ConfigError::at(format!("{at}.endpoints[0]"), p))?;
+        let discovery = dns::DnsDiscovery::new(&cfg.name, &parsed.host, parsed.port, dns_resolver)
+            .map_err(|p| ConfigError::at(format!("{at}.discovery"), p))?;
+        let balancer = LoadBalancer::from_backends(Backends::new(Box::new(discovery)));
+        let members = Members::Dns {
+            authority: parsed.authority,
+            path: parsed.path,
+        };
+        Ok((members, balancer))
     }
 
     /// The next healthy endpoint for a new session, round-robin.
-    pub fn pick(&self) -> Option<&Endpoint> {
-        let backend = self.balancer.select(b"", self.endpoints.len().max(1) * 2)?;
+    pub fn pick(&self) -> Option<Endpoint> {
+        let candidates = match &self.members {
+            Members::Static(endpoints) => endpoints.len(),
+            Members::Dns { .. } => self.balancer.backends().get_backend().len(),
+        };
+        let backend = self.balancer.select(b"", candidates.max(1) * 2)?;
         let addr = backend.addr.as_inet().copied()?;
         self.endpoint(addr)
     }
 
-    /// The configured endpoint at `addr`, if this group has one.
-    pub fn endpoint(&self, addr: SocketAddr) -> Option<&Endpoint> {
-        self.endpoints.iter().find(|e| e.addr == addr)
+    /// The endpoint at `addr`, if this group has one: a configured endpoint, or an
+    /// address of the DNS name's current answer (an address that left it is unknown).
+    pub fn endpoint(&self, addr: SocketAddr) -> Option<Endpoint> {
+        match &self.members {
+            Members::Static(endpoints) => endpoints.iter().find(|e| e.addr == addr).cloned(),
+            Members::Dns { authority, path } => {
+                let current = self.balancer.backends().get_backend();
+                current.contains(&dns::backend(addr)).then(|| Endpoint {
+                    addr,
+                    authority: authority.clone(),
+                    path: path.clone(),
+                })
+            }
+        }
     }
 
-    /// The balancer, to run as a background health-check service.
+    /// Whether the balancer must run as a background service: to health-check its
+    /// endpoints, or to resolve them.
+    pub fn needs_background_service(&self) -> bool {
+        self.health_check_interval.is_some() || self.dns_refresh.is_some()
+    }
+
+    /// The balancer, to run as a background health-check and discovery service.
     pub fn balancer(&self) -> Arc<LoadBalancer<RoundRobin>> {
         self.balancer.clone()
     }
@@ -113,13 +191,23 @@ pub struct Upstreams {
 }
 
 impl Upstreams {
-    /// Resolves every endpoint (blocking DNS: call at start, never on a request path).
+    /// Resolves every static endpoint (blocking DNS: call at start, never on a request
+    /// path); `discovery: dns` groups resolve later, in their balancer's background service.
     pub fn build(config: &Config) -> Result<Upstreams, ConfigError> {
+        let dns_resolver = match &config.dns_resolver {
+            Some(addr) => Some(addr.parse().map_err(|_| {
+                ConfigError::at(
+                    "dns_resolver",
+                    format!("'{addr}' is not an IP:PORT socket address"),
+                )
+            })?),
+            None => None,
+        };
         let groups = config
             .upstreams
             .iter()
             .enumerate()
-            .map(|(i, g)| UpstreamGroup::build(&format!("upstreams[{i}]"), g))
+            .map(|(i, g)| UpstreamGroup::build(&format!("upstreams[{i}]"), g, dns_resolver))
             .collect::<Result<_, _>>()?;
         Ok(Upstreams { groups })
     }
@@ -135,7 +223,7 @@ mod tests {
 
     fn group(endpoints: &[&str]) -> UpstreamGroup {
         let cfg = UpstreamGroupConfig::new("g", endpoints.iter().map(|s| s.to_string()).collect());
-        UpstreamGroup::build("upstreams[0]", &cfg).unwrap()
+        UpstreamGroup::build("upstreams[0]", &cfg, None).unwrap()
     }
 
     #[test]
@@ -154,7 +242,24 @@ mod tests {
     #[test]
     fn unresolvable_hosts_name_the_endpoint() {
         let cfg = UpstreamGroupConfig::new("g", vec!["http://no-such-host.invalid:1/".into()]);
-        let e = UpstreamGroup::build("upstreams[0]", &cfg).err().unwrap();
+        let e = UpstreamGroup::build("upstreams[0]", &cfg, None)
+            .err()
+            .unwrap();
         assert_eq!(e.path, "upstreams[0].endpoints[0]");
+    }
+
+    #[test]
+    fn a_dns_group_starts_without_resolving_and_without_endpoints() {
+        let mut cfg = UpstreamGroupConfig::new("g", vec!["http://no-such-host.invalid:1/m".into()]);
+        cfg.discovery = Discovery::Dns;
+        cfg.health_check_interval_ms = 0;
+        let nowhere = Some("127.0.0.1:9".parse().unwrap());
+        let g = UpstreamGroup::build("upstreams[0]", &cfg, nowhere).unwrap();
+        assert!(g.needs_background_service());
+        assert_eq!(g.dns_refresh, Some(Duration::from_millis(5000)));
+        assert!(g.pick().is_none());
+        assert!(g.endpoint("127.0.0.1:1".parse().unwrap()).is_none());
+        let static_group = group(&["http://127.0.0.1:1/a"]);
+        assert_eq!(static_group.dns_refresh, None);
     }
 }

@@ -163,6 +163,17 @@ pub fn test_keys() -> String {
     "test1:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8".to_string()
 }
 
+/// The endpoint a session token names, read with the test keys.
+pub fn endpoint_of(session: &str) -> std::net::SocketAddr {
+    use mrtr_gateway::principal::PrincipalSource;
+    use mrtr_gateway::protocol::session_token::SessionToken;
+    let ring = KeyRing::parse(&test_keys()).unwrap();
+    let binding = PrincipalSource::Authorization.digest(None);
+    SessionToken::open(&ring, &binding, session)
+        .expect("the gateway's own token")
+        .endpoint
+}
+
 /// A gateway running in this process on free ports.
 pub struct TestGateway {
     pub running: Option<Running>,
@@ -273,7 +284,12 @@ pub struct Tripwire {
 
 impl Tripwire {
     pub fn start() -> Tripwire {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind tripwire");
+        Self::start_on("127.0.0.1:0")
+    }
+
+    /// A tripwire at `addr`, e.g. the address of a backend that went away.
+    pub fn start_on(addr: &str) -> Tripwire {
+        let listener = TcpListener::bind(addr).expect("bind tripwire");
         let port = listener.local_addr().expect("addr").port();
         let connections = Arc::new(AtomicUsize::new(0));
         let counter = connections.clone();

@@ -6,6 +6,7 @@ mod bridge;
 mod cli;
 mod common;
 mod conformance;
+mod dns;
 mod hostile;
 mod keys;
 mod operations;

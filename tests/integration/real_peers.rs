@@ -338,17 +338,6 @@ fn sse_polling_resumes_through_the_gateway() {
     );
 }
 
-/// The endpoint a session token names, read with the test keys.
-fn endpoint_of(session: &str) -> std::net::SocketAddr {
-    use mrtr_gateway::principal::PrincipalSource;
-    use mrtr_gateway::protocol::session_token::SessionToken;
-    let ring = mrtr_gateway::keys::KeyRing::parse(&test_keys()).unwrap();
-    let binding = PrincipalSource::Authorization.digest(None);
-    SessionToken::open(&ring, &binding, session)
-        .expect("the gateway's own token")
-        .endpoint
-}
-
 #[test]
 fn new_sessions_balance_over_healthy_endpoints() {
     let (_a, url_a) = start_upstream(Upstream::TypeScript);

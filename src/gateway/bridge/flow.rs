@@ -151,7 +151,7 @@ async fn start(call: &Call<'_>, session: &mut ServerSession, reply: ClientReply)
         Ok(opened) => opened,
         Err(e) => return upstream_failed(reply, session, group, &e).await,
     };
-    let endpoint = upstream.endpoint;
+    let endpoint = &upstream.endpoint;
     let session_stream = upstream.get(None).await.ok();
     let message = json!({"jsonrpc": "2.0", "id": CALL_ID, "method": request.method, "params": upstream_params(request)});
     let call_response = match upstream.post(&message).await {
@@ -636,7 +636,7 @@ fn watch(gw: &Gateway, upstream: &LegacySession<'_>, flow: &FlowState) -> bool {
         return true;
     };
     gw.reaper.watch(
-        upstream.endpoint,
+        &upstream.endpoint,
         upstream.timeouts,
         sid,
         flow.flow_deadline,

@@ -268,7 +268,7 @@ async fn one_shot(
 pub(crate) async fn end_session(gw: &Gateway, upstream: &LegacySession<'_>) {
     upstream.delete().await;
     if let Some(sid) = &upstream.session_id {
-        gw.reaper.forget(upstream.endpoint, sid);
+        gw.reaper.forget(&upstream.endpoint, sid);
     }
 }
 

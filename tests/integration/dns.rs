@@ -1,0 +1,310 @@
+//! DNS discovery against a DNS server the test controls: a UDP responder on loopback
+//! answers one name from a list the test changes while the gateway runs, as a Kubernetes
+//! headless Service's answer changes when pods come and go. The pods are real Python SDK
+//! servers on 127.0.0.2 and 127.0.0.3, on one port.
+
+use crate::common::*;
+use hickory_resolver::proto::op::{Message, MessageType, OpCode, ResponseCode};
+use hickory_resolver::proto::rr::rdata::{A, AAAA};
+use hickory_resolver::proto::rr::{Name, RData, Record, RecordType};
+use mrtr_gateway::config::Discovery;
+use mrtr_gateway::upstream::dns::DnsDiscovery;
+use pingora::lb::selection::RoundRobin;
+use pingora::lb::{Backends, LoadBalancer};
+use serde_json::json;
+use std::collections::BTreeSet;
+use std::net::{IpAddr, SocketAddr, TcpStream, UdpSocket};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+const NAME: &str = "legacy.mcp.test.";
+const POD_A: &str = "127.0.0.2";
+const POD_B: &str = "127.0.0.3";
+
+/// What the test DNS server answers for `NAME`.
+#[derive(Clone, Debug)]
+enum Answer {
+    /// These addresses: A queries get the IPv4 ones, AAAA queries the IPv6 ones.
+    Addrs(Vec<IpAddr>),
+    /// SERVFAIL: the resolver failed, which says nothing about the name.
+    ServFail,
+}
+
+struct DnsState {
+    answer: Answer,
+    /// A queries for `NAME` answered since the answer last changed.
+    a_queries: usize,
+}
+
+/// A DNS server on a loopback UDP port: `NAME` per the current `Answer`, NXDOMAIN for
+/// every other name. Stops when dropped.
+struct TestDns {
+    addr: SocketAddr,
+    state: Arc<Mutex<DnsState>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl TestDns {
+    fn start(answer: Answer) -> TestDns {
+        let socket = UdpSocket::bind("127.0.0.1:0").expect("bind the test DNS server");
+        socket
+            .set_read_timeout(Some(Duration::from_millis(50)))
+            .expect("read timeout");
+        let addr = socket.local_addr().expect("addr");
+        let state = Arc::new(Mutex::new(DnsState {
+            answer,
+            a_queries: 0,
+        }));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (shared, stopped) = (state.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 1500];
+            while !stopped.load(Ordering::SeqCst) {
+                let Ok((n, from)) = socket.recv_from(&mut buf) else {
+                    continue;
+                };
+                let Ok(query) = Message::from_vec(&buf[..n]) else {
+                    continue;
+                };
+                let reply = respond(&query, &mut shared.lock().unwrap());
+                let _ = socket.send_to(&reply.to_vec().expect("encodable reply"), from);
+            }
+        });
+        TestDns { addr, state, stop }
+    }
+
+    fn answer(&self, answer: Answer) {
+        let mut state = self.state.lock().unwrap();
+        state.answer = answer;
+        state.a_queries = 0;
+    }
+
+    /// Waits until the gateway has acted on the current answer. Its balancer resolves
+    /// again only after it applied the previous lookup, so a second A query since the
+    /// change proves the first one's answer is in use.
+    fn wait_applied(&self) {
+        wait_until(
+            "the gateway to apply the DNS answer",
+            Duration::from_secs(10),
+            || self.state.lock().unwrap().a_queries >= 2,
+        );
+    }
+}
+
+impl Drop for TestDns {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+fn respond(query: &Message, state: &mut DnsState) -> Message {
+    let mut reply = Message::new();
+    reply
+        .set_id(query.id())
+        .set_message_type(MessageType::Response)
+        .set_op_code(OpCode::Query)
+        .set_recursion_desired(query.recursion_desired())
+        .set_recursion_available(true)
+        .set_authoritative(true)
+        .add_queries(query.queries().to_vec());
+    let Some(question) = query.queries().first() else {
+        reply.set_response_code(ResponseCode::FormErr);
+        return reply;
+    };
+    let name = Name::from_ascii(NAME).expect("a DNS name");
+    if *question.name() != name {
+        reply.set_response_code(ResponseCode::NXDomain);
+        return reply;
+    }
+    if question.query_type() == RecordType::A {
+        state.a_queries += 1;
+    }
+    let addrs = match &state.answer {
+        Answer::ServFail => {
+            reply.set_response_code(ResponseCode::ServFail);
+            return reply;
+        }
+        Answer::Addrs(addrs) => addrs,
+    };
+    for ip in addrs {
+        let rdata = match (question.query_type(), ip) {
+            (RecordType::A, IpAddr::V4(v4)) => RData::A(A(*v4)),
+            (RecordType::AAAA, IpAddr::V6(v6)) => RData::AAAA(AAAA(*v6)),
+            _ => continue,
+        };
+        reply.add_answer(Record::from_rdata(name.clone(), 0, rdata));
+    }
+    reply
+}
+
+fn ips(list: &[&str]) -> Answer {
+    Answer::Addrs(list.iter().map(|ip| ip.parse().unwrap()).collect())
+}
+
+fn addr(ip: &str, port: u16) -> SocketAddr {
+    SocketAddr::new(ip.parse().unwrap(), port)
+}
+
+/// The DNS answer becomes the balancer's backends; a failed lookup keeps them, an answer
+/// without addresses empties them, and a name that does not exist has none.
+#[test]
+fn dns_discovery_follows_the_answer_and_keeps_the_set_when_a_lookup_fails() {
+    let dns = TestDns::start(ips(&[POD_A, "::1"]));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let discovery = DnsDiscovery::new("g", NAME, 3001, Some(dns.addr)).unwrap();
+    let balancer = LoadBalancer::<RoundRobin>::from_backends(Backends::new(Box::new(discovery)));
+    let current = || -> BTreeSet<SocketAddr> {
+        let backends = balancer.backends().get_backend();
+        backends
+            .iter()
+            .filter_map(|b| b.addr.as_inet().copied())
+            .collect()
+    };
+    rt.block_on(balancer.update()).expect("a lookup");
+    let expected = BTreeSet::from([addr(POD_A, 3001), addr("::1", 3001)]);
+    assert_eq!(current(), expected);
+
+    dns.answer(Answer::ServFail);
+    assert!(rt.block_on(balancer.update()).is_err(), "SERVFAIL fails");
+    assert_eq!(current(), expected, "a failed lookup keeps the last set");
+
+    dns.answer(ips(&[POD_A, POD_B]));
+    rt.block_on(balancer.update()).expect("a lookup");
+    assert_eq!(
+        current(),
+        BTreeSet::from([addr(POD_A, 3001), addr(POD_B, 3001)])
+    );
+
+    dns.answer(ips(&[]));
+    rt.block_on(balancer.update())
+        .expect("an empty answer is an answer");
+    assert!(current().is_empty(), "no address, no backend");
+
+    let unknown = DnsDiscovery::new("g", "other.mcp.test.", 3001, Some(dns.addr)).unwrap();
+    let found = rt
+        .block_on(unknown.resolve())
+        .expect("NXDOMAIN is an answer");
+    assert!(found.is_empty());
+}
+
+/// A pod of the Python SDK fixture listening on `ip:port`.
+fn start_pod(ip: &str, port: u16) -> Proc {
+    let fixtures = root().join("tests/fixtures");
+    let child = Command::new(python())
+        .arg(fixtures.join("py_legacy_server.py"))
+        .arg(port.to_string())
+        .args(["--host", ip])
+        .current_dir(&fixtures)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start the Python fixture (run tests/setup.sh): {e}"));
+    let pod = Proc::adopt(child, &format!("pod {ip}"));
+    wait_until(&format!("pod {ip}:{port}"), Duration::from_secs(30), || {
+        TcpStream::connect((ip, port)).is_ok()
+    });
+    pod
+}
+
+fn call_add(raw: &Raw, session: &str) -> Reply {
+    let call = json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+        "params": {"name": "add", "arguments": {"a": 2, "b": 3}}});
+    raw.post(Some(session), &call)
+}
+
+fn unknown_endpoint_rejections(gw: &TestGateway) -> f64 {
+    metric_with(
+        &gw.admin,
+        "mrtr_gateway_session_token_rejections_total",
+        "unknown_endpoint",
+    )
+    .unwrap_or(0.0)
+}
+
+/// New sessions go to the pods the DNS name currently answers; a session token naming a
+/// pod that left the answer is refused as unknown, and nothing reaches that address.
+#[test]
+fn dns_discovered_pods_take_new_sessions_and_pods_that_left_are_refused() {
+    let port = free_port();
+    let mut pod_a = start_pod(POD_A, port);
+    let _pod_b = start_pod(POD_B, port);
+    let dns = TestDns::start(ips(&[POD_A]));
+    let url = format!("http://legacy.mcp.test:{port}/mcp");
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.dns_resolver = Some(dns.addr.to_string());
+        c.upstreams[0].discovery = Discovery::Dns;
+        c.upstreams[0].dns_refresh_ms = 150;
+    });
+    let raw = Raw::new(&gw.url);
+
+    // 1. One pod: sessions open on it, and their tokens name it.
+    dns.wait_applied();
+    let on_a = raw.initialize(json!({}));
+    assert_eq!(endpoint_of(&on_a), addr(POD_A, port));
+    let mut added = call_add(&raw, &on_a);
+    assert_eq!(added.status, 200);
+    let result = Raw::messages_until(&mut added, |m| m["id"] == 2)
+        .pop()
+        .unwrap()
+        .1;
+    assert!(result.to_string().contains("2+3=5"), "{result}");
+
+    // 2. A second pod joins: new sessions are balanced over both.
+    dns.answer(ips(&[POD_A, POD_B]));
+    dns.wait_applied();
+    let sessions: Vec<String> = (0..4).map(|_| raw.initialize(json!({}))).collect();
+    let landed: BTreeSet<SocketAddr> = sessions.iter().map(|s| endpoint_of(s)).collect();
+    assert_eq!(
+        landed,
+        BTreeSet::from([addr(POD_A, port), addr(POD_B, port)])
+    );
+    let on_b = sessions
+        .iter()
+        .find(|s| endpoint_of(s) == addr(POD_B, port))
+        .unwrap()
+        .clone();
+
+    // 3. Pod A leaves, and its address now belongs to something that must get nothing.
+    pod_a.kill();
+    let tripwire = Tripwire::start_on(&addr(POD_A, port).to_string());
+    dns.answer(ips(&[POD_B]));
+    dns.wait_applied();
+    let refused = call_add(&raw, &on_a);
+    assert_eq!(refused.status, 404, "a token naming a pod that left");
+    let body = refused.json();
+    assert!(body["error"]["code"].is_i64(), "a JSON-RPC error: {body}");
+    assert_eq!(unknown_endpoint_rejections(&gw), 1.0);
+    assert_eq!(
+        tripwire.count(),
+        0,
+        "nothing was forwarded to the old address"
+    );
+    assert_eq!(call_add(&raw, &on_b).status, 200, "pod B's session goes on");
+    assert_eq!(endpoint_of(&raw.initialize(json!({}))), addr(POD_B, port));
+
+    // 4. The resolver fails: the group keeps the pods it knew.
+    dns.answer(Answer::ServFail);
+    dns.wait_applied();
+    assert_eq!(endpoint_of(&raw.initialize(json!({}))), addr(POD_B, port));
+
+    // 5. Every pod is gone: no endpoint for new sessions, and old tokens are refused.
+    dns.answer(ips(&[]));
+    dns.wait_applied();
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "dns-test", "version": "1"}}});
+    assert_eq!(
+        raw.post(None, &init).status,
+        503,
+        "no endpoint to open a session on"
+    );
+    assert_eq!(call_add(&raw, &on_b).status, 404);
+    assert_eq!(unknown_endpoint_rejections(&gw), 2.0);
+    assert_eq!(tripwire.count(), 0);
+}
