@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Runs every test of mrtr-gateway on a fresh machine: installs what is missing (cmake,
-# the pinned npm and PyPI fixtures, Node 22), checks formatting, lints and the deployment
-# manifests and dashboard, then runs the unit tests, the integration tests against real
-# MCP servers and clients, the conformance suite through the gateway, the benchmarks at
-# smoke scale (the macro harness under cargo test, the micro benchmarks with a short
-# measurement) and the fuzz targets.
+# the pinned npm and PyPI fixtures, Node 22), checks formatting and lints, then runs the
+# unit tests, the integration tests against real MCP servers and clients, the conformance
+# suite through the gateway, the benchmarks at smoke scale (the macro harness under cargo
+# test), the deployment manifests and dashboard checks, the micro benchmarks with a short
+# measurement and the fuzz targets.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,10 +13,10 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy -D warnings"
 cargo clippy --all-targets --quiet -- -D warnings
-echo "== deploy: manifests against the Kubernetes schemas, dashboard JSON"
-bash deploy/validate.sh
 echo "== cargo test"
 cargo test --all-targets -- --nocapture 2>&1 | tee target/test-output.txt
+echo "== deploy: manifests against the Kubernetes schemas, their configs, dashboard JSON"
+MRTR_GATEWAY_BIN=target/debug/mrtr-gateway bash deploy/validate.sh
 echo "== micro benchmarks, release, short measurement (full runs: benches/RESULTS.md)"
 cargo bench --bench core -- --warm-up-time 0.2 --measurement-time 0.5
 echo "== fuzz (bounded: FUZZ_SECONDS per target, default 30)"
