@@ -87,17 +87,6 @@ fn every_round_can_land_on_another_replica() {
     }
 }
 
-fn ask_name(raw: &Raw, id: u64, extra: Value) -> Value {
-    let mut params = json!({"name": "ask_name", "arguments": {}});
-    params
-        .as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    let reply = raw.modern(id, "tools/call", params, json!({"elicitation": {}}));
-    assert_eq!(reply.status, 200);
-    reply.json()
-}
-
 #[test]
 fn a_replica_killed_between_rounds_loses_nothing() {
     let (_upstream, url) = start_upstream(Upstream::TypeScript);

@@ -527,3 +527,39 @@ pub fn metric_with(admin: &str, name: &str, labels: &str) -> Option<f64> {
 pub fn metric(admin: &str, name: &str) -> f64 {
     metric_with(admin, name, "").unwrap_or_else(|| panic!("no {name} in /metrics"))
 }
+
+/// The retry params answering the one question of `first` with `content`.
+pub fn answer(first: &Value, content: Value) -> Value {
+    let result = &first["result"];
+    assert_eq!(result["resultType"], "input_required", "{first}");
+    let key = result["inputRequests"]
+        .as_object()
+        .unwrap()
+        .keys()
+        .next()
+        .unwrap()
+        .clone();
+    serde_json::json!({"inputResponses": {key: {"action": "accept", "content": content}}, "requestState": result["requestState"]})
+}
+
+/// Calls the Python and TypeScript fixtures' `ask_name` tool as a 2026-07-28 client, with
+/// `extra` params (a retry's `inputResponses` and `requestState`); returns the JSON body.
+pub fn ask_name(raw: &Raw, id: u64, extra: Value) -> Value {
+    let mut params = serde_json::json!({"name": "ask_name", "arguments": {}});
+    params
+        .as_object_mut()
+        .expect("params are an object")
+        .extend(
+            extra
+                .as_object()
+                .expect("extra params are an object")
+                .clone(),
+        );
+    raw.modern(
+        id,
+        "tools/call",
+        params,
+        serde_json::json!({"elicitation": {}}),
+    )
+    .json()
+}

@@ -62,20 +62,6 @@ fn call(raw: &Raw, id: u64, tool: &str, extra: Value, headers_auth: Option<&str>
     body
 }
 
-/// The retry params answering the one question of `first` with `content`.
-fn answer(first: &Value, content: Value) -> Value {
-    let result = &first["result"];
-    assert_eq!(result["resultType"], "input_required", "{first}");
-    let key = result["inputRequests"]
-        .as_object()
-        .unwrap()
-        .keys()
-        .next()
-        .unwrap()
-        .clone();
-    json!({"inputResponses": {key: {"action": "accept", "content": content}}, "requestState": result["requestState"]})
-}
-
 fn state_of(first: &Value) -> String {
     first["result"]["requestState"]
         .as_str()

@@ -20,16 +20,6 @@ fn value(admin: &str, name: &str, labels: &str) -> f64 {
     metric_with(admin, name, labels).unwrap_or_else(|| panic!("no {name}{{{labels}}}"))
 }
 
-fn ask_name(raw: &Raw, id: u64, extra: Value) -> Value {
-    let mut params = json!({"name": "ask_name", "arguments": {}});
-    params
-        .as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
-    raw.modern(id, "tools/call", params, json!({"elicitation": {}}))
-        .json()
-}
-
 #[test]
 fn metrics_after_a_flow_and_a_refused_state_hold_every_named_metric() {
     let (_upstream, url) = start_upstream(Upstream::Python);
@@ -38,21 +28,14 @@ fn metrics_after_a_flow_and_a_refused_state_hold_every_named_metric() {
     });
     let raw = Raw::new(&gw.url);
     let first = ask_name(&raw, 1, json!({}));
-    let result = &first["result"];
-    assert_eq!(result["resultType"], "input_required", "{first}");
-    let key = result["inputRequests"]
-        .as_object()
-        .unwrap()
-        .keys()
-        .next()
-        .unwrap();
-    let state = result["requestState"].as_str().unwrap();
-    let mut tampered = state.to_string();
-    tampered.replace_range(40..41, if &state[40..41] == "A" { "B" } else { "A" });
-    let answers = |s: &str| json!({"inputResponses": {key: {"action": "accept", "content": {"name": "Ada"}}}, "requestState": s});
-    let refused = ask_name(&raw, 2, answers(&tampered));
+    let answers = answer(&first, json!({"name": "Ada"}));
+    let state = answers["requestState"].as_str().unwrap().to_string();
+    let mut tampered = answers.clone();
+    let flipped = if &state[40..41] == "A" { "B" } else { "A" };
+    tampered["requestState"] = json!(format!("{}{flipped}{}", &state[..40], &state[41..]));
+    let refused = ask_name(&raw, 2, tampered);
     assert_eq!(refused["error"]["code"], -32602, "{refused}");
-    let done = ask_name(&raw, 3, answers(state));
+    let done = ask_name(&raw, 3, answers);
     assert_eq!(
         done["result"]["content"][0]["text"], "Hello, Ada!",
         "{done}"
@@ -125,7 +108,7 @@ fn metrics_after_a_flow_and_a_refused_state_hold_every_named_metric() {
     let version = format!("version=\"{}\"", env!("CARGO_PKG_VERSION"));
     assert_eq!(value(a, "mrtr_gateway_build_info", &version), 1.0);
     let text = metrics_text(a);
-    assert!(!text.contains(state), "no state in the metrics");
+    assert!(!text.contains(&state), "no state in the metrics");
 }
 
 #[test]
@@ -374,15 +357,8 @@ fn json_access_lines_carry_one_flow_id_across_replicas_and_no_secrets() {
         final_message(reply, id)
     };
     let first = ask(&a, 1, json!({}));
-    let result = &first["result"];
-    let key = result["inputRequests"]
-        .as_object()
-        .unwrap()
-        .keys()
-        .next()
-        .unwrap();
-    let state = result["requestState"].as_str().unwrap().to_string();
-    let answers = json!({"inputResponses": {key: {"action": "accept", "content": {"name": "Io"}}}, "requestState": state});
+    let answers = answer(&first, json!({"name": "Io"}));
+    let state = answers["requestState"].as_str().unwrap().to_string();
     let done = ask(&b, 2, answers);
     assert_eq!(done["result"]["content"][0]["text"], "Hello, Io!", "{done}");
 

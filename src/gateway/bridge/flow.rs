@@ -280,25 +280,6 @@ async fn run_round(
             observe_completed(gw, &flow);
             finish_with(reply, session, message, server_info, cacheable).await
         }
-        RoundEnd::Draining if flow.round == 1 && !watch(gw, &upstream, &flow) => {
-            streams.close(gw).await;
-            refuse_overloaded(gw, session, reply, &upstream).await
-        }
-        RoundEnd::Draining => {
-            // A round cut short: whatever was asked goes to the client, with a state from
-            // which any replica resumes the call (no questions: a requestState-only result,
-            // which the client retries at once).
-            streams.close(gw).await;
-            flow.reissue = false;
-            flow.pending = round.pending().to_vec();
-            flow.last_event_id = round.last_event_id().map(str::to_string);
-            flow.round_start = round.round_start().map(str::to_string);
-            tracing::info!(
-                flow = format!("{:016x}", flow.flow_id),
-                "round handed over: draining"
-            );
-            ask_client(call, session, reply, &upstream, flow, &round, server_info).await
-        }
         RoundEnd::Questions if round.last_event_id().is_none() => {
             streams.close(gw).await;
             end_session(gw, &upstream).await;
@@ -308,11 +289,20 @@ async fn run_round(
                 .await;
             "upstream_error"
         }
-        RoundEnd::Questions if flow.round == 1 && !watch(gw, &upstream, &flow) => {
+        RoundEnd::Questions | RoundEnd::Draining
+            if flow.round == 1 && !watch(gw, &upstream, &flow) =>
+        {
             streams.close(gw).await;
             refuse_overloaded(gw, session, reply, &upstream).await
         }
-        RoundEnd::Questions => {
+        end @ (RoundEnd::Questions | RoundEnd::Draining) => {
+            // A round cut short by draining goes to the client like one with questions:
+            // whatever was asked, possibly nothing (a requestState-only result, retried at
+            // once), with a state from which any replica resumes the call.
+            if matches!(end, RoundEnd::Draining) {
+                let flow_id = format!("{:016x}", flow.flow_id);
+                tracing::info!(flow = flow_id, "round handed over: draining");
+            }
             streams.close(gw).await;
             flow.reissue = false;
             flow.pending = round.pending().to_vec();
