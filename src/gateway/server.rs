@@ -3,11 +3,11 @@
 //! `spawn` runs the same server on a thread with a shutdown channel, for tests and for
 //! `demo`.
 
-use super::admin::{AdminApp, DrainWatch};
+use super::admin::{AdminApp, AdminListener, DrainWatch};
 use super::reaper::ReaperService;
 use super::reload::{Reloader, WatchedFile};
 use super::Gateway;
-use crate::config::Config;
+use crate::config::{Config, ConfigError};
 use crate::keys::KeyRing;
 use crate::metrics::Metrics;
 use crate::principal::{Authenticator, PrincipalSource};
@@ -60,17 +60,19 @@ pub fn build(
     let drain = gateway.drain.clone();
     let mut mcp = Service::new("mcp".to_string(), gateway);
     mcp.add_tcp(&listen);
-    let mut admin = Service::new(
-        "admin".to_string(),
-        AdminApp {
-            metrics: metrics.clone(),
-            drain: drain.clone(),
-            reaper: reaper.clone(),
-        },
-    );
-    admin.add_tcp(&admin_listen);
+    let admin_app = AdminApp {
+        metrics: metrics.clone(),
+        drain: drain.clone(),
+        reaper: reaper.clone(),
+    };
+    let admin = AdminListener::bind(admin_app, &admin_listen).map_err(|e| {
+        ConfigError::at(
+            "admin_listen",
+            format!("cannot listen on {admin_listen}: {e}"),
+        )
+    })?;
     server.add_service(mcp);
-    server.add_service(admin);
+    server.add_service(background_service("admin", admin));
     let drain_watch = DrainWatch {
         drain,
         metrics: metrics.clone(),

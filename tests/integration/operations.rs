@@ -284,6 +284,17 @@ fn sigterm_finishes_the_request_in_flight_and_refuses_new_connections() {
     wait_until("new connections refused", Duration::from_secs(5), || {
         !port_open(gw.port)
     });
+    // The admin listener stays up through the grace period.
+    let status = |path: &str| match ureq::get(&format!("{}{path}", gw.admin)).call() {
+        Ok(r) => r.status(),
+        Err(ureq::Error::Status(code, _)) => code,
+        Err(e) => panic!("{path}: {e}"),
+    };
+    wait_until("/readyz answers 503", Duration::from_secs(5), || {
+        status("/readyz") == 503
+    });
+    assert_eq!(status("/healthz"), 200, "alive while draining");
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_draining"), 1.0);
     let answer = in_flight.join().expect("the in-flight request");
     assert_eq!(
         answer["result"]["content"][0]["text"], "echo: still here",
