@@ -401,3 +401,52 @@ fn json_access_lines_carry_one_flow_id_across_replicas_and_no_secrets() {
         assert!(!logs.contains(secret), "a secret reached the logs");
     }
 }
+
+#[test]
+fn trace_context_reaches_the_upstream_in_headers_and_meta() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+    });
+    let parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    let trace = [("traceparent", parent), ("tracestate", "vendor=abc")];
+    let seen = |reply: Reply, id: u64| -> Value {
+        let message = final_message(reply, id);
+        let text = message["result"]["content"][0]["text"].as_str();
+        serde_json::from_str(text.unwrap_or_else(|| panic!("{message}"))).unwrap()
+    };
+    let call = json!({"name": "trace_seen", "arguments": {}});
+    let raw = Raw::new(&gw.url);
+    let bridged = seen(
+        raw.modern_with(1, "tools/call", call.clone(), json!({}), &trace),
+        1,
+    );
+    assert_eq!(bridged["traceparent"], parent, "bridged: header {bridged}");
+    assert_eq!(bridged["tracestate"], "vendor=abc", "{bridged}");
+    assert_eq!(
+        bridged["meta_traceparent"], parent,
+        "bridged: _meta {bridged}"
+    );
+    assert_eq!(bridged["meta_tracestate"], "vendor=abc", "{bridged}");
+
+    let malformed = [("traceparent", "00-not-a-trace-01"), ("tracestate", "x=y")];
+    let dropped = seen(
+        raw.modern_with(2, "tools/call", call.clone(), json!({}), &malformed),
+        2,
+    );
+    assert_eq!(dropped["traceparent"], Value::Null, "malformed: {dropped}");
+    assert_eq!(dropped["meta_traceparent"], Value::Null, "{dropped}");
+
+    let session = raw.initialize(json!({}));
+    let body = json!({"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": call});
+    let mut headers = vec![
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+        ("mcp-session-id", session.as_str()),
+        ("mcp-protocol-version", "2025-11-25"),
+    ];
+    headers.extend_from_slice(&trace);
+    let relayed = seen(raw.request("POST", &headers, Some(&body.to_string())), 3);
+    assert_eq!(relayed["traceparent"], parent, "pass-through: {relayed}");
+    assert_eq!(relayed["tracestate"], "vendor=abc", "{relayed}");
+}
