@@ -254,6 +254,8 @@ fn dns_discovered_pods_take_new_sessions_and_pods_that_left_are_refused() {
         .unwrap()
         .1;
     assert!(result.to_string().contains("2+3=5"), "{result}");
+    let flow_on_a = ask_name(&raw, 1, json!({}));
+    let retry_on_a = answer(&flow_on_a, json!({"name": "Ada"}));
 
     // 2. A second pod joins: new sessions are balanced over both.
     dns.answer(ips(&[POD_A, POD_B]));
@@ -284,6 +286,19 @@ fn dns_discovered_pods_take_new_sessions_and_pods_that_left_are_refused() {
         tripwire.count(),
         0,
         "nothing was forwarded to the old address"
+    );
+    let resumed = ask_name(&raw, 2, retry_on_a);
+    assert_eq!(
+        resumed["error"]["code"], -32602,
+        "a state naming a pod that left: {resumed}"
+    );
+    let state_rejections = "mrtr_gateway_request_state_rejections_total";
+    let unknown = metric_with(&gw.admin, state_rejections, "unknown_endpoint");
+    assert_eq!(unknown, Some(1.0));
+    assert_eq!(
+        tripwire.count(),
+        0,
+        "nothing was forwarded for the state either"
     );
     assert_eq!(call_add(&raw, &on_b).status, 200, "pod B's session goes on");
     assert_eq!(endpoint_of(&raw.initialize(json!({}))), addr(POD_B, port));
