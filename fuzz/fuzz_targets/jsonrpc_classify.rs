@@ -9,7 +9,8 @@ use mrtr_gateway::protocol::jsonrpc;
 use serde_json::Value;
 
 fuzz_target!(|input: &[u8]| {
-    // The first line names the headers (version, method, name), the rest is the body.
+    // The first line names the headers (version, method, name, traceparent, tracestate),
+    // the rest is the body.
     let (head, body) = match input.iter().position(|&b| b == b'\n') {
         Some(i) => (&input[..i], &input[i + 1..]),
         None => (&[][..], input),
@@ -21,6 +22,8 @@ fuzz_target!(|input: &[u8]| {
         protocol_version: version,
         method: header_method,
         name,
+        traceparent: fields.next(),
+        tracestate: fields.next(),
     };
     let Ok(parsed) = jsonrpc::classify(body, 64) else {
         return;
