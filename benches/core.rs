@@ -48,6 +48,7 @@ fn state(questions: usize) -> FlowState {
         flow_deadline: 2_000_001_200,
         started_ms: 1_000_000,
         reissue: false,
+        data_session: false,
         flow_id: 0x1234_5678_9abc_def0,
     }
 }

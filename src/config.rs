@@ -4,6 +4,7 @@
 
 use crate::principal::PrincipalSource;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -160,6 +161,9 @@ pub struct BridgeOptions {
     /// Most used `requestState`s one replica remembers (each until its expiry) to refuse
     /// replays; beyond it, retries are refused (503) rather than let through unguarded.
     pub max_used_states: usize,
+    /// How long a data-layer session's cookie stays valid after the last response that
+    /// carried it (each response refreshes it).
+    pub data_session_ttl_seconds: u64,
 }
 
 impl Default for BridgeOptions {
@@ -171,6 +175,7 @@ impl Default for BridgeOptions {
             resume_poll_ms: 2000,
             max_watched_sessions: 100_000,
             max_used_states: 200_000,
+            data_session_ttl_seconds: 3600,
         }
     }
 }
@@ -227,6 +232,28 @@ pub struct UpstreamGroupConfig {
     /// With `discovery: dns`, how often the endpoint's host name is resolved again.
     #[serde(default = "default_dns_refresh_ms")]
     pub dns_refresh_ms: u64,
+    /// Policies of single tools, by tool name.
+    #[serde(default)]
+    pub tools: BTreeMap<String, ToolPolicy>,
+}
+
+/// What the gateway enforces for one tool.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ToolPolicy {
+    /// Whether a 2026-07-28 call of the tool must carry a data-layer session cookie.
+    pub session: SessionPolicy,
+}
+
+/// Whether a tool needs a data-layer session.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionPolicy {
+    /// Calls without a session run in a fresh upstream session each.
+    #[default]
+    Optional,
+    /// Calls without a session are refused with `-32010`, naming `session/create`.
+    Required,
 }
 
 /// Where an upstream group's endpoints come from.
@@ -285,6 +312,7 @@ impl UpstreamGroupConfig {
             era: UpstreamEra::Auto,
             discovery: Discovery::Static,
             dns_refresh_ms: default_dns_refresh_ms(),
+            tools: BTreeMap::new(),
         }
     }
 }
@@ -430,6 +458,12 @@ impl Config {
             return Err(ConfigError::at(
                 "bridge.quiet_window_ms",
                 "must be 1 to 10000",
+            ));
+        }
+        if b.data_session_ttl_seconds == 0 {
+            return Err(ConfigError::at(
+                "bridge.data_session_ttl_seconds",
+                "must be above 0",
             ));
         }
         if let Some(resolver) = &self.dns_resolver {

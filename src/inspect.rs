@@ -1,9 +1,10 @@
 //! `mrtr-gateway inspect`: what a sealed token says, for an operator debugging a flow.
-//! It opens a `requestState` or a session token with the configured keys, without the
+//! It opens a `requestState`, a session token or a data-layer session cookie with the configured keys, without the
 //! request it belongs to, and lists its fields. Without the key that sealed it, it says
 //! which key id that was and refuses.
 
 use crate::keys::KeyRing;
+use crate::mrtr::data_session::DataSession;
 use crate::mrtr::state::FlowState;
 use crate::protocol::session_token::SessionToken;
 use crate::seal::{self, OpenError};
@@ -25,8 +26,11 @@ pub fn inspect(ring: &KeyRing, token: &str, now: u64) -> Result<String, String> 
     if let Ok((bound, session)) = SessionToken::open_unbound(ring, token) {
         return Ok(session_report(&kid, &bound, &session));
     }
+    if let Ok((bound, cookie)) = DataSession::open_unbound(ring, token) {
+        return Ok(cookie_report(&kid, &bound, &cookie, now));
+    }
     Err(format!(
-        "does not open under key '{kid}' as a requestState or a session token ({}): tampered, or sealed with another secret under the same key id",
+        "does not open under key '{kid}' as a requestState, a session token or a session cookie ({}): tampered, or sealed with another secret under the same key id",
         OpenError::Rejected
     ))
 }
@@ -65,6 +69,7 @@ fn state_report(kid: &str, bound: &[u8; 32], s: &FlowState, now: u64) -> String 
         ("last event id", s.last_event_id.clone().unwrap_or_default()),
         ("round start", s.round_start.clone().unwrap_or_default()),
         ("reissue", s.reissue.to_string()),
+        ("data session", s.data_session.to_string()),
         ("expires", expiry(s.expires_at, now)),
         ("flow deadline", expiry(s.flow_deadline, now)),
         ("principal tag", hex(&bound[..16])),
@@ -81,6 +86,23 @@ fn session_report(kid: &str, bound: &[u8], s: &SessionToken) -> String {
         ("endpoint", s.endpoint.to_string()),
         ("upstream session", s.upstream_session.clone()),
         ("issued at", s.issued_at.to_string()),
+        ("principal tag", hex(bound)),
+    ];
+    table(&fields)
+}
+
+fn cookie_report(kid: &str, bound: &[u8], s: &DataSession, now: u64) -> String {
+    let fields = [
+        (
+            "kind",
+            "data-layer session cookie (mcp/session)".to_string(),
+        ),
+        ("key id", kid.to_string()),
+        ("session id", s.log_id()),
+        ("group", s.group.clone()),
+        ("endpoint", s.endpoint.to_string()),
+        ("upstream session", s.upstream_session.clone()),
+        ("expires", expiry(s.expires_at, now)),
         ("principal tag", hex(bound)),
     ];
     table(&fields)
@@ -123,6 +145,7 @@ mod tests {
             flow_deadline: 2_000,
             started_ms: 1_000_000,
             reissue: false,
+            data_session: false,
             flow_id: 0xabc,
         };
         let bind = binding(&[9; 32], "tools/call", Some("t"), None);

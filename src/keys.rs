@@ -23,15 +23,22 @@ pub enum Purpose {
     Session,
     /// The `requestState` of a Multi Round-Trip Request.
     RequestState,
+    /// The cookie of a data-layer session (`_meta["mcp/session"]`).
+    DataSession,
 }
 
 impl Purpose {
-    pub const ALL: [Purpose; 2] = [Purpose::Session, Purpose::RequestState];
+    pub const ALL: [Purpose; 3] = [
+        Purpose::Session,
+        Purpose::RequestState,
+        Purpose::DataSession,
+    ];
 
     pub fn label(self) -> &'static [u8] {
         match self {
             Purpose::Session => b"mrtr-gateway/v1/session",
             Purpose::RequestState => b"mrtr-gateway/v1/request-state",
+            Purpose::DataSession => b"mrtr-gateway/v1/data-session",
         }
     }
 
@@ -46,7 +53,7 @@ pub const MAX_KID_LEN: usize = 16;
 /// One named key with its derived subkeys.
 pub struct Key {
     kid: String,
-    ciphers: [XChaCha20Poly1305; 2],
+    ciphers: [XChaCha20Poly1305; Purpose::ALL.len()],
 }
 
 impl Key {

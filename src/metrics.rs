@@ -26,6 +26,9 @@ pub struct Metrics {
     /// Upstream sessions by event: `opened`, `reused` (a request in an existing one),
     /// `deleted`, `reaped` (deleted at an abandoned flow's deadline).
     pub upstream_sessions: IntCounterVec,
+    /// Data-layer sessions by event: `created`, `deleted`, `ended` (the upstream no
+    /// longer had it), `rejected` (a cookie that did not open; the reason is logged).
+    pub data_sessions: IntCounterVec,
     /// Time from sending a request upstream to its response header, by upstream.
     pub upstream_duration: HistogramVec,
     pub active_client_streams: IntGauge,
@@ -59,6 +62,8 @@ const KNOWN_METHODS: &[&str] = &[
     "completion/complete",
     "logging/setLevel",
     "server/discover",
+    "session/create",
+    "session/delete",
     "notifications/initialized",
     "notifications/cancelled",
     "notifications/progress",
@@ -193,6 +198,12 @@ impl Metrics {
                 "Upstream sessions opened, reused, deleted and reaped",
                 &["event"],
             ),
+            data_sessions: counters(
+                &r,
+                "mrtr_gateway_data_sessions_total",
+                "Data-layer sessions created, deleted, ended upstream, and cookies rejected",
+                &["event"],
+            ),
             upstream_duration: register(&r, upstream_duration),
             active_client_streams: gauge(
                 &r,
@@ -240,6 +251,9 @@ impl Metrics {
     fn zero_known_series(&self) {
         for event in ["opened", "reused", "deleted", "reaped"] {
             self.upstream_sessions.with_label_values(&[event]);
+        }
+        for event in ["created", "deleted", "ended", "rejected"] {
+            self.data_sessions.with_label_values(&[event]);
         }
         for outcome in ["ok", "failed"] {
             self.upstream_resumptions.with_label_values(&[outcome]);

@@ -1,6 +1,6 @@
-//! The sealed envelope shared by session tokens and `requestState`: XChaCha20-Poly1305
-//! under a purpose subkey of the key ring, with the key id in the clear so any replica
-//! holding that key can open it.
+//! The sealed envelope shared by session tokens, session cookies and `requestState`:
+//! XChaCha20-Poly1305 under a purpose subkey of the key ring, with the key id in the clear
+//! so any replica holding that key can open it.
 //!
 //! Wire form, base64url without padding:
 //! `version (1) | kid length (1) | kid | nonce (24) | ciphertext | tag (16)`.
@@ -17,6 +17,8 @@ use base64::Engine;
 use chacha20poly1305::aead::AeadInPlace;
 use chacha20poly1305::{Tag, XNonce};
 use rand::RngCore;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 use std::fmt;
 
 const VERSION: u8 = 1;
@@ -99,6 +101,45 @@ pub fn seal(ring: &KeyRing, purpose: Purpose, binding: &[u8], plaintext: &[u8]) 
         .expect("XChaCha20-Poly1305 encryption of an in-memory buffer cannot fail");
     raw.extend_from_slice(&tag);
     URL_SAFE_NO_PAD.encode(raw)
+}
+
+/// Seals `value` for `purpose` with a principal tag (the first 16 bytes of the
+/// principal digest) next to it inside the ciphertext, where `inspect` can show it.
+pub fn seal_for_principal<T: Serialize>(
+    ring: &KeyRing,
+    purpose: Purpose,
+    principal: &[u8],
+    value: &T,
+) -> String {
+    let plain = postcard::to_extend(&(principal_tag(principal), value), Vec::with_capacity(128))
+        .expect("sealed values always serialize");
+    seal(ring, purpose, b"", &plain)
+}
+
+/// Opens text produced by [`seal_for_principal`] without checking the principal; returns
+/// the principal tag it was sealed with, and the value.
+pub fn open_with_principal<T: DeserializeOwned>(
+    ring: &KeyRing,
+    purpose: Purpose,
+    sealed: &str,
+    max_len: usize,
+) -> Result<(Vec<u8>, T), OpenError> {
+    let plain = open(ring, purpose, b"", sealed, max_len)?;
+    postcard::from_bytes(&plain).map_err(|_| OpenError::BadPayload)
+}
+
+/// Whether a sealed principal tag names `principal` (compared in constant time).
+pub fn check_principal(tag: &[u8], principal: &[u8]) -> Result<(), OpenError> {
+    if crate::mrtr::state::same(tag, principal_tag(principal)) {
+        Ok(())
+    } else {
+        Err(OpenError::Principal)
+    }
+}
+
+/// The part of a principal digest a sealed value carries.
+fn principal_tag(principal: &[u8]) -> &[u8] {
+    principal.get(..16).unwrap_or(principal)
 }
 
 /// Opens text produced by [`seal`] with the same purpose and binding.

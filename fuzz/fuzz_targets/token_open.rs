@@ -37,6 +37,7 @@ fn genuine() -> &'static Genuine {
             expires_at: u64::MAX,
             flow_deadline: u64::MAX,
             reissue: false,
+            data_session: false,
             flow_id: 1,
         };
         let state = flow.seal(&ring, &BIND);

@@ -2,6 +2,7 @@
 //! speaks, what a modern request must carry (headers matching the body, `_meta`), and the
 //! sealed `requestState` that lets any replica resume a flow.
 
+pub mod data_session;
 pub mod modern;
 pub mod replay;
 pub mod state;

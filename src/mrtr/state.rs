@@ -84,6 +84,9 @@ pub struct FlowState {
     pub started_ms: u64,
     /// The call ended with a URL-elicitation-required error: the retry issues it again.
     pub reissue: bool,
+    /// The flow runs in a data-layer session: it reads only the call's own stream and
+    /// never deletes the upstream session.
+    pub data_session: bool,
     /// Random id that stays the same across rounds and replicas, for logs.
     pub flow_id: u64,
 }
@@ -184,6 +187,7 @@ mod tests {
             flow_deadline: 2_000_000_600,
             started_ms: 2_000_000_000_000,
             reissue: false,
+            data_session: false,
             flow_id: 0x1234_5678_9abc_def0,
         }
     }

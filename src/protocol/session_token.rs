@@ -43,34 +43,24 @@ impl SessionToken {
     /// Seals the token bound to `principal` (a digest, of which the first 16 bytes are
     /// kept), which travels inside the ciphertext so that `inspect` can show it.
     pub fn seal(&self, ring: &KeyRing, principal: &[u8]) -> String {
-        let plain = postcard::to_extend(&(principal_tag(principal), self), Vec::with_capacity(128))
-            .expect("a session token always serializes");
-        seal::seal(ring, Purpose::Session, b"", &plain)
+        seal::seal_for_principal(ring, Purpose::Session, principal, self)
     }
 
     pub fn open(ring: &KeyRing, principal: &[u8], token: &str) -> Result<SessionToken, OpenError> {
         let (bound, token) = SessionToken::open_unbound(ring, token)?;
-        if !crate::mrtr::state::same(&bound, principal_tag(principal)) {
-            return Err(OpenError::Principal);
-        }
+        seal::check_principal(&bound, principal)?;
         Ok(token)
     }
 
     /// Opens a token without checking whom it is bound to (for `inspect`); returns the
     /// principal digest it was sealed with.
     pub fn open_unbound(ring: &KeyRing, token: &str) -> Result<(Vec<u8>, SessionToken), OpenError> {
-        let plain = seal::open(ring, Purpose::Session, b"", token, MAX_TOKEN_LEN)?;
         let (bound, token): (Vec<u8>, SessionToken) =
-            postcard::from_bytes(&plain).map_err(|_| OpenError::BadPayload)?;
+            seal::open_with_principal(ring, Purpose::Session, token, MAX_TOKEN_LEN)?;
         Self::validate_upstream_session(&token.upstream_session)
             .map_err(|_| OpenError::BadPayload)?;
         Ok((bound, token))
     }
-}
-
-/// The part of a principal digest a token carries.
-fn principal_tag(principal: &[u8]) -> &[u8] {
-    principal.get(..16).unwrap_or(principal)
 }
 
 #[cfg(test)]

@@ -25,6 +25,8 @@ pub struct LegacySession<'a> {
     pub version: String,
     /// The client request's trace context, sent with every request of this session.
     pub trace: TraceContext,
+    /// A data-layer session's: it outlives the flows run in it, which never delete it.
+    pub persistent: bool,
 }
 
 /// Why the upstream could not be driven.
@@ -35,6 +37,8 @@ pub enum SessionError {
     Exchange(ExchangeError),
     /// The upstream answered something other than what the protocol requires.
     Protocol(String),
+    /// The upstream no longer has the session (HTTP 404).
+    Gone,
 }
 
 impl std::fmt::Display for SessionError {
@@ -43,6 +47,7 @@ impl std::fmt::Display for SessionError {
             SessionError::NoEndpoint => write!(f, "no healthy upstream endpoint is available"),
             SessionError::Exchange(e) => write!(f, "{e}"),
             SessionError::Protocol(e) => write!(f, "{e}"),
+            SessionError::Gone => write!(f, "the upstream session is gone (HTTP 404)"),
         }
     }
 }
@@ -71,6 +76,7 @@ impl<'a> LegacySession<'a> {
             session_id: None,
             version: UPSTREAM_VERSION.into(),
             trace: trace.clone(),
+            persistent: false,
         };
         let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
             "protocolVersion": UPSTREAM_VERSION, "capabilities": capabilities, "clientInfo": client_info}});
@@ -110,6 +116,7 @@ impl<'a> LegacySession<'a> {
             session_id: Some(session_id),
             version: UPSTREAM_VERSION.into(),
             trace: TraceContext::default(),
+            persistent: false,
         }
     }
 
@@ -150,13 +157,8 @@ impl<'a> LegacySession<'a> {
             .await?;
         let status = response.header().status.as_u16();
         if status >= 400 {
-            let what = if status == 404 {
-                "the upstream session is gone"
-            } else {
-                "the upstream refused the request"
-            };
             self.client.finish(response).await;
-            return Err(SessionError::Protocol(format!("{what} (HTTP {status})")));
+            return Err(self.refused(status));
         }
         Ok(response)
     }
@@ -197,11 +199,18 @@ impl<'a> LegacySession<'a> {
         let status = response.header().status.as_u16();
         if status != 200 || !response.is_sse() {
             self.client.finish(response).await;
-            return Err(SessionError::Protocol(format!(
-                "the upstream refused the GET stream (HTTP {status})"
-            )));
+            return Err(self.refused(status));
         }
         Ok(response)
+    }
+
+    /// Why the upstream refused a request with `status`: a 404 in an established
+    /// session means the session is gone.
+    fn refused(&self, status: u16) -> SessionError {
+        if status == 404 && self.session_id.is_some() {
+            return SessionError::Gone;
+        }
+        SessionError::Protocol(format!("the upstream refused the request (HTTP {status})"))
     }
 
     /// Ends the upstream session (best effort).

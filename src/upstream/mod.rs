@@ -7,10 +7,13 @@ pub mod dns;
 pub mod exchange;
 pub mod legacy_session;
 
-use crate::config::{parse_endpoint_url, Config, ConfigError, Discovery, UpstreamGroupConfig};
+use crate::config::{
+    parse_endpoint_url, Config, ConfigError, Discovery, ToolPolicy, UpstreamGroupConfig,
+};
 use pingora::lb::health_check::TcpHealthCheck;
 use pingora::lb::selection::RoundRobin;
 use pingora::lb::{Backends, LoadBalancer};
+use std::collections::BTreeMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::Duration;
@@ -41,6 +44,8 @@ pub struct UpstreamGroup {
     pub health_check_interval: Option<Duration>,
     /// How often the endpoints are resolved again (`discovery: dns`).
     pub dns_refresh: Option<Duration>,
+    /// Per-tool policies, by tool name.
+    pub tools: BTreeMap<String, ToolPolicy>,
     balancer: Arc<LoadBalancer<RoundRobin>>,
 }
 
@@ -76,6 +81,7 @@ impl UpstreamGroup {
         Ok(UpstreamGroup {
             name: cfg.name.clone(),
             era: cfg.era,
+            tools: cfg.tools.clone(),
             path: cfg.path.clone(),
             members,
             timeouts: Timeouts {

@@ -137,6 +137,7 @@ impl Fixture {
             flow_deadline: expires_at,
             started_ms: 1_000_000,
             reissue: false,
+            data_session: false,
             flow_id: rand::random(),
         }
     }

@@ -11,3 +11,4 @@ mod hostile;
 mod keys;
 mod operations;
 mod real_peers;
+mod sessions;

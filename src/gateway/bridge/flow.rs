@@ -4,7 +4,10 @@
 //! upstream keeps running and the gateway holds nothing but the reaper's entry.
 
 use super::reply::{decorate, ClientReply};
-use super::{client_info, end_session, finish_with, upstream_failed, upstream_params, CALL_ID};
+use super::session::Attached;
+use super::{
+    call_id, end_session, finish_with, upstream_failed, upstream_for, upstream_params, CALL_ID,
+};
 use crate::config::Limits;
 use crate::gateway::passthrough::sleep_or_never;
 use crate::gateway::Gateway;
@@ -56,6 +59,8 @@ struct Call<'a> {
     request: &'a ModernRequest,
     /// The associated data of this request's `requestState`.
     bind: [u8; 32],
+    /// The data-layer session the request runs in, if it carries a cookie.
+    data_session: Option<&'a Attached>,
 }
 
 pub(super) async fn interactive(
@@ -65,6 +70,7 @@ pub(super) async fn interactive(
     request: ModernRequest,
     reply: ClientReply,
     principal: &[u8; 32],
+    data_session: Option<&Attached>,
 ) -> &'static str {
     let bind = binding(
         principal,
@@ -77,6 +83,7 @@ pub(super) async fn interactive(
         group,
         request: &request,
         bind,
+        data_session,
     };
     if let Err(text) = check_retry_limits(&request, &gw.config.limits) {
         reply
@@ -143,29 +150,26 @@ async fn start(call: &Call<'_>, session: &mut ServerSession, reply: ClientReply)
     let Call {
         gw, group, request, ..
     } = *call;
-    let caps = Value::Object(request.client_capabilities.clone());
-    let (upstream, _init) = match gw
-        .open_upstream(group, &caps, &client_info(request), &request.trace)
-        .await
-    {
-        Ok(opened) => opened,
-        Err(e) => return upstream_failed(reply, session, group, &e).await,
+    let upstream = match upstream_for(gw, group, request, call.data_session).await {
+        Ok(upstream) => upstream,
+        Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
     };
     let endpoint = &upstream.endpoint;
-    let session_stream = upstream.get(None).await.ok();
-    let message = json!({"jsonrpc": "2.0", "id": CALL_ID, "method": request.method, "params": upstream_params(request)});
+    let session_stream = session_stream(&upstream).await;
+    let id = call_id(&upstream);
+    let message = json!({"jsonrpc": "2.0", "id": id, "method": request.method, "params": upstream_params(request)});
     let call_response = match upstream.post(&message).await {
         Ok(r) => r,
         Err(e) => {
-            upstream.delete().await;
-            return upstream_failed(reply, session, group, &e).await;
+            end_session(gw, &upstream).await;
+            return upstream_failed(gw, reply, session, group, &e).await;
         }
     };
     let flow = FlowState {
         group: group.name.clone(),
         endpoint: endpoint.addr,
         upstream_session: upstream.session_id.clone().unwrap_or_default(),
-        call_id: UpstreamId::Number(CALL_ID),
+        call_id: UpstreamId::Number(id),
         pending: Vec::new(),
         last_event_id: None,
         round_start: None,
@@ -174,12 +178,23 @@ async fn start(call: &Call<'_>, session: &mut ServerSession, reply: ClientReply)
         flow_deadline: now_secs() + gw.config.bridge.max_flow_seconds,
         started_ms: now_ms(),
         reissue: false,
+        data_session: upstream.persistent,
         flow_id: rand::random(),
     };
     name_flow(&flow);
     let streams = Streams::new(Some(call_response), session_stream);
     let round = new_round(request, &flow);
     run_round(call, session, reply, upstream, flow, streams, round).await
+}
+
+/// The session's GET stream, where a legacy server sends requests not tied to a call.
+/// A data-layer session has none: calls in it may run at once, and only each call's own
+/// stream says which call a server request belongs to.
+async fn session_stream(upstream: &LegacySession<'_>) -> Option<Response> {
+    if upstream.persistent {
+        return None;
+    }
+    upstream.get(None).await.ok()
 }
 
 impl Streams {
@@ -535,7 +550,9 @@ async fn reissue(
     upstream: LegacySession<'_>,
     mut flow: FlowState,
 ) -> &'static str {
-    let Call { group, request, .. } = *call;
+    let Call {
+        gw, group, request, ..
+    } = *call;
     let next_id = match flow.call_id {
         UpstreamId::Number(n) => n + 1,
         UpstreamId::Text(_) => CALL_ID + 1,
@@ -543,12 +560,12 @@ async fn reissue(
     let message = json!({"jsonrpc": "2.0", "id": next_id, "method": request.method, "params": upstream_params(request)});
     let call_stream = match upstream.post(&message).await {
         Ok(r) => r,
-        Err(e) => return upstream_failed(reply, session, group, &e).await,
+        Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
     };
     flow.call_id = UpstreamId::Number(next_id);
     flow.reissue = false;
     flow.round += 1;
-    let streams = Streams::new(Some(call_stream), upstream.get(None).await.ok());
+    let streams = Streams::new(Some(call_stream), session_stream(&upstream).await);
     let round = new_round(request, &flow);
     run_round(call, session, reply, upstream, flow, streams, round).await
 }
@@ -622,7 +639,11 @@ async fn refuse_overloaded(
 
 /// Has the reaper watch a new flow's upstream session until the flow's deadline.
 fn watch(gw: &Gateway, upstream: &LegacySession<'_>, flow: &FlowState) -> bool {
-    let Some(sid) = &upstream.session_id else {
+    let Some(sid) = upstream
+        .session_id
+        .as_ref()
+        .filter(|_| !upstream.persistent)
+    else {
         return true;
     };
     gw.reaper.watch(
@@ -680,6 +701,7 @@ async fn resume(
         flow.upstream_session.clone(),
     );
     upstream.trace = request.trace.clone();
+    upstream.persistent = flow.data_session;
     gw.metrics.upstream_session("reused");
     let responses = request
         .params
@@ -697,7 +719,9 @@ async fn resume(
         if let Err(e) = upstream.post_and_expect_accepted(&message).await {
             let never_delivered = matches!(
                 e,
-                SessionError::Exchange(ExchangeError::Connect(_)) | SessionError::Protocol(_)
+                SessionError::Exchange(ExchangeError::Connect(_))
+                    | SessionError::Protocol(_)
+                    | SessionError::Gone
             );
             if answered.is_empty() && never_delivered {
                 // The upstream has no answer of this state's (it was unreachable, or
@@ -707,7 +731,7 @@ async fn resume(
                     .expect("used-states lock")
                     .release(&used);
             }
-            return upstream_failed(reply, session, group, &e).await;
+            return upstream_failed(gw, reply, session, group, &e).await;
         }
         answered.push(pending.upstream_id.clone());
     }
@@ -724,9 +748,9 @@ async fn resume(
     };
     let call_stream = match upstream.get(from.as_deref()).await {
         Ok(r) => r,
-        Err(e) => return upstream_failed(reply, session, group, &e).await,
+        Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
     };
-    let streams = Streams::new(Some(call_stream), upstream.get(None).await.ok());
+    let streams = Streams::new(Some(call_stream), session_stream(&upstream).await);
     if all_answered {
         flow.round += 1;
     }

@@ -10,10 +10,12 @@
 
 mod flow;
 mod reply;
+mod session;
 
 use super::respond;
 use super::Gateway;
 use crate::metrics::method_label;
+use crate::mrtr::data_session::META_KEY;
 use crate::mrtr::modern::{ModernHeaders, ModernRequest, Refusal, SUPPORTED_VERSIONS};
 use crate::protocol::jsonrpc::{code, Body};
 use crate::upstream::legacy_session::{read_single, LegacySession, SessionError};
@@ -24,7 +26,7 @@ use reply::{decorate, ClientReply};
 use serde_json::{json, Value};
 use tracing::Instrument;
 
-/// The id the gateway gives every call upstream (each flow has its own session).
+/// The id the gateway gives a call upstream in a session of its own.
 const CALL_ID: i64 = 1;
 
 /// The params sent upstream: the client's, less what only the 2026-07-28 wire carries,
@@ -35,7 +37,9 @@ pub(crate) fn upstream_params(request: &ModernRequest) -> Value {
     p.remove("inputResponses");
     p.remove("requestState");
     if let Some(meta) = p.get_mut("_meta").and_then(Value::as_object_mut) {
-        meta.retain(|k, _| !k.starts_with("io.modelcontextprotocol/"));
+        // The session cookie is the gateway's; SEP-1655 client-held state keys
+        // (`modelcontextprotocol.io/state/*`) and every other key go through.
+        meta.retain(|k, _| !k.starts_with("io.modelcontextprotocol/") && k != META_KEY);
         if meta.is_empty() {
             p.remove("_meta");
         }
@@ -50,6 +54,8 @@ enum Kind {
     Interactive,
     /// Forwarded once on a fresh upstream session.
     OneShot,
+    SessionCreate,
+    SessionDelete,
 }
 
 impl Kind {
@@ -62,6 +68,8 @@ impl Kind {
             | "resources/list"
             | "resources/templates/list"
             | "completion/complete" => Some(Kind::OneShot),
+            "session/create" => Some(Kind::SessionCreate),
+            "session/delete" => Some(Kind::SessionDelete),
             _ => None,
         }
     }
@@ -134,6 +142,7 @@ async fn serve_inner(
         id: id.clone(),
         accepts_sse: false,
         streaming: false,
+        cookie: None,
     };
     let Some(kind) = Kind::of(method) else {
         let text = format!("Method not found: {method}");
@@ -163,10 +172,35 @@ async fn serve_inner(
         accepts_sse,
         ..reply
     };
+    let mut attached = None;
+    if matches!(
+        kind,
+        Kind::Interactive | Kind::OneShot | Kind::SessionDelete
+    ) {
+        match session::attach(gw, group, &request, principal) {
+            Ok(a) => attached = a,
+            Err(refused) => {
+                return Served::Done(session::refuse(gw, session, reply, refused).await)
+            }
+        }
+    }
+    // Every result in a session carries its cookie, refreshed; `session/delete`'s revokes it.
+    let cookie = match (&mut attached, &kind) {
+        (Some(a), Kind::Interactive | Kind::OneShot) => Some(session::refreshed(gw, a, principal)),
+        _ => None,
+    };
+    let reply = ClientReply { cookie, ..reply };
+    let attached = attached.as_ref();
     Served::Done(match kind {
         Kind::Discover => discover(gw, session, group, &request, reply).await,
-        Kind::Interactive => flow::interactive(gw, session, group, request, reply, principal).await,
-        Kind::OneShot => one_shot(gw, session, group, &request, reply).await,
+        Kind::Interactive => {
+            flow::interactive(gw, session, group, request, reply, principal, attached).await
+        }
+        Kind::OneShot => one_shot(gw, session, group, &request, reply, attached).await,
+        Kind::SessionCreate => {
+            session::create(gw, session, group, &request, reply, principal).await
+        }
+        Kind::SessionDelete => session::delete(gw, session, group, attached, reply).await,
     })
 }
 
@@ -178,11 +212,15 @@ pub(crate) fn client_info(request: &ModernRequest) -> Value {
 }
 
 pub(crate) async fn upstream_failed(
+    gw: &Gateway,
     reply: ClientReply,
     session: &mut ServerSession,
     group: &UpstreamGroup,
     e: &SessionError,
 ) -> &'static str {
+    if matches!(e, SessionError::Gone) && reply.cookie.is_some() {
+        return session::ended(gw, session, reply).await;
+    }
     let status = if matches!(e, SessionError::NoEndpoint) {
         503
     } else {
@@ -198,18 +236,29 @@ pub(crate) async fn upstream_failed(
 
 /// The upstream's capabilities as the bridge can honour them: list-changed notifications
 /// and resource subscriptions need `subscriptions/listen`, which the bridge does not serve
-/// yet, so they are not advertised.
+/// yet, so they are not advertised. Data-layer sessions are the gateway's own, under
+/// `experimental.session`.
 fn modern_capabilities(upstream: &Value) -> Value {
     let mut caps = upstream.clone();
-    if let Some(map) = caps.as_object_mut() {
-        for (_, cap) in map.iter_mut() {
-            if let Some(cap) = cap.as_object_mut() {
-                cap.remove("listChanged");
-                cap.remove("subscribe");
-            }
+    let Some(map) = caps.as_object_mut() else {
+        return json!({"experimental": {"session": session_capability()}});
+    };
+    for (_, cap) in map.iter_mut() {
+        if let Some(cap) = cap.as_object_mut() {
+            cap.remove("listChanged");
+            cap.remove("subscribe");
         }
     }
+    let experimental = map.entry("experimental").or_insert(json!({}));
+    if !experimental.is_object() {
+        *experimental = json!({});
+    }
+    experimental["session"] = session_capability();
     caps
+}
+
+fn session_capability() -> Value {
+    json!({"version": 1, "features": crate::mrtr::data_session::FEATURES})
 }
 
 async fn discover(
@@ -221,7 +270,7 @@ async fn discover(
 ) -> &'static str {
     let init = match gw.initialize_result(group, &client_info(request)).await {
         Ok(init) => init,
-        Err(e) => return upstream_failed(reply, session, group, &e).await,
+        Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
     };
     let mut result = json!({"supportedVersions": SUPPORTED_VERSIONS, "capabilities": modern_capabilities(&init["capabilities"])});
     if let Some(instructions) = init.get("instructions") {
@@ -239,16 +288,14 @@ async fn one_shot(
     group: &UpstreamGroup,
     request: &ModernRequest,
     reply: ClientReply,
+    attached: Option<&session::Attached>,
 ) -> &'static str {
-    let caps = Value::Object(request.client_capabilities.clone());
-    let (upstream, init) = match gw
-        .open_upstream(group, &caps, &client_info(request), &request.trace)
-        .await
-    {
-        Ok(opened) => opened,
-        Err(e) => return upstream_failed(reply, session, group, &e).await,
+    let upstream = match upstream_for(gw, group, request, attached).await {
+        Ok(upstream) => upstream,
+        Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
     };
-    let call = json!({"jsonrpc": "2.0", "id": CALL_ID, "method": request.method, "params": upstream_params(request)});
+    let id = call_id(&upstream);
+    let call = json!({"jsonrpc": "2.0", "id": id, "method": request.method, "params": upstream_params(request)});
     let answer = match upstream.post(&call).await {
         Ok(mut response) => {
             let message = read_single(&mut response).await;
@@ -257,15 +304,50 @@ async fn one_shot(
         }
         Err(e) => Err(e),
     };
-    upstream.delete().await;
+    end_session(gw, &upstream).await;
     match answer {
-        Ok(message) => finish_with(reply, session, message, &init["serverInfo"], true).await,
-        Err(e) => upstream_failed(reply, session, group, &e).await,
+        Ok(message) => finish_with(reply, session, message, &gw.server_info(group), true).await,
+        Err(e) => upstream_failed(gw, reply, session, group, &e).await,
     }
 }
 
-/// Deletes the flow's upstream session and stops the reaper watching it.
+/// The upstream session a request runs in: its data-layer session's, or a fresh one
+/// opened with the request's declared capabilities.
+pub(crate) async fn upstream_for<'g>(
+    gw: &'g Gateway,
+    group: &'g UpstreamGroup,
+    request: &ModernRequest,
+    attached: Option<&session::Attached>,
+) -> Result<LegacySession<'g>, SessionError> {
+    if let Some(attached) = attached {
+        let mut upstream = attached.upstream(gw, group);
+        upstream.trace = request.trace.clone();
+        gw.metrics.upstream_session("reused");
+        return Ok(upstream);
+    }
+    let caps = Value::Object(request.client_capabilities.clone());
+    let (upstream, _init) = gw
+        .open_upstream(group, &caps, &client_info(request), &request.trace)
+        .await?;
+    Ok(upstream)
+}
+
+/// The id of a call upstream: `CALL_ID` in a session of its own; in a data-layer session,
+/// which other calls share at the same time, a random one.
+pub(crate) fn call_id(upstream: &LegacySession<'_>) -> i64 {
+    if upstream.persistent {
+        rand::Rng::gen_range(&mut rand::thread_rng(), 2..1 << 31)
+    } else {
+        CALL_ID
+    }
+}
+
+/// Deletes the flow's upstream session and stops the reaper watching it; a data-layer
+/// session's outlives the flow.
 pub(crate) async fn end_session(gw: &Gateway, upstream: &LegacySession<'_>) {
+    if upstream.persistent {
+        return;
+    }
     upstream.delete().await;
     if let Some(sid) = &upstream.session_id {
         gw.reaper.forget(&upstream.endpoint, sid);

@@ -3,17 +3,21 @@
 //! every 2026-07-28 result carries.
 
 use crate::gateway::respond;
+use crate::mrtr::data_session::META_KEY;
 use crate::protocol::sse;
 use bytes::Bytes;
 use pingora::http::ResponseHeader;
 use pingora::protocols::http::ServerSession;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
 /// The client's response: JSON at the end, or SSE once a notification has been sent.
 pub struct ClientReply {
     pub id: Value,
     pub accepts_sse: bool,
     pub streaming: bool,
+    /// In a data-layer session: the refreshed cookie every result carries in
+    /// `_meta["mcp/session"]`.
+    pub cookie: Option<Value>,
 }
 
 impl ClientReply {
@@ -58,7 +62,10 @@ impl ClientReply {
         self.streaming
     }
 
-    pub async fn result(self, session: &mut ServerSession, result: Value) {
+    pub async fn result(self, session: &mut ServerSession, mut result: Value) {
+        if let (Some(cookie), Some(meta)) = (&self.cookie, meta_of(&mut result)) {
+            meta.insert(META_KEY.into(), cookie.clone());
+        }
         self.finish(
             session,
             200,
@@ -107,17 +114,27 @@ impl ClientReply {
 pub fn decorate(mut result: Value, server_info: &Value, cacheable: bool) -> Value {
     if let Some(r) = result.as_object_mut() {
         r.entry("resultType").or_insert(json!("complete"));
-        let meta = r.entry("_meta").or_insert(json!({}));
-        if let Some(meta) = meta.as_object_mut() {
-            meta.insert(
-                "io.modelcontextprotocol/serverInfo".into(),
-                server_info.clone(),
-            );
-        }
         if cacheable {
             r.entry("ttlMs").or_insert(json!(0));
             r.entry("cacheScope").or_insert(json!("private"));
         }
     }
+    if let Some(meta) = meta_of(&mut result) {
+        meta.insert(
+            "io.modelcontextprotocol/serverInfo".into(),
+            server_info.clone(),
+        );
+    }
     result
+}
+
+/// A result's `_meta`, created if absent (or replacing one that is not an object);
+/// `None` when the result itself is not an object.
+pub fn meta_of(result: &mut Value) -> Option<&mut Map<String, Value>> {
+    let r = result.as_object_mut()?;
+    let meta = r.entry("_meta").or_insert(json!({}));
+    if !meta.is_object() {
+        *meta = json!({});
+    }
+    meta.as_object_mut()
 }

@@ -1,0 +1,244 @@
+//! Data-layer sessions on the bridge: `session/create` and `session/delete`, the cookie a
+//! request carries (opened, checked against the group, refreshed for the response), and
+//! the per-tool session policy. A request with a cookie runs in the upstream session the
+//! cookie names instead of a fresh one; see `mrtr::data_session` for the cookie itself.
+
+use super::reply::{decorate, ClientReply};
+use super::{client_info, upstream_failed};
+use crate::config::SessionPolicy;
+use crate::gateway::Gateway;
+use crate::mrtr::data_session::{
+    code as scode, revocation, CookieField, DataSession, INVALID_COOKIE, MAX_COOKIE_LEN,
+};
+use crate::mrtr::modern::ModernRequest;
+use crate::mrtr::state::now_secs;
+use crate::protocol::jsonrpc::code;
+use crate::protocol::session_token::SessionToken;
+use crate::upstream::legacy_session::LegacySession;
+use crate::upstream::{Endpoint, UpstreamGroup};
+use pingora::protocols::http::ServerSession;
+use serde_json::{json, Value};
+
+/// A request's data-layer session: its opened cookie and the endpoint that holds it.
+pub(crate) struct Attached {
+    pub cookie: DataSession,
+    pub endpoint: Endpoint,
+}
+
+impl Attached {
+    /// The upstream session, to run a request in; it is never deleted by a flow.
+    pub fn upstream<'g>(&self, gw: &'g Gateway, group: &'g UpstreamGroup) -> LegacySession<'g> {
+        let mut upstream = LegacySession::resume(
+            &gw.client,
+            self.endpoint.clone(),
+            &group.timeouts,
+            self.cookie.upstream_session.clone(),
+        );
+        upstream.persistent = true;
+        upstream
+    }
+}
+
+/// Why a request's data-layer session cannot be used; nothing went upstream.
+pub(super) enum Refused {
+    /// The tool (named) needs a session and the request carried no cookie.
+    Required(String),
+    /// The cookie did not open or does not belong here, for the logged reason.
+    Invalid(&'static str),
+}
+
+/// Opens the request's cookie, if it carries one, and applies the tool's session policy.
+/// `session/delete` may name its session in `params.id` instead of `_meta`.
+pub(super) fn attach(
+    gw: &Gateway,
+    group: &UpstreamGroup,
+    request: &ModernRequest,
+    principal: &[u8; 32],
+) -> Result<Option<Attached>, Refused> {
+    let text = match CookieField::of(&request.params) {
+        CookieField::Present(text) => Some(text),
+        CookieField::Malformed => return Err(Refused::Invalid("malformed")),
+        CookieField::Absent if request.method == "session/delete" => {
+            request.params.get("id").and_then(Value::as_str)
+        }
+        CookieField::Absent => None,
+    };
+    let Some(text) = text else {
+        return match required_by(group, request) {
+            Some(tool) => Err(Refused::Required(tool)),
+            None => Ok(None),
+        };
+    };
+    if text.len() > MAX_COOKIE_LEN {
+        return Err(Refused::Invalid("too_long"));
+    }
+    let cookie = DataSession::open(&gw.keys.load(), principal, text, now_secs())
+        .map_err(|e| Refused::Invalid(e.reason()))?;
+    if cookie.group != group.name {
+        return Err(Refused::Invalid("other_group"));
+    }
+    let endpoint = group
+        .endpoint(cookie.endpoint)
+        .ok_or(Refused::Invalid("unknown_endpoint"))?;
+    Ok(Some(Attached { cookie, endpoint }))
+}
+
+/// The tool a cookie-less request calls, if its policy requires a session. A retry is
+/// let through: its sealed state already names the upstream session.
+fn required_by(group: &UpstreamGroup, request: &ModernRequest) -> Option<String> {
+    if request.method != "tools/call" || request.params.contains_key("requestState") {
+        return None;
+    }
+    let tool = request.target.as_deref()?;
+    let required = group.tools.get(tool)?.session == SessionPolicy::Required;
+    required.then(|| tool.to_string())
+}
+
+/// The cookie for the response: the same session with a later expiry, sealed anew.
+pub(super) fn refreshed(gw: &Gateway, attached: &mut Attached, principal: &[u8; 32]) -> Value {
+    attached.cookie.expires_at = now_secs() + gw.config.bridge.data_session_ttl_seconds;
+    attached.cookie.cookie(&gw.keys.load(), principal)
+}
+
+/// Answers a request whose session was refused; a bad cookie gets one uniform error
+/// with the revocation, whatever the reason, which goes to the logs and the metric.
+pub(super) async fn refuse(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    refused: Refused,
+) -> &'static str {
+    match refused {
+        Refused::Required(tool) => {
+            let text = format!("Session required: tool '{tool}' runs only in a data-layer session; call session/create and send the cookie it returns in _meta[\"mcp/session\"]");
+            let data = json!({"method": "session/create"});
+            reply
+                .error(session, 400, scode::SESSION_REQUIRED, &text, Some(data))
+                .await;
+            "session_required"
+        }
+        Refused::Invalid(reason) => {
+            gw.metrics
+                .data_sessions
+                .with_label_values(&["rejected"])
+                .inc();
+            tracing::info!(reason, "session cookie refused");
+            let data = json!({"_meta": revocation()});
+            reply
+                .error(
+                    session,
+                    400,
+                    scode::SESSION_ENDED,
+                    INVALID_COOKIE,
+                    Some(data),
+                )
+                .await;
+            "session_rejected"
+        }
+    }
+}
+
+/// Answers a request whose upstream session is gone: the session ended, and the client
+/// is told to drop its cookie.
+pub(super) async fn ended(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    reply: ClientReply,
+) -> &'static str {
+    gw.metrics.data_sessions.with_label_values(&["ended"]).inc();
+    tracing::info!("data-layer session ended upstream");
+    let text = "Session ended: the upstream no longer has it; call session/create again";
+    let data = json!({"_meta": revocation()});
+    reply
+        .error(session, 404, scode::SESSION_ENDED, text, Some(data))
+        .await;
+    "session_ended"
+}
+
+/// `session/create`: opens an upstream session with the request's capabilities and
+/// returns the session object, its cookie in `_meta["mcp/session"]`.
+pub(super) async fn create(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    group: &UpstreamGroup,
+    request: &ModernRequest,
+    mut reply: ClientReply,
+    principal: &[u8; 32],
+) -> &'static str {
+    let caps = Value::Object(request.client_capabilities.clone());
+    let (upstream, init) = match gw
+        .open_upstream(group, &caps, &client_info(request), &request.trace)
+        .await
+    {
+        Ok(opened) => opened,
+        Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
+    };
+    let sid = upstream.session_id.clone().unwrap_or_default();
+    if SessionToken::validate_upstream_session(&sid).is_err() {
+        let text = format!(
+            "upstream group '{}' keeps no usable sessions (no valid Mcp-Session-Id), so it cannot hold a data-layer session",
+            group.name
+        );
+        reply
+            .error(session, 502, code::INTERNAL_ERROR, &text, None)
+            .await;
+        return "upstream_error";
+    }
+    let mut attached = Attached {
+        cookie: DataSession {
+            group: group.name.clone(),
+            endpoint: upstream.endpoint.addr,
+            upstream_session: sid,
+            expires_at: 0,
+            session_id: rand::random(),
+        },
+        endpoint: upstream.endpoint.clone(),
+    };
+    let cookie = refreshed(gw, &mut attached, principal);
+    gw.metrics
+        .data_sessions
+        .with_label_values(&["created"])
+        .inc();
+    tracing::info!(
+        session = attached.cookie.log_id(),
+        "data-layer session created"
+    );
+    let data = request.params.get("hints").and_then(|h| h.get("data"));
+    let result = json!({"id": cookie["id"], "expiry": cookie["expiry"], "data": data.cloned().unwrap_or(json!({}))});
+    reply.cookie = Some(cookie);
+    reply
+        .result(session, decorate(result, &init["serverInfo"], false))
+        .await;
+    "ok"
+}
+
+/// `session/delete`: DELETEs the upstream session and revokes the cookie.
+pub(super) async fn delete(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    group: &UpstreamGroup,
+    attached: Option<&Attached>,
+    reply: ClientReply,
+) -> &'static str {
+    let Some(attached) = attached else {
+        let text = "session/delete needs the session: its cookie in _meta[\"mcp/session\"] or its id in params.id";
+        reply
+            .error(session, 400, code::INVALID_PARAMS, text, None)
+            .await;
+        return "bad_request";
+    };
+    attached.upstream(gw, group).delete().await;
+    gw.metrics
+        .data_sessions
+        .with_label_values(&["deleted"])
+        .inc();
+    tracing::info!(
+        session = attached.cookie.log_id(),
+        "data-layer session deleted"
+    );
+    let result = json!({"deleted": true, "_meta": revocation()});
+    reply
+        .result(session, decorate(result, &gw.server_info(group), false))
+        .await;
+    "ok"
+}

@@ -1,0 +1,397 @@
+//! Data-layer sessions for 2026-07-28 clients, in front of a stateful legacy server: the
+//! Python fixture keeps a notebook per upstream `Mcp-Session-Id`. Without a session each
+//! modern call is independent; with `session/create` the notebook persists across calls,
+//! replicas and an MRTR round; `session/delete` ends the upstream session; bad cookies and
+//! missing ones get the documented errors and reach no upstream; two calls at once in one
+//! session each keep their own questions.
+
+use crate::common::*;
+use mrtr_gateway::config::{SessionPolicy, ToolPolicy, UpstreamEra};
+use mrtr_gateway::keys::KeyRing;
+use mrtr_gateway::mrtr::data_session::{DataSession, INVALID_COOKIE};
+use mrtr_gateway::mrtr::state::now_secs;
+use mrtr_gateway::principal::PrincipalSource;
+use mrtr_gateway::protocol::session_token::SessionToken;
+use serde_json::{json, Value};
+
+/// A `tools/call` with the session `cookie` (as a result's `_meta["mcp/session"]` gave
+/// it) and `extra` params (a retry's answers and state); returns status and body.
+fn call_status(
+    raw: &Raw,
+    id: u64,
+    tool: &str,
+    args: Value,
+    cookie: Option<&Value>,
+    extra: Value,
+) -> (u16, Value) {
+    let mut params = json!({"name": tool, "arguments": args});
+    if let Some(extra) = extra.as_object() {
+        params.as_object_mut().unwrap().extend(extra.clone());
+    }
+    if let Some(cookie) = cookie {
+        params["_meta"] = json!({"mcp/session": {"id": cookie["id"]}});
+    }
+    let reply = raw.modern(id, "tools/call", params, json!({"elicitation": {}}));
+    (reply.status, reply.json())
+}
+
+fn call(raw: &Raw, id: u64, tool: &str, args: Value, cookie: Option<&Value>) -> Value {
+    call_status(raw, id, tool, args, cookie, json!({})).1
+}
+
+/// The text of a complete tool result.
+fn text(response: &Value) -> String {
+    assert_eq!(response["result"]["resultType"], "complete", "{response}");
+    response["result"]["content"][0]["text"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no text content: {response}"))
+        .to_string()
+}
+
+/// The refreshed cookie a result in a session carries.
+fn cookie_of(response: &Value) -> Value {
+    let cookie = response["result"]["_meta"]["mcp/session"].clone();
+    assert!(cookie["id"].is_string(), "no session cookie: {response}");
+    assert!(cookie["expiry"].is_string(), "no cookie expiry: {response}");
+    cookie
+}
+
+fn create(raw: &Raw, id: u64, hints: Value) -> Value {
+    let reply = raw.modern(
+        id,
+        "session/create",
+        json!({"hints": hints}),
+        json!({"elicitation": {}}),
+    );
+    assert_eq!(reply.status, 200);
+    let response = reply.json();
+    cookie_of(&response);
+    response
+}
+
+fn notebook(raw: &Raw, id: u64, cookie: Option<&Value>) -> (Vec<String>, Option<Value>) {
+    let response = call(raw, id, "notebook_read", json!({}), cookie);
+    let pages = serde_json::from_str(&text(&response)).expect("a JSON list");
+    (pages, cookie.map(|_| cookie_of(&response)))
+}
+
+/// The message of the one question an InputRequiredResult asks.
+fn question(response: &Value) -> String {
+    let asked = response["result"]["inputRequests"]
+        .as_object()
+        .unwrap_or_else(|| panic!("no inputRequests: {response}"));
+    assert_eq!(asked.len(), 1, "{response}");
+    let (_, request) = asked.iter().next().unwrap();
+    request["params"]["message"].as_str().unwrap().to_string()
+}
+
+fn legacy_gateway(url: &str) -> TestGateway {
+    TestGateway::start_with(&[url], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+    })
+}
+
+#[test]
+fn without_a_session_each_modern_call_gets_a_fresh_upstream_session() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = legacy_gateway(&url);
+    let raw = Raw::new(&gw.url);
+    let appended = call(&raw, 1, "notebook_append", json!({"text": "a"}), None);
+    assert_eq!(text(&appended), "appended 'a': 1 entries");
+    assert!(
+        appended["result"]["_meta"].get("mcp/session").is_none(),
+        "{appended}"
+    );
+    let (pages, _) = notebook(&raw, 2, None);
+    assert!(pages.is_empty(), "a call without a session saw {pages:?}");
+}
+
+#[test]
+fn a_session_keeps_upstream_state_across_calls_replicas_and_a_round() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let (a, b) = (legacy_gateway(&url), legacy_gateway(&url));
+    let (ra, rb) = (Raw::new(&a.url), Raw::new(&b.url));
+
+    let discover = ra.modern(1, "server/discover", json!({}), json!({})).json();
+    assert_eq!(
+        discover["result"]["capabilities"]["experimental"]["session"],
+        json!({"version": 1, "features": ["create", "delete"]}),
+        "{discover}"
+    );
+
+    let created = create(&ra, 2, json!({"label": "nb", "data": {"title": "Notes"}}));
+    let result = &created["result"];
+    assert_eq!(result["data"], json!({"title": "Notes"}), "{created}");
+    assert_eq!(result["id"], cookie_of(&created)["id"]);
+    assert!(result["expiry"].as_str().unwrap().ends_with('Z'));
+
+    let appended = call(
+        &rb,
+        3,
+        "notebook_append",
+        json!({"text": "first"}),
+        Some(&cookie_of(&created)),
+    );
+    assert_eq!(text(&appended), "appended 'first': 1 entries");
+
+    let asked = call(
+        &ra,
+        4,
+        "notebook_ask",
+        json!({"label": "second"}),
+        Some(&cookie_of(&appended)),
+    );
+    assert_eq!(question(&asked), "Text for second?");
+    let retry = answer(&asked, json!({"text": "typed"}));
+    let (status, done) = call_status(
+        &rb,
+        5,
+        "notebook_ask",
+        json!({"label": "second"}),
+        Some(&cookie_of(&asked)),
+        retry,
+    );
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(text(&done), "second: typed");
+
+    let (pages, _) = notebook(&ra, 6, Some(&cookie_of(&done)));
+    assert_eq!(pages, ["first", "second: typed"]);
+    let (fresh, _) = notebook(&rb, 7, None);
+    assert!(fresh.is_empty(), "a call without the cookie saw {fresh:?}");
+    assert_eq!(
+        metric_with(&a.admin, "mrtr_gateway_data_sessions_total", "created"),
+        Some(1.0)
+    );
+}
+
+#[test]
+fn session_delete_ends_the_upstream_session_and_revokes_the_cookie() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let (a, b) = (legacy_gateway(&url), legacy_gateway(&url));
+    let (ra, rb) = (Raw::new(&a.url), Raw::new(&b.url));
+    let created = create(&ra, 1, json!({}));
+    let appended = call(
+        &ra,
+        2,
+        "notebook_append",
+        json!({"text": "x"}),
+        Some(&cookie_of(&created)),
+    );
+    let cookie = cookie_of(&appended);
+
+    let meta = json!({"_meta": {"mcp/session": {"id": cookie["id"]}}});
+    let deleted = rb.modern(3, "session/delete", meta, json!({})).json();
+    assert_eq!(deleted["result"]["deleted"], true, "{deleted}");
+    assert_eq!(
+        deleted["result"]["_meta"]["mcp/session"],
+        Value::Null,
+        "{deleted}"
+    );
+    assert!(deleted["result"]["_meta"]
+        .as_object()
+        .unwrap()
+        .contains_key("mcp/session"));
+    assert_eq!(
+        metric_with(&b.admin, "mrtr_gateway_upstream_sessions_total", "deleted"),
+        Some(1.0)
+    );
+
+    // The cookie still opens, but the upstream answers 404: the DELETE reached it.
+    let (status, after) = call_status(&ra, 4, "notebook_read", json!({}), Some(&cookie), json!({}));
+    assert_eq!(status, 404, "{after}");
+    assert_eq!(after["error"]["code"], -32011, "{after}");
+    let message = after["error"]["message"].as_str().unwrap();
+    assert!(message.starts_with("Session ended"), "{after}");
+    assert_eq!(
+        after["error"]["data"]["_meta"],
+        json!({"mcp/session": null})
+    );
+    assert_eq!(
+        metric_with(&a.admin, "mrtr_gateway_data_sessions_total", "ended"),
+        Some(1.0)
+    );
+
+    // `params.id` names the session as well as `_meta` does.
+    let other = create(&ra, 5, json!({}));
+    let by_id = json!({"id": cookie_of(&other)["id"]});
+    let deleted = ra.modern(6, "session/delete", by_id, json!({})).json();
+    assert_eq!(deleted["result"]["deleted"], true, "{deleted}");
+    let (status, _) = call_status(
+        &ra,
+        7,
+        "notebook_read",
+        json!({}),
+        Some(&cookie_of(&other)),
+        json!({}),
+    );
+    assert_eq!(status, 404);
+}
+
+#[test]
+fn foreign_expired_and_tampered_cookies_get_one_error_and_reach_no_upstream() {
+    let tripwire = Tripwire::start();
+    let gw = legacy_gateway(&tripwire.url());
+    let raw = Raw::new(&gw.url);
+    let ring = KeyRing::parse(&test_keys()).unwrap();
+    let me = PrincipalSource::Authorization.digest(None);
+    let someone = PrincipalSource::Authorization.digest(Some(b"Bearer someone-else"));
+    let good = DataSession {
+        group: "default".into(),
+        endpoint: format!("127.0.0.1:{}", tripwire.port).parse().unwrap(),
+        upstream_session: "s1".into(),
+        expires_at: now_secs() + 600,
+        session_id: 1,
+    };
+    let with = |change: &dyn Fn(&mut DataSession)| {
+        let mut cookie = good.clone();
+        change(&mut cookie);
+        cookie.seal(&ring, &me)
+    };
+    let sealed = good.seal(&ring, &me);
+    let mut tampered = sealed.clone().into_bytes();
+    let middle = tampered.len() / 2;
+    tampered[middle] = if tampered[middle] == b'A' { b'B' } else { b'A' };
+    let other_secret = KeyRing::parse("test1:AQECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8").unwrap();
+    let token = SessionToken {
+        group: "default".into(),
+        endpoint: good.endpoint,
+        upstream_session: "s1".into(),
+        issued_at: 0,
+    };
+    let cases: Vec<(&str, Value)> = vec![
+        ("other principal", json!(good.seal(&ring, &someone))),
+        ("expired", json!(with(&|c| c.expires_at = now_secs() - 1))),
+        ("tampered", json!(String::from_utf8(tampered).unwrap())),
+        ("other secret", json!(good.seal(&other_secret, &me))),
+        ("other group", json!(with(&|c| c.group = "other".into()))),
+        (
+            "unknown endpoint",
+            json!(with(&|c| c.endpoint = "127.0.0.1:1".parse().unwrap())),
+        ),
+        ("a session token", json!(token.seal(&ring, &me))),
+        ("not a string", json!(7)),
+        ("oversized", json!("A".repeat(4096))),
+    ];
+    for (i, (name, id)) in cases.iter().enumerate() {
+        let cookie = json!({"id": id});
+        let (status, body) = call_status(
+            &raw,
+            i as u64,
+            "notebook_read",
+            json!({}),
+            Some(&cookie),
+            json!({}),
+        );
+        assert_eq!(status, 400, "{name}: {body}");
+        assert_eq!(body["error"]["code"], -32011, "{name}: {body}");
+        assert_eq!(body["error"]["message"], INVALID_COOKIE, "{name}: {body}");
+        assert_eq!(
+            body["error"]["data"]["_meta"],
+            json!({"mcp/session": null}),
+            "{name}"
+        );
+    }
+    assert_eq!(tripwire.count(), 0, "a refused cookie reached the upstream");
+    assert_eq!(
+        metric_with(&gw.admin, "mrtr_gateway_data_sessions_total", "rejected"),
+        Some(cases.len() as f64)
+    );
+    // The control: the same cookie, untouched, is forwarded to the endpoint it names.
+    let (status, _) = call_status(
+        &raw,
+        99,
+        "notebook_read",
+        json!({}),
+        Some(&json!({"id": sealed})),
+        json!({}),
+    );
+    assert_ne!(status, 400);
+    assert!(
+        tripwire.count() > 0,
+        "the untouched cookie was not forwarded"
+    );
+}
+
+#[test]
+fn a_required_tool_without_a_session_gets_the_documented_error() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.upstreams[0].tools.insert(
+            "notebook_append".into(),
+            ToolPolicy {
+                session: SessionPolicy::Required,
+            },
+        );
+    });
+    let raw = Raw::new(&gw.url);
+    let (status, refused) = call_status(
+        &raw,
+        1,
+        "notebook_append",
+        json!({"text": "x"}),
+        None,
+        json!({}),
+    );
+    assert_eq!(status, 400, "{refused}");
+    assert_eq!(refused["error"]["code"], -32010, "{refused}");
+    let message = refused["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("notebook_append") && message.contains("session/create"),
+        "{message}"
+    );
+    // A tool without the policy runs without a session.
+    let (pages, _) = notebook(&raw, 2, None);
+    assert!(pages.is_empty());
+    let created = create(&raw, 3, json!({}));
+    let appended = call(
+        &raw,
+        4,
+        "notebook_append",
+        json!({"text": "x"}),
+        Some(&cookie_of(&created)),
+    );
+    assert_eq!(text(&appended), "appended 'x': 1 entries");
+}
+
+#[test]
+fn two_calls_at_once_in_one_session_keep_their_own_questions() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = legacy_gateway(&url);
+    let raw = Raw::new(&gw.url);
+    let cookie = cookie_of(&create(&raw, 1, json!({})));
+    let ask = |id: u64, label: &'static str| {
+        let (url, cookie) = (gw.url.clone(), cookie.clone());
+        std::thread::spawn(move || {
+            let asked = call(
+                &Raw::new(&url),
+                id,
+                "notebook_ask",
+                json!({"label": label}),
+                Some(&cookie),
+            );
+            (label, asked)
+        })
+    };
+    let (left, right) = (ask(2, "left"), ask(3, "right"));
+    let asked: Vec<(&str, Value)> = [left, right].map(|t| t.join().unwrap()).into();
+    for (label, response) in &asked {
+        assert_eq!(question(response), format!("Text for {label}?"));
+    }
+    // Answer in the other order, each with its own text.
+    for (id, (label, response)) in asked.iter().enumerate().rev() {
+        let retry = answer(response, json!({"text": format!("{label}-text")}));
+        let (status, done) = call_status(
+            &raw,
+            10 + id as u64,
+            "notebook_ask",
+            json!({"label": label}),
+            Some(&cookie_of(response)),
+            retry,
+        );
+        assert_eq!(status, 200, "{done}");
+        assert_eq!(text(&done), format!("{label}: {label}-text"));
+    }
+    let (pages, _) = notebook(&raw, 20, Some(&cookie));
+    assert_eq!(pages, ["right: right-text", "left: left-text"]);
+}
