@@ -13,6 +13,8 @@ echo "== cargo fmt --check"
 cargo fmt --all -- --check
 echo "== cargo clippy -D warnings"
 cargo clippy --all-targets --quiet -- -D warnings
+echo "== cargo check of the fuzz targets (a crate of its own, which clippy does not reach)"
+cargo check --quiet --manifest-path fuzz/Cargo.toml --bins
 echo "== cargo test"
 cargo test --all-targets -- --nocapture 2>&1 | tee target/test-output.txt
 echo "== deploy: manifests against the Kubernetes schemas, their configs, dashboard JSON"

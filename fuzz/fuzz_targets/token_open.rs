@@ -1,5 +1,5 @@
 //! The token opener on hostile text. Arbitrary text never panics and never opens as a
-//! session token or a `requestState`. A genuine token with one fuzzer-chosen change (a
+//! session token, a `requestState` or a data-layer session cookie. A genuine token with one fuzzer-chosen change (a
 //! byte replaced, bytes cut or appended) opens only if the change was no change at all.
 #![no_main]
 
@@ -7,6 +7,7 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine;
 use libfuzzer_sys::fuzz_target;
 use mrtr_gateway::keys::{KeyRing, Purpose};
+use mrtr_gateway::mrtr::data_session::DataSession;
 use mrtr_gateway::mrtr::state::{FlowState, UpstreamId};
 use mrtr_gateway::protocol::session_token::SessionToken;
 use mrtr_gateway::seal;
@@ -19,6 +20,7 @@ struct Genuine {
     ring: KeyRing,
     state: String,
     session: String,
+    cookie: String,
 }
 
 fn genuine() -> &'static Genuine {
@@ -36,6 +38,7 @@ fn genuine() -> &'static Genuine {
             round: 1,
             expires_at: u64::MAX,
             flow_deadline: u64::MAX,
+            started_ms: 0,
             reissue: false,
             data_session: false,
             flow_id: 1,
@@ -48,16 +51,27 @@ fn genuine() -> &'static Genuine {
             issued_at: 0,
         };
         let session = token.seal(&ring, &BIND);
+        let cookie = DataSession {
+            group: "default".into(),
+            endpoint: "127.0.0.1:3001".parse().unwrap(),
+            upstream_session: "s-1".into(),
+            expires_at: u64::MAX,
+            session_id: 1,
+        }
+        .seal(&ring, &BIND);
         Genuine {
             ring,
             state,
             session,
+            cookie,
         }
     })
 }
 
 fn opens(ring: &KeyRing, text: &str) -> bool {
-    FlowState::open(ring, &BIND, text, 0).is_ok() || SessionToken::open(ring, &BIND, text).is_ok()
+    FlowState::open(ring, &BIND, text, 0).is_ok()
+        || SessionToken::open(ring, &BIND, text).is_ok()
+        || DataSession::open(ring, &BIND, text, 0).is_ok()
 }
 
 /// Applies one change to the raw bytes of `token`, chosen by `how`.
@@ -77,11 +91,11 @@ fn mutate(token: &str, how: &[u8]) -> Option<Vec<u8>> {
 fuzz_target!(|input: &[u8]| {
     let g = genuine();
     let text = String::from_utf8_lossy(input);
-    for purpose in [Purpose::Session, Purpose::RequestState] {
+    for purpose in Purpose::ALL {
         let _ = seal::open(&g.ring, purpose, b"", &text, 1 << 16);
     }
     assert!(!opens(&g.ring, &text), "arbitrary text opened");
-    for original in [&g.state, &g.session] {
+    for original in [&g.state, &g.session, &g.cookie] {
         let Some(changed) = mutate(original, input) else {
             continue;
         };
