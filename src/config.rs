@@ -164,6 +164,10 @@ pub struct BridgeOptions {
     /// How long a data-layer session's cookie stays valid after the last response that
     /// carried it (each response refreshes it).
     pub data_session_ttl_seconds: u64,
+    /// Load shedding: with more than this many interactive requests in progress on the
+    /// replica, a new call is deferred with a `requestState`-only InputRequiredResult
+    /// (the client retries, possibly elsewhere) instead of started; 0 turns it off.
+    pub shed_above_active_rounds: usize,
 }
 
 impl Default for BridgeOptions {
@@ -176,6 +180,7 @@ impl Default for BridgeOptions {
             max_watched_sessions: 100_000,
             max_used_states: 200_000,
             data_session_ttl_seconds: 3600,
+            shed_above_active_rounds: 0,
         }
     }
 }

@@ -36,6 +36,10 @@ pub struct Metrics {
     pub upstream_connections: IntGauge,
     /// Flows waiting for a client's retry that this replica opened (the reaper's table).
     pub pending_flows: IntGauge,
+    /// Bridged interactive requests in progress on this replica (first calls and retries).
+    pub active_rounds: IntGauge,
+    /// New calls deferred by load shedding with a `requestState`-only result.
+    pub shed: IntCounter,
     /// SSE keep-alive comments written to idle client streams.
     pub sse_keepalives: IntCounter,
     /// 1 once a graceful shutdown began.
@@ -238,6 +242,19 @@ impl Metrics {
                 "mrtr_gateway_reloads_total",
                 "Reloads of the keys file and the JWKS, by file and outcome",
                 &["file", "outcome"],
+            ),
+            active_rounds: gauge(
+                &r,
+                "mrtr_gateway_active_rounds",
+                "Bridged interactive requests in progress on this replica",
+            ),
+            shed: register(
+                &r,
+                IntCounter::new(
+                    "mrtr_gateway_shed_total",
+                    "New calls deferred by load shedding with a requestState-only result",
+                )
+                .expect("valid metric"),
             ),
             keys_loaded: gauge(&r, "mrtr_gateway_keys_loaded", "Keys in the key ring"),
             registry: r,

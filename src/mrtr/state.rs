@@ -75,6 +75,8 @@ pub struct FlowState {
     pub last_event_id: Option<String>,
     /// The call-stream position before this round's first question, to ask again.
     pub round_start: Option<String>,
+    /// The round this state resumes; `DEFERRED` (0) for a call that load shedding
+    /// deferred before it started, which the retry starts.
     pub round: u16,
     /// Seconds since the Unix epoch after which the state is refused.
     pub expires_at: u64,
@@ -90,6 +92,9 @@ pub struct FlowState {
     /// Random id that stays the same across rounds and replicas, for logs.
     pub flow_id: u64,
 }
+
+/// The `round` of a state whose call has not started (load shedding deferred it).
+pub const DEFERRED: u16 = 0;
 
 /// What a state is bound to: the first half names the principal (a prefix of its
 /// digest), the second the request (a digest of method, name or uri, and arguments).

@@ -12,3 +12,4 @@ mod keys;
 mod operations;
 mod real_peers;
 mod sessions;
+mod shedding;

@@ -11,9 +11,10 @@ use super::{
 use crate::config::Limits;
 use crate::gateway::passthrough::sleep_or_never;
 use crate::gateway::Gateway;
+use crate::metrics::InUse;
 use crate::mrtr::modern::{code as mcode, ModernRequest};
 use crate::mrtr::replay::{self, Claim};
-use crate::mrtr::state::{binding, now_ms, now_secs, FlowState, UpstreamId};
+use crate::mrtr::state::{binding, now_ms, now_secs, FlowState, UpstreamId, DEFERRED};
 use crate::mrtr::translate::{Action, Round};
 use crate::protocol::jsonrpc::code;
 use crate::protocol::sse;
@@ -91,8 +92,9 @@ pub(super) async fn interactive(
             .await;
         return "bad_request";
     }
+    let _active = InUse::new(&gw.metrics.active_rounds);
     match request.params.get("requestState").and_then(Value::as_str) {
-        None => start(&call, session, reply).await,
+        None => start(&call, session, reply, None).await,
         Some(text) => resume(&call, session, reply, text).await,
     }
 }
@@ -146,10 +148,44 @@ fn round_over_limits(limits: &Limits, flow: &FlowState, round: &Round) -> Option
     })
 }
 
-async fn start(call: &Call<'_>, session: &mut ServerSession, reply: ClientReply) -> &'static str {
+/// Whether this replica sheds new calls now: more interactive requests are in progress
+/// than `bridge.shed_above_active_rounds` (this one included).
+fn shedding(gw: &Gateway) -> bool {
+    let limit = gw.config.bridge.shed_above_active_rounds;
+    limit > 0 && gw.metrics.active_rounds.get() > limit as i64
+}
+
+/// Starts a call, or, under load shedding, defers it. `deferred` is the state of a call
+/// deferred earlier, whose flow id, start and deadline carry over.
+async fn start(
+    call: &Call<'_>,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    deferred: Option<FlowState>,
+) -> &'static str {
     let Call {
         gw, group, request, ..
     } = *call;
+    let mut flow = deferred.unwrap_or_else(|| FlowState {
+        group: group.name.clone(),
+        endpoint: std::net::SocketAddr::from(([0, 0, 0, 0], 0)),
+        upstream_session: String::new(),
+        call_id: UpstreamId::Number(0),
+        pending: Vec::new(),
+        last_event_id: None,
+        round_start: None,
+        round: DEFERRED,
+        expires_at: 0,
+        flow_deadline: now_secs() + gw.config.bridge.max_flow_seconds,
+        started_ms: now_ms(),
+        reissue: false,
+        data_session: call.data_session.is_some(),
+        flow_id: rand::random(),
+    });
+    name_flow(&flow);
+    if shedding(gw) {
+        return defer(call, session, reply, flow).await;
+    }
     let upstream = match upstream_for(gw, group, request, call.data_session).await {
         Ok(upstream) => upstream,
         Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
@@ -165,23 +201,11 @@ async fn start(call: &Call<'_>, session: &mut ServerSession, reply: ClientReply)
             return upstream_failed(gw, reply, session, group, &e).await;
         }
     };
-    let flow = FlowState {
-        group: group.name.clone(),
-        endpoint: endpoint.addr,
-        upstream_session: upstream.session_id.clone().unwrap_or_default(),
-        call_id: UpstreamId::Number(id),
-        pending: Vec::new(),
-        last_event_id: None,
-        round_start: None,
-        round: 1,
-        expires_at: 0,
-        flow_deadline: now_secs() + gw.config.bridge.max_flow_seconds,
-        started_ms: now_ms(),
-        reissue: false,
-        data_session: upstream.persistent,
-        flow_id: rand::random(),
-    };
-    name_flow(&flow);
+    flow.endpoint = endpoint.addr;
+    flow.upstream_session = upstream.session_id.clone().unwrap_or_default();
+    flow.call_id = UpstreamId::Number(id);
+    flow.round = 1;
+    flow.data_session = upstream.persistent;
     let streams = Streams::new(Some(call_response), session_stream);
     let round = new_round(request, &flow);
     run_round(call, session, reply, upstream, flow, streams, round).await
@@ -609,6 +633,33 @@ async fn ask_client(
     "input_required"
 }
 
+/// Defers a call under load shedding: a `requestState`-only InputRequiredResult whose
+/// retry, on any replica, starts the call. Nothing went upstream.
+async fn defer(
+    call: &Call<'_>,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    mut flow: FlowState,
+) -> &'static str {
+    let gw = call.gw;
+    flow.expires_at =
+        (now_secs() + gw.config.bridge.request_state_ttl_seconds).min(flow.flow_deadline);
+    let sealed = flow.seal(&gw.keys.load(), &call.bind);
+    gw.metrics.shed.inc();
+    tracing::info!(
+        flow = format!("{:016x}", flow.flow_id),
+        "call deferred: shedding load"
+    );
+    let result = json!({"resultType": "input_required", "requestState": sealed});
+    reply
+        .result(
+            session,
+            decorate(result, &gw.server_info(call.group), false),
+        )
+        .await;
+    "shed"
+}
+
 /// Names the flow in the request's span, so its access line carries the flow id; the id
 /// travels in the state, so every round on every replica logs the same one.
 fn name_flow(flow: &FlowState) {
@@ -667,10 +718,14 @@ async fn resume(
     let opened = FlowState::open(&gw.keys.load(), bind, text, now_secs())
         .map_err(|e| e.reason())
         .and_then(|state| {
-            let endpoint = (state.group == group.name)
-                .then(|| group.endpoint(state.endpoint))
-                .flatten();
-            endpoint.map(|e| (state, e)).ok_or("unknown_endpoint")
+            if state.group != group.name {
+                return Err("unknown_endpoint");
+            }
+            if state.round == DEFERRED {
+                return Ok((state, None));
+            }
+            let endpoint = group.endpoint(state.endpoint).ok_or("unknown_endpoint")?;
+            Ok((state, Some(endpoint)))
         });
     let (mut flow, endpoint) = match opened {
         Ok(o) => o,
@@ -694,6 +749,9 @@ async fn resume(
             return "overloaded";
         }
     }
+    let Some(endpoint) = endpoint else {
+        return start(call, session, reply, Some(flow)).await;
+    };
     let mut upstream = LegacySession::resume(
         &gw.client,
         endpoint,
