@@ -39,6 +39,7 @@ fn state(questions: usize) -> FlowState {
             .map(|i| Pending {
                 key: format!("elicitation_{i}"),
                 upstream_id: UpstreamId::Number(i as i64),
+                fingerprint: None,
             })
             .collect(),
         last_event_id: Some("1:3".into()),
@@ -49,6 +50,7 @@ fn state(questions: usize) -> FlowState {
         started_ms: 1_000_000,
         reissue: false,
         data_session: false,
+        known: Vec::new(),
         flow_id: 0x1234_5678_9abc_def0,
     }
 }

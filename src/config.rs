@@ -248,6 +248,11 @@ pub struct UpstreamGroupConfig {
 pub struct ToolPolicy {
     /// Whether a 2026-07-28 call of the tool must carry a data-layer session cookie.
     pub session: SessionPolicy,
+    /// Whether the tool may be run again when its upstream session is lost between
+    /// rounds (the server restarted, its endpoint died): the re-run gets the answers
+    /// given so far, and the client is asked only what is new. Only for tools that are
+    /// safe to run twice.
+    pub restartable: bool,
 }
 
 /// Whether a tool needs a data-layer session.

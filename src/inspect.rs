@@ -70,6 +70,7 @@ fn state_report(kid: &str, bound: &[u8; 32], s: &FlowState, now: u64) -> String 
         ("round start", s.round_start.clone().unwrap_or_default()),
         ("reissue", s.reissue.to_string()),
         ("data session", s.data_session.to_string()),
+        ("known answers", s.known.len().to_string()),
         ("expires", expiry(s.expires_at, now)),
         ("flow deadline", expiry(s.flow_deadline, now)),
         ("principal tag", hex(&bound[..16])),
@@ -137,6 +138,7 @@ mod tests {
             pending: vec![Pending {
                 key: "elicitation_0".into(),
                 upstream_id: UpstreamId::Number(0),
+                fingerprint: None,
             }],
             last_event_id: Some("ev-3".into()),
             round_start: Some("ev-2".into()),
@@ -146,6 +148,7 @@ mod tests {
             started_ms: 1_000_000,
             reissue: false,
             data_session: false,
+            known: Vec::new(),
             flow_id: 0xabc,
         };
         let bind = binding(&[9; 32], "tools/call", Some("t"), None);

@@ -40,6 +40,8 @@ pub struct Metrics {
     pub active_rounds: IntGauge,
     /// New calls deferred by load shedding with a `requestState`-only result.
     pub shed: IntCounter,
+    /// Restartable calls run again after their upstream session was lost.
+    pub call_restarts: IntCounter,
     /// SSE keep-alive comments written to idle client streams.
     pub sse_keepalives: IntCounter,
     /// 1 once a graceful shutdown began.
@@ -253,6 +255,14 @@ impl Metrics {
                 IntCounter::new(
                     "mrtr_gateway_shed_total",
                     "New calls deferred by load shedding with a requestState-only result",
+                )
+                .expect("valid metric"),
+            ),
+            call_restarts: register(
+                &r,
+                IntCounter::new(
+                    "mrtr_gateway_call_restarts_total",
+                    "Restartable calls run again after their upstream session was lost",
                 )
                 .expect("valid metric"),
             ),

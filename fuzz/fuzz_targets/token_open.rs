@@ -41,6 +41,7 @@ fn genuine() -> &'static Genuine {
             started_ms: 0,
             reissue: false,
             data_session: false,
+            known: Vec::new(),
             flow_id: 1,
         };
         let state = flow.seal(&ring, &BIND);

@@ -24,16 +24,6 @@ pub const FEATURES: [&str; 2] = ["create", "delete"];
 /// Longest cookie id accepted before any decoding.
 pub const MAX_COOKIE_LEN: usize = 1024;
 
-/// Error codes, from the range the 2026-07-28 schema leaves to implementations
-/// (-32000 to -32019). The strawman's -32002 is reserved there ("resource not found" of
-/// earlier revisions) and must never be reused.
-pub mod code {
-    /// The tool needs a data-layer session and the request carried no cookie.
-    pub const SESSION_REQUIRED: i64 = -32010;
-    /// The cookie did not open, expired, or names a session that has ended.
-    pub const SESSION_ENDED: i64 = -32011;
-}
-
 /// The one message for every cookie that does not open, whatever the reason.
 pub const INVALID_COOKIE: &str = "Invalid or expired session: call session/create again";
 

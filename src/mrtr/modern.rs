@@ -20,6 +20,19 @@ pub mod code {
     pub const UNSUPPORTED_PROTOCOL_VERSION: i64 = -32022;
 }
 
+/// The gateway's own error codes, from the range the 2026-07-28 schema leaves to
+/// implementations (-32000 to -32019). The data-layer session strawman's -32002 is
+/// reserved there ("resource not found" of earlier revisions) and must never be reused.
+pub mod gateway_code {
+    /// The tool needs a data-layer session and the request carried no cookie.
+    pub const SESSION_REQUIRED: i64 = -32010;
+    /// The session cookie did not open, expired, or names a session that has ended.
+    pub const SESSION_ENDED: i64 = -32011;
+    /// The upstream lost the call between rounds and it is not run again: the client
+    /// should issue the call again.
+    pub const FLOW_LOST: i64 = -32012;
+}
+
 /// Which protocol era a request speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Era {

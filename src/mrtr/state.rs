@@ -61,6 +61,38 @@ impl UpstreamId {
 pub struct Pending {
     pub key: String,
     pub upstream_id: UpstreamId,
+    /// For a `restartable` tool: the request's fingerprint, so that its answer can be
+    /// given again if the call has to be run again.
+    pub fingerprint: Option<u64>,
+}
+
+/// An answer the client gave in a `restartable` tool's flow, kept so that a re-run of the
+/// call (after its upstream session was lost) is not asked the same thing twice.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Known {
+    /// The fingerprint of the server request it answered (`fingerprint`).
+    pub fingerprint: u64,
+    /// The answer, as JSON text.
+    pub answer: String,
+    /// Whether the current run of the call has been given it already.
+    pub used: bool,
+}
+
+/// A server request's identity across runs of a call: its method and canonical params
+/// (object keys sorted), without `_meta` and the per-run `elicitationId`.
+pub fn fingerprint(method: &str, params: &Value) -> u64 {
+    let mut params = params.clone();
+    if let Some(p) = params.as_object_mut() {
+        p.remove("_meta");
+        p.remove("elicitationId");
+    }
+    let mut h = Sha256::new();
+    h.update(b"mrtr-gateway request fingerprint v1\0");
+    h.update(method.as_bytes());
+    h.update(b"\0");
+    h.update(params.to_string().as_bytes());
+    let digest = h.finalize();
+    u64::from_be_bytes(digest[..8].try_into().expect("8 bytes"))
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -89,6 +121,8 @@ pub struct FlowState {
     /// The flow runs in a data-layer session: it reads only the call's own stream and
     /// never deletes the upstream session.
     pub data_session: bool,
+    /// A `restartable` tool's answers so far, in order; empty for other tools.
+    pub known: Vec<Known>,
     /// Random id that stays the same across rounds and replicas, for logs.
     pub flow_id: u64,
 }
@@ -184,6 +218,7 @@ mod tests {
             pending: vec![Pending {
                 key: "elicitation_0".into(),
                 upstream_id: UpstreamId::Number(0),
+                fingerprint: None,
             }],
             last_event_id: Some("7a655773-cec9-4f18-9782-81d58bb08a83_3".into()),
             round_start: Some("7a655773-cec9-4f18-9782-81d58bb08a83_2".into()),
@@ -193,6 +228,7 @@ mod tests {
             started_ms: 2_000_000_000_000,
             reissue: false,
             data_session: false,
+            known: Vec::new(),
             flow_id: 0x1234_5678_9abc_def0,
         }
     }

@@ -4,7 +4,7 @@
 //! and requests the client cannot take are answered upstream; the call's response ends
 //! the flow.
 
-use super::state::{Pending, UpstreamId};
+use super::state::{fingerprint, Known, Pending, UpstreamId};
 use serde_json::{json, Map, Value};
 
 /// A legacy server may name an input key itself with this `_meta` hint on its request.
@@ -67,6 +67,10 @@ pub struct Round {
     round_start: Option<String>,
     /// Server requests already answered, to ignore when a stream is replayed.
     answered: Vec<UpstreamId>,
+    /// A restartable tool's round: questions are fingerprinted, and those a known
+    /// answer not yet given in this run matches are answered upstream from it.
+    restartable: bool,
+    known: Vec<Known>,
 }
 
 impl Round {
@@ -86,7 +90,21 @@ impl Round {
             round_start: None,
             last_event_id,
             answered: Vec::new(),
+            restartable: false,
+            known: Vec::new(),
         }
+    }
+
+    /// Makes this a restartable tool's round, with the answers known so far.
+    pub fn restartable(mut self, known: Vec<Known>) -> Round {
+        self.restartable = true;
+        self.known = known;
+        self
+    }
+
+    /// The known answers, with those given in this run marked used.
+    pub fn known(&self) -> &[Known] {
+        &self.known
     }
 
     /// Ignores these server requests if a replayed stream sends them again.
@@ -187,6 +205,13 @@ impl Round {
                 },
             ];
         }
+        let fingerprint = self.restartable.then(|| fingerprint(method, &params));
+        if let Some(answer) = fingerprint.and_then(|fp| self.known_answer(fp)) {
+            self.answered.push(upstream_id);
+            return vec![Action::AnswerUpstream(
+                json!({"jsonrpc": "2.0", "id": id, "result": answer}),
+            )];
+        }
         if self.pending.is_empty() {
             self.round_start = self.previous_event_id.clone();
         }
@@ -194,8 +219,24 @@ impl Round {
         strip_legacy_fields(&mut params);
         self.input_requests
             .insert(key.clone(), json!({"method": method, "params": params}));
-        self.pending.push(Pending { key, upstream_id });
+        self.pending.push(Pending {
+            key,
+            upstream_id,
+            fingerprint,
+        });
         Vec::new()
+    }
+
+    /// The first known answer to a request with this fingerprint not yet given in this
+    /// run, marked given.
+    fn known_answer(&mut self, fingerprint: u64) -> Option<Value> {
+        let known = self
+            .known
+            .iter_mut()
+            .find(|k| !k.used && k.fingerprint == fingerprint)?;
+        let answer = serde_json::from_str(&known.answer).ok()?;
+        known.used = true;
+        Some(answer)
     }
 
     /// The hint the server gave, when usable and unique; else `KIND_ID`.
@@ -295,6 +336,34 @@ mod tests {
     fn elicit(id: i64, extra_meta: Value) -> Value {
         json!({"jsonrpc": "2.0", "id": id, "method": "elicitation/create",
                "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}, "_meta": extra_meta}})
+    }
+
+    #[test]
+    fn a_restartable_round_answers_a_known_question_once_and_asks_the_rest() {
+        let asked = elicit(4, json!({}));
+        let fp = fingerprint("elicitation/create", &asked["params"]);
+        let known = vec![Known {
+            fingerprint: fp,
+            answer: json!({"action": "accept", "content": {"name": "Ada"}}).to_string(),
+            used: false,
+        }];
+        let mut r = round(json!({"elicitation": {}})).restartable(known);
+        // Another run's request id and `_meta` do not change the fingerprint.
+        let actions = r.on_message(elicit(7, json!({"progressToken": 9})));
+        assert_eq!(
+            actions,
+            vec![Action::AnswerUpstream(
+                json!({"jsonrpc": "2.0", "id": 7, "result": {"action": "accept", "content": {"name": "Ada"}}})
+            )]
+        );
+        assert!(r.known()[0].used);
+        // The same question again is new: it goes to the client, fingerprinted.
+        assert!(r.on_message(elicit(8, json!({}))).is_empty());
+        assert_eq!(r.pending()[0].fingerprint, Some(fp));
+        // A round of a tool that is not restartable fingerprints nothing.
+        let mut plain = round(json!({"elicitation": {}}));
+        plain.on_message(elicit(1, json!({})));
+        assert_eq!(plain.pending()[0].fingerprint, None);
     }
 
     #[test]

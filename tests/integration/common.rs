@@ -107,7 +107,11 @@ pub enum Upstream {
 
 /// Starts `kind` on a free loopback port; returns the process and its MCP URL.
 pub fn start_upstream(kind: Upstream) -> (Proc, String) {
-    let port = free_port();
+    start_upstream_on(kind, free_port())
+}
+
+/// Starts `kind` on `port` (again, after a restart); returns the process and its MCP URL.
+pub fn start_upstream_on(kind: Upstream, port: u16) -> (Proc, String) {
     let fixtures = root().join("tests/fixtures");
     let mut cmd = match kind {
         Upstream::Python | Upstream::PythonWithoutEventStore => {

@@ -129,6 +129,7 @@ impl Fixture {
             pending: vec![Pending {
                 key: "user_name".into(),
                 upstream_id: UpstreamId::Number(0),
+                fingerprint: None,
             }],
             last_event_id: Some("s_1".into()),
             round_start: Some("s_0".into()),
@@ -138,6 +139,7 @@ impl Fixture {
             started_ms: 1_000_000,
             reissue: false,
             data_session: false,
+            known: Vec::new(),
             flow_id: rand::random(),
         }
     }

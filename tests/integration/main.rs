@@ -11,5 +11,6 @@ mod hostile;
 mod keys;
 mod operations;
 mod real_peers;
+mod recovery;
 mod sessions;
 mod shedding;

@@ -321,6 +321,7 @@ fn a_required_tool_without_a_session_gets_the_documented_error() {
             "notebook_append".into(),
             ToolPolicy {
                 session: SessionPolicy::Required,
+                ..ToolPolicy::default()
             },
         );
     });

@@ -12,9 +12,9 @@ use crate::config::Limits;
 use crate::gateway::passthrough::sleep_or_never;
 use crate::gateway::Gateway;
 use crate::metrics::InUse;
-use crate::mrtr::modern::{code as mcode, ModernRequest};
+use crate::mrtr::modern::{code as mcode, gateway_code as gcode, ModernRequest};
 use crate::mrtr::replay::{self, Claim};
-use crate::mrtr::state::{binding, now_ms, now_secs, FlowState, UpstreamId, DEFERRED};
+use crate::mrtr::state::{binding, now_ms, now_secs, FlowState, Known, UpstreamId, DEFERRED};
 use crate::mrtr::translate::{Action, Round};
 use crate::protocol::jsonrpc::code;
 use crate::protocol::sse;
@@ -25,7 +25,7 @@ use crate::upstream::legacy_session::{
 use crate::upstream::UpstreamGroup;
 use bytes::Bytes;
 use pingora::protocols::http::ServerSession;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -163,9 +163,7 @@ async fn start(
     reply: ClientReply,
     deferred: Option<FlowState>,
 ) -> &'static str {
-    let Call {
-        gw, group, request, ..
-    } = *call;
+    let Call { gw, group, .. } = *call;
     let mut flow = deferred.unwrap_or_else(|| FlowState {
         group: group.name.clone(),
         endpoint: std::net::SocketAddr::from(([0, 0, 0, 0], 0)),
@@ -180,17 +178,34 @@ async fn start(
         started_ms: now_ms(),
         reissue: false,
         data_session: call.data_session.is_some(),
+        known: Vec::new(),
         flow_id: rand::random(),
     });
     name_flow(&flow);
     if shedding(gw) {
         return defer(call, session, reply, flow).await;
     }
-    let upstream = match upstream_for(gw, group, request, call.data_session).await {
+    flow.round = 1;
+    run_call(call, session, reply, flow, call.data_session).await
+}
+
+/// Posts the call in the data-layer session, or in a new upstream session, and runs its
+/// first round there. A re-run (round above 1) is watched by this replica's reaper at
+/// once, since this request opened its session.
+async fn run_call(
+    call: &Call<'_>,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    mut flow: FlowState,
+    data_session: Option<&Attached>,
+) -> &'static str {
+    let Call {
+        gw, group, request, ..
+    } = *call;
+    let upstream = match upstream_for(gw, group, request, data_session).await {
         Ok(upstream) => upstream,
         Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
     };
-    let endpoint = &upstream.endpoint;
     let session_stream = session_stream(&upstream).await;
     let id = call_id(&upstream);
     let message = json!({"jsonrpc": "2.0", "id": id, "method": request.method, "params": upstream_params(request)});
@@ -201,14 +216,84 @@ async fn start(
             return upstream_failed(gw, reply, session, group, &e).await;
         }
     };
-    flow.endpoint = endpoint.addr;
+    flow.endpoint = upstream.endpoint.addr;
     flow.upstream_session = upstream.session_id.clone().unwrap_or_default();
     flow.call_id = UpstreamId::Number(id);
-    flow.round = 1;
     flow.data_session = upstream.persistent;
+    if flow.round > 1 && !watch(gw, &upstream, &flow) {
+        return refuse_overloaded(gw, session, reply, &upstream).await;
+    }
     let streams = Streams::new(Some(call_response), session_stream);
-    let round = new_round(request, &flow);
+    let round = new_round(call, &flow);
     run_round(call, session, reply, upstream, flow, streams, round).await
+}
+
+/// Whether an upstream failure means the call is lost: its session is gone, or its
+/// endpoint does not take connections.
+fn is_lost(e: &SessionError) -> bool {
+    matches!(
+        e,
+        SessionError::Gone | SessionError::Exchange(ExchangeError::Connect(_))
+    )
+}
+
+/// Whether the call is a `restartable` tool's (never in a data-layer session, whose
+/// state a re-run would not restore).
+fn restartable(call: &Call<'_>) -> bool {
+    let request = call.request;
+    let tool = request.target.as_deref().unwrap_or_default();
+    request.method == "tools/call"
+        && call.data_session.is_none()
+        && call.group.tools.get(tool).is_some_and(|t| t.restartable)
+}
+
+/// After the upstream lost the call (its session is gone or its endpoint is down, before
+/// any answer of this retry reached it): a `restartable` tool runs again in a new
+/// session, its repeated questions answered from the answers given so far and in this
+/// retry; any other call ends with `FLOW_LOST`, for the client to issue again.
+async fn lost(
+    call: &Call<'_>,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    mut flow: FlowState,
+    responses: &Map<String, Value>,
+) -> &'static str {
+    let gw = call.gw;
+    let flow_id = format!("{:016x}", flow.flow_id);
+    if !restartable(call) {
+        tracing::info!(flow = flow_id, "upstream lost the call; not restartable");
+        let text = format!("upstream group '{}' lost this call between rounds (its session is gone or its endpoint is down), and the tool is not marked restartable, so it is not run again: issue the call again", call.group.name);
+        reply
+            .error(session, 502, gcode::FLOW_LOST, &text, None)
+            .await;
+        return "upstream_error";
+    }
+    for pending in &flow.pending {
+        if let (Some(fingerprint), Some(answer)) =
+            (pending.fingerprint, responses.get(&pending.key))
+        {
+            flow.known.push(Known {
+                fingerprint,
+                answer: answer.to_string(),
+                used: true,
+            });
+        }
+    }
+    for known in &mut flow.known {
+        known.used = false;
+    }
+    tracing::info!(
+        flow = flow_id,
+        answers = flow.known.len(),
+        "upstream lost the call; running it again"
+    );
+    gw.metrics.call_restarts.inc();
+    flow.pending.clear();
+    flow.last_event_id = None;
+    flow.round_start = None;
+    flow.reissue = false;
+    flow.round += 1;
+    run_call(call, session, reply, flow, None).await
 }
 
 /// The session's GET stream, where a legacy server sends requests not tied to a call.
@@ -245,16 +330,21 @@ async fn next_chunk(response: &mut Option<Response>) -> Option<Result<Option<Byt
     }
 }
 
-/// A round's translator, for `request` continuing from the flow's stream position.
-fn new_round(request: &ModernRequest, flow: &FlowState) -> Round {
+/// A round's translator, for the call continuing from the flow's stream position.
+fn new_round(call: &Call<'_>, flow: &FlowState) -> Round {
+    let request = call.request;
     let forward_logs = request.log_level.is_some();
     let capabilities = request.client_capabilities.clone();
-    Round::new(
+    let round = Round::new(
         flow.call_id.clone(),
         capabilities,
         forward_logs,
         flow.last_event_id.clone(),
-    )
+    );
+    if restartable(call) {
+        return round.restartable(flow.known.clone());
+    }
+    round
 }
 
 async fn run_round(
@@ -347,6 +437,9 @@ async fn run_round(
             flow.pending = round.pending().to_vec();
             flow.last_event_id = round.last_event_id().map(str::to_string);
             flow.round_start = round.round_start().map(str::to_string);
+            if restartable(call) {
+                flow.known = round.known().to_vec();
+            }
             ask_client(call, session, reply, &upstream, flow, &round, server_info).await
         }
         RoundEnd::MissingCapability(required) => {
@@ -590,7 +683,7 @@ async fn reissue(
     flow.reissue = false;
     flow.round += 1;
     let streams = Streams::new(Some(call_stream), session_stream(&upstream).await);
-    let round = new_round(request, &flow);
+    let round = new_round(call, &flow);
     run_round(call, session, reply, upstream, flow, streams, round).await
 }
 
@@ -768,13 +861,16 @@ async fn resume(
         .cloned()
         .unwrap_or_default();
     let mut answered = Vec::new();
-    for pending in &flow.pending {
+    for pending in flow.pending.clone() {
         let Some(answer) = responses.get(&pending.key) else {
             continue;
         };
         let message =
             json!({"jsonrpc": "2.0", "id": pending.upstream_id.to_json(), "result": answer});
         if let Err(e) = upstream.post_and_expect_accepted(&message).await {
+            if answered.is_empty() && is_lost(&e) && !flow.data_session {
+                return lost(call, session, reply, flow, &responses).await;
+            }
             let never_delivered = matches!(
                 e,
                 SessionError::Exchange(ExchangeError::Connect(_))
@@ -792,6 +888,13 @@ async fn resume(
             return upstream_failed(gw, reply, session, group, &e).await;
         }
         answered.push(pending.upstream_id.clone());
+        if let Some(fingerprint) = pending.fingerprint {
+            flow.known.push(Known {
+                fingerprint,
+                answer: answer.to_string(),
+                used: true,
+            });
+        }
     }
     if flow.reissue {
         return reissue(call, session, reply, upstream, flow).await;
@@ -806,6 +909,9 @@ async fn resume(
     };
     let call_stream = match upstream.get(from.as_deref()).await {
         Ok(r) => r,
+        Err(e) if answered.is_empty() && is_lost(&e) && !flow.data_session => {
+            return lost(call, session, reply, flow, &responses).await
+        }
         Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
     };
     let streams = Streams::new(Some(call_stream), session_stream(&upstream).await);
@@ -813,7 +919,7 @@ async fn resume(
         flow.round += 1;
     }
     flow.last_event_id = from;
-    let mut round = new_round(request, &flow);
+    let mut round = new_round(call, &flow);
     round.skip(answered);
     run_round(call, session, reply, upstream, flow, streams, round).await
 }

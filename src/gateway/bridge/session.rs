@@ -8,9 +8,9 @@ use super::{client_info, upstream_failed};
 use crate::config::SessionPolicy;
 use crate::gateway::Gateway;
 use crate::mrtr::data_session::{
-    code as scode, revocation, CookieField, DataSession, INVALID_COOKIE, MAX_COOKIE_LEN,
+    revocation, CookieField, DataSession, INVALID_COOKIE, MAX_COOKIE_LEN,
 };
-use crate::mrtr::modern::ModernRequest;
+use crate::mrtr::modern::{gateway_code as scode, ModernRequest};
 use crate::mrtr::state::now_secs;
 use crate::protocol::jsonrpc::code;
 use crate::protocol::session_token::SessionToken;

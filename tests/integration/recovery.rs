@@ -1,0 +1,123 @@
+//! Recovery when the upstream loses a call between rounds (the server restarts): a tool
+//! marked `restartable` runs again in a new session, its repeated questions answered from
+//! the answers kept in the sealed state, so the client is asked only what is new; any
+//! other tool gets the documented `FLOW_LOST` error, and a fresh call works.
+
+use crate::common::*;
+use mrtr_gateway::config::{ToolPolicy, UpstreamEra};
+use serde_json::{json, Value};
+use std::time::Duration;
+
+fn call(raw: &Raw, id: u64, tool: &str, extra: Value) -> (u16, Value) {
+    let mut params = json!({"name": tool, "arguments": {}});
+    params
+        .as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    let reply = raw.modern(id, "tools/call", params, json!({"elicitation": {}}));
+    (reply.status, reply.json())
+}
+
+/// The messages of the questions an InputRequiredResult asks.
+fn questions(response: &Value) -> Vec<String> {
+    let asked = response["result"]["inputRequests"]
+        .as_object()
+        .unwrap_or_else(|| panic!("no inputRequests: {response}"));
+    asked
+        .values()
+        .map(|r| r["params"]["message"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Kills the upstream and starts a new one on the same port: every session is gone.
+fn restart(upstream: &mut Proc, port: u16) -> Proc {
+    upstream.kill();
+    wait_until("the upstream to stop", Duration::from_secs(10), || {
+        !port_open(port)
+    });
+    start_upstream_on(Upstream::Python, port).0
+}
+
+#[test]
+fn a_restartable_tool_survives_an_upstream_restart_asking_only_what_is_new() {
+    let port = free_port();
+    let (mut upstream, url) = start_upstream_on(Upstream::Python, port);
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        let restartable = ToolPolicy {
+            restartable: true,
+            ..ToolPolicy::default()
+        };
+        c.upstreams[0].tools.insert("plan_trip".into(), restartable);
+    });
+    let raw = Raw::new(&gw.url);
+
+    // Restart before the first answer: the re-run's first question is answered from the
+    // retry, and only the second, new one reaches the client.
+    let (_, first) = call(&raw, 1, "plan_trip", json!({}));
+    assert_eq!(questions(&first), ["Where do you want to go?"]);
+    upstream = restart(&mut upstream, port);
+    let (_, second) = call(
+        &raw,
+        2,
+        "plan_trip",
+        answer(&first, json!({"destination": "Lisbon"})),
+    );
+    assert_eq!(
+        questions(&second),
+        ["How many nights in Lisbon?"],
+        "{second}"
+    );
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_call_restarts_total"), 1.0);
+    let (_, done) = call(&raw, 3, "plan_trip", answer(&second, json!({"nights": 3})));
+    assert_eq!(
+        done["result"]["content"][0]["text"], "Trip to Lisbon for 3 nights",
+        "{done}"
+    );
+
+    // Restart before the last answer: both questions come again upstream, and both are
+    // answered from the state (the first) and the retry (the second); nothing is asked.
+    let (_, first) = call(&raw, 4, "plan_trip", json!({}));
+    let (_, second) = call(
+        &raw,
+        5,
+        "plan_trip",
+        answer(&first, json!({"destination": "Porto"})),
+    );
+    assert_eq!(questions(&second), ["How many nights in Porto?"]);
+    let _upstream = restart(&mut upstream, port);
+    let (_, done) = call(&raw, 6, "plan_trip", answer(&second, json!({"nights": 2})));
+    assert_eq!(
+        done["result"]["content"][0]["text"], "Trip to Porto for 2 nights",
+        "{done}"
+    );
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_call_restarts_total"), 2.0);
+}
+
+#[test]
+fn a_tool_not_marked_restartable_gets_flow_lost_and_a_fresh_call_works() {
+    let port = free_port();
+    let (mut upstream, url) = start_upstream_on(Upstream::Python, port);
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+    });
+    let raw = Raw::new(&gw.url);
+    let (_, first) = call(&raw, 1, "ask_name", json!({}));
+    assert_eq!(questions(&first), ["What is your name?"]);
+    let _upstream = restart(&mut upstream, port);
+    let (status, lost) = call(&raw, 2, "ask_name", answer(&first, json!({"name": "Ada"})));
+    assert_eq!(status, 502, "{lost}");
+    assert_eq!(lost["error"]["code"], -32012, "{lost}");
+    let message = lost["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("not marked restartable") && message.contains("issue the call again"),
+        "{message}"
+    );
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_call_restarts_total"), 0.0);
+    let (_, again) = call(&raw, 3, "ask_name", json!({}));
+    let (_, done) = call(&raw, 4, "ask_name", answer(&again, json!({"name": "Ada"})));
+    assert_eq!(
+        done["result"]["content"][0]["text"], "Hello, Ada!",
+        "{done}"
+    );
+}
