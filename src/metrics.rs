@@ -6,7 +6,8 @@
 
 use prometheus::core::Collector;
 use prometheus::{
-    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry,
 };
 
 pub struct Metrics {
@@ -40,6 +41,9 @@ pub struct Metrics {
     pub active_rounds: IntGauge,
     /// New calls deferred by load shedding with a `requestState`-only result.
     pub shed: IntCounter,
+    /// Per upstream group: 1 when its call streams carry event ids (a retry resumes them),
+    /// 0 when they do not, -1 until a bridged round has shown it.
+    pub upstream_resumable: IntGaugeVec,
     /// Restartable calls run again after their upstream session was lost.
     pub call_restarts: IntCounter,
     /// SSE keep-alive comments written to idle client streams.
@@ -255,6 +259,17 @@ impl Metrics {
                 IntCounter::new(
                     "mrtr_gateway_shed_total",
                     "New calls deferred by load shedding with a requestState-only result",
+                )
+                .expect("valid metric"),
+            ),
+            upstream_resumable: register(
+                &r,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "mrtr_gateway_upstream_resumable",
+                        "Whether the group's upstream resumes streams: 1 yes, 0 no, -1 not yet seen",
+                    ),
+                    &["group"],
                 )
                 .expect("valid metric"),
             ),

@@ -82,6 +82,10 @@ impl Gateway {
         let used_states = crate::mrtr::replay::UsedStates::new(config.bridge.max_used_states);
         let metrics = Arc::new(Metrics::new());
         metrics.keys_loaded.set(keys.kids().count() as i64);
+        for group in &config.upstreams {
+            let unknown = metrics.upstream_resumable.with_label_values(&[&group.name]);
+            unknown.set(-1);
+        }
         Ok(Gateway {
             authenticator: Arc::new(Reloadable::new(Arc::new(authenticator))),
             reaper,
@@ -129,6 +133,21 @@ impl Gateway {
         .await?;
         self.remember_initialize(group, &opened.1);
         Ok(opened)
+    }
+
+    /// Records what a bridged round showed of a group's upstream: whether the call's
+    /// stream carries event ids, so that a retry can resume it. Logged when first known
+    /// and whenever it changes (a rolling upgrade of the upstream).
+    pub fn note_resumable(&self, group: &UpstreamGroup, resumable: bool) {
+        let gauge = self
+            .metrics
+            .upstream_resumable
+            .with_label_values(&[&group.name]);
+        let value = i64::from(resumable);
+        if gauge.get() != value {
+            gauge.set(value);
+            tracing::info!(group = %group.name, resumable, "upstream resumability detected");
+        }
     }
 
     /// The group's InitializeResult, opening (and closing) a session to learn it once.

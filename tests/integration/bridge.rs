@@ -255,6 +255,8 @@ fn an_abandoned_flow_has_its_upstream_session_deleted_at_its_deadline() {
 fn an_upstream_that_cannot_resume_gets_a_clear_error_not_a_hang() {
     let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);
     let gw = TestGateway::start(&[&url], &test_keys());
+    let resumable = || metric_with(&gw.admin, "mrtr_gateway_upstream_resumable", "default");
+    assert_eq!(resumable(), Some(-1.0), "not known before a round");
     let started = std::time::Instant::now();
     let reply = Raw::new(&gw.url).modern(
         1,
@@ -271,6 +273,7 @@ fn an_upstream_that_cannot_resume_gets_a_clear_error_not_a_hang() {
             .contains("cannot resume streams"),
         "{body}"
     );
+    assert_eq!(resumable(), Some(0.0));
     assert!(started.elapsed() < Duration::from_secs(10));
     // A call that asks nothing still works through the same upstream.
     let plain = Raw::new(&gw.url).modern(

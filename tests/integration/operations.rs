@@ -55,6 +55,7 @@ fn metrics_after_a_flow_and_a_refused_state_hold_every_named_metric() {
     let input_required = "mrtr_gateway_input_required_total";
     assert_eq!(value(a, input_required, "method=\"tools/call\""), 1.0);
     assert_eq!(value(a, "mrtr_gateway_flow_rounds_count", ""), 1.0);
+    assert_eq!(value(a, "mrtr_gateway_upstream_resumable", "default"), 1.0);
     assert_eq!(
         value(a, "mrtr_gateway_flow_rounds_sum", ""),
         2.0,

@@ -410,6 +410,7 @@ async fn run_round(
             finish_with(reply, session, message, server_info, cacheable).await
         }
         RoundEnd::Questions if round.last_event_id().is_none() => {
+            gw.note_resumable(group, false);
             streams.close(gw).await;
             end_session(gw, &upstream).await;
             let text = format!("upstream group '{}' cannot resume streams (its SSE events carry no ids), so its interactive calls cannot be bridged yet", group.name);
@@ -428,6 +429,7 @@ async fn run_round(
             // A round cut short by draining goes to the client like one with questions:
             // whatever was asked, possibly nothing (a requestState-only result, retried at
             // once), with a state from which any replica resumes the call.
+            gw.note_resumable(group, true);
             if matches!(end, RoundEnd::Draining) {
                 let flow_id = format!("{:016x}", flow.flow_id);
                 tracing::info!(flow = flow_id, "round handed over: draining");
