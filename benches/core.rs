@@ -52,6 +52,7 @@ fn state(questions: usize) -> FlowState {
         data_session: false,
         known: Vec::new(),
         flow_id: 0x1234_5678_9abc_def0,
+        held: None,
     }
 }
 

@@ -38,6 +38,20 @@ struct Listeners {
     /// Where /healthz, /readyz and /metrics are served (IP:PORT).
     #[arg(long)]
     admin_listen: Option<String>,
+    /// Where the other replicas forward retries of flows this one holds (IP:PORT).
+    #[arg(long, env = "MRTR_GATEWAY_PEER_LISTEN")]
+    peer_listen: Option<String>,
+    /// This replica's peer address as the other replicas reach it (IP:PORT), e.g. the
+    /// pod IP.
+    #[arg(long, env = "MRTR_GATEWAY_PEER_ADVERTISE")]
+    peer_advertise: Option<String>,
+}
+
+impl Listeners {
+    fn apply(self, config: &mut Config, upstreams: Vec<String>) {
+        config.apply_overrides(self.listen, self.admin_listen, upstreams);
+        config.apply_peer_overrides(self.peer_listen, self.peer_advertise);
+    }
 }
 
 #[derive(Subcommand)]
@@ -71,7 +85,12 @@ enum Command {
         threads: usize,
     },
     /// Validate a configuration file; exits non-zero on the first problem.
-    CheckConfig { file: std::path::PathBuf },
+    CheckConfig {
+        file: std::path::PathBuf,
+        /// This replica's peer address, as `run` would take it (e.g. from the Pod IP).
+        #[arg(long, env = "MRTR_GATEWAY_PEER_ADVERTISE")]
+        peer_advertise: Option<String>,
+    },
     /// Decode a requestState or Mcp-Session-Id with the configured keys and print its
     /// fields; refuses without the key that sealed it.
     Inspect {
@@ -106,7 +125,10 @@ pub fn main() -> ExitCode {
             crate::demo::serve(&listen, threads);
             Ok(())
         }
-        Command::CheckConfig { file } => check_config(&file),
+        Command::CheckConfig {
+            file,
+            peer_advertise,
+        } => check_config(&file, peer_advertise),
         Command::Inspect { token, config } => inspect(&token, config.as_deref()),
         Command::Keygen { kid } => keys::generate_entry(&kid)
             .map(|entry| println!("{entry}"))
@@ -162,10 +184,10 @@ fn run(
     upstreams: Vec<String>,
 ) -> Result<(), String> {
     let mut config = match &file {
-        Some(path) => Config::load(path).map_err(config_error)?,
+        Some(path) => Config::load_unvalidated(path).map_err(config_error)?,
         None => Config::default(),
     };
-    config.apply_overrides(listeners.listen, listeners.admin_listen, upstreams);
+    listeners.apply(&mut config, upstreams);
     config.validate().map_err(config_error)?;
     let keys = Arc::new(load_keys(&mut config)?);
     let (listen, admin) = (config.listen.clone(), config.admin_listen.clone());
@@ -178,11 +200,7 @@ fn run(
 fn demo(listeners: Listeners, demo_listen: String) -> Result<(), String> {
     let mut config = Config::default();
     let upstream = format!("http://{demo_listen}/mcp");
-    config.apply_overrides(
-        listeners.listen,
-        listeners.admin_listen,
-        vec![upstream.clone()],
-    );
+    listeners.apply(&mut config, vec![upstream.clone()]);
     config.upstreams[0].health_check_interval_ms = 0;
     config.validate().map_err(config_error)?;
     let keys = Arc::new(load_keys(&mut config)?);
@@ -258,9 +276,13 @@ fn inspect(token: &str, file: Option<&std::path::Path>) -> Result<(), String> {
     Ok(())
 }
 
-fn check_config(file: &std::path::Path) -> Result<(), String> {
-    let config = Config::load(file).map_err(config_error)?;
+fn check_config(file: &std::path::Path, peer_advertise: Option<String>) -> Result<(), String> {
+    let mut config = Config::load_unvalidated(file).map_err(config_error)?;
+    config.apply_peer_overrides(None, peer_advertise);
+    config.validate().map_err(config_error)?;
     crate::upstream::Upstreams::build(&config).map_err(config_error)?;
+    let resolver = config.dns_resolver.as_ref().and_then(|r| r.parse().ok());
+    crate::gateway::peers::Peers::build(&config.peers, resolver).map_err(config_error)?;
     if let Some(path) = &config.keys_file {
         KeyRing::load_file(path)?;
     }

@@ -34,6 +34,8 @@ pub struct Config {
     pub limits: Limits,
     pub bridge: BridgeOptions,
     pub server: ServerOptions,
+    /// The other gateway replicas, for flows held in hold mode.
+    pub peers: PeerOptions,
     pub upstreams: Vec<UpstreamGroupConfig>,
 }
 
@@ -51,6 +53,7 @@ impl Default for Config {
             limits: Limits::default(),
             bridge: BridgeOptions::default(),
             server: ServerOptions::default(),
+            peers: PeerOptions::default(),
             upstreams: Vec::new(),
         }
     }
@@ -168,6 +171,15 @@ pub struct BridgeOptions {
     /// replica, a new call is deferred with a `requestState`-only InputRequiredResult
     /// (the client retries, possibly elsewhere) instead of started; 0 turns it off.
     pub shed_above_active_rounds: usize,
+    /// Load shedding: with more than this many flows held on the replica (hold mode), a
+    /// new call is deferred the same way; 0 turns it off.
+    pub shed_above_held_flows: usize,
+    /// Most flows one replica holds in hold mode (their upstream streams open between
+    /// rounds); beyond it a round that would be held ends with an error (503).
+    pub max_held_flows: usize,
+    /// Most bytes a held flow may keep buffered on the gateway (its round's questions and
+    /// any partial upstream event); a round above it ends with an error.
+    pub max_held_bytes_per_flow: usize,
 }
 
 impl Default for BridgeOptions {
@@ -181,6 +193,9 @@ impl Default for BridgeOptions {
             max_used_states: 200_000,
             data_session_ttl_seconds: 3600,
             shed_above_active_rounds: 0,
+            shed_above_held_flows: 0,
+            max_held_flows: 10_000,
+            max_held_bytes_per_flow: 1 << 20,
         }
     }
 }
@@ -205,6 +220,140 @@ impl Default for ServerOptions {
             graceful_shutdown_timeout_seconds: 5,
         }
     }
+}
+
+/// The gateway replicas a retry of a held flow may be forwarded to.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeerOptions {
+    /// Where this replica takes retries of the flows it holds, forwarded by the other
+    /// replicas (IP:PORT). Unset: no peer listener, and a flow held here can be continued
+    /// only by a retry that reaches this replica itself.
+    pub listen: Option<String>,
+    /// This replica's peer address as the others reach it (IP:PORT), sealed into the
+    /// `requestState` of each flow it holds. Default: `listen`, when it names one address.
+    pub advertise: Option<String>,
+    /// Every replica's peer address: IP:PORT entries (`discovery: static`), or one
+    /// HOST:PORT whose name resolves to them (`discovery: dns`, a headless Service). A
+    /// state naming an owner outside this set is never forwarded.
+    pub members: Vec<String>,
+    pub discovery: Discovery,
+    /// With `discovery: dns`, how often the name is resolved again.
+    pub dns_refresh_ms: u64,
+    /// Longest wait to connect to the replica holding a flow before the flow is declared
+    /// lost.
+    pub connect_timeout_ms: u64,
+}
+
+impl Default for PeerOptions {
+    fn default() -> Self {
+        PeerOptions {
+            listen: None,
+            advertise: None,
+            members: Vec::new(),
+            discovery: Discovery::Static,
+            dns_refresh_ms: default_dns_refresh_ms(),
+            connect_timeout_ms: 1_000,
+        }
+    }
+}
+
+impl PeerOptions {
+    /// The advertised address: `advertise`, else `listen` unless it is a wildcard.
+    pub fn advertised(&self) -> Option<SocketAddr> {
+        let text = self.advertise.as_ref().or(self.listen.as_ref())?;
+        let addr: SocketAddr = text.parse().ok()?;
+        (!addr.ip().is_unspecified()).then_some(addr)
+    }
+
+    fn validate(&self, config: &Config) -> Result<(), ConfigError> {
+        if let Some(listen) = &self.listen {
+            check_addr("peers.listen", listen)?;
+            if [&config.listen, &config.admin_listen].contains(&listen) {
+                return Err(ConfigError::at(
+                    "peers.listen",
+                    "must differ from listen and admin_listen",
+                ));
+            }
+        }
+        if let Some(advertise) = &self.advertise {
+            check_addr("peers.advertise", advertise)?;
+        }
+        if self.listen.is_some() && self.advertised().is_none() {
+            return Err(ConfigError::at(
+                "peers.advertise",
+                "required when peers.listen is a wildcard address: give the IP:PORT other replicas reach this one at, e.g. $(POD_IP):9091",
+            ));
+        }
+        if !self.members.is_empty() && self.listen.is_none() {
+            return Err(ConfigError::at(
+                "peers.listen",
+                "required when peers.members is set: the other replicas forward retries of the flows this one holds to it",
+            ));
+        }
+        if self.connect_timeout_ms == 0 {
+            return Err(ConfigError::at(
+                "peers.connect_timeout_ms",
+                "must be above 0",
+            ));
+        }
+        match self.discovery {
+            Discovery::Static => self.validate_static(),
+            Discovery::Dns => self.validate_dns(),
+        }
+    }
+
+    fn validate_static(&self) -> Result<(), ConfigError> {
+        for (i, member) in self.members.iter().enumerate() {
+            check_addr(&format!("peers.members[{i}]"), member)?;
+        }
+        let advertised = self.advertised().map(|a| a.to_string());
+        if let (false, Some(me)) = (self.members.is_empty(), advertised) {
+            let listed = self
+                .members
+                .iter()
+                .filter_map(|m| m.parse::<SocketAddr>().ok());
+            if !listed.map(|m| m.to_string()).any(|m| m == me) {
+                return Err(ConfigError::at(
+                    "peers.members",
+                    format!("must list this replica's own peer address {me}"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn validate_dns(&self) -> Result<(), ConfigError> {
+        let [member] = self.members.as_slice() else {
+            return Err(ConfigError::at(
+                "peers.members",
+                "with discovery: dns, give exactly one HOST:PORT, whose host name is resolved",
+            ));
+        };
+        let (host, port) = split_host_port(member).ok_or_else(|| {
+            ConfigError::at("peers.members[0]", format!("'{member}' is not HOST:PORT"))
+        })?;
+        if host.parse::<std::net::IpAddr>().is_ok() || port == 0 {
+            return Err(ConfigError::at(
+                "peers.members[0]",
+                format!("'{member}': with discovery: dns, give a DNS name and a port"),
+            ));
+        }
+        if self.dns_refresh_ms == 0 {
+            return Err(ConfigError::at(
+                "peers.dns_refresh_ms",
+                "must be above 0 with discovery: dns",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `HOST:PORT` taken apart.
+pub fn split_host_port(text: &str) -> Option<(&str, u16)> {
+    let (host, port) = text.rsplit_once(':')?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    Some((host, port.parse().ok()?)).filter(|(h, _)| !h.is_empty())
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -240,6 +389,9 @@ pub struct UpstreamGroupConfig {
     /// Policies of single tools, by tool name.
     #[serde(default)]
     pub tools: BTreeMap<String, ToolPolicy>,
+    /// How a bridged call waits for its client between rounds.
+    #[serde(default)]
+    pub resume: ResumeMode,
 }
 
 /// What the gateway enforces for one tool.
@@ -276,6 +428,22 @@ pub enum Discovery {
     /// The one endpoint's host name (a Kubernetes headless Service) is resolved every
     /// `dns_refresh_ms`; its addresses, with the URL's port and path, are the endpoints.
     Dns,
+}
+
+/// How a bridged call waits for its client between rounds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResumeMode {
+    /// Decide from what the upstream does: a round whose call stream carries event ids is
+    /// resumed with `Last-Event-ID`, one without (or on a group whose upstream refused a
+    /// resumption) is held.
+    #[default]
+    Auto,
+    /// Always resume with `Last-Event-ID`; a round the upstream gives no event ids fails.
+    Resumable,
+    /// Always hold: the replica that ran the round keeps the upstream streams open, and
+    /// retries that land elsewhere are forwarded to it.
+    Hold,
 }
 
 /// How 2026-07-28 requests reach an upstream group.
@@ -323,6 +491,7 @@ impl UpstreamGroupConfig {
             discovery: Discovery::Static,
             dns_refresh_ms: default_dns_refresh_ms(),
             tools: BTreeMap::new(),
+            resume: ResumeMode::Auto,
         }
     }
 }
@@ -406,9 +575,17 @@ impl Config {
     }
 
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let config = Config::load_unvalidated(path)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reads and parses a file without validating it, for command-line overrides to
+    /// complete it first (`--peer-advertise` from the Pod IP, say); validate afterwards.
+    pub fn load_unvalidated(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| ConfigError::at("", format!("cannot read {}: {e}", path.display())))?;
-        Config::from_yaml(&text)
+        serde_yaml::from_str(&text).map_err(yaml_error)
     }
 
     /// Applies command-line overrides; `--upstream` URLs replace the first group's
@@ -432,6 +609,16 @@ impl Config {
                     .upstreams
                     .push(UpstreamGroupConfig::new("default", upstreams)),
             }
+        }
+    }
+
+    /// Applies the peer listener's command-line overrides.
+    pub fn apply_peer_overrides(&mut self, listen: Option<String>, advertise: Option<String>) {
+        if listen.is_some() {
+            self.peers.listen = listen;
+        }
+        if advertise.is_some() {
+            self.peers.advertise = advertise;
         }
     }
 
@@ -479,6 +666,13 @@ impl Config {
         if let Some(resolver) = &self.dns_resolver {
             check_addr("dns_resolver", resolver)?;
         }
+        if b.max_held_flows == 0 || b.max_held_bytes_per_flow < 1024 {
+            return Err(ConfigError::at(
+                "bridge.max_held_flows",
+                "must be above 0, and bridge.max_held_bytes_per_flow at least 1024",
+            ));
+        }
+        self.peers.validate(self)?;
         if self.server.threads == 0 {
             return Err(ConfigError::at("server.threads", "must be at least 1"));
         }
@@ -679,6 +873,46 @@ mod tests {
         assert_eq!(path_of(&bad), "dns_resolver");
         let typo = dns.replace("discovery: dns", "discovery: srv");
         assert_eq!(path_of(&typo), "upstreams[0].discovery");
+    }
+
+    #[test]
+    fn peers_need_a_reachable_advertised_address_in_their_own_set() {
+        let with = |peers: &str| Config::from_yaml(&format!("peers:\n{peers}{MINIMAL}"));
+        let path_of = |peers: &str| with(peers).unwrap_err().path;
+        let c = with("  listen: 127.0.0.1:9091\n  members: [127.0.0.1:9091, 127.0.0.1:9092]\n")
+            .unwrap();
+        assert_eq!(
+            c.peers.advertised(),
+            Some("127.0.0.1:9091".parse().unwrap())
+        );
+        assert_eq!(path_of("  listen: 0.0.0.0:9091\n"), "peers.advertise");
+        let advertised = with("  listen: 0.0.0.0:9091\n  advertise: 10.0.0.5:9091\n").unwrap();
+        assert_eq!(
+            advertised.peers.advertised(),
+            Some("10.0.0.5:9091".parse().unwrap())
+        );
+        assert_eq!(path_of("  members: [127.0.0.1:9091]\n"), "peers.listen");
+        let not_me = "  listen: 127.0.0.1:9093\n  members: [127.0.0.1:9091]\n";
+        assert_eq!(path_of(not_me), "peers.members");
+        assert_eq!(path_of("  listen: 127.0.0.1:8080\n"), "peers.listen");
+        let dns = "  listen: 0.0.0.0:9091\n  advertise: 10.0.0.5:9091\n  discovery: dns\n";
+        assert!(with(&format!("{dns}  members: [gw-peers.ns.svc:9091]\n")).is_ok());
+        assert_eq!(
+            path_of(&format!("{dns}  members: [10.0.0.5:9091]\n")),
+            "peers.members[0]"
+        );
+        assert_eq!(
+            path_of(&format!("{dns}  members: [a:1, b:1]\n")),
+            "peers.members"
+        );
+        let hold = MINIMAL.replace("    endpoints", "    resume: hold\n    endpoints");
+        let c = Config::from_yaml(&hold).unwrap();
+        assert_eq!(c.upstreams[0].resume, ResumeMode::Hold);
+        let typo = MINIMAL.replace("    endpoints", "    resume: keep\n    endpoints");
+        assert_eq!(
+            Config::from_yaml(&typo).unwrap_err().path,
+            "upstreams[0].resume"
+        );
     }
 
     #[test]

@@ -71,12 +71,28 @@ fn state_report(kid: &str, bound: &[u8; 32], s: &FlowState, now: u64) -> String 
         ("reissue", s.reissue.to_string()),
         ("data session", s.data_session.to_string()),
         ("known answers", s.known.len().to_string()),
+        ("held by", held_by(s.held)),
         ("expires", expiry(s.expires_at, now)),
         ("flow deadline", expiry(s.flow_deadline, now)),
         ("principal tag", hex(&bound[..16])),
         ("request tag", hex(&bound[16..])),
     ];
     table(&fields)
+}
+
+/// Where a held flow waits: its owner's peer address and its slot.
+fn held_by(held: Option<crate::mrtr::state::HeldAt>) -> String {
+    match held {
+        None => "no (resumable)".into(),
+        Some(h) => {
+            let owner = h
+                .owner
+                .map_or("the replica that ran it (no peer listener)".into(), |o| {
+                    o.to_string()
+                });
+            format!("{owner}, slot {:016x}", h.slot)
+        }
+    }
 }
 
 fn session_report(kid: &str, bound: &[u8], s: &SessionToken) -> String {
@@ -150,6 +166,7 @@ mod tests {
             data_session: false,
             known: Vec::new(),
             flow_id: 0xabc,
+            held: None,
         };
         let bind = binding(&[9; 32], "tools/call", Some("t"), None);
         let sealed = state.seal(&ring(K1), &bind);

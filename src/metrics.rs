@@ -46,6 +46,14 @@ pub struct Metrics {
     pub upstream_resumable: IntGaugeVec,
     /// Restartable calls run again after their upstream session was lost.
     pub call_restarts: IntCounter,
+    /// Flows held on this replica (hold mode), and the bytes the gateway buffers for them.
+    pub held_flows: IntGauge,
+    pub held_bytes: IntGauge,
+    /// Held flows by event: `held` (a round ended holding), `resumed` (a retry took it),
+    /// `expired` (its state expired first), `lost` (a retry found it gone).
+    pub held_events: IntCounterVec,
+    /// Retries forwarded to the replica holding their flow, by outcome.
+    pub peer_forwards: IntCounterVec,
     /// SSE keep-alive comments written to idle client streams.
     pub sse_keepalives: IntCounter,
     /// 1 once a graceful shutdown began.
@@ -267,7 +275,7 @@ impl Metrics {
                 IntGaugeVec::new(
                     Opts::new(
                         "mrtr_gateway_upstream_resumable",
-                        "Whether the group's upstream resumes streams: 1 yes, 0 no, -1 not yet seen",
+                        "How the group's bridged calls wait between rounds: 1 resumed with Last-Event-ID, 0 held, -1 not yet seen",
                     ),
                     &["group"],
                 )
@@ -282,6 +290,28 @@ impl Metrics {
                 .expect("valid metric"),
             ),
             keys_loaded: gauge(&r, "mrtr_gateway_keys_loaded", "Keys in the key ring"),
+            held_flows: gauge(
+                &r,
+                "mrtr_gateway_held_flows",
+                "Flows held on this replica with their upstream streams open (hold mode)",
+            ),
+            held_bytes: gauge(
+                &r,
+                "mrtr_gateway_held_bytes",
+                "Bytes the gateway buffers for held flows (questions, partial upstream events)",
+            ),
+            held_events: counters(
+                &r,
+                "mrtr_gateway_held_flow_events_total",
+                "Held flows: held, resumed, expired, lost (a retry found it gone)",
+                &["event"],
+            ),
+            peer_forwards: counters(
+                &r,
+                "mrtr_gateway_peer_forwards_total",
+                "Retries forwarded to the replica holding their flow, by outcome",
+                &["outcome"],
+            ),
             registry: r,
         };
         metrics.zero_known_series();
@@ -300,6 +330,12 @@ impl Metrics {
         for outcome in ["ok", "failed"] {
             self.upstream_resumptions.with_label_values(&[outcome]);
         }
+        for event in ["held", "resumed", "expired", "lost"] {
+            self.held_events.with_label_values(&[event]);
+        }
+        for outcome in ["ok", "owner_gone"] {
+            self.peer_forwards.with_label_values(&[outcome]);
+        }
         for method in ["tools/call", "prompts/get", "resources/read"] {
             self.input_required.with_label_values(&[method]);
         }
@@ -317,6 +353,11 @@ impl Metrics {
     /// Counts an upstream session event (`opened`, `reused`, `deleted`, `reaped`).
     pub fn upstream_session(&self, event: &'static str) {
         self.upstream_sessions.with_label_values(&[event]).inc();
+    }
+
+    /// Counts a held-flow event (`held`, `resumed`, `expired`, `lost`).
+    pub fn held_event(&self, event: &'static str) {
+        self.held_events.with_label_values(&[event]).inc();
     }
 
     /// The text exposition of every metric.

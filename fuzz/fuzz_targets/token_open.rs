@@ -43,6 +43,7 @@ fn genuine() -> &'static Genuine {
             data_session: false,
             known: Vec::new(),
             flow_id: 1,
+            held: None,
         };
         let state = flow.seal(&ring, &BIND);
         let token = SessionToken {

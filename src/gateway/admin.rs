@@ -2,15 +2,16 @@
 //! balancers stop sending new work) and `/metrics` (Prometheus text format); and the
 //! drain signal that long requests watch to end cleanly when a graceful shutdown begins.
 //!
-//! The admin listener is a background service with its own socket rather than a pingora
-//! listening service: pingora closes its listeners at SIGTERM, and the admin side must
-//! stay up through the grace period, so probes see 503 and Prometheus sees the drain.
+//! The admin listener is an `OwnListener`, a background service with its own socket rather
+//! than a pingora listening service: pingora closes its listeners at SIGTERM, and the
+//! admin side must stay up through the grace period, so probes see 503 and Prometheus
+//! sees the drain. The peer listener is one too.
 
 use crate::metrics::Metrics;
 use async_trait::async_trait;
 use http::Response;
 use pingora::apps::http_app::ServeHttp;
-use pingora::apps::HttpServerApp;
+use pingora::apps::ServerApp;
 use pingora::protocols::http::ServerSession;
 use pingora::protocols::l4::stream::Stream;
 use pingora::server::ShutdownWatch;
@@ -19,10 +20,10 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{watch, Semaphore};
 
-/// Most admin connections served at once; more wait for a free slot.
-const MAX_ADMIN_CONNECTIONS: usize = 64;
+/// Most connections an own listener serves at once; more wait for a free slot.
+const MAX_OWN_CONNECTIONS: usize = 1024;
 /// Longest an admin connection is served.
-const ADMIN_CONNECTION_TIME: Duration = Duration::from_secs(10);
+pub const ADMIN_CONNECTION_TIME: Duration = Duration::from_secs(10);
 
 /// Whether a graceful shutdown began. Streams end cleanly on it: a bridged round hands
 /// its flow to another replica, a relayed SSE stream ends between two events.
@@ -54,6 +55,7 @@ pub struct AdminApp {
     pub metrics: Arc<Metrics>,
     pub drain: Arc<Drain>,
     pub reaper: Arc<super::reaper::Reaper>,
+    pub held: Arc<super::bridge::hold::HeldFlows>,
 }
 
 fn reply(status: u16, content_type: &str, body: Vec<u8>) -> Response<Vec<u8>> {
@@ -77,6 +79,9 @@ impl ServeHttp for AdminApp {
             "/readyz" => reply(200, json, br#"{"status":"ready"}"#.to_vec()),
             "/metrics" => {
                 self.metrics.pending_flows.set(self.reaper.watched() as i64);
+                let (held, bytes) = self.held.usage();
+                self.metrics.held_flows.set(held as i64);
+                self.metrics.held_bytes.set(bytes as i64);
                 reply(
                     200,
                     "text/plain; version=0.0.4",
@@ -110,33 +115,46 @@ impl BackgroundService for DrainWatch {
     }
 }
 
-/// Serves the admin app on its own socket until the process ends, through the grace period.
-pub struct AdminListener {
-    pub app: Arc<AdminApp>,
+/// Serves an app on a socket of its own, as a background service: it keeps accepting
+/// until the process ends, through the grace period, where pingora's listening services
+/// close at SIGTERM. The admin listener (probes and metrics) and the peer listener (retries
+/// of the flows this replica holds) must outlive the drain.
+pub struct OwnListener<A> {
+    pub app: Arc<A>,
     /// Bound when the server is built, so a taken port fails the start.
-    pub socket: std::sync::Mutex<Option<std::net::TcpListener>>,
+    socket: std::sync::Mutex<Option<std::net::TcpListener>>,
+    /// Longest a connection is served; `None`: as long as it lasts.
+    connection_time: Option<Duration>,
+    name: &'static str,
 }
 
-impl AdminListener {
-    pub fn bind(app: AdminApp, addr: &str) -> std::io::Result<AdminListener> {
+impl<A> OwnListener<A> {
+    pub fn bind(
+        name: &'static str,
+        app: A,
+        addr: &str,
+        connection_time: Option<Duration>,
+    ) -> std::io::Result<OwnListener<A>> {
         let socket = std::net::TcpListener::bind(addr)?;
         socket.set_nonblocking(true)?;
-        Ok(AdminListener {
+        Ok(OwnListener {
             app: Arc::new(app),
             socket: std::sync::Mutex::new(Some(socket)),
+            connection_time,
+            name,
         })
     }
 }
 
 #[async_trait]
-impl BackgroundService for AdminListener {
+impl<A: ServerApp + Send + Sync + 'static> BackgroundService for OwnListener<A> {
     async fn start(&self, shutdown: ShutdownWatch) {
-        let socket = self.socket.lock().expect("admin socket lock").take();
+        let socket = self.socket.lock().expect("listener socket lock").take();
         let Some(listener) = socket.and_then(|s| tokio::net::TcpListener::from_std(s).ok()) else {
-            tracing::error!("the admin listener cannot start");
+            tracing::error!(listener = self.name, "the listener cannot start");
             return;
         };
-        let slots = Arc::new(Semaphore::new(MAX_ADMIN_CONNECTIONS));
+        let slots = Arc::new(Semaphore::new(MAX_OWN_CONNECTIONS));
         loop {
             let Ok(slot) = slots.clone().acquire_owned().await else {
                 return;
@@ -145,15 +163,30 @@ impl BackgroundService for AdminListener {
                 continue;
             };
             let (app, shutdown) = (self.app.clone(), shutdown.clone());
+            let limit = self.connection_time;
             tokio::spawn(async move {
-                let session = ServerSession::new_http1(Box::new(Stream::from(tcp)));
-                let _ = tokio::time::timeout(
-                    ADMIN_CONNECTION_TIME,
-                    app.process_new_http(session, &shutdown),
-                )
-                .await;
+                let stream: pingora::protocols::Stream = Box::new(Stream::from(tcp));
+                let served = serve_connection(app, stream, shutdown);
+                match limit {
+                    Some(limit) => {
+                        let _ = tokio::time::timeout(limit, served).await;
+                    }
+                    None => served.await,
+                }
                 drop(slot);
             });
         }
+    }
+}
+
+/// Serves one connection's requests in turn, while the app keeps it alive.
+async fn serve_connection<A: ServerApp + Send + Sync + 'static>(
+    app: Arc<A>,
+    stream: pingora::protocols::Stream,
+    shutdown: ShutdownWatch,
+) {
+    let mut next = app.process_new(stream, &shutdown).await;
+    while let Some(stream) = next {
+        next = app.process_new(stream, &shutdown).await;
     }
 }

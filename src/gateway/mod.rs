@@ -5,12 +5,13 @@
 pub mod admin;
 pub mod bridge;
 pub mod passthrough;
+pub mod peers;
 pub mod reaper;
 pub mod reload;
 pub mod respond;
 pub mod server;
 
-use crate::config::{Config, ConfigError, UpstreamEra};
+use crate::config::{Config, ConfigError, ResumeMode, UpstreamEra};
 use crate::keys::{KeyRing, Reloadable, SharedKeyRing};
 use crate::metrics::Metrics;
 use crate::mrtr::modern::{era, Era};
@@ -66,6 +67,13 @@ pub struct Gateway {
     initialize_results: std::sync::Mutex<std::collections::HashMap<String, Value>>,
     /// For `era: auto` groups, what the probe found.
     modern_only: std::sync::Mutex<std::collections::HashMap<String, Probed>>,
+    /// The flows this replica holds (hold mode).
+    pub held: Arc<bridge::hold::HeldFlows>,
+    /// The other replicas, to forward retries of flows they hold.
+    pub peers: peers::Peers,
+    /// `resume: auto` groups whose upstream refused a `Last-Event-ID` resumption: their
+    /// flows are held from then on, whatever event ids their streams carry.
+    replays_refused: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 impl Gateway {
@@ -80,6 +88,12 @@ impl Gateway {
         let host_policy = HostPolicy::for_listener(listen, &config.allowed_hosts);
         let reaper = Arc::new(reaper::Reaper::new(config.bridge.max_watched_sessions));
         let used_states = crate::mrtr::replay::UsedStates::new(config.bridge.max_used_states);
+        let resolver = config.dns_resolver.as_ref().and_then(|r| r.parse().ok());
+        let peers = peers::Peers::build(&config.peers, resolver)?;
+        let held = bridge::hold::HeldFlows::new(
+            config.bridge.max_held_flows,
+            config.bridge.max_held_bytes_per_flow,
+        );
         let metrics = Arc::new(Metrics::new());
         metrics.keys_loaded.set(keys.kids().count() as i64);
         for group in &config.upstreams {
@@ -94,6 +108,9 @@ impl Gateway {
             host_policy,
             initialize_results: Default::default(),
             modern_only: Default::default(),
+            held: Arc::new(held),
+            peers,
+            replays_refused: Default::default(),
             config,
             keys: Arc::new(SharedKeyRing::new(keys)),
             upstreams,
@@ -135,9 +152,43 @@ impl Gateway {
         Ok(opened)
     }
 
-    /// Records what a bridged round showed of a group's upstream: whether the call's
-    /// stream carries event ids, so that a retry can resume it. Logged when first known
-    /// and whenever it changes (a rolling upgrade of the upstream).
+    /// Whether a round that ended with questions waits resumable (its state resumes the
+    /// call's stream with `Last-Event-ID`) rather than held: by the group's `resume`
+    /// setting, or for `auto` by what the upstream showed (event ids on the call's stream,
+    /// and no refused resumption so far).
+    pub fn resumes(&self, group: &UpstreamGroup, stream_has_ids: bool) -> bool {
+        match group.resume {
+            ResumeMode::Resumable => true,
+            ResumeMode::Hold => false,
+            ResumeMode::Auto => stream_has_ids && !self.replay_refused(group),
+        }
+    }
+
+    fn replay_refused(&self, group: &UpstreamGroup) -> bool {
+        let refused = self.replays_refused.lock().expect("replays lock");
+        refused.contains(&group.name)
+    }
+
+    /// Records that a group's upstream refused a `Last-Event-ID` resumption: with
+    /// `resume: auto`, its later flows are held.
+    pub fn note_replay_refused(&self, group: &UpstreamGroup) {
+        if group.resume != ResumeMode::Auto {
+            return;
+        }
+        let first = self
+            .replays_refused
+            .lock()
+            .expect("replays lock")
+            .insert(group.name.clone());
+        if first {
+            tracing::warn!(group = %group.name, "upstream refused a Last-Event-ID resumption; its flows are held from now on");
+            self.note_resumable(group, false);
+        }
+    }
+
+    /// Records how a group's bridged rounds wait (resumed, or held), for the
+    /// `upstream_resumable` gauge. Logged when first known and whenever it changes (a
+    /// rolling upgrade of the upstream).
     pub fn note_resumable(&self, group: &UpstreamGroup, resumable: bool) {
         let gauge = self
             .metrics
@@ -146,7 +197,8 @@ impl Gateway {
         let value = i64::from(resumable);
         if gauge.get() != value {
             gauge.set(value);
-            tracing::info!(group = %group.name, resumable, "upstream resumability detected");
+            let mode = if resumable { "resumable" } else { "hold" };
+            tracing::info!(group = %group.name, mode, "bridged rounds of this group wait {mode}");
         }
     }
 
@@ -255,14 +307,18 @@ impl Gateway {
         &self.config.principal
     }
 
-    async fn handle(&self, session: &mut ServerSession) {
+    async fn handle(&self, session: &mut ServerSession, arrival: Arrival) {
         if let Err(message) = check_header_limits(session, &self.config.limits) {
             return refuse_and_close(session, 431, &message).await;
         }
-        if let Err(why) = self
-            .host_policy
-            .check(header(session, "host"), header(session, "origin"))
-        {
+        // A forwarded retry's Host and Origin were checked by the replica it reached.
+        let host_checked = match arrival {
+            Arrival::Client => self
+                .host_policy
+                .check(header(session, "host"), header(session, "origin")),
+            Arrival::Peer => Ok(()),
+        };
+        if let Err(why) = host_checked {
             let message = format!("Forbidden: {why} (DNS-rebinding protection; see allowed_hosts)");
             respond::error(session, 403, None, code::INVALID_REQUEST, &message).await;
             return;
@@ -285,6 +341,11 @@ impl Gateway {
         };
         let has_session = session.get_header(MCP_SESSION_ID).is_some();
         let version = header(session, "mcp-protocol-version").map(str::to_string);
+        let modern_post = method == http::Method::POST
+            && era(version.as_deref(), None, has_session, None) == Era::Modern;
+        if arrival == Arrival::Peer && !modern_post {
+            return refuse_on_peer_listener(session).await;
+        }
         if method != http::Method::POST {
             match era(version.as_deref(), None, has_session, None) {
                 Era::Modern => {
@@ -304,7 +365,16 @@ impl Gateway {
             return;
         };
         match era(version.as_deref(), None, has_session, parsed.method()) {
-            Era::Modern => bridge::serve(self, session, group, body, parsed, &principal).await,
+            Era::Modern => {
+                let request = bridge::Incoming {
+                    body,
+                    parsed,
+                    principal,
+                    arrival,
+                };
+                bridge::serve(self, session, group, request).await
+            }
+            Era::Legacy if arrival == Arrival::Peer => refuse_on_peer_listener(session).await,
             Era::Legacy => {
                 let parsed = Some(parsed);
                 passthrough::serve(self, session, group, body, parsed, "legacy", &principal).await
@@ -405,6 +475,20 @@ fn check_header_limits(
     Ok(())
 }
 
+/// Where a request arrived: from a client on the MCP listener, or forwarded by another
+/// replica to the peer listener (a retry of a flow this replica holds).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arrival {
+    Client,
+    Peer,
+}
+
+/// The peer listener serves only forwarded retries of held flows.
+pub(crate) async fn refuse_on_peer_listener(session: &mut ServerSession) {
+    let message = "the peer listener serves only 2026-07-28 retries of flows this replica holds";
+    respond::error(session, 403, None, code::INVALID_REQUEST, message).await;
+}
+
 /// Refuses a request whose bearer token did not verify (RFC 6750).
 async fn unauthenticated(session: &mut ServerSession, why: &str) {
     let body = jsonrpc::error_body(
@@ -438,14 +522,21 @@ async fn refuse_and_close(session: &mut ServerSession, status: u16, message: &st
     let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
 }
 
+/// A listener's application: the MCP listener's (`Arrival::Client`) or the peer
+/// listener's (`Arrival::Peer`), both serving one shared gateway.
+pub struct Listener {
+    pub gw: Arc<Gateway>,
+    pub arrival: Arrival,
+}
+
 #[async_trait]
-impl HttpServerApp for Gateway {
+impl HttpServerApp for Listener {
     async fn process_new_http(
         self: &Arc<Self>,
         mut session: ServerSession,
         shutdown: &ShutdownWatch,
     ) -> Option<ReusedHttpStream> {
-        let header_timeout = Duration::from_millis(self.config.limits.header_timeout_ms);
+        let header_timeout = Duration::from_millis(self.gw.config.limits.header_timeout_ms);
         // While a response is relayed the client side is watched for a disconnect; a
         // client that already sends its next request must keep those bytes. Pipelining
         // stashes them for the next request on this connection (answered in order).
@@ -456,7 +547,7 @@ impl HttpServerApp for Gateway {
         }
         session.set_read_timeout(Some(CLIENT_BODY_READ_TIMEOUT));
         session.set_keepalive(if *shutdown.borrow() { None } else { Some(60) });
-        self.handle(&mut session).await;
+        self.gw.handle(&mut session, self.arrival).await;
         let settings = HttpPersistentSettings::for_session(&session);
         match session.finish().await {
             Ok(stream) => stream.map(|s| ReusedHttpStream::from_reusable_stream(s, settings)),

@@ -33,7 +33,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    fn label(self) -> &'static str {
+    pub fn label(self) -> &'static str {
         match self {
             Outcome::Ok => "ok",
             Outcome::BadRequest => "bad_request",
@@ -202,6 +202,24 @@ fn client_response_header(
     binding: &[u8],
     upstream: &ResponseHeader,
 ) -> ResponseHeader {
+    let mut out = relayed_header(upstream);
+    if let Some(sid) = upstream.headers.get(MCP_SESSION_ID) {
+        match client_session_token(gw, group, route, binding, sid.as_bytes()) {
+            Some(token) => {
+                let _ = out.insert_header(MCP_SESSION_ID, token);
+            }
+            None => {
+                tracing::warn!(group = %group.name, "upstream sent an invalid Mcp-Session-Id; dropped")
+            }
+        }
+    }
+    out
+}
+
+/// A response header for the client copied from the next hop's: its status and
+/// end-to-end headers, framed by its `Content-Length` or chunked, and SSE marked
+/// unbuffered for proxies in front.
+pub(crate) fn relayed_header(upstream: &ResponseHeader) -> ResponseHeader {
     let mut out = ResponseHeader::build(upstream.status, Some(upstream.headers.len() + 2))
         .expect("a status read from the upstream is valid");
     for (name, value) in headers::forwardable(&upstream.headers) {
@@ -218,16 +236,6 @@ fn client_response_header(
         .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
     if is_sse {
         let _ = out.insert_header("x-accel-buffering", "no");
-    }
-    if let Some(sid) = upstream.headers.get(MCP_SESSION_ID) {
-        match client_session_token(gw, group, route, binding, sid.as_bytes()) {
-            Some(token) => {
-                let _ = out.insert_header(MCP_SESSION_ID, token);
-            }
-            None => {
-                tracing::warn!(group = %group.name, "upstream sent an invalid Mcp-Session-Id; dropped")
-            }
-        }
     }
     out
 }
@@ -255,7 +263,7 @@ fn client_session_token(
 }
 
 /// Streams the upstream body to the client as it arrives, until either side ends.
-async fn relay(
+pub(crate) async fn relay(
     gw: &Gateway,
     session: &mut ServerSession,
     header: ResponseHeader,

@@ -1,12 +1,14 @@
-//! Assembling a pingora `Server`: the MCP listener, the admin listener, the drain watch
-//! and one health-check service per upstream group. `run` blocks until a signal;
+//! Assembling a pingora `Server`: the MCP listener, the admin listener, the peer listener
+//! (when configured), the drain watch, the reaper and held-flow sweeper, and one
+//! health-check service per upstream group (and one for DNS peer discovery). `run` blocks until a signal;
 //! `spawn` runs the same server on a thread with a shutdown channel, for tests and for
 //! `demo`.
 
-use super::admin::{AdminApp, AdminListener, DrainWatch};
+use super::admin::{AdminApp, DrainWatch, OwnListener, ADMIN_CONNECTION_TIME};
+use super::bridge::hold::HeldSweeper;
 use super::reaper::ReaperService;
 use super::reload::{Reloader, WatchedFile};
-use super::Gateway;
+use super::{Arrival, Gateway, Listener};
 use crate::config::{Config, ConfigError};
 use crate::keys::KeyRing;
 use crate::metrics::Metrics;
@@ -51,21 +53,36 @@ pub fn build(
     }
     let listen = config.listen.clone();
     let admin_listen = config.admin_listen.clone();
+    let peer_listen = config.peers.listen.clone();
     let keys_poll = Duration::from_millis(config.keys_poll_ms);
-    let gateway = Gateway::new(config, keys, upstreams)?;
+    let gateway = Arc::new(Gateway::new(config, keys, upstreams)?);
     let metrics = gateway.metrics.clone();
+    if let Some(peers) = gateway.peers.discovery_service() {
+        server.add_service(GenBackgroundService::new("peer discovery".into(), peers));
+    }
     let reloader = Reloader::new(watched_files(&gateway), metrics.clone(), keys_poll);
     server.add_service(background_service("reloader", reloader));
-    let reaper = gateway.reaper.clone();
-    let drain = gateway.drain.clone();
-    let mut mcp = Service::new("mcp".to_string(), gateway);
+    let mut mcp = Service::new(
+        "mcp".to_string(),
+        Listener {
+            gw: gateway.clone(),
+            arrival: Arrival::Client,
+        },
+    );
     mcp.add_tcp(&listen);
     let admin_app = AdminApp {
         metrics: metrics.clone(),
-        drain: drain.clone(),
-        reaper: reaper.clone(),
+        drain: gateway.drain.clone(),
+        reaper: gateway.reaper.clone(),
+        held: gateway.held.clone(),
     };
-    let admin = AdminListener::bind(admin_app, &admin_listen).map_err(|e| {
+    let admin = OwnListener::bind(
+        "admin",
+        admin_app,
+        &admin_listen,
+        Some(ADMIN_CONNECTION_TIME),
+    )
+    .map_err(|e| {
         ConfigError::at(
             "admin_listen",
             format!("cannot listen on {admin_listen}: {e}"),
@@ -73,17 +90,31 @@ pub fn build(
     })?;
     server.add_service(mcp);
     server.add_service(background_service("admin", admin));
+    if let Some(addr) = &peer_listen {
+        let app = Listener {
+            gw: gateway.clone(),
+            arrival: Arrival::Peer,
+        };
+        let peer = OwnListener::bind("peer", app, addr, None).map_err(|e| {
+            ConfigError::at("peers.listen", format!("cannot listen on {addr}: {e}"))
+        })?;
+        server.add_service(background_service("peer listener", peer));
+    }
     let drain_watch = DrainWatch {
-        drain,
+        drain: gateway.drain.clone(),
         metrics: metrics.clone(),
     };
     server.add_service(background_service("drain watch", drain_watch));
     server.add_service(background_service(
         "abandoned-flow reaper",
         ReaperService {
-            reaper,
+            reaper: gateway.reaper.clone(),
             metrics: metrics.clone(),
         },
+    ));
+    server.add_service(background_service(
+        "held-flow sweeper",
+        HeldSweeper { gw: gateway },
     ));
     for service in extra {
         server.add_boxed_service(service);

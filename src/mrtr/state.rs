@@ -125,6 +125,19 @@ pub struct FlowState {
     pub known: Vec<Known>,
     /// Random id that stays the same across rounds and replicas, for logs.
     pub flow_id: u64,
+    /// Where the flow waits, when its upstream cannot resume streams (hold mode).
+    pub held: Option<HeldAt>,
+}
+
+/// A held flow's place: the replica keeping its upstream streams open, and the slot of
+/// its table holding them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeldAt {
+    /// The owner's peer address; `None` when it has no peer listener, so only a retry
+    /// reaching it directly can continue the flow.
+    pub owner: Option<SocketAddr>,
+    /// Random, so a slot never names another flow, even after the owner restarts.
+    pub slot: u64,
 }
 
 /// The `round` of a state whose call has not started (load shedding deferred it).
@@ -230,6 +243,7 @@ mod tests {
             data_session: false,
             known: Vec::new(),
             flow_id: 0x1234_5678_9abc_def0,
+            held: None,
         }
     }
 

@@ -140,6 +140,26 @@ impl Round {
         &self.pending
     }
 
+    /// This round's input requests by key, as the client gets them.
+    pub fn input_requests(&self) -> &Map<String, Value> {
+        &self.input_requests
+    }
+
+    /// Asks again a question of an earlier round that the client left unanswered: the
+    /// upstream still waits for it and will not send it again (a held flow's stream is
+    /// read on, not replayed).
+    pub fn ask_again(&mut self, pending: Pending, request: Value) {
+        if self
+            .pending
+            .iter()
+            .any(|p| p.upstream_id == pending.upstream_id)
+        {
+            return;
+        }
+        self.input_requests.insert(pending.key.clone(), request);
+        self.pending.push(pending);
+    }
+
     /// Feeds one upstream JSON-RPC message.
     pub fn on_message(&mut self, message: Value) -> Vec<Action> {
         let method = message

@@ -92,6 +92,11 @@ impl Parser {
         }
     }
 
+    /// Bytes held for an event not yet complete.
+    pub fn buffered(&self) -> usize {
+        self.line.len() + self.event_bytes
+    }
+
     /// Feeds one chunk, appending every completed event to `out`.
     pub fn push(&mut self, chunk: &[u8], out: &mut Vec<Event>) -> Result<(), TooLarge> {
         let mut rest = chunk;

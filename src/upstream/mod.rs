@@ -38,6 +38,8 @@ pub struct Timeouts {
 pub struct UpstreamGroup {
     pub name: String,
     pub era: crate::config::UpstreamEra,
+    /// How a bridged call waits for its client between rounds.
+    pub resume: crate::config::ResumeMode,
     pub path: String,
     members: Members,
     pub timeouts: Timeouts,
@@ -81,6 +83,7 @@ impl UpstreamGroup {
         Ok(UpstreamGroup {
             name: cfg.name.clone(),
             era: cfg.era,
+            resume: cfg.resume,
             tools: cfg.tools.clone(),
             path: cfg.path.clone(),
             members,

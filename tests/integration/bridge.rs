@@ -9,26 +9,6 @@ use mrtr_gateway::principal::PrincipalSource;
 use serde_json::{json, Value};
 use std::time::Duration;
 
-fn python_modern(args: &[&str]) -> Vec<Value> {
-    let script = root().join("tests/clients/py_modern_client.py");
-    let mut all = vec![script.to_str().unwrap()];
-    all.extend_from_slice(args);
-    json_lines(&run_client(python(), &all, Duration::from_secs(60)))
-}
-
-/// A client driver negotiated 2026-07-28 and its call completed (the driver itself checks
-/// the result text).
-fn assert_modern_call(lines: &[Value], scenario: &str) {
-    assert_eq!(
-        lines[0]["protocolVersion"], "2026-07-28",
-        "{scenario}: {lines:?}"
-    );
-    assert!(
-        lines.iter().any(|l| l["step"] == "call"),
-        "{scenario}: {lines:?}"
-    );
-}
-
 #[test]
 fn the_python_modern_client_completes_flows_against_a_legacy_server() {
     let (_upstream, url) = start_upstream(Upstream::Python);
@@ -44,10 +24,8 @@ fn the_python_modern_client_completes_flows_against_a_legacy_server() {
 fn the_typescript_modern_client_completes_flows_against_a_legacy_server() {
     let (_upstream, url) = start_upstream(Upstream::TypeScript);
     let gw = TestGateway::start(&[&url], &test_keys());
-    let script = root().join("tests/clients/ts_modern_client.mjs");
     for scenario in ["elicit", "multi", "two", "sample", "roots", "getstream"] {
-        let args = [script.to_str().unwrap(), gw.url.as_str(), scenario];
-        let lines = json_lines(&run_client(node(), &args, Duration::from_secs(60)));
+        let lines = ts_modern(&[&gw.url, scenario]);
         assert_modern_call(&lines, scenario);
         println!("TypeScript modern client -> gateway -> TypeScript legacy server: {scenario} ok");
     }
@@ -252,9 +230,11 @@ fn an_abandoned_flow_has_its_upstream_session_deleted_at_its_deadline() {
 }
 
 #[test]
-fn an_upstream_that_cannot_resume_gets_a_clear_error_not_a_hang() {
+fn a_group_forced_resumable_whose_upstream_cannot_resume_gets_a_clear_error_not_a_hang() {
     let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);
-    let gw = TestGateway::start(&[&url], &test_keys());
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.upstreams[0].resume = mrtr_gateway::config::ResumeMode::Resumable;
+    });
     let resumable = || metric_with(&gw.admin, "mrtr_gateway_upstream_resumable", "default");
     assert_eq!(resumable(), Some(-1.0), "not known before a round");
     let started = std::time::Instant::now();
@@ -270,10 +250,10 @@ fn an_upstream_that_cannot_resume_gets_a_clear_error_not_a_hang() {
         body["error"]["message"]
             .as_str()
             .unwrap()
-            .contains("cannot resume streams"),
+            .contains("configured `resume: resumable`, but its SSE events carry no ids"),
         "{body}"
     );
-    assert_eq!(resumable(), Some(0.0));
+    assert_eq!(resumable(), Some(-1.0), "no round waited");
     assert!(started.elapsed() < Duration::from_secs(10));
     // A call that asks nothing still works through the same upstream.
     let plain = Raw::new(&gw.url).modern(

@@ -567,3 +567,32 @@ pub fn ask_name(raw: &Raw, id: u64, extra: Value) -> Value {
     )
     .json()
 }
+
+/// Runs the Python SDK's modern client driver (`tests/clients/py_modern_client.py`).
+pub fn python_modern(args: &[&str]) -> Vec<Value> {
+    let script = root().join("tests/clients/py_modern_client.py");
+    let mut all = vec![script.to_str().unwrap()];
+    all.extend_from_slice(args);
+    json_lines(&run_client(python(), &all, Duration::from_secs(60)))
+}
+
+/// Runs the TypeScript SDK's modern client driver (`tests/clients/ts_modern_client.mjs`).
+pub fn ts_modern(args: &[&str]) -> Vec<Value> {
+    let script = root().join("tests/clients/ts_modern_client.mjs");
+    let mut all = vec![script.to_str().unwrap()];
+    all.extend_from_slice(args);
+    json_lines(&run_client(node(), &all, Duration::from_secs(60)))
+}
+
+/// A client driver negotiated 2026-07-28 and its call completed (the driver itself checks
+/// the result text).
+pub fn assert_modern_call(lines: &[Value], scenario: &str) {
+    assert_eq!(
+        lines[0]["protocolVersion"], "2026-07-28",
+        "{scenario}: {lines:?}"
+    );
+    assert!(
+        lines.iter().any(|l| l["step"] == "call"),
+        "{scenario}: {lines:?}"
+    );
+}

@@ -141,6 +141,7 @@ impl Fixture {
             data_session: false,
             known: Vec::new(),
             flow_id: rand::random(),
+            held: None,
         }
     }
 

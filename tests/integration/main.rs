@@ -7,6 +7,7 @@ mod cli;
 mod common;
 mod conformance;
 mod dns;
+mod hold;
 mod hostile;
 mod keys;
 mod operations;

@@ -3,18 +3,22 @@
 //! `requestState`, posts the answers and resumes the call's stream. Between rounds the
 //! upstream keeps running and the gateway holds nothing but the reaper's entry.
 
+use super::hold::{Held, NotHeld};
 use super::reply::{decorate, ClientReply};
 use super::session::Attached;
 use super::{
-    call_id, end_session, finish_with, upstream_failed, upstream_for, upstream_params, CALL_ID,
+    call_id, end_session, finish_with, upstream_failed, upstream_for, upstream_params, Incoming,
+    CALL_ID,
 };
-use crate::config::Limits;
+use crate::config::{Limits, ResumeMode};
 use crate::gateway::passthrough::sleep_or_never;
-use crate::gateway::Gateway;
+use crate::gateway::{peers, Arrival, Gateway};
 use crate::metrics::InUse;
 use crate::mrtr::modern::{code as mcode, gateway_code as gcode, ModernRequest};
 use crate::mrtr::replay::{self, Claim};
-use crate::mrtr::state::{binding, now_ms, now_secs, FlowState, Known, UpstreamId, DEFERRED};
+use crate::mrtr::state::{
+    binding, now_ms, now_secs, FlowState, HeldAt, Known, UpstreamId, DEFERRED,
+};
 use crate::mrtr::translate::{Action, Round};
 use crate::protocol::jsonrpc::code;
 use crate::protocol::sse;
@@ -33,8 +37,8 @@ use tokio::time::Instant;
 const MAX_RESUMPTIONS: usize = 8;
 const INVALID_STATE: &str = "Invalid or expired requestState";
 
-/// The upstream streams of a flow in progress.
-struct Streams {
+/// The upstream streams of a flow in progress (or held between rounds).
+pub(super) struct Streams {
     call: Option<Response>,
     call_parser: sse::Parser,
     session: Option<Response>,
@@ -62,6 +66,8 @@ struct Call<'a> {
     bind: [u8; 32],
     /// The data-layer session the request runs in, if it carries a cookie.
     data_session: Option<&'a Attached>,
+    /// The request as it arrived, to forward a retry to the replica holding its flow.
+    incoming: &'a Incoming,
 }
 
 pub(super) async fn interactive(
@@ -70,11 +76,11 @@ pub(super) async fn interactive(
     group: &UpstreamGroup,
     request: ModernRequest,
     reply: ClientReply,
-    principal: &[u8; 32],
+    incoming: &Incoming,
     data_session: Option<&Attached>,
 ) -> &'static str {
     let bind = binding(
-        principal,
+        &incoming.principal,
         &request.method,
         request.target.as_deref(),
         request.params.get("arguments"),
@@ -85,6 +91,7 @@ pub(super) async fn interactive(
         request: &request,
         bind,
         data_session,
+        incoming,
     };
     if let Err(text) = check_retry_limits(&request, &gw.config.limits) {
         reply
@@ -149,10 +156,15 @@ fn round_over_limits(limits: &Limits, flow: &FlowState, round: &Round) -> Option
 }
 
 /// Whether this replica sheds new calls now: more interactive requests are in progress
-/// than `bridge.shed_above_active_rounds` (this one included).
+/// than `bridge.shed_above_active_rounds` (this one included), or more flows are held
+/// than `bridge.shed_above_held_flows`.
 fn shedding(gw: &Gateway) -> bool {
-    let limit = gw.config.bridge.shed_above_active_rounds;
-    limit > 0 && gw.metrics.active_rounds.get() > limit as i64
+    let over = |limit: usize, now: usize| limit > 0 && now > limit;
+    let bridge = &gw.config.bridge;
+    over(
+        bridge.shed_above_active_rounds,
+        gw.metrics.active_rounds.get().max(0) as usize,
+    ) || over(bridge.shed_above_held_flows, gw.held.usage().0)
 }
 
 /// Starts a call, or, under load shedding, defers it. `deferred` is the state of a call
@@ -180,6 +192,7 @@ async fn start(
         data_session: call.data_session.is_some(),
         known: Vec::new(),
         flow_id: rand::random(),
+        held: None,
     });
     name_flow(&flow);
     if shedding(gw) {
@@ -256,18 +269,24 @@ async fn lost(
     session: &mut ServerSession,
     reply: ClientReply,
     mut flow: FlowState,
-    responses: &Map<String, Value>,
+    cause: Lost,
 ) -> &'static str {
     let gw = call.gw;
     let flow_id = format!("{:016x}", flow.flow_id);
     if !restartable(call) {
-        tracing::info!(flow = flow_id, "upstream lost the call; not restartable");
-        let text = format!("upstream group '{}' lost this call between rounds (its session is gone or its endpoint is down), and the tool is not marked restartable, so it is not run again: issue the call again", call.group.name);
+        tracing::info!(flow = flow_id, "the call was lost; not restartable");
+        let group = &call.group.name;
+        let what = match cause {
+            Lost::Upstream => format!("upstream group '{group}' lost this call between rounds (its session is gone or its endpoint is down)"),
+            Lost::Holder => format!("the gateway replica holding this call's upstream streams is gone or no longer holds them (upstream group '{group}' cannot resume streams, so its calls are held)"),
+        };
+        let text = format!("{what}, and the tool is not marked restartable, so it is not run again: issue the call again");
         reply
             .error(session, 502, gcode::FLOW_LOST, &text, None)
             .await;
         return "upstream_error";
     }
+    let responses = input_responses(call.request);
     for pending in &flow.pending {
         if let (Some(fingerprint), Some(answer)) =
             (pending.fingerprint, responses.get(&pending.key))
@@ -292,8 +311,28 @@ async fn lost(
     flow.last_event_id = None;
     flow.round_start = None;
     flow.reissue = false;
+    flow.held = None;
     flow.round += 1;
     run_call(call, session, reply, flow, None).await
+}
+
+/// What lost a call between rounds.
+#[derive(Clone, Copy)]
+enum Lost {
+    /// The upstream: its session is gone, or its endpoint is down.
+    Upstream,
+    /// The replica that held the call's upstream streams (hold mode).
+    Holder,
+}
+
+/// A retry's answers by input key.
+fn input_responses(request: &ModernRequest) -> Map<String, Value> {
+    request
+        .params
+        .get("inputResponses")
+        .and_then(Value::as_object)
+        .cloned()
+        .unwrap_or_default()
 }
 
 /// The session's GET stream, where a legacy server sends requests not tied to a call.
@@ -307,7 +346,7 @@ async fn session_stream(upstream: &LegacySession<'_>) -> Option<Response> {
 }
 
 impl Streams {
-    fn new(call: Option<Response>, session: Option<Response>) -> Streams {
+    pub(super) fn new(call: Option<Response>, session: Option<Response>) -> Streams {
         Streams {
             call,
             call_parser: sse::Parser::new(MAX_UPSTREAM_MESSAGE),
@@ -316,10 +355,15 @@ impl Streams {
         }
     }
 
-    async fn close(self, gw: &Gateway) {
+    pub(super) async fn close(self, gw: &Gateway) {
         for response in [self.call, self.session].into_iter().flatten() {
             gw.client.finish(response).await;
         }
+    }
+
+    /// Bytes of partial events the parsers hold.
+    pub(super) fn buffered(&self) -> usize {
+        self.call_parser.buffered() + self.session_parser.buffered()
     }
 }
 
@@ -401,6 +445,7 @@ async fn run_round(
             flow.pending.clear();
             flow.last_event_id = None;
             flow.round_start = None;
+            flow.expires_at = state_expiry(gw, &flow);
             ask_client(call, session, reply, &upstream, flow, &round, server_info).await
         }
         RoundEnd::Complete(message) => {
@@ -409,11 +454,12 @@ async fn run_round(
             observe_completed(gw, &flow);
             finish_with(reply, session, message, server_info, cacheable).await
         }
-        RoundEnd::Questions if round.last_event_id().is_none() => {
-            gw.note_resumable(group, false);
+        RoundEnd::Questions
+            if round.last_event_id().is_none() && group.resume == ResumeMode::Resumable =>
+        {
             streams.close(gw).await;
             end_session(gw, &upstream).await;
-            let text = format!("upstream group '{}' cannot resume streams (its SSE events carry no ids), so its interactive calls cannot be bridged yet", group.name);
+            let text = format!("upstream group '{}' is configured `resume: resumable`, but its SSE events carry no ids, so its calls cannot be resumed: configure `resume: auto` or `hold`", group.name);
             reply
                 .error(session, 502, code::INTERNAL_ERROR, &text, None)
                 .await;
@@ -428,13 +474,14 @@ async fn run_round(
         end @ (RoundEnd::Questions | RoundEnd::Draining) => {
             // A round cut short by draining goes to the client like one with questions:
             // whatever was asked, possibly nothing (a requestState-only result, retried at
-            // once), with a state from which any replica resumes the call.
-            gw.note_resumable(group, true);
+            // once), with a state from which any replica resumes the call. A round of an
+            // upstream that cannot resume is held here instead (never cut by draining).
+            let resumable = resumes(call, &round);
+            gw.note_resumable(group, resumable);
             if matches!(end, RoundEnd::Draining) {
                 let flow_id = format!("{:016x}", flow.flow_id);
                 tracing::info!(flow = flow_id, "round handed over: draining");
             }
-            streams.close(gw).await;
             flow.reissue = false;
             flow.pending = round.pending().to_vec();
             flow.last_event_id = round.last_event_id().map(str::to_string);
@@ -442,6 +489,11 @@ async fn run_round(
             if restartable(call) {
                 flow.known = round.known().to_vec();
             }
+            flow.expires_at = state_expiry(gw, &flow);
+            if !resumable {
+                return hold(call, session, reply, &upstream, flow, streams, &round).await;
+            }
+            streams.close(gw).await;
             ask_client(call, session, reply, &upstream, flow, &round, server_info).await
         }
         RoundEnd::MissingCapability(required) => {
@@ -558,7 +610,11 @@ async fn drive(
             };
         }
     }
-    let mut quiet_until: Option<Instant> = None;
+    // Questions carried over from a held round's retry are asked after the quiet window,
+    // even if the upstream (waiting for their answers) says nothing more.
+    let mut quiet_until = round
+        .has_questions()
+        .then(|| Instant::now() + pacing.quiet_window);
     let mut follow = Follow {
         retry: Duration::from_secs(1),
         empty_ends: 0,
@@ -580,7 +636,7 @@ async fn drive(
             }
             _ = session.read_body_or_idle(true) => return RoundEnd::ClientGone,
             // Only a resumable round can be handed over; others finish here.
-            _ = call.gw.drain.wait(), if round.last_event_id().is_some() => return RoundEnd::Draining,
+            _ = call.gw.drain.wait(), if resumes(call, round) => return RoundEnd::Draining,
             _ = sleep_or_never(pacing.keepalive) => {
                 if reply.keep_alive(session).await {
                     call.gw.metrics.sse_keepalives.inc();
@@ -689,6 +745,66 @@ async fn reissue(
     run_round(call, session, reply, upstream, flow, streams, round).await
 }
 
+/// When a state sealed now expires: a round's TTL, never past the flow's deadline.
+fn state_expiry(gw: &Gateway, flow: &FlowState) -> u64 {
+    (now_secs() + gw.config.bridge.request_state_ttl_seconds).min(flow.flow_deadline)
+}
+
+/// Whether a round that ends now waits resumable, rather than held on this replica.
+fn resumes(call: &Call<'_>, round: &Round) -> bool {
+    call.gw.resumes(call.group, round.last_event_id().is_some())
+}
+
+/// Holds the flow on this replica with its upstream streams open, and asks the client;
+/// the state names this replica and the slot. A round over the limits, or one the table
+/// cannot take, ends with an error instead.
+async fn hold(
+    call: &Call<'_>,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    upstream: &LegacySession<'_>,
+    mut flow: FlowState,
+    streams: Streams,
+    round: &Round,
+) -> &'static str {
+    let gw = call.gw;
+    let server_info = &gw.server_info(call.group);
+    if round_over_limits(&gw.config.limits, &flow, round).is_some() {
+        streams.close(gw).await;
+        return ask_client(call, session, reply, upstream, flow, round, server_info).await;
+    }
+    let held = Held::new(
+        flow.flow_id,
+        flow.expires_at,
+        upstream.endpoint.clone(),
+        *upstream.timeouts,
+        upstream.session_id.clone(),
+        streams,
+        round.input_requests().clone(),
+        flow.pending.clone(),
+    );
+    let slot = match gw.held.hold(held) {
+        Ok(slot) => slot,
+        Err((refused, held)) => {
+            held.abandon(gw).await;
+            let (status, text) = match refused {
+                NotHeld::Full => (503, "too many flows are held on this replica; retry later".to_string()),
+                NotHeld::TooLarge(bytes) => (502, format!("the round's questions take {bytes} bytes, above bridge.max_held_bytes_per_flow ({})", gw.config.bridge.max_held_bytes_per_flow)),
+            };
+            reply
+                .error(session, status, code::INTERNAL_ERROR, &text, None)
+                .await;
+            return "overloaded";
+        }
+    };
+    gw.metrics.held_event("held");
+    flow.held = Some(HeldAt {
+        owner: gw.peers.advertise,
+        slot,
+    });
+    ask_client(call, session, reply, upstream, flow, round, server_info).await
+}
+
 /// Ends a round by sending the client its questions with the sealed state, unless the
 /// round is over the limits: then the call ends with an error naming the limit.
 async fn ask_client(
@@ -696,7 +812,7 @@ async fn ask_client(
     session: &mut ServerSession,
     reply: ClientReply,
     upstream: &LegacySession<'_>,
-    mut flow: FlowState,
+    flow: FlowState,
     round: &Round,
     server_info: &Value,
 ) -> &'static str {
@@ -709,8 +825,6 @@ async fn ask_client(
             .await;
         return "over_limit";
     }
-    flow.expires_at =
-        (now_secs() + gw.config.bridge.request_state_ttl_seconds).min(flow.flow_deadline);
     let sealed = flow.seal(&gw.keys.load(), &call.bind);
     tracing::info!(
         flow = format!("{:016x}", flow.flow_id),
@@ -737,8 +851,7 @@ async fn defer(
     mut flow: FlowState,
 ) -> &'static str {
     let gw = call.gw;
-    flow.expires_at =
-        (now_secs() + gw.config.bridge.request_state_ttl_seconds).min(flow.flow_deadline);
+    flow.expires_at = state_expiry(gw, &flow);
     let sealed = flow.seal(&gw.keys.load(), &call.bind);
     gw.metrics.shed.inc();
     tracing::info!(
@@ -806,9 +919,7 @@ async fn resume(
     reply: ClientReply,
     text: &str,
 ) -> &'static str {
-    let Call {
-        gw, group, request, ..
-    } = *call;
+    let Call { gw, group, .. } = *call;
     let bind = &call.bind;
     let opened = FlowState::open(&gw.keys.load(), bind, text, now_secs())
         .map_err(|e| e.reason())
@@ -822,11 +933,14 @@ async fn resume(
             let endpoint = group.endpoint(state.endpoint).ok_or("unknown_endpoint")?;
             Ok((state, Some(endpoint)))
         });
-    let (mut flow, endpoint) = match opened {
+    let (flow, endpoint) = match opened {
         Ok(o) => o,
         Err(reason) => return refuse_state(gw, session, reply, group, reason).await,
     };
     name_flow(&flow);
+    if let Some(held) = flow.held.filter(|h| !gw.peers.is_me(h.owner)) {
+        return to_holder(call, session, reply, flow, held.owner).await;
+    }
     let used = replay::digest(text);
     let claim =
         gw.used_states
@@ -847,21 +961,75 @@ async fn resume(
     let Some(endpoint) = endpoint else {
         return start(call, session, reply, Some(flow)).await;
     };
+    let held = match flow.held {
+        None => None,
+        Some(at) => match gw.held.take(at.slot, flow.flow_id) {
+            Some(held) => Some(held),
+            None => {
+                gw.metrics.held_event("lost");
+                return lost(call, session, reply, flow, Lost::Holder).await;
+            }
+        },
+    };
     let mut upstream = LegacySession::resume(
         &gw.client,
         endpoint,
         &group.timeouts,
         flow.upstream_session.clone(),
     );
-    upstream.trace = request.trace.clone();
+    upstream.trace = call.request.trace.clone();
     upstream.persistent = flow.data_session;
     gw.metrics.upstream_session("reused");
-    let responses = request
-        .params
-        .get("inputResponses")
-        .and_then(Value::as_object)
-        .cloned()
-        .unwrap_or_default();
+    continue_flow(call, session, reply, upstream, flow, held, used).await
+}
+
+/// The retry of a flow held by another replica: forwarded to it, whose answer the client
+/// gets; or, when it cannot be reached (or this request came from a peer that thought
+/// this replica held it), the flow is lost with it.
+async fn to_holder(
+    call: &Call<'_>,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    flow: FlowState,
+    owner: Option<std::net::SocketAddr>,
+) -> &'static str {
+    let gw = call.gw;
+    let why = match owner {
+        _ if call.incoming.arrival == Arrival::Peer => {
+            "forwarded here, but held by another replica".to_string()
+        }
+        None => "held by a replica without a peer listener".to_string(),
+        Some(owner) => match peers::forward(gw, session, owner, &call.incoming.body).await {
+            Ok(_) => {
+                gw.metrics.peer_forwards.with_label_values(&["ok"]).inc();
+                return "forwarded";
+            }
+            Err(why) => why,
+        },
+    };
+    gw.metrics
+        .peer_forwards
+        .with_label_values(&["owner_gone"])
+        .inc();
+    let flow_id = format!("{:016x}", flow.flow_id);
+    tracing::info!(flow = flow_id, owner = ?owner, %why, "the replica holding the flow cannot continue it");
+    lost(call, session, reply, flow, Lost::Holder).await
+}
+
+/// Posts a retry's answers upstream and goes on with the call: on the held streams, or by
+/// resuming the call's stream with `Last-Event-ID`. `used` is the state's replay digest,
+/// released when the upstream provably got none of its answers.
+async fn continue_flow(
+    call: &Call<'_>,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    upstream: LegacySession<'_>,
+    mut flow: FlowState,
+    held: Option<Box<Held>>,
+    used: replay::StateDigest,
+) -> &'static str {
+    let Call { gw, group, .. } = *call;
+    let responses = input_responses(call.request);
     let mut answered = Vec::new();
     for pending in flow.pending.clone() {
         let Some(answer) = responses.get(&pending.key) else {
@@ -870,22 +1038,19 @@ async fn resume(
         let message =
             json!({"jsonrpc": "2.0", "id": pending.upstream_id.to_json(), "result": answer});
         if let Err(e) = upstream.post_and_expect_accepted(&message).await {
-            if answered.is_empty() && is_lost(&e) && !flow.data_session {
-                return lost(call, session, reply, flow, &responses).await;
-            }
-            let never_delivered = matches!(
-                e,
-                SessionError::Exchange(ExchangeError::Connect(_))
-                    | SessionError::Protocol(_)
-                    | SessionError::Gone
-            );
-            if answered.is_empty() && never_delivered {
+            let nothing_posted = answered.is_empty();
+            if let Some(held) = held {
+                held.abandon(gw).await;
+            } else if nothing_posted && never_delivered(&e) {
                 // The upstream has no answer of this state's (it was unreachable, or
                 // refused the answer): the same state may be retried.
                 gw.used_states
                     .lock()
                     .expect("used-states lock")
                     .release(&used);
+            }
+            if nothing_posted && is_lost(&e) && !flow.data_session {
+                return lost(call, session, reply, flow, Lost::Upstream).await;
             }
             return upstream_failed(gw, reply, session, group, &e).await;
         }
@@ -898,12 +1063,15 @@ async fn resume(
             });
         }
     }
+    let all_answered = answered.len() == flow.pending.len();
+    if let Some(held) = held {
+        return continue_held(call, session, reply, upstream, flow, held, answered).await;
+    }
     if flow.reissue {
         return reissue(call, session, reply, upstream, flow).await;
     }
     // With every answer given, continue after the last event; otherwise replay the round
     // from its start so the unanswered questions are asked again.
-    let all_answered = answered.len() == flow.pending.len();
     let from = if all_answered {
         flow.last_event_id.clone()
     } else {
@@ -911,10 +1079,15 @@ async fn resume(
     };
     let call_stream = match upstream.get(from.as_deref()).await {
         Ok(r) => r,
-        Err(e) if answered.is_empty() && is_lost(&e) && !flow.data_session => {
-            return lost(call, session, reply, flow, &responses).await
+        Err(e) => {
+            if matches!(e, SessionError::Protocol(_)) {
+                gw.note_replay_refused(group);
+            }
+            if answered.is_empty() && is_lost(&e) && !flow.data_session {
+                return lost(call, session, reply, flow, Lost::Upstream).await;
+            }
+            return upstream_failed(gw, reply, session, group, &e).await;
         }
-        Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
     };
     let streams = Streams::new(Some(call_stream), session_stream(&upstream).await);
     if all_answered {
@@ -924,6 +1097,47 @@ async fn resume(
     let mut round = new_round(call, &flow);
     round.skip(answered);
     run_round(call, session, reply, upstream, flow, streams, round).await
+}
+
+/// Whether an answer that failed provably never reached the upstream.
+fn never_delivered(e: &SessionError) -> bool {
+    matches!(
+        e,
+        SessionError::Exchange(ExchangeError::Connect(_))
+            | SessionError::Protocol(_)
+            | SessionError::Gone
+    )
+}
+
+/// Goes on reading a held flow's streams where its round stopped. Questions the retry
+/// left unanswered are asked again at once (nothing replays them).
+async fn continue_held(
+    call: &Call<'_>,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    upstream: LegacySession<'_>,
+    mut flow: FlowState,
+    held: Box<Held>,
+    answered: Vec<UpstreamId>,
+) -> &'static str {
+    call.gw.metrics.held_event("resumed");
+    flow.held = None;
+    let mut round = new_round(call, &flow);
+    let mut unanswered = 0;
+    for pending in &held.pending {
+        if answered.contains(&pending.upstream_id) {
+            continue;
+        }
+        if let Some(question) = held.questions.get(&pending.key) {
+            round.ask_again(pending.clone(), question.clone());
+            unanswered += 1;
+        }
+    }
+    if unanswered == 0 {
+        flow.round += 1;
+    }
+    round.skip(answered);
+    run_round(call, session, reply, upstream, flow, held.streams, round).await
 }
 
 /// Answers a `requestState` that was refused, with one uniform error whatever the reason;

@@ -9,11 +9,12 @@
 //! are closed, never cancelled, and no per-flow memory stays on the gateway.
 
 mod flow;
+pub mod hold;
 mod reply;
 mod session;
 
 use super::respond;
-use super::Gateway;
+use super::{Arrival, Gateway};
 use crate::metrics::method_label;
 use crate::mrtr::data_session::META_KEY;
 use crate::mrtr::modern::{ModernHeaders, ModernRequest, Refusal, SUPPORTED_VERSIONS};
@@ -75,26 +76,39 @@ impl Kind {
     }
 }
 
+/// A 2026-07-28 POST as the shell read it.
+pub struct Incoming {
+    /// The body as it arrived, to relay or forward unchanged.
+    pub body: Bytes,
+    pub parsed: Body,
+    pub principal: [u8; 32],
+    pub arrival: Arrival,
+}
+
 pub async fn serve(
     gw: &Gateway,
     session: &mut ServerSession,
     group: &UpstreamGroup,
-    body: Bytes,
-    parsed: Body,
-    principal: &[u8; 32],
+    incoming: Incoming,
 ) {
     let started = std::time::Instant::now();
-    let message: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    let message: Value = serde_json::from_slice(&incoming.body).unwrap_or(Value::Null);
     let method = method_label(message["method"].as_str());
     // The flow id is recorded into this span once known, so the access line carries it.
     let span = tracing::info_span!("request", flow = tracing::field::Empty);
-    let served = serve_inner(gw, session, group, &message, principal)
+    let served = serve_inner(gw, session, group, &message, &incoming)
         .instrument(span.clone())
         .await;
     match served {
         Served::Relay => {
+            let Incoming {
+                body,
+                parsed,
+                principal,
+                ..
+            } = incoming;
             let era = "modern_relayed";
-            super::passthrough::serve(gw, session, group, body, Some(parsed), era, principal).await
+            super::passthrough::serve(gw, session, group, body, Some(parsed), era, &principal).await
         }
         Served::Done(outcome) => span.in_scope(|| gw.record("modern", method, outcome, started)),
     }
@@ -112,8 +126,9 @@ async fn serve_inner(
     session: &mut ServerSession,
     group: &UpstreamGroup,
     message: &Value,
-    principal: &[u8; 32],
+    incoming: &Incoming,
 ) -> Served {
+    let principal = &incoming.principal;
     let (Some(method), Some(id)) = (message["method"].as_str(), message.get("id")) else {
         if message.get("method").is_some() {
             respond::write(session, 202, "application/json", Bytes::new()).await;
@@ -164,6 +179,10 @@ async fn serve_inner(
             return Served::Done("bad_request");
         }
     };
+    if incoming.arrival == Arrival::Peer && !is_retry(&kind, &request) {
+        super::refuse_on_peer_listener(session).await;
+        return Served::Done("bad_request");
+    }
     // Only a request that passed validation may make the gateway probe the upstream.
     if gw.relays(group, &client_info(&request)).await {
         return Served::Relay;
@@ -194,7 +213,7 @@ async fn serve_inner(
     Served::Done(match kind {
         Kind::Discover => discover(gw, session, group, &request, reply).await,
         Kind::Interactive => {
-            flow::interactive(gw, session, group, request, reply, principal, attached).await
+            flow::interactive(gw, session, group, request, reply, incoming, attached).await
         }
         Kind::OneShot => one_shot(gw, session, group, &request, reply, attached).await,
         Kind::SessionCreate => {
@@ -202,6 +221,11 @@ async fn serve_inner(
         }
         Kind::SessionDelete => session::delete(gw, session, group, attached, reply).await,
     })
+}
+
+/// Whether a request retries an interactive call (it carries a `requestState`).
+fn is_retry(kind: &Kind, request: &ModernRequest) -> bool {
+    matches!(kind, Kind::Interactive) && request.params.get("requestState").is_some()
 }
 
 pub(crate) fn client_info(request: &ModernRequest) -> Value {

@@ -1,0 +1,241 @@
+//! Hold mode: flows whose upstream cannot resume streams wait between rounds in a bounded
+//! per-replica table that keeps their upstream streams open. The `requestState` names the
+//! slot and the replica (`HeldAt`); a retry that lands on another replica is forwarded to
+//! this one over the peer listener, and the retry takes the flow out of the table and
+//! reads on where the round stopped.
+//!
+//! What a held flow costs: its two upstream connections (the call's stream and the
+//! session's GET stream) and what the gateway keeps buffered for it, its round's
+//! questions (to ask again any the client leaves unanswered) and any partial upstream
+//! event; the latter is bounded by `bridge.max_held_bytes_per_flow`, the table by
+//! `bridge.max_held_flows`, and both are exported. An entry lives until its state expires;
+//! the sweeper then closes its streams and deletes its upstream session.
+
+use super::flow::Streams;
+use crate::gateway::Gateway;
+use crate::mrtr::state::{now_secs, Pending};
+use crate::upstream::legacy_session::LegacySession;
+use crate::upstream::{Endpoint, Timeouts};
+use async_trait::async_trait;
+use pingora::server::ShutdownWatch;
+use pingora::services::background::BackgroundService;
+use serde_json::{Map, Value};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// How often expired entries are looked for.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// One flow waiting for its client, with its upstream streams open.
+pub(super) struct Held {
+    pub flow_id: u64,
+    pub expires_at: u64,
+    pub endpoint: Endpoint,
+    pub timeouts: Timeouts,
+    pub session_id: Option<String>,
+    pub streams: Streams,
+    /// The round's questions by key, to ask again those the retry leaves unanswered.
+    pub questions: Map<String, Value>,
+    pub pending: Vec<Pending>,
+    /// What the gateway buffers for the flow, as accounted against the limit.
+    bytes: usize,
+}
+
+impl Held {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        flow_id: u64,
+        expires_at: u64,
+        endpoint: Endpoint,
+        timeouts: Timeouts,
+        session_id: Option<String>,
+        streams: Streams,
+        questions: Map<String, Value>,
+        pending: Vec<Pending>,
+    ) -> Box<Held> {
+        let bytes = Value::Object(questions.clone()).to_string().len() + streams.buffered();
+        Box::new(Held {
+            flow_id,
+            expires_at,
+            endpoint,
+            timeouts,
+            session_id,
+            streams,
+            questions,
+            pending,
+            bytes,
+        })
+    }
+
+    /// Ends the flow: closes its streams and deletes its upstream session.
+    pub async fn abandon(self, gw: &Gateway) {
+        self.streams.close(gw).await;
+        if let Some(sid) = self.session_id {
+            gw.reaper.forget(&self.endpoint, &sid);
+            LegacySession::resume(&gw.client, self.endpoint, &self.timeouts, sid)
+                .reap()
+                .await;
+        }
+    }
+}
+
+/// Why a flow could not be held; its round ends with an error.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum NotHeld {
+    /// The table is at `bridge.max_held_flows`.
+    Full,
+    /// The flow buffers this many bytes, above `bridge.max_held_bytes_per_flow`.
+    TooLarge(usize),
+}
+
+/// The flows this replica holds, by slot.
+pub struct HeldFlows {
+    table: Mutex<HashMap<u64, Box<Held>>>,
+    capacity: usize,
+    max_bytes: usize,
+}
+
+impl HeldFlows {
+    pub fn new(capacity: usize, max_bytes: usize) -> HeldFlows {
+        HeldFlows {
+            table: Mutex::new(HashMap::new()),
+            capacity,
+            max_bytes,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Box<Held>>> {
+        self.table.lock().expect("held-flows lock")
+    }
+
+    /// Holds a flow; returns its slot. On refusal the entry comes back, to be abandoned.
+    pub(super) fn hold(&self, held: Box<Held>) -> Result<u64, (NotHeld, Box<Held>)> {
+        if held.bytes > self.max_bytes {
+            return Err((NotHeld::TooLarge(held.bytes), held));
+        }
+        let mut table = self.lock();
+        if table.len() >= self.capacity {
+            return Err((NotHeld::Full, held));
+        }
+        let mut slot: u64 = rand::random();
+        while table.contains_key(&slot) {
+            slot = rand::random();
+        }
+        table.insert(slot, held);
+        Ok(slot)
+    }
+
+    /// Takes the flow out of its slot, if this replica still holds it.
+    pub(super) fn take(&self, slot: u64, flow_id: u64) -> Option<Box<Held>> {
+        let mut table = self.lock();
+        match table.get(&slot) {
+            Some(held) if held.flow_id == flow_id => table.remove(&slot),
+            _ => None,
+        }
+    }
+
+    /// Takes every flow whose state has expired by `now`.
+    fn take_expired(&self, now: u64) -> Vec<Held> {
+        let mut table = self.lock();
+        let due: Vec<u64> = table
+            .iter()
+            .filter(|(_, h)| h.expires_at <= now)
+            .map(|(slot, _)| *slot)
+            .collect();
+        due.iter()
+            .filter_map(|slot| table.remove(slot))
+            .map(|held| *held)
+            .collect()
+    }
+
+    /// How many flows are held, and the bytes they buffer.
+    pub fn usage(&self) -> (usize, usize) {
+        let table = self.lock();
+        (table.len(), table.values().map(|h| h.bytes).sum())
+    }
+}
+
+/// Ends held flows whose state expired: nobody can continue them any more.
+pub struct HeldSweeper {
+    pub gw: Arc<Gateway>,
+}
+
+#[async_trait]
+impl BackgroundService for HeldSweeper {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut tick = tokio::time::interval(SWEEP_EVERY);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {}
+                _ = shutdown.changed() => {}
+            }
+            for held in self.gw.held.take_expired(now_secs()) {
+                tracing::info!(flow = format!("{:016x}", held.flow_id), "held flow expired");
+                self.gw.metrics.held_event("expired");
+                held.abandon(&self.gw).await;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn held(flow_id: u64, expires_at: u64, question_bytes: usize) -> Box<Held> {
+        let mut questions = Map::new();
+        questions.insert("k".into(), Value::String("x".repeat(question_bytes)));
+        Held::new(
+            flow_id,
+            expires_at,
+            Endpoint {
+                addr: "127.0.0.1:1".parse().unwrap(),
+                authority: "127.0.0.1:1".into(),
+                path: "/mcp".into(),
+            },
+            Timeouts {
+                connect: Duration::from_secs(1),
+                response: Duration::from_secs(1),
+                stream_idle: None,
+            },
+            None,
+            Streams::new(None, None),
+            questions,
+            Vec::new(),
+        )
+    }
+
+    #[test]
+    fn a_slot_gives_its_flow_once_and_only_to_that_flow() {
+        let flows = HeldFlows::new(8, 1 << 20);
+        let slot = flows.hold(held(7, 100, 10)).ok().unwrap();
+        assert!(flows.take(slot, 8).is_none(), "another flow's state");
+        assert_eq!(flows.usage().0, 1);
+        assert_eq!(flows.take(slot, 7).unwrap().flow_id, 7);
+        assert!(flows.take(slot, 7).is_none(), "taken already");
+        assert_eq!(flows.usage(), (0, 0));
+    }
+
+    #[test]
+    fn the_table_and_each_flow_are_bounded() {
+        let flows = HeldFlows::new(2, 2048);
+        let (refused, _) = flows.hold(held(1, 100, 4096)).err().unwrap();
+        assert!(matches!(refused, NotHeld::TooLarge(n) if n > 4096));
+        flows.hold(held(1, 100, 10)).ok().unwrap();
+        flows.hold(held(2, 100, 10)).ok().unwrap();
+        let (refused, back) = flows.hold(held(3, 100, 10)).err().unwrap();
+        assert_eq!((refused, back.flow_id), (NotHeld::Full, 3));
+        assert!(flows.usage().1 > 20);
+    }
+
+    #[test]
+    fn expired_flows_are_taken_by_the_sweep() {
+        let flows = HeldFlows::new(8, 1 << 20);
+        flows.hold(held(1, 100, 1)).ok().unwrap();
+        let live = flows.hold(held(2, 200, 1)).ok().unwrap();
+        let expired = flows.take_expired(150);
+        assert_eq!(expired.iter().map(|h| h.flow_id).collect::<Vec<_>>(), [1]);
+        assert!(flows.take(live, 2).is_some());
+    }
+}

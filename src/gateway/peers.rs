@@ -1,0 +1,157 @@
+//! The other gateway replicas, for hold mode: which addresses are peers (a configured
+//! list, or a DNS name's current answer), and forwarding a client's retry to the replica
+//! that holds its flow, relaying that replica's response back unchanged.
+//!
+//! The owner named in a `requestState` is trusted only because the state opened under
+//! the key ring; it is still checked against the peer set, so a state can never send the
+//! gateway to an arbitrary address. The forwarded request is the client's own (its
+//! credentials included): the owner authenticates it and opens the state again.
+
+use super::passthrough::{self, Outcome};
+use super::Gateway;
+use crate::config::{split_host_port, ConfigError, Discovery, PeerOptions};
+use crate::protocol::headers;
+use crate::upstream::dns::{self, DnsDiscovery};
+use crate::upstream::{Endpoint, Timeouts};
+use bytes::Bytes;
+use pingora::http::RequestHeader;
+use pingora::lb::selection::RoundRobin;
+use pingora::lb::{Backends, LoadBalancer};
+use pingora::protocols::http::ServerSession;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Which addresses are gateway replicas.
+enum Members {
+    Static(Vec<SocketAddr>),
+    /// The balancer's current backends are the DNS name's last answer.
+    Dns(Arc<LoadBalancer<RoundRobin>>),
+}
+
+pub struct Peers {
+    /// This replica's peer address, sealed into the states of the flows it holds.
+    pub advertise: Option<SocketAddr>,
+    members: Members,
+    connect_timeout: Duration,
+}
+
+impl Peers {
+    /// The peer set of the configuration; a DNS name is resolved later, in the background.
+    pub fn build(
+        options: &PeerOptions,
+        resolver: Option<SocketAddr>,
+    ) -> Result<Peers, ConfigError> {
+        let members = match options.discovery {
+            Discovery::Static => Members::Static(
+                options
+                    .members
+                    .iter()
+                    .filter_map(|m| m.parse().ok())
+                    .collect(),
+            ),
+            Discovery::Dns => Members::Dns(Arc::new(Self::dns_balancer(options, resolver)?)),
+        };
+        Ok(Peers {
+            advertise: options.advertised(),
+            members,
+            connect_timeout: Duration::from_millis(options.connect_timeout_ms),
+        })
+    }
+
+    fn dns_balancer(
+        options: &PeerOptions,
+        resolver: Option<SocketAddr>,
+    ) -> Result<LoadBalancer<RoundRobin>, ConfigError> {
+        let member = options
+            .members
+            .first()
+            .map(String::as_str)
+            .unwrap_or_default();
+        let (host, port) = split_host_port(member)
+            .ok_or_else(|| ConfigError::at("peers.members[0]", "not HOST:PORT"))?;
+        let discovery = DnsDiscovery::new("peers", host, port, resolver)
+            .map_err(|p| ConfigError::at("peers.discovery", p))?;
+        let mut balancer = LoadBalancer::from_backends(Backends::new(Box::new(discovery)));
+        balancer.update_frequency = Some(Duration::from_millis(options.dns_refresh_ms));
+        Ok(balancer)
+    }
+
+    /// Whether `addr` is a replica's peer address now.
+    pub fn contains(&self, addr: SocketAddr) -> bool {
+        match &self.members {
+            Members::Static(list) => list.contains(&addr),
+            Members::Dns(balancer) => balancer
+                .backends()
+                .get_backend()
+                .contains(&dns::backend(addr)),
+        }
+    }
+
+    /// The balancer that resolves a DNS peer set, to run as a background service.
+    pub fn discovery_service(&self) -> Option<Arc<LoadBalancer<RoundRobin>>> {
+        match &self.members {
+            Members::Dns(balancer) => Some(balancer.clone()),
+            Members::Static(_) => None,
+        }
+    }
+
+    /// Whether a flow held at `owner` is held by this replica.
+    pub fn is_me(&self, owner: Option<SocketAddr>) -> bool {
+        owner == self.advertise
+    }
+}
+
+/// Forwards the client's request (its headers and the body already read) to `owner`'s peer
+/// listener, on the path the client used, and relays the response. The owner's answer,
+/// success or error, is the client's. `Err` says why the owner could not be reached (it
+/// left the peer set, or does not answer): the flow is lost with it.
+pub async fn forward(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    owner: SocketAddr,
+    body: &Bytes,
+) -> Result<Outcome, String> {
+    if !gw.peers.contains(owner) {
+        return Err(format!("{owner} is not in the peer set"));
+    }
+    let path = session.req_header().uri.path().to_string();
+    let endpoint = Endpoint {
+        addr: owner,
+        authority: owner.to_string(),
+        path,
+    };
+    let timeouts = Timeouts {
+        connect: gw.peers.connect_timeout,
+        // The owner answers when its round ends: bounded by the flow's own limits.
+        response: Duration::from_secs(gw.config.bridge.max_flow_seconds),
+        stream_idle: None,
+    };
+    let request = forwarded_request(session, &endpoint, body);
+    let sent = gw
+        .client
+        .send(&endpoint, &timeouts, request, body.clone())
+        .await;
+    let mut response = match sent {
+        Ok(r) => r,
+        Err(e) => return Err(e.to_string()),
+    };
+    let header = passthrough::relayed_header(response.header());
+    let outcome = passthrough::relay(gw, session, header, &mut response).await;
+    gw.client.finish(response).await;
+    Ok(outcome)
+}
+
+/// The client's request as the owner gets it: the end-to-end headers (credentials,
+/// trace context, MCP headers) and the body, with the owner as `Host`.
+fn forwarded_request(session: &ServerSession, endpoint: &Endpoint, body: &Bytes) -> RequestHeader {
+    let client = session.req_header();
+    let mut req = RequestHeader::build("POST", endpoint.path.as_bytes(), Some(16))
+        .expect("a path the gateway routed is valid");
+    for (name, value) in headers::forwardable(&client.headers) {
+        let _ = req.append_header(name.clone(), value.clone());
+    }
+    let _ = req.insert_header("host", endpoint.authority.as_str());
+    let _ = req.insert_header("content-length", body.len());
+    req
+}

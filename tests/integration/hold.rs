@@ -1,0 +1,249 @@
+//! Hold mode: a legacy server without an event store cannot resume streams, so the replica
+//! that ran a round keeps its upstream streams open and retries that land elsewhere are
+//! forwarded to it over the peer listener. Official clients against the Python SDK server
+//! run without an event store, rounds on alternating replicas, a dead owner, questions
+//! left unanswered, single use across replicas, and load shedding by held flows.
+
+use crate::common::*;
+use mrtr_gateway::config::{Config, UpstreamEra};
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+/// Replicas in front of `url`, each with a peer listener, all knowing each other.
+fn peered(url: &str, count: usize, tweak: impl Fn(&mut Config)) -> Vec<TestGateway> {
+    let peer_ports: Vec<u16> = (0..count).map(|_| free_port()).collect();
+    let members: Vec<String> = peer_ports
+        .iter()
+        .map(|p| format!("127.0.0.1:{p}"))
+        .collect();
+    peer_ports
+        .iter()
+        .map(|port| {
+            TestGateway::start_with(&[url], &test_keys(), |c| {
+                c.upstreams[0].era = UpstreamEra::Legacy;
+                c.peers.listen = Some(format!("127.0.0.1:{port}"));
+                c.peers.members = members.clone();
+                tweak(c);
+            })
+        })
+        .collect()
+}
+
+fn held_event(gw: &TestGateway, event: &str) -> f64 {
+    let label = format!("event=\"{event}\"");
+    metric_with(&gw.admin, "mrtr_gateway_held_flow_events_total", &label).unwrap()
+}
+
+fn forwards(gw: &TestGateway, outcome: &str) -> f64 {
+    let label = format!("outcome=\"{outcome}\"");
+    metric_with(&gw.admin, "mrtr_gateway_peer_forwards_total", &label).unwrap()
+}
+
+fn sum(replicas: &[TestGateway], f: impl Fn(&TestGateway) -> f64) -> f64 {
+    replicas.iter().map(f).sum()
+}
+
+/// The retry answering every question of `first` from `answers` (by question text).
+fn answer_all(first: &Value, answers: &[(&str, Value)]) -> Value {
+    let result = &first["result"];
+    assert_eq!(result["resultType"], "input_required", "{first}");
+    let mut responses = serde_json::Map::new();
+    for (key, request) in result["inputRequests"].as_object().unwrap() {
+        let message = request["params"]["message"].as_str().unwrap();
+        let content = answers
+            .iter()
+            .find(|(m, _)| *m == message)
+            .map(|(_, c)| c.clone())
+            .unwrap_or_else(|| panic!("no answer for {message}"));
+        responses.insert(key.clone(), json!({"action": "accept", "content": content}));
+    }
+    json!({"inputResponses": responses, "requestState": result["requestState"]})
+}
+
+fn call(raw: &Raw, id: u64, tool: &str, extra: Value) -> Value {
+    let mut params = json!({"name": tool, "arguments": {}});
+    params
+        .as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    raw.modern(id, "tools/call", params, json!({"elicitation": {}}))
+        .json()
+}
+
+#[test]
+fn official_clients_complete_held_flows_with_rounds_on_alternating_replicas() {
+    let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);
+    let replicas = peered(&url, 2, |_| {});
+    let (a, b) = (&replicas[0].url, &replicas[1].url);
+    for scenario in ["elicit", "multi", "two"] {
+        assert_modern_call(&python_modern(&[a, scenario, b]), scenario);
+        println!("Python modern client, requests alternating over two replicas, held flows: {scenario} ok");
+        assert_modern_call(&ts_modern(&[a, scenario, b]), scenario);
+        println!("TypeScript modern client, requests alternating over two replicas, held flows: {scenario} ok");
+    }
+    // plan_trip's rounds sent by hand: the first to A, the second to B.
+    let lines = python_modern(&[a, "alternate", b]);
+    let replicas_asked: Vec<&str> = lines.iter().filter_map(|l| l["replica"].as_str()).collect();
+    assert_eq!(replicas_asked, ["A", "B"], "{lines:?}");
+    assert_eq!(lines.last().unwrap()["text"], "Trip to Lisbon for 3 nights");
+    let held = sum(&replicas, |g| held_event(g, "held"));
+    let resumed = sum(&replicas, |g| held_event(g, "resumed"));
+    let forwarded = sum(&replicas, |g| forwards(g, "ok"));
+    println!("held rounds {held}, resumed {resumed}, retries forwarded to their owner {forwarded}");
+    assert_eq!(held, 10.0, "every round of every flow was held");
+    assert_eq!(resumed, held, "every held round was taken up by its retry");
+    assert!(forwarded >= 4.0, "retries crossed replicas: {forwarded}");
+    assert_eq!(sum(&replicas, |g| held_event(g, "lost")), 0.0);
+    assert_eq!(sum(&replicas, |g| forwards(g, "owner_gone")), 0.0);
+    for gw in &replicas {
+        assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 0.0);
+        let mode = metric_with(&gw.admin, "mrtr_gateway_upstream_resumable", "default");
+        assert_eq!(mode, Some(0.0), "the group's rounds are held");
+    }
+}
+
+#[test]
+fn a_dead_owner_gives_the_documented_error_promptly_and_a_fresh_call_succeeds() {
+    let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);
+    let mut replicas = peered(&url, 2, |_| {});
+    let first = ask_name(&Raw::new(&replicas[0].url), 1, json!({}));
+    assert_eq!(metric(&replicas[0].admin, "mrtr_gateway_held_flows"), 1.0);
+    replicas[0].kill();
+    let b = &replicas[1];
+    let started = Instant::now();
+    let reply = ask_name(&Raw::new(&b.url), 2, answer(&first, json!({"name": "Kim"})));
+    let took = started.elapsed();
+    assert_eq!(reply["error"]["code"], -32012, "{reply}");
+    let text = reply["error"]["message"].as_str().unwrap();
+    assert!(text.contains("replica holding this call"), "{text}");
+    assert!(text.contains("issue the call again"), "{text}");
+    assert!(took < Duration::from_secs(3), "the error took {took:?}");
+    assert_eq!(forwards(b, "owner_gone"), 1.0);
+    println!("a dead owner: -32012 after {took:?}: {text}");
+    let fresh = ask_name(&Raw::new(&b.url), 3, json!({}));
+    let done = ask_name(&Raw::new(&b.url), 4, answer(&fresh, json!({"name": "Kim"})));
+    assert_eq!(
+        done["result"]["content"][0]["text"], "Hello, Kim!",
+        "{done}"
+    );
+}
+
+#[test]
+fn a_retry_that_leaves_a_question_unanswered_is_asked_it_again() {
+    let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);
+    let replicas = peered(&url, 2, |_| {});
+    let (ra, rb) = (Raw::new(&replicas[0].url), Raw::new(&replicas[1].url));
+    let first = call(&ra, 1, "ask_two", json!({}));
+    let questions = first["result"]["inputRequests"]
+        .as_object()
+        .unwrap()
+        .clone();
+    assert_eq!(questions.len(), 2, "{first}");
+    let (color_key, _) = questions
+        .iter()
+        .find(|(_, q)| q["params"]["message"] == "Which color?")
+        .unwrap();
+    let (size_key, size_question) = questions
+        .iter()
+        .find(|(_, q)| q["params"]["message"] == "Which size?")
+        .unwrap();
+    let only_color = json!({
+        "inputResponses": {color_key: {"action": "accept", "content": {"color": "red"}}},
+        "requestState": first["result"]["requestState"]});
+    let second = call(&rb, 2, "ask_two", only_color);
+    let again = second["result"]["inputRequests"].as_object().unwrap();
+    assert_eq!(again.keys().collect::<Vec<_>>(), [size_key], "{second}");
+    assert_eq!(&again[size_key], size_question);
+    let third = call(
+        &ra,
+        3,
+        "ask_two",
+        answer_all(&second, &[("Which size?", json!({"size": "M"}))]),
+    );
+    assert_eq!(
+        third["result"]["content"][0]["text"], "color=red size=M",
+        "{third}"
+    );
+}
+
+#[test]
+fn a_held_state_is_single_use_across_replicas() {
+    let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);
+    let replicas = peered(&url, 2, |_| {});
+    let (ra, rb) = (Raw::new(&replicas[0].url), Raw::new(&replicas[1].url));
+    let first = ask_name(&ra, 1, json!({}));
+    let retry = answer(&first, json!({"name": "Kim"}));
+    let done = ask_name(&rb, 2, retry.clone());
+    assert_eq!(
+        done["result"]["content"][0]["text"], "Hello, Kim!",
+        "{done}"
+    );
+    for (raw, id) in [(&rb, 3), (&ra, 4)] {
+        let replayed = ask_name(raw, id, retry.clone());
+        assert_eq!(replayed["error"]["code"], -32602, "{replayed}");
+        assert_eq!(
+            replayed["error"]["message"],
+            "Invalid or expired requestState"
+        );
+    }
+    let replays = metric_with(
+        &replicas[0].admin,
+        "mrtr_gateway_request_state_rejections_total",
+        "replayed",
+    );
+    assert_eq!(replays, Some(2.0), "the owner refused both replays");
+}
+
+#[test]
+fn the_peer_listener_serves_only_retries_of_held_flows() {
+    let tripwire = Tripwire::start();
+    let peer_port = free_port();
+    let gw = TestGateway::start_with(&[&tripwire.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.peers.listen = Some(format!("127.0.0.1:{peer_port}"));
+    });
+    let peer = Raw::new(&format!("http://127.0.0.1:{peer_port}/mcp"));
+    let list = peer.modern(1, "tools/list", json!({}), json!({}));
+    assert_eq!(list.status, 403);
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "x", "version": "1"}}});
+    assert_eq!(peer.post(None, &init).status, 403);
+    let first_call = peer.modern(2, "tools/call", json!({"name": "t"}), json!({}));
+    assert_eq!(first_call.status, 403);
+    let forged = peer.modern(
+        3,
+        "tools/call",
+        json!({"name": "t", "requestState": "AAAA", "inputResponses": {}}),
+        json!({}),
+    );
+    assert_eq!(forged.json()["error"]["code"], -32602);
+    assert_eq!(tripwire.count(), 0, "nothing reached an upstream");
+    drop(gw);
+}
+
+#[test]
+fn held_flows_above_the_limit_shed_new_calls_whose_retries_start_them() {
+    let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);
+    let replicas = peered(&url, 1, |c| c.bridge.shed_above_held_flows = 1);
+    let gw = &replicas[0];
+    let raw = Raw::new(&gw.url);
+    let first = ask_name(&raw, 1, json!({}));
+    let second = ask_name(&raw, 2, json!({}));
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 2.0);
+    let shed = ask_name(&raw, 3, json!({}));
+    let result = &shed["result"];
+    assert_eq!(result["resultType"], "input_required", "{shed}");
+    assert!(result.get("inputRequests").is_none(), "state only: {shed}");
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_shed_total"), 1.0);
+    for (id, held) in [(4, &first), (5, &second)] {
+        let done = ask_name(&raw, id, answer(held, json!({"name": "Kim"})));
+        assert_eq!(done["result"]["content"][0]["text"], "Hello, Kim!");
+    }
+    let retry = json!({"requestState": result["requestState"]});
+    let started = ask_name(&raw, 6, retry);
+    let done = ask_name(&raw, 7, answer(&started, json!({"name": "Ada"})));
+    assert_eq!(
+        done["result"]["content"][0]["text"], "Hello, Ada!",
+        "{done}"
+    );
+}
