@@ -5,8 +5,9 @@
 #   2. the Grafana dashboard parses, and the metric names it queries are written one per
 #      line to $1 (or stdout), for comparison with a live /metrics;
 #   3. with MRTR_GATEWAY_BIN set to a built gateway, `check-config` on every gateway.yaml
-#      here (the image's and each ConfigMap's). check-config resolves upstream host
-#      names, so run it where the cluster's names resolve, or after discovery: dns defers that.
+#      here (the image's and each ConfigMap's), with a peer address standing in for the
+#      Pod IP. check-config resolves upstream host names, so run it where the cluster's
+#      names resolve, or after discovery: dns defers that.
 # PYTHON defaults to the test venv (tests/setup.sh installs kubernetes-validate there).
 # The image build itself is not exercised here.
 set -euo pipefail
@@ -48,7 +49,7 @@ for path in sys.argv[2:]:
             (out / f"{obj['metadata']['name']}.yaml").write_text(obj["data"]["gateway.yaml"])
 PY
   for f in "$tmp"/*.yaml; do
-    "$MRTR_GATEWAY_BIN" check-config "$f"
+    MRTR_GATEWAY_PEER_ADVERTISE=10.0.0.1:9091 "$MRTR_GATEWAY_BIN" check-config "$f"
   done
 fi
 echo "deploy: ok"

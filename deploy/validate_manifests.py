@@ -7,8 +7,9 @@
 - Every kustomization.yaml lists files that exist, and every manifest but the Secret
   example is listed by one.
 - Each gateway Deployment agrees with the gateway.yaml of the ConfigMap it mounts: the
-  listeners are on 0.0.0.0 at the container's ports, the Service's name is in
-  allowed_hosts, and preStop + grace period + shutdown timeout fit in
+  listeners are on 0.0.0.0 at the container's ports (the peer listener's too, with the
+  advertised address from the Pod IP), the name of each Service reaching the MCP port is
+  in allowed_hosts, and preStop + grace period + shutdown timeout fit in
   terminationGracePeriodSeconds.
 
 Usage: validate_manifests.py FOLDER KUBERNETES_VERSION...
@@ -88,15 +89,34 @@ def check_gateway(where, deployment, configmaps, services):
             host, port = port_of(config[key])
             if host != "0.0.0.0" or port != ports[port_name]:
                 problem(where, f"{key} {config[key]} must be 0.0.0.0:{ports[port_name]}")
+        check_peers(where, c, config.get("peers") or {}, ports)
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         for name, svc in services.items():
-            if svc["spec"]["selector"].items() <= labels.items() and name not in config.get("allowed_hosts", []):
+            selects = svc["spec"]["selector"].items() <= labels.items()
+            # The peer listener checks no Host: a Service reaching only it needs no name there.
+            mcp = any(p.get("targetPort") != "peer" for p in svc["spec"]["ports"])
+            if selects and mcp and name not in config.get("allowed_hosts", []):
                 problem(where, f"allowed_hosts lacks the Service name {name}")
         server = config.get("server") or {}
         pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
         needed = pre_stop + server["grace_period_seconds"] + server["graceful_shutdown_timeout_seconds"]
         if needed >= grace_total:
             problem(where, f"preStop + grace + shutdown = {needed} s, not below terminationGracePeriodSeconds {grace_total}")
+
+
+def check_peers(where, container, peers, ports):
+    if not peers.get("listen"):
+        return
+    host, port = port_of(peers["listen"])
+    if host != "0.0.0.0" or port != ports.get("peer"):
+        problem(where, f"peers.listen {peers['listen']} must be 0.0.0.0 at the container port `peer`")
+    env = {e["name"]: e for e in container.get("env") or []}
+    advertise = env.get("MRTR_GATEWAY_PEER_ADVERTISE", {}).get("value", "")
+    if not peers.get("advertise") and advertise != f"$(POD_IP):{port}":
+        problem(where, f"MRTR_GATEWAY_PEER_ADVERTISE must be $(POD_IP):{port}")
+    pod_ip = env.get("POD_IP", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+    if advertise and pod_ip != "status.podIP":
+        problem(where, "POD_IP must come from the field status.podIP")
 
 
 def main(argv):
