@@ -247,3 +247,23 @@ fn held_flows_above_the_limit_shed_new_calls_whose_retries_start_them() {
         "{done}"
     );
 }
+
+#[test]
+fn a_silent_call_without_event_ids_is_waited_for_not_polled() {
+    let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);
+    let replicas = peered(&url, 1, |c| c.bridge.resume_poll_ms = 200);
+    let raw = Raw::new(&replicas[0].url);
+    let args = json!({"text": "late", "ms": 1000});
+    let reply = raw
+        .modern(
+            1,
+            "tools/call",
+            json!({"name": "slow_echo", "arguments": args}),
+            json!({}),
+        )
+        .json();
+    assert_eq!(
+        reply["result"]["content"][0]["text"], "echo: late",
+        "{reply}"
+    );
+}

@@ -159,12 +159,13 @@ fn round_over_limits(limits: &Limits, flow: &FlowState, round: &Round) -> Option
 /// than `bridge.shed_above_active_rounds` (this one included), or more flows are held
 /// than `bridge.shed_above_held_flows`.
 fn shedding(gw: &Gateway) -> bool {
-    let over = |limit: usize, now: usize| limit > 0 && now > limit;
     let bridge = &gw.config.bridge;
-    over(
+    let (rounds, held) = (
         bridge.shed_above_active_rounds,
-        gw.metrics.active_rounds.get().max(0) as usize,
-    ) || over(bridge.shed_above_held_flows, gw.held.usage().0)
+        bridge.shed_above_held_flows,
+    );
+    (rounds > 0 && gw.metrics.active_rounds.get() > rounds as i64)
+        || (held > 0 && gw.held.usage().0 > held)
 }
 
 /// Starts a call, or, under load shedding, defers it. `deferred` is the state of a call
@@ -621,8 +622,10 @@ async fn drive(
         last_activity: Instant::now(),
     };
     loop {
-        let poll_at = (quiet_until.is_none() && streams.call.is_some())
-            .then(|| follow.last_activity + pacing.poll);
+        // Only a stream with event ids can be reopened; one without is waited for.
+        let resumable = streams.call.is_some() && round.last_event_id().is_some();
+        let poll_at =
+            (quiet_until.is_none() && resumable).then(|| follow.last_activity + pacing.poll);
         let (from_call, chunk) = tokio::select! {
             c = next_chunk(&mut streams.call) => (true, c),
             c = next_chunk(&mut streams.session) => (false, c),

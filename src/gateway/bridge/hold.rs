@@ -89,23 +89,37 @@ pub(super) enum NotHeld {
     TooLarge(usize),
 }
 
-/// The flows this replica holds, by slot.
+/// The flows this replica holds, by slot, with the bytes they buffer in all.
 pub struct HeldFlows {
-    table: Mutex<HashMap<u64, Box<Held>>>,
+    table: Mutex<Table>,
     capacity: usize,
     max_bytes: usize,
+}
+
+#[derive(Default)]
+struct Table {
+    flows: HashMap<u64, Box<Held>>,
+    bytes: usize,
+}
+
+impl Table {
+    fn remove(&mut self, slot: &u64) -> Option<Box<Held>> {
+        let held = self.flows.remove(slot)?;
+        self.bytes -= held.bytes;
+        Some(held)
+    }
 }
 
 impl HeldFlows {
     pub fn new(capacity: usize, max_bytes: usize) -> HeldFlows {
         HeldFlows {
-            table: Mutex::new(HashMap::new()),
+            table: Mutex::new(Table::default()),
             capacity,
             max_bytes,
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Box<Held>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Table> {
         self.table.lock().expect("held-flows lock")
     }
 
@@ -115,21 +129,22 @@ impl HeldFlows {
             return Err((NotHeld::TooLarge(held.bytes), held));
         }
         let mut table = self.lock();
-        if table.len() >= self.capacity {
+        if table.flows.len() >= self.capacity {
             return Err((NotHeld::Full, held));
         }
         let mut slot: u64 = rand::random();
-        while table.contains_key(&slot) {
+        while table.flows.contains_key(&slot) {
             slot = rand::random();
         }
-        table.insert(slot, held);
+        table.bytes += held.bytes;
+        table.flows.insert(slot, held);
         Ok(slot)
     }
 
     /// Takes the flow out of its slot, if this replica still holds it.
     pub(super) fn take(&self, slot: u64, flow_id: u64) -> Option<Box<Held>> {
         let mut table = self.lock();
-        match table.get(&slot) {
+        match table.flows.get(&slot) {
             Some(held) if held.flow_id == flow_id => table.remove(&slot),
             _ => None,
         }
@@ -139,6 +154,7 @@ impl HeldFlows {
     fn take_expired(&self, now: u64) -> Vec<Held> {
         let mut table = self.lock();
         let due: Vec<u64> = table
+            .flows
             .iter()
             .filter(|(_, h)| h.expires_at <= now)
             .map(|(slot, _)| *slot)
@@ -152,7 +168,7 @@ impl HeldFlows {
     /// How many flows are held, and the bytes they buffer.
     pub fn usage(&self) -> (usize, usize) {
         let table = self.lock();
-        (table.len(), table.values().map(|h| h.bytes).sum())
+        (table.flows.len(), table.bytes)
     }
 }
 
