@@ -76,6 +76,7 @@ impl Scale {
 const DEFAULT_GATEWAY: GatewayOptions = GatewayOptions {
     threads: 1,
     quiet_window_ms: 10,
+    hold: false,
 };
 
 fn main() {

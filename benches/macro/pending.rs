@@ -1,10 +1,13 @@
 //! Pending flows: what a user thinking costs the gateway. N 2026-07-28 flows stop at an
 //! `InputRequiredResult`, then all are completed and every used `requestState` replayed;
-//! against M legacy flows whose call stream the gateway's pass-through holds open.
+//! the same for M flows in hold mode (the gateway keeps each flow's upstream streams
+//! open, as for an upstream without an event store); against M legacy flows whose call
+//! stream the gateway's pass-through holds open.
 
 use crate::client::{Conn, Events};
 use crate::load::{drive, Budget, Stats};
 use crate::mcp::{self, Interview, Step};
+use crate::procs::GatewayOptions;
 use crate::procs::{self, Footprint, Proc};
 use crate::report::Report;
 use crate::{Scale, DEFAULT_GATEWAY};
@@ -47,10 +50,17 @@ impl Pending {
     }
 }
 
+/// The gateway in hold mode.
+const HOLDING: GatewayOptions = GatewayOptions {
+    hold: true,
+    ..DEFAULT_GATEWAY
+};
+
 pub async fn compare(scale: &Scale, dir: &Path, report: &mut Report) {
-    let mrtr = mrtr_flows(scale.pending, dir).await;
+    let mrtr = mrtr_flows(scale.pending, dir, DEFAULT_GATEWAY).await;
+    let mrtr_held = mrtr_flows(scale.held, dir, HOLDING).await;
     let held = held_streams(scale.held, dir).await;
-    report.pending(&mrtr, &held);
+    report.pending(&mrtr, &mrtr_held, &held);
 }
 
 fn phase(flows: usize) -> Budget {
@@ -69,11 +79,11 @@ fn first_errors(phases: &[&Stats]) -> Vec<String> {
         .collect()
 }
 
-async fn mrtr_flows(flows: usize, dir: &Path) -> Pending {
+async fn mrtr_flows(flows: usize, dir: &Path, options: GatewayOptions) -> Pending {
     let backend = procs::backend();
-    let (gateway, _admin) = procs::gateway(dir, &backend, DEFAULT_GATEWAY);
+    let (gateway, _admin) = procs::gateway(dir, &backend, options);
     warm_up(&gateway, true).await;
-    let before = procs::footprint(gateway.pid());
+    let before = procs::settled_footprint(gateway.pid()).await;
     let open: RefCell<Vec<(String, Map<String, Value>)>> = RefCell::new(Vec::new());
     let opening = drive(
         WORKERS,
@@ -97,7 +107,7 @@ async fn mrtr_flows(flows: usize, dir: &Path) -> Pending {
         },
     )
     .await;
-    let pending = procs::footprint(gateway.pid());
+    let pending = procs::settled_footprint(gateway.pid()).await;
     let opened = open.borrow().len();
     let used: RefCell<Vec<(String, Map<String, Value>)>> = RefCell::new(Vec::new());
     let completing =
@@ -125,7 +135,7 @@ async fn mrtr_flows(flows: usize, dir: &Path) -> Pending {
             },
         )
         .await;
-    let after = procs::footprint(gateway.pid());
+    let after = procs::settled_footprint(gateway.pid()).await;
     let used = used.into_inner();
     let replay_count = used.len();
     let replays = RefCell::new(used);
@@ -221,7 +231,7 @@ async fn held_streams(flows: usize, dir: &Path) -> Pending {
     let backend = procs::backend();
     let (gateway, _admin) = procs::gateway(dir, &backend, DEFAULT_GATEWAY);
     warm_up(&gateway, false).await;
-    let before = procs::footprint(gateway.pid());
+    let before = procs::settled_footprint(gateway.pid()).await;
     let held: RefCell<Vec<Held>> = RefCell::new(Vec::new());
     let opening = drive(
         WORKERS,
@@ -238,7 +248,7 @@ async fn held_streams(flows: usize, dir: &Path) -> Pending {
         },
     )
     .await;
-    let pending = procs::footprint(gateway.pid());
+    let pending = procs::settled_footprint(gateway.pid()).await;
     let opened = held.borrow().len();
     let completing = drive(
         WORKERS,
@@ -256,7 +266,7 @@ async fn held_streams(flows: usize, dir: &Path) -> Pending {
         },
     )
     .await;
-    let after = procs::footprint(gateway.pid());
+    let after = procs::settled_footprint(gateway.pid()).await;
     let errors = first_errors(&[&opening, &completing]);
     Pending {
         flows,

@@ -125,14 +125,19 @@ pub fn backend() -> Proc {
 pub struct GatewayOptions {
     pub threads: usize,
     pub quiet_window_ms: u64,
+    /// `resume: hold`: flows wait with their upstream streams held, not resumable.
+    pub hold: bool,
 }
 
 /// The gateway in front of `backend`, its config written to `dir`.
 pub fn gateway(dir: &Path, backend: &Proc, options: GatewayOptions) -> (Proc, String) {
     let (addr, admin) = (free_addr(), free_addr());
     let config = format!(
-        "listen: {addr}\nadmin_listen: {admin}\nserver:\n  threads: {}\nbridge:\n  quiet_window_ms: {}\n  max_used_states: 1000000\nupstreams:\n  - name: demo\n    path: /mcp\n    endpoints: [http://{}/mcp]\n    health_check_interval_ms: 0\n",
-        options.threads, options.quiet_window_ms, backend.addr
+        "listen: {addr}\nadmin_listen: {admin}\nserver:\n  threads: {}\nbridge:\n  quiet_window_ms: {}\n  max_used_states: 1000000\nupstreams:\n  - name: demo\n    path: /mcp\n    endpoints: [http://{}/mcp]\n    health_check_interval_ms: 0\n    resume: {}\n",
+        options.threads,
+        options.quiet_window_ms,
+        backend.addr,
+        if options.hold { "hold" } else { "auto" }
     );
     let path = dir.join(format!("gateway-{}.yaml", addr.replace([':', '.'], "-")));
     std::fs::write(&path, config).expect("write the gateway config");
@@ -187,6 +192,32 @@ pub struct Footprint {
     pub rss_kib: u64,
     pub fds: usize,
     pub sockets: usize,
+}
+
+/// How long RSS must stay within `SETTLED_KIB` to count as settled, how often it is read,
+/// and the longest wait.
+const SETTLE_FOR: Duration = Duration::from_millis(1500);
+const SETTLE_POLL: Duration = Duration::from_millis(250);
+const SETTLE_LIMIT: Duration = Duration::from_secs(15);
+const SETTLED_KIB: u64 = 64;
+
+/// The footprint once RSS has settled: pages that finished requests freed go back to the
+/// system a moment later (the gateway's jemalloc purges within about a second), and RSS
+/// read at once would count them as held. Waits until RSS stays within 64 KiB for 1.5 s,
+/// at most 15 s.
+pub async fn settled_footprint(pid: u32) -> Footprint {
+    let deadline = Instant::now() + SETTLE_LIMIT;
+    let mut last = footprint(pid);
+    let mut steady_since = Instant::now();
+    while Instant::now() < deadline && steady_since.elapsed() < SETTLE_FOR {
+        tokio::time::sleep(SETTLE_POLL).await;
+        let now = footprint(pid);
+        if now.rss_kib.abs_diff(last.rss_kib) > SETTLED_KIB {
+            steady_since = Instant::now();
+        }
+        last = now;
+    }
+    last
 }
 
 pub fn footprint(pid: u32) -> Footprint {

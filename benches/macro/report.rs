@@ -175,7 +175,7 @@ impl Report {
         self.goal(&goal, figure, ratio(through) <= 1.2);
     }
 
-    pub fn pending(&mut self, mrtr: &Pending, held: &Pending) {
+    pub fn pending(&mut self, mrtr: &Pending, mrtr_held: &Pending, held: &Pending) {
         let _ = writeln!(
             self.text,
             "## Pending flows: the gateway's footprint while users think\n"
@@ -184,6 +184,10 @@ impl Report {
         let mib = |k: u64| k as f64 / 1024.0;
         for (label, p) in [
             ("MRTR, stopped at InputRequiredResult", mrtr),
+            (
+                "MRTR in hold mode, upstream streams held by the gateway",
+                mrtr_held,
+            ),
             (
                 "legacy, SSE stream held by the gateway's pass-through",
                 held,
@@ -219,10 +223,11 @@ impl Report {
             "\nEvery completed flow's result listed exactly its own answer; every used `requestState` was replayed once and refused (duplicated counts replays that ran).\n"
         );
         let figure = format!(
-            "{:.0} B per MRTR flow ({:.1} MB for {}); {:.0} B per held stream",
+            "{:.0} B per MRTR flow ({:.1} MB for {}); {:.0} B per flow in hold mode; {:.0} B per held legacy stream",
             mrtr.bytes_per_flow(),
             mrtr.bytes_per_flow() * mrtr.opened as f64 / 1e6,
             mrtr.opened,
+            mrtr_held.bytes_per_flow(),
             held.bytes_per_flow()
         );
         self.goal(
