@@ -184,7 +184,7 @@ impl BackgroundService for HeldSweeper {
         loop {
             tokio::select! {
                 _ = tick.tick() => {}
-                _ = shutdown.changed() => {}
+                _ = shutdown.changed() => return,
             }
             for held in self.gw.held.take_expired(now_secs()) {
                 tracing::info!(flow = format!("{:016x}", held.flow_id), "held flow expired");
