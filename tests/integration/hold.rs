@@ -172,6 +172,12 @@ fn a_held_state_is_single_use_across_replicas() {
     let replicas = peered(&url, 2, |_| {});
     let (ra, rb) = (Raw::new(&replicas[0].url), Raw::new(&replicas[1].url));
     let first = ask_name(&ra, 1, json!({}));
+    let state = first["result"]["requestState"].as_str().unwrap();
+    println!(
+        "a held one-elicitation requestState from the Python fixture: {} bytes",
+        state.len()
+    );
+    assert!(state.len() <= 400, "a held state of {} bytes", state.len());
     let retry = answer(&first, json!({"name": "Kim"}));
     let done = ask_name(&rb, 2, retry.clone());
     assert_eq!(
