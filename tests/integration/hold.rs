@@ -273,3 +273,85 @@ fn a_silent_call_without_event_ids_is_waited_for_not_polled() {
         "{reply}"
     );
 }
+
+#[test]
+fn a_held_round_inside_a_data_layer_session_keeps_the_session() {
+    let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);
+    let replicas = peered(&url, 2, |_| {});
+    let (ra, rb) = (Raw::new(&replicas[0].url), Raw::new(&replicas[1].url));
+    let caps = json!({"elicitation": {}});
+    let created = ra
+        .modern(1, "session/create", json!({"hints": {}}), caps.clone())
+        .json();
+    let in_session = |cookie: &Value, extra: Value| {
+        let mut params = json!({"_meta": {"mcp/session": {"id": cookie["id"]}}});
+        params
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        params
+    };
+    let cookie = created["result"]["_meta"]["mcp/session"].clone();
+    let ask = json!({"name": "notebook_ask", "arguments": {"label": "held"}});
+    let asked = ra
+        .modern(
+            2,
+            "tools/call",
+            in_session(&cookie, ask.clone()),
+            caps.clone(),
+        )
+        .json();
+    assert_eq!(metric(&replicas[0].admin, "mrtr_gateway_held_flows"), 1.0);
+    let mut retry = ask.clone();
+    retry.as_object_mut().unwrap().extend(
+        answer(&asked, json!({"text": "typed"}))
+            .as_object()
+            .unwrap()
+            .clone(),
+    );
+    let cookie = asked["result"]["_meta"]["mcp/session"].clone();
+    let done = rb
+        .modern(3, "tools/call", in_session(&cookie, retry), caps.clone())
+        .json();
+    assert_eq!(
+        done["result"]["content"][0]["text"], "held: typed",
+        "{done}"
+    );
+    assert_eq!(forwards(&replicas[1], "ok"), 1.0);
+    let cookie = done["result"]["_meta"]["mcp/session"].clone();
+    let read = json!({"name": "notebook_read", "arguments": {}});
+    let pages = rb
+        .modern(4, "tools/call", in_session(&cookie, read), caps)
+        .json();
+    assert_eq!(
+        pages["result"]["content"][0]["text"], "[\"held: typed\"]",
+        "{pages}"
+    );
+}
+
+#[test]
+fn an_expired_held_flow_ends_but_its_data_layer_session_lives_on() {
+    let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);
+    let replicas = peered(&url, 1, |c| c.bridge.request_state_ttl_seconds = 1);
+    let (gw, raw) = (&replicas[0], Raw::new(&replicas[0].url));
+    let caps = json!({"elicitation": {}});
+    let created = raw
+        .modern(1, "session/create", json!({"hints": {}}), caps.clone())
+        .json();
+    let cookie = created["result"]["_meta"]["mcp/session"]["id"].clone();
+    let meta = json!({"mcp/session": {"id": cookie}});
+    let ask = json!({"name": "notebook_ask", "arguments": {"label": "never"}, "_meta": meta});
+    let asked = raw.modern(2, "tools/call", ask, caps.clone()).json();
+    assert_eq!(asked["result"]["resultType"], "input_required", "{asked}");
+    wait_until("the held flow to expire", Duration::from_secs(10), || {
+        held_event(gw, "expired") == 1.0
+    });
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 0.0);
+    let append =
+        json!({"name": "notebook_append", "arguments": {"text": "still here"}, "_meta": meta});
+    let appended = raw.modern(3, "tools/call", append, caps).json();
+    assert_eq!(
+        appended["result"]["content"][0]["text"], "appended 'still here': 1 entries",
+        "{appended}"
+    );
+}

@@ -781,7 +781,7 @@ async fn hold(
         flow.expires_at,
         upstream.endpoint.clone(),
         *upstream.timeouts,
-        upstream.session_id.clone(),
+        upstream.session_id.clone().filter(|_| !upstream.persistent),
         streams,
         round.input_requests().clone(),
         flow.pending.clone(),

@@ -33,6 +33,8 @@ pub(super) struct Held {
     pub expires_at: u64,
     pub endpoint: Endpoint,
     pub timeouts: Timeouts,
+    /// The upstream session, unless it is a data-layer session's, which outlives its
+    /// flows and is never deleted with one.
     pub session_id: Option<String>,
     pub streams: Streams,
     /// The round's questions by key, to ask again those the retry leaves unanswered.
@@ -68,7 +70,7 @@ impl Held {
         })
     }
 
-    /// Ends the flow: closes its streams and deletes its upstream session.
+    /// Ends the flow: closes its streams and deletes its upstream session (one of its own).
     pub async fn abandon(self, gw: &Gateway) {
         self.streams.close(gw).await;
         if let Some(sid) = self.session_id {
