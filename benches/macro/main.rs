@@ -215,20 +215,30 @@ async fn elicitation(scale: &Scale, dir: &Path, report: &mut Report) {
         ..DEFAULT_GATEWAY
     };
     let (gateway_short, _admin2) = procs::gateway(dir, &backend, short);
+    let held = GatewayOptions {
+        hold: true,
+        ..short
+    };
+    let (gateway_held, _admin3) = procs::gateway(dir, &backend, held);
     for rounds in [1, 3] {
         let interview = Interview {
             rounds,
             questions: 1,
         };
-        let clients = [(&backend, false), (&gateway, true), (&gateway_short, true)];
-        let mut runs: [Vec<Stats>; 3] = Default::default();
+        let clients = [
+            (&backend, false),
+            (&gateway, true),
+            (&gateway_short, true),
+            (&gateway_held, true),
+        ];
+        let mut runs: [Vec<Stats>; 4] = Default::default();
         for _ in 0..scale.repeats {
             for ((target, modern), runs) in clients.iter().zip(runs.iter_mut()) {
                 runs.push(flow_load(scale, target, interview, *modern).await);
             }
         }
-        let [direct, through, short] = runs.map(median);
-        report.elicitation(rounds, &direct, &through, &short);
+        let [direct, through, short, held] = runs.map(median);
+        report.elicitation(rounds, &direct, [&through, &short, &held]);
     }
 }
 
