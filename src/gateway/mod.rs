@@ -341,13 +341,14 @@ impl Gateway {
         };
         let has_session = session.get_header(MCP_SESSION_ID).is_some();
         let version = header(session, "mcp-protocol-version").map(str::to_string);
-        let modern_post = method == http::Method::POST
-            && era(version.as_deref(), None, has_session, None) == Era::Modern;
+        // The era the headers say; a POST's body may still name a legacy method.
+        let header_era = era(version.as_deref(), None, has_session, None);
+        let modern_post = method == http::Method::POST && header_era == Era::Modern;
         if arrival == Arrival::Peer && !modern_post {
             return refuse_on_peer_listener(session).await;
         }
         if method != http::Method::POST {
-            match era(version.as_deref(), None, has_session, None) {
+            match header_era {
                 Era::Modern => {
                     let message = format!(
                         "{method} is not supported in protocol version 2026-07-28; use POST"

@@ -33,7 +33,7 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub fn label(self) -> &'static str {
+    fn label(self) -> &'static str {
         match self {
             Outcome::Ok => "ok",
             Outcome::BadRequest => "bad_request",

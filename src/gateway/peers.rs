@@ -16,7 +16,7 @@ use crate::upstream::{Endpoint, Timeouts};
 use bytes::Bytes;
 use pingora::http::RequestHeader;
 use pingora::lb::selection::RoundRobin;
-use pingora::lb::{Backends, LoadBalancer};
+use pingora::lb::LoadBalancer;
 use pingora::protocols::http::ServerSession;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -72,19 +72,15 @@ impl Peers {
             .ok_or_else(|| ConfigError::at("peers.members[0]", "not HOST:PORT"))?;
         let discovery = DnsDiscovery::new("peers", host, port, resolver)
             .map_err(|p| ConfigError::at("peers.discovery", p))?;
-        let mut balancer = LoadBalancer::from_backends(Backends::new(Box::new(discovery)));
-        balancer.update_frequency = Some(Duration::from_millis(options.dns_refresh_ms));
-        Ok(balancer)
+        let refresh = Duration::from_millis(options.dns_refresh_ms);
+        Ok(dns::balancer(discovery, refresh))
     }
 
     /// Whether `addr` is a replica's peer address now.
     pub fn contains(&self, addr: SocketAddr) -> bool {
         match &self.members {
             Members::Static(list) => list.contains(&addr),
-            Members::Dns(balancer) => balancer
-                .backends()
-                .get_backend()
-                .contains(&dns::backend(addr)),
+            Members::Dns(balancer) => dns::in_answer(balancer, addr),
         }
     }
 
@@ -132,10 +128,7 @@ pub async fn forward(
         .client
         .send(&endpoint, &timeouts, request, body.clone())
         .await;
-    let mut response = match sent {
-        Ok(r) => r,
-        Err(e) => return Err(e.to_string()),
-    };
+    let mut response = sent.map_err(|e| e.to_string())?;
     let header = passthrough::relayed_header(response.header());
     let outcome = passthrough::relay(gw, session, header, &mut response).await;
     gw.client.finish(response).await;

@@ -14,10 +14,12 @@ use hickory_resolver::proto::op::ResponseCode;
 use hickory_resolver::proto::ProtoErrorKind;
 use hickory_resolver::{ResolveError, TokioResolver};
 use pingora::lb::discovery::ServiceDiscovery;
-use pingora::lb::Backend;
+use pingora::lb::selection::RoundRobin;
+use pingora::lb::{Backend, Backends, LoadBalancer};
 use std::collections::{BTreeSet, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Mutex;
+use std::time::Duration;
 
 /// The addresses of one DNS name, each with the endpoint URL's port.
 pub struct DnsDiscovery {
@@ -150,6 +152,19 @@ impl ServiceDiscovery for DnsDiscovery {
             }
         }
     }
+}
+
+/// A balancer whose backends are `discovery`'s answers, resolved by the balancer's
+/// background service every `refresh` (nothing is looked up here).
+pub fn balancer(discovery: DnsDiscovery, refresh: Duration) -> LoadBalancer<RoundRobin> {
+    let mut balancer = LoadBalancer::from_backends(Backends::new(Box::new(discovery)));
+    balancer.update_frequency = Some(refresh);
+    balancer
+}
+
+/// Whether `addr` is in the balancer's current backends, the name's last answer.
+pub fn in_answer(balancer: &LoadBalancer<RoundRobin>, addr: SocketAddr) -> bool {
+    balancer.backends().get_backend().contains(&backend(addr))
 }
 
 /// A discovered address as the balancer's backend.

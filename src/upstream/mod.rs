@@ -12,7 +12,7 @@ use crate::config::{
 };
 use pingora::lb::health_check::TcpHealthCheck;
 use pingora::lb::selection::RoundRobin;
-use pingora::lb::{Backends, LoadBalancer};
+use pingora::lb::LoadBalancer;
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
@@ -79,7 +79,6 @@ impl UpstreamGroup {
         }
         let dns_refresh =
             (cfg.discovery == Discovery::Dns).then(|| Duration::from_millis(cfg.dns_refresh_ms));
-        balancer.update_frequency = dns_refresh;
         Ok(UpstreamGroup {
             name: cfg.name.clone(),
             era: cfg.era,
@@ -147,7 +146,7 @@ impl UpstreamGroup {
             .map_err(|p| ConfigError::at(format!("{at}.endpoints[0]"), p))?;
         let discovery = dns::DnsDiscovery::new(&cfg.name, &parsed.host, parsed.port, dns_resolver)
             .map_err(|p| ConfigError::at(format!("{at}.discovery"), p))?;
-        let balancer = LoadBalancer::from_backends(Backends::new(Box::new(discovery)));
+        let balancer = dns::balancer(discovery, Duration::from_millis(cfg.dns_refresh_ms));
         let members = Members::Dns {
             authority: parsed.authority,
             path: parsed.path,
@@ -172,8 +171,7 @@ impl UpstreamGroup {
         match &self.members {
             Members::Static(endpoints) => endpoints.iter().find(|e| e.addr == addr).cloned(),
             Members::Dns { authority, path } => {
-                let current = self.balancer.backends().get_backend();
-                current.contains(&dns::backend(addr)).then(|| Endpoint {
+                dns::in_answer(&self.balancer, addr).then(|| Endpoint {
                     addr,
                     authority: authority.clone(),
                     path: path.clone(),

@@ -56,7 +56,8 @@ impl Held {
         questions: Map<String, Value>,
         pending: Vec<Pending>,
     ) -> Box<Held> {
-        let bytes = Value::Object(questions.clone()).to_string().len() + streams.buffered();
+        let questions_bytes = serde_json::to_vec(&questions).map_or(0, |v| v.len());
+        let bytes = questions_bytes + streams.buffered();
         Box::new(Held {
             flow_id,
             expires_at,
