@@ -9,6 +9,7 @@ mod conformance;
 mod dns;
 mod hold;
 mod hostile;
+mod isolation;
 mod keys;
 mod operations;
 mod real_peers;

@@ -7,8 +7,8 @@ use super::hold::{Held, NotHeld};
 use super::reply::{decorate, ClientReply};
 use super::session::Attached;
 use super::{
-    call_id, end_session, finish_with, upstream_failed, upstream_for, upstream_params, Incoming,
-    CALL_ID,
+    end_session, finish_with, fresh_call_id, upstream_failed, upstream_for, upstream_params,
+    Incoming,
 };
 use crate::config::{Limits, ResumeMode};
 use crate::gateway::passthrough::sleep_or_never;
@@ -221,7 +221,7 @@ async fn run_call(
         Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
     };
     let session_stream = session_stream(&upstream).await;
-    let id = call_id(&upstream);
+    let id = fresh_call_id();
     let message = json!({"jsonrpc": "2.0", "id": id, "method": request.method, "params": upstream_params(request)});
     let call_response = match upstream.post(&message).await {
         Ok(r) => r,
@@ -731,10 +731,7 @@ async fn reissue(
     let Call {
         gw, group, request, ..
     } = *call;
-    let next_id = match flow.call_id {
-        UpstreamId::Number(n) => n + 1,
-        UpstreamId::Text(_) => CALL_ID + 1,
-    };
+    let next_id = fresh_call_id();
     let message = json!({"jsonrpc": "2.0", "id": next_id, "method": request.method, "params": upstream_params(request)});
     let call_stream = match upstream.post(&message).await {
         Ok(r) => r,

@@ -27,9 +27,6 @@ use reply::{decorate, ClientReply};
 use serde_json::{json, Value};
 use tracing::Instrument;
 
-/// The id the gateway gives a call upstream in a session of its own.
-const CALL_ID: i64 = 1;
-
 /// The params sent upstream: the client's, less what only the 2026-07-28 wire carries,
 /// with the request's trace context in `_meta` unless the client put one there.
 pub(crate) fn upstream_params(request: &ModernRequest) -> Value {
@@ -318,7 +315,7 @@ async fn one_shot(
         Ok(upstream) => upstream,
         Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
     };
-    let id = call_id(&upstream);
+    let id = fresh_call_id();
     let call = json!({"jsonrpc": "2.0", "id": id, "method": request.method, "params": upstream_params(request)});
     let answer = match upstream.post(&call).await {
         Ok(mut response) => {
@@ -356,14 +353,14 @@ pub(crate) async fn upstream_for<'g>(
     Ok(upstream)
 }
 
-/// The id of a call upstream: `CALL_ID` in a session of its own; in a data-layer session,
-/// which other calls share at the same time, a random one.
-pub(crate) fn call_id(upstream: &LegacySession<'_>) -> i64 {
-    if upstream.persistent {
-        rand::Rng::gen_range(&mut rand::thread_rng(), 2..1 << 31)
-    } else {
-        CALL_ID
-    }
+/// A fresh id for a call posted upstream (and for each re-issue of it): random, so no two
+/// calls share one. Legacy servers name a call's SSE stream after its id, and an event
+/// store shared by all sessions and keyed by stream (as the Python SDK's examples write
+/// it) replays every later event of that stream: with predictable ids, one principal's
+/// resumption would replay another's result. Between 2^32 and 2^53, so it never looks
+/// like a server's own small request counter and stays exact in JavaScript.
+pub(crate) fn fresh_call_id() -> i64 {
+    rand::Rng::gen_range(&mut rand::thread_rng(), 1i64 << 32..1i64 << 53)
 }
 
 /// Deletes the flow's upstream session and stops the reaper watching it; a data-layer
