@@ -78,8 +78,12 @@ pub struct Limits {
     pub max_request_state_bytes: usize,
     /// Largest `inputResponses` object accepted, as serialized JSON.
     pub max_input_responses_bytes: usize,
-    /// Most server requests gathered into one `InputRequiredResult`.
+    /// Most server requests gathered into one `InputRequiredResult`: a round ends as soon
+    /// as it has this many, and the upstream's next questions go to the next round.
     pub max_input_requests_per_round: usize,
+    /// Most bytes one round's input requests may take, as JSON; questions beyond it end
+    /// the call with an error naming this limit.
+    pub max_input_requests_bytes: usize,
     /// Most rounds one call may take.
     pub max_rounds: u16,
 }
@@ -96,6 +100,7 @@ impl Default for Limits {
             max_request_state_bytes: 4096,
             max_input_responses_bytes: 1 << 20,
             max_input_requests_per_round: 16,
+            max_input_requests_bytes: 1 << 20,
             max_rounds: 32,
         }
     }
@@ -139,6 +144,11 @@ impl Limits {
             "max_input_requests_per_round",
             self.max_input_requests_per_round as u64,
             1,
+        )?;
+        at_least(
+            "max_input_requests_bytes",
+            self.max_input_requests_bytes as u64,
+            1024,
         )?;
         at_least("max_rounds", u64::from(self.max_rounds), 1)
     }

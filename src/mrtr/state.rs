@@ -183,7 +183,78 @@ pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// A state the gateway will not issue: sealed, it would be longer than the limit it
+/// accepts (`limits.max_request_state_bytes`), so its retry would be refused.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StateTooLarge {
+    /// Its length sealed.
+    pub len: usize,
+    pub limit: usize,
+    /// What takes most of it, and how many bytes.
+    pub largest: (&'static str, usize),
+}
+
+impl std::fmt::Display for StateTooLarge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (what, bytes) = self.largest;
+        write!(
+            f,
+            "the call's requestState would be {} bytes, above limits.max_request_state_bytes ({}), \
+             the longest the gateway issues or accepts; most of it is {what} ({bytes} bytes)",
+            self.len, self.limit
+        )
+    }
+}
+
+impl std::error::Error for StateTooLarge {}
+
 impl FlowState {
+    /// Seals the state, unless it would be longer than `limit`: a state the gateway issues
+    /// is always one it accepts.
+    pub fn seal_within(
+        &self,
+        ring: &KeyRing,
+        binding: &[u8; 32],
+        limit: usize,
+    ) -> Result<String, StateTooLarge> {
+        let sealed = self.seal(ring, binding);
+        if sealed.len() <= limit {
+            return Ok(sealed);
+        }
+        Err(StateTooLarge {
+            len: sealed.len(),
+            limit,
+            largest: self.largest_part(),
+        })
+    }
+
+    /// The part of the state whose size the upstream or the client chose that takes most.
+    fn largest_part(&self) -> (&'static str, usize) {
+        let id_len = |id: &UpstreamId| match id {
+            UpstreamId::Number(_) => 8,
+            UpstreamId::Text(t) => t.len(),
+        };
+        let questions = self
+            .pending
+            .iter()
+            .map(|p| p.key.len() + id_len(&p.upstream_id))
+            .sum();
+        let event_ids = [&self.last_event_id, &self.round_start]
+            .iter()
+            .filter_map(|id| id.as_ref().map(String::len))
+            .sum();
+        let answers = self.known.iter().map(|k| k.answer.len()).sum();
+        [
+            ("the server's request ids and their input keys", questions),
+            ("the upstream's SSE event ids", event_ids),
+            ("the upstream session id", self.upstream_session.len()),
+            ("the restartable tool's answers so far", answers),
+        ]
+        .into_iter()
+        .max_by_key(|(_, n)| *n)
+        .expect("four parts")
+    }
+
     pub fn seal(&self, ring: &KeyRing, binding: &[u8; 32]) -> String {
         let plain = postcard::to_extend(&(binding, self), Vec::with_capacity(256))
             .expect("a flow state always serializes");
@@ -312,5 +383,30 @@ mod tests {
             FlowState::open(&ring(), &b, &token, 0),
             Err(OpenError::Rejected)
         );
+    }
+
+    #[test]
+    fn a_state_over_the_limit_is_not_issued_and_says_what_made_it_large() {
+        let b = binding(&[1; 32], "tools/call", Some("ask_name"), Some(&json!({})));
+        let mut state = one_elicitation();
+        let fits = state
+            .seal_within(&ring(), &b, 400)
+            .expect("a small state fits");
+        assert!(FlowState::open(&ring(), &b, &fits, 1_900_000_000).is_ok());
+        state.last_event_id = Some("e".repeat(6000));
+        let refused = state.seal_within(&ring(), &b, 4096).unwrap_err();
+        assert!(refused.len > 4096, "{refused}");
+        assert_eq!(refused.largest.0, "the upstream's SSE event ids");
+        assert!(refused
+            .to_string()
+            .contains("max_request_state_bytes (4096)"));
+        let mut restartable = one_elicitation();
+        restartable.known.push(Known {
+            fingerprint: 1,
+            answer: json!({"action": "accept", "content": {"name": "n".repeat(3000)}}).to_string(),
+            used: true,
+        });
+        let refused = restartable.seal_within(&ring(), &b, 4096).unwrap_err();
+        assert_eq!(refused.largest.0, "the restartable tool's answers so far");
     }
 }

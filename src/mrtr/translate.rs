@@ -5,11 +5,33 @@
 //! the flow.
 
 use super::state::{fingerprint, Known, Pending, UpstreamId};
+use crate::protocol::jsonrpc::code;
 use serde_json::{json, Map, Value};
 
 /// A legacy server may name an input key itself with this `_meta` hint on its request.
 pub const INPUT_KEY_HINT: &str = "io.modelcontextprotocol/inputKey";
 const MAX_KEY_LEN: usize = 64;
+/// Longest string id of a server request the gateway carries (in input keys and states).
+pub const MAX_SERVER_ID_BYTES: usize = 256;
+
+/// What one round may gather, checked as each question arrives: a round that reaches
+/// `max_questions` ends at once, and questions beyond `max_bytes` end the call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RoundLimits {
+    /// Most questions in one round; the round ends when it has this many.
+    pub max_questions: usize,
+    /// Most bytes the round's input requests may take, as JSON.
+    pub max_bytes: usize,
+}
+
+impl Default for RoundLimits {
+    fn default() -> Self {
+        RoundLimits {
+            max_questions: 16,
+            max_bytes: 1 << 20,
+        }
+    }
+}
 
 /// What the shell must do after a message.
 #[derive(Clone, Debug, PartialEq)]
@@ -22,6 +44,9 @@ pub enum Action {
     Complete(Value),
     /// The upstream asked for something the client did not declare: fail with -32021.
     MissingCapability { method: String, required: Value },
+    /// The upstream sent what the call cannot go on with (a request id the gateway cannot
+    /// carry, questions beyond the round's byte limit): end the call with this reason.
+    Fail(String),
 }
 
 /// The client capability an input request needs, as `ClientCapabilities` JSON.
@@ -71,6 +96,9 @@ pub struct Round {
     /// answer not yet given in this run matches are answered upstream from it.
     restartable: bool,
     known: Vec<Known>,
+    limits: RoundLimits,
+    /// Bytes the round's input requests take, as JSON.
+    question_bytes: usize,
 }
 
 impl Round {
@@ -92,7 +120,21 @@ impl Round {
             answered: Vec::new(),
             restartable: false,
             known: Vec::new(),
+            limits: RoundLimits::default(),
+            question_bytes: 0,
         }
+    }
+
+    /// Bounds this round by `limits` rather than the defaults.
+    pub fn bounded(mut self, limits: RoundLimits) -> Round {
+        self.limits = limits;
+        self
+    }
+
+    /// Whether the round holds as many questions as it may: it ends now, and what the
+    /// upstream sends next belongs to the next round.
+    pub fn is_full(&self) -> bool {
+        self.input_requests.len() >= self.limits.max_questions
     }
 
     /// Makes this a restartable tool's round, with the answers known so far.
@@ -208,8 +250,12 @@ impl Round {
                 )]
             }
         }
-        let Some(upstream_id) = UpstreamId::from_json(&id) else {
-            return Vec::new();
+        let upstream_id = match carried_id(&id) {
+            Ok(upstream_id) => upstream_id,
+            Err(why) => {
+                let reason = format!("the server sent {method} with {why}");
+                return vec![refuse(code::INVALID_REQUEST, &reason), Action::Fail(reason)];
+            }
         };
         if self.answered.contains(&upstream_id)
             || self.pending.iter().any(|p| p.upstream_id == upstream_id)
@@ -237,8 +283,16 @@ impl Round {
         }
         let key = self.key_for(method, &upstream_id, &mut params);
         strip_legacy_fields(&mut params);
-        self.input_requests
-            .insert(key.clone(), json!({"method": method, "params": params}));
+        let request = json!({"method": method, "params": params});
+        let bytes = key.len() + request.to_string().len();
+        if self.question_bytes + bytes > self.limits.max_bytes {
+            return vec![Action::Fail(format!(
+                "the server's questions in one round take more than {} bytes, the limit (limits.max_input_requests_bytes)",
+                self.limits.max_bytes
+            ))];
+        }
+        self.question_bytes += bytes;
+        self.input_requests.insert(key.clone(), request);
         self.pending.push(Pending {
             key,
             upstream_id,
@@ -259,7 +313,9 @@ impl Round {
         Some(answer)
     }
 
-    /// The hint the server gave, when usable and unique; else `KIND_ID`.
+    /// The hint the server gave, when usable and unique; else `KIND_ID`. Unique within the
+    /// round: a key already taken (ids `7` and `"7"`, or a hint `elicitation_7` next to id
+    /// 7) gets the first free suffix `_2`, `_3`, …, so no question hides another.
     fn key_for(&self, method: &str, id: &UpstreamId, params: &mut Value) -> String {
         let hint = params
             .get_mut("_meta")
@@ -269,10 +325,17 @@ impl Round {
             .filter(|k| {
                 !k.is_empty() && k.len() <= MAX_KEY_LEN && !self.input_requests.contains_key(k)
             });
-        hint.unwrap_or_else(|| match id {
+        let key = hint.unwrap_or_else(|| match id {
             UpstreamId::Number(n) => format!("{}_{n}", short_kind(method)),
             UpstreamId::Text(t) => format!("{}_{t}", short_kind(method)),
-        })
+        });
+        if !self.input_requests.contains_key(&key) {
+            return key;
+        }
+        (2..)
+            .map(|n| format!("{key}_{n}"))
+            .find(|k| !self.input_requests.contains_key(k))
+            .expect("a round holds finitely many keys")
     }
 
     /// The 2025-11-25 error a server answers when the user must first visit URLs.
@@ -322,6 +385,28 @@ impl Round {
             result["inputRequests"] = json!(self.input_requests);
         }
         result
+    }
+}
+
+/// The id of a server request as the gateway carries it: an integer in i64 or a string
+/// of at most `MAX_SERVER_ID_BYTES`; `Err` says what else it was.
+fn carried_id(id: &Value) -> Result<UpstreamId, String> {
+    match UpstreamId::from_json(id) {
+        Some(UpstreamId::Text(t)) if t.len() > MAX_SERVER_ID_BYTES => Err(format!(
+            "a request id of {} bytes, above the {MAX_SERVER_ID_BYTES} the gateway carries",
+            t.len()
+        )),
+        Some(carried) => Ok(carried),
+        None => {
+            let mut shown = id.to_string();
+            if shown.len() > 40 {
+                shown.truncate(shown.floor_char_boundary(40));
+                shown.push('…');
+            }
+            Err(format!(
+                "the request id {shown}, which is neither an integer (i64) nor a string"
+            ))
+        }
     }
 }
 
@@ -553,6 +638,87 @@ mod tests {
         assert_eq!(
             result["inputRequests"]["elicitation_2"]["params"],
             json!({"mode": "url", "url": "https://x", "message": "m"})
+        );
+    }
+
+    #[test]
+    fn colliding_ids_and_hints_get_distinct_keys() {
+        let mut r = round(json!({"elicitation": {}}));
+        r.on_message(elicit(7, json!({})));
+        let text_seven = json!({"jsonrpc": "2.0", "id": "7", "method": "elicitation/create",
+            "params": {"mode": "form", "message": "Other?", "requestedSchema": {"type": "object"}}});
+        r.on_message(text_seven);
+        r.on_message(elicit(8, json!({INPUT_KEY_HINT: "elicitation_7"})));
+        let keys: Vec<&String> = r.pending().iter().map(|p| &p.key).collect();
+        assert_eq!(keys, ["elicitation_7", "elicitation_7_2", "elicitation_8"]);
+        assert_eq!(r.question_count(), 3, "every question reaches the client");
+        let ids: Vec<&UpstreamId> = r.pending().iter().map(|p| &p.upstream_id).collect();
+        assert_eq!(
+            ids,
+            [
+                &UpstreamId::Number(7),
+                &UpstreamId::Text("7".into()),
+                &UpstreamId::Number(8)
+            ],
+            "each key answers its own request"
+        );
+        // A hint naming the key another request's id would get, before that request.
+        let mut hinted_first = round(json!({"elicitation": {}}));
+        hinted_first.on_message(elicit(8, json!({INPUT_KEY_HINT: "elicitation_7"})));
+        hinted_first.on_message(elicit(7, json!({})));
+        let keys: Vec<&String> = hinted_first.pending().iter().map(|p| &p.key).collect();
+        assert_eq!(keys, ["elicitation_7", "elicitation_7_2"]);
+    }
+
+    #[test]
+    fn request_ids_the_gateway_cannot_carry_are_refused_and_end_the_call() {
+        let long = json!("x".repeat(MAX_SERVER_ID_BYTES + 1));
+        for id in [
+            json!(u64::MAX),
+            json!(1.5),
+            Value::Null,
+            json!({"a": 1}),
+            json!([1]),
+            long,
+        ] {
+            let mut r = round(json!({"elicitation": {}}));
+            let message = json!({"jsonrpc": "2.0", "id": id, "method": "elicitation/create",
+                "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
+            let actions = r.on_message(message);
+            assert!(
+                matches!(&actions[..], [Action::AnswerUpstream(a), Action::Fail(why)]
+                    if a["id"] == id && a["error"]["code"] == -32600 && why.contains("elicitation/create")),
+                "{id}: {actions:?}"
+            );
+            assert!(!r.has_questions(), "{id}");
+        }
+    }
+
+    #[test]
+    fn a_round_is_full_at_its_question_limit_and_bounded_in_bytes() {
+        let limits = RoundLimits {
+            max_questions: 2,
+            max_bytes: 400,
+        };
+        let mut r = round(json!({"elicitation": {}})).bounded(limits);
+        r.on_message(elicit(1, json!({})));
+        assert!(!r.is_full());
+        r.on_message(elicit(2, json!({})));
+        assert!(r.is_full(), "the round ends as its limit is reached");
+
+        let mut big = round(json!({"elicitation": {}})).bounded(limits);
+        assert!(big.on_message(elicit(1, json!({}))).is_empty());
+        let huge = json!({"jsonrpc": "2.0", "id": 2, "method": "elicitation/create",
+            "params": {"mode": "form", "message": "x".repeat(400), "requestedSchema": {"type": "object"}}});
+        let actions = big.on_message(huge);
+        assert!(
+            matches!(&actions[..], [Action::Fail(why)] if why.contains("400 bytes")),
+            "{actions:?}"
+        );
+        assert_eq!(
+            big.question_count(),
+            1,
+            "the question over the limit is not kept"
         );
     }
 }

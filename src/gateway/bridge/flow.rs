@@ -19,7 +19,7 @@ use crate::mrtr::replay::{self, Claim};
 use crate::mrtr::state::{
     binding, now_ms, now_secs, FlowState, HeldAt, Known, UpstreamId, DEFERRED,
 };
-use crate::mrtr::translate::{Action, Round};
+use crate::mrtr::translate::{Action, Round, RoundLimits};
 use crate::protocol::jsonrpc::code;
 use crate::protocol::sse;
 use crate::upstream::exchange::{ExchangeError, Response};
@@ -30,6 +30,7 @@ use crate::upstream::UpstreamGroup;
 use bytes::Bytes;
 use pingora::protocols::http::ServerSession;
 use serde_json::{json, Map, Value};
+use std::collections::VecDeque;
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -43,6 +44,18 @@ pub(super) struct Streams {
     call_parser: sse::Parser,
     session: Option<Response>,
     session_parser: sse::Parser,
+    /// Events parsed but not yet read: a round that fills up stops between two events of
+    /// one chunk, and the rest belong to the next round (held with the flow).
+    backlog: VecDeque<(Source, sse::Event)>,
+}
+
+/// Which upstream stream an event came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Source {
+    /// The call's own POST stream (or its resumption).
+    Call,
+    /// The session's standalone GET stream.
+    Session,
 }
 
 /// How a round ended.
@@ -153,6 +166,21 @@ fn round_over_limits(limits: &Limits, flow: &FlowState, round: &Round) -> Option
             limits.max_rounds
         )
     })
+}
+
+/// The sealed state of a round that may go to the client; `Err` says why it may not: too
+/// many rounds, or a state longer than the gateway would accept back.
+fn issue_state(call: &Call<'_>, flow: &FlowState, round: &Round) -> Result<String, String> {
+    let limits = &call.gw.config.limits;
+    if let Some(text) = round_over_limits(limits, flow, round) {
+        return Err(text);
+    }
+    flow.seal_within(
+        &call.gw.keys.load(),
+        &call.bind,
+        limits.max_request_state_bytes,
+    )
+    .map_err(|e| e.to_string())
 }
 
 /// Whether this replica sheds new calls now: more interactive requests are in progress
@@ -353,6 +381,7 @@ impl Streams {
             call_parser: sse::Parser::new(MAX_UPSTREAM_MESSAGE),
             session,
             session_parser: sse::Parser::new(MAX_UPSTREAM_MESSAGE),
+            backlog: VecDeque::new(),
         }
     }
 
@@ -362,9 +391,23 @@ impl Streams {
         }
     }
 
-    /// Bytes of partial events the parsers hold.
+    /// Bytes of events the parsers and the backlog hold.
     pub(super) fn buffered(&self) -> usize {
-        self.call_parser.buffered() + self.session_parser.buffered()
+        let backlog: usize = self.backlog.iter().map(|(_, e)| e.data.len()).sum();
+        self.call_parser.buffered() + self.session_parser.buffered() + backlog
+    }
+
+    /// Parses a chunk of `source`'s stream into the backlog.
+    fn push(&mut self, source: Source, bytes: &[u8]) -> Result<(), sse::TooLarge> {
+        let parser = match source {
+            Source::Call => &mut self.call_parser,
+            Source::Session => &mut self.session_parser,
+        };
+        let mut events = Vec::new();
+        let parsed = parser.push(bytes, &mut events);
+        self.backlog
+            .extend(events.into_iter().map(|event| (source, event)));
+        parsed
     }
 }
 
@@ -380,12 +423,17 @@ fn new_round(call: &Call<'_>, flow: &FlowState) -> Round {
     let request = call.request;
     let forward_logs = request.log_level.is_some();
     let capabilities = request.client_capabilities.clone();
+    let limits = &call.gw.config.limits;
     let round = Round::new(
         flow.call_id.clone(),
         capabilities,
         forward_logs,
         flow.last_event_id.clone(),
-    );
+    )
+    .bounded(RoundLimits {
+        max_questions: limits.max_input_requests_per_round,
+        max_bytes: limits.max_input_requests_bytes,
+    });
     if restartable(call) {
         return round.restartable(flow.known.clone());
     }
@@ -588,7 +636,8 @@ async fn reopen_call(
     Ok(())
 }
 
-/// Reads the upstream streams until the call completes or a round of questions is whole.
+/// Reads the upstream streams until the call completes or a round of questions is whole:
+/// the quiet window passed after the last new question, or the round is full.
 ///
 /// The call's stream is followed across reconnections: when the upstream ends it
 /// mid-call (SEP-1699 polling) it is reopened with `Last-Event-ID` after the upstream's
@@ -622,101 +671,155 @@ async fn drive(
         last_activity: Instant::now(),
     };
     loop {
-        // Only a stream with event ids can be reopened; one without is waited for.
-        let resumable = streams.call.is_some() && round.last_event_id().is_some();
-        let poll_at =
-            (quiet_until.is_none() && resumable).then(|| follow.last_activity + pacing.poll);
-        let (from_call, chunk) = tokio::select! {
-            c = next_chunk(&mut streams.call) => (true, c),
-            c = next_chunk(&mut streams.session) => (false, c),
-            _ = sleep_until_or_never(quiet_until) => return RoundEnd::Questions,
-            _ = sleep_until_or_never(poll_at) => {
-                if let Err(end) = reopen_call(upstream, round, streams, Duration::ZERO).await {
-                    return end;
-                }
-                follow.last_activity = Instant::now();
-                continue;
-            }
-            _ = session.read_body_or_idle(true) => return RoundEnd::ClientGone,
-            // Only a resumable round can be handed over; others finish here.
-            _ = call.gw.drain.wait(), if resumes(call, round) => return RoundEnd::Draining,
-            _ = sleep_or_never(pacing.keepalive) => {
-                if reply.keep_alive(session).await {
-                    call.gw.metrics.sse_keepalives.inc();
-                }
-                continue;
-            }
-        };
-        let events = match chunk {
-            Some(Ok(Some(bytes))) => {
-                let parser = if from_call {
-                    &mut streams.call_parser
-                } else {
-                    &mut streams.session_parser
-                };
-                let mut events = Vec::new();
-                if let Err(e) = parser.push(&bytes, &mut events) {
-                    return RoundEnd::Failed(e.to_string());
-                }
-                events
-            }
-            Some(Ok(None)) | Some(Err(_)) if !from_call => {
-                streams.session = None;
-                continue;
-            }
-            Some(Ok(None)) | Some(Err(_)) => {
-                follow.empty_ends += 1;
-                if follow.empty_ends > MAX_RESUMPTIONS {
-                    return RoundEnd::Failed("the upstream kept closing the call's stream".into());
-                }
-                if let Err(end) = reopen_call(upstream, round, streams, follow.retry).await {
-                    return end;
-                }
-                follow.last_activity = Instant::now();
-                continue;
-            }
-            None => continue,
-        };
-        if from_call {
-            follow.last_activity = Instant::now();
+        if round.is_full() {
+            return RoundEnd::Questions;
         }
-        for event in events {
-            if from_call {
-                if let Some(id) = &event.id {
-                    round.saw_call_event(id);
-                }
-                if let Some(ms) = event.retry {
-                    follow.retry = Duration::from_millis(ms).min(MAX_RETRY);
-                }
+        let Some((source, event)) = streams.backlog.pop_front() else {
+            if let Some(end) = read_more(
+                call,
+                session,
+                upstream,
+                reply,
+                round,
+                streams,
+                pacing,
+                &mut follow,
+                quiet_until,
+            )
+            .await
+            {
+                return end;
             }
-            if event.data.is_empty() {
-                continue;
-            }
-            if from_call {
-                follow.empty_ends = 0;
-            }
-            let Ok(message) = serde_json::from_str::<Value>(&event.data) else {
-                return RoundEnd::Failed("the upstream sent an event that is not JSON".into());
-            };
-            for action in round.on_message(message) {
-                match action {
-                    Action::Notify(n) => reply.notify(session, &n).await,
-                    Action::AnswerUpstream(a) => {
-                        if let Err(e) = upstream.post_and_expect_accepted(&a).await {
-                            return RoundEnd::Failed(e.to_string());
-                        }
-                    }
-                    Action::Complete(m) => return RoundEnd::Complete(m),
-                    Action::MissingCapability { required, .. } => {
-                        return RoundEnd::MissingCapability(required)
-                    }
-                }
-            }
+            continue;
+        };
+        let asked = round.question_count();
+        if let Some(end) =
+            on_event(upstream, session, reply, round, source, event, &mut follow).await
+        {
+            return end;
         }
-        if round.has_questions() {
+        if round.question_count() > asked {
             quiet_until = Some(Instant::now() + pacing.quiet_window);
         }
     }
+}
+
+/// Waits for the next chunk of either upstream stream and parses it into the backlog,
+/// following the call's stream, sending keep-alives, and noticing the client leave or the
+/// gateway drain. `Some` ends the round.
+#[allow(clippy::too_many_arguments)]
+async fn read_more(
+    call: &Call<'_>,
+    session: &mut ServerSession,
+    upstream: &LegacySession<'_>,
+    reply: &mut ClientReply,
+    round: &Round,
+    streams: &mut Streams,
+    pacing: Pacing,
+    follow: &mut Follow,
+    quiet_until: Option<Instant>,
+) -> Option<RoundEnd> {
+    // Only a stream with event ids can be reopened; one without is waited for.
+    let resumable = streams.call.is_some() && round.last_event_id().is_some();
+    let poll_at = (quiet_until.is_none() && resumable).then(|| follow.last_activity + pacing.poll);
+    let (source, chunk) = tokio::select! {
+        c = next_chunk(&mut streams.call) => (Source::Call, c),
+        c = next_chunk(&mut streams.session) => (Source::Session, c),
+        _ = sleep_until_or_never(quiet_until) => return Some(RoundEnd::Questions),
+        _ = sleep_until_or_never(poll_at) => {
+            if let Err(end) = reopen_call(upstream, round, streams, Duration::ZERO).await {
+                return Some(end);
+            }
+            follow.last_activity = Instant::now();
+            return None;
+        }
+        _ = session.read_body_or_idle(true) => return Some(RoundEnd::ClientGone),
+        // Only a resumable round can be handed over; others finish here.
+        _ = call.gw.drain.wait(), if resumes(call, round) => return Some(RoundEnd::Draining),
+        _ = sleep_or_never(pacing.keepalive) => {
+            if reply.keep_alive(session).await {
+                call.gw.metrics.sse_keepalives.inc();
+            }
+            return None;
+        }
+    };
+    match (source, chunk) {
+        (_, Some(Ok(Some(bytes)))) => {
+            if source == Source::Call {
+                follow.last_activity = Instant::now();
+            }
+            streams
+                .push(source, &bytes)
+                .err()
+                .map(|e| RoundEnd::Failed(e.to_string()))
+        }
+        (Source::Session, _) => {
+            streams.session = None;
+            None
+        }
+        (Source::Call, Some(Ok(None)) | Some(Err(_))) => {
+            follow.empty_ends += 1;
+            if follow.empty_ends > MAX_RESUMPTIONS {
+                return Some(RoundEnd::Failed(
+                    "the upstream kept closing the call's stream".into(),
+                ));
+            }
+            if let Err(end) = reopen_call(upstream, round, streams, follow.retry).await {
+                return Some(end);
+            }
+            follow.last_activity = Instant::now();
+            None
+        }
+        (Source::Call, None) => None,
+    }
+}
+
+/// Feeds one upstream event to the round and carries out what it asks. `Some` ends the
+/// round.
+async fn on_event(
+    upstream: &LegacySession<'_>,
+    session: &mut ServerSession,
+    reply: &mut ClientReply,
+    round: &mut Round,
+    source: Source,
+    event: sse::Event,
+    follow: &mut Follow,
+) -> Option<RoundEnd> {
+    if source == Source::Call {
+        if let Some(id) = &event.id {
+            round.saw_call_event(id);
+        }
+        if let Some(ms) = event.retry {
+            follow.retry = Duration::from_millis(ms).min(MAX_RETRY);
+        }
+    }
+    if event.data.is_empty() {
+        return None;
+    }
+    if source == Source::Call {
+        follow.empty_ends = 0;
+    }
+    let Ok(message) = serde_json::from_str::<Value>(&event.data) else {
+        return Some(RoundEnd::Failed(
+            "the upstream sent an event that is not JSON".into(),
+        ));
+    };
+    for action in round.on_message(message) {
+        match action {
+            Action::Notify(n) => reply.notify(session, &n).await,
+            Action::AnswerUpstream(a) => {
+                if let Err(e) = upstream.post_and_expect_accepted(&a).await {
+                    return Some(RoundEnd::Failed(e.to_string()));
+                }
+            }
+            Action::Complete(m) => return Some(RoundEnd::Complete(m)),
+            Action::MissingCapability { required, .. } => {
+                return Some(RoundEnd::MissingCapability(required))
+            }
+            Action::Fail(why) => return Some(RoundEnd::Failed(why)),
+        }
+    }
+    None
 }
 
 /// After a URL-elicitation-required error: the user has visited the URLs, so the call is
@@ -769,7 +872,13 @@ async fn hold(
 ) -> &'static str {
     let gw = call.gw;
     let server_info = &gw.server_info(call.group);
-    if round_over_limits(&gw.config.limits, &flow, round).is_some() {
+    // The state will name the slot; the largest slot number sizes it.
+    flow.held = Some(HeldAt {
+        owner: gw.peers.advertise,
+        slot: u64::MAX,
+    });
+    if issue_state(call, &flow, round).is_err() {
+        // Refused before taking a slot: `ask_client` answers the client with the reason.
         streams.close(gw).await;
         return ask_client(call, session, reply, upstream, flow, round, server_info).await;
     }
@@ -817,15 +926,17 @@ async fn ask_client(
     server_info: &Value,
 ) -> &'static str {
     let gw = call.gw;
-    if let Some(text) = round_over_limits(&gw.config.limits, &flow, round) {
-        end_session(gw, upstream).await;
-        tracing::info!(flow = format!("{:016x}", flow.flow_id), %text, "round over the limits");
-        reply
-            .error(session, 502, code::INTERNAL_ERROR, &text, None)
-            .await;
-        return "over_limit";
-    }
-    let sealed = flow.seal(&gw.keys.load(), &call.bind);
+    let sealed = match issue_state(call, &flow, round) {
+        Ok(sealed) => sealed,
+        Err(text) => {
+            end_session(gw, upstream).await;
+            tracing::info!(flow = format!("{:016x}", flow.flow_id), %text, "round over the limits");
+            reply
+                .error(session, 502, code::INTERNAL_ERROR, &text, None)
+                .await;
+            return "over_limit";
+        }
+    };
     tracing::info!(
         flow = format!("{:016x}", flow.flow_id),
         round = flow.round,
