@@ -89,7 +89,14 @@ pub async fn serve(
     incoming: Incoming,
 ) {
     let started = std::time::Instant::now();
-    let message: Value = serde_json::from_slice(&incoming.body).unwrap_or(Value::Null);
+    let message = match parse_single(&incoming) {
+        Ok(message) => message,
+        Err(text) => {
+            respond::error(session, 400, None, code::INVALID_REQUEST, &text).await;
+            gw.record("modern", method_label(None), "bad_request", started);
+            return;
+        }
+    };
     let method = method_label(message["method"].as_str());
     // The flow id is recorded into this span once known, so the access line carries it.
     let span = tracing::info_span!("request", flow = tracing::field::Empty);
@@ -109,6 +116,20 @@ pub async fn serve(
         }
         Served::Done(outcome) => span.in_scope(|| gw.record("modern", method, outcome, started)),
     }
+}
+
+/// The one JSON-RPC message of a 2026-07-28 POST, whole; `Err` says what is wrong with a
+/// body that passed the envelope check (classification leaves params unread).
+fn parse_single(incoming: &Incoming) -> Result<Value, String> {
+    if matches!(incoming.parsed, Body::Batch(_)) {
+        return Err(
+            "protocol version 2026-07-28 has no JSON-RPC batches: send one message per request"
+                .into(),
+        );
+    }
+    serde_json::from_slice(&incoming.body).map_err(|e| {
+        format!("the request body is not a JSON-RPC message the gateway can read: {e}")
+    })
 }
 
 /// What became of a request: answered here (with its metrics outcome), or to be relayed
