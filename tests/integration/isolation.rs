@@ -75,5 +75,7 @@ fn many_parked_flows_each_complete_with_their_own_answer() {
         );
         assert_eq!(result_text(&done), format!("Hello, {name}!"), "flow {i}");
     }
-    println!("{FLOWS} parked flows on one shared event store: each sampled retry got its own result");
+    println!(
+        "{FLOWS} parked flows on one shared event store: each sampled retry got its own result"
+    );
 }
