@@ -235,3 +235,35 @@ fn a_silent_upstream_gets_504_within_the_response_timeout() {
     );
     drop(silent);
 }
+
+#[test]
+fn a_modern_body_that_fails_the_full_parse_gets_the_reason() {
+    let tripwire = Tripwire::start();
+    let gw = TestGateway::start(&[&tripwire.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let headers = [
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+        ("mcp-protocol-version", "2026-07-28"),
+        ("mcp-method", "tools/call"),
+        ("mcp-name", "add"),
+    ];
+    // Params nested past the JSON parser's depth limit pass the envelope check.
+    let deep = format!(
+        r#"{{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {{"name": "add", "arguments": {{"x": {}{}}}}}}}"#,
+        "[".repeat(200),
+        "]".repeat(200)
+    );
+    let body = raw.request("POST", &headers, Some(&deep)).json();
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("recursion limit"), "{body}");
+    assert!(!message.contains("responses"), "{body}");
+    let batch =
+        json!([{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "add"}}]);
+    let body = raw
+        .request("POST", &headers, Some(&batch.to_string()))
+        .json();
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("batches"), "{body}");
+    assert_eq!(tripwire.count(), 0, "a refused body reached the upstream");
+}

@@ -9,6 +9,7 @@ mod conformance;
 mod dns;
 mod hold;
 mod hostile;
+mod hostile_upstream;
 mod isolation;
 mod keys;
 mod operations;

@@ -1,0 +1,280 @@
+//! Hostile and quirky upstreams against the bridge, each scripted on raw sockets: a flood
+//! of questions, ids that collide or cannot be carried, event ids too long to seal, and
+//! numbers that must cross unchanged. Each case gets a bounded, clear answer.
+
+use crate::common::*;
+use crate::scripted::{legacy_basics, Answer, Gate, ScriptedUpstream, Seen};
+use mrtr_gateway::config::ResumeMode;
+use serde_json::{json, Value};
+use std::time::{Duration, Instant};
+
+/// An `elicitation/create` request from the server with JSON-RPC id `id`.
+fn question(id: Value, message: &str) -> Value {
+    json!({"jsonrpc": "2.0", "id": id, "method": "elicitation/create", "params": {
+        "mode": "form", "message": message,
+        "requestedSchema": {"type": "object", "properties": {"name": {"type": "string"}}}}})
+}
+
+/// A script answering the legacy basics, refusing the session's GET stream, and answering
+/// `tools/call` with `call(request)`.
+fn serving_calls(
+    call: impl Fn(&Seen) -> Answer + Send + Sync + 'static,
+) -> impl Fn(&Seen) -> Answer + Send + Sync + 'static {
+    move |seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "session-1") {
+            return answer;
+        }
+        match seen.jsonrpc_method().as_deref() {
+            Some("tools/call") => call(seen),
+            _ => Answer::status(405, &[], b""),
+        }
+    }
+}
+
+fn call_tool(raw: &Raw, extra: Value) -> (u16, Value) {
+    let mut params = json!({"name": "hostile", "arguments": {}});
+    params
+        .as_object_mut()
+        .expect("an object")
+        .extend(extra.as_object().expect("an object").clone());
+    let reply = raw.modern(1, "tools/call", params, json!({"elicitation": {}}));
+    (reply.status, reply.json())
+}
+
+fn error_message(body: &Value) -> &str {
+    body["error"]["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("not an error: {body}"))
+}
+
+#[test]
+fn a_flood_of_questions_ends_the_round_at_its_limit() {
+    // 200 questions of 16 KB each, sent without pause, then the stream stays open.
+    let upstream = ScriptedUpstream::start(serving_calls(|_| {
+        let pad = "q".repeat(16 << 10);
+        (0..200).fold(Answer::sse(&[]), |answer, i| {
+            answer.event(Some(&format!("e{i}")), &question(json!(i), &pad))
+        })
+    }));
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.limits.max_input_requests_per_round = 16;
+        c.limits.max_request_state_bytes = 16 << 10;
+    });
+    let started = Instant::now();
+    let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
+    assert_eq!(status, 200, "{body}");
+    let asked = body["result"]["inputRequests"]
+        .as_object()
+        .unwrap_or_else(|| panic!("no inputRequests: {body}"));
+    assert_eq!(asked.len(), 16, "the round ends as it reaches the limit");
+    println!(
+        "a flood of 200 questions of 16 KB: the round ended at 16 after {:?}",
+        started.elapsed()
+    );
+
+    // Questions whose bytes pass the limit end the call with an error naming it.
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.limits.max_input_requests_bytes = 64 << 10;
+    });
+    let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
+    assert_eq!(status, 502, "{body}");
+    assert!(
+        error_message(&body).contains("limits.max_input_requests_bytes"),
+        "{body}"
+    );
+}
+
+#[test]
+fn server_request_ids_7_and_text_7_are_two_questions_answered_apart() {
+    let done = Gate::new();
+    let finish = done.clone();
+    let upstream = ScriptedUpstream::start(serving_calls(move |seen| {
+        let result = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {
+            "content": [{"type": "text", "text": "done"}]}});
+        // No event ids: the gateway holds the stream and reads on after the answers.
+        Answer::sse(&[])
+            .event(None, &question(json!(7), "Number seven?"))
+            .event(None, &question(json!("7"), "Text seven?"))
+            .wait(&finish)
+            .event(None, &result)
+            .end()
+    }));
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].resume = ResumeMode::Hold;
+    });
+    let raw = Raw::new(&gw.url);
+    let (_, first) = call_tool(&raw, json!({}));
+    let asked = first["result"]["inputRequests"]
+        .as_object()
+        .unwrap_or_else(|| panic!("no inputRequests: {first}"));
+    assert_eq!(asked.len(), 2, "both questions reach the client: {first}");
+    let answer_of = |message: &str| {
+        let (key, _) = asked
+            .iter()
+            .find(|(_, q)| q["params"]["message"] == message)
+            .unwrap_or_else(|| panic!("no question '{message}': {first}"));
+        key.clone()
+    };
+    let responses = json!({
+        answer_of("Number seven?"): {"action": "accept", "content": {"name": "number"}},
+        answer_of("Text seven?"): {"action": "accept", "content": {"name": "text"}},
+    });
+    // Once both answers are upstream, the held stream goes on to the result.
+    let retry =
+        json!({"inputResponses": responses, "requestState": first["result"]["requestState"]});
+    let (status, body) = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            wait_until("both answers upstream", Duration::from_secs(10), || {
+                answers_in(&upstream.requests()).len() == 2
+            });
+            done.open();
+        });
+        call_tool(&raw, retry)
+    });
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["result"]["content"][0]["text"], "done", "{body}");
+    let answers = answers_in(&upstream.requests());
+    let by_id = |id: Value| {
+        answers
+            .iter()
+            .find(|a| a["id"] == id)
+            .map(|a| a["result"]["content"]["name"].clone())
+    };
+    assert_eq!(by_id(json!(7)), Some(json!("number")), "{answers:?}");
+    assert_eq!(by_id(json!("7")), Some(json!("text")), "{answers:?}");
+}
+
+/// The JSON-RPC responses (answers to server requests) the upstream received.
+fn answers_in(requests: &[Seen]) -> Vec<Value> {
+    requests
+        .iter()
+        .filter_map(Seen::json)
+        .filter(|m| m.get("method").is_none() && m.get("result").is_some())
+        .collect()
+}
+
+#[test]
+fn server_request_ids_the_gateway_cannot_carry_end_the_call_with_a_clear_error() {
+    let long = json!("i".repeat(5000));
+    for id in [
+        json!(1.5),
+        json!(u64::MAX),
+        Value::Null,
+        json!({"k": 1}),
+        long,
+    ] {
+        let asked = id.clone();
+        let upstream = ScriptedUpstream::start(serving_calls(move |_| {
+            Answer::sse(&[]).event(Some("e1"), &question(asked.clone(), "Name?"))
+        }));
+        let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+        let started = Instant::now();
+        let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
+        assert_eq!(status, 502, "{id}: {body}");
+        assert!(
+            error_message(&body).contains("elicitation/create with"),
+            "{id}: {body}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5), "{id}: slow");
+        let refused = upstream
+            .requests()
+            .iter()
+            .filter_map(Seen::json)
+            .any(|m| m["id"] == id && m["error"]["code"] == -32600);
+        assert!(refused, "{id}: the upstream was not told");
+    }
+}
+
+#[test]
+fn a_state_too_long_to_accept_is_never_issued() {
+    let long_id = "e".repeat(6000);
+    let upstream = ScriptedUpstream::start(serving_calls(move |_| {
+        Answer::sse(&[]).event(Some(&long_id), &question(json!(1), "Name?"))
+    }));
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
+    assert_eq!(status, 502, "{body}");
+    let message = error_message(&body);
+    assert!(
+        message.contains("max_request_state_bytes (4096)") && message.contains("SSE event ids"),
+        "{body}"
+    );
+}
+
+#[test]
+fn a_restartable_tools_long_answers_get_a_clear_error_when_the_state_is_sealed() {
+    let (_python, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.upstreams[0].tools.insert(
+            "plan_trip".into(),
+            mrtr_gateway::config::ToolPolicy {
+                restartable: true,
+                ..Default::default()
+            },
+        );
+    });
+    let raw = Raw::new(&gw.url);
+    let trip = |id: u64, extra: Value| {
+        let mut params = json!({"name": "plan_trip", "arguments": {}});
+        params
+            .as_object_mut()
+            .expect("an object")
+            .extend(extra.as_object().expect("an object").clone());
+        let reply = raw.modern(id, "tools/call", params, json!({"elicitation": {}}));
+        (reply.status, reply.json())
+    };
+    let (_, first) = trip(1, json!({}));
+    let long = "L".repeat(3000);
+    let (status, second) = trip(2, answer(&first, json!({"destination": long})));
+    assert_eq!(status, 502, "{second}");
+    let message = error_message(&second);
+    assert!(
+        message.contains("max_request_state_bytes") && message.contains("restartable"),
+        "{second}"
+    );
+}
+
+#[test]
+fn numbers_cross_the_bridge_with_their_exact_value_and_form() {
+    const EXACT: &str = r#"{"small": 1e2, "big": 123456789012345678901234567890, "fraction": 1.50, "negative": -0.0}"#;
+    let upstream = ScriptedUpstream::start(serving_calls(|seen| {
+        let text = format!(
+            r#"{{"jsonrpc": "2.0", "id": {}, "result": {{"content": [], "structuredContent": {EXACT}}}}}"#,
+            seen.jsonrpc_id()
+        );
+        Answer::status(
+            200,
+            &[("content-type", "application/json")],
+            text.as_bytes(),
+        )
+    }));
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let body = format!(
+        r#"{{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {{"name": "exact", "arguments": {EXACT},
+        "_meta": {{"io.modelcontextprotocol/protocolVersion": "2026-07-28", "io.modelcontextprotocol/clientCapabilities": {{}}}}}}}}"#
+    );
+    let reply = Raw::new(&gw.url).request(
+        "POST",
+        &[
+            ("content-type", "application/json"),
+            ("accept", "application/json, text/event-stream"),
+            ("mcp-protocol-version", "2026-07-28"),
+            ("mcp-method", "tools/call"),
+            ("mcp-name", "exact"),
+        ],
+        Some(&body),
+    );
+    let answer = reply.text();
+    let sent = upstream
+        .requests()
+        .into_iter()
+        .find(|s| s.jsonrpc_method().as_deref() == Some("tools/call"))
+        .expect("the call went upstream");
+    let sent = String::from_utf8_lossy(&sent.body).into_owned();
+    // Every number keeps its value, its precision and its form (integer, decimal with its
+    // digits, exponent); only an exponent's spelling is normalised (`1e2` as `1e+2`).
+    for number in ["1e+2", "123456789012345678901234567890", "1.50", "-0.0"] {
+        assert!(sent.contains(number), "upstream got {sent}");
+        assert!(answer.contains(number), "client got {answer}");
+    }
+}
