@@ -13,5 +13,6 @@ mod keys;
 mod operations;
 mod real_peers;
 mod recovery;
+mod scripted;
 mod sessions;
 mod shedding;
