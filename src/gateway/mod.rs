@@ -45,6 +45,8 @@ enum Probed {
 
 /// Longest wait for each read of a client's request body.
 const CLIENT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a kept-alive client connection may idle between requests.
+const CLIENT_KEEPALIVE_SECONDS: u64 = 60;
 
 /// Everything one gateway instance shares across requests.
 pub struct Gateway {
@@ -547,7 +549,12 @@ impl HttpServerApp for Listener {
             _ => return None,
         }
         session.set_read_timeout(Some(CLIENT_BODY_READ_TIMEOUT));
-        session.set_keepalive(if *shutdown.borrow() { None } else { Some(60) });
+        // Pingora decided per request whether the connection may be reused: not after a
+        // request with both Content-Length and Transfer-Encoding (RFC 9112 §6.1: bytes
+        // after its body must never run as a request), nor for HTTP/1.0 without
+        // `Connection: keep-alive`. Only a connection it left alive gets the idle timeout.
+        let reusable = session.get_keepalive().is_some() && !*shutdown.borrow();
+        session.set_keepalive(reusable.then_some(CLIENT_KEEPALIVE_SECONDS));
         self.gw.handle(&mut session, self.arrival).await;
         let settings = HttpPersistentSettings::for_session(&session);
         match session.finish().await {

@@ -103,7 +103,7 @@ async fn serve_inner(
         }
     };
     count_session_event(gw, session, &route, response.header());
-    let header = client_response_header(gw, group, &route, binding, response.header());
+    let header = client_response_header(gw, session, group, &route, binding, response.header());
     let outcome = relay(gw, session, header, &mut response).await;
     gw.client.finish(response).await;
     outcome
@@ -197,12 +197,13 @@ fn upstream_request(session: &ServerSession, route: &Route, body: &Bytes) -> Req
 /// The response header the client gets: the upstream's, with its session id sealed.
 fn client_response_header(
     gw: &Gateway,
+    session: &mut ServerSession,
     group: &UpstreamGroup,
     route: &Route,
     binding: &[u8],
     upstream: &ResponseHeader,
 ) -> ResponseHeader {
-    let mut out = relayed_header(upstream);
+    let mut out = relayed_header(session, upstream);
     if let Some(sid) = upstream.headers.get(MCP_SESSION_ID) {
         match client_session_token(gw, group, route, binding, sid.as_bytes()) {
             Some(token) => {
@@ -217,9 +218,12 @@ fn client_response_header(
 }
 
 /// A response header for the client copied from the next hop's: its status and
-/// end-to-end headers, framed by its `Content-Length` or chunked, and SSE marked
-/// unbuffered for proxies in front.
-pub(crate) fn relayed_header(upstream: &ResponseHeader) -> ResponseHeader {
+/// end-to-end headers, framed by its `Content-Length` or as a body of unknown length
+/// (`respond::frame_unknown_length`), and SSE marked unbuffered for proxies in front.
+pub(crate) fn relayed_header(
+    session: &mut ServerSession,
+    upstream: &ResponseHeader,
+) -> ResponseHeader {
     let mut out = ResponseHeader::build(upstream.status, Some(upstream.headers.len() + 2))
         .expect("a status read from the upstream is valid");
     for (name, value) in headers::forwardable(&upstream.headers) {
@@ -228,7 +232,7 @@ pub(crate) fn relayed_header(upstream: &ResponseHeader) -> ResponseHeader {
     if let Some(length) = upstream.headers.get(http::header::CONTENT_LENGTH) {
         let _ = out.insert_header(http::header::CONTENT_LENGTH, length.clone());
     } else {
-        let _ = out.insert_header(http::header::TRANSFER_ENCODING, "chunked");
+        respond::frame_unknown_length(session, &mut out);
     }
     let is_sse = upstream
         .headers

@@ -16,3 +16,4 @@ mod recovery;
 mod scripted;
 mod sessions;
 mod shedding;
+mod transport;

@@ -1,0 +1,194 @@
+//! The transport's guarantees against hostile peers: raw HTTP clients on one side and
+//! scripted upstreams (or the real Python server) on the other. Each case is a function
+//! returning how many cases it checked, run by its own test here and by the transport
+//! corpus in `hostile.rs`, which prints them as table rows.
+
+use crate::common::*;
+use crate::scripted::*;
+use serde_json::{json, Value};
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+/// Longest any raw read in these tests waits.
+const READ_LIMIT: Duration = Duration::from_secs(5);
+
+fn connect(port: u16) -> TcpStream {
+    let stream = TcpStream::connect(("127.0.0.1", port)).expect("connect to the gateway");
+    stream
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .expect("read timeout");
+    stream
+}
+
+/// Reads until the peer closes the connection (an orderly close or a reset), within
+/// `READ_LIMIT`; returns the bytes and whether it closed.
+fn read_to_close(stream: &mut TcpStream) -> (String, bool) {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 16 << 10];
+    let deadline = Instant::now() + READ_LIMIT;
+    while Instant::now() < deadline {
+        match stream.read(&mut buf) {
+            Ok(0) => return (String::from_utf8_lossy(&got).into_owned(), true),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(_) => return (String::from_utf8_lossy(&got).into_owned(), true),
+        }
+    }
+    (String::from_utf8_lossy(&got).into_owned(), false)
+}
+
+/// Reads one response framed by `Content-Length`: its head (lower-cased) and body.
+fn read_response(stream: &mut TcpStream) -> (String, String) {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 16 << 10];
+    let deadline = Instant::now() + READ_LIMIT;
+    loop {
+        let text = String::from_utf8_lossy(&got).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let head = head.to_ascii_lowercase();
+            let length = header_value(&head, "content-length")
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or_else(|| panic!("no content-length in {head}"));
+            if body.len() >= length {
+                return (head, body[..length].to_string());
+            }
+        }
+        assert!(Instant::now() < deadline, "no whole response: {text}");
+        match stream.read(&mut buf) {
+            Ok(0) => panic!("closed before a whole response: {text}"),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) => panic!("read failed ({e}) after {text}"),
+        }
+    }
+}
+
+fn header_value<'h>(head: &'h str, name: &str) -> Option<&'h str> {
+    head.lines()
+        .filter_map(|l| l.split_once(':'))
+        .find(|(n, _)| n.trim().eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.trim())
+}
+
+/// A raw request with a JSON body and the headers a legacy client sends.
+fn post(version: &str, extra: &str, body: &Value) -> String {
+    let body = body.to_string();
+    format!(
+        "POST /mcp {version}\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+         accept: application/json, text/event-stream\r\n{extra}content-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+fn initialize_body() -> Value {
+    json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "1"}}})
+}
+
+fn list_body(id: u64) -> Value {
+    json!({"jsonrpc": "2.0", "id": id, "method": "tools/list"})
+}
+
+/// An upstream speaking just enough of a legacy session; `tools/list` streams its
+/// result as SSE (a body of unknown length).
+fn sse_lister() -> ScriptedUpstream {
+    ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(reply) = legacy_basics(seen, "s1") {
+            return reply;
+        }
+        let result = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}});
+        Answer::sse(&[]).event(Some("1"), &result).end()
+    })
+}
+
+/// Bug 2: a request with both `Content-Length` and `Transfer-Encoding: chunked` ends its
+/// connection, so bytes after its chunked body never run as a second request.
+pub(crate) fn cl_te_smuggling_case() -> usize {
+    let upstream = sse_lister();
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let body = initialize_body().to_string();
+    let smuggled = post("HTTP/1.1", "x-forwarded-user: admin\r\n", &list_body(2));
+    let request = format!(
+        "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+         accept: application/json, text/event-stream\r\ncontent-length: 4\r\n\
+         transfer-encoding: chunked\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n{smuggled}",
+        body.len()
+    );
+    let mut stream = connect(gw.port);
+    stream.write_all(request.as_bytes()).unwrap();
+    let (answer, closed) = read_to_close(&mut stream);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(answer.matches("HTTP/1.1 ").count(), 1, "{answer}");
+    assert!(closed, "the connection stayed open after CL+TE: {answer}");
+    let seen = upstream.requests();
+    assert_eq!(seen.len(), 1, "the smuggled request ran: {seen:?}");
+    assert!(seen.iter().all(|s| s.header("x-forwarded-user").is_none()));
+    1
+}
+
+#[test]
+fn a_request_with_content_length_and_chunked_closes_its_connection() {
+    cl_te_smuggling_case();
+}
+
+/// HTTP/1.0 clients: a body of unknown length is close-delimited (never chunked), and
+/// the connection closes after the response unless the client asked for keep-alive.
+pub(crate) fn http10_framing_case() -> usize {
+    let upstream = sse_lister();
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+
+    let mut stream = connect(gw.port);
+    stream
+        .write_all(post("HTTP/1.0", "", &list_body(2)).as_bytes())
+        .unwrap();
+    let (answer, closed) = read_to_close(&mut stream);
+    let (head, body) = answer.split_once("\r\n\r\n").expect("a response");
+    let head = head.to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{answer}");
+    assert!(
+        !head.contains("transfer-encoding"),
+        "chunked to HTTP/1.0: {head}"
+    );
+    assert!(!head.contains("content-length"), "{head}");
+    assert!(
+        body.starts_with("id: 1\ndata: {"),
+        "not the raw event: {body:?}"
+    );
+    assert!(
+        closed,
+        "a close-delimited body must end with the connection"
+    );
+
+    let mut stream = connect(gw.port);
+    stream
+        .write_all(post("HTTP/1.0", "", &initialize_body()).as_bytes())
+        .unwrap();
+    let (answer, closed) = read_to_close(&mut stream);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(closed, "HTTP/1.0 without keep-alive must close: {answer}");
+
+    let mut stream = connect(gw.port);
+    let keep = "connection: keep-alive\r\n";
+    stream
+        .write_all(post("HTTP/1.0", keep, &initialize_body()).as_bytes())
+        .unwrap();
+    let (head, _) = read_response(&mut stream);
+    assert!(
+        header_value(&head, "connection") == Some("keep-alive"),
+        "{head}"
+    );
+    stream
+        .write_all(post("HTTP/1.0", keep, &initialize_body()).as_bytes())
+        .unwrap();
+    let (head, body) = read_response(&mut stream);
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(body.contains("protocolVersion"), "{body}");
+    3
+}
+
+#[test]
+fn http10_clients_get_close_delimited_bodies_and_closed_connections() {
+    http10_framing_case();
+}
