@@ -405,6 +405,9 @@ impl Gateway {
             too_large(session, limits.max_body_bytes).await;
             return Err(());
         }
+        if expects_continue(session) && session.write_continue_response().await.is_err() {
+            return Err(());
+        }
         let mut body = BytesMut::with_capacity(declared.unwrap_or(1024).min(limits.max_body_bytes));
         let deadline = Instant::now() + Duration::from_millis(limits.body_timeout_ms);
         loop {
@@ -445,6 +448,23 @@ impl Gateway {
                 Err(())
             }
         }
+    }
+}
+
+/// Whether the client waits for `100 Continue` before sending its body. The gateway
+/// answers it itself, once the request passed every check made before the body is read,
+/// and never forwards `Expect` (it sends the body upstream whole, at once).
+fn expects_continue(session: &ServerSession) -> bool {
+    pingora::protocols::http::v1::common::is_expect_continue_req(session.req_header())
+}
+
+/// A client that asked for `100 Continue` and was answered before its body was read
+/// may never send that body, or send it late: the connection cannot carry another
+/// request. It is closed, after a lingering drain of whatever body arrives.
+async fn close_if_body_unread(session: &mut ServerSession) {
+    if expects_continue(session) && !session.is_body_done() {
+        session.set_keepalive(None);
+        let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
     }
 }
 
@@ -556,6 +576,7 @@ impl HttpServerApp for Listener {
         let reusable = session.get_keepalive().is_some() && !*shutdown.borrow();
         session.set_keepalive(reusable.then_some(CLIENT_KEEPALIVE_SECONDS));
         self.gw.handle(&mut session, self.arrival).await;
+        close_if_body_unread(&mut session).await;
         let settings = HttpPersistentSettings::for_session(&session);
         match session.finish().await {
             Ok(stream) => stream.map(|s| ReusedHttpStream::from_reusable_stream(s, settings)),

@@ -351,6 +351,7 @@ async fn respond_upstream_error(
         ExchangeError::Connect(_) => (502, "is unreachable"),
         ExchangeError::Timeout => (504, "did not answer in time"),
         ExchangeError::Broken(_) => (502, "broke the exchange"),
+        ExchangeError::Protocol(what) => (502, *what),
     };
     let message = format!("upstream group '{}' {what}", group.name);
     respond::error(session, status, id, code::INTERNAL_ERROR, &message).await;

@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 
 /// How long an idle pooled upstream connection is kept.
 const POOL_IDLE: Duration = Duration::from_secs(60);
+/// Most interim (1xx) responses skipped before an upstream's final response.
+pub const MAX_INTERIM_RESPONSES: usize = 8;
 
 /// Why an exchange failed, for the status and message the client gets.
 #[derive(Debug)]
@@ -26,6 +28,9 @@ pub enum ExchangeError {
     Timeout,
     /// The upstream broke the exchange (reset, malformed HTTP).
     Broken(String),
+    /// The upstream answered against the protocol: a switch of protocols the gateway
+    /// never asked for, or interim responses without end. The text says which.
+    Protocol(&'static str),
 }
 
 impl fmt::Display for ExchangeError {
@@ -34,6 +39,7 @@ impl fmt::Display for ExchangeError {
             ExchangeError::Connect(e) => write!(f, "cannot connect: {e}"),
             ExchangeError::Timeout => write!(f, "no response in time"),
             ExchangeError::Broken(e) => write!(f, "exchange broken: {e}"),
+            ExchangeError::Protocol(e) => write!(f, "protocol violation: {e}"),
         }
     }
 }
@@ -145,7 +151,7 @@ impl UpstreamClient {
                 .map_err(broken)?;
         }
         http.finish_request_body().await.map_err(broken)?;
-        http.read_response_header().await.map_err(broken)
+        read_final_header(http).await
     }
 
     /// Returns a fully read response's connection to the pool, or closes it.
@@ -157,6 +163,56 @@ impl UpstreamClient {
         } else {
             response.http.shutdown().await;
         }
+    }
+}
+
+/// What a response header read from an upstream is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeaderKind {
+    /// The final response.
+    Final,
+    /// An interim response (100, 103, …): skipped; the final one follows.
+    Interim,
+    /// `101 Switching Protocols`: the gateway never asks for an upgrade.
+    Switch,
+}
+
+impl HeaderKind {
+    pub fn of(status: u16) -> HeaderKind {
+        match status {
+            101 => HeaderKind::Switch,
+            100..=199 => HeaderKind::Interim,
+            _ => HeaderKind::Final,
+        }
+    }
+}
+
+/// Reads response headers until the final one, skipping at most
+/// `MAX_INTERIM_RESPONSES` interim ones; a switch of protocols is refused.
+async fn read_final_header(http: &mut HttpSession) -> Result<(), ExchangeError> {
+    for _ in 0..=MAX_INTERIM_RESPONSES {
+        http.read_response_header().await.map_err(read_error)?;
+        let status = http.response_header().map_or(0, |h| h.status.as_u16());
+        match HeaderKind::of(status) {
+            HeaderKind::Final => return Ok(()),
+            HeaderKind::Interim => continue,
+            HeaderKind::Switch => {
+                return Err(ExchangeError::Protocol(
+                    "answered with 101 Switching Protocols, though no upgrade was asked for",
+                ))
+            }
+        }
+    }
+    Err(ExchangeError::Protocol(
+        "sent more interim (1xx) responses than the gateway accepts",
+    ))
+}
+
+fn read_error(e: Box<pingora::Error>) -> ExchangeError {
+    if is_timeout(&e) {
+        ExchangeError::Timeout
+    } else {
+        ExchangeError::Broken(e.to_string())
     }
 }
 
@@ -185,13 +241,7 @@ impl Response {
 
     /// The next body chunk; `None` at the end of the body.
     pub async fn next_chunk(&mut self) -> Result<Option<Bytes>, ExchangeError> {
-        self.http.read_response_body().await.map_err(|e| {
-            if is_timeout(&e) {
-                ExchangeError::Timeout
-            } else {
-                ExchangeError::Broken(e.to_string())
-            }
-        })
+        self.http.read_response_body().await.map_err(read_error)
     }
 
     /// Reads the whole body, refusing more than `max` bytes.
@@ -206,5 +256,21 @@ impl Response {
             body.extend_from_slice(&chunk);
         }
         Ok(body.into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interim_responses_are_skipped_and_a_protocol_switch_refused() {
+        for status in [100, 102, 103, 199] {
+            assert_eq!(HeaderKind::of(status), HeaderKind::Interim, "{status}");
+        }
+        assert_eq!(HeaderKind::of(101), HeaderKind::Switch);
+        for status in [200, 204, 304, 404, 502] {
+            assert_eq!(HeaderKind::of(status), HeaderKind::Final, "{status}");
+        }
     }
 }

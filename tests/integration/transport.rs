@@ -192,3 +192,145 @@ pub(crate) fn http10_framing_case() -> usize {
 fn http10_clients_get_close_delimited_bodies_and_closed_connections() {
     http10_framing_case();
 }
+
+/// Reads whatever arrives until `want` shows up or `limit` passes.
+fn read_until(stream: &mut TcpStream, want: &str, limit: Duration) -> String {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = Instant::now() + limit;
+    while !String::from_utf8_lossy(&got).contains(want) && Instant::now() < deadline {
+        match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(_) => break,
+        }
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// Bug 3: `Expect: 100-continue` with a large body, to the real Python server (uvicorn
+/// answers an `Expect` with an interim 100). The gateway answers 100 itself before
+/// reading the body, never forwards `Expect`, and the final response is the server's
+/// result; a declared body over the limit is refused at once, without a 100.
+pub(crate) fn expect_continue_case() -> usize {
+    let (_python, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.limits.max_body_bytes = 1 << 20;
+    });
+    let session = Raw::new(&gw.url).initialize(json!({}));
+    let pad = "x".repeat(256 << 10);
+    let big = json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list", "params": {"_meta": {"pad": pad}}});
+    let request = post(
+        "HTTP/1.1",
+        &format!("mcp-session-id: {session}\r\nmcp-protocol-version: 2025-11-25\r\nexpect: 100-continue\r\n"),
+        &big,
+    );
+    let (head, body) = request.split_at(request.find("\r\n\r\n").unwrap() + 4);
+    let mut stream = connect(gw.port);
+    stream.write_all(head.as_bytes()).unwrap();
+    let interim = read_until(&mut stream, "\r\n\r\n", Duration::from_secs(2));
+    assert!(
+        interim.starts_with("HTTP/1.1 100 Continue\r\n"),
+        "no 100 Continue before the body: {interim:?}"
+    );
+    stream.write_all(body.as_bytes()).unwrap();
+    let answer = read_until(&mut stream, "\r\n0\r\n\r\n", READ_LIMIT);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("\"tools\""), "no tools/list result: {answer}");
+
+    let mut refused = connect(gw.port);
+    let over = format!(
+        "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+         expect: 100-continue\r\ncontent-length: {}\r\n\r\n",
+        2 << 20
+    );
+    refused.write_all(over.as_bytes()).unwrap();
+    let (answer, closed) = read_to_close(&mut refused);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(
+        !answer.contains(" 100 "),
+        "100 Continue before a refusal: {answer}"
+    );
+    assert!(closed, "a refused Expect request keeps no connection");
+    2
+}
+
+#[test]
+fn expect_100_continue_with_a_large_body_reaches_the_python_server() {
+    expect_continue_case();
+}
+
+/// Bug 3: interim responses (100, 103) from an upstream are skipped, never relayed as
+/// final; an upstream that sends nothing but interim responses is cut off with 502.
+pub(crate) fn interim_responses_case() -> usize {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        let result = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}});
+        match seen.jsonrpc_id().as_u64() {
+            Some(1) => Answer::raw("HTTP/1.1 100 Continue\r\n\r\n")
+                .bytes("HTTP/1.1 103 Early Hints\r\nlink: </a.css>; rel=preload\r\n\r\n")
+                .bytes(Answer::json(200, &result).pieces_bytes()),
+            _ => Answer::raw("HTTP/1.1 103 Early Hints\r\n\r\n".repeat(50)).then_close(),
+        }
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let mut stream = connect(gw.port);
+    stream
+        .write_all(post("HTTP/1.1", "", &list_body(1)).as_bytes())
+        .unwrap();
+    let (head, body) = read_response(&mut stream);
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["result"],
+        json!({"tools": []})
+    );
+    stream
+        .write_all(post("HTTP/1.1", "", &list_body(2)).as_bytes())
+        .unwrap();
+    let (head, body) = read_response(&mut stream);
+    assert!(head.starts_with("http/1.1 502"), "{head}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert!(
+        error["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("'default'"),
+        "{error}"
+    );
+    2
+}
+
+#[test]
+fn upstream_interim_responses_are_skipped() {
+    interim_responses_case();
+}
+
+/// An upstream `101 Switching Protocols` (the gateway never asks for an upgrade) is
+/// refused with a 502 JSON-RPC error naming the group, never relayed.
+pub(crate) fn upstream_switch_case() -> usize {
+    let upstream = ScriptedUpstream::start(|_: &Seen| {
+        Answer::raw(
+            "HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n",
+        )
+        .bytes("raw bytes of another protocol")
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let mut stream = connect(gw.port);
+    stream
+        .write_all(post("HTTP/1.1", "", &list_body(1)).as_bytes())
+        .unwrap();
+    let (head, body) = read_response(&mut stream);
+    assert!(head.starts_with("http/1.1 502"), "{head}\n{body}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    let message = error["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("'default'") && message.contains("101"),
+        "{error}"
+    );
+    1
+}
+
+#[test]
+fn an_upstream_protocol_switch_is_refused() {
+    upstream_switch_case();
+}
