@@ -351,6 +351,10 @@ async fn respond_upstream_error(
         ExchangeError::Connect(_) => (502, "is unreachable"),
         ExchangeError::Timeout => (504, "did not answer in time"),
         ExchangeError::Broken(_) => (502, "broke the exchange"),
+        ExchangeError::Unanswered => (
+            502,
+            "closed the connection without answering; the request may have run, so it was not sent again",
+        ),
         ExchangeError::Protocol(what) => (502, *what),
     };
     let message = format!("upstream group '{}' {what}", group.name);

@@ -28,6 +28,9 @@ pub enum ExchangeError {
     Timeout,
     /// The upstream broke the exchange (reset, malformed HTTP).
     Broken(String),
+    /// The connection closed or reset after the whole request went out and before any
+    /// response, and the request (not idempotent) was not sent again: it may have run.
+    Unanswered,
     /// The upstream answered against the protocol: a switch of protocols the gateway
     /// never asked for, or interim responses without end. The text says which.
     Protocol(&'static str),
@@ -39,6 +42,7 @@ impl fmt::Display for ExchangeError {
             ExchangeError::Connect(e) => write!(f, "cannot connect: {e}"),
             ExchangeError::Timeout => write!(f, "no response in time"),
             ExchangeError::Broken(e) => write!(f, "exchange broken: {e}"),
+            ExchangeError::Unanswered => write!(f, "closed without answering"),
             ExchangeError::Protocol(e) => write!(f, "protocol violation: {e}"),
         }
     }
@@ -81,7 +85,9 @@ impl UpstreamClient {
         peer
     }
 
-    /// Sends `request` with `body` and waits for the response header.
+    /// Sends `request` with `body` and waits for the response header. A failed attempt
+    /// is made again, once, on a fresh connection only when the request provably did not
+    /// run (`Reached::may_retry`): an MCP POST is not idempotent.
     pub async fn send(
         &self,
         endpoint: &Endpoint,
@@ -92,27 +98,20 @@ impl UpstreamClient {
         let peer = Self::peer(endpoint, timeouts);
         let started = Instant::now();
         let in_use = InUse::new(&self.metrics.upstream_connections);
-        let (mut http, reused) = self
-            .connector
-            .get_http_session(&peer)
-            .await
-            .map_err(|e| ExchangeError::Connect(e.to_string()))?;
-        match Self::write_and_read_header(&mut http, timeouts, &request, &body).await {
-            Ok(()) => {}
-            // A pooled connection the upstream closed meanwhile: retry once on a fresh one.
-            Err(_) if reused => {
-                http.shutdown().await;
-                let (fresh, _) = self
-                    .connector
-                    .get_http_session(&peer)
-                    .await
-                    .map_err(|e| ExchangeError::Connect(e.to_string()))?;
-                http = fresh;
-                Self::write_and_read_header(&mut http, timeouts, &request, &body).await?;
+        let idempotent = is_idempotent(&request.method);
+        let (mut http, reused) = self.connect(&peer).await?;
+        if let Err(failed) = Self::write_and_read_header(&mut http, timeouts, &request, &body).await
+        {
+            http.shutdown().await;
+            if !failed.reached.may_retry(idempotent, reused) {
+                return Err(failed.into_error());
             }
-            Err(e) => {
+            http = self.connect(&peer).await?.0;
+            if let Err(failed) =
+                Self::write_and_read_header(&mut http, timeouts, &request, &body).await
+            {
                 http.shutdown().await;
-                return Err(e);
+                return Err(failed.into_error());
             }
         }
         http.set_read_timeout(timeouts.stream_idle);
@@ -127,30 +126,39 @@ impl UpstreamClient {
         })
     }
 
+    /// A pooled connection (pingora drops one the upstream closed while it idled), or a
+    /// new one; and whether it was pooled.
+    async fn connect(&self, peer: &HttpPeer) -> Result<(HttpSession, bool), ExchangeError> {
+        self.connector
+            .get_http_session(peer)
+            .await
+            .map_err(|e| ExchangeError::Connect(e.to_string()))
+    }
+
     async fn write_and_read_header(
         http: &mut HttpSession,
         timeouts: &Timeouts,
         request: &RequestHeader,
         body: &Bytes,
-    ) -> Result<(), ExchangeError> {
-        let broken = |e: Box<pingora::Error>| {
-            if is_timeout(&e) {
-                ExchangeError::Timeout
-            } else {
-                ExchangeError::Broken(e.to_string())
-            }
-        };
+    ) -> Result<(), Failed> {
         http.set_write_timeout(Some(timeouts.response));
         http.set_read_timeout(Some(timeouts.response));
-        http.write_request_header(Box::new(request.clone()))
-            .await
-            .map_err(broken)?;
+        if let Err(e) = http.write_request_header(Box::new(request.clone())).await {
+            // The header did not go out whole: no upstream can have acted on it.
+            let reached = if is_timeout(&e) {
+                Reached::Beyond
+            } else {
+                Reached::Nothing
+            };
+            return Err(Failed::at(reached, read_error(e)));
+        }
+        let beyond = |e| Failed::at(Reached::Beyond, read_error(e));
         if !body.is_empty() {
             http.write_request_body(body.clone(), true)
                 .await
-                .map_err(broken)?;
+                .map_err(beyond)?;
         }
-        http.finish_request_body().await.map_err(broken)?;
+        http.finish_request_body().await.map_err(beyond)?;
         read_final_header(http).await
     }
 
@@ -189,23 +197,92 @@ impl HeaderKind {
 
 /// Reads response headers until the final one, skipping at most
 /// `MAX_INTERIM_RESPONSES` interim ones; a switch of protocols is refused.
-async fn read_final_header(http: &mut HttpSession) -> Result<(), ExchangeError> {
-    for _ in 0..=MAX_INTERIM_RESPONSES {
-        http.read_response_header().await.map_err(read_error)?;
+async fn read_final_header(http: &mut HttpSession) -> Result<(), Failed> {
+    for interim in 0..=MAX_INTERIM_RESPONSES {
+        if let Err(e) = http.read_response_header().await {
+            // Pingora marks a connection that closed or reset before a response header
+            // `ReusedOnly`; after an interim response the upstream surely has the request.
+            let unanswered = interim == 0 && matches!(e.retry, pingora::RetryType::ReusedOnly);
+            let reached = if unanswered {
+                Reached::Unanswered
+            } else {
+                Reached::Beyond
+            };
+            return Err(Failed::at(reached, read_error(e)));
+        }
         let status = http.response_header().map_or(0, |h| h.status.as_u16());
-        match HeaderKind::of(status) {
+        let refused = match HeaderKind::of(status) {
             HeaderKind::Final => return Ok(()),
             HeaderKind::Interim => continue,
             HeaderKind::Switch => {
-                return Err(ExchangeError::Protocol(
-                    "answered with 101 Switching Protocols, though no upgrade was asked for",
-                ))
+                "answered with 101 Switching Protocols, though no upgrade was asked for"
             }
+        };
+        return Err(Failed::at(
+            Reached::Beyond,
+            ExchangeError::Protocol(refused),
+        ));
+    }
+    let endless = "sent more interim (1xx) responses than the gateway accepts";
+    Err(Failed::at(
+        Reached::Beyond,
+        ExchangeError::Protocol(endless),
+    ))
+}
+
+/// GET and DELETE may be sent again (RFC 9110 §9.2.2); a POST carries a JSON-RPC
+/// message, and a `tools/call` sent twice runs twice.
+fn is_idempotent(method: &http::Method) -> bool {
+    matches!(
+        *method,
+        http::Method::GET | http::Method::DELETE | http::Method::HEAD
+    )
+}
+
+/// How far a failed attempt got, which decides whether it may be made again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reached {
+    /// The request header did not reach the upstream whole: nothing can have run.
+    Nothing,
+    /// The request went out whole, then the connection closed or reset before any
+    /// response: the upstream may have run it.
+    Unanswered,
+    /// Anything later or less clear: a timeout, a malformed, interim-only or partial
+    /// response.
+    Beyond,
+}
+
+impl Reached {
+    /// Whether an attempt that failed here may be made again on a fresh connection: when
+    /// nothing can have run, or when an idempotent request met a pooled connection that
+    /// closed without answering (the race of a keep-alive close). Never after a timeout.
+    pub fn may_retry(self, idempotent: bool, reused: bool) -> bool {
+        match self {
+            Reached::Nothing => true,
+            Reached::Unanswered => idempotent && reused,
+            Reached::Beyond => false,
         }
     }
-    Err(ExchangeError::Protocol(
-        "sent more interim (1xx) responses than the gateway accepts",
-    ))
+}
+
+/// A failed attempt: how far it got, and the error the caller gets.
+struct Failed {
+    reached: Reached,
+    error: ExchangeError,
+}
+
+impl Failed {
+    fn at(reached: Reached, error: ExchangeError) -> Failed {
+        Failed { reached, error }
+    }
+
+    /// The caller's error; an unanswered request not made again says so.
+    fn into_error(self) -> ExchangeError {
+        match (self.reached, self.error) {
+            (Reached::Unanswered, ExchangeError::Broken(_)) => ExchangeError::Unanswered,
+            (_, error) => error,
+        }
+    }
 }
 
 fn read_error(e: Box<pingora::Error>) -> ExchangeError {
@@ -262,6 +339,28 @@ impl Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_requests_that_provably_did_not_run_are_sent_again() {
+        for reused in [false, true] {
+            for idempotent in [false, true] {
+                assert!(Reached::Nothing.may_retry(idempotent, reused));
+                assert!(!Reached::Beyond.may_retry(idempotent, reused));
+            }
+        }
+        assert!(Reached::Unanswered.may_retry(true, true));
+        assert!(
+            !Reached::Unanswered.may_retry(false, true),
+            "a POST may have run"
+        );
+        assert!(!Reached::Unanswered.may_retry(true, false));
+        assert!(is_idempotent(&http::Method::GET) && is_idempotent(&http::Method::DELETE));
+        assert!(!is_idempotent(&http::Method::POST));
+        let timeout = Failed::at(Reached::Beyond, ExchangeError::Timeout);
+        assert!(matches!(timeout.into_error(), ExchangeError::Timeout));
+        let closed = Failed::at(Reached::Unanswered, ExchangeError::Broken("eof".into()));
+        assert!(matches!(closed.into_error(), ExchangeError::Unanswered));
+    }
 
     #[test]
     fn interim_responses_are_skipped_and_a_protocol_switch_refused() {

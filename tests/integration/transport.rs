@@ -237,7 +237,10 @@ pub(crate) fn expect_continue_case() -> usize {
     stream.write_all(body.as_bytes()).unwrap();
     let answer = read_until(&mut stream, "\r\n0\r\n\r\n", READ_LIMIT);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
-    assert!(answer.contains("\"tools\""), "no tools/list result: {answer}");
+    assert!(
+        answer.contains("\"tools\""),
+        "no tools/list result: {answer}"
+    );
 
     let mut refused = connect(gw.port);
     let over = format!(
@@ -289,14 +292,7 @@ pub(crate) fn interim_responses_case() -> usize {
         .unwrap();
     let (head, body) = read_response(&mut stream);
     assert!(head.starts_with("http/1.1 502"), "{head}");
-    let error: Value = serde_json::from_str(&body).unwrap();
-    assert!(
-        error["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("'default'"),
-        "{error}"
-    );
+    assert!(error_message(&body).contains("'default'"), "{body}");
     2
 }
 
@@ -315,17 +311,12 @@ pub(crate) fn upstream_switch_case() -> usize {
         .bytes("raw bytes of another protocol")
     });
     let gw = TestGateway::start(&[&upstream.url()], &test_keys());
-    let mut stream = connect(gw.port);
-    stream
-        .write_all(post("HTTP/1.1", "", &list_body(1)).as_bytes())
-        .unwrap();
-    let (head, body) = read_response(&mut stream);
+    let (head, body) = post_once(gw.port, "", &list_body(1));
     assert!(head.starts_with("http/1.1 502"), "{head}\n{body}");
-    let error: Value = serde_json::from_str(&body).unwrap();
-    let message = error["error"]["message"].as_str().unwrap();
+    let message = error_message(&body);
     assert!(
         message.contains("'default'") && message.contains("101"),
-        "{error}"
+        "{message}"
     );
     1
 }
@@ -333,4 +324,106 @@ pub(crate) fn upstream_switch_case() -> usize {
 #[test]
 fn an_upstream_protocol_switch_is_refused() {
     upstream_switch_case();
+}
+
+/// Posts `body` on a fresh connection; returns the response's head and body (framed by
+/// `Content-Length`).
+fn post_once(port: u16, extra: &str, body: &Value) -> (String, String) {
+    let mut stream = connect(port);
+    stream
+        .write_all(post("HTTP/1.1", extra, body).as_bytes())
+        .unwrap();
+    read_response(&mut stream)
+}
+
+/// The JSON-RPC error message of a response body.
+fn error_message(body: &str) -> String {
+    let value: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    value["error"]["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no error: {value}"))
+        .to_string()
+}
+
+fn call_body(id: u64, tool: &str) -> Value {
+    json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {"name": tool, "arguments": {}}})
+}
+
+/// Bug 4: a POST is never sent upstream twice. The upstream reads a `tools/call` on a
+/// pooled connection and closes it unanswered, or never answers it: the client gets an
+/// error and the call ran once. A GET (idempotent) whose pooled connection closed
+/// without a response byte is sent again on a fresh one.
+pub(crate) fn no_duplicate_post_case() -> usize {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        let tool = seen.json().map(|b| b["params"]["name"].clone());
+        match (seen.method.as_str(), tool.as_ref().and_then(Value::as_str)) {
+            ("POST", Some("vanish")) => Answer::silent().then_close(),
+            ("POST", Some("stall")) => Answer::silent(),
+            ("GET", _) if seen.on_connection > 0 => Answer::silent().then_close(),
+            ("GET", _) => Answer::sse(&[])
+                .event(
+                    Some("1"),
+                    &json!({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}),
+                )
+                .end(),
+            _ => Answer::json(
+                200,
+                &json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}}),
+            ),
+        }
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].response_timeout_ms = 500;
+    });
+    let raw = Raw::new(&gw.url);
+    let session = raw.initialize(json!({}));
+    let in_session = format!("mcp-session-id: {session}\r\n");
+    let calls_of = |tool: &str| {
+        let named = |s: &Seen| s.json().is_some_and(|b| b["params"]["name"] == tool);
+        upstream.requests().iter().filter(|s| named(s)).count()
+    };
+
+    let (head, body) = post_once(gw.port, &in_session, &call_body(2, "vanish"));
+    assert!(head.starts_with("http/1.1 502"), "{head}");
+    assert!(error_message(&body).contains("'default'"), "{body}");
+    assert_eq!(calls_of("vanish"), 1, "a POST was sent twice");
+
+    let list = raw.post(Some(&session), &list_body(3));
+    assert_eq!(list.status, 200);
+    let (head, _) = post_once(gw.port, &in_session, &call_body(4, "stall"));
+    assert!(head.starts_with("http/1.1 504"), "{head}");
+    assert_eq!(
+        calls_of("stall"),
+        1,
+        "a POST was sent again after a timeout"
+    );
+
+    let list = raw.post(Some(&session), &list_body(5));
+    assert_eq!(list.status, 200);
+    let mut stream = raw.request(
+        "GET",
+        &[
+            ("accept", "text/event-stream"),
+            ("mcp-session-id", &session),
+        ],
+        None,
+    );
+    assert_eq!(stream.status, 200);
+    let (_, event) = stream.next_message().expect("the GET stream's event");
+    assert_eq!(event["method"], "notifications/tools/list_changed");
+    let gets = upstream
+        .requests()
+        .iter()
+        .filter(|s| s.method == "GET")
+        .count();
+    assert_eq!(gets, 2, "the idempotent GET was not sent again");
+    3
+}
+
+#[test]
+fn a_post_is_never_sent_upstream_twice() {
+    no_duplicate_post_case();
 }
