@@ -334,7 +334,7 @@ async fn pump(
             }
             Err(e) => {
                 tracing::warn!(error = %e, "upstream stream ended abnormally");
-                session.set_keepalive(None);
+                respond::abort(session).await;
                 return Outcome::UpstreamError;
             }
         }

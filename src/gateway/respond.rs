@@ -47,6 +47,16 @@ pub fn frame_unknown_length(session: &mut ServerSession, header: &mut ResponseHe
     }
 }
 
+/// Ends a response that cannot be completed because its upstream aborted the body (a bad
+/// chunk, a reset, a body short of its length): the connection is shut without the
+/// body's end, so the client sees the truncation (no terminal chunk, fewer bytes than its
+/// Content-Length) instead of a complete-looking body. Nothing reaches the client after
+/// this: pingora's `finish` then finds the connection's write side shut.
+pub async fn abort(session: &mut ServerSession) {
+    session.set_keepalive(None);
+    session.shutdown().await;
+}
+
 /// A JSON-RPC error with an HTTP status.
 pub async fn error(
     session: &mut ServerSession,

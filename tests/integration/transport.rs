@@ -427,3 +427,60 @@ pub(crate) fn no_duplicate_post_case() -> usize {
 fn a_post_is_never_sent_upstream_twice() {
     no_duplicate_post_case();
 }
+
+/// Risk: an upstream that aborts its body (a bad chunk size, a reset mid-body, a
+/// `Content-Length` body cut short) must not reach the client as a complete body: the
+/// client's response ends without its terminal chunk (or short of its length) and the
+/// connection closes.
+pub(crate) fn upstream_abort_case() -> usize {
+    let event =
+        json!({"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progress": 1}});
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let stream = Answer::sse(&[]).event(Some("1"), &event);
+        match seen.jsonrpc_id().as_u64() {
+            Some(1) => stream.bytes("zz\r\nnot a chunk\r\n").then_close(),
+            Some(2) => stream.then_reset(),
+            _ => Answer::raw("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"jsonrpc\":")
+                .then_close(),
+        }
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    for id in [1, 2] {
+        let mut stream = connect(gw.port);
+        stream
+            .write_all(post("HTTP/1.1", "", &list_body(id)).as_bytes())
+            .unwrap();
+        let (answer, closed) = read_to_close(&mut stream);
+        assert!(
+            answer.contains("transfer-encoding: chunked")
+                || answer.contains("Transfer-Encoding: chunked"),
+            "{answer}"
+        );
+        assert!(answer.contains("notifications/progress"), "{answer}");
+        assert!(
+            !answer.ends_with("0\r\n\r\n"),
+            "an aborted body ended cleanly: {answer:?}"
+        );
+        assert!(closed, "the connection outlived an aborted body");
+    }
+    let mut stream = connect(gw.port);
+    stream
+        .write_all(post("HTTP/1.1", "", &list_body(3)).as_bytes())
+        .unwrap();
+    let (answer, closed) = read_to_close(&mut stream);
+    let (head, body) = answer.split_once("\r\n\r\n").expect("a response head");
+    assert!(
+        head.to_ascii_lowercase().contains("content-length: 100"),
+        "{head}"
+    );
+    assert!(
+        body.len() < 100 && closed,
+        "a short body must end with the connection"
+    );
+    3
+}
+
+#[test]
+fn an_upstream_abort_reaches_the_client_as_a_truncated_body() {
+    upstream_abort_case();
+}
