@@ -484,3 +484,27 @@ pub(crate) fn upstream_abort_case() -> usize {
 fn an_upstream_abort_reaches_the_client_as_a_truncated_body() {
     upstream_abort_case();
 }
+
+/// Risk: `Origin: null` (sandboxed frames, `file://` pages, redirects) is refused on a
+/// loopback listener like any other foreign origin, and nothing is forwarded.
+pub(crate) fn origin_null_case() -> usize {
+    let tripwire = Tripwire::start();
+    let gw = TestGateway::start(&[&tripwire.url()], &test_keys());
+    let cases = ["null", "file://", "NULL"];
+    for origin in cases {
+        let (head, body) = post_once(gw.port, &format!("origin: {origin}\r\n"), &list_body(1));
+        assert!(head.starts_with("http/1.1 403"), "Origin {origin}: {head}");
+        assert!(error_message(&body).contains("Origin"), "{body}");
+    }
+    assert_eq!(
+        tripwire.count(),
+        0,
+        "a request with a foreign Origin was forwarded"
+    );
+    cases.len()
+}
+
+#[test]
+fn origin_null_is_refused_on_a_loopback_listener() {
+    origin_null_case();
+}
