@@ -32,6 +32,8 @@ pub struct Config {
     /// system resolver of `/etc/resolv.conf`.
     pub dns_resolver: Option<String>,
     pub limits: Limits,
+    /// Whose forwarding headers (`X-Forwarded-For`, `Forwarded`, …) are believed.
+    pub forwarded: ForwardedOptions,
     pub bridge: BridgeOptions,
     pub server: ServerOptions,
     /// The other gateway replicas, for flows held in hold mode.
@@ -51,6 +53,7 @@ impl Default for Config {
             sse_keepalive_ms: 15_000,
             dns_resolver: None,
             limits: Limits::default(),
+            forwarded: ForwardedOptions::default(),
             bridge: BridgeOptions::default(),
             server: ServerOptions::default(),
             peers: PeerOptions::default(),
@@ -141,6 +144,27 @@ impl Limits {
             1,
         )?;
         at_least("max_rounds", u64::from(self.max_rounds), 1)
+    }
+}
+
+/// The forwarding headers the gateway sends upstream: `X-Forwarded-For`, `Forwarded`,
+/// `X-Forwarded-Proto` and `X-Forwarded-Host`, each ending with the client's address.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ForwardedOptions {
+    /// Networks (CIDR, or single addresses) of proxies in front whose own forwarding
+    /// headers are kept (the proxy's address appended). From any other peer a client's
+    /// forwarding headers are dropped and replaced. Default: none.
+    pub trusted_peers: Vec<String>,
+}
+
+impl ForwardedOptions {
+    fn validate(&self) -> Result<(), ConfigError> {
+        crate::protocol::forwarded::TrustedPeers::parse(&self.trusted_peers)
+            .map(|_| ())
+            .map_err(|(i, problem)| {
+                ConfigError::at(format!("forwarded.trusted_peers[{i}]"), problem)
+            })
     }
 }
 
@@ -629,6 +653,7 @@ impl Config {
             return Err(ConfigError::at("admin_listen", "must differ from listen"));
         }
         self.limits.validate()?;
+        self.forwarded.validate()?;
         if self.keys_poll_ms < 100 {
             return Err(ConfigError::at("keys_poll_ms", "must be at least 100"));
         }
@@ -912,6 +937,26 @@ mod tests {
         assert_eq!(
             Config::from_yaml(&typo).unwrap_err().path,
             "upstreams[0].resume"
+        );
+    }
+
+    #[test]
+    fn trusted_peers_are_networks() {
+        let with = |list: &str| {
+            Config::from_yaml(&format!("forwarded:\n  trusted_peers: {list}\n{MINIMAL}"))
+        };
+        let c = with("[10.0.0.0/8, \"fd00::/8\", 192.0.2.1]").unwrap();
+        assert_eq!(c.forwarded.trusted_peers.len(), 3);
+        assert!(Config::from_yaml(MINIMAL)
+            .unwrap()
+            .forwarded
+            .trusted_peers
+            .is_empty());
+        let e = with("[10.0.0.0/8, 10.0.0.0/40]").unwrap_err();
+        assert_eq!(e.path, "forwarded.trusted_peers[1]");
+        assert_eq!(
+            with("[proxy.local]").unwrap_err().path,
+            "forwarded.trusted_peers[0]"
         );
     }
 

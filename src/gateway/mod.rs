@@ -16,6 +16,7 @@ use crate::keys::{KeyRing, Reloadable, SharedKeyRing};
 use crate::metrics::Metrics;
 use crate::mrtr::modern::{era, Era};
 use crate::principal::{Authenticator, PrincipalSource, Unauthenticated};
+use crate::protocol::forwarded::TrustedPeers;
 use crate::protocol::headers::MCP_SESSION_ID;
 use crate::protocol::host_check::HostPolicy;
 use crate::protocol::jsonrpc::{self, code, Body};
@@ -57,6 +58,8 @@ pub struct Gateway {
     pub client: UpstreamClient,
     pub metrics: Arc<Metrics>,
     host_policy: HostPolicy,
+    /// The peers whose own forwarding headers are believed (`forwarded.trusted_peers`).
+    pub trusted_peers: TrustedPeers,
     /// Turns credentials into principals; swapped whole when the JWKS is reloaded.
     pub authenticator: Arc<Reloadable<Authenticator>>,
     pub reaper: Arc<reaper::Reaper>,
@@ -88,6 +91,10 @@ impl Gateway {
             .map_err(|e| ConfigError::at("principal.jwt", e))?;
         let listen = config.listen.parse().expect("validated listen address");
         let host_policy = HostPolicy::for_listener(listen, &config.allowed_hosts);
+        let trusted_peers =
+            TrustedPeers::parse(&config.forwarded.trusted_peers).map_err(|(i, problem)| {
+                ConfigError::at(format!("forwarded.trusted_peers[{i}]"), problem)
+            })?;
         let reaper = Arc::new(reaper::Reaper::new(config.bridge.max_watched_sessions));
         let used_states = crate::mrtr::replay::UsedStates::new(config.bridge.max_used_states);
         let resolver = config.dns_resolver.as_ref().and_then(|r| r.parse().ok());
@@ -108,6 +115,7 @@ impl Gateway {
             drain: Arc::default(),
             used_states: std::sync::Mutex::new(used_states),
             host_policy,
+            trusted_peers,
             initialize_results: Default::default(),
             modern_only: Default::default(),
             held: Arc::new(held),

@@ -6,6 +6,7 @@
 use super::respond;
 use super::Gateway;
 use crate::metrics::{method_label, InUse};
+use crate::protocol::forwarded;
 use crate::protocol::headers::{self, MCP_SESSION_ID};
 use crate::protocol::jsonrpc::{code, Body};
 use crate::protocol::session_token::SessionToken;
@@ -89,7 +90,7 @@ async fn serve_inner(
         }
     };
     let id = parsed.and_then(Body::id).cloned();
-    let request = upstream_request(session, &route, &body);
+    let request = upstream_request(gw, session, &route, &body);
     let mut response = match gw
         .client
         .send(&route.endpoint, &group.timeouts, request, body)
@@ -175,14 +176,27 @@ async fn respond_route_error(session: &mut ServerSession, outcome: Outcome) {
     respond::error(session, status, None, code::INVALID_REQUEST, message).await;
 }
 
-/// The request sent upstream: the client's, with the upstream path, host and session.
-fn upstream_request(session: &ServerSession, route: &Route, body: &Bytes) -> RequestHeader {
+/// The request sent upstream: the client's, with the upstream path, host and session,
+/// and forwarding headers naming the client.
+fn upstream_request(
+    gw: &Gateway,
+    session: &ServerSession,
+    route: &Route,
+    body: &Bytes,
+) -> RequestHeader {
     let client = session.req_header();
     let method = client.method.as_str();
     let mut req = RequestHeader::build(method, route.endpoint.path.as_bytes(), Some(16))
         .expect("method and configured path are valid");
     for (name, value) in headers::forwardable(&client.headers) {
-        let _ = req.append_header(name.clone(), value.clone());
+        if !forwarded::NAMES.contains(&name.as_str()) {
+            let _ = req.append_header(name.clone(), value.clone());
+        }
+    }
+    if let Some(hop) = hop(gw, session) {
+        for (name, value) in forwarded::forwarding_headers(&client.headers, &hop) {
+            let _ = req.insert_header(name, value);
+        }
     }
     let _ = req.insert_header("host", route.endpoint.authority.as_str());
     if let Some(upstream) = &route.upstream_session {
@@ -192,6 +206,18 @@ fn upstream_request(session: &ServerSession, route: &Route, body: &Bytes) -> Req
         let _ = req.insert_header("content-length", body.len());
     }
     req
+}
+
+/// This hop as the forwarding headers describe it: the client's address (whether its
+/// own forwarding headers are believed) and the `Host` it named, over plain HTTP.
+fn hop<'s>(gw: &Gateway, session: &'s ServerSession) -> Option<forwarded::Hop<'s>> {
+    let peer = session.client_addr()?.as_inet()?.ip();
+    Some(forwarded::Hop {
+        peer,
+        trusted: gw.trusted_peers.contains(peer),
+        host: super::header(session, "host"),
+        proto: "http",
+    })
 }
 
 /// The response header the client gets: the upstream's, with its session id sealed.

@@ -508,3 +508,63 @@ pub(crate) fn origin_null_case() -> usize {
 fn origin_null_is_refused_on_a_loopback_listener() {
     origin_null_case();
 }
+
+/// Risk: forwarding headers. From an untrusted peer (the default) a client's own
+/// `X-Forwarded-For`, `Forwarded`, `X-Forwarded-Proto` and `X-Forwarded-Host` are
+/// replaced by the gateway's; from a trusted one (`forwarded.trusted_peers`) they are
+/// kept and the peer appended.
+pub(crate) fn forwarded_headers_case() -> usize {
+    let upstream = sse_lister();
+    let spoofed = "x-forwarded-for: 6.6.6.6\r\nforwarded: for=6.6.6.6;proto=https\r\n\
+                   x-forwarded-proto: https\r\nx-forwarded-host: evil.example\r\n";
+    let cases: [(bool, [&str; 4]); 2] = [
+        (
+            false,
+            [
+                "127.0.0.1",
+                "for=127.0.0.1;host=\"127.0.0.1\";proto=http",
+                "http",
+                "127.0.0.1",
+            ],
+        ),
+        (
+            true,
+            [
+                "6.6.6.6, 127.0.0.1",
+                "for=6.6.6.6;proto=https, for=127.0.0.1;host=\"127.0.0.1\";proto=http",
+                "https",
+                "evil.example",
+            ],
+        ),
+    ];
+    for (trusted, expected) in cases {
+        let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+            if trusted {
+                c.forwarded.trusted_peers = vec!["127.0.0.0/8".into()];
+            }
+        });
+        let before = upstream.count();
+        let (head, _) = post_once(gw.port, spoofed, &initialize_body());
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        let seen = &upstream.wait_for(before + 1, READ_LIMIT)[before];
+        let names = [
+            "x-forwarded-for",
+            "forwarded",
+            "x-forwarded-proto",
+            "x-forwarded-host",
+        ];
+        for (name, value) in names.iter().zip(expected) {
+            assert_eq!(
+                seen.headers_named(name),
+                [value],
+                "{name}, trusted: {trusted}"
+            );
+        }
+    }
+    cases.len()
+}
+
+#[test]
+fn forwarding_headers_name_the_client_and_trust_only_configured_peers() {
+    forwarded_headers_case();
+}
