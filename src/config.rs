@@ -85,6 +85,9 @@ pub struct Limits {
     pub max_input_requests_per_round: usize,
     /// Most rounds one call may take.
     pub max_rounds: u16,
+    /// Most client connections the MCP listener serves at once; one more is answered
+    /// 503 and closed.
+    pub max_client_connections: usize,
 }
 
 impl Default for Limits {
@@ -100,6 +103,7 @@ impl Default for Limits {
             max_input_responses_bytes: 1 << 20,
             max_input_requests_per_round: 16,
             max_rounds: 32,
+            max_client_connections: 10_000,
         }
     }
 }
@@ -143,7 +147,12 @@ impl Limits {
             self.max_input_requests_per_round as u64,
             1,
         )?;
-        at_least("max_rounds", u64::from(self.max_rounds), 1)
+        at_least("max_rounds", u64::from(self.max_rounds), 1)?;
+        at_least(
+            "max_client_connections",
+            self.max_client_connections as u64,
+            1,
+        )
     }
 }
 

@@ -4,6 +4,7 @@
 
 pub mod admin;
 pub mod bridge;
+pub mod connections;
 pub mod passthrough;
 pub mod peers;
 pub mod reaper;
@@ -319,7 +320,7 @@ impl Gateway {
 
     async fn handle(&self, session: &mut ServerSession, arrival: Arrival) {
         if let Err(message) = check_header_limits(session, &self.config.limits) {
-            return refuse_and_close(session, 431, &message).await;
+            return refuse_and_close(session, 431, code::INVALID_REQUEST, &message).await;
         }
         // A forwarded retry's Host and Origin were checked by the replica it reached.
         let host_checked = match arrival {
@@ -538,7 +539,7 @@ async fn unauthenticated(session: &mut ServerSession, why: &str) {
 
 async fn too_large(session: &mut ServerSession, limit: usize) {
     let message = format!("request body exceeds the limit of {limit} bytes");
-    refuse_and_close(session, 413, &message).await;
+    refuse_and_close(session, 413, code::INVALID_REQUEST, &message).await;
 }
 
 /// How long a refused request's unread body is drained before the connection closes.
@@ -547,9 +548,9 @@ const LINGER: Duration = Duration::from_secs(1);
 /// Answers with an error and closes the connection. The unread body is drained for a
 /// moment first (a lingering close): closing on unread data would reset the connection,
 /// and the client could lose the answer before reading it.
-async fn refuse_and_close(session: &mut ServerSession, status: u16, message: &str) {
+async fn refuse_and_close(session: &mut ServerSession, status: u16, code: i64, message: &str) {
     session.set_keepalive(None);
-    respond::error(session, status, None, code::INVALID_REQUEST, message).await;
+    respond::error(session, status, None, code, message).await;
     let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
 }
 

@@ -568,3 +568,52 @@ pub(crate) fn forwarded_headers_case() -> usize {
 fn forwarding_headers_name_the_client_and_trust_only_configured_peers() {
     forwarded_headers_case();
 }
+
+/// Risk: idle client connections without a cap. Above `limits.max_client_connections`
+/// a connection is answered 503 with a JSON-RPC error and `Connection: close` (not a
+/// reset), counted, and a freed slot is served again.
+pub(crate) fn connection_cap_case() -> usize {
+    let upstream = sse_lister();
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.limits.max_client_connections = 2;
+    });
+    let gauge = || metric(&gw.admin, "mrtr_gateway_client_connections");
+    let idle = [connect(gw.port), connect(gw.port)];
+    wait_until("two client connections served", READ_LIMIT, || {
+        gauge() == 2.0
+    });
+    let mut over = connect(gw.port);
+    over.write_all(post("HTTP/1.1", "", &initialize_body()).as_bytes())
+        .unwrap();
+    let (answer, closed) = read_to_close(&mut over);
+    let (head, body) = answer
+        .split_once("\r\n\r\n")
+        .expect("an answer, not a reset");
+    let head = head.to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 503"), "{answer}");
+    assert_eq!(header_value(&head, "connection"), Some("close"), "{head}");
+    assert!(error_message(body).contains("connections"), "{body}");
+    assert!(closed, "the refused connection stayed open");
+    let refused = "mrtr_gateway_client_connections_refused_total";
+    assert_eq!(metric(&gw.admin, refused), 1.0);
+    assert_eq!(
+        upstream.count(),
+        0,
+        "a refused connection's request was forwarded"
+    );
+    drop(idle);
+    wait_until("the idle connections released", READ_LIMIT, || {
+        gauge() == 0.0
+    });
+    let (head, _) = post_once(gw.port, "", &initialize_body());
+    assert!(
+        head.starts_with("http/1.1 200"),
+        "a freed slot is served: {head}"
+    );
+    2
+}
+
+#[test]
+fn client_connections_above_the_cap_get_503_and_close() {
+    connection_cap_case();
+}
