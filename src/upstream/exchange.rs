@@ -1,7 +1,9 @@
 //! One HTTP exchange with an upstream endpoint over pingora's pooled client: send the
 //! request, read the response header within the response timeout, then hand out body
 //! chunks. A response read to its end goes back to the pool; one abandoned midway is
-//! shut down, so a half-read stream is never reused.
+//! shut down, so a half-read stream is never reused. Interim (1xx) responses are
+//! skipped, a protocol switch refused, and a failed attempt made again only when the
+//! request provably did not run.
 
 use super::{Endpoint, Timeouts};
 use crate::metrics::{InUse, Metrics};
@@ -9,6 +11,7 @@ use bytes::Bytes;
 use pingora::connectors::http::Connector;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::client::HttpSession;
+use pingora::protocols::Stream;
 use pingora::upstreams::peer::HttpPeer;
 use std::fmt;
 use std::sync::Arc;
@@ -121,8 +124,8 @@ impl UpstreamClient {
             .observe(started.elapsed().as_secs_f64());
         Ok(Response {
             http,
-            peer,
-            _in_use: in_use,
+            pool: Some(peer),
+            _in_use: Some(in_use),
         })
     }
 
@@ -164,12 +167,14 @@ impl UpstreamClient {
 
     /// Returns a fully read response's connection to the pool, or closes it.
     pub async fn finish(&self, mut response: Response) {
-        if response.http.response_done() {
-            self.connector
-                .release_http_session(response.http, &response.peer, Some(POOL_IDLE))
-                .await;
-        } else {
-            response.http.shutdown().await;
+        match &response.pool {
+            Some(peer) if response.http.response_done() => {
+                let peer = peer.clone();
+                self.connector
+                    .release_http_session(response.http, &peer, Some(POOL_IDLE))
+                    .await;
+            }
+            _ => response.http.shutdown().await,
         }
     }
 }
@@ -293,12 +298,44 @@ fn read_error(e: Box<pingora::Error>) -> ExchangeError {
     }
 }
 
+/// Sends a request on `stream` and reads the response header as an exchange does
+/// (interim responses skipped, a protocol switch refused); the body is then read with
+/// `next_chunk`. The stream belongs to no pool. For the `upstream_response` fuzz target
+/// and tests, which feed an upstream's response from memory.
+pub async fn read_response_from(stream: Stream) -> Result<Response, ExchangeError> {
+    let mut http = HttpSession::H1(pingora::protocols::http::v1::client::HttpSession::new(
+        stream,
+    ));
+    let request = RequestHeader::build("POST", b"/mcp", Some(2))
+        .map_err(|e| ExchangeError::Broken(e.to_string()))?;
+    let timeouts = Timeouts {
+        connect: IN_MEMORY_LIMIT,
+        response: IN_MEMORY_LIMIT,
+        stream_idle: Some(IN_MEMORY_LIMIT),
+    };
+    let body = Bytes::from_static(b"{}");
+    UpstreamClient::write_and_read_header(&mut http, &timeouts, &request, &body)
+        .await
+        .map_err(Failed::into_error)?;
+    http.set_read_timeout(timeouts.stream_idle);
+    Ok(Response {
+        http,
+        pool: None,
+        _in_use: None,
+    })
+}
+
+/// Every wait of `read_response_from`: its stream is in memory.
+const IN_MEMORY_LIMIT: Duration = Duration::from_secs(1);
+
 /// A response whose header has arrived.
 pub struct Response {
     http: HttpSession,
-    peer: HttpPeer,
+    /// Where the connection goes back once the response is read whole; `None` for a
+    /// stream that belongs to no pool.
+    pool: Option<HttpPeer>,
     /// Counts this connection in use until the response is finished or dropped.
-    _in_use: InUse,
+    _in_use: Option<InUse>,
 }
 
 impl Response {
@@ -339,6 +376,41 @@ impl Response {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// Reads `wire` as an upstream's response: the status and the body, or the error.
+    async fn read(wire: &[u8]) -> Result<(u16, Vec<u8>), ExchangeError> {
+        let (client, mut upstream) = tokio::io::duplex(wire.len() + 4096);
+        upstream.write_all(wire).await.expect("in memory");
+        upstream.shutdown().await.expect("in memory");
+        let mut response = read_response_from(Box::new(client)).await?;
+        let mut body = Vec::new();
+        while let Some(chunk) = response.next_chunk().await? {
+            body.extend_from_slice(&chunk);
+        }
+        Ok((response.header().status.as_u16(), body))
+    }
+
+    #[tokio::test]
+    async fn a_response_read_from_memory_skips_interim_ones() {
+        let wire = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n\
+            HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n";
+        assert_eq!(read(wire).await.unwrap(), (200, b"ok".to_vec()));
+        let switch = b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\n\r\nbytes";
+        assert!(matches!(
+            read(switch).await,
+            Err(ExchangeError::Protocol(_))
+        ));
+        let interim_only = b"HTTP/1.1 100 Continue\r\n\r\n";
+        assert!(read(interim_only).await.is_err());
+        let endless = b"HTTP/1.1 103 Early Hints\r\n\r\n".repeat(MAX_INTERIM_RESPONSES + 1);
+        assert!(matches!(
+            read(&endless).await,
+            Err(ExchangeError::Protocol(_))
+        ));
+        let bad_chunk = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n";
+        assert!(read(bad_chunk).await.is_err());
+    }
 
     #[test]
     fn only_requests_that_provably_did_not_run_are_sent_again() {
