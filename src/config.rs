@@ -32,6 +32,8 @@ pub struct Config {
     /// system resolver of `/etc/resolv.conf`.
     pub dns_resolver: Option<String>,
     pub limits: Limits,
+    /// Whose forwarding headers (`X-Forwarded-For`, `Forwarded`, …) are believed.
+    pub forwarded: ForwardedOptions,
     pub bridge: BridgeOptions,
     pub server: ServerOptions,
     /// The other gateway replicas, for flows held in hold mode.
@@ -51,6 +53,7 @@ impl Default for Config {
             sse_keepalive_ms: 15_000,
             dns_resolver: None,
             limits: Limits::default(),
+            forwarded: ForwardedOptions::default(),
             bridge: BridgeOptions::default(),
             server: ServerOptions::default(),
             peers: PeerOptions::default(),
@@ -86,6 +89,9 @@ pub struct Limits {
     pub max_input_requests_bytes: usize,
     /// Most rounds one call may take.
     pub max_rounds: u16,
+    /// Most client connections the MCP listener serves at once; one more is answered
+    /// 503 and closed.
+    pub max_client_connections: usize,
 }
 
 impl Default for Limits {
@@ -102,6 +108,7 @@ impl Default for Limits {
             max_input_requests_per_round: 16,
             max_input_requests_bytes: 1 << 20,
             max_rounds: 32,
+            max_client_connections: 10_000,
         }
     }
 }
@@ -150,7 +157,33 @@ impl Limits {
             self.max_input_requests_bytes as u64,
             1024,
         )?;
-        at_least("max_rounds", u64::from(self.max_rounds), 1)
+        at_least("max_rounds", u64::from(self.max_rounds), 1)?;
+        at_least(
+            "max_client_connections",
+            self.max_client_connections as u64,
+            1,
+        )
+    }
+}
+
+/// The forwarding headers the gateway sends upstream: `X-Forwarded-For`, `Forwarded`,
+/// `X-Forwarded-Proto` and `X-Forwarded-Host`, each ending with the client's address.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ForwardedOptions {
+    /// Networks (CIDR, or single addresses) of proxies in front whose own forwarding
+    /// headers are kept (the proxy's address appended). From any other peer a client's
+    /// forwarding headers are dropped and replaced. Default: none.
+    pub trusted_peers: Vec<String>,
+}
+
+impl ForwardedOptions {
+    fn validate(&self) -> Result<(), ConfigError> {
+        crate::protocol::forwarded::TrustedPeers::parse(&self.trusted_peers)
+            .map(|_| ())
+            .map_err(|(i, problem)| {
+                ConfigError::at(format!("forwarded.trusted_peers[{i}]"), problem)
+            })
     }
 }
 
@@ -639,6 +672,7 @@ impl Config {
             return Err(ConfigError::at("admin_listen", "must differ from listen"));
         }
         self.limits.validate()?;
+        self.forwarded.validate()?;
         if self.keys_poll_ms < 100 {
             return Err(ConfigError::at("keys_poll_ms", "must be at least 100"));
         }
@@ -922,6 +956,26 @@ mod tests {
         assert_eq!(
             Config::from_yaml(&typo).unwrap_err().path,
             "upstreams[0].resume"
+        );
+    }
+
+    #[test]
+    fn trusted_peers_are_networks() {
+        let with = |list: &str| {
+            Config::from_yaml(&format!("forwarded:\n  trusted_peers: {list}\n{MINIMAL}"))
+        };
+        let c = with("[10.0.0.0/8, \"fd00::/8\", 192.0.2.1]").unwrap();
+        assert_eq!(c.forwarded.trusted_peers.len(), 3);
+        assert!(Config::from_yaml(MINIMAL)
+            .unwrap()
+            .forwarded
+            .trusted_peers
+            .is_empty());
+        let e = with("[10.0.0.0/8, 10.0.0.0/40]").unwrap_err();
+        assert_eq!(e.path, "forwarded.trusted_peers[1]");
+        assert_eq!(
+            with("[proxy.local]").unwrap_err().path,
+            "forwarded.trusted_peers[0]"
         );
     }
 

@@ -33,6 +33,10 @@ pub struct Metrics {
     /// Time from sending a request upstream to its response header, by upstream.
     pub upstream_duration: HistogramVec,
     pub active_client_streams: IntGauge,
+    /// Client connections the MCP listener serves now (`limits.max_client_connections`).
+    pub client_connections: IntGauge,
+    /// Client connections refused (503) because the listener served its maximum.
+    pub client_connections_refused: IntCounter,
     /// Upstream connections in use: an exchange waiting for, or reading, a response.
     pub upstream_connections: IntGauge,
     /// Flows waiting for a client's retry that this replica opened (the reaper's table).
@@ -227,6 +231,19 @@ impl Metrics {
                 &r,
                 "mrtr_gateway_active_client_streams",
                 "Client responses currently streaming",
+            ),
+            client_connections: gauge(
+                &r,
+                "mrtr_gateway_client_connections",
+                "Client connections the MCP listener serves now",
+            ),
+            client_connections_refused: register(
+                &r,
+                IntCounter::new(
+                    "mrtr_gateway_client_connections_refused_total",
+                    "Client connections refused with 503 at limits.max_client_connections",
+                )
+                .expect("valid metric"),
             ),
             upstream_connections: gauge(
                 &r,

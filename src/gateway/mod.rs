@@ -4,6 +4,7 @@
 
 pub mod admin;
 pub mod bridge;
+pub mod connections;
 pub mod passthrough;
 pub mod peers;
 pub mod reaper;
@@ -16,6 +17,7 @@ use crate::keys::{KeyRing, Reloadable, SharedKeyRing};
 use crate::metrics::Metrics;
 use crate::mrtr::modern::{era, Era};
 use crate::principal::{Authenticator, PrincipalSource, Unauthenticated};
+use crate::protocol::forwarded::TrustedPeers;
 use crate::protocol::headers::MCP_SESSION_ID;
 use crate::protocol::host_check::HostPolicy;
 use crate::protocol::jsonrpc::{self, code, Body};
@@ -45,6 +47,8 @@ enum Probed {
 
 /// Longest wait for each read of a client's request body.
 const CLIENT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a kept-alive client connection may idle between requests.
+const CLIENT_KEEPALIVE_SECONDS: u64 = 60;
 
 /// Everything one gateway instance shares across requests.
 pub struct Gateway {
@@ -55,6 +59,8 @@ pub struct Gateway {
     pub client: UpstreamClient,
     pub metrics: Arc<Metrics>,
     host_policy: HostPolicy,
+    /// The peers whose own forwarding headers are believed (`forwarded.trusted_peers`).
+    pub trusted_peers: TrustedPeers,
     /// Turns credentials into principals; swapped whole when the JWKS is reloaded.
     pub authenticator: Arc<Reloadable<Authenticator>>,
     pub reaper: Arc<reaper::Reaper>,
@@ -86,6 +92,10 @@ impl Gateway {
             .map_err(|e| ConfigError::at("principal.jwt", e))?;
         let listen = config.listen.parse().expect("validated listen address");
         let host_policy = HostPolicy::for_listener(listen, &config.allowed_hosts);
+        let trusted_peers =
+            TrustedPeers::parse(&config.forwarded.trusted_peers).map_err(|(i, problem)| {
+                ConfigError::at(format!("forwarded.trusted_peers[{i}]"), problem)
+            })?;
         let reaper = Arc::new(reaper::Reaper::new(config.bridge.max_watched_sessions));
         let used_states = crate::mrtr::replay::UsedStates::new(config.bridge.max_used_states);
         let resolver = config.dns_resolver.as_ref().and_then(|r| r.parse().ok());
@@ -106,6 +116,7 @@ impl Gateway {
             drain: Arc::default(),
             used_states: std::sync::Mutex::new(used_states),
             host_policy,
+            trusted_peers,
             initialize_results: Default::default(),
             modern_only: Default::default(),
             held: Arc::new(held),
@@ -309,7 +320,7 @@ impl Gateway {
 
     async fn handle(&self, session: &mut ServerSession, arrival: Arrival) {
         if let Err(message) = check_header_limits(session, &self.config.limits) {
-            return refuse_and_close(session, 431, &message).await;
+            return refuse_and_close(session, 431, code::INVALID_REQUEST, &message).await;
         }
         // A forwarded retry's Host and Origin were checked by the replica it reached.
         let host_checked = match arrival {
@@ -403,6 +414,9 @@ impl Gateway {
             too_large(session, limits.max_body_bytes).await;
             return Err(());
         }
+        if expects_continue(session) && session.write_continue_response().await.is_err() {
+            return Err(());
+        }
         let mut body = BytesMut::with_capacity(declared.unwrap_or(1024).min(limits.max_body_bytes));
         let deadline = Instant::now() + Duration::from_millis(limits.body_timeout_ms);
         loop {
@@ -443,6 +457,23 @@ impl Gateway {
                 Err(())
             }
         }
+    }
+}
+
+/// Whether the client waits for `100 Continue` before sending its body. The gateway
+/// answers it itself, once the request passed every check made before the body is read,
+/// and never forwards `Expect` (it sends the body upstream whole, at once).
+fn expects_continue(session: &ServerSession) -> bool {
+    pingora::protocols::http::v1::common::is_expect_continue_req(session.req_header())
+}
+
+/// A client that asked for `100 Continue` and was answered before its body was read
+/// may never send that body, or send it late: the connection cannot carry another
+/// request. It is closed, after a lingering drain of whatever body arrives.
+async fn close_if_body_unread(session: &mut ServerSession) {
+    if expects_continue(session) && !session.is_body_done() {
+        session.set_keepalive(None);
+        let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
     }
 }
 
@@ -508,7 +539,7 @@ async fn unauthenticated(session: &mut ServerSession, why: &str) {
 
 async fn too_large(session: &mut ServerSession, limit: usize) {
     let message = format!("request body exceeds the limit of {limit} bytes");
-    refuse_and_close(session, 413, &message).await;
+    refuse_and_close(session, 413, code::INVALID_REQUEST, &message).await;
 }
 
 /// How long a refused request's unread body is drained before the connection closes.
@@ -517,9 +548,9 @@ const LINGER: Duration = Duration::from_secs(1);
 /// Answers with an error and closes the connection. The unread body is drained for a
 /// moment first (a lingering close): closing on unread data would reset the connection,
 /// and the client could lose the answer before reading it.
-async fn refuse_and_close(session: &mut ServerSession, status: u16, message: &str) {
+async fn refuse_and_close(session: &mut ServerSession, status: u16, code: i64, message: &str) {
     session.set_keepalive(None);
-    respond::error(session, status, None, code::INVALID_REQUEST, message).await;
+    respond::error(session, status, None, code, message).await;
     let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
 }
 
@@ -547,8 +578,14 @@ impl HttpServerApp for Listener {
             _ => return None,
         }
         session.set_read_timeout(Some(CLIENT_BODY_READ_TIMEOUT));
-        session.set_keepalive(if *shutdown.borrow() { None } else { Some(60) });
+        // Pingora decided per request whether the connection may be reused: not after a
+        // request with both Content-Length and Transfer-Encoding (RFC 9112 §6.1: bytes
+        // after its body must never run as a request), nor for HTTP/1.0 without
+        // `Connection: keep-alive`. Only a connection it left alive gets the idle timeout.
+        let reusable = session.get_keepalive().is_some() && !*shutdown.borrow();
+        session.set_keepalive(reusable.then_some(CLIENT_KEEPALIVE_SECONDS));
         self.gw.handle(&mut session, self.arrival).await;
+        close_if_body_unread(&mut session).await;
         let settings = HttpPersistentSettings::for_session(&session);
         match session.finish().await {
             Ok(stream) => stream.map(|s| ReusedHttpStream::from_reusable_stream(s, settings)),

@@ -6,6 +6,7 @@
 use super::respond;
 use super::Gateway;
 use crate::metrics::{method_label, InUse};
+use crate::protocol::forwarded;
 use crate::protocol::headers::{self, MCP_SESSION_ID};
 use crate::protocol::jsonrpc::{code, Body};
 use crate::protocol::session_token::SessionToken;
@@ -89,7 +90,7 @@ async fn serve_inner(
         }
     };
     let id = parsed.and_then(Body::id).cloned();
-    let request = upstream_request(session, &route, &body);
+    let request = upstream_request(gw, session, &route, &body);
     let mut response = match gw
         .client
         .send(&route.endpoint, &group.timeouts, request, body)
@@ -103,7 +104,7 @@ async fn serve_inner(
         }
     };
     count_session_event(gw, session, &route, response.header());
-    let header = client_response_header(gw, group, &route, binding, response.header());
+    let header = client_response_header(gw, session, group, &route, binding, response.header());
     let outcome = relay(gw, session, header, &mut response).await;
     gw.client.finish(response).await;
     outcome
@@ -175,14 +176,27 @@ async fn respond_route_error(session: &mut ServerSession, outcome: Outcome) {
     respond::error(session, status, None, code::INVALID_REQUEST, message).await;
 }
 
-/// The request sent upstream: the client's, with the upstream path, host and session.
-fn upstream_request(session: &ServerSession, route: &Route, body: &Bytes) -> RequestHeader {
+/// The request sent upstream: the client's, with the upstream path, host and session,
+/// and forwarding headers naming the client.
+fn upstream_request(
+    gw: &Gateway,
+    session: &ServerSession,
+    route: &Route,
+    body: &Bytes,
+) -> RequestHeader {
     let client = session.req_header();
     let method = client.method.as_str();
     let mut req = RequestHeader::build(method, route.endpoint.path.as_bytes(), Some(16))
         .expect("method and configured path are valid");
     for (name, value) in headers::forwardable(&client.headers) {
-        let _ = req.append_header(name.clone(), value.clone());
+        if !forwarded::NAMES.contains(&name.as_str()) {
+            let _ = req.append_header(name.clone(), value.clone());
+        }
+    }
+    if let Some(hop) = hop(gw, session) {
+        for (name, value) in forwarded::forwarding_headers(&client.headers, &hop) {
+            let _ = req.insert_header(name, value);
+        }
     }
     let _ = req.insert_header("host", route.endpoint.authority.as_str());
     if let Some(upstream) = &route.upstream_session {
@@ -194,15 +208,28 @@ fn upstream_request(session: &ServerSession, route: &Route, body: &Bytes) -> Req
     req
 }
 
+/// This hop as the forwarding headers describe it: the client's address (whether its
+/// own forwarding headers are believed) and the `Host` it named, over plain HTTP.
+fn hop<'s>(gw: &Gateway, session: &'s ServerSession) -> Option<forwarded::Hop<'s>> {
+    let peer = session.client_addr()?.as_inet()?.ip();
+    Some(forwarded::Hop {
+        peer,
+        trusted: gw.trusted_peers.contains(peer),
+        host: super::header(session, "host"),
+        proto: "http",
+    })
+}
+
 /// The response header the client gets: the upstream's, with its session id sealed.
 fn client_response_header(
     gw: &Gateway,
+    session: &mut ServerSession,
     group: &UpstreamGroup,
     route: &Route,
     binding: &[u8],
     upstream: &ResponseHeader,
 ) -> ResponseHeader {
-    let mut out = relayed_header(upstream);
+    let mut out = relayed_header(session, upstream);
     if let Some(sid) = upstream.headers.get(MCP_SESSION_ID) {
         match client_session_token(gw, group, route, binding, sid.as_bytes()) {
             Some(token) => {
@@ -217,9 +244,12 @@ fn client_response_header(
 }
 
 /// A response header for the client copied from the next hop's: its status and
-/// end-to-end headers, framed by its `Content-Length` or chunked, and SSE marked
-/// unbuffered for proxies in front.
-pub(crate) fn relayed_header(upstream: &ResponseHeader) -> ResponseHeader {
+/// end-to-end headers, framed by its `Content-Length` or as a body of unknown length
+/// (`respond::frame_unknown_length`), and SSE marked unbuffered for proxies in front.
+pub(crate) fn relayed_header(
+    session: &mut ServerSession,
+    upstream: &ResponseHeader,
+) -> ResponseHeader {
     let mut out = ResponseHeader::build(upstream.status, Some(upstream.headers.len() + 2))
         .expect("a status read from the upstream is valid");
     for (name, value) in headers::forwardable(&upstream.headers) {
@@ -228,7 +258,7 @@ pub(crate) fn relayed_header(upstream: &ResponseHeader) -> ResponseHeader {
     if let Some(length) = upstream.headers.get(http::header::CONTENT_LENGTH) {
         let _ = out.insert_header(http::header::CONTENT_LENGTH, length.clone());
     } else {
-        let _ = out.insert_header(http::header::TRANSFER_ENCODING, "chunked");
+        respond::frame_unknown_length(session, &mut out);
     }
     let is_sse = upstream
         .headers
@@ -330,7 +360,7 @@ async fn pump(
             }
             Err(e) => {
                 tracing::warn!(error = %e, "upstream stream ended abnormally");
-                session.set_keepalive(None);
+                respond::abort(session).await;
                 return Outcome::UpstreamError;
             }
         }
@@ -347,6 +377,11 @@ async fn respond_upstream_error(
         ExchangeError::Connect(_) => (502, "is unreachable"),
         ExchangeError::Timeout => (504, "did not answer in time"),
         ExchangeError::Broken(_) => (502, "broke the exchange"),
+        ExchangeError::Unanswered => (
+            502,
+            "closed the connection without answering; the request may have run, so it was not sent again",
+        ),
+        ExchangeError::Protocol(what) => (502, *what),
     };
     let message = format!("upstream group '{}' {what}", group.name);
     respond::error(session, status, id, code::INTERNAL_ERROR, &message).await;

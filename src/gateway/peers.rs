@@ -129,7 +129,7 @@ pub async fn forward(
         .send(&endpoint, &timeouts, request, body.clone())
         .await;
     let mut response = sent.map_err(|e| e.to_string())?;
-    let header = passthrough::relayed_header(response.header());
+    let header = passthrough::relayed_header(session, response.header());
     let outcome = passthrough::relay(gw, session, header, &mut response).await;
     gw.client.finish(response).await;
     Ok(outcome)

@@ -1,5 +1,6 @@
-//! Writing complete responses to the client: JSON-RPC errors in the protocol's own form,
-//! and small JSON or text bodies, always framed with a Content-Length.
+//! Writing responses to the client: complete ones (JSON-RPC errors in the protocol's own
+//! form, small JSON or text bodies), always framed with a Content-Length; the framing of a
+//! body whose length is not known yet; and ending a response that cannot be completed.
 
 use crate::protocol::jsonrpc;
 use bytes::Bytes;
@@ -31,6 +32,29 @@ pub async fn write_with(
     {
         let _ = session.write_response_body(body, true).await;
     }
+}
+
+/// Frames a response body of unknown length: chunked for HTTP/1.1 clients. HTTP/1.0 has
+/// no chunked coding, so an HTTP/1.0 client's body ends when the connection closes.
+pub fn frame_unknown_length(session: &mut ServerSession, header: &mut ResponseHeader) {
+    header.remove_header(&http::header::CONTENT_LENGTH);
+    let version = session.req_header().version;
+    if matches!(version, http::Version::HTTP_10 | http::Version::HTTP_09) {
+        header.remove_header(&http::header::TRANSFER_ENCODING);
+        session.set_keepalive(None);
+    } else {
+        let _ = header.insert_header(http::header::TRANSFER_ENCODING, "chunked");
+    }
+}
+
+/// Ends a response that cannot be completed because its upstream aborted the body (a bad
+/// chunk, a reset, a body short of its length): the connection is shut without the
+/// body's end, so the client sees the truncation (no terminal chunk, fewer bytes than its
+/// Content-Length) instead of a complete-looking body. Nothing reaches the client after
+/// this: pingora's `finish` then finds the connection's write side shut.
+pub async fn abort(session: &mut ServerSession) {
+    session.set_keepalive(None);
+    session.shutdown().await;
 }
 
 /// A JSON-RPC error with an HTTP status.

@@ -1,11 +1,13 @@
-//! Assembling a pingora `Server`: the MCP listener, the admin listener, the peer listener
-//! (when configured), the drain watch, the reaper and held-flow sweeper, and one
-//! health-check service per upstream group (and one for DNS peer discovery). `run` blocks until a signal;
+//! Assembling a pingora `Server`: the MCP listener (its connections capped), the admin
+//! listener, the peer listener (when configured), the drain watch, the reaper and
+//! held-flow sweeper, and one health-check service per upstream group (and one for DNS
+//! peer discovery). `run` blocks until a signal;
 //! `spawn` runs the same server on a thread with a shutdown channel, for tests and for
 //! `demo`.
 
 use super::admin::{AdminApp, DrainWatch, OwnListener, ADMIN_CONNECTION_TIME};
 use super::bridge::hold::HeldSweeper;
+use super::connections::{Capped, ConnectionCap};
 use super::reaper::ReaperService;
 use super::reload::{Reloader, WatchedFile};
 use super::{Arrival, Gateway, Listener};
@@ -62,13 +64,16 @@ pub fn build(
     }
     let reloader = Reloader::new(watched_files(&gateway), metrics.clone(), keys_poll);
     server.add_service(background_service("reloader", reloader));
-    let mut mcp = Service::new(
-        "mcp".to_string(),
-        Listener {
-            gw: gateway.clone(),
-            arrival: Arrival::Client,
-        },
-    );
+    let listener = Listener {
+        gw: gateway.clone(),
+        arrival: Arrival::Client,
+    };
+    let max_connections = gateway.config.limits.max_client_connections;
+    let capped = Capped {
+        app: Arc::new(listener),
+        cap: ConnectionCap::new(max_connections, metrics.clone()),
+    };
+    let mut mcp = Service::new("mcp".to_string(), capped);
     mcp.add_tcp(&listen);
     let admin_app = AdminApp {
         metrics: metrics.clone(),

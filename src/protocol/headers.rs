@@ -19,8 +19,10 @@ const HOP_BY_HOP: &[&str] = &[
     "upgrade",
 ];
 
-/// Headers the gateway sets itself on either side.
-const REWRITTEN: &[&str] = &["host", "content-length", MCP_SESSION_ID];
+/// Headers the gateway sets or answers itself on either side. `Expect` is answered to
+/// the client (the gateway reads a body whole before sending it on at once), so an
+/// upstream never sees it and never answers it with an interim 100.
+const REWRITTEN: &[&str] = &["host", "content-length", "expect", MCP_SESSION_ID];
 
 /// The headers of `headers` that may be copied to the next hop, in order.
 pub fn forwardable(headers: &HeaderMap) -> impl Iterator<Item = (&HeaderName, &http::HeaderValue)> {
@@ -53,6 +55,7 @@ mod tests {
             ("host", "gw"),
             ("content-length", "3"),
             ("mcp-session-id", "token"),
+            ("expect", "100-continue"),
             ("authorization", "Bearer t"),
             ("accept", "application/json, text/event-stream"),
             ("last-event-id", "e1"),

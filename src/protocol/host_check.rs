@@ -48,7 +48,9 @@ impl HostPolicy {
             let origin_host = origin
                 .split_once("://")
                 .and_then(|(_, rest)| authority_host(rest));
-            if origin != "null" && !allowed_name(origin_host) {
+            // `null` (sandboxed frames, `file://` pages, cross-origin redirects) names
+            // no allowed host: refused like any foreign origin.
+            if !allowed_name(origin_host) {
                 return Err(format!("Origin '{origin}' is not allowed"));
             }
         }
@@ -100,6 +102,10 @@ mod tests {
         assert!(p
             .check(Some("localhost:1"), Some("http://[::1]:3000"))
             .is_ok());
+        for foreign in ["null", "NULL", "file://", "file:///home/x.html"] {
+            let refused = p.check(Some("localhost:1"), Some(foreign));
+            assert!(refused.unwrap_err().contains(foreign), "{foreign}");
+        }
     }
 
     #[test]

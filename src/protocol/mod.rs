@@ -1,7 +1,8 @@
 //! Socket-free MCP protocol logic: JSON-RPC classification and error bodies, the SSE
-//! codec, the sealed legacy session token and W3C trace context. Nothing here does I/O; the gateway shell
+//! codec, the sealed legacy session token, W3C trace context and forwarding headers. Nothing here does I/O; the gateway shell
 //! feeds bytes in and acts on what comes out.
 
+pub mod forwarded;
 pub mod headers;
 pub mod host_check;
 pub mod jsonrpc;

@@ -1,7 +1,9 @@
 //! One HTTP exchange with an upstream endpoint over pingora's pooled client: send the
 //! request, read the response header within the response timeout, then hand out body
 //! chunks. A response read to its end goes back to the pool; one abandoned midway is
-//! shut down, so a half-read stream is never reused.
+//! shut down, so a half-read stream is never reused. Interim (1xx) responses are
+//! skipped, a protocol switch refused, and a failed attempt made again only when the
+//! request provably did not run.
 
 use super::{Endpoint, Timeouts};
 use crate::metrics::{InUse, Metrics};
@@ -9,6 +11,7 @@ use bytes::Bytes;
 use pingora::connectors::http::Connector;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::client::HttpSession;
+use pingora::protocols::Stream;
 use pingora::upstreams::peer::HttpPeer;
 use std::fmt;
 use std::sync::Arc;
@@ -16,6 +19,8 @@ use std::time::{Duration, Instant};
 
 /// How long an idle pooled upstream connection is kept.
 const POOL_IDLE: Duration = Duration::from_secs(60);
+/// Most interim (1xx) responses skipped before an upstream's final response.
+pub const MAX_INTERIM_RESPONSES: usize = 8;
 
 /// Why an exchange failed, for the status and message the client gets.
 #[derive(Debug)]
@@ -26,6 +31,12 @@ pub enum ExchangeError {
     Timeout,
     /// The upstream broke the exchange (reset, malformed HTTP).
     Broken(String),
+    /// The connection closed or reset after the whole request went out and before any
+    /// response, and the request (not idempotent) was not sent again: it may have run.
+    Unanswered,
+    /// The upstream answered against the protocol: a switch of protocols the gateway
+    /// never asked for, or interim responses without end. The text says which.
+    Protocol(&'static str),
 }
 
 impl fmt::Display for ExchangeError {
@@ -34,6 +45,8 @@ impl fmt::Display for ExchangeError {
             ExchangeError::Connect(e) => write!(f, "cannot connect: {e}"),
             ExchangeError::Timeout => write!(f, "no response in time"),
             ExchangeError::Broken(e) => write!(f, "exchange broken: {e}"),
+            ExchangeError::Unanswered => write!(f, "closed without answering"),
+            ExchangeError::Protocol(e) => write!(f, "protocol violation: {e}"),
         }
     }
 }
@@ -75,7 +88,9 @@ impl UpstreamClient {
         peer
     }
 
-    /// Sends `request` with `body` and waits for the response header.
+    /// Sends `request` with `body` and waits for the response header. A failed attempt
+    /// is made again, once, on a fresh connection only when the request provably did not
+    /// run (`Reached::may_retry`): an MCP POST is not idempotent.
     pub async fn send(
         &self,
         endpoint: &Endpoint,
@@ -86,27 +101,20 @@ impl UpstreamClient {
         let peer = Self::peer(endpoint, timeouts);
         let started = Instant::now();
         let in_use = InUse::new(&self.metrics.upstream_connections);
-        let (mut http, reused) = self
-            .connector
-            .get_http_session(&peer)
-            .await
-            .map_err(|e| ExchangeError::Connect(e.to_string()))?;
-        match Self::write_and_read_header(&mut http, timeouts, &request, &body).await {
-            Ok(()) => {}
-            // A pooled connection the upstream closed meanwhile: retry once on a fresh one.
-            Err(_) if reused => {
-                http.shutdown().await;
-                let (fresh, _) = self
-                    .connector
-                    .get_http_session(&peer)
-                    .await
-                    .map_err(|e| ExchangeError::Connect(e.to_string()))?;
-                http = fresh;
-                Self::write_and_read_header(&mut http, timeouts, &request, &body).await?;
+        let idempotent = is_idempotent(&request.method);
+        let (mut http, reused) = self.connect(&peer).await?;
+        if let Err(failed) = Self::write_and_read_header(&mut http, timeouts, &request, &body).await
+        {
+            http.shutdown().await;
+            if !failed.reached.may_retry(idempotent, reused) {
+                return Err(failed.into_error());
             }
-            Err(e) => {
+            http = self.connect(&peer).await?.0;
+            if let Err(failed) =
+                Self::write_and_read_header(&mut http, timeouts, &request, &body).await
+            {
                 http.shutdown().await;
-                return Err(e);
+                return Err(failed.into_error());
             }
         }
         http.set_read_timeout(timeouts.stream_idle);
@@ -116,9 +124,18 @@ impl UpstreamClient {
             .observe(started.elapsed().as_secs_f64());
         Ok(Response {
             http,
-            peer,
-            _in_use: in_use,
+            pool: Some(peer),
+            _in_use: Some(in_use),
         })
+    }
+
+    /// A pooled connection (pingora drops one the upstream closed while it idled), or a
+    /// new one; and whether it was pooled.
+    async fn connect(&self, peer: &HttpPeer) -> Result<(HttpSession, bool), ExchangeError> {
+        self.connector
+            .get_http_session(peer)
+            .await
+            .map_err(|e| ExchangeError::Connect(e.to_string()))
     }
 
     async fn write_and_read_header(
@@ -126,46 +143,199 @@ impl UpstreamClient {
         timeouts: &Timeouts,
         request: &RequestHeader,
         body: &Bytes,
-    ) -> Result<(), ExchangeError> {
-        let broken = |e: Box<pingora::Error>| {
-            if is_timeout(&e) {
-                ExchangeError::Timeout
-            } else {
-                ExchangeError::Broken(e.to_string())
-            }
-        };
+    ) -> Result<(), Failed> {
         http.set_write_timeout(Some(timeouts.response));
         http.set_read_timeout(Some(timeouts.response));
-        http.write_request_header(Box::new(request.clone()))
-            .await
-            .map_err(broken)?;
+        if let Err(e) = http.write_request_header(Box::new(request.clone())).await {
+            // The header did not go out whole: no upstream can have acted on it.
+            let reached = if is_timeout(&e) {
+                Reached::Beyond
+            } else {
+                Reached::Nothing
+            };
+            return Err(Failed::at(reached, read_error(e)));
+        }
+        let beyond = |e| Failed::at(Reached::Beyond, read_error(e));
         if !body.is_empty() {
             http.write_request_body(body.clone(), true)
                 .await
-                .map_err(broken)?;
+                .map_err(beyond)?;
         }
-        http.finish_request_body().await.map_err(broken)?;
-        http.read_response_header().await.map_err(broken)
+        http.finish_request_body().await.map_err(beyond)?;
+        read_final_header(http).await
     }
 
     /// Returns a fully read response's connection to the pool, or closes it.
     pub async fn finish(&self, mut response: Response) {
-        if response.http.response_done() {
-            self.connector
-                .release_http_session(response.http, &response.peer, Some(POOL_IDLE))
-                .await;
-        } else {
-            response.http.shutdown().await;
+        match &response.pool {
+            Some(peer) if response.http.response_done() => {
+                let peer = peer.clone();
+                self.connector
+                    .release_http_session(response.http, &peer, Some(POOL_IDLE))
+                    .await;
+            }
+            _ => response.http.shutdown().await,
         }
     }
 }
 
+/// What a response header read from an upstream is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeaderKind {
+    /// The final response.
+    Final,
+    /// An interim response (100, 103, …): skipped; the final one follows.
+    Interim,
+    /// `101 Switching Protocols`: the gateway never asks for an upgrade.
+    Switch,
+}
+
+impl HeaderKind {
+    pub fn of(status: u16) -> HeaderKind {
+        match status {
+            101 => HeaderKind::Switch,
+            100..=199 => HeaderKind::Interim,
+            _ => HeaderKind::Final,
+        }
+    }
+}
+
+/// Reads response headers until the final one, skipping at most
+/// `MAX_INTERIM_RESPONSES` interim ones; a switch of protocols is refused.
+async fn read_final_header(http: &mut HttpSession) -> Result<(), Failed> {
+    for interim in 0..=MAX_INTERIM_RESPONSES {
+        if let Err(e) = http.read_response_header().await {
+            // Pingora marks a connection that closed or reset before a response header
+            // `ReusedOnly`; after an interim response the upstream surely has the request.
+            let unanswered = interim == 0 && matches!(e.retry, pingora::RetryType::ReusedOnly);
+            let reached = if unanswered {
+                Reached::Unanswered
+            } else {
+                Reached::Beyond
+            };
+            return Err(Failed::at(reached, read_error(e)));
+        }
+        let status = http.response_header().map_or(0, |h| h.status.as_u16());
+        let refused = match HeaderKind::of(status) {
+            HeaderKind::Final => return Ok(()),
+            HeaderKind::Interim => continue,
+            HeaderKind::Switch => {
+                "answered with 101 Switching Protocols, though no upgrade was asked for"
+            }
+        };
+        return Err(Failed::at(
+            Reached::Beyond,
+            ExchangeError::Protocol(refused),
+        ));
+    }
+    let endless = "sent more interim (1xx) responses than the gateway accepts";
+    Err(Failed::at(
+        Reached::Beyond,
+        ExchangeError::Protocol(endless),
+    ))
+}
+
+/// GET and DELETE may be sent again (RFC 9110 §9.2.2); a POST carries a JSON-RPC
+/// message, and a `tools/call` sent twice runs twice.
+fn is_idempotent(method: &http::Method) -> bool {
+    matches!(
+        *method,
+        http::Method::GET | http::Method::DELETE | http::Method::HEAD
+    )
+}
+
+/// How far a failed attempt got, which decides whether it may be made again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reached {
+    /// The request header did not reach the upstream whole: nothing can have run.
+    Nothing,
+    /// The request went out whole, then the connection closed or reset before any
+    /// response: the upstream may have run it.
+    Unanswered,
+    /// Anything later or less clear: a timeout, a malformed, interim-only or partial
+    /// response.
+    Beyond,
+}
+
+impl Reached {
+    /// Whether an attempt that failed here may be made again on a fresh connection: when
+    /// nothing can have run, or when an idempotent request met a pooled connection that
+    /// closed without answering (the race of a keep-alive close). Never after a timeout.
+    pub fn may_retry(self, idempotent: bool, reused: bool) -> bool {
+        match self {
+            Reached::Nothing => true,
+            Reached::Unanswered => idempotent && reused,
+            Reached::Beyond => false,
+        }
+    }
+}
+
+/// A failed attempt: how far it got, and the error the caller gets.
+struct Failed {
+    reached: Reached,
+    error: ExchangeError,
+}
+
+impl Failed {
+    fn at(reached: Reached, error: ExchangeError) -> Failed {
+        Failed { reached, error }
+    }
+
+    /// The caller's error; an unanswered request not made again says so.
+    fn into_error(self) -> ExchangeError {
+        match (self.reached, self.error) {
+            (Reached::Unanswered, ExchangeError::Broken(_)) => ExchangeError::Unanswered,
+            (_, error) => error,
+        }
+    }
+}
+
+fn read_error(e: Box<pingora::Error>) -> ExchangeError {
+    if is_timeout(&e) {
+        ExchangeError::Timeout
+    } else {
+        ExchangeError::Broken(e.to_string())
+    }
+}
+
+/// Sends a request on `stream` and reads the response header as an exchange does
+/// (interim responses skipped, a protocol switch refused); the body is then read with
+/// `next_chunk`. The stream belongs to no pool. For the `upstream_response` fuzz target
+/// and tests, which feed an upstream's response from memory.
+pub async fn read_response_from(stream: Stream) -> Result<Response, ExchangeError> {
+    let mut http = HttpSession::H1(pingora::protocols::http::v1::client::HttpSession::new(
+        stream,
+    ));
+    let request = RequestHeader::build("POST", b"/mcp", Some(2))
+        .map_err(|e| ExchangeError::Broken(e.to_string()))?;
+    let timeouts = Timeouts {
+        connect: IN_MEMORY_LIMIT,
+        response: IN_MEMORY_LIMIT,
+        stream_idle: Some(IN_MEMORY_LIMIT),
+    };
+    let body = Bytes::from_static(b"{}");
+    UpstreamClient::write_and_read_header(&mut http, &timeouts, &request, &body)
+        .await
+        .map_err(Failed::into_error)?;
+    http.set_read_timeout(timeouts.stream_idle);
+    Ok(Response {
+        http,
+        pool: None,
+        _in_use: None,
+    })
+}
+
+/// Every wait of `read_response_from`: its stream is in memory.
+const IN_MEMORY_LIMIT: Duration = Duration::from_secs(1);
+
 /// A response whose header has arrived.
 pub struct Response {
     http: HttpSession,
-    peer: HttpPeer,
+    /// Where the connection goes back once the response is read whole; `None` for a
+    /// stream that belongs to no pool.
+    pool: Option<HttpPeer>,
     /// Counts this connection in use until the response is finished or dropped.
-    _in_use: InUse,
+    _in_use: Option<InUse>,
 }
 
 impl Response {
@@ -185,13 +355,7 @@ impl Response {
 
     /// The next body chunk; `None` at the end of the body.
     pub async fn next_chunk(&mut self) -> Result<Option<Bytes>, ExchangeError> {
-        self.http.read_response_body().await.map_err(|e| {
-            if is_timeout(&e) {
-                ExchangeError::Timeout
-            } else {
-                ExchangeError::Broken(e.to_string())
-            }
-        })
+        self.http.read_response_body().await.map_err(read_error)
     }
 
     /// Reads the whole body, refusing more than `max` bytes.
@@ -206,5 +370,78 @@ impl Response {
             body.extend_from_slice(&chunk);
         }
         Ok(body.into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncWriteExt;
+
+    /// Reads `wire` as an upstream's response: the status and the body, or the error.
+    async fn read(wire: &[u8]) -> Result<(u16, Vec<u8>), ExchangeError> {
+        let (client, mut upstream) = tokio::io::duplex(wire.len() + 4096);
+        upstream.write_all(wire).await.expect("in memory");
+        upstream.shutdown().await.expect("in memory");
+        let mut response = read_response_from(Box::new(client)).await?;
+        let mut body = Vec::new();
+        while let Some(chunk) = response.next_chunk().await? {
+            body.extend_from_slice(&chunk);
+        }
+        Ok((response.header().status.as_u16(), body))
+    }
+
+    #[tokio::test]
+    async fn a_response_read_from_memory_skips_interim_ones() {
+        let wire = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n\
+            HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n";
+        assert_eq!(read(wire).await.unwrap(), (200, b"ok".to_vec()));
+        let switch = b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\n\r\nbytes";
+        assert!(matches!(
+            read(switch).await,
+            Err(ExchangeError::Protocol(_))
+        ));
+        let interim_only = b"HTTP/1.1 100 Continue\r\n\r\n";
+        assert!(read(interim_only).await.is_err());
+        let endless = b"HTTP/1.1 103 Early Hints\r\n\r\n".repeat(MAX_INTERIM_RESPONSES + 1);
+        assert!(matches!(
+            read(&endless).await,
+            Err(ExchangeError::Protocol(_))
+        ));
+        let bad_chunk = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n";
+        assert!(read(bad_chunk).await.is_err());
+    }
+
+    #[test]
+    fn only_requests_that_provably_did_not_run_are_sent_again() {
+        for reused in [false, true] {
+            for idempotent in [false, true] {
+                assert!(Reached::Nothing.may_retry(idempotent, reused));
+                assert!(!Reached::Beyond.may_retry(idempotent, reused));
+            }
+        }
+        assert!(Reached::Unanswered.may_retry(true, true));
+        assert!(
+            !Reached::Unanswered.may_retry(false, true),
+            "a POST may have run"
+        );
+        assert!(!Reached::Unanswered.may_retry(true, false));
+        assert!(is_idempotent(&http::Method::GET) && is_idempotent(&http::Method::DELETE));
+        assert!(!is_idempotent(&http::Method::POST));
+        let timeout = Failed::at(Reached::Beyond, ExchangeError::Timeout);
+        assert!(matches!(timeout.into_error(), ExchangeError::Timeout));
+        let closed = Failed::at(Reached::Unanswered, ExchangeError::Broken("eof".into()));
+        assert!(matches!(closed.into_error(), ExchangeError::Unanswered));
+    }
+
+    #[test]
+    fn interim_responses_are_skipped_and_a_protocol_switch_refused() {
+        for status in [100, 102, 103, 199] {
+            assert_eq!(HeaderKind::of(status), HeaderKind::Interim, "{status}");
+        }
+        assert_eq!(HeaderKind::of(101), HeaderKind::Switch);
+        for status in [200, 204, 304, 404, 502] {
+            assert_eq!(HeaderKind::of(status), HeaderKind::Final, "{status}");
+        }
     }
 }

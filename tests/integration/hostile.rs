@@ -1,7 +1,10 @@
 //! The hostile-input corpus: every class of bad input the sealed-state issue names, each
 //! case checked for its documented error, while a tripwire upstream proves nothing was
 //! forwarded and a real upstream on another path proves the gateway kept serving. The
-//! test prints the corpus as a table: class, cases, expected answer.
+//! test prints the corpus as a table: class, cases, expected answer. A second corpus
+//! prints the transport's classes (request smuggling, framing, 1xx, duplicate POSTs,
+//! upstream aborts, forwarding headers, the connection cap), each a case of
+//! `transport.rs` against raw clients and scripted upstreams.
 
 use crate::common::*;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
@@ -28,12 +31,9 @@ impl Table {
         self.0.push((class.to_string(), cases, expected));
     }
 
-    fn print(&self) {
+    fn print(&self, title: &str) {
         let total: usize = self.0.iter().map(|r| r.1).sum();
-        println!(
-            "\nhostile-input corpus: {total} cases in {} classes",
-            self.0.len()
-        );
+        println!("\n{title}: {total} cases in {} classes", self.0.len());
         println!("| class | cases | answer |");
         println!("| --- | ---: | --- |");
         for (class, cases, expected) in &self.0 {
@@ -550,7 +550,61 @@ fn the_hostile_input_corpus_gets_documented_errors_and_reaches_no_upstream() {
         "400 -32602 uniform, nothing posted",
     );
     still_serving(&ok, "a replay");
-    table.print();
+    table.print("hostile-input corpus");
+}
+
+/// The transport's hostile peers (raw clients, scripted upstreams, the real Python
+/// server): each class is a case of `transport.rs`, printed in the corpus's table form.
+#[test]
+fn the_transport_corpus_gets_documented_answers() {
+    use crate::transport::*;
+    let mut table = Table::default();
+    table.row(
+        "CL+TE request smuggling",
+        cl_te_smuggling_case(),
+        "answered, then the connection closes; the smuggled request never runs",
+    );
+    table.row(
+        "HTTP/1.0 framing",
+        http10_framing_case(),
+        "close-delimited body (never chunked); closed unless keep-alive",
+    );
+    table.row(
+        "Expect: 100-continue and upstream 1xx",
+        expect_continue_case() + interim_responses_case(),
+        "100 from the gateway (none before a 413); 1xx skipped; 502 past 8",
+    );
+    table.row(
+        "duplicate POST (upstream closed unanswered, timed out)",
+        no_duplicate_post_case(),
+        "502 / 504, sent once; an idempotent GET sent again",
+    );
+    table.row(
+        "upstream abort mid-body (bad chunk, reset, short body)",
+        upstream_abort_case(),
+        "no terminal chunk / short of Content-Length, connection closed",
+    );
+    table.row(
+        "upstream 101 Switching Protocols",
+        upstream_switch_case(),
+        "502 -32603 naming the group",
+    );
+    table.row(
+        "forwarded headers (untrusted, trusted peer)",
+        forwarded_headers_case(),
+        "client's replaced / kept with the peer appended",
+    );
+    table.row(
+        "connection cap",
+        connection_cap_case(),
+        "503 -32603, Connection: close; a freed slot is served",
+    );
+    table.row(
+        "Origin null (and file://)",
+        origin_null_case(),
+        "403 -32600, nothing forwarded",
+    );
+    table.print("transport corpus");
 }
 
 #[test]

@@ -18,3 +18,4 @@ mod recovery;
 mod scripted;
 mod sessions;
 mod shedding;
+mod transport;

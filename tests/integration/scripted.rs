@@ -241,6 +241,17 @@ impl Answer {
         self
     }
 
+    /// The answer's bytes, without its pauses and gates (to embed one answer in another).
+    pub fn pieces_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        for piece in &self.pieces {
+            if let Piece::Bytes(bytes) = piece {
+                out.extend_from_slice(bytes);
+            }
+        }
+        out
+    }
+
     pub fn then_close(mut self) -> Answer {
         self.then = After::Close;
         self

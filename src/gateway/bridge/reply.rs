@@ -54,7 +54,7 @@ impl ClientReply {
         let _ = header.insert_header("content-type", "text/event-stream");
         let _ = header.insert_header("cache-control", "no-cache");
         let _ = header.insert_header("x-accel-buffering", "no");
-        let _ = header.insert_header("transfer-encoding", "chunked");
+        respond::frame_unknown_length(session, &mut header);
         self.streaming = session
             .write_response_header(Box::new(header))
             .await

@@ -1,0 +1,123 @@
+//! The MCP listener's connection cap. Each client connection holds buffers and a task
+//! while it lives, idle or not; above `limits.max_client_connections` a new one is read
+//! just far enough to be answered 503 with a JSON-RPC error and `Connection: close`,
+//! then closed, rather than reset or left to exhaust the file descriptors.
+//!
+//! Pingora's `HttpServerApp` sees requests, not connections, so the cap is a `ServerApp`
+//! wrapped around the listener's app (whose `ServerApp` is pingora's own), holding a slot
+//! for as long as that app serves the connection. The peer listener is not counted here:
+//! its `OwnListener` has a bound of its own, so a flood of clients cannot starve the
+//! retries other replicas forward.
+
+use crate::metrics::Metrics;
+use crate::protocol::jsonrpc::code;
+use async_trait::async_trait;
+use pingora::apps::ServerApp;
+use pingora::protocols::http::ServerSession;
+use pingora::protocols::Stream;
+use pingora::server::ShutdownWatch;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Longest a connection over the cap may take to send the request it is refused.
+const REFUSAL_READ_LIMIT: Duration = Duration::from_secs(1);
+
+/// Counts the connections served at once, up to a maximum.
+pub struct ConnectionCap {
+    open: AtomicUsize,
+    max: usize,
+    metrics: Arc<Metrics>,
+}
+
+/// A connection's place under the cap, given back when dropped.
+pub struct Slot<'c>(&'c ConnectionCap);
+
+impl ConnectionCap {
+    pub fn new(max: usize, metrics: Arc<Metrics>) -> ConnectionCap {
+        ConnectionCap {
+            open: AtomicUsize::new(0),
+            max,
+            metrics,
+        }
+    }
+
+    /// A slot for one more connection, or `None` at the maximum.
+    pub fn admit(&self) -> Option<Slot<'_>> {
+        let below = |open: usize| (open < self.max).then_some(open + 1);
+        let before = self
+            .open
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, below)
+            .ok()?;
+        self.metrics.client_connections.set(before as i64 + 1);
+        Some(Slot(self))
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        let before = self.0.open.fetch_sub(1, Ordering::AcqRel);
+        self.0.metrics.client_connections.set(before as i64 - 1);
+    }
+}
+
+/// An app whose connections are capped.
+pub struct Capped<A> {
+    pub app: Arc<A>,
+    pub cap: ConnectionCap,
+}
+
+#[async_trait]
+impl<A: ServerApp + Send + Sync + 'static> ServerApp for Capped<A> {
+    async fn process_new(
+        self: &Arc<Self>,
+        stream: Stream,
+        shutdown: &ShutdownWatch,
+    ) -> Option<Stream> {
+        let Some(_slot) = self.cap.admit() else {
+            self.cap.metrics.client_connections_refused.inc();
+            refuse(stream).await;
+            return None;
+        };
+        let mut next = self.app.process_new(stream, shutdown).await;
+        while let Some(stream) = next {
+            next = self.app.process_new(stream, shutdown).await;
+        }
+        None
+    }
+
+    async fn cleanup(&self) {
+        self.app.cleanup().await
+    }
+}
+
+/// Reads the request of a connection over the cap (briefly) and answers it 503.
+async fn refuse(stream: Stream) {
+    let mut session = ServerSession::new_http1(stream);
+    let read = tokio::time::timeout(REFUSAL_READ_LIMIT, session.read_request()).await;
+    if !matches!(read, Ok(Ok(true))) {
+        return;
+    }
+    let message = "the gateway serves its maximum number of client connections; retry later";
+    super::refuse_and_close(&mut session, 503, code::INTERNAL_ERROR, message).await;
+    let _ = session.finish().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cap_admits_up_to_its_maximum_and_frees_slots() {
+        let metrics = Arc::new(Metrics::new());
+        let cap = ConnectionCap::new(2, metrics.clone());
+        let (a, b) = (cap.admit().unwrap(), cap.admit().unwrap());
+        assert!(cap.admit().is_none());
+        assert_eq!(metrics.client_connections.get(), 2);
+        drop(a);
+        assert_eq!(metrics.client_connections.get(), 1);
+        let c = cap.admit().expect("a freed slot");
+        drop((b, c));
+        assert_eq!(metrics.client_connections.get(), 0);
+    }
+}

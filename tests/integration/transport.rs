@@ -1,0 +1,619 @@
+//! The transport's guarantees against hostile peers: raw HTTP clients on one side and
+//! scripted upstreams (or the real Python server) on the other. Each case is a function
+//! returning how many cases it checked, run by its own test here and by the transport
+//! corpus in `hostile.rs`, which prints them as table rows.
+
+use crate::common::*;
+use crate::scripted::*;
+use serde_json::{json, Value};
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+/// Longest any raw read in these tests waits.
+const READ_LIMIT: Duration = Duration::from_secs(5);
+
+fn connect(port: u16) -> TcpStream {
+    let stream = TcpStream::connect(("127.0.0.1", port)).expect("connect to the gateway");
+    stream
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .expect("read timeout");
+    stream
+}
+
+/// Reads until the peer closes the connection (an orderly close or a reset), within
+/// `READ_LIMIT`; returns the bytes and whether it closed.
+fn read_to_close(stream: &mut TcpStream) -> (String, bool) {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 16 << 10];
+    let deadline = Instant::now() + READ_LIMIT;
+    while Instant::now() < deadline {
+        match stream.read(&mut buf) {
+            Ok(0) => return (String::from_utf8_lossy(&got).into_owned(), true),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(_) => return (String::from_utf8_lossy(&got).into_owned(), true),
+        }
+    }
+    (String::from_utf8_lossy(&got).into_owned(), false)
+}
+
+/// Reads one response framed by `Content-Length`: its head (lower-cased) and body.
+fn read_response(stream: &mut TcpStream) -> (String, String) {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 16 << 10];
+    let deadline = Instant::now() + READ_LIMIT;
+    loop {
+        let text = String::from_utf8_lossy(&got).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let head = head.to_ascii_lowercase();
+            let length = header_value(&head, "content-length")
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or_else(|| panic!("no content-length in {head}"));
+            if body.len() >= length {
+                return (head, body[..length].to_string());
+            }
+        }
+        assert!(Instant::now() < deadline, "no whole response: {text}");
+        match stream.read(&mut buf) {
+            Ok(0) => panic!("closed before a whole response: {text}"),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) => panic!("read failed ({e}) after {text}"),
+        }
+    }
+}
+
+fn header_value<'h>(head: &'h str, name: &str) -> Option<&'h str> {
+    head.lines()
+        .filter_map(|l| l.split_once(':'))
+        .find(|(n, _)| n.trim().eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.trim())
+}
+
+/// A raw request with a JSON body and the headers a legacy client sends.
+fn post(version: &str, extra: &str, body: &Value) -> String {
+    let body = body.to_string();
+    format!(
+        "POST /mcp {version}\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+         accept: application/json, text/event-stream\r\n{extra}content-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+fn initialize_body() -> Value {
+    json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "1"}}})
+}
+
+fn list_body(id: u64) -> Value {
+    json!({"jsonrpc": "2.0", "id": id, "method": "tools/list"})
+}
+
+/// An upstream speaking just enough of a legacy session; `tools/list` streams its
+/// result as SSE (a body of unknown length).
+fn sse_lister() -> ScriptedUpstream {
+    ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(reply) = legacy_basics(seen, "s1") {
+            return reply;
+        }
+        let result = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}});
+        Answer::sse(&[]).event(Some("1"), &result).end()
+    })
+}
+
+/// Bug 2: a request with both `Content-Length` and `Transfer-Encoding: chunked` ends its
+/// connection, so bytes after its chunked body never run as a second request.
+pub(crate) fn cl_te_smuggling_case() -> usize {
+    let upstream = sse_lister();
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let body = initialize_body().to_string();
+    let smuggled = post("HTTP/1.1", "x-forwarded-user: admin\r\n", &list_body(2));
+    let request = format!(
+        "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+         accept: application/json, text/event-stream\r\ncontent-length: 4\r\n\
+         transfer-encoding: chunked\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n{smuggled}",
+        body.len()
+    );
+    let mut stream = connect(gw.port);
+    stream.write_all(request.as_bytes()).unwrap();
+    let (answer, closed) = read_to_close(&mut stream);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert_eq!(answer.matches("HTTP/1.1 ").count(), 1, "{answer}");
+    assert!(closed, "the connection stayed open after CL+TE: {answer}");
+    let seen = upstream.requests();
+    assert_eq!(seen.len(), 1, "the smuggled request ran: {seen:?}");
+    assert!(seen.iter().all(|s| s.header("x-forwarded-user").is_none()));
+    1
+}
+
+#[test]
+fn a_request_with_content_length_and_chunked_closes_its_connection() {
+    cl_te_smuggling_case();
+}
+
+/// HTTP/1.0 clients: a body of unknown length is close-delimited (never chunked), and
+/// the connection closes after the response unless the client asked for keep-alive.
+pub(crate) fn http10_framing_case() -> usize {
+    let upstream = sse_lister();
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+
+    let mut stream = connect(gw.port);
+    stream
+        .write_all(post("HTTP/1.0", "", &list_body(2)).as_bytes())
+        .unwrap();
+    let (answer, closed) = read_to_close(&mut stream);
+    let (head, body) = answer.split_once("\r\n\r\n").expect("a response");
+    let head = head.to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{answer}");
+    assert!(
+        !head.contains("transfer-encoding"),
+        "chunked to HTTP/1.0: {head}"
+    );
+    assert!(!head.contains("content-length"), "{head}");
+    assert!(
+        body.starts_with("id: 1\ndata: {"),
+        "not the raw event: {body:?}"
+    );
+    assert!(
+        closed,
+        "a close-delimited body must end with the connection"
+    );
+
+    let mut stream = connect(gw.port);
+    stream
+        .write_all(post("HTTP/1.0", "", &initialize_body()).as_bytes())
+        .unwrap();
+    let (answer, closed) = read_to_close(&mut stream);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(closed, "HTTP/1.0 without keep-alive must close: {answer}");
+
+    let mut stream = connect(gw.port);
+    let keep = "connection: keep-alive\r\n";
+    stream
+        .write_all(post("HTTP/1.0", keep, &initialize_body()).as_bytes())
+        .unwrap();
+    let (head, _) = read_response(&mut stream);
+    assert!(
+        header_value(&head, "connection") == Some("keep-alive"),
+        "{head}"
+    );
+    stream
+        .write_all(post("HTTP/1.0", keep, &initialize_body()).as_bytes())
+        .unwrap();
+    let (head, body) = read_response(&mut stream);
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(body.contains("protocolVersion"), "{body}");
+    3
+}
+
+#[test]
+fn http10_clients_get_close_delimited_bodies_and_closed_connections() {
+    http10_framing_case();
+}
+
+/// Reads whatever arrives until `want` shows up or `limit` passes.
+fn read_until(stream: &mut TcpStream, want: &str, limit: Duration) -> String {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let deadline = Instant::now() + limit;
+    while !String::from_utf8_lossy(&got).contains(want) && Instant::now() < deadline {
+        match stream.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(_) => break,
+        }
+    }
+    String::from_utf8_lossy(&got).into_owned()
+}
+
+/// Bug 3: `Expect: 100-continue` with a large body, to the real Python server (uvicorn
+/// answers an `Expect` with an interim 100). The gateway answers 100 itself before
+/// reading the body, never forwards `Expect`, and the final response is the server's
+/// result; a declared body over the limit is refused at once, without a 100.
+pub(crate) fn expect_continue_case() -> usize {
+    let (_python, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.limits.max_body_bytes = 1 << 20;
+    });
+    let session = Raw::new(&gw.url).initialize(json!({}));
+    let pad = "x".repeat(256 << 10);
+    let big = json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list", "params": {"_meta": {"pad": pad}}});
+    let request = post(
+        "HTTP/1.1",
+        &format!("mcp-session-id: {session}\r\nmcp-protocol-version: 2025-11-25\r\nexpect: 100-continue\r\n"),
+        &big,
+    );
+    let (head, body) = request.split_at(request.find("\r\n\r\n").unwrap() + 4);
+    let mut stream = connect(gw.port);
+    stream.write_all(head.as_bytes()).unwrap();
+    let interim = read_until(&mut stream, "\r\n\r\n", Duration::from_secs(2));
+    assert!(
+        interim.starts_with("HTTP/1.1 100 Continue\r\n"),
+        "no 100 Continue before the body: {interim:?}"
+    );
+    stream.write_all(body.as_bytes()).unwrap();
+    let answer = read_until(&mut stream, "\r\n0\r\n\r\n", READ_LIMIT);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        answer.contains("\"tools\""),
+        "no tools/list result: {answer}"
+    );
+
+    let mut refused = connect(gw.port);
+    let over = format!(
+        "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+         expect: 100-continue\r\ncontent-length: {}\r\n\r\n",
+        2 << 20
+    );
+    refused.write_all(over.as_bytes()).unwrap();
+    let (answer, closed) = read_to_close(&mut refused);
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(
+        !answer.contains(" 100 "),
+        "100 Continue before a refusal: {answer}"
+    );
+    assert!(closed, "a refused Expect request keeps no connection");
+    2
+}
+
+#[test]
+fn expect_100_continue_with_a_large_body_reaches_the_python_server() {
+    expect_continue_case();
+}
+
+/// Bug 3: interim responses (100, 103) from an upstream are skipped, never relayed as
+/// final; an upstream that sends nothing but interim responses is cut off with 502.
+pub(crate) fn interim_responses_case() -> usize {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        let result = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}});
+        match seen.jsonrpc_id().as_u64() {
+            Some(1) => Answer::raw("HTTP/1.1 100 Continue\r\n\r\n")
+                .bytes("HTTP/1.1 103 Early Hints\r\nlink: </a.css>; rel=preload\r\n\r\n")
+                .bytes(Answer::json(200, &result).pieces_bytes()),
+            _ => Answer::raw("HTTP/1.1 103 Early Hints\r\n\r\n".repeat(50)).then_close(),
+        }
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let mut stream = connect(gw.port);
+    stream
+        .write_all(post("HTTP/1.1", "", &list_body(1)).as_bytes())
+        .unwrap();
+    let (head, body) = read_response(&mut stream);
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["result"],
+        json!({"tools": []})
+    );
+    stream
+        .write_all(post("HTTP/1.1", "", &list_body(2)).as_bytes())
+        .unwrap();
+    let (head, body) = read_response(&mut stream);
+    assert!(head.starts_with("http/1.1 502"), "{head}");
+    assert!(error_message(&body).contains("'default'"), "{body}");
+    2
+}
+
+#[test]
+fn upstream_interim_responses_are_skipped() {
+    interim_responses_case();
+}
+
+/// An upstream `101 Switching Protocols` (the gateway never asks for an upgrade) is
+/// refused with a 502 JSON-RPC error naming the group, never relayed.
+pub(crate) fn upstream_switch_case() -> usize {
+    let upstream = ScriptedUpstream::start(|_: &Seen| {
+        Answer::raw(
+            "HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n",
+        )
+        .bytes("raw bytes of another protocol")
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let (head, body) = post_once(gw.port, "", &list_body(1));
+    assert!(head.starts_with("http/1.1 502"), "{head}\n{body}");
+    let message = error_message(&body);
+    assert!(
+        message.contains("'default'") && message.contains("101"),
+        "{message}"
+    );
+    1
+}
+
+#[test]
+fn an_upstream_protocol_switch_is_refused() {
+    upstream_switch_case();
+}
+
+/// Posts `body` on a fresh connection; returns the response's head and body (framed by
+/// `Content-Length`).
+fn post_once(port: u16, extra: &str, body: &Value) -> (String, String) {
+    let mut stream = connect(port);
+    stream
+        .write_all(post("HTTP/1.1", extra, body).as_bytes())
+        .unwrap();
+    read_response(&mut stream)
+}
+
+/// The JSON-RPC error message of a response body.
+fn error_message(body: &str) -> String {
+    let value: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    value["error"]["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no error: {value}"))
+        .to_string()
+}
+
+fn call_body(id: u64, tool: &str) -> Value {
+    json!({"jsonrpc": "2.0", "id": id, "method": "tools/call", "params": {"name": tool, "arguments": {}}})
+}
+
+/// Bug 4: a POST is never sent upstream twice. The upstream reads a `tools/call` on a
+/// pooled connection and closes it unanswered, or never answers it: the client gets an
+/// error and the call ran once. A GET (idempotent) whose pooled connection closed
+/// without a response byte is sent again on a fresh one.
+pub(crate) fn no_duplicate_post_case() -> usize {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        let tool = seen.json().map(|b| b["params"]["name"].clone());
+        match (seen.method.as_str(), tool.as_ref().and_then(Value::as_str)) {
+            ("POST", Some("vanish")) => Answer::silent().then_close(),
+            ("POST", Some("stall")) => Answer::silent(),
+            ("GET", _) if seen.on_connection > 0 => Answer::silent().then_close(),
+            ("GET", _) => Answer::sse(&[])
+                .event(
+                    Some("1"),
+                    &json!({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}),
+                )
+                .end(),
+            _ => Answer::json(
+                200,
+                &json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}}),
+            ),
+        }
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].response_timeout_ms = 500;
+    });
+    let raw = Raw::new(&gw.url);
+    let session = raw.initialize(json!({}));
+    let in_session = format!("mcp-session-id: {session}\r\n");
+    let calls_of = |tool: &str| {
+        let named = |s: &Seen| s.json().is_some_and(|b| b["params"]["name"] == tool);
+        upstream.requests().iter().filter(|s| named(s)).count()
+    };
+
+    let (head, body) = post_once(gw.port, &in_session, &call_body(2, "vanish"));
+    assert!(head.starts_with("http/1.1 502"), "{head}");
+    assert!(error_message(&body).contains("'default'"), "{body}");
+    assert_eq!(calls_of("vanish"), 1, "a POST was sent twice");
+
+    let list = raw.post(Some(&session), &list_body(3));
+    assert_eq!(list.status, 200);
+    let (head, _) = post_once(gw.port, &in_session, &call_body(4, "stall"));
+    assert!(head.starts_with("http/1.1 504"), "{head}");
+    assert_eq!(
+        calls_of("stall"),
+        1,
+        "a POST was sent again after a timeout"
+    );
+
+    let list = raw.post(Some(&session), &list_body(5));
+    assert_eq!(list.status, 200);
+    let mut stream = raw.request(
+        "GET",
+        &[
+            ("accept", "text/event-stream"),
+            ("mcp-session-id", &session),
+        ],
+        None,
+    );
+    assert_eq!(stream.status, 200);
+    let (_, event) = stream.next_message().expect("the GET stream's event");
+    assert_eq!(event["method"], "notifications/tools/list_changed");
+    let gets = upstream
+        .requests()
+        .iter()
+        .filter(|s| s.method == "GET")
+        .count();
+    assert_eq!(gets, 2, "the idempotent GET was not sent again");
+    3
+}
+
+#[test]
+fn a_post_is_never_sent_upstream_twice() {
+    no_duplicate_post_case();
+}
+
+/// Risk: an upstream that aborts its body (a bad chunk size, a reset mid-body, a
+/// `Content-Length` body cut short) must not reach the client as a complete body: the
+/// client's response ends without its terminal chunk (or short of its length) and the
+/// connection closes.
+pub(crate) fn upstream_abort_case() -> usize {
+    let event =
+        json!({"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progress": 1}});
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let stream = Answer::sse(&[]).event(Some("1"), &event);
+        match seen.jsonrpc_id().as_u64() {
+            Some(1) => stream.bytes("zz\r\nnot a chunk\r\n").then_close(),
+            Some(2) => stream.then_reset(),
+            _ => Answer::raw("HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"jsonrpc\":")
+                .then_close(),
+        }
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    for id in [1, 2] {
+        let mut stream = connect(gw.port);
+        stream
+            .write_all(post("HTTP/1.1", "", &list_body(id)).as_bytes())
+            .unwrap();
+        let (answer, closed) = read_to_close(&mut stream);
+        assert!(
+            answer.contains("transfer-encoding: chunked")
+                || answer.contains("Transfer-Encoding: chunked"),
+            "{answer}"
+        );
+        assert!(answer.contains("notifications/progress"), "{answer}");
+        assert!(
+            !answer.ends_with("0\r\n\r\n"),
+            "an aborted body ended cleanly: {answer:?}"
+        );
+        assert!(closed, "the connection outlived an aborted body");
+    }
+    let mut stream = connect(gw.port);
+    stream
+        .write_all(post("HTTP/1.1", "", &list_body(3)).as_bytes())
+        .unwrap();
+    let (answer, closed) = read_to_close(&mut stream);
+    let (head, body) = answer.split_once("\r\n\r\n").expect("a response head");
+    assert!(
+        head.to_ascii_lowercase().contains("content-length: 100"),
+        "{head}"
+    );
+    assert!(
+        body.len() < 100 && closed,
+        "a short body must end with the connection"
+    );
+    3
+}
+
+#[test]
+fn an_upstream_abort_reaches_the_client_as_a_truncated_body() {
+    upstream_abort_case();
+}
+
+/// Risk: `Origin: null` (sandboxed frames, `file://` pages, redirects) is refused on a
+/// loopback listener like any other foreign origin, and nothing is forwarded.
+pub(crate) fn origin_null_case() -> usize {
+    let tripwire = Tripwire::start();
+    let gw = TestGateway::start(&[&tripwire.url()], &test_keys());
+    let cases = ["null", "file://", "NULL"];
+    for origin in cases {
+        let (head, body) = post_once(gw.port, &format!("origin: {origin}\r\n"), &list_body(1));
+        assert!(head.starts_with("http/1.1 403"), "Origin {origin}: {head}");
+        assert!(error_message(&body).contains("Origin"), "{body}");
+    }
+    assert_eq!(
+        tripwire.count(),
+        0,
+        "a request with a foreign Origin was forwarded"
+    );
+    cases.len()
+}
+
+#[test]
+fn origin_null_is_refused_on_a_loopback_listener() {
+    origin_null_case();
+}
+
+/// Risk: forwarding headers. From an untrusted peer (the default) a client's own
+/// `X-Forwarded-For`, `Forwarded`, `X-Forwarded-Proto` and `X-Forwarded-Host` are
+/// replaced by the gateway's; from a trusted one (`forwarded.trusted_peers`) they are
+/// kept and the peer appended.
+pub(crate) fn forwarded_headers_case() -> usize {
+    let upstream = sse_lister();
+    let spoofed = "x-forwarded-for: 6.6.6.6\r\nforwarded: for=6.6.6.6;proto=https\r\n\
+                   x-forwarded-proto: https\r\nx-forwarded-host: evil.example\r\n";
+    let cases: [(bool, [&str; 4]); 2] = [
+        (
+            false,
+            [
+                "127.0.0.1",
+                "for=127.0.0.1;host=\"127.0.0.1\";proto=http",
+                "http",
+                "127.0.0.1",
+            ],
+        ),
+        (
+            true,
+            [
+                "6.6.6.6, 127.0.0.1",
+                "for=6.6.6.6;proto=https, for=127.0.0.1;host=\"127.0.0.1\";proto=http",
+                "https",
+                "evil.example",
+            ],
+        ),
+    ];
+    for (trusted, expected) in cases {
+        let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+            if trusted {
+                c.forwarded.trusted_peers = vec!["127.0.0.0/8".into()];
+            }
+        });
+        let before = upstream.count();
+        let (head, _) = post_once(gw.port, spoofed, &initialize_body());
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        let seen = &upstream.wait_for(before + 1, READ_LIMIT)[before];
+        let names = [
+            "x-forwarded-for",
+            "forwarded",
+            "x-forwarded-proto",
+            "x-forwarded-host",
+        ];
+        for (name, value) in names.iter().zip(expected) {
+            assert_eq!(
+                seen.headers_named(name),
+                [value],
+                "{name}, trusted: {trusted}"
+            );
+        }
+    }
+    cases.len()
+}
+
+#[test]
+fn forwarding_headers_name_the_client_and_trust_only_configured_peers() {
+    forwarded_headers_case();
+}
+
+/// Risk: idle client connections without a cap. Above `limits.max_client_connections`
+/// a connection is answered 503 with a JSON-RPC error and `Connection: close` (not a
+/// reset), counted, and a freed slot is served again.
+pub(crate) fn connection_cap_case() -> usize {
+    let upstream = sse_lister();
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.limits.max_client_connections = 2;
+    });
+    let gauge = || metric(&gw.admin, "mrtr_gateway_client_connections");
+    let idle = [connect(gw.port), connect(gw.port)];
+    wait_until("two client connections served", READ_LIMIT, || {
+        gauge() == 2.0
+    });
+    let mut over = connect(gw.port);
+    over.write_all(post("HTTP/1.1", "", &initialize_body()).as_bytes())
+        .unwrap();
+    let (answer, closed) = read_to_close(&mut over);
+    let (head, body) = answer
+        .split_once("\r\n\r\n")
+        .expect("an answer, not a reset");
+    let head = head.to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 503"), "{answer}");
+    assert_eq!(header_value(&head, "connection"), Some("close"), "{head}");
+    assert!(error_message(body).contains("connections"), "{body}");
+    assert!(closed, "the refused connection stayed open");
+    let refused = "mrtr_gateway_client_connections_refused_total";
+    assert_eq!(metric(&gw.admin, refused), 1.0);
+    assert_eq!(
+        upstream.count(),
+        0,
+        "a refused connection's request was forwarded"
+    );
+    drop(idle);
+    wait_until("the idle connections released", READ_LIMIT, || {
+        gauge() == 0.0
+    });
+    let (head, _) = post_once(gw.port, "", &initialize_body());
+    assert!(
+        head.starts_with("http/1.1 200"),
+        "a freed slot is served: {head}"
+    );
+    2
+}
+
+#[test]
+fn client_connections_above_the_cap_get_503_and_close() {
+    connection_cap_case();
+}
