@@ -607,6 +607,57 @@ fn the_transport_corpus_gets_documented_answers() {
     table.print("transport corpus");
 }
 
+/// Hostile and quirky upstreams against the bridge (scripted upstreams, and the real
+/// Python server with the SDK's shared event store): each class is a case of
+/// `hostile_upstream.rs` or `isolation.rs`, printed in the corpus's table form.
+#[test]
+fn the_bridge_corpus_gets_bounded_clear_answers() {
+    use crate::hostile_upstream::*;
+    use crate::isolation::*;
+    let mut table = Table::default();
+    table.row(
+        "two principals' flows interleaved on a shared event store",
+        interleaved_principals_case(),
+        "each gets its own result (random upstream call ids)",
+    );
+    table.row(
+        "parked flows on a shared, evicting event store",
+        parked_flows_case(),
+        "each sampled retry completes with its own answer",
+    );
+    table.row(
+        "a flood of questions (count, bytes)",
+        question_flood_case(),
+        "the round ends at its limit / 502 -32603 naming the byte limit",
+    );
+    table.row(
+        "colliding server request ids (7 and \"7\")",
+        colliding_ids_case(),
+        "two questions, each answer to its own id",
+    );
+    table.row(
+        "server request ids the gateway cannot carry",
+        uncarried_ids_case(),
+        "refused upstream (-32600); 502 -32603 naming the request at once",
+    );
+    table.row(
+        "an SSE event id too long to seal",
+        long_event_id_case(),
+        "502 -32603 naming the state limit; no state issued",
+    );
+    table.row(
+        "a restartable tool's answers past the state limit",
+        restartable_long_answer_case(),
+        "502 -32603 naming the state limit; no state issued",
+    );
+    table.row(
+        "numbers past f64 or with exponents, both ways",
+        exact_numbers_case(),
+        "exact value and form upstream and back",
+    );
+    table.print("bridge corpus");
+}
+
 #[test]
 fn slow_senders_are_cut_off() {
     let tripwire = Tripwire::start();

@@ -47,8 +47,7 @@ fn error_message(body: &Value) -> &str {
         .unwrap_or_else(|| panic!("not an error: {body}"))
 }
 
-#[test]
-fn a_flood_of_questions_ends_the_round_at_its_limit() {
+pub fn question_flood_case() -> usize {
     // 200 questions of 16 KB each, sent without pause, then the stream stays open.
     let upstream = ScriptedUpstream::start(serving_calls(|_| {
         let pad = "q".repeat(16 << 10);
@@ -82,10 +81,15 @@ fn a_flood_of_questions_ends_the_round_at_its_limit() {
         error_message(&body).contains("limits.max_input_requests_bytes"),
         "{body}"
     );
+    2
 }
 
 #[test]
-fn server_request_ids_7_and_text_7_are_two_questions_answered_apart() {
+fn a_flood_of_questions_ends_the_round_at_its_limit() {
+    question_flood_case();
+}
+
+pub fn colliding_ids_case() -> usize {
     let done = Gate::new();
     let finish = done.clone();
     let upstream = ScriptedUpstream::start(serving_calls(move |seen| {
@@ -142,6 +146,12 @@ fn server_request_ids_7_and_text_7_are_two_questions_answered_apart() {
     };
     assert_eq!(by_id(json!(7)), Some(json!("number")), "{answers:?}");
     assert_eq!(by_id(json!("7")), Some(json!("text")), "{answers:?}");
+    1
+}
+
+#[test]
+fn server_request_ids_7_and_text_7_are_two_questions_answered_apart() {
+    colliding_ids_case();
 }
 
 /// The JSON-RPC responses (answers to server requests) the upstream received.
@@ -153,16 +163,16 @@ fn answers_in(requests: &[Seen]) -> Vec<Value> {
         .collect()
 }
 
-#[test]
-fn server_request_ids_the_gateway_cannot_carry_end_the_call_with_a_clear_error() {
+pub fn uncarried_ids_case() -> usize {
     let long = json!("i".repeat(5000));
-    for id in [
+    let ids = [
         json!(1.5),
         json!(u64::MAX),
         Value::Null,
         json!({"k": 1}),
         long,
-    ] {
+    ];
+    for id in ids.clone() {
         let asked = id.clone();
         let upstream = ScriptedUpstream::start(serving_calls(move |_| {
             Answer::sse(&[]).event(Some("e1"), &question(asked.clone(), "Name?"))
@@ -183,10 +193,15 @@ fn server_request_ids_the_gateway_cannot_carry_end_the_call_with_a_clear_error()
             .any(|m| m["id"] == id && m["error"]["code"] == -32600);
         assert!(refused, "{id}: the upstream was not told");
     }
+    ids.len()
 }
 
 #[test]
-fn a_state_too_long_to_accept_is_never_issued() {
+fn server_request_ids_the_gateway_cannot_carry_end_the_call_with_a_clear_error() {
+    uncarried_ids_case();
+}
+
+pub fn long_event_id_case() -> usize {
     let long_id = "e".repeat(6000);
     let upstream = ScriptedUpstream::start(serving_calls(move |_| {
         Answer::sse(&[]).event(Some(&long_id), &question(json!(1), "Name?"))
@@ -199,10 +214,15 @@ fn a_state_too_long_to_accept_is_never_issued() {
         message.contains("max_request_state_bytes (4096)") && message.contains("SSE event ids"),
         "{body}"
     );
+    1
 }
 
 #[test]
-fn a_restartable_tools_long_answers_get_a_clear_error_when_the_state_is_sealed() {
+fn a_state_too_long_to_accept_is_never_issued() {
+    long_event_id_case();
+}
+
+pub fn restartable_long_answer_case() -> usize {
     let (_python, url) = start_upstream(Upstream::Python);
     let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
         c.upstreams[0].tools.insert(
@@ -232,10 +252,15 @@ fn a_restartable_tools_long_answers_get_a_clear_error_when_the_state_is_sealed()
         message.contains("max_request_state_bytes") && message.contains("restartable"),
         "{second}"
     );
+    1
 }
 
 #[test]
-fn numbers_cross_the_bridge_with_their_exact_value_and_form() {
+fn a_restartable_tools_long_answers_get_a_clear_error_when_the_state_is_sealed() {
+    restartable_long_answer_case();
+}
+
+pub fn exact_numbers_case() -> usize {
     const EXACT: &str = r#"{"small": 1e2, "big": 123456789012345678901234567890, "fraction": 1.50, "negative": -0.0}"#;
     let upstream = ScriptedUpstream::start(serving_calls(|seen| {
         let text = format!(
@@ -277,4 +302,10 @@ fn numbers_cross_the_bridge_with_their_exact_value_and_form() {
         assert!(sent.contains(number), "upstream got {sent}");
         assert!(answer.contains(number), "client got {answer}");
     }
+    4
+}
+
+#[test]
+fn numbers_cross_the_bridge_with_their_exact_value_and_form() {
+    exact_numbers_case();
 }

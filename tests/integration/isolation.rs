@@ -31,8 +31,7 @@ fn result_text(body: &Value) -> &str {
         .unwrap_or_else(|| panic!("no text result: {body}"))
 }
 
-#[test]
-fn two_principals_interleaved_each_get_their_own_result() {
+pub fn interleaved_principals_case() -> usize {
     let (_upstream, url) = start_upstream(Upstream::Python);
     let gw = TestGateway::start(&[&url], &test_keys());
     let raw = Raw::new(&gw.url);
@@ -51,10 +50,15 @@ fn two_principals_interleaved_each_get_their_own_result() {
         "Hello, bob!",
         "Bob received another flow's result"
     );
+    2
 }
 
 #[test]
-fn many_parked_flows_each_complete_with_their_own_answer() {
+fn two_principals_interleaved_each_get_their_own_result() {
+    interleaved_principals_case();
+}
+
+pub fn parked_flows_case() -> usize {
     // The SDK's store keeps 100 events per stream; a flow's first round stores two on its
     // call's stream (the priming event and the question), so 150 parked flows that shared
     // one stream would evict the first ones' events.
@@ -78,4 +82,10 @@ fn many_parked_flows_each_complete_with_their_own_answer() {
     println!(
         "{FLOWS} parked flows on one shared event store: each sampled retry got its own result"
     );
+    FLOWS
+}
+
+#[test]
+fn many_parked_flows_each_complete_with_their_own_answer() {
+    parked_flows_case();
 }
