@@ -28,11 +28,28 @@ pub fn python() -> PathBuf {
     root().join("tests/.venv/bin/python")
 }
 
+/// A loopback port nothing listens on, never handed out twice in this process. Ports
+/// come from a counter below the kernel's ephemeral range (32768 and up), so two
+/// servers starting at once never get the same one, and no outgoing connection takes
+/// one between this call and the server's bind (`bind(":0")` then release had both
+/// races: a gateway could find another's admin listener on its port).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
+    static NEXT: std::sync::OnceLock<std::sync::atomic::AtomicU16> = std::sync::OnceLock::new();
+    const FIRST: u16 = 20_000;
+    const LAST: u16 = 32_000;
+    let next = NEXT.get_or_init(|| {
+        // Processes started one after another begin at different places.
+        let offset = (std::process::id() % 64) as u16 * 150;
+        std::sync::atomic::AtomicU16::new(FIRST + offset)
+    });
+    for _ in FIRST..LAST {
+        let n = next.fetch_add(1, Ordering::SeqCst);
+        let port = FIRST + n.wrapping_sub(FIRST) % (LAST - FIRST);
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port in {FIRST}..{LAST}")
 }
 
 /// Polls `cond` until it holds or `limit` passes; panics naming `what` on time-out.
@@ -95,6 +112,9 @@ pub enum Upstream {
     Python,
     /// The same Python fixture without an event store: its streams cannot be resumed.
     PythonWithoutEventStore,
+    /// The same Python fixture with a store that forgets a call's events once its final
+    /// response is stored (a later resumption gets 200 and an empty stream).
+    PythonForgetfulEventStore,
     /// TypeScript `@modelcontextprotocol/sdk@1.32.2` fixture.
     TypeScript,
     /// `@modelcontextprotocol/server-everything@2026.8.31`.
@@ -114,13 +134,17 @@ pub fn start_upstream(kind: Upstream) -> (Proc, String) {
 pub fn start_upstream_on(kind: Upstream, port: u16) -> (Proc, String) {
     let fixtures = root().join("tests/fixtures");
     let mut cmd = match kind {
-        Upstream::Python | Upstream::PythonWithoutEventStore => {
+        Upstream::Python
+        | Upstream::PythonWithoutEventStore
+        | Upstream::PythonForgetfulEventStore => {
             let mut c = Command::new(python());
             c.arg(fixtures.join("py_legacy_server.py"))
                 .arg(port.to_string());
-            if matches!(kind, Upstream::PythonWithoutEventStore) {
-                c.arg("--no-event-store");
-            }
+            match kind {
+                Upstream::PythonWithoutEventStore => c.arg("--no-event-store"),
+                Upstream::PythonForgetfulEventStore => c.arg("--forgetful-event-store"),
+                _ => &mut c,
+            };
             c
         }
         Upstream::TypeScript | Upstream::Conformance | Upstream::TypeScriptModern => {
