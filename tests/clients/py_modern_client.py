@@ -3,11 +3,13 @@
 
     tests/.venv/bin/python tests/clients/py_modern_client.py URL SCENARIO [URL2]
 
-Scenarios: elicit, multi, two, sample, roots, everything and everything-url-roots
+Scenarios: elicit, multi, two, sample, roots, getstream and getstream-multi (the
+TypeScript fixture's questions on the session's GET stream), everything and everything-url-roots
 (server-everything's tools: URL elicitation, including its -32042 error path, and roots); the
 client fulfils input requests itself. With URL2 (a second gateway replica) the client's
 HTTP transport sends each request to the other of URL and URL2 in turn, as a balancer
 spreading requests over replicas would, so the rounds of one call alternate replicas.
+And failing: calls the tool `broken` and prints the error the client reports.
 And alternate: the rounds of plan_trip are sent by hand, each to the other of URL and
 URL2, with the SDK's own retry parameters.
 Exits non-zero, with the reason on stderr, when a step fails or 30 s pass.
@@ -132,6 +134,10 @@ async def main(url: str, scenario: str, url2: str | None) -> None:
         await automatic(url, "ask_name", {}, "Hello, Alice!", url2)
     elif scenario == "multi":
         await automatic(url, "plan_trip", {}, "Trip to Lisbon for 3 nights", url2)
+    elif scenario == "getstream":
+        await automatic(url, "ask_name_get_stream", {}, "Hello, Alice!", url2)
+    elif scenario == "getstream-multi":
+        await automatic(url, "plan_trip_get_stream", {}, "Trip to Lisbon for 3 nights", url2)
     elif scenario == "two":
         await automatic(url, "ask_two", {}, "color=red size=M", url2)
     elif scenario == "sample":
@@ -158,6 +164,15 @@ async def main(url: str, scenario: str, url2: str | None) -> None:
             answers = {k: types.ElicitResult(action="accept", content={"city": "Lisbon"}) for k in keys}
             done = await c.session.call_tool("native_city", {}, input_responses=answers, request_state=result.request_state, allow_input_required=True)
             emit("call", tool="native_city", text=text_of(done))
+    elif scenario == "failing":
+        # The call fails upstream: print the error the client reports.
+        async with client(url) as c:
+            try:
+                result = await c.call_tool("broken", {})
+                emit("call", tool="broken", text=text_of(result))
+            except Exception as e:  # noqa: BLE001 - the error is the observation
+                error = getattr(e, "error", None)
+                emit("error", type=type(e).__name__, code=getattr(error, "code", None), message=str(e))
     elif scenario == "alternate":
         await alternate(url, url2 or url)
     else:

