@@ -53,6 +53,7 @@ fn state(questions: usize) -> FlowState {
         known: Vec::new(),
         flow_id: 0x1234_5678_9abc_def0,
         held: None,
+        session_event_id: None,
     }
 }
 

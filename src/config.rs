@@ -201,6 +201,11 @@ pub struct BridgeOptions {
     /// How long a followed upstream stream may stay silent before the bridge reopens it
     /// with `Last-Event-ID` (recovers events an upstream stored but did not deliver).
     pub resume_poll_ms: u64,
+    /// How long a round may go without any message from its upstream (no question, no
+    /// progress, no result) before it ends with an error naming the group and the call,
+    /// instead of waiting (and polling) on. Tools that work silently for longer should
+    /// send progress notifications.
+    pub round_silence_seconds: u64,
     /// Most abandoned-flow sessions one replica watches; beyond it new interactive flows
     /// are refused rather than left unwatched.
     pub max_watched_sessions: usize,
@@ -232,6 +237,7 @@ impl Default for BridgeOptions {
             max_flow_seconds: 1800,
             quiet_window_ms: 10,
             resume_poll_ms: 2000,
+            round_silence_seconds: 45,
             max_watched_sessions: 100_000,
             max_used_states: 200_000,
             data_session_ttl_seconds: 3600,
@@ -687,6 +693,12 @@ impl Config {
             return Err(ConfigError::at(
                 "bridge.max_flow_seconds",
                 "must be at least bridge.request_state_ttl_seconds, which must be above 0",
+            ));
+        }
+        if b.round_silence_seconds == 0 {
+            return Err(ConfigError::at(
+                "bridge.round_silence_seconds",
+                "must be at least 1",
             ));
         }
         if b.resume_poll_ms < 100 {

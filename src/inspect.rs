@@ -68,6 +68,10 @@ fn state_report(kid: &str, bound: &[u8; 32], s: &FlowState, now: u64) -> String 
         ("round", s.round.to_string()),
         ("last event id", s.last_event_id.clone().unwrap_or_default()),
         ("round start", s.round_start.clone().unwrap_or_default()),
+        (
+            "session stream from",
+            s.session_event_id.clone().unwrap_or_default(),
+        ),
         ("reissue", s.reissue.to_string()),
         ("data session", s.data_session.to_string()),
         ("known answers", s.known.len().to_string()),
@@ -167,6 +171,7 @@ mod tests {
             known: Vec::new(),
             flow_id: 0xabc,
             held: None,
+            session_event_id: None,
         };
         let bind = binding(&[9; 32], "tools/call", Some("t"), None);
         let sealed = state.seal(&ring(K1), &bind);

@@ -44,6 +44,7 @@ fn genuine() -> &'static Genuine {
             known: Vec::new(),
             flow_id: 1,
             held: None,
+            session_event_id: None,
         };
         let state = flow.seal(&ring, &BIND);
         let token = SessionToken {

@@ -5,6 +5,7 @@
 pub mod admin;
 pub mod bridge;
 pub mod connections;
+pub mod learnt;
 pub mod passthrough;
 pub mod peers;
 pub mod reaper;
@@ -77,9 +78,9 @@ pub struct Gateway {
     pub held: Arc<bridge::hold::HeldFlows>,
     /// The other replicas, to forward retries of flows they hold.
     pub peers: peers::Peers,
-    /// `resume: auto` groups whose upstream refused a `Last-Event-ID` resumption: their
-    /// flows are held from then on, whatever event ids their streams carry.
-    replays_refused: std::sync::Mutex<std::collections::HashSet<String>>,
+    /// What this replica learnt about each group's upstream: refused resumptions (with
+    /// `resume: auto` its flows are held from then on), priming, GET-stream replay.
+    pub learnt: learnt::Learnt,
 }
 
 impl Gateway {
@@ -121,7 +122,7 @@ impl Gateway {
             modern_only: Default::default(),
             held: Arc::new(held),
             peers,
-            replays_refused: Default::default(),
+            learnt: Default::default(),
             config,
             keys: Arc::new(SharedKeyRing::new(keys)),
             upstreams,
@@ -176,23 +177,20 @@ impl Gateway {
     }
 
     fn replay_refused(&self, group: &UpstreamGroup) -> bool {
-        let refused = self.replays_refused.lock().expect("replays lock");
-        refused.contains(&group.name)
+        self.learnt.get(&group.name).replay_refused
     }
 
-    /// Records that a group's upstream refused a `Last-Event-ID` resumption: with
-    /// `resume: auto`, its later flows are held.
-    pub fn note_replay_refused(&self, group: &UpstreamGroup) {
+    /// Records that a group's upstream refused a `Last-Event-ID` resumption, or answered
+    /// it with an empty stream (`how`): with `resume: auto`, its later flows are held.
+    pub fn note_replay_refused(&self, group: &UpstreamGroup, how: &str) {
         if group.resume != ResumeMode::Auto {
             return;
         }
-        let first = self
-            .replays_refused
-            .lock()
-            .expect("replays lock")
-            .insert(group.name.clone());
-        if first {
-            tracing::warn!(group = %group.name, "upstream refused a Last-Event-ID resumption; its flows are held from now on");
+        let before = self
+            .learnt
+            .update(&group.name, |facts| facts.replay_refused = true);
+        if !before.replay_refused {
+            tracing::warn!(group = %group.name, how, "upstream cannot resume a Last-Event-ID stream; its flows are held from now on");
             self.note_resumable(group, false);
         }
     }
@@ -270,7 +268,7 @@ impl Gateway {
     async fn probe_modern_only(&self, group: &UpstreamGroup, client_info: &Value) -> Option<bool> {
         match self.initialize_result(group, client_info).await {
             Ok(_) => Some(false),
-            Err(SessionError::Protocol(_)) => {
+            Err(SessionError::Protocol(_) | SessionError::Refused(_)) => {
                 let endpoint = group.pick()?;
                 Some(
                     crate::upstream::legacy_session::answers_modern_discover(

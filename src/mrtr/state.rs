@@ -127,6 +127,9 @@ pub struct FlowState {
     pub flow_id: u64,
     /// Where the flow waits, when its upstream cannot resume streams (hold mode).
     pub held: Option<HeldAt>,
+    /// The session GET stream's position to resume from: before the round's first
+    /// question on it (so an unanswered one is asked again), else its last event.
+    pub session_event_id: Option<String>,
 }
 
 /// A held flow's place: the replica keeping its upstream streams open, and the slot of
@@ -239,10 +242,14 @@ impl FlowState {
             .iter()
             .map(|p| p.key.len() + id_len(&p.upstream_id))
             .sum();
-        let event_ids = [&self.last_event_id, &self.round_start]
-            .iter()
-            .filter_map(|id| id.as_ref().map(String::len))
-            .sum();
+        let event_ids = [
+            &self.last_event_id,
+            &self.round_start,
+            &self.session_event_id,
+        ]
+        .iter()
+        .filter_map(|id| id.as_ref().map(String::len))
+        .sum();
         let answers = self.known.iter().map(|k| k.answer.len()).sum();
         [
             ("the server's request ids and their input keys", questions),
@@ -315,6 +322,7 @@ mod tests {
             known: Vec::new(),
             flow_id: 0x1234_5678_9abc_def0,
             held: None,
+            session_event_id: None,
         }
     }
 

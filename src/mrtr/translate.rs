@@ -99,6 +99,11 @@ pub struct Round {
     limits: RoundLimits,
     /// Bytes the round's input requests take, as JSON.
     question_bytes: usize,
+    /// The session GET stream's last event id, the one before it, and the one before this
+    /// round's first question on that stream.
+    session_last_event_id: Option<String>,
+    session_previous_event_id: Option<String>,
+    session_round_start: Option<String>,
 }
 
 impl Round {
@@ -122,7 +127,40 @@ impl Round {
             known: Vec::new(),
             limits: RoundLimits::default(),
             question_bytes: 0,
+            session_last_event_id: None,
+            session_previous_event_id: None,
+            session_round_start: None,
         }
+    }
+
+    /// Starts the session GET stream's position at `id` (a resumed round's).
+    pub fn session_from(mut self, id: Option<String>) -> Round {
+        self.session_previous_event_id = id.clone();
+        self.session_last_event_id = id;
+        self
+    }
+
+    /// Records the id of an event read on the session's GET stream.
+    pub fn saw_session_event(&mut self, id: &str) {
+        self.session_previous_event_id = self.session_last_event_id.replace(id.to_string());
+    }
+
+    /// Where a retry resumes the session's GET stream: before this round's first question
+    /// on it, so that a question left unanswered is sent again, else after its last event.
+    pub fn session_resume_from(&self) -> Option<&str> {
+        self.session_round_start
+            .as_deref()
+            .or(self.session_last_event_id.as_deref())
+    }
+
+    /// Feeds one message read on the session's GET stream (after `saw_session_event`).
+    pub fn on_session_message(&mut self, message: Value) -> Vec<Action> {
+        let had = self.question_count();
+        let actions = self.on_message(message);
+        if self.question_count() > had && self.session_round_start.is_none() {
+            self.session_round_start = self.session_previous_event_id.clone();
+        }
+        actions
     }
 
     /// Bounds this round by `limits` rather than the defaults.
@@ -719,6 +757,26 @@ mod tests {
             big.question_count(),
             1,
             "the question over the limit is not kept"
+        );
+    }
+
+    #[test]
+    fn a_round_knows_where_to_resume_the_session_stream() {
+        let mut r = round(json!({"elicitation": {}})).session_from(Some("g-1".into()));
+        assert_eq!(r.session_resume_from(), Some("g-1"));
+        r.saw_session_event("g-2");
+        assert!(r
+            .on_session_message(json!({"jsonrpc": "2.0", "method": "notifications/message"}))
+            .is_empty());
+        assert_eq!(r.session_resume_from(), Some("g-2"), "after its last event");
+        r.saw_session_event("g-3");
+        r.on_session_message(elicit(4, json!({})));
+        r.saw_session_event("g-4");
+        r.on_session_message(elicit(5, json!({})));
+        assert_eq!(
+            r.session_resume_from(),
+            Some("g-2"),
+            "before the round's first question on it, so an unanswered one comes again"
         );
     }
 }

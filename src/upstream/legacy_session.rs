@@ -37,6 +37,9 @@ pub enum SessionError {
     Exchange(ExchangeError),
     /// The upstream answered something other than what the protocol requires.
     Protocol(String),
+    /// The upstream refused the request with this HTTP status (4xx or 5xx; a 404 in an
+    /// established session is `Gone`).
+    Refused(u16),
     /// The upstream no longer has the session (HTTP 404).
     Gone,
 }
@@ -47,6 +50,9 @@ impl std::fmt::Display for SessionError {
             SessionError::NoEndpoint => write!(f, "no healthy upstream endpoint is available"),
             SessionError::Exchange(e) => write!(f, "{e}"),
             SessionError::Protocol(e) => write!(f, "{e}"),
+            SessionError::Refused(status) => {
+                write!(f, "the upstream refused the request (HTTP {status})")
+            }
             SessionError::Gone => write!(f, "the upstream session is gone (HTTP 404)"),
         }
     }
@@ -190,16 +196,26 @@ impl<'a> LegacySession<'a> {
         got
     }
 
-    async fn get_stream(&self, last_event_id: Option<&str>) -> Result<Response, SessionError> {
+    /// A GET on the session, not counted as a resumption (probes).
+    pub(crate) async fn get_stream(
+        &self,
+        last_event_id: Option<&str>,
+    ) -> Result<Response, SessionError> {
         let req = self.request("GET", 0, last_event_id);
         let response = self
             .client
             .send(&self.endpoint, self.timeouts, req, Bytes::new())
             .await?;
         let status = response.header().status.as_u16();
-        if status != 200 || !response.is_sse() {
+        if status != 200 {
             self.client.finish(response).await;
             return Err(self.refused(status));
+        }
+        if !response.is_sse() {
+            self.client.finish(response).await;
+            return Err(SessionError::Protocol(
+                "the upstream answered a GET of its session without an SSE stream".into(),
+            ));
         }
         Ok(response)
     }
@@ -210,7 +226,7 @@ impl<'a> LegacySession<'a> {
         if status == 404 && self.session_id.is_some() {
             return SessionError::Gone;
         }
-        SessionError::Protocol(format!("the upstream refused the request (HTTP {status})"))
+        SessionError::Refused(status)
     }
 
     /// Ends the upstream session (best effort).

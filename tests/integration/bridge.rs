@@ -244,7 +244,8 @@ fn a_group_forced_resumable_whose_upstream_cannot_resume_gets_a_clear_error_not_
         json!({"name": "ask_name", "arguments": {}}),
         json!({"elicitation": {}}),
     );
-    assert_eq!(reply.status, 502);
+    // A failure reaches a 2026-07-28 client as HTTP 200 carrying the JSON-RPC error.
+    assert_eq!(reply.status, 200);
     let body = reply.json();
     assert!(
         body["error"]["message"]

@@ -387,6 +387,7 @@ fn a_state_naming_an_owner_outside_the_peer_set_is_never_forwarded() {
             owner: Some(format!("127.0.0.1:{}", outsider.port).parse().unwrap()),
             slot: 1,
         }),
+        session_event_id: None,
     };
     let principal = PrincipalSource::Authorization.digest(None);
     let bind = binding(&principal, "tools/call", Some("ask_name"), Some(&json!({})));

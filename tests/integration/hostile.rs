@@ -7,6 +7,7 @@
 //! `transport.rs` against raw clients and scripted upstreams.
 
 use crate::common::*;
+use crate::scripted::{legacy_basics, Answer, Gate, ScriptedUpstream, Seen};
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine;
 use mrtr_gateway::config::{UpstreamEra, UpstreamGroupConfig};
@@ -142,6 +143,7 @@ impl Fixture {
             known: Vec::new(),
             flow_id: rand::random(),
             held: None,
+            session_event_id: None,
         }
     }
 
@@ -213,12 +215,44 @@ fn still_serving(ok: &Raw, after: &str) {
     );
 }
 
+/// An upstream that takes the corpus's one genuine retry: it resumes the call's stream
+/// (primed), takes the answer, then sends the call's result.
+fn acting_upstream() -> ScriptedUpstream {
+    let answered = Gate::new();
+    ScriptedUpstream::start(move |seen: &Seen| {
+        if seen.method == "GET" && seen.header("last-event-id").is_some() {
+            let result = json!({"jsonrpc": "2.0", "id": 1, "result": {"content": [{"type": "text", "text": "Hello, x!"}]}});
+            return Answer::sse(&[])
+                .event(Some("s_2"), &json!(""))
+                .wait(&answered)
+                .event(None, &result)
+                .end();
+        }
+        if seen.method == "GET" {
+            return Answer::sse(&[]);
+        }
+        if is_response(seen) {
+            answered.open();
+        }
+        legacy_basics(seen, "upstream-session").unwrap_or_else(|| Answer::status(405, &[], b""))
+    })
+}
+
+/// Whether a request carries a JSON-RPC response (an answer to a server request).
+fn is_response(seen: &Seen) -> bool {
+    seen.json()
+        .is_some_and(|m| m.get("method").is_none() && m.get("result").is_some())
+}
+
 #[test]
 fn the_hostile_input_corpus_gets_documented_errors_and_reaches_no_upstream() {
     let tripwire = Tripwire::start();
     let (_python, python_url) = start_upstream(Upstream::Python);
+    let acting = acting_upstream();
     let gw = TestGateway::start_with(&[&tripwire.url()], &test_keys(), |c| {
         c.upstreams[0].era = UpstreamEra::Legacy;
+        // Reached only by the state that names it (the replay case below).
+        c.upstreams[0].endpoints.push(acting.url());
         let mut ok = UpstreamGroupConfig::new("ok", vec![python_url.clone()]);
         ok.path = "/ok".into();
         ok.health_check_interval_ms = 0;
@@ -528,22 +562,30 @@ fn the_hostile_input_corpus_gets_documented_errors_and_reaches_no_upstream() {
     );
     still_serving(&ok, "oversized, malformed and mismatched requests");
 
-    // A replayed retry: the first use reaches the (tripwire) upstream, the replay does not.
+    // A replayed retry: the first use is acted on upstream (the call's stream resumed, the
+    // answer posted), the replay reaches no upstream.
     assert_eq!(tripwire.count(), 0, "a refused input reached the upstream");
-    let once = fx.good_state();
-    let (status, _) = retry(&raw, &json!(once), answers());
-    assert_eq!(status, 502, "the genuine state is acted on");
-    let after_first = tripwire.count();
-    assert!(
-        after_first >= 1,
-        "the genuine state did not reach the upstream"
+    assert_eq!(acting.count(), 0, "a refused input reached the upstream");
+    let once = fx
+        .flow_at(acting.port, now_secs() + 600)
+        .seal(&fx.ring, &ask_name);
+    let (status, done) = retry(&raw, &json!(once), answers());
+    assert_eq!(status, 200, "the genuine state is acted on: {done}");
+    assert_eq!(done["result"]["content"][0]["text"], "Hello, x!", "{done}");
+    let after_first = acting.count();
+    let answers_posted = || acting.requests().iter().filter(|s| is_response(s)).count();
+    assert_eq!(
+        answers_posted(),
+        1,
+        "the genuine state's answer went up once"
     );
     assert_uniform(&raw, &once, "replayed state");
     assert_eq!(
-        tripwire.count(),
+        acting.count(),
         after_first,
         "the replay reached the upstream"
     );
+    assert_eq!(tripwire.count(), 0, "the replay reached the upstream");
     table.row(
         "replayed requestState (same replica)",
         1,
@@ -628,7 +670,7 @@ fn the_bridge_corpus_gets_bounded_clear_answers() {
     table.row(
         "a flood of questions (count, bytes)",
         question_flood_case(),
-        "the round ends at its limit / 502 -32603 naming the byte limit",
+        "the round ends at its limit / -32603 naming the byte limit",
     );
     table.row(
         "colliding server request ids (7 and \"7\")",
@@ -638,17 +680,17 @@ fn the_bridge_corpus_gets_bounded_clear_answers() {
     table.row(
         "server request ids the gateway cannot carry",
         uncarried_ids_case(),
-        "refused upstream (-32600); 502 -32603 naming the request at once",
+        "refused upstream (-32600); -32603 naming the request at once",
     );
     table.row(
         "an SSE event id too long to seal",
         long_event_id_case(),
-        "502 -32603 naming the state limit; no state issued",
+        "-32603 naming the state limit; no state issued",
     );
     table.row(
         "a restartable tool's answers past the state limit",
         restartable_long_answer_case(),
-        "502 -32603 naming the state limit; no state issued",
+        "-32603 naming the state limit; no state issued",
     );
     table.row(
         "numbers past f64 or with exponents, both ways",

@@ -76,7 +76,7 @@ pub fn question_flood_case() -> usize {
         c.limits.max_input_requests_bytes = 64 << 10;
     });
     let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
-    assert_eq!(status, 502, "{body}");
+    assert_eq!(status, 200, "{body}");
     assert!(
         error_message(&body).contains("limits.max_input_requests_bytes"),
         "{body}"
@@ -180,7 +180,7 @@ pub fn uncarried_ids_case() -> usize {
         let gw = TestGateway::start(&[&upstream.url()], &test_keys());
         let started = Instant::now();
         let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
-        assert_eq!(status, 502, "{id}: {body}");
+        assert_eq!(status, 200, "{id}: {body}");
         assert!(
             error_message(&body).contains("elicitation/create with"),
             "{id}: {body}"
@@ -208,7 +208,7 @@ pub fn long_event_id_case() -> usize {
     }));
     let gw = TestGateway::start(&[&upstream.url()], &test_keys());
     let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
-    assert_eq!(status, 502, "{body}");
+    assert_eq!(status, 200, "{body}");
     let message = error_message(&body);
     assert!(
         message.contains("max_request_state_bytes (4096)") && message.contains("SSE event ids"),
@@ -246,7 +246,7 @@ pub fn restartable_long_answer_case() -> usize {
     let (_, first) = trip(1, json!({}));
     let long = "L".repeat(3000);
     let (status, second) = trip(2, answer(&first, json!({"destination": long})));
-    assert_eq!(status, 502, "{second}");
+    assert_eq!(status, 200, "{second}");
     let message = error_message(&second);
     assert!(
         message.contains("max_request_state_bytes") && message.contains("restartable"),

@@ -15,6 +15,7 @@ mod keys;
 mod operations;
 mod real_peers;
 mod recovery;
+mod resumption;
 mod scripted;
 mod sessions;
 mod shedding;

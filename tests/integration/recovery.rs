@@ -106,7 +106,7 @@ fn a_tool_not_marked_restartable_gets_flow_lost_and_a_fresh_call_works() {
     assert_eq!(questions(&first), ["What is your name?"]);
     let _upstream = restart(&mut upstream, port);
     let (status, lost) = call(&raw, 2, "ask_name", answer(&first, json!({"name": "Ada"})));
-    assert_eq!(status, 502, "{lost}");
+    assert_eq!(status, 200, "{lost}");
     assert_eq!(lost["error"]["code"], -32012, "{lost}");
     let message = lost["error"]["message"].as_str().unwrap();
     assert!(

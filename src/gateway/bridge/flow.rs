@@ -6,11 +6,13 @@
 use super::hold::{Held, NotHeld};
 use super::reply::{decorate, ClientReply};
 use super::session::Attached;
+use super::streams::{next_chunk, open_session_stream, resume_call, Settled, Source, Streams};
 use super::{
     end_session, finish_with, fresh_call_id, upstream_failed, upstream_for, upstream_params,
     Incoming,
 };
 use crate::config::{Limits, ResumeMode};
+use crate::gateway::learnt::SessionReplay;
 use crate::gateway::passthrough::sleep_or_never;
 use crate::gateway::{peers, Arrival, Gateway};
 use crate::metrics::InUse;
@@ -23,14 +25,10 @@ use crate::mrtr::translate::{Action, Round, RoundLimits};
 use crate::protocol::jsonrpc::code;
 use crate::protocol::sse;
 use crate::upstream::exchange::{ExchangeError, Response};
-use crate::upstream::legacy_session::{
-    read_single, LegacySession, SessionError, MAX_UPSTREAM_MESSAGE,
-};
+use crate::upstream::legacy_session::{read_single, LegacySession, SessionError};
 use crate::upstream::UpstreamGroup;
-use bytes::Bytes;
 use pingora::protocols::http::ServerSession;
 use serde_json::{json, Map, Value};
-use std::collections::VecDeque;
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -38,32 +36,14 @@ use tokio::time::Instant;
 const MAX_RESUMPTIONS: usize = 8;
 const INVALID_STATE: &str = "Invalid or expired requestState";
 
-/// The upstream streams of a flow in progress (or held between rounds).
-pub(super) struct Streams {
-    call: Option<Response>,
-    call_parser: sse::Parser,
-    session: Option<Response>,
-    session_parser: sse::Parser,
-    /// Events parsed but not yet read: a round that fills up stops between two events of
-    /// one chunk, and the rest belong to the next round (held with the flow).
-    backlog: VecDeque<(Source, sse::Event)>,
-}
-
-/// Which upstream stream an event came from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Source {
-    /// The call's own POST stream (or its resumption).
-    Call,
-    /// The session's standalone GET stream.
-    Session,
-}
-
 /// How a round ended.
 enum RoundEnd {
     Complete(Value),
     Questions,
     MissingCapability(Value),
     Failed(String),
+    /// The upstream sent no message for the round's silence limit.
+    Silent,
     ClientGone,
     /// The gateway began draining: the flow goes on, on another replica.
     Draining,
@@ -222,6 +202,7 @@ async fn start(
         known: Vec::new(),
         flow_id: rand::random(),
         held: None,
+        session_event_id: None,
     });
     name_flow(&flow);
     if shedding(gw) {
@@ -248,7 +229,7 @@ async fn run_call(
         Ok(upstream) => upstream,
         Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
     };
-    let session_stream = session_stream(&upstream).await;
+    let session_stream = session_stream(&upstream, None).await;
     let id = fresh_call_id();
     let message = json!({"jsonrpc": "2.0", "id": id, "method": request.method, "params": upstream_params(request)});
     let call_response = match upstream.post(&message).await {
@@ -307,6 +288,7 @@ async fn lost(
         let group = &call.group.name;
         let what = match cause {
             Lost::Upstream => format!("upstream group '{group}' lost this call between rounds (its session is gone or its endpoint is down)"),
+            Lost::Unresumable => format!("upstream group '{group}' no longer has this call's events (a Last-Event-ID resumption came back empty; the group's later calls are held)"),
             Lost::Holder => format!("the gateway replica holding this call's upstream streams is gone or no longer holds them (upstream group '{group}' cannot resume streams, so its calls are held)"),
         };
         let text = format!("{what}, and the tool is not marked restartable, so it is not run again: issue the call again");
@@ -350,6 +332,8 @@ async fn lost(
 enum Lost {
     /// The upstream: its session is gone, or its endpoint is down.
     Upstream,
+    /// The upstream no longer has the call's events: a resumption came back empty.
+    Unresumable,
     /// The replica that held the call's upstream streams (hold mode).
     Holder,
 }
@@ -367,55 +351,11 @@ fn input_responses(request: &ModernRequest) -> Map<String, Value> {
 /// The session's GET stream, where a legacy server sends requests not tied to a call.
 /// A data-layer session has none: calls in it may run at once, and only each call's own
 /// stream says which call a server request belongs to.
-async fn session_stream(upstream: &LegacySession<'_>) -> Option<Response> {
+async fn session_stream(upstream: &LegacySession<'_>, after: Option<&str>) -> Option<Response> {
     if upstream.persistent {
         return None;
     }
-    upstream.get(None).await.ok()
-}
-
-impl Streams {
-    pub(super) fn new(call: Option<Response>, session: Option<Response>) -> Streams {
-        Streams {
-            call,
-            call_parser: sse::Parser::new(MAX_UPSTREAM_MESSAGE),
-            session,
-            session_parser: sse::Parser::new(MAX_UPSTREAM_MESSAGE),
-            backlog: VecDeque::new(),
-        }
-    }
-
-    pub(super) async fn close(self, gw: &Gateway) {
-        for response in [self.call, self.session].into_iter().flatten() {
-            gw.client.finish(response).await;
-        }
-    }
-
-    /// Bytes of events the parsers and the backlog hold.
-    pub(super) fn buffered(&self) -> usize {
-        let backlog: usize = self.backlog.iter().map(|(_, e)| e.data.len()).sum();
-        self.call_parser.buffered() + self.session_parser.buffered() + backlog
-    }
-
-    /// Parses a chunk of `source`'s stream into the backlog.
-    fn push(&mut self, source: Source, bytes: &[u8]) -> Result<(), sse::TooLarge> {
-        let parser = match source {
-            Source::Call => &mut self.call_parser,
-            Source::Session => &mut self.session_parser,
-        };
-        let mut events = Vec::new();
-        let parsed = parser.push(bytes, &mut events);
-        self.backlog
-            .extend(events.into_iter().map(|event| (source, event)));
-        parsed
-    }
-}
-
-async fn next_chunk(response: &mut Option<Response>) -> Option<Result<Option<Bytes>, String>> {
-    match response {
-        Some(r) => Some(r.next_chunk().await.map_err(|e| e.to_string())),
-        None => std::future::pending().await,
-    }
+    open_session_stream(upstream, after).await
 }
 
 /// A round's translator, for the call continuing from the flow's stream position.
@@ -433,7 +373,8 @@ fn new_round(call: &Call<'_>, flow: &FlowState) -> Round {
     .bounded(RoundLimits {
         max_questions: limits.max_input_requests_per_round,
         max_bytes: limits.max_input_requests_bytes,
-    });
+    })
+    .session_from(flow.session_event_id.clone());
     if restartable(call) {
         return round.restartable(flow.known.clone());
     }
@@ -458,6 +399,7 @@ async fn run_round(
         poll: Duration::from_millis(gw.config.bridge.resume_poll_ms),
         keepalive: (gw.config.sse_keepalive_ms > 0)
             .then(|| Duration::from_millis(gw.config.sse_keepalive_ms)),
+        silence: Duration::from_secs(gw.config.bridge.round_silence_seconds),
     };
     let end = drive(
         call,
@@ -535,6 +477,7 @@ async fn run_round(
             flow.pending = round.pending().to_vec();
             flow.last_event_id = round.last_event_id().map(str::to_string);
             flow.round_start = round.round_start().map(str::to_string);
+            flow.session_event_id = round.session_resume_from().map(str::to_string);
             if restartable(call) {
                 flow.known = round.known().to_vec();
             }
@@ -572,6 +515,19 @@ async fn run_round(
                 .await;
             "upstream_error"
         }
+        RoundEnd::Silent => {
+            streams.close(gw).await;
+            end_session(gw, &upstream).await;
+            let target = request.target.as_deref().unwrap_or_default();
+            let text = format!(
+                "upstream group '{}' sent nothing for {} s (bridge.round_silence_seconds) while the gateway waited for {} '{target}' to answer or ask (round {})",
+                group.name, gw.config.bridge.round_silence_seconds, request.method, flow.round
+            );
+            reply
+                .error(session, 504, code::INTERNAL_ERROR, &text, None)
+                .await;
+            "upstream_error"
+        }
         RoundEnd::ClientGone => {
             // A 2026-07-28 client closing its response cancels the request.
             streams.close(gw).await;
@@ -590,6 +546,8 @@ struct Pacing {
     poll: Duration,
     /// How long the client's response may stay silent before a keep-alive comment.
     keepalive: Option<Duration>,
+    /// How long the upstream may send no message at all before the round ends in error.
+    silence: Duration,
 }
 
 /// Following the call's stream across upstream reconnections.
@@ -599,6 +557,12 @@ struct Follow {
     /// Stream ends in a row without a message in between.
     empty_ends: usize,
     last_activity: Instant,
+    /// When the upstream last sent a message (not a priming event or a comment).
+    last_message: Instant,
+    /// The call's stream was reopened (not the call's own POST stream).
+    reopened: bool,
+    /// Resumptions in a row that ended without a single event.
+    empty_resumptions: u32,
 }
 
 /// Longest `retry` hint honoured.
@@ -627,12 +591,10 @@ async fn reopen_call(
     if !wait.is_zero() {
         tokio::time::sleep(wait).await;
     }
-    let response = upstream
-        .get(Some(&last))
+    let response = resume_call(upstream, &last)
         .await
         .map_err(|e| RoundEnd::Failed(e.to_string()))?;
-    streams.call = Some(response);
-    streams.call_parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
+    streams.replace_call(response);
     Ok(())
 }
 
@@ -669,6 +631,9 @@ async fn drive(
         retry: Duration::from_secs(1),
         empty_ends: 0,
         last_activity: Instant::now(),
+        last_message: Instant::now(),
+        reopened: streams.call_resumed,
+        empty_resumptions: 0,
     };
     loop {
         if round.is_full() {
@@ -726,11 +691,13 @@ async fn read_more(
         c = next_chunk(&mut streams.call) => (Source::Call, c),
         c = next_chunk(&mut streams.session) => (Source::Session, c),
         _ = sleep_until_or_never(quiet_until) => return Some(RoundEnd::Questions),
+        _ = tokio::time::sleep_until(follow.last_message + pacing.silence) => return Some(RoundEnd::Silent),
         _ = sleep_until_or_never(poll_at) => {
             if let Err(end) = reopen_call(upstream, round, streams, Duration::ZERO).await {
                 return Some(end);
             }
             follow.last_activity = Instant::now();
+            follow.reopened = true;
             return None;
         }
         _ = session.read_body_or_idle(true) => return Some(RoundEnd::ClientGone),
@@ -757,6 +724,24 @@ async fn read_more(
             streams.session = None;
             None
         }
+        // A resumption that ends without a single event: the upstream no longer has the
+        // call's events (its store forgot them), so following it further gets nothing.
+        (Source::Call, Some(Ok(None)) | Some(Err(_)))
+            if follow.reopened && streams.call_events == 0 =>
+        {
+            if follow.empty_resumptions >= EMPTY_RETRIES {
+                call.gw.note_replay_refused(call.group, "an empty stream");
+                return Some(RoundEnd::Failed(
+                    "a Last-Event-ID resumption of the call's stream came back empty: the upstream no longer has the call's events".into(),
+                ));
+            }
+            let wait = EMPTY_BACKOFF * 2u32.pow(follow.empty_resumptions);
+            follow.empty_resumptions += 1;
+            if let Err(end) = reopen_call(upstream, round, streams, wait).await {
+                return Some(end);
+            }
+            None
+        }
         (Source::Call, Some(Ok(None)) | Some(Err(_))) => {
             follow.empty_ends += 1;
             if follow.empty_ends > MAX_RESUMPTIONS {
@@ -768,6 +753,7 @@ async fn read_more(
                 return Some(end);
             }
             follow.last_activity = Instant::now();
+            follow.reopened = true;
             None
         }
         (Source::Call, None) => None,
@@ -785,17 +771,18 @@ async fn on_event(
     event: sse::Event,
     follow: &mut Follow,
 ) -> Option<RoundEnd> {
-    if source == Source::Call {
-        if let Some(id) = &event.id {
-            round.saw_call_event(id);
-        }
-        if let Some(ms) = event.retry {
-            follow.retry = Duration::from_millis(ms).min(MAX_RETRY);
-        }
+    match (source, &event.id) {
+        (Source::Call, Some(id)) => round.saw_call_event(id),
+        (Source::Session, Some(id)) => round.saw_session_event(id),
+        _ => {}
+    }
+    if let (Source::Call, Some(ms)) = (source, event.retry) {
+        follow.retry = Duration::from_millis(ms).min(MAX_RETRY);
     }
     if event.data.is_empty() {
         return None;
     }
+    follow.last_message = Instant::now();
     if source == Source::Call {
         follow.empty_ends = 0;
     }
@@ -804,7 +791,11 @@ async fn on_event(
             "the upstream sent an event that is not JSON".into(),
         ));
     };
-    for action in round.on_message(message) {
+    let actions = match source {
+        Source::Call => round.on_message(message),
+        Source::Session => round.on_session_message(message),
+    };
+    for action in actions {
         match action {
             Action::Notify(n) => reply.notify(session, &n).await,
             Action::AnswerUpstream(a) => {
@@ -843,7 +834,7 @@ async fn reissue(
     flow.call_id = UpstreamId::Number(next_id);
     flow.reissue = false;
     flow.round += 1;
-    let streams = Streams::new(Some(call_stream), session_stream(&upstream).await);
+    let streams = Streams::new(Some(call_stream), session_stream(&upstream, None).await);
     let round = new_round(call, &flow);
     run_round(call, session, reply, upstream, flow, streams, round).await
 }
@@ -1128,8 +1119,12 @@ async fn to_holder(
 }
 
 /// Posts a retry's answers upstream and goes on with the call: on the held streams, or by
-/// resuming the call's stream with `Last-Event-ID`. `used` is the state's replay digest,
-/// released when the upstream provably got none of its answers.
+/// resuming the call's stream with `Last-Event-ID`. A resumable flow's streams are
+/// reopened (and settled) *before* any answer goes up, so that what the answers cause
+/// (the next question, the result) finds a stream to go out on: servers forget a call's
+/// events once its result is sent, and send a session's requests only to a connected GET
+/// stream. `used` is the state's replay digest, released when the upstream provably got
+/// none of its answers.
 async fn continue_flow(
     call: &Call<'_>,
     session: &mut ServerSession,
@@ -1141,6 +1136,25 @@ async fn continue_flow(
 ) -> &'static str {
     let Call { gw, group, .. } = *call;
     let responses = input_responses(call.request);
+    let all_answered = flow.pending.iter().all(|p| responses.contains_key(&p.key));
+    // With every answer given, continue after the last event; otherwise replay the round
+    // from its start so the unanswered questions are asked again.
+    let from = if all_answered {
+        flow.last_event_id.clone()
+    } else {
+        flow.round_start.clone().or(flow.last_event_id.clone())
+    };
+    let mut reopened = None;
+    if held.is_none() && !flow.reissue {
+        match reopen(call, &upstream, &flow, from.as_deref()).await {
+            Ok(streams) => reopened = Some(streams),
+            Err(unresumable) => {
+                // Nothing was posted: the same state may be retried.
+                release(gw, &used);
+                return resume_failed(call, session, reply, &upstream, flow, unresumable).await;
+            }
+        }
+    }
     let mut answered = Vec::new();
     for pending in flow.pending.clone() {
         let Some(answer) = responses.get(&pending.key) else {
@@ -1150,15 +1164,15 @@ async fn continue_flow(
             json!({"jsonrpc": "2.0", "id": pending.upstream_id.to_json(), "result": answer});
         if let Err(e) = upstream.post_and_expect_accepted(&message).await {
             let nothing_posted = answered.is_empty();
+            if let Some(streams) = reopened {
+                streams.close(gw).await;
+            }
             if let Some(held) = held {
                 held.abandon(gw).await;
             } else if nothing_posted && never_delivered(&e) {
                 // The upstream has no answer of this state's (it was unreachable, or
                 // refused the answer): the same state may be retried.
-                gw.used_states
-                    .lock()
-                    .expect("used-states lock")
-                    .release(&used);
+                release(gw, &used);
             }
             if nothing_posted && is_lost(&e) && !flow.data_session {
                 return lost(call, session, reply, flow, Lost::Upstream).await;
@@ -1174,33 +1188,12 @@ async fn continue_flow(
             });
         }
     }
-    let all_answered = answered.len() == flow.pending.len();
     if let Some(held) = held {
         return continue_held(call, session, reply, upstream, flow, held, answered).await;
     }
-    if flow.reissue {
+    let Some(streams) = reopened else {
         return reissue(call, session, reply, upstream, flow).await;
-    }
-    // With every answer given, continue after the last event; otherwise replay the round
-    // from its start so the unanswered questions are asked again.
-    let from = if all_answered {
-        flow.last_event_id.clone()
-    } else {
-        flow.round_start.clone().or(flow.last_event_id.clone())
     };
-    let call_stream = match upstream.get(from.as_deref()).await {
-        Ok(r) => r,
-        Err(e) => {
-            if matches!(e, SessionError::Protocol(_)) {
-                gw.note_replay_refused(group);
-            }
-            if answered.is_empty() && is_lost(&e) && !flow.data_session {
-                return lost(call, session, reply, flow, Lost::Upstream).await;
-            }
-            return upstream_failed(gw, reply, session, group, &e).await;
-        }
-    };
-    let streams = Streams::new(Some(call_stream), session_stream(&upstream).await);
     if all_answered {
         flow.round += 1;
     }
@@ -1208,6 +1201,142 @@ async fn continue_flow(
     let mut round = new_round(call, &flow);
     round.skip(answered);
     run_round(call, session, reply, upstream, flow, streams, round).await
+}
+
+/// Releases a state's replay claim: the upstream provably got none of its answers.
+fn release(gw: &Gateway, used: &replay::StateDigest) {
+    gw.used_states
+        .lock()
+        .expect("used-states lock")
+        .release(used);
+}
+
+/// Why a retry could not get back into its call's streams.
+enum Unresumable {
+    /// The resumption failed (the session is gone, the endpoint is down, it was refused).
+    Failed(SessionError),
+    /// The resumption came back empty: the upstream no longer has the call's events.
+    Empty,
+}
+
+/// How long a retry waits for a resumed stream's priming event: from an upstream known
+/// to prime, and (once, to learn) from one not known yet.
+const SETTLE_PRIMED: Duration = Duration::from_secs(2);
+const SETTLE_UNKNOWN: Duration = Duration::from_millis(300);
+
+/// How often an empty resumption is tried again, after how long at first (doubling),
+/// before the upstream is taken not to have the call's events: an upstream that still
+/// holds the previous connection of the stream can answer one with an empty stream
+/// (the Python SDK registers a stream id once), and drops that connection soon after.
+const EMPTY_RETRIES: u32 = 2;
+const EMPTY_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Reopens a resumable flow's streams for a retry: the call's after `from`, settled,
+/// then the session's after its sealed position when the group's store keeps sessions
+/// apart (else fresh). A refused resumption, or one that stays empty, tells
+/// `resume: auto` that the group cannot resume.
+async fn reopen(
+    call: &Call<'_>,
+    upstream: &LegacySession<'_>,
+    flow: &FlowState,
+    from: Option<&str>,
+) -> Result<Streams, Unresumable> {
+    let Call { gw, group, .. } = *call;
+    let Some(from) = from else {
+        let e = SessionError::Protocol(
+            "the state holds no position to resume the call's stream from".into(),
+        );
+        return Err(Unresumable::Failed(e));
+    };
+    let mut empty = 0;
+    let mut streams = loop {
+        let call_stream = resume_call(upstream, from).await.map_err(|e| {
+            if matches!(e, SessionError::Refused(_) | SessionError::Protocol(_)) {
+                gw.note_replay_refused(group, "a refusal");
+            }
+            Unresumable::Failed(e)
+        })?;
+        let mut streams = Streams::resumed(call_stream, None);
+        match settle(gw, group, &mut streams).await {
+            Ok(Settled::Empty) if empty < EMPTY_RETRIES => {
+                streams.close(gw).await;
+                tokio::time::sleep(EMPTY_BACKOFF * 2u32.pow(empty)).await;
+                empty += 1;
+            }
+            Ok(Settled::Empty) => {
+                streams.close(gw).await;
+                gw.note_replay_refused(group, "an empty stream");
+                return Err(Unresumable::Empty);
+            }
+            Ok(_) => break streams,
+            Err(e) => {
+                streams.close(gw).await;
+                return Err(Unresumable::Failed(e));
+            }
+        }
+    };
+    let session_after = match flow.session_event_id.as_deref() {
+        Some(id) if !upstream.persistent => {
+            let verdict = super::probe::session_replay(gw, group, &upstream.endpoint).await;
+            (verdict == SessionReplay::Scoped).then_some(id)
+        }
+        _ => None,
+    };
+    streams.session = session_stream(upstream, session_after).await;
+    Ok(streams)
+}
+
+/// Settles a resumed call stream (`Streams::settle`), awaiting the priming event from a
+/// group known to prime, and once from one not known yet, to learn it.
+async fn settle(
+    gw: &Gateway,
+    group: &UpstreamGroup,
+    streams: &mut Streams,
+) -> Result<Settled, SessionError> {
+    let primes = gw.learnt.get(&group.name).resumption_primes;
+    let limit = if primes == Some(true) {
+        SETTLE_PRIMED
+    } else {
+        SETTLE_UNKNOWN
+    };
+    let settled = streams.settle(primes != Some(false), limit).await?;
+    let learnt = match settled {
+        Settled::Primed => Some(true),
+        Settled::TimedOut if primes.is_none() => Some(false),
+        _ => None,
+    };
+    if let Some(primes) = learnt {
+        gw.learnt
+            .update(&group.name, |facts| facts.resumption_primes = Some(primes));
+    }
+    Ok(settled)
+}
+
+/// Answers a retry whose call's streams could not be reopened; nothing was posted.
+async fn resume_failed(
+    call: &Call<'_>,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    upstream: &LegacySession<'_>,
+    flow: FlowState,
+    unresumable: Unresumable,
+) -> &'static str {
+    let Call { gw, group, .. } = *call;
+    match unresumable {
+        Unresumable::Failed(e) if is_lost(&e) && !flow.data_session => {
+            lost(call, session, reply, flow, Lost::Upstream).await
+        }
+        Unresumable::Failed(e) => upstream_failed(gw, reply, session, group, &e).await,
+        Unresumable::Empty if flow.data_session => {
+            let e = SessionError::Protocol("a Last-Event-ID resumption came back empty: the upstream no longer has the call's events".into());
+            upstream_failed(gw, reply, session, group, &e).await
+        }
+        Unresumable::Empty => {
+            // The call waits for answers it will never get: end its session.
+            end_session(gw, upstream).await;
+            lost(call, session, reply, flow, Lost::Unresumable).await
+        }
+    }
 }
 
 /// Whether an answer that failed provably never reached the upstream.

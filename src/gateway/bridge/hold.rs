@@ -11,7 +11,7 @@
 //! `bridge.max_held_flows`, and both are exported. An entry lives until its state expires;
 //! the sweeper then closes its streams and deletes its upstream session.
 
-use super::flow::Streams;
+use super::streams::Streams;
 use crate::gateway::Gateway;
 use crate::mrtr::state::{now_secs, Pending};
 use crate::upstream::legacy_session::LegacySession;

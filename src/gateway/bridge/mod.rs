@@ -10,8 +10,10 @@
 
 mod flow;
 pub mod hold;
+mod probe;
 mod reply;
 mod session;
+mod streams;
 
 use super::respond;
 use super::{Arrival, Gateway};

@@ -74,6 +74,12 @@ impl ClientReply {
         .await;
     }
 
+    /// Answers with a JSON-RPC error. `status` is the HTTP status the failure deserves;
+    /// a server-side one (5xx: the upstream failed, the gateway is overloaded) goes out as
+    /// 200 carrying the error, because the official TypeScript client (2.4.0) reads a
+    /// JSON-RPC error only from a 200 or a 400 response and reports any other status as
+    /// a transport failure (`CLIENT_HTTP_NOT_IMPLEMENTED`), hiding the message. Refusals
+    /// of the request itself keep their 4xx.
     pub async fn error(
         self,
         session: &mut ServerSession,
@@ -82,6 +88,7 @@ impl ClientReply {
         message: &str,
         data: Option<Value>,
     ) {
+        let status = if status >= 500 { 200 } else { status };
         let mut error = json!({"code": code, "message": message});
         if let Some(data) = data {
             error["data"] = data;

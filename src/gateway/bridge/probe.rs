@@ -1,0 +1,141 @@
+//! Probing whether a group's event store keeps sessions apart, before a session's GET
+//! stream is resumed with `Last-Event-ID`.
+//!
+//! A call's stream is safe to resume: every call goes upstream under a fresh random id,
+//! and SDKs name a call's stream after its id. The GET stream is not: SDKs give every
+//! session's GET stream the same name (`_GET_stream`), so a store shared by all sessions
+//! and keyed by stream (as the SDKs' example stores are) replays every session's GET
+//! events after the position, other users' questions among them. So once per group, on
+//! the endpoint a flow uses, the gateway asks one throwaway session to resume after an
+//! event id another throwaway session was given. A store that keeps sessions apart
+//! refuses it or replays nothing; one that is shared resolves it.
+
+use crate::gateway::learnt::SessionReplay;
+use crate::gateway::Gateway;
+use crate::protocol::sse;
+use crate::protocol::trace::TraceContext;
+use crate::upstream::exchange::Response;
+use crate::upstream::legacy_session::{LegacySession, MAX_UPSTREAM_MESSAGE};
+use crate::upstream::{Endpoint, UpstreamGroup};
+use serde_json::json;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// Longest wait for the probing session's first event id.
+const FIRST_ID_LIMIT: Duration = Duration::from_secs(1);
+/// How long the foreign resumption is watched: a store that keeps sessions apart ends it
+/// (or refuses it) at once.
+const FOREIGN_WATCH: Duration = Duration::from_millis(300);
+
+/// Whether `group`'s store keeps sessions apart, probing `endpoint` the first time.
+pub(super) async fn session_replay(
+    gw: &Gateway,
+    group: &UpstreamGroup,
+    endpoint: &Endpoint,
+) -> SessionReplay {
+    let known = gw.learnt.get(&group.name).session_replay;
+    if known != SessionReplay::Unknown {
+        return known;
+    }
+    let verdict = probe(gw, group, endpoint).await;
+    if verdict != SessionReplay::Unknown {
+        gw.learnt
+            .update(&group.name, |facts| facts.session_replay = verdict);
+        tracing::info!(group = %group.name, verdict = ?verdict, "probed whether the upstream's event store keeps sessions apart");
+    }
+    verdict
+}
+
+async fn probe(gw: &Gateway, group: &UpstreamGroup, endpoint: &Endpoint) -> SessionReplay {
+    let open = || {
+        let info = json!({"name": "mrtr-gateway-probe", "version": env!("CARGO_PKG_VERSION")});
+        let none = TraceContext::default();
+        async move {
+            LegacySession::open(
+                &gw.client,
+                endpoint.clone(),
+                &group.timeouts,
+                &json!({}),
+                &info,
+                &none,
+            )
+            .await
+            .ok()
+            .map(|(session, _)| session)
+        }
+    };
+    let Some(first) = open().await else {
+        return SessionReplay::Unknown;
+    };
+    let verdict = match first_event_id(&first).await {
+        None => SessionReplay::Unavailable,
+        Some(id) => match open().await {
+            None => SessionReplay::Unknown,
+            Some(second) => {
+                let verdict = resumes_foreign(&second, &id).await;
+                second.delete().await;
+                verdict
+            }
+        },
+    };
+    first.delete().await;
+    verdict
+}
+
+/// The first event id of a `ping`'s SSE answer (SDKs prime POST streams with one); `None`
+/// when the upstream answers in JSON or gives no ids.
+async fn first_event_id(session: &LegacySession<'_>) -> Option<String> {
+    let ping =
+        json!({"jsonrpc": "2.0", "id": crate::gateway::bridge::fresh_call_id(), "method": "ping"});
+    let mut response = session.post(&ping).await.ok()?;
+    let id = if response.is_sse() {
+        tokio::time::timeout(FIRST_ID_LIMIT, first_id(&mut response))
+            .await
+            .ok()
+            .flatten()
+    } else {
+        None
+    };
+    session.client.finish(response).await;
+    id
+}
+
+async fn first_id(response: &mut Response) -> Option<String> {
+    let mut parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
+    let mut events = Vec::new();
+    while let Ok(Some(chunk)) = response.next_chunk().await {
+        parser.push(&chunk, &mut events).ok()?;
+        if let Some(id) = events.iter().find_map(|e| e.id.clone()) {
+            return Some(id);
+        }
+    }
+    None
+}
+
+/// Resumes `session`'s GET stream after another session's event id: refused, or ended
+/// without an event, means sessions are kept apart; anything else, that they are not.
+async fn resumes_foreign(session: &LegacySession<'_>, foreign: &str) -> SessionReplay {
+    let Ok(mut response) = session.get_stream(Some(foreign)).await else {
+        return SessionReplay::Scoped;
+    };
+    let deadline = Instant::now() + FOREIGN_WATCH;
+    let mut parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
+    let mut events = Vec::new();
+    let verdict = loop {
+        match tokio::time::timeout_at(deadline, response.next_chunk()).await {
+            // Still open: the store resolved the id and the stream is live.
+            Err(_) => break SessionReplay::Shared,
+            Ok(Ok(None) | Err(_)) => break SessionReplay::Scoped,
+            Ok(Ok(Some(chunk))) => {
+                let _ = parser.push(&chunk, &mut events);
+                // An event (replayed, or priming the live stream): the id was resolved.
+                // Comments and blank lines say nothing.
+                if !events.is_empty() {
+                    break SessionReplay::Shared;
+                }
+            }
+        }
+    };
+    session.client.finish(response).await;
+    verdict
+}

@@ -1,0 +1,204 @@
+//! The upstream streams of a flow in progress (or held between rounds): the call's own
+//! SSE stream and the session's GET stream, their SSE parsers, and a backlog of events
+//! parsed but not yet read. Owns reading a chunk into the backlog, reopening a stream
+//! after an event id, and settling a resumed call stream before a retry's answers go up.
+
+use crate::gateway::Gateway;
+use crate::protocol::sse;
+use crate::upstream::exchange::Response;
+use crate::upstream::legacy_session::{LegacySession, SessionError, MAX_UPSTREAM_MESSAGE};
+use bytes::Bytes;
+use std::collections::VecDeque;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// Which upstream stream an event came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Source {
+    /// The call's own POST stream (or its resumption).
+    Call,
+    /// The session's standalone GET stream.
+    Session,
+}
+
+pub(super) struct Streams {
+    pub(super) call: Option<Response>,
+    call_parser: sse::Parser,
+    /// Events read on the call stream since it was (re)opened.
+    pub(super) call_events: usize,
+    /// The call stream is a `Last-Event-ID` resumption, not the call's own POST stream.
+    pub(super) call_resumed: bool,
+    pub(super) session: Option<Response>,
+    session_parser: sse::Parser,
+    /// Events parsed but not yet read: a round that fills up stops between two events of
+    /// one chunk, and the rest belong to the next round (held with the flow).
+    pub(super) backlog: VecDeque<(Source, sse::Event)>,
+}
+
+/// How settling a resumed call stream went.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Settled {
+    /// Not awaited: the upstream is known not to prime its resumptions.
+    NotAwaited,
+    /// The upstream primed the stream: it is live again.
+    Primed,
+    /// No priming event came within the limit.
+    TimedOut,
+    /// The stream ended after replaying something; the round follows it from there.
+    Ended,
+    /// The stream ended without a single event: the upstream has nothing after the
+    /// position, not even the call (its store forgot it, or never had it).
+    Empty,
+}
+
+impl Streams {
+    pub(super) fn new(call: Option<Response>, session: Option<Response>) -> Streams {
+        Streams {
+            call,
+            call_parser: sse::Parser::new(MAX_UPSTREAM_MESSAGE),
+            call_events: 0,
+            call_resumed: false,
+            session,
+            session_parser: sse::Parser::new(MAX_UPSTREAM_MESSAGE),
+            backlog: VecDeque::new(),
+        }
+    }
+
+    pub(super) async fn close(self, gw: &Gateway) {
+        for response in [self.call, self.session].into_iter().flatten() {
+            gw.client.finish(response).await;
+        }
+    }
+
+    /// Bytes of events the parsers and the backlog hold.
+    pub(super) fn buffered(&self) -> usize {
+        let backlog: usize = self.backlog.iter().map(|(_, e)| e.data.len()).sum();
+        self.call_parser.buffered() + self.session_parser.buffered() + backlog
+    }
+
+    /// Parses a chunk of `source`'s stream into the backlog; returns how many events it
+    /// held.
+    pub(super) fn push(&mut self, source: Source, bytes: &[u8]) -> Result<usize, sse::TooLarge> {
+        let parser = match source {
+            Source::Call => &mut self.call_parser,
+            Source::Session => &mut self.session_parser,
+        };
+        let mut events = Vec::new();
+        let parsed = parser.push(bytes, &mut events);
+        let count = events.len();
+        if source == Source::Call {
+            self.call_events += count;
+        }
+        self.backlog
+            .extend(events.into_iter().map(|event| (source, event)));
+        parsed.map(|()| count)
+    }
+
+    /// Streams whose call stream is a `Last-Event-ID` resumption.
+    pub(super) fn resumed(call: Response, session: Option<Response>) -> Streams {
+        let mut streams = Streams::new(None, session);
+        streams.replace_call(call);
+        streams
+    }
+
+    /// Puts a reopened call stream in place of the old one.
+    pub(super) fn replace_call(&mut self, response: Response) {
+        self.call = Some(response);
+        self.call_parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
+        self.call_events = 0;
+        self.call_resumed = true;
+    }
+
+    /// Waits, at most `limit`, until a resumed call stream is live again, reading what it
+    /// replays into the backlog. An upstream that primes its resumptions sends an event
+    /// with an id and no data once its replay is done and the stream is registered for
+    /// live events (the Python SDK registers only after the replay, so an answer posted
+    /// before then could finish the call while no stream listens). `await_priming` false
+    /// (an upstream known not to prime) returns at once.
+    pub(super) async fn settle(
+        &mut self,
+        await_priming: bool,
+        limit: Duration,
+    ) -> Result<Settled, SessionError> {
+        if !await_priming {
+            return Ok(Settled::NotAwaited);
+        }
+        let deadline = Instant::now() + limit;
+        loop {
+            let Some(call) = self.call.as_mut() else {
+                return Ok(Settled::Ended);
+            };
+            let chunk = match tokio::time::timeout_at(deadline, call.next_chunk()).await {
+                Err(_) => return Ok(Settled::TimedOut),
+                Ok(Ok(Some(bytes))) => bytes,
+                Ok(Ok(None) | Err(_)) if self.call_events == 0 => return Ok(Settled::Empty),
+                Ok(Ok(None) | Err(_)) => return Ok(Settled::Ended),
+            };
+            let read = self
+                .push(Source::Call, &chunk)
+                .map_err(|e| SessionError::Protocol(e.to_string()))?;
+            let fresh = self.backlog.iter().rev().take(read);
+            if fresh
+                .filter(|(source, _)| *source == Source::Call)
+                .any(|(_, e)| e.id.is_some() && e.data.is_empty())
+            {
+                return Ok(Settled::Primed);
+            }
+        }
+    }
+}
+
+/// The next chunk of a stream, or never when there is none.
+pub(super) async fn next_chunk(
+    response: &mut Option<Response>,
+) -> Option<Result<Option<Bytes>, String>> {
+    match response {
+        Some(r) => Some(r.next_chunk().await.map_err(|e| e.to_string())),
+        None => std::future::pending().await,
+    }
+}
+
+/// How often, and after how long at first (doubling), a GET the upstream answers with
+/// 409 is tried again: it still holds the previous connection of that stream, which the
+/// gateway has just closed.
+const CONFLICT_RETRIES: u32 = 3;
+const CONFLICT_BACKOFF: Duration = Duration::from_millis(20);
+
+/// Resumes the call's stream after `after`, trying a conflict again briefly.
+pub(super) async fn resume_call(
+    upstream: &LegacySession<'_>,
+    after: &str,
+) -> Result<Response, SessionError> {
+    let mut attempt = 0;
+    loop {
+        match upstream.get(Some(after)).await {
+            Err(SessionError::Refused(409)) if attempt < CONFLICT_RETRIES => {
+                tokio::time::sleep(CONFLICT_BACKOFF * 2u32.pow(attempt)).await;
+                attempt += 1;
+            }
+            got => return got,
+        }
+    }
+}
+
+/// The session's GET stream, where a legacy server sends requests not tied to a call,
+/// resumed after `after` when given (falling back to a fresh one when the upstream
+/// refuses the resumption). A second GET in one session gets 409 while the server still
+/// holds the previous round's, so a conflict is tried again a few times, briefly.
+pub(super) async fn open_session_stream(
+    upstream: &LegacySession<'_>,
+    after: Option<&str>,
+) -> Option<Response> {
+    let mut after = after;
+    for attempt in 0..=CONFLICT_RETRIES {
+        match upstream.get(after).await {
+            Ok(response) => return Some(response),
+            Err(SessionError::Refused(409)) if attempt < CONFLICT_RETRIES => {
+                tokio::time::sleep(CONFLICT_BACKOFF * 2u32.pow(attempt)).await;
+            }
+            Err(SessionError::Refused(_)) if after.is_some() => after = None,
+            Err(_) => return None,
+        }
+    }
+    None
+}

@@ -1,0 +1,75 @@
+//! What this replica learns about each upstream group while serving it, rather than
+//! being told: whether the group's `Last-Event-ID` resumptions work, whether a resumed
+//! stream is primed (an event with an id and no data once the replay is done and the
+//! stream is live again), and whether the group's event store keeps sessions apart, so
+//! that a session's GET stream can be replayed without another session's events.
+//! `resume: auto` and the retry path decide by it; each verdict is logged once.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// Whether a session's GET stream may be resumed with `Last-Event-ID`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SessionReplay {
+    /// Not probed yet.
+    #[default]
+    Unknown,
+    /// The store resolves only a session's own event ids: a replay holds only that
+    /// session's events.
+    Scoped,
+    /// The store resolved another session's event id (it is shared and keyed by stream,
+    /// as the SDKs' example stores are): a GET-stream replay could carry other sessions'
+    /// requests, so the GET stream is reopened fresh instead.
+    Shared,
+    /// The upstream gives its streams no event ids: there is nothing to resume.
+    Unavailable,
+}
+
+/// What is known of one group.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GroupLearnt {
+    /// The upstream refused a `Last-Event-ID` resumption, or answered it with an empty
+    /// stream: with `resume: auto` its flows are held from then on.
+    pub replay_refused: bool,
+    /// Whether its resumed streams end their replay with a priming event; `None` until a
+    /// resumption showed it.
+    pub resumption_primes: Option<bool>,
+    pub session_replay: SessionReplay,
+}
+
+/// Every group's learnt facts, by group name.
+#[derive(Default)]
+pub struct Learnt {
+    groups: Mutex<HashMap<String, GroupLearnt>>,
+}
+
+impl Learnt {
+    pub fn get(&self, group: &str) -> GroupLearnt {
+        let groups = self.groups.lock().expect("learnt lock");
+        groups.get(group).copied().unwrap_or_default()
+    }
+
+    /// Applies `learn` to the group's facts; returns them as they were before.
+    pub fn update(&self, group: &str, learn: impl FnOnce(&mut GroupLearnt)) -> GroupLearnt {
+        let mut groups = self.groups.lock().expect("learnt lock");
+        let facts = groups.entry(group.to_string()).or_default();
+        let before = *facts;
+        learn(facts);
+        before
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn facts_start_unknown_and_update_returns_what_was_known() {
+        let learnt = Learnt::default();
+        assert_eq!(learnt.get("g"), GroupLearnt::default());
+        let before = learnt.update("g", |f| f.resumption_primes = Some(true));
+        assert_eq!(before.resumption_primes, None);
+        assert_eq!(learnt.get("g").resumption_primes, Some(true));
+        assert_eq!(learnt.get("other"), GroupLearnt::default());
+    }
+}

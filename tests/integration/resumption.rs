@@ -1,0 +1,318 @@
+//! Resumption that real servers survive. Each behaviour comes from a shipping SDK and is
+//! reproduced with the pinned ones: questions the TypeScript SDK pushes on the session's
+//! GET stream between rounds, a store that forgets a call's events once its result is
+//! sent (and answers a later resumption with an empty stream), and the Python SDK's
+//! shared store under load. Every flow runs through two replicas with every request on
+//! the other one, driven by the official Python and TypeScript clients.
+
+use crate::common::*;
+use crate::scripted::{legacy_basics, Answer, Gate, ScriptedUpstream, Seen};
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Runs `scenario` with both official clients through replicas `a` and `b`, each
+/// request to the other replica, `times` times each.
+fn both_clients_alternating(a: &TestGateway, b: &TestGateway, scenario: &str, times: usize) {
+    for i in 0..times {
+        let lines = python_modern(&[&a.url, scenario, &b.url]);
+        assert_modern_call(&lines, &format!("Python client, {scenario} #{i}"));
+        let lines = ts_modern(&[&a.url, scenario, &b.url]);
+        assert_modern_call(&lines, &format!("TypeScript client, {scenario} #{i}"));
+    }
+}
+
+#[test]
+fn questions_pushed_on_the_get_stream_in_sequence_complete_across_replicas() {
+    let (_upstream, url) = start_upstream(Upstream::TypeScript);
+    let a = TestGateway::start(&[&url], &test_keys());
+    let b = TestGateway::start(&[&url], &test_keys());
+    both_clients_alternating(&a, &b, "getstream-multi", 2);
+    both_clients_alternating(&a, &b, "getstream", 1);
+    println!(
+        "two questions in sequence on the GET stream: both clients, rounds on alternating replicas"
+    );
+}
+
+#[test]
+fn a_server_that_forgets_a_calls_events_at_its_result_loses_no_flow() {
+    let (_upstream, url) = start_upstream(Upstream::PythonForgetfulEventStore);
+    let a = TestGateway::start(&[&url], &test_keys());
+    let b = TestGateway::start(&[&url], &test_keys());
+    both_clients_alternating(&a, &b, "elicit", 6);
+    both_clients_alternating(&a, &b, "multi", 3);
+    println!("a store that drops a call's events at its result: 18 flows, none lost");
+}
+
+#[test]
+fn the_python_sdk_store_under_load_completes_every_flow_across_replicas() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let a = TestGateway::start(&[&url], &test_keys());
+    let b = TestGateway::start(&[&url], &test_keys());
+    // Parallel flows from other clients keep the server and its shared store busy.
+    std::thread::scope(|scope| {
+        for _ in 0..2 {
+            scope.spawn(|| both_clients_alternating(&a, &b, "two", 3));
+        }
+        both_clients_alternating(&a, &b, "multi", 3);
+    });
+}
+
+#[test]
+fn official_clients_show_the_gateways_error_for_an_upstream_failure() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "session-1") {
+            return answer;
+        }
+        match seen.jsonrpc_method().as_deref() {
+            Some("tools/call") => Answer::status(500, &[], b"internal error"),
+            Some("tools/list") => Answer::json(
+                200,
+                &json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": [
+                    {"name": "broken", "inputSchema": {"type": "object"}}]}}),
+            ),
+            _ => Answer::status(405, &[], b""),
+        }
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    for (client, lines) in [
+        ("Python", python_modern(&[&gw.url, "failing"])),
+        ("TypeScript", ts_modern(&[&gw.url, "failing"])),
+    ] {
+        let error = lines
+            .iter()
+            .find(|l| l["step"] == "error")
+            .unwrap_or_else(|| panic!("{client}: no error reported: {lines:?}"));
+        let message = error["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("upstream group 'default' failed") && message.contains("HTTP 500"),
+            "{client} hid the gateway's message: {error}"
+        );
+        assert_eq!(error["code"], -32603, "{client}: {error}");
+        println!("{client} client shows: {message}");
+    }
+}
+
+/// How the scripted server answers a `Last-Event-ID` resumption of a call's stream.
+#[derive(Clone, Copy, PartialEq)]
+enum Resumes {
+    /// Replays nothing new, primes the stream, and sends the result once the answer is in.
+    Primed,
+    /// 200 and a stream that ends at once: its store forgot the call.
+    Empty,
+    /// Primes the stream, then says nothing more.
+    Silent,
+}
+
+/// A scripted legacy server with sessions `s0`, `s1`, …: the call asks one question on
+/// its stream (event ids `{session}-c1` priming, `{session}-c2` the question), or on the
+/// session's GET stream (`{session}-g1`) with `on_get_stream`; a `ping` is primed with
+/// `{session}-p`. A resumption after another session's event id is refused when `scoped`,
+/// and resolved (a live, primed stream) when not, as a shared store does.
+fn resumable_server(resumes: Resumes, scoped: bool, on_get_stream: bool) -> ScriptedUpstream {
+    let sessions = AtomicUsize::new(0);
+    let answered = Gate::new();
+    let call_id = Mutex::new(Value::Null);
+    ScriptedUpstream::start(move |seen: &Seen| {
+        let sid = seen
+            .header("mcp-session-id")
+            .unwrap_or_default()
+            .to_string();
+        let question = |id: u64| {
+            json!({"jsonrpc": "2.0", "id": id, "method": "elicitation/create", "params": {
+                "mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}})
+        };
+        if seen.method == "GET" {
+            let Some(after) = seen.header("last-event-id") else {
+                let stream = Answer::sse(&[]);
+                return match on_get_stream {
+                    true => stream.event(Some(&format!("{sid}-g1")), &question(1)),
+                    false => stream,
+                };
+            };
+            if !after.starts_with(&format!("{sid}-")) {
+                return match scoped {
+                    true => Answer::status(400, &[], b"unknown event id"),
+                    false => Answer::sse(&[]).event(Some(&format!("{sid}-x")), &json!("")),
+                };
+            }
+            if after.starts_with(&format!("{sid}-g")) {
+                return Answer::sse(&[]);
+            }
+            let result = json!({"jsonrpc": "2.0", "id": *call_id.lock().unwrap(), "result": {
+                "content": [{"type": "text", "text": "done"}]}});
+            let primed = Answer::sse(&[]).event(Some(&format!("{sid}-c3")), &json!(""));
+            return match resumes {
+                Resumes::Primed => primed.wait(&answered).event(None, &result).end(),
+                Resumes::Empty => Answer::sse(&[]).end(),
+                Resumes::Silent => primed,
+            };
+        }
+        let body = seen.json().unwrap_or_default();
+        if body.get("method").is_none() && body.get("result").is_some() {
+            answered.open();
+            return Answer::status(202, &[], b"");
+        }
+        match body["method"].as_str() {
+            Some("initialize") => {
+                let n = sessions.fetch_add(1, Ordering::SeqCst);
+                legacy_basics(seen, &format!("s{n}")).expect("initialize")
+            }
+            Some("ping") => Answer::sse(&[])
+                .event(Some(&format!("{sid}-p")), &json!(""))
+                .event(
+                    None,
+                    &json!({"jsonrpc": "2.0", "id": body["id"], "result": {}}),
+                )
+                .end(),
+            Some("tools/call") => {
+                *call_id.lock().unwrap() = body["id"].clone();
+                let stream = Answer::sse(&[]).event(Some(&format!("{sid}-c1")), &json!(""));
+                match on_get_stream {
+                    true => stream,
+                    false => stream.event(Some(&format!("{sid}-c2")), &question(0)),
+                }
+            }
+            _ => legacy_basics(seen, "unused").unwrap_or_else(|| Answer::status(405, &[], b"")),
+        }
+    })
+}
+
+fn call_hostile(raw: &Raw, id: u64, extra: Value) -> (u16, Value) {
+    let mut params = json!({"name": "hostile", "arguments": {}});
+    params
+        .as_object_mut()
+        .expect("an object")
+        .extend(extra.as_object().expect("an object").clone());
+    let reply = raw.modern(id, "tools/call", params, json!({"elicitation": {}}));
+    (reply.status, reply.json())
+}
+
+/// Index in the upstream's log of the first request matching `what`.
+fn first_index(upstream: &ScriptedUpstream, what: impl Fn(&Seen) -> bool) -> Option<usize> {
+    upstream.requests().iter().position(what)
+}
+
+/// The upstream session the call ran in.
+fn call_session(upstream: &ScriptedUpstream) -> String {
+    upstream
+        .requests()
+        .iter()
+        .find(|s| s.jsonrpc_method().as_deref() == Some("tools/call"))
+        .and_then(|s| s.header("mcp-session-id").map(str::to_string))
+        .expect("the call went upstream")
+}
+
+fn is_answer(seen: &Seen) -> bool {
+    seen.json()
+        .is_some_and(|m| m.get("method").is_none() && m.get("result").is_some())
+}
+
+#[test]
+fn a_retry_reopens_the_call_stream_before_it_posts_the_answers() {
+    let upstream = resumable_server(Resumes::Primed, true, false);
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let (_, first) = call_hostile(&raw, 1, json!({}));
+    let (status, done) = call_hostile(&raw, 2, answer(&first, json!({"name": "x"})));
+    assert_eq!(
+        (status, &done["result"]["content"][0]["text"]),
+        (200, &json!("done")),
+        "{done}"
+    );
+    let sid = call_session(&upstream);
+    let question = format!("{sid}-c2");
+    let resumed = first_index(&upstream, |s| {
+        s.header("last-event-id") == Some(question.as_str())
+    });
+    let answered = first_index(&upstream, is_answer);
+    assert!(
+        resumed.is_some() && resumed < answered,
+        "the answer went up before the call's stream was reopened: {:?}",
+        upstream.requests()
+    );
+}
+
+#[test]
+fn an_empty_resumption_loses_the_flow_clearly_and_holds_the_groups_later_flows() {
+    let upstream = resumable_server(Resumes::Empty, true, false);
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let (_, first) = call_hostile(&raw, 1, json!({}));
+    let resumable = || metric_with(&gw.admin, "mrtr_gateway_upstream_resumable", "default");
+    assert_eq!(resumable(), Some(1.0), "the first round waits resumable");
+    let (status, lost) = call_hostile(&raw, 2, answer(&first, json!({"name": "x"})));
+    assert_eq!(status, 200, "{lost}");
+    assert_eq!(lost["error"]["code"], -32012, "{lost}");
+    let message = lost["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("no longer has this call's events"),
+        "{lost}"
+    );
+    assert_eq!(resumable(), Some(0.0), "the group's later flows are held");
+    assert!(
+        !upstream.requests().iter().any(is_answer),
+        "an answer was posted into a call whose events are gone"
+    );
+    wait_until(
+        "the dead call's session deleted",
+        Duration::from_secs(5),
+        || upstream.requests().iter().any(|s| s.method == "DELETE"),
+    );
+}
+
+#[test]
+fn a_round_the_upstream_leaves_silent_ends_with_a_clear_error() {
+    let upstream = resumable_server(Resumes::Silent, true, false);
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.bridge.round_silence_seconds = 1;
+        c.bridge.resume_poll_ms = 200;
+    });
+    let raw = Raw::new(&gw.url);
+    let (_, first) = call_hostile(&raw, 1, json!({}));
+    let started = Instant::now();
+    let (status, body) = call_hostile(&raw, 2, answer(&first, json!({"name": "x"})));
+    assert_eq!(status, 200, "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("upstream group 'default' sent nothing for 1 s")
+            && message.contains("tools/call 'hostile'"),
+        "{body}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn the_get_stream_is_resumed_only_where_the_store_keeps_sessions_apart() {
+    for scoped in [true, false] {
+        let upstream = resumable_server(Resumes::Primed, scoped, true);
+        let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+        let raw = Raw::new(&gw.url);
+        let (_, first) = call_hostile(&raw, 1, json!({}));
+        assert_eq!(first["result"]["resultType"], "input_required", "{first}");
+        let (_, _done) = call_hostile(&raw, 2, answer(&first, json!({"name": "x"})));
+        let sid = call_session(&upstream);
+        let session_gets: Vec<Option<String>> = upstream
+            .requests()
+            .iter()
+            .filter(|s| s.method == "GET" && s.header("mcp-session-id") == Some(sid.as_str()))
+            .map(|s| s.header("last-event-id").map(str::to_string))
+            .filter(|after| {
+                !after
+                    .as_deref()
+                    .is_some_and(|a| a.starts_with(&format!("{sid}-c")))
+            })
+            .collect();
+        let want = scoped.then(|| format!("{sid}-g1"));
+        assert_eq!(
+            session_gets.last(),
+            Some(&want),
+            "scoped store: {scoped}; the flow's GET streams: {session_gets:?}"
+        );
+    }
+}
