@@ -93,6 +93,8 @@ const KNOWN_METHODS: &[&str] = &[
     "batch",
 ];
 
+/// The `method` label of a POSTed JSON-RPC message: its method, or `response` for a
+/// response (an answer to a server request).
 pub fn method_label(method: Option<&str>) -> &'static str {
     match method {
         None => "response",
@@ -101,6 +103,19 @@ pub fn method_label(method: Option<&str>) -> &'static str {
             .find(|k| **k == m)
             .copied()
             .unwrap_or("other"),
+    }
+}
+
+/// The `method` label of a request: a POST's JSON-RPC method (`method_label`), or for a
+/// bodyless request its HTTP method (`GET`, a stream; `DELETE`, a session's end).
+pub fn request_label(http: &http::Method, method: Option<&str>, posted: bool) -> &'static str {
+    if posted {
+        return method_label(method);
+    }
+    match *http {
+        http::Method::GET => "GET",
+        http::Method::DELETE => "DELETE",
+        _ => "other",
     }
 }
 

@@ -5,7 +5,7 @@
 
 use super::respond;
 use super::Gateway;
-use crate::metrics::{method_label, InUse};
+use crate::metrics::{request_label, InUse};
 use crate::protocol::forwarded;
 use crate::protocol::headers::{self, MCP_SESSION_ID};
 use crate::protocol::jsonrpc::{code, Body};
@@ -69,7 +69,11 @@ pub async fn serve(
     principal: &[u8; 32],
 ) {
     let started = std::time::Instant::now();
-    let method = method_label(parsed.as_ref().and_then(Body::method));
+    let method = request_label(
+        &session.req_header().method,
+        parsed.as_ref().and_then(Body::method),
+        parsed.is_some(),
+    );
     let outcome = serve_inner(gw, session, group, body, parsed.as_ref(), principal).await;
     gw.record(era, method, outcome.label(), started);
 }

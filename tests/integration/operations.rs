@@ -50,6 +50,10 @@ fn metrics_after_a_flow_and_a_refused_state_hold_every_named_metric() {
         ("ok", 1.0),
     ] {
         let labels = format!("era=\"modern\",method=\"tools/call\",outcome=\"{outcome}\"");
+        // A request is counted once its response is written: the client may read first.
+        wait_until(&labels, Duration::from_secs(5), || {
+            metric_with(a, requests, &labels).is_some()
+        });
         assert_eq!(value(a, requests, &labels), n, "{outcome}");
     }
     let input_required = "mrtr_gateway_input_required_total";
@@ -110,6 +114,45 @@ fn metrics_after_a_flow_and_a_refused_state_hold_every_named_metric() {
     assert_eq!(value(a, "mrtr_gateway_build_info", &version), 1.0);
     let text = metrics_text(a);
     assert!(!text.contains(&state), "no state in the metrics");
+
+    // Bodyless legacy requests are labelled with their HTTP method, not as responses.
+    let session = raw.initialize(json!({}));
+    // Its own client: a stream left unread must not be reused for the DELETE.
+    let stream = Raw::new(&gw.url).request(
+        "GET",
+        &[
+            ("accept", "text/event-stream"),
+            ("mcp-session-id", session.as_str()),
+            ("mcp-protocol-version", "2025-11-25"),
+        ],
+        None,
+    );
+    assert_eq!(stream.status, 200);
+    drop(stream);
+    let deleted = raw.request(
+        "DELETE",
+        &[
+            ("mcp-session-id", session.as_str()),
+            ("mcp-protocol-version", "2025-11-25"),
+        ],
+        None,
+    );
+    assert_eq!(deleted.status, 200);
+    let labelled = |method: &str| {
+        let labels = format!("era=\"legacy\",method=\"{method}\"");
+        metric_with(a, requests, &labels)
+    };
+    wait_until(
+        "the GET stream's request counted",
+        Duration::from_secs(5),
+        || labelled("GET").is_some(),
+    );
+    assert_eq!(labelled("DELETE"), Some(1.0));
+    assert_eq!(
+        labelled("response"),
+        None,
+        "no bodyless request counted as a response"
+    );
 }
 
 #[test]
@@ -146,7 +189,8 @@ fn idle_client_streams_get_keep_alive_comments() {
     let gw = TestGateway::start_with(&[&url], &test_keys(), |c| c.sse_keepalive_ms = 100);
     let raw = Raw::new(&gw.url);
     let session = raw.initialize(json!({}));
-    let mut stream = raw.request(
+    // Its own client: a stream left unread must not be reused for the DELETE.
+    let mut stream = Raw::new(&gw.url).request(
         "GET",
         &[
             ("accept", "text/event-stream"),
