@@ -206,6 +206,12 @@ pub struct BridgeOptions {
     /// instead of waiting (and polling) on. Tools that work silently for longer should
     /// send progress notifications.
     pub round_silence_seconds: u64,
+    /// One-shot methods (lists, completion) run on an upstream session kept per shape
+    /// (group, declared capabilities, client, principal), reused until it idles this long;
+    /// 0 opens (and deletes) a session per request instead.
+    pub one_shot_session_idle_seconds: u64,
+    /// Most sessions kept for one-shot methods; beyond it the least recently used goes.
+    pub max_one_shot_sessions: usize,
     /// Most abandoned-flow sessions one replica watches; beyond it new interactive flows
     /// are refused rather than left unwatched.
     pub max_watched_sessions: usize,
@@ -238,6 +244,8 @@ impl Default for BridgeOptions {
             quiet_window_ms: 10,
             resume_poll_ms: 2000,
             round_silence_seconds: 45,
+            one_shot_session_idle_seconds: 300,
+            max_one_shot_sessions: 1024,
             max_watched_sessions: 100_000,
             max_used_states: 200_000,
             data_session_ttl_seconds: 3600,

@@ -81,6 +81,8 @@ pub struct Gateway {
     /// What this replica learnt about each group's upstream: refused resumptions (with
     /// `resume: auto` its flows are held from then on), priming, GET-stream replay.
     pub learnt: learnt::Learnt,
+    /// The upstream sessions one-shot methods run on, one per shape.
+    pub kept_sessions: bridge::one_shot::KeptSessions,
 }
 
 impl Gateway {
@@ -123,6 +125,10 @@ impl Gateway {
             held: Arc::new(held),
             peers,
             learnt: Default::default(),
+            kept_sessions: bridge::one_shot::KeptSessions::new(
+                config.bridge.max_one_shot_sessions,
+                Duration::from_secs(config.bridge.one_shot_session_idle_seconds),
+            ),
             config,
             keys: Arc::new(SharedKeyRing::new(keys)),
             upstreams,

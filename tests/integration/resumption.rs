@@ -316,3 +316,65 @@ fn the_get_stream_is_resumed_only_where_the_store_keeps_sessions_apart() {
         );
     }
 }
+
+#[test]
+fn one_shot_methods_reuse_a_kept_session_per_shape() {
+    // A server that takes its time over `initialize` (one framework waits a second for
+    // the client's capabilities): only the first list of a shape may pay for it.
+    let lists = AtomicUsize::new(0);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let sid = seen
+            .header("mcp-session-id")
+            .unwrap_or_default()
+            .to_string();
+        match seen.jsonrpc_method().as_deref() {
+            Some("initialize") => {
+                let n = seen.index;
+                return legacy_basics(seen, &format!("s{n}"))
+                    .expect("initialize")
+                    .pause(Duration::from_millis(1));
+            }
+            Some("tools/list") => {
+                // The upstream forgets the first kept session at the fourth list.
+                if lists.fetch_add(1, Ordering::SeqCst) == 3 {
+                    return Answer::status(404, &[], b"session not found");
+                }
+                let tools = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {
+                    "tools": [{"name": format!("from-{sid}"), "inputSchema": {"type": "object"}}]}});
+                return Answer::json(200, &tools);
+            }
+            _ => {}
+        }
+        legacy_basics(seen, "unused").unwrap_or_else(|| Answer::status(405, &[], b""))
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let list = |caps: Value| {
+        let body = raw.modern(1, "tools/list", json!({}), caps).json();
+        body["result"]["tools"][0]["name"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no tools: {body}"))
+            .to_string()
+    };
+    let initializes = || {
+        upstream
+            .requests()
+            .iter()
+            .filter(|s| s.jsonrpc_method().as_deref() == Some("initialize"))
+            .count()
+    };
+    let first = list(json!({}));
+    // The first request also opened a session to learn the upstream's era.
+    let opened = initializes();
+    assert_eq!(list(json!({})), first, "the same shape, the same session");
+    assert_eq!(initializes(), opened);
+    let other = list(json!({"elicitation": {}}));
+    assert_ne!(other, first, "another shape, another session");
+    assert_eq!(initializes(), opened + 1);
+    // The upstream forgot the first shape's session: the list goes again on a new one.
+    let renewed = list(json!({}));
+    assert_ne!(renewed, first);
+    assert_eq!(initializes(), opened + 2);
+    assert_eq!(list(json!({})), renewed);
+    assert_eq!(initializes(), opened + 2);
+}

@@ -10,6 +10,7 @@
 
 mod flow;
 pub mod hold;
+pub mod one_shot;
 mod probe;
 mod reply;
 mod session;
@@ -24,9 +25,11 @@ use crate::protocol::jsonrpc::{code, Body};
 use crate::upstream::legacy_session::{read_single, LegacySession, SessionError};
 use crate::upstream::UpstreamGroup;
 use bytes::Bytes;
+use one_shot::KeptSessions;
 use pingora::protocols::http::ServerSession;
 use reply::{decorate, ClientReply};
 use serde_json::{json, Value};
+use std::time::Instant;
 use tracing::Instrument;
 
 /// The params sent upstream: the client's, less what only the 2026-07-28 wire carries,
@@ -95,7 +98,7 @@ pub async fn serve(
         Ok(message) => message,
         Err(text) => {
             respond::error(session, 400, None, code::INVALID_REQUEST, &text).await;
-            gw.record("modern", method_label(None), "bad_request", started);
+            gw.record("modern", "other", "bad_request", started);
             return;
         }
     };
@@ -235,7 +238,7 @@ async fn serve_inner(
         Kind::Interactive => {
             flow::interactive(gw, session, group, request, reply, incoming, attached).await
         }
-        Kind::OneShot => one_shot(gw, session, group, &request, reply, attached).await,
+        Kind::OneShot => one_shot(gw, session, group, &request, reply, attached, principal).await,
         Kind::SessionCreate => {
             session::create(gw, session, group, &request, reply, principal).await
         }
@@ -326,6 +329,8 @@ async fn discover(
     "ok"
 }
 
+/// A one-shot method (a list, completion): on the data-layer session it runs in, else on
+/// the session kept for its shape (`one_shot`), opened (and kept) when there is none.
 async fn one_shot(
     gw: &Gateway,
     session: &mut ServerSession,
@@ -333,25 +338,93 @@ async fn one_shot(
     request: &ModernRequest,
     reply: ClientReply,
     attached: Option<&session::Attached>,
+    principal: &[u8; 32],
 ) -> &'static str {
-    let upstream = match upstream_for(gw, group, request, attached).await {
+    if attached.is_some() || gw.config.bridge.one_shot_session_idle_seconds == 0 {
+        let upstream = match upstream_for(gw, group, request, attached).await {
+            Ok(upstream) => upstream,
+            Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
+        };
+        let answer = ask_once(gw, &upstream, request).await;
+        end_session(gw, &upstream).await;
+        return answered(gw, session, group, reply, answer).await;
+    }
+    let caps = Value::Object(request.client_capabilities.clone());
+    let shape = KeptSessions::shape(&group.name, &caps, &client_info(request), principal);
+    let mut retired = Vec::new();
+    let kept = gw.kept_sessions.take_live(&shape, Instant::now());
+    let kept = kept.unwrap_or_else(|idle| {
+        retired.push(idle);
+        None
+    });
+    let timeouts = &group.timeouts;
+    if let Some(kept) = kept {
+        if let Some(upstream) = one_shot::resume(&gw.client, group, timeouts, &kept) {
+            match ask_once(gw, &upstream, request).await {
+                // The upstream forgot the session, so it did not take the request: it goes
+                // again, on a new session.
+                Err(SessionError::Gone) => gw.kept_sessions.forget(&shape, &kept.session_id),
+                answer => {
+                    gw.metrics.upstream_session("reused");
+                    let outcome = answered(gw, session, group, reply, answer).await;
+                    retire(gw, group, retired).await;
+                    return outcome;
+                }
+            }
+        }
+    }
+    let upstream = match upstream_for(gw, group, request, None).await {
         Ok(upstream) => upstream,
         Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
     };
+    let answer = ask_once(gw, &upstream, request).await;
+    match (&answer, upstream.session_id.clone()) {
+        (Ok(_), Some(sid)) => {
+            let (addr, version) = (upstream.endpoint.addr, upstream.version.clone());
+            let now = Instant::now();
+            retired.extend(gw.kept_sessions.keep(shape, addr, sid, version, now));
+        }
+        _ => end_session(gw, &upstream).await,
+    }
+    let outcome = answered(gw, session, group, reply, answer).await;
+    retire(gw, group, retired).await;
+    outcome
+}
+
+/// Posts a one-shot request and reads its one answer.
+async fn ask_once(
+    gw: &Gateway,
+    upstream: &LegacySession<'_>,
+    request: &ModernRequest,
+) -> Result<Value, SessionError> {
     let id = fresh_call_id();
     let call = json!({"jsonrpc": "2.0", "id": id, "method": request.method, "params": upstream_params(request)});
-    let answer = match upstream.post(&call).await {
-        Ok(mut response) => {
-            let message = read_single(&mut response).await;
-            gw.client.finish(response).await;
-            message
-        }
-        Err(e) => Err(e),
-    };
-    end_session(gw, &upstream).await;
+    let mut response = upstream.post(&call).await?;
+    let message = read_single(&mut response).await;
+    gw.client.finish(response).await;
+    message
+}
+
+async fn answered(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    group: &UpstreamGroup,
+    reply: ClientReply,
+    answer: Result<Value, SessionError>,
+) -> &'static str {
     match answer {
         Ok(message) => finish_with(reply, session, message, &gw.server_info(group), true).await,
         Err(e) => upstream_failed(gw, reply, session, group, &e).await,
+    }
+}
+
+/// Deletes kept sessions that idled too long or no longer fit (after the client has its
+/// answer).
+async fn retire(gw: &Gateway, group: &UpstreamGroup, retired: Vec<one_shot::Kept>) {
+    for kept in retired {
+        if let Some(upstream) = one_shot::resume(&gw.client, group, &group.timeouts, &kept) {
+            upstream.delete().await;
+        }
     }
 }
 

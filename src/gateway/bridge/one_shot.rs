@@ -1,0 +1,201 @@
+//! One-shot methods (lists, completion) served from a kept upstream session per shape.
+//!
+//! A legacy upstream needs a session (`initialize`, `notifications/initialized`) before
+//! it answers anything, and some servers take long to open one (one TypeScript framework
+//! waits a second for the client's capabilities on every `initialize`). A 2026-07-28
+//! client has no session, so opening one per request made every `tools/list` pay that
+//! cost. One-shot methods change nothing on the server, so one session serves all of a
+//! shape's one-shot requests: a shape is everything that decides what a session answers
+//! (the group, the declared client capabilities, the client's identity, the principal).
+//! Interactive calls never use these sessions, so no call's server-side state is seen by
+//! another. A kept session the upstream has forgotten (HTTP 404) is replaced, and the
+//! request sent again on the new one: a 404 means the request was not processed.
+
+use crate::upstream::exchange::UpstreamClient;
+use crate::upstream::legacy_session::LegacySession;
+use crate::upstream::{Timeouts, UpstreamGroup};
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// A shape's digest: group, capabilities, client identity and principal.
+pub type Shape = [u8; 32];
+
+/// Which upstream session serves a shape's one-shot requests.
+#[derive(Clone, Debug)]
+pub struct Kept {
+    pub endpoint: SocketAddr,
+    pub session_id: String,
+    /// The protocol version the upstream negotiated for it.
+    pub version: String,
+    last_used: Instant,
+}
+
+/// The kept sessions, by shape; bounded, the least recently used going first.
+pub struct KeptSessions {
+    sessions: Mutex<HashMap<Shape, Kept>>,
+    max: usize,
+    idle: Duration,
+}
+
+impl KeptSessions {
+    pub fn new(max: usize, idle: Duration) -> KeptSessions {
+        KeptSessions {
+            sessions: Mutex::default(),
+            max,
+            idle,
+        }
+    }
+
+    /// The digest of a shape.
+    pub fn shape(
+        group: &str,
+        capabilities: &serde_json::Value,
+        client_info: &serde_json::Value,
+        principal: &[u8; 32],
+    ) -> Shape {
+        let mut h = Sha256::new();
+        h.update(b"mrtr-gateway one-shot shape v1\0");
+        for part in [
+            group.to_string(),
+            capabilities.to_string(),
+            client_info.to_string(),
+        ] {
+            h.update((part.len() as u64).to_be_bytes());
+            h.update(part.as_bytes());
+        }
+        h.update(principal);
+        h.finalize().into()
+    }
+
+    /// The session kept for `shape` at `now`, unless it idled past the limit: that one is
+    /// handed back as `Err` for its owner to delete.
+    pub fn take_live(&self, shape: &Shape, now: Instant) -> Result<Option<Kept>, Kept> {
+        let mut sessions = self.sessions.lock().expect("kept sessions lock");
+        let Some(kept) = sessions.get_mut(shape) else {
+            return Ok(None);
+        };
+        if now.saturating_duration_since(kept.last_used) > self.idle {
+            return Err(sessions.remove(shape).expect("present"));
+        }
+        kept.last_used = now;
+        Ok(Some(kept.clone()))
+    }
+
+    /// Keeps `kept` for `shape`; returns what no longer fits (an older session of the
+    /// shape, or the least recently used one) for its owner to delete.
+    pub fn keep(
+        &self,
+        shape: Shape,
+        endpoint: SocketAddr,
+        session_id: String,
+        version: String,
+        now: Instant,
+    ) -> Option<Kept> {
+        let mut sessions = self.sessions.lock().expect("kept sessions lock");
+        let kept = Kept {
+            endpoint,
+            session_id,
+            version,
+            last_used: now,
+        };
+        if let Some(older) = sessions.insert(shape, kept) {
+            return Some(older);
+        }
+        if sessions.len() <= self.max {
+            return None;
+        }
+        let oldest = *sessions
+            .iter()
+            .min_by_key(|(_, k)| k.last_used)
+            .map(|(shape, _)| shape)
+            .expect("over the limit, so not empty");
+        sessions.remove(&oldest)
+    }
+
+    /// Forgets the session of `shape` if it is still `session_id` (the upstream lost it).
+    pub fn forget(&self, shape: &Shape, session_id: &str) {
+        let mut sessions = self.sessions.lock().expect("kept sessions lock");
+        if sessions
+            .get(shape)
+            .is_some_and(|k| k.session_id == session_id)
+        {
+            sessions.remove(shape);
+        }
+    }
+
+    /// How many sessions are kept now.
+    pub fn len(&self) -> usize {
+        self.sessions.lock().expect("kept sessions lock").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Resumes a kept session on `group` (whose endpoint must still be a member).
+pub fn resume<'g>(
+    client: &'g UpstreamClient,
+    group: &'g UpstreamGroup,
+    timeouts: &'g Timeouts,
+    kept: &Kept,
+) -> Option<LegacySession<'g>> {
+    let endpoint = group.endpoint(kept.endpoint)?;
+    let mut session = LegacySession::resume(client, endpoint, timeouts, kept.session_id.clone());
+    session.version = kept.version.clone();
+    Some(session)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn addr() -> SocketAddr {
+        "127.0.0.1:1".parse().unwrap()
+    }
+
+    #[test]
+    fn a_shape_is_every_part_that_decides_what_a_session_answers() {
+        let base = KeptSessions::shape("g", &json!({"roots": {}}), &json!({"name": "c"}), &[1; 32]);
+        for other in [
+            KeptSessions::shape("h", &json!({"roots": {}}), &json!({"name": "c"}), &[1; 32]),
+            KeptSessions::shape("g", &json!({}), &json!({"name": "c"}), &[1; 32]),
+            KeptSessions::shape("g", &json!({"roots": {}}), &json!({"name": "d"}), &[1; 32]),
+            KeptSessions::shape("g", &json!({"roots": {}}), &json!({"name": "c"}), &[2; 32]),
+        ] {
+            assert_ne!(base, other);
+        }
+    }
+
+    #[test]
+    fn kept_sessions_are_bounded_idle_ones_handed_back_and_forgotten_ones_dropped() {
+        let t0 = Instant::now();
+        let kept = KeptSessions::new(2, Duration::from_secs(60));
+        let keep = |shape: u8, sid: &str, at: Instant| {
+            kept.keep([shape; 32], addr(), sid.into(), "v".into(), at)
+        };
+        assert!(keep(1, "a", t0).is_none());
+        assert!(keep(2, "b", t0).is_none());
+        let later = t0 + Duration::from_secs(1);
+        assert_eq!(
+            kept.take_live(&[1; 32], later).unwrap().unwrap().session_id,
+            "a"
+        );
+        let evicted = keep(3, "c", later).unwrap();
+        assert_eq!(evicted.session_id, "b", "the least recently used goes");
+        let replaced = keep(1, "a2", later).unwrap();
+        assert_eq!(replaced.session_id, "a");
+        kept.forget(&[1; 32], "a");
+        assert_eq!(kept.len(), 2, "only the session named is forgotten");
+        kept.forget(&[1; 32], "a2");
+        assert!(kept.take_live(&[1; 32], later).unwrap().is_none());
+
+        let idle = t0 + Duration::from_secs(62);
+        assert_eq!(kept.take_live(&[3; 32], idle).unwrap_err().session_id, "c");
+        assert!(kept.is_empty());
+    }
+}
