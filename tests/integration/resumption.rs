@@ -272,7 +272,16 @@ fn a_round_the_upstream_leaves_silent_ends_with_a_clear_error() {
     let raw = Raw::new(&gw.url);
     let (_, first) = call_hostile(&raw, 1, json!({}));
     let started = Instant::now();
-    let (status, body) = call_hostile(&raw, 2, answer(&first, json!({"name": "x"})));
+    // Keep-alive comments keep the client's read alive, so the wait is bounded here.
+    let (sent, answered) = std::sync::mpsc::channel();
+    let retry = answer(&first, json!({"name": "x"}));
+    let url = gw.url.clone();
+    std::thread::spawn(move || {
+        let _ = sent.send(call_hostile(&Raw::new(&url), 2, retry));
+    });
+    let (status, body) = answered
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the silent round ended within 10 s");
     assert_eq!(status, 200, "{body}");
     let message = body["error"]["message"].as_str().unwrap_or_default();
     assert!(
