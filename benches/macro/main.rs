@@ -15,6 +15,8 @@
 //!    before and after, then all completed (none lost, none completed twice); against
 //!    flows whose SSE stream the gateway's legacy pass-through holds.
 //! 4. `requestState` size on the wire for 1, 3 and 10 input requests.
+//! 5. Stalls: sequential bridged flows against the Python SDK server with an event store,
+//!    each timed (p50, p90, p99, max).
 
 mod client;
 mod load;
@@ -22,6 +24,7 @@ mod mcp;
 mod pending;
 mod procs;
 mod report;
+mod stall;
 
 use client::Conn;
 use load::{drive, Budget, Stats};
@@ -41,6 +44,8 @@ pub struct Scale {
     pub flow_workers: usize,
     pub pending: usize,
     pub held: usize,
+    /// Sequential flows in the stall section.
+    pub stall_flows: usize,
 }
 
 impl Scale {
@@ -65,6 +70,7 @@ impl Scale {
             flow_workers: env("MRTR_BENCH_FLOW_CONNECTIONS", if full { 8.0 } else { 4.0 }) as usize,
             pending: env("MRTR_BENCH_PENDING", pending) as usize,
             held: env("MRTR_BENCH_HELD", held) as usize,
+            stall_flows: env("MRTR_BENCH_STALL_FLOWS", if full { 100.0 } else { 10.0 }) as usize,
         }
     }
 
@@ -89,7 +95,7 @@ fn main() {
         .enable_all()
         .build()
         .expect("a runtime");
-    // MRTR_BENCH_ONLY=pending (or pass, flow, state) runs one section while iterating.
+    // MRTR_BENCH_ONLY=pending (or pass, flow, state, stall) runs one section while iterating.
     let only = std::env::var("MRTR_BENCH_ONLY").unwrap_or_default();
     let run = |section: &str| only.is_empty() || only == section;
     runtime.block_on(async {
@@ -104,6 +110,9 @@ fn main() {
         }
         if run("state") {
             state_sizes(&dir, &mut report).await;
+        }
+        if run("stall") {
+            stall::measure(scale.stall_flows, &dir, &mut report).await;
         }
     });
     let _ = std::fs::remove_dir_all(&dir);

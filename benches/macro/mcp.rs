@@ -8,8 +8,8 @@ use serde_json::{json, Map, Value};
 
 pub const PATH: &str = "/mcp";
 const LEGACY: &str = "2025-11-25";
-const MODERN: &str = "2026-07-28";
-const ACCEPT: &str = "application/json, text/event-stream";
+pub const MODERN: &str = "2026-07-28";
+pub const ACCEPT: &str = "application/json, text/event-stream";
 
 pub async fn legacy_post(
     conn: &mut Conn,
@@ -141,8 +141,30 @@ pub async fn legacy_flow(
     interview: Interview,
     tag: &str,
 ) -> Result<(), String> {
+    let call = LegacyCall {
+        tool: "interview",
+        arguments: interview.arguments(),
+        expected: &interview.expected(tag),
+    };
+    legacy_call_flow(stream, side, call, |params| accept(tag, params)).await
+}
+
+/// A tool called in a legacy flow, and the result text it must give.
+pub struct LegacyCall<'a> {
+    pub tool: &'a str,
+    pub arguments: Value,
+    pub expected: &'a str,
+}
+
+/// `legacy_flow` for any tool: each question's params go to `answer` for its result.
+pub async fn legacy_call_flow(
+    stream: &mut Conn,
+    side: &mut Conn,
+    call: LegacyCall<'_>,
+    answer: impl Fn(&Value) -> Value,
+) -> Result<(), String> {
     let session = initialize(side).await?;
-    let params = json!({"name": "interview", "arguments": interview.arguments()});
+    let params = json!({"name": call.tool, "arguments": call.arguments});
     let body = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params});
     let mut events = legacy_post(stream, Some(&session), body).await?.events();
     loop {
@@ -151,11 +173,12 @@ pub async fn legacy_flow(
             .await?
             .ok_or("the call's stream ended without a result")?;
         if message["method"] == "elicitation/create" {
-            let answer = json!({"jsonrpc": "2.0", "id": message["id"], "result": accept(tag, &message["params"])});
+            let result = answer(&message["params"]);
+            let answer = json!({"jsonrpc": "2.0", "id": message["id"], "result": result});
             let reply = legacy_post(side, Some(&session), answer).await?;
             expect_status(reply, 202, "answer").await?;
         } else if message["id"] == 1 {
-            check(result_text(&message)?, &interview.expected(tag))?;
+            check(result_text(&message)?, call.expected)?;
             break;
         }
     }

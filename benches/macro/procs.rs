@@ -90,9 +90,14 @@ fn free_addr() -> String {
 }
 
 fn start(name: &'static str, addr: String, command: &mut Command) -> Proc {
+    start_with(name, addr, command, Stdio::inherit())
+}
+
+/// `start`, with the process's standard error going to `stderr`.
+fn start_with(name: &'static str, addr: String, command: &mut Command, stderr: Stdio) -> Proc {
     let child = command
         .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
+        .stderr(stderr)
         .spawn()
         .unwrap_or_else(|e| panic!("start {name}: {e}"));
     let proc = Proc { name, addr, child };
@@ -118,6 +123,27 @@ pub fn backend() -> Proc {
             .args(["demo-server", "--threads", "1", "--listen", &addr])
             .env("RUST_LOG", "warn"),
     )
+}
+
+/// The Python SDK legacy fixture (`mcp` 2.3.0, with the SDK-style shared event store),
+/// or `None` when `tests/setup.sh` has not installed its venv.
+pub fn python_backend() -> Option<Proc> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python = root.join("tests/.venv/bin/python");
+    if !python.exists() {
+        return None;
+    }
+    let addr = free_addr();
+    let port = addr.rsplit(':').next().expect("host:port").to_string();
+    // The SDK logs every session it opens; the report is what matters here.
+    Some(start_with(
+        "Python",
+        addr,
+        command(Side::Backend, python)
+            .arg(root.join("tests/fixtures/py_legacy_server.py"))
+            .arg(port),
+        Stdio::null(),
+    ))
 }
 
 /// Gateway options the harness varies.

@@ -260,6 +260,59 @@ impl Report {
         let _ = writeln!(self.text);
     }
 
+    /// A section that could not run here, and why.
+    pub fn skipped(&mut self, section: &str, why: &str) {
+        let _ = writeln!(self.text, "## {section}\n\nNot run: {why}.\n");
+    }
+
+    /// A section that failed: the run exits non-zero.
+    pub fn failed(&mut self, what: &str, error: &str) {
+        self.failures.push(format!("{what}: {error}"));
+    }
+
+    /// Bridged flows against the same flows driven directly, interleaved in one run.
+    pub fn stalls(
+        &mut self,
+        bridged: &[std::time::Duration],
+        direct: &[std::time::Duration],
+        backend: &crate::procs::Proc,
+    ) {
+        let figures = |times: &[std::time::Duration]| {
+            let mut sorted = times.to_vec();
+            sorted.sort();
+            [50.0, 90.0, 99.0, 100.0]
+                .map(|p| crate::stall::percentile(&sorted, p).as_secs_f64() * 1000.0)
+        };
+        let _ = writeln!(
+            self.text,
+            "## Stalls: {} sequential flows against the {} SDK server with an event store\n",
+            bridged.len(),
+            backend.name
+        );
+        let _ = writeln!(
+            self.text,
+            "`ask_name` (one question, then the result), one client, default settings (quiet window 10 ms, resume poll 2 s); each bridged flow followed by the same flow driven directly by a legacy client (its stream held open), whose tail is the server's own.\n\n| flow | p50 | p90 | p99 | max | max / p50 |\n| --- | ---: | ---: | ---: | ---: | ---: |"
+        );
+        for (label, times) in [
+            ("2026-07-28 through the gateway", bridged),
+            ("legacy, direct", direct),
+        ] {
+            let [p50, p90, p99, max] = figures(times);
+            let _ = writeln!(
+                self.text,
+                "| {label} | {p50:.2} ms | {p90:.2} ms | {p99:.2} ms | {max:.2} ms | {:.2} |",
+                max / p50
+            );
+        }
+        let _ = writeln!(self.text);
+        let [p50, _, _, max] = figures(bridged);
+        self.goal(
+            "stalls: no bridged flow of the run over 2 × p50",
+            format!("max {max:.2} ms, p50 {p50:.2} ms ({:.2}×)", max / p50),
+            max < 2.0 * p50,
+        );
+    }
+
     pub fn finish(mut self) {
         let _ = writeln!(
             self.text,
