@@ -33,6 +33,12 @@ fn machine() -> String {
     format!("{cores} cores, {model}")
 }
 
+/// The `p`th percentile (0 to 100) of sorted durations, nearest rank.
+fn percentile(sorted: &[std::time::Duration], p: f64) -> std::time::Duration {
+    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
 fn ms(stats: &Stats, p: f64) -> String {
     format!("{:.2}", stats.percentile_ms(p))
 }
@@ -281,7 +287,7 @@ impl Report {
             let mut sorted = times.to_vec();
             sorted.sort();
             [50.0, 90.0, 99.0, 100.0]
-                .map(|p| crate::stall::percentile(&sorted, p).as_secs_f64() * 1000.0)
+                .map(|p| percentile(&sorted, p).as_secs_f64() * 1000.0)
         };
         let _ = writeln!(
             self.text,

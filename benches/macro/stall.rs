@@ -10,7 +10,7 @@ use crate::procs::{self, GatewayOptions};
 use crate::report::Report;
 use serde_json::{json, Map, Value};
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 const TOOL: &str = "ask_name";
 
@@ -106,10 +106,4 @@ async fn call(conn: &mut Conn, id: u64, retry: Map<String, Value>) -> Result<Val
         .send("POST", crate::mcp::PATH, &headers, Some(body.to_string()))
         .await?;
     reply.response_to(id).await
-}
-
-/// The `p`th percentile (0 to 100) of sorted durations, nearest rank.
-pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
-    let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
-    sorted[rank.clamp(1, sorted.len()) - 1]
 }
