@@ -286,8 +286,7 @@ impl Report {
         let figures = |times: &[std::time::Duration]| {
             let mut sorted = times.to_vec();
             sorted.sort();
-            [50.0, 90.0, 99.0, 100.0]
-                .map(|p| percentile(&sorted, p).as_secs_f64() * 1000.0)
+            [50.0, 90.0, 99.0, 100.0].map(|p| percentile(&sorted, p).as_secs_f64() * 1000.0)
         };
         let _ = writeln!(
             self.text,
