@@ -9,7 +9,9 @@ use chacha20poly1305::aead::{Aead, KeyInit, Payload};
 use chacha20poly1305::{XChaCha20Poly1305, XNonce};
 use criterion::{black_box, criterion_group, Criterion, Throughput};
 use mrtr_gateway::keys::KeyRing;
-use mrtr_gateway::mrtr::state::{binding, FlowState, Pending, UpstreamId};
+use mrtr_gateway::mrtr::state::{
+    binding, FlowState, Pending, Positions, UpstreamCall, UpstreamId, Waiting,
+};
 use mrtr_gateway::mrtr::translate::{Action, Round};
 use mrtr_gateway::protocol::jsonrpc;
 use mrtr_gateway::protocol::session_token::SessionToken;
@@ -32,28 +34,32 @@ fn token() -> SessionToken {
 fn state(questions: usize) -> FlowState {
     FlowState {
         group: "default".into(),
-        endpoint: "10.0.0.7:3001".parse().unwrap(),
-        upstream_session: "5b0c3a1e4d2f4f8e9c1a7f6e5d4c3b2a".into(),
-        call_id: UpstreamId::Number(1),
-        pending: (0..questions)
-            .map(|i| Pending {
-                key: format!("elicitation_{i}"),
-                upstream_id: UpstreamId::Number(i as i64),
-                fingerprint: None,
-            })
-            .collect(),
-        last_event_id: Some("1:3".into()),
-        round_start: Some("1:2".into()),
-        round: 1,
-        expires_at: 2_000_000_000,
-        flow_deadline: 2_000_001_200,
-        started_ms: 1_000_000,
-        reissue: false,
-        data_session: false,
-        known: Vec::new(),
         flow_id: 0x1234_5678_9abc_def0,
-        held: None,
-        session_event_id: None,
+        started_ms: 1_000_000,
+        flow_deadline: 2_000_001_200,
+        expires_at: 2_000_000_000,
+        round: 1,
+        known: Vec::new(),
+        waiting: Waiting::Resumable {
+            call: UpstreamCall {
+                endpoint: "10.0.0.7:3001".parse().unwrap(),
+                session: "5b0c3a1e4d2f4f8e9c1a7f6e5d4c3b2a".into(),
+                id: UpstreamId::Number(1),
+                data_session: false,
+            },
+            pending: (0..questions)
+                .map(|i| Pending {
+                    key: format!("elicitation_{i}"),
+                    upstream_id: UpstreamId::Number(i as i64),
+                    fingerprint: None,
+                })
+                .collect(),
+            positions: Positions {
+                last_event_id: Some("1:3".into()),
+                round_start: Some("1:2".into()),
+                session_from: None,
+            },
+        },
     }
 }
 

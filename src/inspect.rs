@@ -5,7 +5,7 @@
 
 use crate::keys::KeyRing;
 use crate::mrtr::data_session::DataSession;
-use crate::mrtr::state::FlowState;
+use crate::mrtr::state::{FlowState, Waiting};
 use crate::protocol::session_token::SessionToken;
 use crate::seal::{self, OpenError};
 use std::fmt::Write;
@@ -52,30 +52,37 @@ fn expiry(at: u64, now: u64) -> String {
 
 fn state_report(kid: &str, bound: &[u8; 32], s: &FlowState, now: u64) -> String {
     let pending: Vec<String> = s
-        .pending
+        .waiting
+        .pending()
         .iter()
         .map(|p| format!("{}={}", p.key, p.upstream_id.to_json()))
         .collect();
+    let call = s.waiting.call();
+    let field =
+        |f: fn(&crate::mrtr::state::UpstreamCall) -> String| call.map(f).unwrap_or_default();
+    let positions = match &s.waiting {
+        Waiting::Resumable { positions, .. } => positions.clone(),
+        _ => Default::default(),
+    };
     let fields = [
         ("kind", "requestState".to_string()),
         ("key id", kid.to_string()),
         ("flow id", format!("{:016x}", s.flow_id)),
         ("group", s.group.clone()),
-        ("endpoint", s.endpoint.to_string()),
-        ("upstream session", s.upstream_session.clone()),
-        ("upstream call id", s.call_id.to_json().to_string()),
+        ("waits", waits(&s.waiting)),
+        ("endpoint", field(|c| c.endpoint.to_string())),
+        ("upstream session", field(|c| c.session.clone())),
+        ("upstream call id", field(|c| c.id.to_json().to_string())),
+        ("data session", s.waiting.data_session().to_string()),
         ("pending", pending.join(", ")),
         ("round", s.round.to_string()),
-        ("last event id", s.last_event_id.clone().unwrap_or_default()),
-        ("round start", s.round_start.clone().unwrap_or_default()),
+        ("last event id", positions.last_event_id.unwrap_or_default()),
+        ("round start", positions.round_start.unwrap_or_default()),
         (
             "session stream from",
-            s.session_event_id.clone().unwrap_or_default(),
+            positions.session_from.unwrap_or_default(),
         ),
-        ("reissue", s.reissue.to_string()),
-        ("data session", s.data_session.to_string()),
         ("known answers", s.known.len().to_string()),
-        ("held by", held_by(s.held)),
         ("expires", expiry(s.expires_at, now)),
         ("flow deadline", expiry(s.flow_deadline, now)),
         ("principal tag", hex(&bound[..16])),
@@ -84,17 +91,19 @@ fn state_report(kid: &str, bound: &[u8; 32], s: &FlowState, now: u64) -> String 
     table(&fields)
 }
 
-/// Where a held flow waits: its owner's peer address and its slot.
-fn held_by(held: Option<crate::mrtr::state::HeldAt>) -> String {
-    match held {
-        None => "no (resumable)".into(),
-        Some(h) => {
-            let owner = h
+/// What a flow waits as, and for a held one, where: its owner's peer address and slot.
+fn waits(waiting: &Waiting) -> String {
+    match waiting {
+        Waiting::Deferred { .. } => "deferred (the retry starts the call)".into(),
+        Waiting::Resumable { .. } => "resumable".into(),
+        Waiting::Reissue { .. } => "reissue (the retry posts the call again)".into(),
+        Waiting::Held { at, .. } => {
+            let owner = at
                 .owner
                 .map_or("the replica that ran it (no peer listener)".into(), |o| {
                     o.to_string()
                 });
-            format!("{owner}, slot {:016x}", h.slot)
+            format!("held by {owner}, slot {:016x}", at.slot)
         }
     }
 }
@@ -140,7 +149,7 @@ fn table(fields: &[(&str, String)]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mrtr::state::{binding, Pending, UpstreamId};
+    use crate::mrtr::state::{binding, Pending, Positions, UpstreamCall, UpstreamId};
 
     fn ring(text: &str) -> KeyRing {
         KeyRing::parse(text).unwrap()
@@ -152,26 +161,30 @@ mod tests {
     fn a_state_shows_its_fields_and_a_foreign_one_is_refused() {
         let state = FlowState {
             group: "default".into(),
-            endpoint: "10.0.0.7:3001".parse().unwrap(),
-            upstream_session: "sess-1".into(),
-            call_id: UpstreamId::Number(1),
-            pending: vec![Pending {
-                key: "elicitation_0".into(),
-                upstream_id: UpstreamId::Number(0),
-                fingerprint: None,
-            }],
-            last_event_id: Some("ev-3".into()),
-            round_start: Some("ev-2".into()),
-            round: 2,
-            expires_at: 1_000,
-            flow_deadline: 2_000,
-            started_ms: 1_000_000,
-            reissue: false,
-            data_session: false,
-            known: Vec::new(),
             flow_id: 0xabc,
-            held: None,
-            session_event_id: None,
+            started_ms: 1_000_000,
+            flow_deadline: 2_000,
+            expires_at: 1_000,
+            round: 2,
+            known: Vec::new(),
+            waiting: Waiting::Resumable {
+                call: UpstreamCall {
+                    endpoint: "10.0.0.7:3001".parse().unwrap(),
+                    session: "sess-1".into(),
+                    id: UpstreamId::Number(1),
+                    data_session: false,
+                },
+                pending: vec![Pending {
+                    key: "elicitation_0".into(),
+                    upstream_id: UpstreamId::Number(0),
+                    fingerprint: None,
+                }],
+                positions: Positions {
+                    last_event_id: Some("ev-3".into()),
+                    round_start: Some("ev-2".into()),
+                    session_from: None,
+                },
+            },
         };
         let bind = binding(&[9; 32], "tools/call", Some("t"), None);
         let sealed = state.seal(&ring(K1), &bind);

@@ -13,6 +13,7 @@ pub mod inspect;
 pub mod keys;
 pub mod metrics;
 pub mod mrtr;
+pub mod outcome;
 pub mod principal;
 pub mod protocol;
 pub mod seal;

@@ -8,6 +8,12 @@
 //! supplied by the caller (for example a digest of the principal). A blob therefore opens
 //! only for the purpose, key and binding it was sealed with.
 //!
+//! The version is the format of what is sealed, authenticated with it. The compatibility
+//! rule: a replica opens blobs of its own version and of the one before (`VERSION - 1`),
+//! so what an older replica sealed still opens after a rolling upgrade; a change to the
+//! layout of any sealed payload bumps `VERSION`, and the payload's owner decodes each
+//! version it opens. A blob of any other version is `Malformed`.
+//!
 //! Every failure is an [`OpenError`] whose variant says why, for the logs; callers answer
 //! clients with one uniform error whatever the variant.
 
@@ -21,7 +27,10 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use std::fmt;
 
-const VERSION: u8 = 1;
+/// The format version sealed now.
+pub const VERSION: u8 = 2;
+/// The oldest format version still opened.
+pub const OLDEST_VERSION: u8 = VERSION - 1;
 const NONCE_LEN: usize = 24;
 const TAG_LEN: usize = 16;
 
@@ -68,33 +77,46 @@ impl fmt::Display for OpenError {
     }
 }
 
-fn associated_data(purpose: Purpose, kid: &[u8], binding: &[u8]) -> Vec<u8> {
+fn associated_data(purpose: Purpose, version: u8, kid: &[u8], binding: &[u8]) -> Vec<u8> {
     let label = purpose.label();
     let mut aad = Vec::with_capacity(label.len() + 2 + kid.len() + binding.len());
     aad.extend_from_slice(label);
-    aad.push(VERSION);
+    aad.push(version);
     aad.extend_from_slice(kid);
     aad.extend_from_slice(binding);
     aad
 }
 
-/// Seals `plaintext` under the ring's current key. Returns base64url text.
+/// Seals `plaintext` under the ring's current key, in the current format version.
+/// Returns base64url text.
+pub fn seal(ring: &KeyRing, purpose: Purpose, binding: &[u8], plaintext: &[u8]) -> String {
+    seal_version(ring, purpose, VERSION, binding, plaintext)
+}
+
+/// Seals `plaintext` marked as format `version` (one this replica opens).
 ///
 /// The envelope is built in one buffer and encrypted in place, so sealing allocates only
 /// that buffer, the associated data and the text.
-pub fn seal(ring: &KeyRing, purpose: Purpose, binding: &[u8], plaintext: &[u8]) -> String {
+pub fn seal_version(
+    ring: &KeyRing,
+    purpose: Purpose,
+    version: u8,
+    binding: &[u8],
+    plaintext: &[u8],
+) -> String {
+    debug_assert!((OLDEST_VERSION..=VERSION).contains(&version));
     let key = ring.current();
     let kid = key.kid().as_bytes();
     let body_at = 2 + kid.len() + NONCE_LEN;
     let mut raw = Vec::with_capacity(body_at + plaintext.len() + TAG_LEN);
-    raw.push(VERSION);
+    raw.push(version);
     raw.push(kid.len() as u8);
     raw.extend_from_slice(kid);
     let mut nonce = [0u8; NONCE_LEN];
     rand::thread_rng().fill_bytes(&mut nonce);
     raw.extend_from_slice(&nonce);
     raw.extend_from_slice(plaintext);
-    let aad = associated_data(purpose, kid, binding);
+    let aad = associated_data(purpose, version, kid, binding);
     let tag = key
         .cipher(purpose)
         .encrypt_in_place_detached(XNonce::from_slice(&nonce), &aad, &mut raw[body_at..])
@@ -128,9 +150,21 @@ pub fn open_with_principal<T: DeserializeOwned>(
     postcard::from_bytes(&plain).map_err(|_| OpenError::BadPayload)
 }
 
+/// The length of the text `seal` makes of `plaintext_len` bytes under a key id of
+/// `kid_len` bytes.
+pub fn sealed_len(kid_len: usize, plaintext_len: usize) -> usize {
+    let raw = 2 + kid_len + NONCE_LEN + plaintext_len + TAG_LEN;
+    raw.div_ceil(3) * 4 - (3 - raw % 3) % 3
+}
+
+/// Equality in time independent of where the inputs differ.
+pub fn same(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 /// Whether a sealed principal tag names `principal` (compared in constant time).
 pub fn check_principal(tag: &[u8], principal: &[u8]) -> Result<(), OpenError> {
-    if crate::mrtr::state::same(tag, principal_tag(principal)) {
+    if same(tag, principal_tag(principal)) {
         Ok(())
     } else {
         Err(OpenError::Principal)
@@ -151,15 +185,26 @@ pub fn open(
     sealed: &str,
     max_len: usize,
 ) -> Result<Vec<u8>, OpenError> {
+    open_version(ring, purpose, binding, sealed, max_len).map(|(_, plain)| plain)
+}
+
+/// [`open`], also returning the format version the blob was sealed in.
+pub fn open_version(
+    ring: &KeyRing,
+    purpose: Purpose,
+    binding: &[u8],
+    sealed: &str,
+    max_len: usize,
+) -> Result<(u8, Vec<u8>), OpenError> {
     if sealed.len() > max_len {
         return Err(OpenError::TooLong);
     }
     let mut raw = URL_SAFE_NO_PAD
         .decode(sealed)
         .map_err(|_| OpenError::Malformed)?;
-    let (kid, _) = split_header(&raw)?;
+    let (version, kid, _) = split_header(&raw)?;
     let key = ring.find(kid).ok_or(OpenError::UnknownKey)?;
-    let aad = associated_data(purpose, kid, binding);
+    let aad = associated_data(purpose, version, kid, binding);
     let body_at = 2 + kid.len() + NONCE_LEN;
     let tag_at = raw.len() - TAG_LEN;
     let (head, rest) = raw.split_at_mut(body_at);
@@ -174,29 +219,31 @@ pub fn open(
         .map_err(|_| OpenError::Rejected)?;
     raw.truncate(tag_at);
     raw.drain(..body_at);
-    Ok(raw)
+    Ok((version, raw))
 }
 
-/// Splits `version | kid len | kid | rest`, checking that `rest` holds a nonce and a tag.
-fn split_header(raw: &[u8]) -> Result<(&[u8], &[u8]), OpenError> {
+/// Splits `version | kid len | kid | rest`, checking the version is one this replica
+/// opens and that `rest` holds a nonce and a tag.
+fn split_header(raw: &[u8]) -> Result<(u8, &[u8], &[u8]), OpenError> {
     let [version, kid_len, rest @ ..] = raw else {
         return Err(OpenError::Malformed);
     };
     let kid_len = *kid_len as usize;
-    if *version != VERSION || kid_len == 0 || kid_len > MAX_KID_LEN || rest.len() < kid_len {
+    let known = (OLDEST_VERSION..=VERSION).contains(version);
+    if !known || kid_len == 0 || kid_len > MAX_KID_LEN || rest.len() < kid_len {
         return Err(OpenError::Malformed);
     }
     let (kid, rest) = rest.split_at(kid_len);
     if rest.len() < NONCE_LEN + TAG_LEN {
         return Err(OpenError::Malformed);
     }
-    Ok((kid, rest))
+    Ok((*version, kid, rest))
 }
 
 /// The key id a sealed blob names, without opening it (for `inspect` and logs).
 pub fn peek_kid(sealed: &str) -> Option<String> {
     let raw = URL_SAFE_NO_PAD.decode(sealed).ok()?;
-    let (kid, _) = split_header(&raw).ok()?;
+    let (_, kid, _) = split_header(&raw).ok()?;
     String::from_utf8(kid.to_vec()).ok()
 }
 
@@ -300,5 +347,42 @@ mod tests {
             open(&after, Purpose::Session, b"", &old_token, MAX),
             Err(OpenError::UnknownKey)
         );
+    }
+
+    #[test]
+    fn the_previous_version_opens_and_others_do_not() {
+        let r = ring(&["k1"]);
+        let old = seal_version(&r, Purpose::Session, OLDEST_VERSION, b"", b"flow");
+        assert_eq!(
+            open_version(&r, Purpose::Session, b"", &old, MAX),
+            Ok((OLDEST_VERSION, b"flow".to_vec()))
+        );
+        let mut raw = URL_SAFE_NO_PAD.decode(&old).unwrap();
+        for version in [0, VERSION + 1, 255] {
+            raw[0] = version;
+            let text = URL_SAFE_NO_PAD.encode(&raw);
+            assert_eq!(
+                open(&r, Purpose::Session, b"", &text, MAX),
+                Err(OpenError::Malformed)
+            );
+        }
+        // The version is authenticated: relabelling an old blob as new fails.
+        let mut relabelled = URL_SAFE_NO_PAD.decode(&old).unwrap();
+        relabelled[0] = VERSION;
+        let text = URL_SAFE_NO_PAD.encode(&relabelled);
+        assert_eq!(
+            open(&r, Purpose::Session, b"", &text, MAX),
+            Err(OpenError::Rejected)
+        );
+    }
+
+    #[test]
+    fn sealed_len_is_exact() {
+        let r = ring(&["k1", "a-longer-kid"]);
+        for len in 0..100 {
+            let plain = vec![7u8; len];
+            let text = seal(&r, Purpose::Session, b"", &plain);
+            assert_eq!(sealed_len(2, len), text.len(), "{len}");
+        }
     }
 }

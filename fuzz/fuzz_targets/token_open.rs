@@ -8,7 +8,7 @@ use base64::Engine;
 use libfuzzer_sys::fuzz_target;
 use mrtr_gateway::keys::{KeyRing, Purpose};
 use mrtr_gateway::mrtr::data_session::DataSession;
-use mrtr_gateway::mrtr::state::{FlowState, UpstreamId};
+use mrtr_gateway::mrtr::state::{FlowState, Positions, UpstreamCall, UpstreamId, Waiting};
 use mrtr_gateway::protocol::session_token::SessionToken;
 use mrtr_gateway::seal;
 use std::sync::OnceLock;
@@ -29,22 +29,25 @@ fn genuine() -> &'static Genuine {
         let ring = KeyRing::parse(KEYS).unwrap();
         let flow = FlowState {
             group: "default".into(),
-            endpoint: "127.0.0.1:3001".parse().unwrap(),
-            upstream_session: "s-1".into(),
-            call_id: UpstreamId::Number(1),
-            pending: Vec::new(),
-            last_event_id: Some("1:2".into()),
-            round_start: None,
-            round: 1,
-            expires_at: u64::MAX,
-            flow_deadline: u64::MAX,
-            started_ms: 0,
-            reissue: false,
-            data_session: false,
-            known: Vec::new(),
             flow_id: 1,
-            held: None,
-            session_event_id: None,
+            started_ms: 0,
+            flow_deadline: u64::MAX,
+            expires_at: u64::MAX,
+            round: 1,
+            known: Vec::new(),
+            waiting: Waiting::Resumable {
+                call: UpstreamCall {
+                    endpoint: "127.0.0.1:3001".parse().unwrap(),
+                    session: "s-1".into(),
+                    id: UpstreamId::Number(1),
+                    data_session: false,
+                },
+                pending: Vec::new(),
+                positions: Positions {
+                    last_event_id: Some("1:2".into()),
+                    ..Positions::default()
+                },
+            },
         };
         let state = flow.seal(&ring, &BIND);
         let token = SessionToken {

@@ -3,6 +3,7 @@
 //! sealed `requestState` that lets any replica resume a flow.
 
 pub mod data_session;
+pub mod flow;
 pub mod modern;
 pub mod replay;
 pub mod state;

@@ -1,5 +1,11 @@
 //! The `requestState` of a bridged flow: a sealed pointer to the upstream call that is
-//! waiting for answers, so that any replica can post them and resume the stream.
+//! waiting for answers, so that any replica can post them and resume the stream. What a
+//! flow waits as is an enum of phases (`Waiting`): deferred before it started, resumable
+//! at per-stream positions, held by a replica, or to be re-issued.
+//!
+//! The payload's layout is versioned by the envelope (`seal::VERSION`, authenticated):
+//! this replica seals the current layout and opens the one before too (`v1`, the layout
+//! of the release before phases), so states in flight survive a rolling upgrade.
 //!
 //! It is sealed with `Purpose::RequestState` together with its binding: a digest of the
 //! principal, and a digest of the method, the tool name or resource uri and the
@@ -9,7 +15,7 @@
 //! `inspect` a state without knowing the request it belongs to.
 
 use crate::keys::{KeyRing, Purpose};
-use crate::seal::{self, OpenError};
+use crate::seal::{self, same, OpenError};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -95,41 +101,96 @@ pub fn fingerprint(method: &str, params: &Value) -> u64 {
     u64::from_be_bytes(digest[..8].try_into().expect("8 bytes"))
 }
 
+/// A bridged flow between two of its client's requests.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FlowState {
     pub group: String,
-    pub endpoint: SocketAddr,
-    pub upstream_session: String,
-    /// The id the gateway gave the call upstream; its response ends the flow.
-    pub call_id: UpstreamId,
-    pub pending: Vec<Pending>,
-    /// The last event id read on the call's POST stream, to resume it.
-    pub last_event_id: Option<String>,
-    /// The call-stream position before this round's first question, to ask again.
-    pub round_start: Option<String>,
-    /// The round this state resumes; `DEFERRED` (0) for a call that load shedding
-    /// deferred before it started, which the retry starts.
-    pub round: u16,
-    /// Seconds since the Unix epoch after which the state is refused.
-    pub expires_at: u64,
-    /// The flow's hard deadline; no round's `expires_at` passes it.
-    pub flow_deadline: u64,
-    /// When the flow began, in milliseconds since the Unix epoch (its duration metric).
-    pub started_ms: u64,
-    /// The call ended with a URL-elicitation-required error: the retry issues it again.
-    pub reissue: bool,
-    /// The flow runs in a data-layer session: it reads only the call's own stream and
-    /// never deletes the upstream session.
-    pub data_session: bool,
-    /// A `restartable` tool's answers so far, in order; empty for other tools.
-    pub known: Vec<Known>,
     /// Random id that stays the same across rounds and replicas, for logs.
     pub flow_id: u64,
-    /// Where the flow waits, when its upstream cannot resume streams (hold mode).
-    pub held: Option<HeldAt>,
-    /// The session GET stream's position to resume from: before the round's first
-    /// question on it (so an unanswered one is asked again), else its last event.
-    pub session_event_id: Option<String>,
+    /// When the flow began, in milliseconds since the Unix epoch (its duration metric).
+    pub started_ms: u64,
+    /// The flow's hard deadline; no round's `expires_at` passes it.
+    pub flow_deadline: u64,
+    /// Seconds since the Unix epoch after which the state is refused.
+    pub expires_at: u64,
+    /// The rounds of questions asked so far (0 while deferred).
+    pub round: u16,
+    /// A `restartable` tool's answers so far, in order; empty for other tools.
+    pub known: Vec<Known>,
+    pub waiting: Waiting,
+}
+
+/// What a flow waits as.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Waiting {
+    /// Deferred under load shedding: nothing went upstream, and the retry starts the call.
+    Deferred { data_session: bool },
+    /// The call waits upstream for answers; a retry resumes its streams with
+    /// `Last-Event-ID` from `positions`.
+    Resumable {
+        call: UpstreamCall,
+        pending: Vec<Pending>,
+        positions: Positions,
+    },
+    /// The call waits upstream for answers, its streams held open by the replica `at`.
+    Held {
+        call: UpstreamCall,
+        pending: Vec<Pending>,
+        at: HeldAt,
+    },
+    /// The call ended asking the user to visit URLs first: the retry posts it again.
+    Reissue { call: UpstreamCall },
+}
+
+/// The upstream call a flow runs: where, in which session, under which id.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpstreamCall {
+    pub endpoint: SocketAddr,
+    pub session: String,
+    /// The id the gateway gave the call upstream; its response ends the flow.
+    pub id: UpstreamId,
+    /// The call runs in a data-layer session: it reads only the call's own stream and
+    /// never deletes the upstream session.
+    pub data_session: bool,
+}
+
+/// Where a resumable flow's streams are resumed from.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Positions {
+    /// The last event id read on the call's stream.
+    pub last_event_id: Option<String>,
+    /// The call-stream position before the round's first question, to ask again.
+    pub round_start: Option<String>,
+    /// The session GET stream's position: before the round's first question on it (so an
+    /// unanswered one is asked again), else its last event.
+    pub session_from: Option<String>,
+}
+
+impl Waiting {
+    /// The upstream call, once there is one.
+    pub fn call(&self) -> Option<&UpstreamCall> {
+        match self {
+            Waiting::Deferred { .. } => None,
+            Waiting::Resumable { call, .. } | Waiting::Held { call, .. } => Some(call),
+            Waiting::Reissue { call } => Some(call),
+        }
+    }
+
+    /// The server requests waiting for the client's answers.
+    pub fn pending(&self) -> &[Pending] {
+        match self {
+            Waiting::Resumable { pending, .. } | Waiting::Held { pending, .. } => pending,
+            Waiting::Deferred { .. } | Waiting::Reissue { .. } => &[],
+        }
+    }
+
+    /// Whether the flow runs in a data-layer session.
+    pub fn data_session(&self) -> bool {
+        match self {
+            Waiting::Deferred { data_session } => *data_session,
+            other => other.call().is_some_and(|c| c.data_session),
+        }
+    }
 }
 
 /// A held flow's place: the replica keeping its upstream streams open, and the slot of
@@ -142,9 +203,6 @@ pub struct HeldAt {
     /// Random, so a slot never names another flow, even after the owner restarts.
     pub slot: u64,
 }
-
-/// The `round` of a state whose call has not started (load shedding deferred it).
-pub const DEFERRED: u16 = 0;
 
 /// What a state is bound to: the first half names the principal (a prefix of its
 /// digest), the second the request (a digest of method, name or uri, and arguments).
@@ -179,11 +237,6 @@ pub fn check_binding(sealed: &[u8; 32], presented: &[u8; 32]) -> Result<(), Open
         return Err(OpenError::Binding);
     }
     Ok(())
-}
-
-/// Equality in time independent of where the inputs differ.
-pub(crate) fn same(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// A state the gateway will not issue: sealed, it would be longer than the limit it
@@ -231,6 +284,20 @@ impl FlowState {
         })
     }
 
+    /// The length of the plaintext sealed for this state (with its binding).
+    pub fn plaintext_len(&self) -> usize {
+        postcard::to_allocvec(&([0u8; 32], self)).map_or(usize::MAX, |v| v.len())
+    }
+
+    /// Why this state is too large for `limit`, sealed under a key id of `kid_len` bytes.
+    pub fn too_large(&self, limit: usize, kid_len: usize) -> StateTooLarge {
+        StateTooLarge {
+            len: seal::sealed_len(kid_len, self.plaintext_len()),
+            limit,
+            largest: self.largest_part(),
+        }
+    }
+
     /// The part of the state whose size the upstream or the client chose that takes most.
     fn largest_part(&self) -> (&'static str, usize) {
         let id_len = |id: &UpstreamId| match id {
@@ -238,23 +305,26 @@ impl FlowState {
             UpstreamId::Text(t) => t.len(),
         };
         let questions = self
-            .pending
+            .waiting
+            .pending()
             .iter()
             .map(|p| p.key.len() + id_len(&p.upstream_id))
             .sum();
-        let event_ids = [
-            &self.last_event_id,
-            &self.round_start,
-            &self.session_event_id,
-        ]
-        .iter()
-        .filter_map(|id| id.as_ref().map(String::len))
-        .sum();
+        let event_ids = match &self.waiting {
+            Waiting::Resumable { positions: p, .. } => {
+                [&p.last_event_id, &p.round_start, &p.session_from]
+                    .iter()
+                    .filter_map(|id| id.as_ref().map(String::len))
+                    .sum()
+            }
+            _ => 0,
+        };
+        let session = self.waiting.call().map_or(0, |c| c.session.len());
         let answers = self.known.iter().map(|k| k.answer.len()).sum();
         [
             ("the server's request ids and their input keys", questions),
             ("the upstream's SSE event ids", event_ids),
-            ("the upstream session id", self.upstream_session.len()),
+            ("the upstream session id", session),
             ("the restartable tool's answers so far", answers),
         ]
         .into_iter()
@@ -262,10 +332,27 @@ impl FlowState {
         .expect("four parts")
     }
 
+    /// Seals the state in the current layout.
     pub fn seal(&self, ring: &KeyRing, binding: &[u8; 32]) -> String {
         let plain = postcard::to_extend(&(binding, self), Vec::with_capacity(256))
             .expect("a flow state always serializes");
         seal::seal(ring, Purpose::RequestState, b"", &plain)
+    }
+
+    /// Seals the state in the previous layout (`v1`), which replicas of the release before
+    /// open: for the first phase of a rolling upgrade. The session stream's position is
+    /// lost (the retry reopens that stream fresh).
+    pub fn seal_previous(&self, ring: &KeyRing, binding: &[u8; 32]) -> String {
+        let old = v1::FlowState::from(self);
+        let plain = postcard::to_extend(&(binding, &old), Vec::with_capacity(256))
+            .expect("a flow state always serializes");
+        seal::seal_version(
+            ring,
+            Purpose::RequestState,
+            seal::OLDEST_VERSION,
+            b"",
+            &plain,
+        )
     }
 
     /// Opens a state presented with `binding`; `now` is seconds since the Unix epoch.
@@ -284,10 +371,129 @@ impl FlowState {
     }
 
     /// Opens a state without checking its binding or expiry (for `inspect`); returns the
-    /// binding it was sealed with.
+    /// binding it was sealed with. States sealed in the previous layout open as well.
     pub fn open_unbound(ring: &KeyRing, text: &str) -> Result<([u8; 32], FlowState), OpenError> {
-        let plain = seal::open(ring, Purpose::RequestState, b"", text, MAX_STATE_LEN)?;
-        postcard::from_bytes(&plain).map_err(|_| OpenError::BadPayload)
+        let (version, plain) =
+            seal::open_version(ring, Purpose::RequestState, b"", text, MAX_STATE_LEN)?;
+        let bad = |_| OpenError::BadPayload;
+        if version == seal::VERSION {
+            return postcard::from_bytes(&plain).map_err(bad);
+        }
+        let (bound, old): ([u8; 32], v1::FlowState) = postcard::from_bytes(&plain).map_err(bad)?;
+        Ok((bound, old.into()))
+    }
+}
+
+/// The layout of the release before phases (sealed as format version 1), frozen: what
+/// replicas of that release sealed, and what they open.
+pub mod v1 {
+    use super::{HeldAt, Known, Pending, Positions, UpstreamCall, UpstreamId, Waiting};
+    use serde::{Deserialize, Serialize};
+    use std::net::SocketAddr;
+
+    /// `round` of a deferred state.
+    const DEFERRED: u16 = 0;
+
+    #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+    pub struct FlowState {
+        pub group: String,
+        pub endpoint: SocketAddr,
+        pub upstream_session: String,
+        pub call_id: UpstreamId,
+        pub pending: Vec<Pending>,
+        pub last_event_id: Option<String>,
+        pub round_start: Option<String>,
+        pub round: u16,
+        pub expires_at: u64,
+        pub flow_deadline: u64,
+        pub started_ms: u64,
+        pub reissue: bool,
+        pub data_session: bool,
+        pub known: Vec<Known>,
+        pub flow_id: u64,
+        pub held: Option<HeldAt>,
+    }
+
+    impl From<FlowState> for super::FlowState {
+        fn from(old: FlowState) -> super::FlowState {
+            let call = UpstreamCall {
+                endpoint: old.endpoint,
+                session: old.upstream_session,
+                id: old.call_id,
+                data_session: old.data_session,
+            };
+            let waiting = match (old.round, old.reissue, old.held) {
+                (DEFERRED, ..) => Waiting::Deferred {
+                    data_session: old.data_session,
+                },
+                (_, true, _) => Waiting::Reissue { call },
+                (_, _, Some(at)) => Waiting::Held {
+                    call,
+                    pending: old.pending,
+                    at,
+                },
+                _ => Waiting::Resumable {
+                    call,
+                    pending: old.pending,
+                    positions: Positions {
+                        last_event_id: old.last_event_id,
+                        round_start: old.round_start,
+                        session_from: None,
+                    },
+                },
+            };
+            super::FlowState {
+                group: old.group,
+                flow_id: old.flow_id,
+                started_ms: old.started_ms,
+                flow_deadline: old.flow_deadline,
+                expires_at: old.expires_at,
+                round: old.round,
+                known: old.known,
+                waiting,
+            }
+        }
+    }
+
+    impl From<&super::FlowState> for FlowState {
+        fn from(new: &super::FlowState) -> FlowState {
+            let unstarted = UpstreamCall {
+                endpoint: SocketAddr::from(([0, 0, 0, 0], 0)),
+                session: String::new(),
+                id: UpstreamId::Number(0),
+                data_session: new.waiting.data_session(),
+            };
+            let call = new.waiting.call().cloned().unwrap_or(unstarted);
+            let (last_event_id, round_start) = match &new.waiting {
+                Waiting::Resumable { positions, .. } => (
+                    positions.last_event_id.clone(),
+                    positions.round_start.clone(),
+                ),
+                _ => (None, None),
+            };
+            let held = match &new.waiting {
+                Waiting::Held { at, .. } => Some(*at),
+                _ => None,
+            };
+            FlowState {
+                group: new.group.clone(),
+                endpoint: call.endpoint,
+                upstream_session: call.session,
+                call_id: call.id,
+                pending: new.waiting.pending().to_vec(),
+                last_event_id,
+                round_start,
+                round: new.round,
+                expires_at: new.expires_at,
+                flow_deadline: new.flow_deadline,
+                started_ms: new.started_ms,
+                reissue: matches!(new.waiting, Waiting::Reissue { .. }),
+                data_session: call.data_session,
+                known: new.known.clone(),
+                flow_id: new.flow_id,
+                held,
+            }
+        }
     }
 }
 
@@ -303,26 +509,30 @@ mod tests {
     fn one_elicitation() -> FlowState {
         FlowState {
             group: "default".into(),
-            endpoint: "10.0.0.7:3001".parse().unwrap(),
-            upstream_session: "5b0c3a1e-4d2f-4f8e-9c1a-7f6e5d4c3b2a".into(),
-            call_id: UpstreamId::Number(1),
-            pending: vec![Pending {
-                key: "elicitation_0".into(),
-                upstream_id: UpstreamId::Number(0),
-                fingerprint: None,
-            }],
-            last_event_id: Some("7a655773-cec9-4f18-9782-81d58bb08a83_3".into()),
-            round_start: Some("7a655773-cec9-4f18-9782-81d58bb08a83_2".into()),
-            round: 1,
-            expires_at: 2_000_000_000,
-            flow_deadline: 2_000_000_600,
-            started_ms: 2_000_000_000_000,
-            reissue: false,
-            data_session: false,
-            known: Vec::new(),
             flow_id: 0x1234_5678_9abc_def0,
-            held: None,
-            session_event_id: None,
+            started_ms: 2_000_000_000_000,
+            flow_deadline: 2_000_000_600,
+            expires_at: 2_000_000_000,
+            round: 1,
+            known: Vec::new(),
+            waiting: Waiting::Resumable {
+                call: UpstreamCall {
+                    endpoint: "10.0.0.7:3001".parse().unwrap(),
+                    session: "5b0c3a1e-4d2f-4f8e-9c1a-7f6e5d4c3b2a".into(),
+                    id: UpstreamId::Number(1),
+                    data_session: false,
+                },
+                pending: vec![Pending {
+                    key: "elicitation_0".into(),
+                    upstream_id: UpstreamId::Number(0),
+                    fingerprint: None,
+                }],
+                positions: Positions {
+                    last_event_id: Some("7a655773-cec9-4f18-9782-81d58bb08a83_3".into()),
+                    round_start: Some("7a655773-cec9-4f18-9782-81d58bb08a83_2".into()),
+                    session_from: None,
+                },
+            },
         }
     }
 
@@ -401,7 +611,9 @@ mod tests {
             .seal_within(&ring(), &b, 400)
             .expect("a small state fits");
         assert!(FlowState::open(&ring(), &b, &fits, 1_900_000_000).is_ok());
-        state.last_event_id = Some("e".repeat(6000));
+        if let Waiting::Resumable { positions, .. } = &mut state.waiting {
+            positions.last_event_id = Some("e".repeat(6000));
+        }
         let refused = state.seal_within(&ring(), &b, 4096).unwrap_err();
         assert!(refused.len > 4096, "{refused}");
         assert_eq!(refused.largest.0, "the upstream's SSE event ids");
@@ -416,5 +628,64 @@ mod tests {
         });
         let refused = restartable.seal_within(&ring(), &b, 4096).unwrap_err();
         assert_eq!(refused.largest.0, "the restartable tool's answers so far");
+    }
+
+    #[test]
+    fn a_state_sealed_by_the_previous_release_opens_as_its_phase() {
+        let b = binding(&[1; 32], "tools/call", Some("ask_name"), Some(&json!({})));
+        let mut phases = vec![one_elicitation()];
+        let call = one_elicitation().waiting.call().cloned().unwrap();
+        let pending = one_elicitation().waiting.pending().to_vec();
+        let at = HeldAt {
+            owner: Some("10.0.0.9:9091".parse().unwrap()),
+            slot: 77,
+        };
+        for waiting in [
+            Waiting::Held {
+                call: call.clone(),
+                pending,
+                at,
+            },
+            Waiting::Reissue { call },
+        ] {
+            phases.push(FlowState {
+                round: 2,
+                waiting,
+                ..one_elicitation()
+            });
+        }
+        phases.push(FlowState {
+            round: 0,
+            waiting: Waiting::Deferred { data_session: true },
+            ..one_elicitation()
+        });
+        for state in phases {
+            let old = state.seal_previous(&ring(), &b);
+            let opened = FlowState::open(&ring(), &b, &old, 1_900_000_000).unwrap();
+            assert_eq!(opened, state, "the previous layout keeps every phase");
+            // What the previous release itself sealed: its own struct, format version 1.
+            let plain = postcard::to_allocvec(&(&b, v1::FlowState::from(&state))).unwrap();
+            let theirs = seal::seal_version(
+                &ring(),
+                Purpose::RequestState,
+                seal::OLDEST_VERSION,
+                b"",
+                &plain,
+            );
+            assert_eq!(
+                FlowState::open(&ring(), &b, &theirs, 1_900_000_000).unwrap(),
+                state
+            );
+        }
+        // The session stream's position is what the previous layout cannot carry.
+        let mut with_session = one_elicitation();
+        if let Waiting::Resumable { positions, .. } = &mut with_session.waiting {
+            positions.session_from = Some("g-1".into());
+        }
+        let old = with_session.seal_previous(&ring(), &b);
+        assert_eq!(
+            FlowState::open(&ring(), &b, &old, 1_900_000_000).unwrap(),
+            one_elicitation()
+        );
     }
 }

@@ -212,7 +212,7 @@ fn an_abandoned_flow_has_its_upstream_session_deleted_at_its_deadline() {
     let alive = || {
         upstream
             .post(
-                Some(&flow.upstream_session),
+                flow.waiting.call().map(|c| c.session.as_str()),
                 &json!({"jsonrpc":"2.0","id":5,"method":"tools/list"}),
             )
             .status

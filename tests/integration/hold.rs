@@ -359,35 +359,37 @@ fn an_expired_held_flow_ends_but_its_data_layer_session_lives_on() {
 #[test]
 fn a_state_naming_an_owner_outside_the_peer_set_is_never_forwarded() {
     use mrtr_gateway::keys::KeyRing;
-    use mrtr_gateway::mrtr::state::{binding, now_secs, FlowState, HeldAt, Pending, UpstreamId};
+    use mrtr_gateway::mrtr::state::{
+        binding, now_secs, FlowState, HeldAt, Pending, UpstreamCall, UpstreamId, Waiting,
+    };
     use mrtr_gateway::principal::PrincipalSource;
     let (upstream, outsider) = (Tripwire::start(), Tripwire::start());
     let replicas = peered(&upstream.url(), 2, |_| {});
     let flow = FlowState {
         group: "default".into(),
-        endpoint: format!("127.0.0.1:{}", upstream.port).parse().unwrap(),
-        upstream_session: "s".into(),
-        call_id: UpstreamId::Number(1),
-        pending: vec![Pending {
-            key: "elicitation_0".into(),
-            upstream_id: UpstreamId::Number(0),
-            fingerprint: None,
-        }],
-        last_event_id: None,
-        round_start: None,
-        round: 1,
-        expires_at: now_secs() + 60,
-        flow_deadline: now_secs() + 60,
-        started_ms: 0,
-        reissue: false,
-        data_session: false,
-        known: Vec::new(),
         flow_id: 7,
-        held: Some(HeldAt {
-            owner: Some(format!("127.0.0.1:{}", outsider.port).parse().unwrap()),
-            slot: 1,
-        }),
-        session_event_id: None,
+        started_ms: 0,
+        flow_deadline: now_secs() + 60,
+        expires_at: now_secs() + 60,
+        round: 1,
+        known: Vec::new(),
+        waiting: Waiting::Held {
+            call: UpstreamCall {
+                endpoint: format!("127.0.0.1:{}", upstream.port).parse().unwrap(),
+                session: "s".into(),
+                id: UpstreamId::Number(1),
+                data_session: false,
+            },
+            pending: vec![Pending {
+                key: "elicitation_0".into(),
+                upstream_id: UpstreamId::Number(0),
+                fingerprint: None,
+            }],
+            at: HeldAt {
+                owner: Some(format!("127.0.0.1:{}", outsider.port).parse().unwrap()),
+                slot: 1,
+            },
+        },
     };
     let principal = PrincipalSource::Authorization.digest(None);
     let bind = binding(&principal, "tools/call", Some("ask_name"), Some(&json!({})));

@@ -12,7 +12,9 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine;
 use mrtr_gateway::config::{UpstreamEra, UpstreamGroupConfig};
 use mrtr_gateway::keys::KeyRing;
-use mrtr_gateway::mrtr::state::{binding, now_secs, FlowState, Pending, UpstreamId};
+use mrtr_gateway::mrtr::state::{
+    binding, now_secs, FlowState, Pending, Positions, UpstreamCall, UpstreamId, Waiting,
+};
 use mrtr_gateway::principal::PrincipalSource;
 use mrtr_gateway::protocol::session_token::SessionToken;
 use serde_json::{json, Value};
@@ -124,26 +126,30 @@ impl Fixture {
     fn flow_at(&self, port: u16, expires_at: u64) -> FlowState {
         FlowState {
             group: "default".into(),
-            endpoint: format!("127.0.0.1:{port}").parse().unwrap(),
-            upstream_session: "upstream-session".into(),
-            call_id: UpstreamId::Number(1),
-            pending: vec![Pending {
-                key: "user_name".into(),
-                upstream_id: UpstreamId::Number(0),
-                fingerprint: None,
-            }],
-            last_event_id: Some("s_1".into()),
-            round_start: Some("s_0".into()),
-            round: 1,
-            expires_at,
-            flow_deadline: expires_at,
-            started_ms: 1_000_000,
-            reissue: false,
-            data_session: false,
-            known: Vec::new(),
             flow_id: rand::random(),
-            held: None,
-            session_event_id: None,
+            started_ms: 1_000_000,
+            flow_deadline: expires_at,
+            expires_at,
+            round: 1,
+            known: Vec::new(),
+            waiting: Waiting::Resumable {
+                call: UpstreamCall {
+                    endpoint: format!("127.0.0.1:{port}").parse().unwrap(),
+                    session: "upstream-session".into(),
+                    id: UpstreamId::Number(1),
+                    data_session: false,
+                },
+                pending: vec![Pending {
+                    key: "user_name".into(),
+                    upstream_id: UpstreamId::Number(0),
+                    fingerprint: None,
+                }],
+                positions: Positions {
+                    last_event_id: Some("s_1".into()),
+                    round_start: Some("s_0".into()),
+                    session_from: None,
+                },
+            },
         }
     }
 

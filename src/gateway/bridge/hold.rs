@@ -13,7 +13,7 @@
 
 use super::streams::Streams;
 use crate::gateway::Gateway;
-use crate::mrtr::state::{now_secs, Pending};
+use crate::mrtr::state::now_secs;
 use crate::upstream::legacy_session::LegacySession;
 use crate::upstream::{Endpoint, Timeouts};
 use async_trait::async_trait;
@@ -39,7 +39,6 @@ pub(super) struct Held {
     pub streams: Streams,
     /// The round's questions by key, to ask again those the retry leaves unanswered.
     pub questions: Map<String, Value>,
-    pub pending: Vec<Pending>,
     /// What the gateway buffers for the flow, as accounted against the limit.
     bytes: usize,
 }
@@ -54,7 +53,6 @@ impl Held {
         session_id: Option<String>,
         streams: Streams,
         questions: Map<String, Value>,
-        pending: Vec<Pending>,
     ) -> Box<Held> {
         let questions_bytes = serde_json::to_vec(&questions).map_or(0, |v| v.len());
         let bytes = questions_bytes + streams.buffered();
@@ -66,7 +64,6 @@ impl Held {
             session_id,
             streams,
             questions,
-            pending,
             bytes,
         })
     }
@@ -221,7 +218,6 @@ mod tests {
             None,
             Streams::new(None, None),
             questions,
-            Vec::new(),
         )
     }
 

@@ -8,7 +8,7 @@
 //! stream with `Last-Event-ID`. The upstream keeps running in between: its connections
 //! are closed, never cancelled, and no per-flow memory stays on the gateway.
 
-mod flow;
+mod call;
 pub mod hold;
 pub mod one_shot;
 mod probe;
@@ -20,6 +20,7 @@ use super::respond;
 use super::{Arrival, Gateway};
 use crate::metrics::method_label;
 use crate::mrtr::data_session::META_KEY;
+pub(crate) use crate::mrtr::flow::fresh_call_id;
 use crate::mrtr::modern::{ModernHeaders, ModernRequest, Refusal, SUPPORTED_VERSIONS};
 use crate::protocol::jsonrpc::{code, Body};
 use crate::upstream::legacy_session::{read_single, LegacySession, SessionError};
@@ -236,7 +237,9 @@ async fn serve_inner(
     Served::Done(match kind {
         Kind::Discover => discover(gw, session, group, &request, reply).await,
         Kind::Interactive => {
-            flow::interactive(gw, session, group, request, reply, incoming, attached).await
+            call::interactive(gw, session, group, request, reply, incoming, attached)
+                .await
+                .label()
         }
         Kind::OneShot => one_shot(gw, session, group, &request, reply, attached, principal).await,
         Kind::SessionCreate => {
@@ -447,16 +450,6 @@ pub(crate) async fn upstream_for<'g>(
         .open_upstream(group, &caps, &client_info(request), &request.trace)
         .await?;
     Ok(upstream)
-}
-
-/// A fresh id for a call posted upstream (and for each re-issue of it): random, so no two
-/// calls share one. Legacy servers name a call's SSE stream after its id, and an event
-/// store shared by all sessions and keyed by stream (as the Python SDK's examples write
-/// it) replays every later event of that stream: with predictable ids, one principal's
-/// resumption would replay another's result. Between 2^32 and 2^53, so it never looks
-/// like a server's own small request counter and stays exact in JavaScript.
-pub(crate) fn fresh_call_id() -> i64 {
-    rand::Rng::gen_range(&mut rand::thread_rng(), 1i64 << 32..1i64 << 53)
 }
 
 /// Deletes the flow's upstream session and stops the reaper watching it; a data-layer

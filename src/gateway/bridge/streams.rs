@@ -1,7 +1,7 @@
 //! The upstream streams of a flow in progress (or held between rounds): the call's own
 //! SSE stream and the session's GET stream, their SSE parsers, and a backlog of events
-//! parsed but not yet read. Owns reading a chunk into the backlog, reopening a stream
-//! after an event id, and settling a resumed call stream before a retry's answers go up.
+//! parsed but not yet read by the flow. Owns reading a chunk into the backlog, and
+//! (re)opening a stream after an event id, a conflict tried again briefly.
 
 use crate::gateway::Gateway;
 use crate::protocol::sse;
@@ -10,7 +10,6 @@ use crate::upstream::legacy_session::{LegacySession, SessionError, MAX_UPSTREAM_
 use bytes::Bytes;
 use std::collections::VecDeque;
 use std::time::Duration;
-use tokio::time::Instant;
 
 /// Which upstream stream an event came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -24,10 +23,6 @@ pub(super) enum Source {
 pub(super) struct Streams {
     pub(super) call: Option<Response>,
     call_parser: sse::Parser,
-    /// Events read on the call stream since it was (re)opened.
-    pub(super) call_events: usize,
-    /// The call stream is a `Last-Event-ID` resumption, not the call's own POST stream.
-    pub(super) call_resumed: bool,
     pub(super) session: Option<Response>,
     session_parser: sse::Parser,
     /// Events parsed but not yet read: a round that fills up stops between two events of
@@ -35,29 +30,11 @@ pub(super) struct Streams {
     pub(super) backlog: VecDeque<(Source, sse::Event)>,
 }
 
-/// How settling a resumed call stream went.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Settled {
-    /// Not awaited: the upstream is known not to prime its resumptions.
-    NotAwaited,
-    /// The upstream primed the stream: it is live again.
-    Primed,
-    /// No priming event came within the limit.
-    TimedOut,
-    /// The stream ended after replaying something; the round follows it from there.
-    Ended,
-    /// The stream ended without a single event: the upstream has nothing after the
-    /// position, not even the call (its store forgot it, or never had it).
-    Empty,
-}
-
 impl Streams {
     pub(super) fn new(call: Option<Response>, session: Option<Response>) -> Streams {
         Streams {
             call,
             call_parser: sse::Parser::new(MAX_UPSTREAM_MESSAGE),
-            call_events: 0,
-            call_resumed: false,
             session,
             session_parser: sse::Parser::new(MAX_UPSTREAM_MESSAGE),
             backlog: VecDeque::new(),
@@ -86,64 +63,23 @@ impl Streams {
         let mut events = Vec::new();
         let parsed = parser.push(bytes, &mut events);
         let count = events.len();
-        if source == Source::Call {
-            self.call_events += count;
-        }
         self.backlog
             .extend(events.into_iter().map(|event| (source, event)));
         parsed.map(|()| count)
     }
 
-    /// Streams whose call stream is a `Last-Event-ID` resumption.
-    pub(super) fn resumed(call: Response, session: Option<Response>) -> Streams {
-        let mut streams = Streams::new(None, session);
-        streams.replace_call(call);
-        streams
-    }
-
-    /// Puts a reopened call stream in place of the old one.
+    /// Puts a new call stream (the call's POST response, or a resumption) in place of
+    /// the old one.
     pub(super) fn replace_call(&mut self, response: Response) {
         self.call = Some(response);
         self.call_parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
-        self.call_events = 0;
-        self.call_resumed = true;
     }
 
-    /// Waits, at most `limit`, until a resumed call stream is live again, reading what it
-    /// replays into the backlog. An upstream that primes its resumptions sends an event
-    /// with an id and no data once its replay is done and the stream is registered for
-    /// live events (the Python SDK registers only after the replay, so an answer posted
-    /// before then could finish the call while no stream listens). `await_priming` false
-    /// (an upstream known not to prime) returns at once.
-    pub(super) async fn settle(
-        &mut self,
-        await_priming: bool,
-        limit: Duration,
-    ) -> Result<Settled, SessionError> {
-        if !await_priming {
-            return Ok(Settled::NotAwaited);
-        }
-        let deadline = Instant::now() + limit;
-        loop {
-            let Some(call) = self.call.as_mut() else {
-                return Ok(Settled::Ended);
-            };
-            let chunk = match tokio::time::timeout_at(deadline, call.next_chunk()).await {
-                Err(_) => return Ok(Settled::TimedOut),
-                Ok(Ok(Some(bytes))) => bytes,
-                Ok(Ok(None) | Err(_)) if self.call_events == 0 => return Ok(Settled::Empty),
-                Ok(Ok(None) | Err(_)) => return Ok(Settled::Ended),
-            };
-            let read = self
-                .push(Source::Call, &chunk)
-                .map_err(|e| SessionError::Protocol(e.to_string()))?;
-            let fresh = self.backlog.iter().rev().take(read);
-            if fresh
-                .filter(|(source, _)| *source == Source::Call)
-                .any(|(_, e)| e.id.is_some() && e.data.is_empty())
-            {
-                return Ok(Settled::Primed);
-            }
+    /// Drops a stream that ended (its connection is closed, never pooled half-read).
+    pub(super) fn drop_stream(&mut self, source: Source) {
+        match source {
+            Source::Call => self.call = None,
+            Source::Session => self.session = None,
         }
     }
 }

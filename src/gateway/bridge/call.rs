@@ -1,0 +1,831 @@
+//! Interactive calls (`tools/call`, `prompts/get`, `resources/read`) in the shell: what a
+//! request brings (its sealed state, opened and claimed; a held flow, taken from the
+//! table or forwarded to the replica holding it), and the one async driver that runs a
+//! [`Flow`]: it carries out each command with the upstream session and the client's
+//! response, and feeds back what happened, until the flow finishes. The decisions are the
+//! flow's (`mrtr::flow`); this is the only async code of a bridged call.
+
+use super::hold::{Held, NotHeld};
+use super::reply::{decorate, ClientReply};
+use super::session::{self, Attached};
+use super::streams::{next_chunk, open_session_stream, resume_call, Source, Streams};
+use super::{end_session, finish_with, upstream_for, upstream_params, Incoming};
+use crate::config::Limits;
+use crate::gateway::learnt::SessionReplay;
+use crate::gateway::{peers, Arrival, Gateway};
+use crate::metrics::InUse;
+use crate::mrtr::flow::{
+    CallReply, Command, Ending, Failure, FailureKind, Flow, FlowConfig, Input, Learnt, Note, Stream,
+};
+use crate::mrtr::modern::ModernRequest;
+use crate::mrtr::replay::{self, Claim, StateDigest};
+use crate::mrtr::state::{binding, now_ms, now_secs, FlowState, HeldAt, Waiting};
+use crate::mrtr::translate::RoundLimits;
+use crate::outcome::{Class, Outcome, Refusal};
+use crate::protocol::jsonrpc::code;
+use crate::upstream::exchange::ExchangeError;
+use crate::upstream::legacy_session::{read_single, LegacySession, SessionError};
+use crate::upstream::UpstreamGroup;
+use pingora::protocols::http::ServerSession;
+use serde_json::{json, Map, Value};
+use std::time::{Duration, Instant};
+
+const INVALID_STATE: &str = "Invalid or expired requestState";
+
+/// What every step of one client request needs.
+#[derive(Clone, Copy)]
+struct Call<'a> {
+    gw: &'a Gateway,
+    group: &'a UpstreamGroup,
+    request: &'a ModernRequest,
+    /// The associated data of this request's `requestState`.
+    bind: [u8; 32],
+    /// The data-layer session the request runs in, if it carries a cookie.
+    data_session: Option<&'a Attached>,
+    /// The request as it arrived, to forward a retry to the replica holding its flow.
+    incoming: &'a Incoming,
+}
+
+/// The upstream side of a running flow, and the retry's replay claim.
+struct Io<'g> {
+    upstream: Option<LegacySession<'g>>,
+    streams: Streams,
+    claim: Option<StateDigest>,
+    /// The drain signal was passed to the flow (it fires for good once set).
+    drain_told: bool,
+}
+
+pub(super) async fn interactive(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    group: &UpstreamGroup,
+    request: ModernRequest,
+    reply: ClientReply,
+    incoming: &Incoming,
+    data_session: Option<&Attached>,
+) -> Outcome {
+    let bind = binding(
+        &incoming.principal,
+        &request.method,
+        request.target.as_deref(),
+        request.params.get("arguments"),
+    );
+    let call = Call {
+        gw,
+        group,
+        request: &request,
+        bind,
+        data_session,
+        incoming,
+    };
+    if let Err(text) = check_retry_limits(&request, &gw.config.limits) {
+        let refusal = Refusal::new(Class::BadRequest, code::INVALID_PARAMS, text);
+        return refuse(session, reply, refusal).await;
+    }
+    let _active = InUse::new(&gw.metrics.active_rounds);
+    let now = Instant::now();
+    let Some(text) = request.params.get("requestState").and_then(Value::as_str) else {
+        let flow = Flow::new_call(config(&call, false), now);
+        name_flow(flow.flow_id());
+        return drive(&call, session, reply, flow, Io::new(None, None)).await;
+    };
+    let state = match open_state(&call, text) {
+        Ok(state) => state,
+        Err(reason) => return refuse_state(gw, session, reply, group, reason).await,
+    };
+    name_flow(state.flow_id);
+    if let Waiting::Held { at, .. } = &state.waiting {
+        if !gw.peers.is_me(at.owner) {
+            let owner = at.owner;
+            return to_holder(&call, session, reply, state, owner).await;
+        }
+    }
+    let used = replay::digest(text);
+    let claim =
+        gw.used_states
+            .lock()
+            .expect("used-states lock")
+            .claim(used, state.expires_at, now_secs());
+    match claim {
+        Claim::Fresh => {}
+        Claim::Replayed => return refuse_state(gw, session, reply, group, "replayed").await,
+        Claim::Full => {
+            let text = "too many retries are in flight on this replica; retry later";
+            return refuse(session, reply, Refusal::internal(Class::Overloaded, text)).await;
+        }
+    }
+    continue_flow(&call, session, reply, state, used).await
+}
+
+/// A claimed retry goes on: a held flow on the streams this replica holds (or lost, when
+/// it no longer does), any other in the upstream session its state names.
+async fn continue_flow(
+    call: &Call<'_>,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    state: FlowState,
+    used: StateDigest,
+) -> Outcome {
+    let gw = call.gw;
+    let responses = input_responses(call.request);
+    let now = Instant::now();
+    let Some(upstream_call) = state.waiting.call().cloned() else {
+        // Deferred: the call starts now.
+        let flow = Flow::retry(config(call, false), state, responses, None, now);
+        return drive(call, session, reply, flow, Io::new(None, Some(used))).await;
+    };
+    let endpoint = match &state.waiting {
+        Waiting::Held { at, .. } => match gw.held.take(at.slot, state.flow_id) {
+            Some(held) => {
+                gw.metrics.held_event("resumed");
+                let mut upstream = resume(call, held.endpoint.clone(), &upstream_call.session);
+                upstream.persistent = upstream_call.data_session;
+                let io = Io {
+                    upstream: Some(upstream),
+                    streams: held.streams,
+                    claim: Some(used),
+                    drain_told: false,
+                };
+                let questions = Some(held.questions);
+                let flow = Flow::retry(config(call, false), state, responses, questions, now);
+                return drive(call, session, reply, flow, io).await;
+            }
+            None => {
+                gw.metrics.held_event("lost");
+                let flow = Flow::holder_lost(config(call, false), state, responses, now);
+                return drive(call, session, reply, flow, Io::new(None, Some(used))).await;
+            }
+        },
+        _ => call.group.endpoint(upstream_call.endpoint),
+    };
+    let Some(endpoint) = endpoint else {
+        // Checked when the state was opened; the group's answer changed since.
+        return refuse_state(gw, session, reply, call.group, "unknown_endpoint").await;
+    };
+    let mut upstream = resume(call, endpoint, &upstream_call.session);
+    upstream.persistent = upstream_call.data_session;
+    gw.metrics.upstream_session("reused");
+    let scoped = match &state.waiting {
+        Waiting::Resumable { positions, .. } if positions.session_from.is_some() => {
+            let verdict = super::probe::session_replay(gw, call.group, &upstream.endpoint).await;
+            verdict == SessionReplay::Scoped
+        }
+        _ => false,
+    };
+    let flow = Flow::retry(config(call, scoped), state, responses, None, now);
+    drive(
+        call,
+        session,
+        reply,
+        flow,
+        Io::new(Some(upstream), Some(used)),
+    )
+    .await
+}
+
+fn resume<'g>(
+    call: &Call<'g>,
+    endpoint: crate::upstream::Endpoint,
+    session: &str,
+) -> LegacySession<'g> {
+    let gw = call.gw;
+    let mut upstream = LegacySession::resume(
+        &gw.client,
+        endpoint,
+        &call.group.timeouts,
+        session.to_string(),
+    );
+    upstream.trace = call.request.trace.clone();
+    upstream
+}
+
+impl Io<'_> {
+    fn new<'g>(upstream: Option<LegacySession<'g>>, claim: Option<StateDigest>) -> Io<'g> {
+        Io {
+            upstream,
+            streams: Streams::new(None, None),
+            claim,
+            drain_told: false,
+        }
+    }
+}
+
+/// What a flow is told at its start about this request, its group and this replica.
+fn config(call: &Call<'_>, session_replay_scoped: bool) -> FlowConfig {
+    let Call {
+        gw, group, request, ..
+    } = *call;
+    let bridge = &gw.config.bridge;
+    let limits = &gw.config.limits;
+    let learnt = gw.learnt.get(&group.name);
+    let kid_len = gw.keys.load().current().kid().len();
+    FlowConfig {
+        group: group.name.clone(),
+        method: request.method.clone(),
+        target: request.target.clone().unwrap_or_default(),
+        capabilities: request.client_capabilities.clone(),
+        forward_logs: request.log_level.is_some(),
+        restartable: restartable(call),
+        data_session: call.data_session.is_some(),
+        round_limits: RoundLimits {
+            max_questions: limits.max_input_requests_per_round,
+            max_bytes: limits.max_input_requests_bytes,
+        },
+        max_rounds: limits.max_rounds,
+        max_state_plaintext: max_plaintext(limits.max_request_state_bytes, kid_len),
+        max_state_bytes: limits.max_request_state_bytes,
+        kid_len,
+        quiet_window: Duration::from_millis(bridge.quiet_window_ms),
+        poll: Duration::from_millis(bridge.resume_poll_ms),
+        silence: Duration::from_secs(bridge.round_silence_seconds),
+        silence_seconds: bridge.round_silence_seconds,
+        keepalive: (gw.config.sse_keepalive_ms > 0)
+            .then(|| Duration::from_millis(gw.config.sse_keepalive_ms)),
+        request_state_ttl_seconds: bridge.request_state_ttl_seconds,
+        max_flow_seconds: bridge.max_flow_seconds,
+        resume: group.resume,
+        replay_refused: learnt.replay_refused,
+        primes: learnt.resumption_primes,
+        session_replay_scoped,
+        shedding: shedding(gw),
+        now_secs: now_secs(),
+        now_ms: now_ms(),
+        flow_id: rand::random(),
+    }
+}
+
+/// The longest plaintext whose sealed text stays within `limit`.
+fn max_plaintext(limit: usize, kid_len: usize) -> usize {
+    (0..=limit)
+        .rev()
+        .find(|&n| crate::seal::sealed_len(kid_len, n) <= limit)
+        .unwrap_or(0)
+}
+
+/// Whether the call is a `restartable` tool's (never in a data-layer session, whose
+/// state a re-run would not restore).
+fn restartable(call: &Call<'_>) -> bool {
+    let request = call.request;
+    let tool = request.target.as_deref().unwrap_or_default();
+    request.method == "tools/call"
+        && call.data_session.is_none()
+        && call.group.tools.get(tool).is_some_and(|t| t.restartable)
+}
+
+/// Whether this replica sheds new calls now: more interactive requests are in progress
+/// than `bridge.shed_above_active_rounds` (this one included), or more flows are held
+/// than `bridge.shed_above_held_flows`.
+fn shedding(gw: &Gateway) -> bool {
+    let bridge = &gw.config.bridge;
+    let (rounds, held) = (
+        bridge.shed_above_active_rounds,
+        bridge.shed_above_held_flows,
+    );
+    (rounds > 0 && gw.metrics.active_rounds.get() > rounds as i64)
+        || (held > 0 && gw.held.usage().0 > held)
+}
+
+/// Opens a retry's state: sealed under a key of the ring, bound to this request and
+/// principal, not expired, of this group and naming one of its endpoints (or none yet).
+fn open_state(call: &Call<'_>, text: &str) -> Result<FlowState, &'static str> {
+    let gw = call.gw;
+    let state =
+        FlowState::open(&gw.keys.load(), &call.bind, text, now_secs()).map_err(|e| e.reason())?;
+    if state.group != call.group.name {
+        return Err("unknown_endpoint");
+    }
+    match state.waiting.call() {
+        Some(upstream) if call.group.endpoint(upstream.endpoint).is_none() => {
+            Err("unknown_endpoint")
+        }
+        _ => Ok(state),
+    }
+}
+
+/// Refuses a retry whose `requestState` or `inputResponses` exceed the limits, before
+/// any decoding.
+fn check_retry_limits(request: &ModernRequest, limits: &Limits) -> Result<(), String> {
+    if let Some(state) = request.params.get("requestState").and_then(Value::as_str) {
+        if state.len() > limits.max_request_state_bytes {
+            return Err(format!(
+                "requestState is {} bytes, above the limit of {}",
+                state.len(),
+                limits.max_request_state_bytes
+            ));
+        }
+    }
+    let Some(responses) = request.params.get("inputResponses") else {
+        return Ok(());
+    };
+    let count = responses.as_object().map_or(0, |r| r.len());
+    if count > limits.max_input_requests_per_round {
+        return Err(format!(
+            "inputResponses has {count} entries, above the limit of {}",
+            limits.max_input_requests_per_round
+        ));
+    }
+    let size = serde_json::to_vec(responses).map_or(usize::MAX, |v| v.len());
+    if size > limits.max_input_responses_bytes {
+        return Err(format!(
+            "inputResponses is {size} bytes, above the limit of {}",
+            limits.max_input_responses_bytes
+        ));
+    }
+    Ok(())
+}
+
+/// A retry's answers by input key.
+fn input_responses(request: &ModernRequest) -> Map<String, Value> {
+    request
+        .params
+        .get("inputResponses")
+        .and_then(Value::as_object)
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// The retry of a flow held by another replica: forwarded to it, whose answer the client
+/// gets; or, when it cannot be reached (or this request came from a peer that thought
+/// this replica held it), the flow is lost with it.
+async fn to_holder(
+    call: &Call<'_>,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    state: FlowState,
+    owner: Option<std::net::SocketAddr>,
+) -> Outcome {
+    let gw = call.gw;
+    let why = match owner {
+        _ if call.incoming.arrival == Arrival::Peer => {
+            "forwarded here, but held by another replica".to_string()
+        }
+        None => "held by a replica without a peer listener".to_string(),
+        Some(owner) => match peers::forward(gw, session, owner, &call.incoming.body).await {
+            Ok(_) => {
+                gw.metrics.peer_forwards.with_label_values(&["ok"]).inc();
+                return Outcome::Forwarded;
+            }
+            Err(why) => why,
+        },
+    };
+    gw.metrics
+        .peer_forwards
+        .with_label_values(&["owner_gone"])
+        .inc();
+    let flow_id = format!("{:016x}", state.flow_id);
+    tracing::info!(flow = flow_id, owner = ?owner, %why, "the replica holding the flow cannot continue it");
+    let responses = input_responses(call.request);
+    let flow = Flow::holder_lost(config(call, false), state, responses, Instant::now());
+    drive(call, session, reply, flow, Io::new(None, None)).await
+}
+
+/// Runs `flow` to its end: carries out its commands, feeds it what the upstream streams,
+/// the client and the clock bring, and answers the client as it finishes.
+async fn drive<'g>(
+    call: &Call<'g>,
+    session: &mut ServerSession,
+    mut reply: ClientReply,
+    mut flow: Flow,
+    mut io: Io<'g>,
+) -> Outcome {
+    loop {
+        while let Some(command) = flow.poll_command() {
+            if let Command::Finish(ending) = command {
+                return finish(call, session, reply, &flow, ending).await;
+            }
+            if let Some(input) = execute(call, session, &mut reply, &mut io, &flow, command).await {
+                flow.handle(input, Instant::now());
+            }
+        }
+        if flow.is_reading() {
+            if let Some((source, event)) = io.streams.backlog.pop_front() {
+                let stream = stream_of(source);
+                flow.handle(Input::Event { stream, event }, Instant::now());
+                continue;
+            }
+        }
+        match wait(call, session, &mut io, &flow).await {
+            Woke::Input(input) => flow.handle(input, Instant::now()),
+            Woke::Time => flow.handle_timeout(Instant::now()),
+            Woke::Read => {}
+        }
+    }
+}
+
+/// What woke the driver.
+enum Woke {
+    Input(Input),
+    /// The flow's timeout is due.
+    Time,
+    /// A chunk was parsed into the backlog.
+    Read,
+}
+
+/// Waits for the next thing the flow must know: a chunk on a stream it reads, the client
+/// leaving, the gateway draining, or its timeout.
+async fn wait(call: &Call<'_>, session: &mut ServerSession, io: &mut Io<'_>, flow: &Flow) -> Woke {
+    let reading = flow.is_reading();
+    let timeout = flow.poll_timeout().map(tokio::time::Instant::from_std);
+    let drain = !io.drain_told;
+    let (source, chunk) = tokio::select! {
+        c = next_chunk(&mut io.streams.call), if reading => (Source::Call, c),
+        c = next_chunk(&mut io.streams.session), if reading => (Source::Session, c),
+        _ = sleep_until_or_never(timeout) => return Woke::Time,
+        _ = session.read_body_or_idle(true) => return Woke::Input(Input::ClientGone),
+        _ = call.gw.drain.wait(), if drain => {
+            io.drain_told = true;
+            return Woke::Input(Input::Draining);
+        }
+    };
+    match chunk {
+        Some(Ok(Some(bytes))) => match io.streams.push(source, &bytes) {
+            Ok(_) => Woke::Read,
+            // An event over the size limit: the stream is of no further use.
+            Err(e) => {
+                tracing::info!(error = %e, "upstream stream dropped");
+                io.streams.drop_stream(source);
+                Woke::Input(Input::StreamEnded(stream_of(source)))
+            }
+        },
+        // Ended, or broken: either way the stream is over.
+        _ => {
+            io.streams.drop_stream(source);
+            Woke::Input(Input::StreamEnded(stream_of(source)))
+        }
+    }
+}
+
+async fn sleep_until_or_never(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}
+
+fn stream_of(source: Source) -> Stream {
+    match source {
+        Source::Call => Stream::Call,
+        Source::Session => Stream::Session,
+    }
+}
+
+/// Carries out one command; returns what the flow must be told of its outcome.
+async fn execute<'g>(
+    call: &Call<'g>,
+    session: &mut ServerSession,
+    reply: &mut ClientReply,
+    io: &mut Io<'g>,
+    flow: &Flow,
+    command: Command,
+) -> Option<Input> {
+    let Call {
+        gw, group, request, ..
+    } = *call;
+    match command {
+        Command::OpenSession => Some(open_session(call, io).await),
+        Command::OpenStream { stream, after } => Some(open_stream(io, stream, after).await),
+        Command::PostCall { id } => Some(post_call(call, io, id).await),
+        Command::Post(message) => {
+            let upstream = io.upstream.as_ref()?;
+            let posted = upstream.post_and_expect_accepted(&message).await;
+            Some(Input::Posted(posted.map_err(|e| failure(&e))))
+        }
+        Command::Notify(message) => {
+            reply.notify(session, &message).await;
+            None
+        }
+        Command::KeepAlive => {
+            if reply.keep_alive(session).await {
+                gw.metrics.sse_keepalives.inc();
+            }
+            None
+        }
+        Command::Watch { until } => {
+            let upstream = io.upstream.as_ref()?;
+            let sid = upstream.session_id.as_ref()?;
+            let watched = gw
+                .reaper
+                .watch(&upstream.endpoint, upstream.timeouts, sid, until);
+            Some(Input::Watched(watched))
+        }
+        Command::Hold {
+            questions,
+            expires_at,
+        } => Some(hold(call, io, flow, questions, expires_at).await),
+        Command::CloseStreams => {
+            std::mem::replace(&mut io.streams, Streams::new(None, None))
+                .close(gw)
+                .await;
+            None
+        }
+        Command::DeleteSession => {
+            if let Some(upstream) = &io.upstream {
+                end_session(gw, upstream).await;
+            }
+            None
+        }
+        Command::ReleaseClaim => {
+            if let Some(used) = io.claim.take() {
+                gw.used_states
+                    .lock()
+                    .expect("used-states lock")
+                    .release(&used);
+            }
+            None
+        }
+        Command::Learn(learnt) => {
+            learn(gw, group, learnt);
+            None
+        }
+        Command::Note(Note::Restarted) => {
+            gw.metrics.call_restarts.inc();
+            tracing::info!(method = %request.method, "upstream lost the call; running it again");
+            None
+        }
+        Command::Note(Note::HandedOver) => {
+            tracing::info!("round handed over: draining");
+            None
+        }
+        Command::Finish(_) => None,
+    }
+}
+
+/// Opens the call's upstream session: the request's data-layer session, or a new one.
+async fn open_session<'g>(call: &Call<'g>, io: &mut Io<'g>) -> Input {
+    match upstream_for(call.gw, call.group, call.request, call.data_session).await {
+        Ok(upstream) => {
+            let input = Input::SessionOpened {
+                endpoint: upstream.endpoint.addr,
+                session: upstream.session_id.clone(),
+            };
+            io.upstream = Some(upstream);
+            input
+        }
+        Err(e) => Input::SessionFailed(failure(&e)),
+    }
+}
+
+async fn open_stream(io: &mut Io<'_>, stream: Stream, after: Option<String>) -> Input {
+    let Some(upstream) = io.upstream.as_ref() else {
+        let result = Err(Failure::new(FailureKind::Broken, "no upstream session"));
+        return Input::StreamOpened { stream, result };
+    };
+    let result = match (stream, after) {
+        (Stream::Call, Some(after)) => {
+            io.streams.call = None;
+            resume_call(upstream, &after)
+                .await
+                .map(|response| io.streams.replace_call(response))
+                .map_err(|e| failure(&e))
+        }
+        (Stream::Call, None) => Err(Failure::new(
+            FailureKind::Broken,
+            "a call's stream is resumed only after an event",
+        )),
+        (Stream::Session, after) => {
+            io.streams.session = None;
+            io.streams.session = open_session_stream(upstream, after.as_deref()).await;
+            Ok(())
+        }
+    };
+    Input::StreamOpened { stream, result }
+}
+
+async fn post_call(call: &Call<'_>, io: &mut Io<'_>, id: i64) -> Input {
+    let Some(upstream) = io.upstream.as_ref() else {
+        let failure = Failure::new(FailureKind::Broken, "no upstream session");
+        return Input::CallPosted(Err(failure));
+    };
+    let request = call.request;
+    let message = json!({"jsonrpc": "2.0", "id": id, "method": request.method, "params": upstream_params(request)});
+    let mut response = match upstream.post(&message).await {
+        Ok(response) => response,
+        Err(e) => return Input::CallPosted(Err(failure(&e))),
+    };
+    if response.is_sse() {
+        io.streams.replace_call(response);
+        return Input::CallPosted(Ok(CallReply::Stream));
+    }
+    let message = read_single(&mut response).await;
+    call.gw.client.finish(response).await;
+    Input::CallPosted(message.map(CallReply::Message).map_err(|e| failure(&e)))
+}
+
+/// Puts the flow's streams (with their unread events) in this replica's table.
+async fn hold(
+    call: &Call<'_>,
+    io: &mut Io<'_>,
+    flow: &Flow,
+    questions: Map<String, Value>,
+    expires_at: u64,
+) -> Input {
+    let gw = call.gw;
+    let Some(upstream) = io.upstream.as_ref() else {
+        let refusal = Refusal::internal(Class::UpstreamError, "no upstream session to hold");
+        return Input::Held(Err(refusal));
+    };
+    let streams = std::mem::replace(&mut io.streams, Streams::new(None, None));
+    let held = Held::new(
+        flow.flow_id(),
+        expires_at,
+        upstream.endpoint.clone(),
+        *upstream.timeouts,
+        upstream.session_id.clone().filter(|_| !upstream.persistent),
+        streams,
+        questions,
+    );
+    match gw.held.hold(held) {
+        Ok(slot) => {
+            gw.metrics.held_event("held");
+            Input::Held(Ok(HeldAt {
+                owner: gw.peers.advertise,
+                slot,
+            }))
+        }
+        Err((refused, held)) => {
+            held.abandon(gw).await;
+            let refusal = match refused {
+                NotHeld::Full => Refusal::internal(
+                    Class::Overloaded,
+                    "too many flows are held on this replica; retry later",
+                ),
+                NotHeld::TooLarge(bytes) => Refusal::internal(
+                    Class::OverLimit,
+                    format!(
+                        "the round's questions take {bytes} bytes, above bridge.max_held_bytes_per_flow ({})",
+                        gw.config.bridge.max_held_bytes_per_flow
+                    ),
+                ),
+            };
+            Input::Held(Err(refusal))
+        }
+    }
+}
+
+fn learn(gw: &Gateway, group: &UpstreamGroup, learnt: Learnt) {
+    match learnt {
+        Learnt::Resumable(resumable) => gw.note_resumable(group, resumable),
+        Learnt::ReplayRefused { empty } => {
+            let how = if empty {
+                "an empty stream"
+            } else {
+                "a refusal"
+            };
+            gw.note_replay_refused(group, how);
+        }
+        Learnt::Primes(primes) => {
+            gw.learnt
+                .update(&group.name, |facts| facts.resumption_primes = Some(primes));
+        }
+    }
+}
+
+/// The flow's view of an upstream failure.
+fn failure(e: &SessionError) -> Failure {
+    let kind = match e {
+        SessionError::NoEndpoint => FailureKind::NoEndpoint,
+        SessionError::Gone => FailureKind::Gone,
+        SessionError::Refused(status) => FailureKind::Refused(*status),
+        SessionError::Exchange(ExchangeError::Connect(_)) => FailureKind::Unreachable,
+        SessionError::Exchange(ExchangeError::Timeout) => FailureKind::Timeout,
+        SessionError::Exchange(_) | SessionError::Protocol(_) => FailureKind::Broken,
+    };
+    Failure::new(kind, e.to_string())
+}
+
+/// Answers the client as the flow ended.
+async fn finish(
+    call: &Call<'_>,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    flow: &Flow,
+    ending: Ending,
+) -> Outcome {
+    let Call {
+        gw, group, request, ..
+    } = *call;
+    let server_info = &gw.server_info(group);
+    match ending {
+        Ending::Complete {
+            message,
+            rounds,
+            started_ms,
+        } => {
+            gw.metrics.flow_rounds.observe(f64::from(rounds));
+            let ms = now_ms().saturating_sub(started_ms);
+            gw.metrics.flow_duration.observe(ms as f64 / 1000.0);
+            let cacheable = request.method == "resources/read";
+            let label = finish_with(reply, session, message, server_info, cacheable).await;
+            if label == "ok" {
+                Outcome::Ok
+            } else {
+                let refusal = Refusal::internal(
+                    Class::UpstreamError,
+                    "the upstream answered the call with an error",
+                );
+                Outcome::Refused(refusal)
+            }
+        }
+        Ending::InputRequired {
+            state,
+            input_requests,
+            shed,
+        } => {
+            let sealed = match state.seal_within(
+                &gw.keys.load(),
+                &call.bind,
+                gw.config.limits.max_request_state_bytes,
+            ) {
+                Ok(sealed) => sealed,
+                Err(too_large) => {
+                    let refusal = Refusal::internal(Class::OverLimit, too_large.to_string());
+                    return refuse(session, reply, refusal).await;
+                }
+            };
+            let mut result = json!({"resultType": "input_required", "requestState": sealed});
+            if !input_requests.is_empty() {
+                result["inputRequests"] = Value::Object(input_requests.clone());
+            }
+            let flow_id = format!("{:016x}", flow.flow_id());
+            if shed {
+                gw.metrics.shed.inc();
+                tracing::info!(flow = flow_id, "call deferred: shedding load");
+            } else {
+                let reissue = matches!(state.waiting, Waiting::Reissue { .. });
+                tracing::info!(
+                    flow = flow_id,
+                    round = state.round,
+                    questions = input_requests.len(),
+                    reissue,
+                    "input required"
+                );
+                gw.metrics
+                    .input_required
+                    .with_label_values(&[request.method.as_str()])
+                    .inc();
+            }
+            reply
+                .result(session, decorate(result, server_info, false))
+                .await;
+            if shed {
+                Outcome::Shed
+            } else {
+                Outcome::InputRequired
+            }
+        }
+        Ending::Refused(refusal) if refusal.class == Class::SessionEnded => {
+            session::ended(gw, session, reply).await;
+            Outcome::Refused(refusal)
+        }
+        Ending::Refused(refusal) => {
+            if matches!(
+                refusal.class,
+                Class::UpstreamError | Class::UpstreamTimeout | Class::NoUpstream
+            ) {
+                tracing::warn!(group = %group.name, error = %refusal.message, "bridged call failed");
+            } else {
+                tracing::info!(group = %group.name, error = %refusal.message, "bridged call refused");
+            }
+            refuse(session, reply, refusal).await
+        }
+        Ending::ClientGone => Outcome::ClientGone,
+    }
+}
+
+async fn refuse(session: &mut ServerSession, reply: ClientReply, refusal: Refusal) -> Outcome {
+    let status = refusal.class.status();
+    reply
+        .error(
+            session,
+            status,
+            refusal.code,
+            &refusal.message,
+            refusal.data.clone(),
+        )
+        .await;
+    Outcome::Refused(refusal)
+}
+
+/// Answers a `requestState` that was refused, with one uniform error whatever the reason;
+/// the reason goes to the logs and the rejection metric.
+async fn refuse_state(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    group: &UpstreamGroup,
+    reason: &'static str,
+) -> Outcome {
+    gw.metrics
+        .state_rejections
+        .with_label_values(&[reason])
+        .inc();
+    tracing::info!(group = %group.name, reason, "requestState refused");
+    let refusal = Refusal::new(Class::StateRejected, code::INVALID_PARAMS, INVALID_STATE);
+    refuse(session, reply, refusal).await
+}
+
+/// Names the flow in the request's span, so its access line carries the flow id; the id
+/// travels in the state, so every round on every replica logs the same one.
+fn name_flow(flow_id: u64) {
+    tracing::Span::current().record("flow", format!("{flow_id:016x}"));
+}

@@ -1,0 +1,1580 @@
+//! One client request of a bridged interactive call (`tools/call`, `prompts/get`,
+//! `resources/read`), as a state machine without I/O, in the manner of quinn-proto: the
+//! shell feeds [`Input`]s (what the upstream and the client did) with the time, and
+//! carries out the [`Command`]s it polls (what to send, open, close, answer), until the
+//! flow finishes with an [`Ending`]. `poll_timeout` says when the flow wants the clock.
+//!
+//! A request is a new call, or a retry of a sealed [`FlowState`]:
+//!
+//! ```text
+//!  new call ──(shedding)──────────────────────────────────────────▶ Finish(state-only)
+//!     │
+//!     ▼
+//!  Opening ─▶ OpeningSessionStream ─▶ Posting ─▶ Reading ─┬─▶ Finish(result | error)
+//!     ▲                                             ▲       ├─▶ Watching ─▶ Finish(questions)
+//!     │ restartable, lost                           │       └─▶ Holding ──▶ Finish(questions)
+//!  retry of Resumable ─▶ Reopening ─▶ Settling ─▶ ReopeningSession ─▶ Answering ─┤
+//!  retry of Held (taken) ───────────────────────────────────────────▶ Answering ─┤
+//!  retry of Reissue ────────────────────────────────────────────────▶ Answering ─▶ Posting
+//!  retry of Deferred ─▶ (as a new call)
+//! ```
+//!
+//! A retry reopens what its call waits on before any answer goes up, so what the answers
+//! cause finds a stream to go out on. A round ends when the call completes, when the
+//! quiet window passes after the last new question, when it holds as many questions as it
+//! may, or in error; its questions go to the client with the state the next retry resumes
+//! from: resumable, or held by this replica.
+//!
+//! Nothing here reads a clock, a socket or a key: times are inputs, the state is sealed by
+//! the shell (the flow checks that it fits), and the tables (reaper, held flows) are the
+//! shell's, asked through commands whose answers come back as inputs. A command that
+//! waits for an answer is the last one queued until the answer comes.
+
+use super::state::{
+    FlowState, HeldAt, Known, Pending, Positions, UpstreamCall, UpstreamId, Waiting,
+};
+use super::translate::{Action, Round, RoundLimits};
+use crate::config::ResumeMode;
+use crate::mrtr::modern::{code as mcode, gateway_code as gcode};
+use crate::outcome::{Class, Refusal};
+use crate::protocol::sse::Event;
+use serde_json::{json, Map, Value};
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+/// How often the flow follows an upstream that closes the call's stream mid-call.
+const MAX_STREAM_ENDS: usize = 8;
+/// Longest `retry` hint honoured.
+const MAX_RETRY: Duration = Duration::from_secs(10);
+/// The wait before reopening a stream the upstream ended, without a `retry` hint.
+const DEFAULT_RETRY: Duration = Duration::from_secs(1);
+/// How often an empty resumption is tried again, after how long at first (doubling),
+/// before the upstream is taken not to have the call's events: an upstream that still
+/// holds the previous connection of the stream can answer one with an empty stream.
+const EMPTY_RETRIES: u32 = 2;
+const EMPTY_BACKOFF: Duration = Duration::from_millis(100);
+/// How long a retry waits for a resumed stream's priming event: from an upstream known
+/// to prime, and (once, to learn) from one not known yet.
+const SETTLE_PRIMED: Duration = Duration::from_secs(2);
+const SETTLE_UNKNOWN: Duration = Duration::from_millis(300);
+
+/// Which upstream stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stream {
+    /// The call's own stream: its POST's response, or a resumption of it.
+    Call,
+    /// The session's standalone GET stream.
+    Session,
+}
+
+/// Why an upstream exchange failed, as far as the flow's decisions go.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    pub kind: FailureKind,
+    /// What went wrong, for the client's message.
+    pub message: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureKind {
+    /// No healthy endpoint to open a session on.
+    NoEndpoint,
+    /// The endpoint did not take the connection.
+    Unreachable,
+    /// The upstream no longer has the session (HTTP 404).
+    Gone,
+    /// The upstream refused the request with this status.
+    Refused(u16),
+    /// No answer in time.
+    Timeout,
+    /// Anything else: a broken exchange, an answer against the protocol.
+    Broken,
+}
+
+impl Failure {
+    pub fn new(kind: FailureKind, message: impl Into<String>) -> Failure {
+        Failure {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// The upstream lost the call: its session is gone, or its endpoint is down.
+    pub fn is_lost(&self) -> bool {
+        matches!(self.kind, FailureKind::Gone | FailureKind::Unreachable)
+    }
+
+    /// The request provably did not reach the upstream, or was refused there.
+    pub fn never_delivered(&self) -> bool {
+        matches!(
+            self.kind,
+            FailureKind::Unreachable | FailureKind::Refused(_) | FailureKind::Gone
+        )
+    }
+
+    /// The client's error for this failure of `group`'s upstream.
+    pub fn refusal(&self, group: &str) -> Refusal {
+        let class = match self.kind {
+            FailureKind::NoEndpoint => Class::NoUpstream,
+            FailureKind::Timeout => Class::UpstreamTimeout,
+            _ => Class::UpstreamError,
+        };
+        let text = format!("upstream group '{group}' failed: {}", self.message);
+        Refusal::internal(class, text)
+    }
+}
+
+/// What the upstream answered to the call's POST.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CallReply {
+    /// An SSE stream: its events come as `Input::Event` on `Stream::Call`.
+    Stream,
+    /// One JSON-RPC message (a JSON body).
+    Message(Value),
+}
+
+/// What happened, fed to the flow with the time.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Input {
+    /// `OpenSession`: the session is open (`session` is its id, if the server gave one).
+    SessionOpened {
+        endpoint: SocketAddr,
+        session: Option<String>,
+    },
+    SessionFailed(Failure),
+    /// `OpenStream`: the stream is open, or not.
+    StreamOpened {
+        stream: Stream,
+        result: Result<(), Failure>,
+    },
+    /// `PostCall`: the upstream's answer to the call.
+    CallPosted(Result<CallReply, Failure>),
+    /// `Post`: the upstream took the message (202), or not.
+    Posted(Result<(), Failure>),
+    /// An event read on an open stream.
+    Event {
+        stream: Stream,
+        event: Event,
+    },
+    /// An open stream ended (cleanly or broken).
+    StreamEnded(Stream),
+    /// `Watch`: whether the reaper took the session.
+    Watched(bool),
+    /// `Hold`: the slot that holds the flow, or why none does.
+    Held(Result<HeldAt, Refusal>),
+    /// The client closed its response: the request is cancelled.
+    ClientGone,
+    /// The gateway began draining.
+    Draining,
+}
+
+/// What the shell must do.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Command {
+    /// Open an upstream session for the call (the request's data-layer session, or a new
+    /// one initialized with its capabilities); answer `SessionOpened` or `SessionFailed`.
+    OpenSession,
+    /// Open `stream` (dropping what was there): the call's resumed after `after`, or the
+    /// session's, after `after` or fresh; answer `StreamOpened`.
+    OpenStream {
+        stream: Stream,
+        after: Option<String>,
+    },
+    /// Post the call under `id`; answer `CallPosted`.
+    PostCall { id: i64 },
+    /// Post a JSON-RPC response to a server request (an answer, a ping's, a refusal);
+    /// answer `Posted`.
+    Post(Value),
+    /// Write a notification to the client (switching its response to SSE if it accepts it).
+    Notify(Value),
+    /// Write a keep-alive comment to the client, if its response streams.
+    KeepAlive,
+    /// Have the reaper watch the session until the flow's deadline (`until`, seconds
+    /// since the Unix epoch); answer `Watched`.
+    Watch { until: u64 },
+    /// Keep the flow's streams (and their unread events) in this replica's table, with
+    /// the round's questions; answer `Held`.
+    Hold {
+        questions: Map<String, Value>,
+        /// When the held entry expires with the state.
+        expires_at: u64,
+    },
+    /// Close the flow's upstream streams (never cancelling the call).
+    CloseStreams,
+    /// Delete the upstream session: the flow opened it and is done with it.
+    DeleteSession,
+    /// Release the retry's replay claim: the upstream got none of its answers.
+    ReleaseClaim,
+    /// Something learnt about the group's upstream.
+    Learn(Learnt),
+    /// Something to count.
+    Note(Note),
+    /// The request ends: answer the client so.
+    Finish(Ending),
+}
+
+/// What a flow learns about its group's upstream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Learnt {
+    /// Whether the group's rounds wait resumable (or held).
+    Resumable(bool),
+    /// The upstream refused a `Last-Event-ID` resumption (or, `empty`, answered it with an
+    /// empty stream): with `resume: auto` its flows are held from then on.
+    ReplayRefused { empty: bool },
+    /// Whether its resumed streams are primed once live.
+    Primes(bool),
+}
+
+/// Events worth counting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Note {
+    /// A `restartable` call is run again after its upstream lost it.
+    Restarted,
+    /// A round cut short by draining goes to the client, for another replica to resume.
+    HandedOver,
+}
+
+/// How the request ends.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Ending {
+    /// The upstream's response to the call, for the client as its result (or error),
+    /// after `rounds` rounds of a flow that began at `started_ms`.
+    Complete {
+        message: Value,
+        rounds: u16,
+        started_ms: u64,
+    },
+    /// Questions for the client (possibly none: a state-only result) and the state its
+    /// retry resumes from. `shed`: a new call deferred under load shedding.
+    InputRequired {
+        state: Box<FlowState>,
+        input_requests: Map<String, Value>,
+        shed: bool,
+    },
+    Refused(Refusal),
+    /// The client left; nothing is answered.
+    ClientGone,
+}
+
+/// Everything a flow is told at its start.
+#[derive(Clone, Debug)]
+pub struct FlowConfig {
+    pub group: String,
+    /// The method, and the tool name or resource uri, for messages.
+    pub method: String,
+    pub target: String,
+    pub capabilities: Map<String, Value>,
+    /// The request asked for log notifications (`logLevel`).
+    pub forward_logs: bool,
+    /// The tool may be run again when its upstream loses it.
+    pub restartable: bool,
+    /// The request runs in a data-layer session.
+    pub data_session: bool,
+    pub round_limits: RoundLimits,
+    pub max_rounds: u16,
+    /// Largest sealed-state plaintext (binding and state) that stays within the state
+    /// limit once sealed.
+    pub max_state_plaintext: usize,
+    /// The state limit itself, and the sealing key id's length, for the message.
+    pub max_state_bytes: usize,
+    pub kid_len: usize,
+    pub quiet_window: Duration,
+    pub poll: Duration,
+    pub silence: Duration,
+    pub silence_seconds: u64,
+    pub keepalive: Option<Duration>,
+    pub request_state_ttl_seconds: u64,
+    pub max_flow_seconds: u64,
+    /// The group's `resume` setting, and what is known of it.
+    pub resume: ResumeMode,
+    pub replay_refused: bool,
+    pub primes: Option<bool>,
+    /// The group's store keeps sessions apart: a GET stream may be resumed.
+    pub session_replay_scoped: bool,
+    /// This replica sheds new calls now.
+    pub shedding: bool,
+    /// This replica can hold flows (a slot, and its peer address if it has one).
+    pub now_secs: u64,
+    pub now_ms: u64,
+    /// A random flow id for a new call.
+    pub flow_id: u64,
+}
+
+/// What lost a call between rounds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lost {
+    /// The upstream: its session is gone, or its endpoint is down.
+    Upstream,
+    /// The upstream no longer has the call's events: a resumption came back empty.
+    Unresumable,
+    /// The replica holding the call's streams is gone or no longer holds them.
+    Holder,
+}
+
+/// One request of a bridged call.
+pub struct Flow {
+    config: FlowConfig,
+    /// What carries over from round to round.
+    common: Common,
+    phase: Phase,
+    commands: VecDeque<Command>,
+    /// This request opened the flow's upstream session (a new call, or a re-run).
+    opened_session: bool,
+}
+
+#[derive(Clone, Debug)]
+struct Common {
+    flow_id: u64,
+    started_ms: u64,
+    flow_deadline: u64,
+    round: u16,
+    known: Vec<Known>,
+}
+
+/// Where the request stands.
+enum Phase {
+    /// `OpenSession` sent.
+    Opening,
+    /// The session is open; its GET stream is opened before the call is posted.
+    OpeningSessionStream {
+        call: UpstreamCall,
+    },
+    /// `PostCall` sent.
+    Posting {
+        call: UpstreamCall,
+    },
+    /// A retry reopens the call's stream.
+    Reopening(Box<Retry>),
+    /// The reopened stream settles: events wait until its priming event, or `until`.
+    Settling {
+        retry: Box<Retry>,
+        until: Instant,
+    },
+    /// An empty resumption is tried again at `until`.
+    Backoff {
+        retry: Box<Retry>,
+        until: Instant,
+    },
+    /// The session's stream is reopened.
+    ReopeningSession(Box<Retry>),
+    /// The retry's answers go up, one `Post` at a time.
+    Answering(Box<Retry>),
+    /// A round is read.
+    Reading(Box<Reading>),
+    /// `Watch` sent before the round's questions go to the client.
+    Watching(Box<Ended>),
+    /// `Hold` sent.
+    Holding {
+        state: Box<FlowState>,
+        questions: Map<String, Value>,
+    },
+    Done,
+}
+
+/// A retry on its way back into its call.
+struct Retry {
+    call: UpstreamCall,
+    pending: Vec<Pending>,
+    responses: Map<String, Value>,
+    /// The call stream's position to resume from, and the session stream's.
+    from: Option<String>,
+    session_from: Option<String>,
+    all_answered: bool,
+    /// Empty resumptions so far.
+    empties: u32,
+    /// Events the resumed stream replayed while it settled.
+    replayed: Vec<Event>,
+    /// The resumed stream ended while it settled (after replaying something).
+    call_ended: bool,
+    to_post: VecDeque<(Pending, Value)>,
+    answered: Vec<UpstreamId>,
+    then: AfterAnswers,
+}
+
+enum AfterAnswers {
+    /// Read the next round on the reopened streams.
+    Read,
+    /// Read on the held streams, asking unanswered questions again.
+    ReadHeld { questions: Map<String, Value> },
+    /// Post the call again (URL elicitation).
+    Reissue,
+}
+
+/// A round being read.
+struct Reading {
+    call: UpstreamCall,
+    round: Round,
+    /// The call's stream is open (its events come as inputs).
+    call_open: bool,
+    /// Events read on the call's stream since it was (re)opened.
+    call_events: usize,
+    /// The call's stream is a resumption, not the call's own POST stream.
+    reopened: bool,
+    /// The upstream's `retry` hint.
+    retry: Duration,
+    /// Stream ends in a row without a message in between.
+    stream_ends: usize,
+    empty_resumptions: u32,
+    quiet_until: Option<Instant>,
+    reopen_at: Option<Instant>,
+    /// A reopen of the call's stream is awaited.
+    reopening: bool,
+    last_activity: Instant,
+    last_message: Instant,
+    keepalive_at: Option<Instant>,
+    /// A `Post` (a ping's answer, a refusal) is awaited, and what follows it.
+    posting: Option<AfterPost>,
+}
+
+/// What follows a round's `Post`.
+enum AfterPost {
+    Read,
+    End(Box<RoundEnd>),
+}
+
+/// How a round ended.
+enum RoundEnd {
+    Complete(Value),
+    Questions { draining: bool },
+    Failed(String),
+    MissingCapability(Value),
+    Silent,
+    ClientGone,
+}
+
+/// A round that ended, with what it read.
+struct Ended {
+    reading: Box<Reading>,
+    end: RoundEnd,
+}
+
+impl Flow {
+    /// A new call: started, or deferred when the replica sheds load.
+    pub fn new_call(config: FlowConfig, now: Instant) -> Flow {
+        let common = Common {
+            flow_id: config.flow_id,
+            started_ms: config.now_ms,
+            flow_deadline: config.now_secs + config.max_flow_seconds,
+            round: 0,
+            known: Vec::new(),
+        };
+        let mut flow = Flow::with(config, common);
+        flow.phase = flow.start(now);
+        flow
+    }
+
+    /// A retry of `state` with its answers. `held_questions` is the round's questions
+    /// from this replica's table, when it holds the flow and took it for the retry.
+    pub fn retry(
+        config: FlowConfig,
+        state: FlowState,
+        responses: Map<String, Value>,
+        held_questions: Option<Map<String, Value>>,
+        now: Instant,
+    ) -> Flow {
+        let mut flow = Flow::with(config, Common::of(&state));
+        flow.phase = match state.waiting {
+            Waiting::Deferred { .. } => flow.start(now),
+            Waiting::Resumable {
+                call,
+                pending,
+                positions,
+            } => flow.resume(call, pending, positions, responses, now),
+            Waiting::Held { call, pending, .. } => match held_questions {
+                Some(questions) => {
+                    let then = AfterAnswers::ReadHeld { questions };
+                    flow.answer(Retry::new(call, pending, responses, then), now)
+                }
+                None => flow.lost(Lost::Holder, &pending, &responses, now),
+            },
+            Waiting::Reissue { call } => {
+                let retry = Retry::new(call, Vec::new(), responses, AfterAnswers::Reissue);
+                flow.answer(retry, now)
+            }
+        };
+        flow
+    }
+
+    /// A retry of a held flow whose holder is gone (or cannot be reached).
+    pub fn holder_lost(
+        config: FlowConfig,
+        state: FlowState,
+        responses: Map<String, Value>,
+        now: Instant,
+    ) -> Flow {
+        let pending = state.waiting.pending().to_vec();
+        let mut flow = Flow::with(config, Common::of(&state));
+        flow.phase = flow.lost(Lost::Holder, &pending, &responses, now);
+        flow
+    }
+
+    fn with(config: FlowConfig, common: Common) -> Flow {
+        Flow {
+            config,
+            common,
+            phase: Phase::Done,
+            commands: VecDeque::new(),
+            opened_session: false,
+        }
+    }
+
+    /// The flow's id, for logs.
+    pub fn flow_id(&self) -> u64 {
+        self.common.flow_id
+    }
+
+    /// The next command, if any.
+    pub fn poll_command(&mut self) -> Option<Command> {
+        self.commands.pop_front()
+    }
+
+    /// Whether the flow takes upstream events now. The shell feeds them one at a time,
+    /// and keeps those the flow does not take (a round that filled up) for a later round.
+    pub fn is_reading(&self) -> bool {
+        match &self.phase {
+            Phase::Reading(r) => r.posting.is_none() && !r.reopening,
+            Phase::Settling { .. } => true,
+            _ => false,
+        }
+    }
+
+    /// Whether the request has finished.
+    pub fn is_done(&self) -> bool {
+        matches!(self.phase, Phase::Done) && self.commands.is_empty()
+    }
+
+    /// When the flow next wants `handle_timeout`.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        match &self.phase {
+            Phase::Settling { until, .. } | Phase::Backoff { until, .. } => Some(*until),
+            Phase::Reading(r) if r.posting.is_none() && !r.reopening => [
+                r.quiet_until,
+                r.reopen_at,
+                r.keepalive_at,
+                Some(r.last_message + self.config.silence),
+                self.poll_at(r),
+            ]
+            .into_iter()
+            .flatten()
+            .min(),
+            _ => None,
+        }
+    }
+
+    /// When a silent resumable call stream is reopened (which recovers events an upstream
+    /// stored but did not deliver to a resumed connection).
+    fn poll_at(&self, r: &Reading) -> Option<Instant> {
+        let resumable = r.call_open && r.round.last_event_id().is_some();
+        (r.quiet_until.is_none() && r.reopen_at.is_none() && resumable)
+            .then(|| r.last_activity + self.config.poll)
+    }
+
+    /// Feeds what happened.
+    pub fn handle(&mut self, input: Input, now: Instant) {
+        let phase = std::mem::replace(&mut self.phase, Phase::Done);
+        self.phase = match (phase, input) {
+            (Phase::Opening, Input::SessionOpened { endpoint, session }) => {
+                self.session_opened(endpoint, session)
+            }
+            (Phase::Opening, Input::SessionFailed(failure)) => {
+                self.finish(Ending::Refused(self.refusal_for(&failure)))
+            }
+            (Phase::OpeningSessionStream { call }, Input::StreamOpened { .. }) => {
+                self.post_call(call)
+            }
+            (Phase::Posting { call }, Input::CallPosted(reply)) => {
+                self.call_posted(call, reply, now)
+            }
+            (Phase::Reopening(retry), Input::StreamOpened { result, .. }) => {
+                self.call_reopened(retry, result, now)
+            }
+            (Phase::Settling { retry, until }, Input::Event { event, .. }) => {
+                self.settling_event(retry, until, event, now)
+            }
+            (Phase::Settling { retry, .. }, Input::StreamEnded(Stream::Call)) => {
+                self.settling_ended(retry, now)
+            }
+            (Phase::ReopeningSession(retry), Input::StreamOpened { .. }) => {
+                self.answer(*retry, now)
+            }
+            (Phase::Answering(retry), Input::Posted(result)) => {
+                self.answer_posted(retry, result, now)
+            }
+            (Phase::Reading(reading), input) => self.reading(reading, input, now),
+            (Phase::Watching(ended), Input::Watched(true)) => self.round_over(*ended),
+            (Phase::Watching(ended), Input::Watched(false)) => self.overloaded(&ended.reading),
+            (Phase::Holding { state, questions }, Input::Held(held)) => {
+                self.held(state, questions, held)
+            }
+            // An input the phase does not wait for (a stream ending while a post is
+            // answered, a draining signal while a session opens) changes nothing.
+            (phase, _) => phase,
+        };
+    }
+
+    /// Feeds the time; due at `poll_timeout`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let phase = std::mem::replace(&mut self.phase, Phase::Done);
+        self.phase = match phase {
+            Phase::Settling { retry, until } if now >= until => {
+                if self.config.primes.is_none() {
+                    self.learn(Learnt::Primes(false));
+                }
+                self.reopen_session_stream(retry, now)
+            }
+            Phase::Backoff { retry, until } if now >= until => self.reopen_call(retry, now),
+            Phase::Reading(reading) => self.reading_timeout(reading, now),
+            other => other,
+        };
+    }
+
+    // ----- a new call -----
+
+    fn start(&mut self, _now: Instant) -> Phase {
+        if self.config.shedding {
+            let state = self.state(Waiting::Deferred {
+                data_session: self.config.data_session,
+            });
+            return self.finish(Ending::InputRequired {
+                state: Box::new(state),
+                input_requests: Map::new(),
+                shed: true,
+            });
+        }
+        self.common.round = self.common.round.max(1);
+        self.commands.push_back(Command::OpenSession);
+        Phase::Opening
+    }
+
+    fn session_opened(&mut self, endpoint: SocketAddr, session: Option<String>) -> Phase {
+        self.opened_session = !self.config.data_session;
+        let call = UpstreamCall {
+            endpoint,
+            session: session.unwrap_or_default(),
+            id: UpstreamId::Number(0),
+            data_session: self.config.data_session,
+        };
+        // A data-layer session has no GET stream of the flow's: calls in it may run at
+        // once, and only each call's own stream says which call a request belongs to.
+        if call.data_session {
+            return self.post_call(call);
+        }
+        self.commands.push_back(Command::OpenStream {
+            stream: Stream::Session,
+            after: None,
+        });
+        Phase::OpeningSessionStream { call }
+    }
+
+    fn post_call(&mut self, mut call: UpstreamCall) -> Phase {
+        let id = fresh_call_id();
+        call.id = UpstreamId::Number(id);
+        self.commands.push_back(Command::PostCall { id });
+        Phase::Posting { call }
+    }
+
+    fn call_posted(
+        &mut self,
+        call: UpstreamCall,
+        reply: Result<CallReply, Failure>,
+        now: Instant,
+    ) -> Phase {
+        let reply = match reply {
+            Ok(reply) => reply,
+            Err(failure) => {
+                self.commands.push_back(Command::CloseStreams);
+                self.delete_session(&call);
+                return self.finish(Ending::Refused(self.refusal_for(&failure)));
+            }
+        };
+        let call_open = reply == CallReply::Stream;
+        let mut reading = self.reading_for(call, None, call_open, false, now);
+        if let CallReply::Message(message) = reply {
+            let event = Event::message(None, message.to_string());
+            return self.reading(
+                reading,
+                Input::Event {
+                    stream: Stream::Call,
+                    event,
+                },
+                now,
+            );
+        }
+        reading.last_activity = now;
+        Phase::Reading(reading)
+    }
+
+    // ----- a retry -----
+
+    fn resume(
+        &mut self,
+        call: UpstreamCall,
+        pending: Vec<Pending>,
+        positions: Positions,
+        responses: Map<String, Value>,
+        now: Instant,
+    ) -> Phase {
+        let mut retry = Retry::new(call, pending, responses, AfterAnswers::Read);
+        // With every answer given, continue after the last event; otherwise replay the
+        // round from its start so the unanswered questions are asked again.
+        retry.from = if retry.all_answered {
+            positions.last_event_id.clone()
+        } else {
+            positions.round_start.or(positions.last_event_id)
+        };
+        retry.session_from = positions.session_from;
+        self.reopen_call(Box::new(retry), now)
+    }
+
+    fn reopen_call(&mut self, retry: Box<Retry>, now: Instant) -> Phase {
+        let Some(from) = retry.from.clone() else {
+            let failure = Failure::new(
+                FailureKind::Broken,
+                "the state holds no position to resume the call's stream from",
+            );
+            return self.unresumable(retry, Err(failure), now);
+        };
+        self.commands.push_back(Command::OpenStream {
+            stream: Stream::Call,
+            after: Some(from),
+        });
+        Phase::Reopening(retry)
+    }
+
+    fn call_reopened(
+        &mut self,
+        retry: Box<Retry>,
+        result: Result<(), Failure>,
+        now: Instant,
+    ) -> Phase {
+        if let Err(failure) = result {
+            if matches!(failure.kind, FailureKind::Refused(_) | FailureKind::Broken) {
+                self.learn(Learnt::ReplayRefused { empty: false });
+            }
+            return self.unresumable(retry, Err(failure), now);
+        }
+        if self.config.primes == Some(false) {
+            return self.reopen_session_stream(retry, now);
+        }
+        let limit = if self.config.primes == Some(true) {
+            SETTLE_PRIMED
+        } else {
+            SETTLE_UNKNOWN
+        };
+        Phase::Settling {
+            retry,
+            until: now + limit,
+        }
+    }
+
+    /// An event read while the resumed stream settles: replayed ones wait for the round;
+    /// the priming event says the stream is live again, and the answers may go up.
+    fn settling_event(
+        &mut self,
+        mut retry: Box<Retry>,
+        until: Instant,
+        event: Event,
+        now: Instant,
+    ) -> Phase {
+        let priming = event.id.is_some() && event.data.is_empty();
+        retry.replayed.push(event);
+        if !priming {
+            return Phase::Settling { retry, until };
+        }
+        if self.config.primes != Some(true) {
+            self.learn(Learnt::Primes(true));
+        }
+        self.reopen_session_stream(retry, now)
+    }
+
+    /// The resumed stream ended while it settled: empty, the upstream has nothing after
+    /// the position (tried again briefly first); after replaying something, the round
+    /// follows it from there.
+    fn settling_ended(&mut self, mut retry: Box<Retry>, now: Instant) -> Phase {
+        if !retry.replayed.is_empty() {
+            retry.call_ended = true;
+            return self.reopen_session_stream(retry, now);
+        }
+        if retry.empties < EMPTY_RETRIES {
+            let until = now + EMPTY_BACKOFF * 2u32.pow(retry.empties);
+            retry.empties += 1;
+            return Phase::Backoff { retry, until };
+        }
+        self.learn(Learnt::ReplayRefused { empty: true });
+        self.unresumable(retry, Ok(()), now)
+    }
+
+    /// A retry that cannot get back into its call: `Err` the resumption failed, `Ok` it
+    /// came back empty. Nothing was posted, so the same state may be retried.
+    fn unresumable(
+        &mut self,
+        retry: Box<Retry>,
+        failed: Result<(), Failure>,
+        now: Instant,
+    ) -> Phase {
+        self.commands.push_back(Command::CloseStreams);
+        self.commands.push_back(Command::ReleaseClaim);
+        let data_session = retry.call.data_session;
+        match failed {
+            Err(failure) if failure.is_lost() && !data_session => {
+                self.lost(Lost::Upstream, &retry.pending, &retry.responses, now)
+            }
+            Err(failure) => self.finish(Ending::Refused(self.refusal_for(&failure))),
+            Ok(()) if data_session => {
+                let failure = Failure::new(
+                    FailureKind::Broken,
+                    "a Last-Event-ID resumption came back empty: the upstream no longer has the call's events",
+                );
+                self.finish(Ending::Refused(self.refusal_for(&failure)))
+            }
+            Ok(()) => {
+                // The call waits for answers it will never get: end its session.
+                self.delete_session(&retry.call);
+                self.lost(Lost::Unresumable, &retry.pending, &retry.responses, now)
+            }
+        }
+    }
+
+    fn reopen_session_stream(&mut self, retry: Box<Retry>, now: Instant) -> Phase {
+        if retry.call.data_session {
+            return self.answer(*retry, now);
+        }
+        let after = if self.config.session_replay_scoped {
+            retry.session_from.clone()
+        } else {
+            None
+        };
+        self.commands.push_back(Command::OpenStream {
+            stream: Stream::Session,
+            after,
+        });
+        Phase::ReopeningSession(retry)
+    }
+
+    /// Posts the retry's answers, in the order of the questions, then goes on.
+    fn answer(&mut self, mut retry: Retry, now: Instant) -> Phase {
+        retry.to_post = retry
+            .pending
+            .iter()
+            .filter_map(|p| retry.responses.get(&p.key).map(|a| (p.clone(), a.clone())))
+            .collect();
+        self.next_answer(Box::new(retry), now)
+    }
+
+    fn next_answer(&mut self, retry: Box<Retry>, now: Instant) -> Phase {
+        let Some((pending, answer)) = retry.to_post.front() else {
+            return self.answered(retry, now);
+        };
+        let message =
+            json!({"jsonrpc": "2.0", "id": pending.upstream_id.to_json(), "result": answer});
+        self.commands.push_back(Command::Post(message));
+        Phase::Answering(retry)
+    }
+
+    fn answer_posted(
+        &mut self,
+        mut retry: Box<Retry>,
+        result: Result<(), Failure>,
+        now: Instant,
+    ) -> Phase {
+        let Some((pending, answer)) = retry.to_post.pop_front() else {
+            return self.answered(retry, now);
+        };
+        if let Err(failure) = result {
+            return self.answer_failed(retry, failure, now);
+        }
+        retry.answered.push(pending.upstream_id.clone());
+        if let Some(fingerprint) = pending.fingerprint {
+            self.common.known.push(Known {
+                fingerprint,
+                answer: answer.to_string(),
+                used: true,
+            });
+        }
+        self.next_answer(retry, now)
+    }
+
+    fn answer_failed(&mut self, retry: Box<Retry>, failure: Failure, now: Instant) -> Phase {
+        let nothing_posted = retry.answered.is_empty();
+        let held = matches!(retry.then, AfterAnswers::ReadHeld { .. });
+        self.commands.push_back(Command::CloseStreams);
+        if held {
+            // The held flow ends here: its session with it.
+            self.delete_session(&retry.call);
+        } else if nothing_posted && failure.never_delivered() {
+            // The upstream has no answer of this state's: the same state may be retried.
+            self.commands.push_back(Command::ReleaseClaim);
+        }
+        if nothing_posted && failure.is_lost() && !retry.call.data_session {
+            return self.lost(Lost::Upstream, &retry.pending, &retry.responses, now);
+        }
+        self.finish(Ending::Refused(self.refusal_for(&failure)))
+    }
+
+    /// Every answer is up: read the next round, on the reopened or held streams, or post
+    /// the call again.
+    fn answered(&mut self, retry: Box<Retry>, now: Instant) -> Phase {
+        let Retry {
+            call,
+            pending,
+            from,
+            all_answered,
+            replayed,
+            call_ended,
+            answered,
+            then,
+            session_from,
+            ..
+        } = *retry;
+        match then {
+            AfterAnswers::Reissue => {
+                self.common.round += 1;
+                self.post_call(call)
+            }
+            AfterAnswers::ReadHeld { questions } => {
+                let mut reading = self.reading_for(call, None, true, false, now);
+                reading.round.skip(answered.iter().cloned());
+                let mut unanswered = 0;
+                for p in pending
+                    .iter()
+                    .filter(|p| !answered.contains(&p.upstream_id))
+                {
+                    if let Some(question) = questions.get(&p.key) {
+                        reading.round.ask_again(p.clone(), question.clone());
+                        unanswered += 1;
+                    }
+                }
+                if unanswered == 0 {
+                    self.common.round += 1;
+                } else {
+                    reading.quiet_until = Some(now + self.config.quiet_window);
+                }
+                Phase::Reading(reading)
+            }
+            AfterAnswers::Read => {
+                if all_answered {
+                    self.common.round += 1;
+                }
+                let positions = (from, session_from);
+                let mut reading = self.reading_for(call, Some(positions), true, true, now);
+                reading.round.skip(answered);
+                let mut phase = Phase::Reading(reading);
+                for event in replayed {
+                    phase = match phase {
+                        Phase::Reading(r) if r.posting.is_none() => {
+                            let input = Input::Event {
+                                stream: Stream::Call,
+                                event,
+                            };
+                            self.reading(r, input, now)
+                        }
+                        other => return other,
+                    };
+                }
+                match phase {
+                    Phase::Reading(r) if call_ended => {
+                        self.reading(r, Input::StreamEnded(Stream::Call), now)
+                    }
+                    other => other,
+                }
+            }
+        }
+    }
+
+    // ----- a round -----
+
+    fn reading_for(
+        &self,
+        call: UpstreamCall,
+        positions: Option<(Option<String>, Option<String>)>,
+        call_open: bool,
+        reopened: bool,
+        now: Instant,
+    ) -> Box<Reading> {
+        let (from, session_from) = positions.unwrap_or_default();
+        let config = &self.config;
+        let mut round = Round::new(
+            call.id.clone(),
+            config.capabilities.clone(),
+            config.forward_logs,
+            from,
+        )
+        .bounded(config.round_limits)
+        .session_from(session_from);
+        if config.restartable && !call.data_session {
+            round = round.restartable(self.common.known.clone());
+        }
+        Box::new(Reading {
+            call,
+            round,
+            call_open,
+            call_events: 0,
+            reopened,
+            retry: DEFAULT_RETRY,
+            stream_ends: 0,
+            empty_resumptions: 0,
+            quiet_until: None,
+            reopen_at: None,
+            reopening: false,
+            last_activity: now,
+            last_message: now,
+            keepalive_at: config.keepalive.map(|k| now + k),
+            posting: None,
+        })
+    }
+
+    fn reading(&mut self, mut r: Box<Reading>, input: Input, now: Instant) -> Phase {
+        match input {
+            Input::Event { stream, event } => self.on_event(r, stream, event, now),
+            Input::StreamEnded(Stream::Session) => {
+                // The session's stream is optional; without it, questions come on the
+                // call's stream only.
+                Phase::Reading(r)
+            }
+            Input::StreamEnded(Stream::Call) => self.call_ended(r, now),
+            Input::StreamOpened {
+                stream: Stream::Call,
+                result,
+            } => {
+                r.reopening = false;
+                match result {
+                    Ok(()) => {
+                        r.call_open = true;
+                        r.call_events = 0;
+                        r.reopened = true;
+                        r.last_activity = now;
+                        Phase::Reading(r)
+                    }
+                    Err(failure) => self.end_round(r, RoundEnd::Failed(failure.message)),
+                }
+            }
+            Input::Posted(result) => match (r.posting.take(), result) {
+                (Some(AfterPost::End(end)), _) => self.end_round(r, *end),
+                (_, Err(failure)) => self.end_round(r, RoundEnd::Failed(failure.message)),
+                (_, Ok(())) if r.round.is_full() => {
+                    self.end_round(r, RoundEnd::Questions { draining: false })
+                }
+                (_, Ok(())) => Phase::Reading(r),
+            },
+            Input::ClientGone => self.end_round(r, RoundEnd::ClientGone),
+            // Only a resumable round can be handed over; others finish here.
+            Input::Draining if self.resumes(&r) => {
+                self.end_round(r, RoundEnd::Questions { draining: true })
+            }
+            _ => Phase::Reading(r),
+        }
+    }
+
+    fn on_event(
+        &mut self,
+        mut r: Box<Reading>,
+        stream: Stream,
+        event: Event,
+        now: Instant,
+    ) -> Phase {
+        match (stream, &event.id) {
+            (Stream::Call, Some(id)) => r.round.saw_call_event(id),
+            (Stream::Session, Some(id)) => r.round.saw_session_event(id),
+            _ => {}
+        }
+        if stream == Stream::Call {
+            r.call_events += 1;
+            r.last_activity = now;
+            if let Some(ms) = event.retry {
+                r.retry = Duration::from_millis(ms).min(MAX_RETRY);
+            }
+        }
+        if event.data.is_empty() {
+            return Phase::Reading(r);
+        }
+        r.last_message = now;
+        if stream == Stream::Call {
+            r.stream_ends = 0;
+        }
+        let Ok(message) = serde_json::from_str::<Value>(&event.data) else {
+            let why = "the upstream sent an event that is not JSON".to_string();
+            return self.end_round(r, RoundEnd::Failed(why));
+        };
+        let asked = r.round.question_count();
+        let actions = match stream {
+            Stream::Call => r.round.on_message(message),
+            Stream::Session => r.round.on_session_message(message),
+        };
+        let mut end = None;
+        for action in actions {
+            match action {
+                Action::Notify(n) => self.commands.push_back(Command::Notify(n)),
+                Action::AnswerUpstream(a) => {
+                    self.commands.push_back(Command::Post(a));
+                    r.posting = Some(AfterPost::Read);
+                }
+                Action::Complete(m) => end = Some(RoundEnd::Complete(m)),
+                Action::MissingCapability { required, .. } => {
+                    end = Some(RoundEnd::MissingCapability(required))
+                }
+                Action::Fail(why) => end = Some(RoundEnd::Failed(why)),
+            }
+            if end.is_some() {
+                break;
+            }
+        }
+        if let Some(end) = end {
+            // A refusal posted upstream first (an undeclared capability, an id the
+            // gateway cannot carry), then the round ends.
+            if r.posting.is_some() {
+                r.posting = Some(AfterPost::End(Box::new(end)));
+                return Phase::Reading(r);
+            }
+            return self.end_round(r, end);
+        }
+        if r.round.question_count() > asked {
+            r.quiet_until = Some(now + self.config.quiet_window);
+        }
+        if r.round.is_full() && r.posting.is_none() {
+            return self.end_round(r, RoundEnd::Questions { draining: false });
+        }
+        Phase::Reading(r)
+    }
+
+    /// The call's stream ended: a resumption that ended without a single event means the
+    /// upstream no longer has the call's events (after two short retries); otherwise the
+    /// stream is reopened after the upstream's `retry` hint (SEP-1699 polling).
+    fn call_ended(&mut self, mut r: Box<Reading>, now: Instant) -> Phase {
+        r.call_open = false;
+        if r.reopened && r.call_events == 0 {
+            if r.empty_resumptions >= EMPTY_RETRIES {
+                self.learn(Learnt::ReplayRefused { empty: true });
+                let why = "a Last-Event-ID resumption of the call's stream came back empty: the upstream no longer has the call's events";
+                return self.end_round(r, RoundEnd::Failed(why.into()));
+            }
+            r.reopen_at = Some(now + EMPTY_BACKOFF * 2u32.pow(r.empty_resumptions));
+            r.empty_resumptions += 1;
+            return Phase::Reading(r);
+        }
+        r.stream_ends += 1;
+        if r.stream_ends > MAX_STREAM_ENDS {
+            let why = "the upstream kept closing the call's stream".to_string();
+            return self.end_round(r, RoundEnd::Failed(why));
+        }
+        if r.round.last_event_id().is_none() {
+            let why = "the call's stream ended without a result".to_string();
+            return self.end_round(r, RoundEnd::Failed(why));
+        }
+        r.reopen_at = Some(now + r.retry);
+        Phase::Reading(r)
+    }
+
+    fn reading_timeout(&mut self, mut r: Box<Reading>, now: Instant) -> Phase {
+        if r.posting.is_some() || r.reopening {
+            return Phase::Reading(r);
+        }
+        if r.quiet_until.is_some_and(|t| now >= t) {
+            return self.end_round(r, RoundEnd::Questions { draining: false });
+        }
+        if now >= r.last_message + self.config.silence {
+            return self.end_round(r, RoundEnd::Silent);
+        }
+        if r.keepalive_at.is_some_and(|t| now >= t) {
+            self.commands.push_back(Command::KeepAlive);
+            r.keepalive_at = self.config.keepalive.map(|k| now + k);
+        }
+        let reopen =
+            r.reopen_at.is_some_and(|t| now >= t) || self.poll_at(&r).is_some_and(|t| now >= t);
+        if reopen {
+            let Some(after) = r.round.last_event_id().map(str::to_string) else {
+                let why = "the call's stream ended without a result".to_string();
+                return self.end_round(r, RoundEnd::Failed(why));
+            };
+            r.reopen_at = None;
+            r.reopening = true;
+            r.call_open = false;
+            self.commands.push_back(Command::OpenStream {
+                stream: Stream::Call,
+                after: Some(after),
+            });
+        }
+        Phase::Reading(r)
+    }
+
+    /// Whether a round that ends now waits resumable, rather than held on this replica.
+    fn resumes(&self, r: &Reading) -> bool {
+        match self.config.resume {
+            ResumeMode::Resumable => true,
+            ResumeMode::Hold => false,
+            ResumeMode::Auto => r.round.last_event_id().is_some() && !self.config.replay_refused,
+        }
+    }
+
+    fn end_round(&mut self, r: Box<Reading>, end: RoundEnd) -> Phase {
+        let asks = matches!(end, RoundEnd::Questions { .. })
+            || matches!(&end, RoundEnd::Complete(m) if is_url_required(m));
+        let ended = Ended { reading: r, end };
+        // The reaper watches a session this request opened before the flow waits for its
+        // client (a resumed flow's session is watched by the replica that opened it).
+        let call = &ended.reading.call;
+        if asks && self.opened_session && !call.data_session && !call.session.is_empty() {
+            let until = self.common.flow_deadline;
+            self.commands.push_back(Command::Watch { until });
+            return Phase::Watching(Box::new(ended));
+        }
+        self.round_over(ended)
+    }
+
+    fn round_over(&mut self, ended: Ended) -> Phase {
+        let Ended {
+            reading: mut r,
+            end,
+        } = ended;
+        let group = self.config.group.clone();
+        match end {
+            RoundEnd::Complete(message) if r.round.absorb_url_required(&message) => {
+                self.commands.push_back(Command::CloseStreams);
+                if !r.round.accepts_url_elicitation() {
+                    self.delete_session(&r.call);
+                    let data = json!({"requiredCapabilities": {"elicitation": {"url": {}}}});
+                    let refusal = Refusal::new(
+                        Class::MissingCapability,
+                        mcode::MISSING_REQUIRED_CLIENT_CAPABILITY,
+                        "the server needs URL-mode elicitation, which this request did not declare",
+                    )
+                    .with_data(data);
+                    return self.finish(Ending::Refused(refusal));
+                }
+                let input_requests = r.round.input_requests().clone();
+                let state = self.state(Waiting::Reissue {
+                    call: r.call.clone(),
+                });
+                self.ask(&r, state, input_requests)
+            }
+            RoundEnd::Complete(message) => {
+                self.commands.push_back(Command::CloseStreams);
+                self.delete_session(&r.call);
+                let (rounds, started_ms) = (self.common.round, self.common.started_ms);
+                self.finish(Ending::Complete {
+                    message,
+                    rounds,
+                    started_ms,
+                })
+            }
+            RoundEnd::Questions { .. }
+                if r.round.last_event_id().is_none()
+                    && self.config.resume == ResumeMode::Resumable =>
+            {
+                self.commands.push_back(Command::CloseStreams);
+                self.delete_session(&r.call);
+                let text = format!("upstream group '{group}' is configured `resume: resumable`, but its SSE events carry no ids, so its calls cannot be resumed: configure `resume: auto` or `hold`");
+                self.finish(Ending::Refused(Refusal::internal(
+                    Class::UpstreamError,
+                    text,
+                )))
+            }
+            RoundEnd::Questions { draining } => {
+                if draining {
+                    self.commands.push_back(Command::Note(Note::HandedOver));
+                }
+                let resumable = self.resumes(&r);
+                self.learn(Learnt::Resumable(resumable));
+                let pending = r.round.pending().to_vec();
+                if self.config.restartable && !r.call.data_session {
+                    self.common.known = r.round.known().to_vec();
+                }
+                let input_requests = r.round.input_requests().clone();
+                if !resumable {
+                    return self.hold(r, pending, input_requests);
+                }
+                let positions = Positions {
+                    last_event_id: r.round.last_event_id().map(str::to_string),
+                    round_start: r.round.round_start().map(str::to_string),
+                    session_from: r.round.session_resume_from().map(str::to_string),
+                };
+                let state = self.state(Waiting::Resumable {
+                    call: r.call.clone(),
+                    pending,
+                    positions,
+                });
+                self.commands.push_back(Command::CloseStreams);
+                self.ask(&r, state, input_requests)
+            }
+            RoundEnd::MissingCapability(required) => {
+                self.commands.push_back(Command::CloseStreams);
+                self.delete_session(&r.call);
+                let data = json!({"requiredCapabilities": required});
+                let refusal = Refusal::new(
+                    Class::MissingCapability,
+                    mcode::MISSING_REQUIRED_CLIENT_CAPABILITY,
+                    "the server needs a client capability this request did not declare",
+                )
+                .with_data(data);
+                self.finish(Ending::Refused(refusal))
+            }
+            RoundEnd::Failed(why) => {
+                self.commands.push_back(Command::CloseStreams);
+                self.delete_session(&r.call);
+                let text = format!("upstream group '{group}' failed during the call: {why}");
+                self.finish(Ending::Refused(Refusal::internal(
+                    Class::UpstreamError,
+                    text,
+                )))
+            }
+            RoundEnd::Silent => {
+                self.commands.push_back(Command::CloseStreams);
+                self.delete_session(&r.call);
+                let text = format!(
+                    "upstream group '{group}' sent nothing for {} s (bridge.round_silence_seconds) while the gateway waited for {} '{}' to answer or ask (round {})",
+                    self.config.silence_seconds, self.config.method, self.config.target, self.common.round
+                );
+                self.finish(Ending::Refused(Refusal::internal(
+                    Class::UpstreamTimeout,
+                    text,
+                )))
+            }
+            RoundEnd::ClientGone => {
+                // A 2026-07-28 client closing its response cancels the request.
+                self.commands.push_back(Command::CloseStreams);
+                self.delete_session(&r.call);
+                self.finish(Ending::ClientGone)
+            }
+        }
+    }
+}
+
+impl Flow {
+    /// Sends the round's questions to the client with `state`, unless the flow is over its
+    /// limits (rounds, or a state too large to come back): then the call ends in error.
+    fn ask(&mut self, r: &Reading, state: FlowState, input_requests: Map<String, Value>) -> Phase {
+        if let Some(refusal) = self.over_limits(&r.round, &state) {
+            self.delete_session(&r.call);
+            return self.finish(Ending::Refused(refusal));
+        }
+        self.finish(Ending::InputRequired {
+            state: Box::new(state),
+            input_requests,
+            shed: false,
+        })
+    }
+
+    fn over_limits(&self, round: &Round, state: &FlowState) -> Option<Refusal> {
+        let limits = &self.config.round_limits;
+        let text = if round.question_count() > limits.max_questions {
+            format!(
+                "the server asked {} questions in one round, above the limit of {}",
+                round.question_count(),
+                limits.max_questions
+            )
+        } else if self.common.round > self.config.max_rounds {
+            format!(
+                "the call needed more than {} rounds, the limit",
+                self.config.max_rounds
+            )
+        } else if state.plaintext_len() > self.config.max_state_plaintext {
+            let too_large = state.too_large(self.config.max_state_bytes, self.config.kid_len);
+            too_large.to_string()
+        } else {
+            return None;
+        };
+        Some(Refusal::internal(Class::OverLimit, text))
+    }
+
+    /// Holds the flow on this replica (its upstream cannot resume): checked against the
+    /// limits as the state will be, naming the slot.
+    fn hold(
+        &mut self,
+        r: Box<Reading>,
+        pending: Vec<Pending>,
+        questions: Map<String, Value>,
+    ) -> Phase {
+        let widest = HeldAt {
+            owner: Some(SocketAddr::from(([0xffff; 8], u16::MAX))),
+            slot: u64::MAX,
+        };
+        let state = self.state(Waiting::Held {
+            call: r.call.clone(),
+            pending,
+            at: widest,
+        });
+        if let Some(refusal) = self.over_limits(&r.round, &state) {
+            self.commands.push_back(Command::CloseStreams);
+            self.delete_session(&r.call);
+            return self.finish(Ending::Refused(refusal));
+        }
+        self.commands.push_back(Command::Hold {
+            questions: questions.clone(),
+            expires_at: state.expires_at,
+        });
+        Phase::Holding {
+            state: Box::new(state),
+            questions,
+        }
+    }
+
+    /// The table's answer to `Hold`. A refusal (the table is full, the flow too large) has
+    /// had its streams and session ended by the shell.
+    fn held(
+        &mut self,
+        mut state: Box<FlowState>,
+        input_requests: Map<String, Value>,
+        held: Result<HeldAt, Refusal>,
+    ) -> Phase {
+        match held {
+            Ok(at) => {
+                if let Waiting::Held { at: slot, .. } = &mut state.waiting {
+                    *slot = at;
+                }
+                self.finish(Ending::InputRequired {
+                    state,
+                    input_requests,
+                    shed: false,
+                })
+            }
+            Err(refusal) => self.finish(Ending::Refused(refusal)),
+        }
+    }
+
+    fn overloaded(&mut self, r: &Reading) -> Phase {
+        self.commands.push_back(Command::CloseStreams);
+        self.delete_session(&r.call);
+        let text = "too many flows are waiting for input on this replica; retry later";
+        self.finish(Ending::Refused(Refusal::internal(Class::Overloaded, text)))
+    }
+
+    /// The call was lost between rounds (before any answer of this retry reached it): a
+    /// `restartable` tool runs again in a new session, its repeated questions answered
+    /// from the answers given so far and in this retry; any other call ends with
+    /// `FLOW_LOST`, for the client to issue again.
+    fn lost(
+        &mut self,
+        cause: Lost,
+        pending: &[Pending],
+        responses: &Map<String, Value>,
+        now: Instant,
+    ) -> Phase {
+        let group = self.config.group.clone();
+        if !self.config.restartable || self.config.data_session {
+            let what = match cause {
+                Lost::Upstream => format!("upstream group '{group}' lost this call between rounds (its session is gone or its endpoint is down)"),
+                Lost::Unresumable => format!("upstream group '{group}' no longer has this call's events (a Last-Event-ID resumption came back empty; the group's later calls are held)"),
+                Lost::Holder => format!("the gateway replica holding this call's upstream streams is gone or no longer holds them (upstream group '{group}' cannot resume streams, so its calls are held)"),
+            };
+            let text = format!("{what}, and the tool is not marked restartable, so it is not run again: issue the call again");
+            let refusal = Refusal::new(Class::UpstreamError, gcode::FLOW_LOST, text);
+            return self.finish(Ending::Refused(refusal));
+        }
+        for p in pending {
+            if let (Some(fingerprint), Some(answer)) = (p.fingerprint, responses.get(&p.key)) {
+                self.common.known.push(Known {
+                    fingerprint,
+                    answer: answer.to_string(),
+                    used: true,
+                });
+            }
+        }
+        for known in &mut self.common.known {
+            known.used = false;
+        }
+        self.commands.push_back(Command::Note(Note::Restarted));
+        self.common.round += 1;
+        self.start(now)
+    }
+
+    /// The client's error for an upstream failure; in a data-layer session the upstream's
+    /// losing the session ends that session.
+    fn refusal_for(&self, failure: &Failure) -> Refusal {
+        if failure.kind == FailureKind::Gone && self.config.data_session {
+            let text = "Session ended: the upstream no longer has it; call session/create again";
+            return Refusal::new(Class::SessionEnded, gcode::SESSION_ENDED, text);
+        }
+        failure.refusal(&self.config.group)
+    }
+
+    fn finish(&mut self, ending: Ending) -> Phase {
+        self.commands.push_back(Command::Finish(ending));
+        Phase::Done
+    }
+
+    /// A state of this flow waiting as `waiting`, expiring a round's TTL from now but never
+    /// past the flow's deadline.
+    fn state(&self, waiting: Waiting) -> FlowState {
+        let expires_at = (self.config.now_secs + self.config.request_state_ttl_seconds)
+            .min(self.common.flow_deadline);
+        FlowState {
+            group: self.config.group.clone(),
+            flow_id: self.common.flow_id,
+            started_ms: self.common.started_ms,
+            flow_deadline: self.common.flow_deadline,
+            expires_at,
+            round: self.common.round,
+            known: self.common.known.clone(),
+            waiting,
+        }
+    }
+
+    /// Deletes the session, unless a data-layer session's (which outlives its calls).
+    fn delete_session(&mut self, call: &UpstreamCall) {
+        if !call.data_session {
+            self.commands.push_back(Command::DeleteSession);
+        }
+    }
+
+    fn learn(&mut self, learnt: Learnt) {
+        match learnt {
+            Learnt::ReplayRefused { .. } => self.config.replay_refused = true,
+            Learnt::Primes(primes) => self.config.primes = Some(primes),
+            Learnt::Resumable(_) => {}
+        }
+        self.commands.push_back(Command::Learn(learnt));
+    }
+}
+
+impl Common {
+    fn of(state: &FlowState) -> Common {
+        Common {
+            flow_id: state.flow_id,
+            started_ms: state.started_ms,
+            flow_deadline: state.flow_deadline,
+            round: state.round,
+            known: state.known.clone(),
+        }
+    }
+}
+
+impl Retry {
+    fn new(
+        call: UpstreamCall,
+        pending: Vec<Pending>,
+        responses: Map<String, Value>,
+        then: AfterAnswers,
+    ) -> Retry {
+        let all_answered = pending.iter().all(|p| responses.contains_key(&p.key));
+        Retry {
+            call,
+            pending,
+            responses,
+            from: None,
+            session_from: None,
+            all_answered,
+            empties: 0,
+            replayed: Vec::new(),
+            call_ended: false,
+            to_post: VecDeque::new(),
+            answered: Vec::new(),
+            then,
+        }
+    }
+}
+
+/// Whether the call's response is a 2025-11-25 URL-elicitation-required error.
+fn is_url_required(message: &Value) -> bool {
+    message["error"]["code"].as_i64() == Some(Round::URL_ELICITATION_REQUIRED)
+}
+
+/// A fresh id for a call posted upstream (and for each re-issue): random, between 2^32
+/// and 2^53, so no two calls share one (SDKs name a call's stream after its id, and
+/// stores shared by every session replay by stream), it never looks like a server's own
+/// small request counter, and it stays exact in JavaScript.
+pub fn fresh_call_id() -> i64 {
+    rand::Rng::gen_range(&mut rand::thread_rng(), 1i64 << 32..1i64 << 53)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,163 @@
+//! How a client request ended, in one type for pass-through and bridge alike: whether it
+//! succeeded, and if not, what the client is told. A refusal knows its metric label, its
+//! HTTP status, its JSON-RPC code and its message, so no call site picks them apart.
+
+use crate::protocol::jsonrpc::code;
+use serde_json::Value;
+use std::fmt;
+
+/// How a request ended.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Outcome {
+    Ok,
+    /// A bridged round ended with questions (or a state only) for the client.
+    InputRequired,
+    /// A new call deferred under load shedding (a state-only result).
+    Shed,
+    /// A retry handed to the replica holding its flow, which counts its own outcome.
+    Forwarded,
+    /// The client left before the answer.
+    ClientGone,
+    /// An SSE stream ended cleanly because the gateway is shutting down.
+    Drained,
+    /// The request was answered with an error.
+    Refused(Refusal),
+}
+
+/// An error the client is answered with.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Refusal {
+    pub class: Class,
+    /// The JSON-RPC error code.
+    pub code: i64,
+    pub message: String,
+    /// The JSON-RPC error's `data`.
+    pub data: Option<Value>,
+}
+
+/// What kind of refusal: its metric label and HTTP status follow from it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Class {
+    BadRequest,
+    TooLarge,
+    SessionRejected,
+    SessionRequired,
+    SessionEnded,
+    StateRejected,
+    MissingCapability,
+    /// A round beyond the gateway's limits (questions, bytes, rounds, state size).
+    OverLimit,
+    /// No healthy endpoint to open a session on.
+    NoUpstream,
+    UpstreamError,
+    /// The upstream did not answer in time.
+    UpstreamTimeout,
+    /// This replica is too busy (a table is full).
+    Overloaded,
+}
+
+impl Class {
+    /// The `outcome` label of the requests metric.
+    pub fn label(self) -> &'static str {
+        match self {
+            Class::BadRequest => "bad_request",
+            Class::TooLarge => "too_large",
+            Class::SessionRejected => "session_rejected",
+            Class::SessionRequired => "session_required",
+            Class::SessionEnded => "session_ended",
+            Class::StateRejected => "state_rejected",
+            Class::MissingCapability => "missing_capability",
+            Class::OverLimit => "over_limit",
+            Class::NoUpstream => "no_upstream",
+            Class::UpstreamError | Class::UpstreamTimeout => "upstream_error",
+            Class::Overloaded => "overloaded",
+        }
+    }
+
+    /// The HTTP status the failure deserves. (A 2026-07-28 client gets a server-side one
+    /// as 200 carrying the error: see `bridge::reply`.)
+    pub fn status(self) -> u16 {
+        match self {
+            Class::BadRequest
+            | Class::SessionRequired
+            | Class::StateRejected
+            | Class::MissingCapability => 400,
+            Class::TooLarge => 413,
+            Class::SessionRejected | Class::SessionEnded => 404,
+            Class::OverLimit | Class::UpstreamError => 502,
+            Class::NoUpstream | Class::Overloaded => 503,
+            Class::UpstreamTimeout => 504,
+        }
+    }
+}
+
+impl Refusal {
+    pub fn new(class: Class, code: i64, message: impl Into<String>) -> Refusal {
+        Refusal {
+            class,
+            code,
+            message: message.into(),
+            data: None,
+        }
+    }
+
+    /// A server-side failure with the JSON-RPC internal-error code.
+    pub fn internal(class: Class, message: impl Into<String>) -> Refusal {
+        Refusal::new(class, code::INTERNAL_ERROR, message)
+    }
+
+    pub fn with_data(mut self, data: Value) -> Refusal {
+        self.data = Some(data);
+        self
+    }
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} ({}): {}",
+            self.class.label(),
+            self.code,
+            self.message
+        )
+    }
+}
+
+impl Outcome {
+    /// The `outcome` label of the requests metric.
+    pub fn label(&self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::InputRequired => "input_required",
+            Outcome::Shed => "shed",
+            Outcome::Forwarded => "forwarded",
+            Outcome::ClientGone => "client_gone",
+            Outcome::Drained => "drained",
+            Outcome::Refused(refusal) => refusal.class.label(),
+        }
+    }
+}
+
+impl From<Refusal> for Outcome {
+    fn from(refusal: Refusal) -> Outcome {
+        Outcome::Refused(refusal)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_knows_its_label_status_and_code() {
+        let r = Refusal::internal(Class::UpstreamTimeout, "no answer in time");
+        assert_eq!(r.class.label(), "upstream_error");
+        assert_eq!(r.class.status(), 504);
+        assert_eq!(r.code, code::INTERNAL_ERROR);
+        assert_eq!(Outcome::from(r).label(), "upstream_error");
+        assert_eq!(Class::StateRejected.status(), 400);
+        assert_eq!(Class::SessionRejected.status(), 404);
+        assert_eq!(Outcome::Shed.label(), "shed");
+    }
+}
