@@ -1,1 +1,1023 @@
+//! The flow driven without sockets: a scripted upstream answers each command, a virtual
+//! clock advances to each timeout, and the tests walk every transition and the sequences
+//! real servers produce (questions on the GET stream between rounds, an empty resumption,
+//! a result between the replay and the live stream, a flood of questions).
 
+use super::*;
+
+const ENDPOINT: &str = "10.0.0.7:3001";
+
+fn config() -> FlowConfig {
+    let mut capabilities = Map::new();
+    capabilities.insert("elicitation".into(), json!({}));
+    FlowConfig {
+        group: "g".into(),
+        method: "tools/call".into(),
+        target: "ask".into(),
+        capabilities,
+        forward_logs: false,
+        restartable: false,
+        data_session: false,
+        round_limits: RoundLimits::default(),
+        max_rounds: 32,
+        max_state_plaintext: 3000,
+        max_state_bytes: 4096,
+        kid_len: 2,
+        quiet_window: Duration::from_millis(10),
+        poll: Duration::from_secs(2),
+        silence: Duration::from_secs(45),
+        silence_seconds: 45,
+        keepalive: None,
+        request_state_ttl_seconds: 600,
+        max_flow_seconds: 1800,
+        resume: ResumeMode::Auto,
+        replay_refused: false,
+        primes: Some(true),
+        session_replay_scoped: true,
+        shedding: false,
+        now_secs: 1_000_000,
+        now_ms: 1_000_000_000,
+        flow_id: 7,
+    }
+}
+
+/// How the scripted upstream answers the commands that wait for an answer.
+struct Upstream {
+    session: Option<String>,
+    /// Answers to `OpenStream { Call }`, in turn (then `Ok`).
+    call_opens: VecDeque<Result<(), Failure>>,
+    /// The call's reply, given the id it was posted under.
+    call_reply: fn(i64) -> CallReply,
+    /// Answers to `Post`, in turn (then `Ok`).
+    posts: VecDeque<Result<(), Failure>>,
+    watched: bool,
+    held: Result<HeldAt, Refusal>,
+}
+
+impl Default for Upstream {
+    fn default() -> Self {
+        Upstream {
+            session: Some("s1".into()),
+            call_opens: VecDeque::new(),
+            call_reply: |_| CallReply::Stream,
+            posts: VecDeque::new(),
+            watched: true,
+            held: Ok(HeldAt {
+                owner: Some("10.0.0.1:9091".parse().unwrap()),
+                slot: 42,
+            }),
+        }
+    }
+}
+
+impl Upstream {
+    fn answer(&mut self, command: &Command) -> Option<Input> {
+        match command {
+            Command::OpenSession => Some(Input::SessionOpened {
+                endpoint: ENDPOINT.parse().unwrap(),
+                session: self.session.clone(),
+            }),
+            Command::OpenStream { stream, .. } => {
+                let result = match stream {
+                    Stream::Call => self.call_opens.pop_front().unwrap_or(Ok(())),
+                    Stream::Session => Ok(()),
+                };
+                Some(Input::StreamOpened {
+                    stream: *stream,
+                    result,
+                })
+            }
+            Command::PostCall { id } => Some(Input::CallPosted(Ok((self.call_reply)(*id)))),
+            Command::Post(_) => Some(Input::Posted(self.posts.pop_front().unwrap_or(Ok(())))),
+            Command::Watch { .. } => Some(Input::Watched(self.watched)),
+            Command::Hold { .. } => Some(Input::Held(self.held.clone())),
+            _ => None,
+        }
+    }
+}
+
+/// A flow, its upstream, a virtual clock and every command the flow gave.
+struct Harness {
+    flow: Flow,
+    upstream: Upstream,
+    now: Instant,
+    log: Vec<Command>,
+    ending: Option<Ending>,
+}
+
+impl Harness {
+    fn new_call(config: FlowConfig, upstream: Upstream) -> Harness {
+        let now = Instant::now();
+        let mut h = Harness {
+            flow: Flow::new_call(config, now),
+            upstream,
+            now,
+            log: Vec::new(),
+            ending: None,
+        };
+        h.settle();
+        h
+    }
+
+    fn retry(
+        config: FlowConfig,
+        upstream: Upstream,
+        state: FlowState,
+        responses: Value,
+        held: Option<Map<String, Value>>,
+    ) -> Harness {
+        let now = Instant::now();
+        let responses = responses.as_object().cloned().unwrap_or_default();
+        let mut h = Harness {
+            flow: Flow::retry(config, state, responses, held, now),
+            upstream,
+            now,
+            log: Vec::new(),
+            ending: None,
+        };
+        h.settle();
+        h
+    }
+
+    /// Carries out commands until the flow waits for the upstream, the client or time.
+    fn settle(&mut self) {
+        while let Some(command) = self.flow.poll_command() {
+            if let Command::Finish(ending) = &command {
+                assert!(self.ending.is_none(), "a flow finishes once");
+                self.ending = Some(ending.clone());
+            }
+            let answer = self.upstream.answer(&command);
+            self.log.push(command);
+            if let Some(input) = answer {
+                self.flow.handle(input, self.now);
+            }
+        }
+    }
+
+    fn feed(&mut self, input: Input) {
+        self.flow.handle(input, self.now);
+        self.settle();
+    }
+
+    fn event(&mut self, stream: Stream, id: Option<&str>, data: &Value) {
+        assert!(self.flow.is_reading(), "the flow takes no events now");
+        let text = match data {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        self.feed(Input::Event {
+            stream,
+            event: Event::message(id.map(str::to_string), text),
+        });
+    }
+
+    /// Advances the clock by `by`, firing each timeout the flow asks for on the way.
+    fn advance(&mut self, by: Duration) {
+        let until = self.now + by;
+        while let Some(at) = self.flow.poll_timeout().filter(|at| *at <= until) {
+            self.now = at.max(self.now);
+            self.flow.handle_timeout(self.now);
+            self.settle();
+        }
+        self.now = until;
+    }
+
+    fn ending(&self) -> &Ending {
+        self.ending.as_ref().expect("the flow finished")
+    }
+
+    fn posted(&self) -> Vec<Value> {
+        self.log
+            .iter()
+            .filter_map(|c| match c {
+                Command::Post(v) => Some(v.clone()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn position(&self, pick: impl Fn(&Command) -> bool) -> Option<usize> {
+        self.log.iter().position(pick)
+    }
+
+    fn call_id(&self) -> i64 {
+        self.log
+            .iter()
+            .rev()
+            .find_map(|c| match c {
+                Command::PostCall { id } => Some(*id),
+                _ => None,
+            })
+            .expect("a call was posted")
+    }
+
+    fn state(&self) -> FlowState {
+        match self.ending() {
+            Ending::InputRequired { state, .. } => (**state).clone(),
+            other => panic!("no state: {other:?}"),
+        }
+    }
+
+    fn refusal(&self) -> &Refusal {
+        match self.ending() {
+            Ending::Refused(r) => r,
+            other => panic!("not refused: {other:?}"),
+        }
+    }
+}
+
+fn question(id: i64, message: &str) -> Value {
+    json!({"jsonrpc": "2.0", "id": id, "method": "elicitation/create",
+           "params": {"mode": "form", "message": message, "requestedSchema": {"type": "object"}}})
+}
+
+fn result(id: i64, text: &str) -> Value {
+    json!({"jsonrpc": "2.0", "id": id, "result": {"content": [{"type": "text", "text": text}]}})
+}
+
+fn accept(name: &str) -> Value {
+    json!({"action": "accept", "content": {"name": name}})
+}
+
+fn is_open(stream: Stream, after: Option<&str>) -> impl Fn(&Command) -> bool + '_ {
+    move |c| matches!(c, Command::OpenStream { stream: s, after: a } if *s == stream && a.as_deref() == after)
+}
+
+/// A first round that asked one question (id 0) on the call's stream, event `c2`.
+fn first_round() -> Harness {
+    let mut h = Harness::new_call(config(), Upstream::default());
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.event(Stream::Call, Some("c2"), &question(0, "Name?"));
+    h.advance(Duration::from_millis(10));
+    h
+}
+
+#[test]
+fn a_new_call_opens_the_session_stream_before_posting_and_asks_after_the_quiet_window() {
+    let h = first_round();
+    let open_session = h.position(|c| matches!(c, Command::OpenSession)).unwrap();
+    let get = h.position(is_open(Stream::Session, None)).unwrap();
+    let post = h
+        .position(|c| matches!(c, Command::PostCall { .. }))
+        .unwrap();
+    assert!(open_session < get && get < post, "{:?}", h.log);
+    let watch = h.position(|c| matches!(c, Command::Watch { .. })).unwrap();
+    let close = h.position(|c| matches!(c, Command::CloseStreams)).unwrap();
+    assert!(watch < close, "the reaper watches before the flow waits");
+    let Ending::InputRequired {
+        state,
+        input_requests,
+        shed,
+    } = h.ending()
+    else {
+        panic!("{:?}", h.ending());
+    };
+    assert!(!shed);
+    assert_eq!(input_requests.keys().collect::<Vec<_>>(), ["elicitation_0"]);
+    let Waiting::Resumable {
+        call,
+        pending,
+        positions,
+    } = &state.waiting
+    else {
+        panic!("{state:?}");
+    };
+    assert_eq!(call.session, "s1");
+    assert_eq!(call.id, UpstreamId::Number(h.call_id()));
+    assert_eq!(pending[0].upstream_id, UpstreamId::Number(0));
+    assert_eq!(positions.last_event_id.as_deref(), Some("c2"));
+    assert_eq!(positions.round_start.as_deref(), Some("c1"));
+    assert_eq!(state.round, 1);
+    assert_eq!(state.expires_at, 1_000_600);
+    assert!(!h.log.contains(&Command::DeleteSession));
+}
+
+#[test]
+fn a_call_that_completes_at_once_ends_with_its_own_response_only() {
+    let mut h = Harness::new_call(config(), Upstream::default());
+    let id = h.call_id();
+    h.event(Stream::Call, Some("c1"), &result(id + 1, "not mine"));
+    assert!(
+        h.ending.is_none(),
+        "another call's response completes nothing"
+    );
+    h.event(Stream::Call, Some("c2"), &result(id, "mine"));
+    let Ending::Complete {
+        message, rounds, ..
+    } = h.ending()
+    else {
+        panic!("{:?}", h.ending());
+    };
+    assert_eq!(message["result"]["content"][0]["text"], "mine");
+    assert_eq!(*rounds, 1);
+    assert!(h.log.contains(&Command::DeleteSession));
+    assert!(!h.log.iter().any(|c| matches!(c, Command::Watch { .. })));
+}
+
+#[test]
+fn a_json_answer_to_the_call_completes_it() {
+    let upstream = Upstream {
+        call_reply: |id| CallReply::Message(result(id, "at once")),
+        ..Upstream::default()
+    };
+    let h = Harness::new_call(config(), upstream);
+    let Ending::Complete { message, .. } = h.ending() else {
+        panic!("{:?}", h.ending());
+    };
+    assert_eq!(message["result"]["content"][0]["text"], "at once");
+    // A JSON reply that is not the call's answer completes nothing: the silence limit ends it.
+    let upstream = Upstream {
+        call_reply: |_| {
+            CallReply::Message(json!({"jsonrpc": "2.0", "method": "notifications/message"}))
+        },
+        ..Upstream::default()
+    };
+    let mut h = Harness::new_call(config(), upstream);
+    h.advance(Duration::from_secs(45));
+    assert_eq!(h.refusal().class, Class::UpstreamTimeout);
+}
+
+#[test]
+fn a_shedding_replica_defers_a_new_call_and_its_retry_starts_it() {
+    let mut shed = config();
+    shed.shedding = true;
+    let h = Harness::new_call(shed, Upstream::default());
+    let Ending::InputRequired {
+        state,
+        input_requests,
+        shed: true,
+    } = h.ending()
+    else {
+        panic!("{:?}", h.ending());
+    };
+    assert!(input_requests.is_empty());
+    assert_eq!(
+        state.waiting,
+        Waiting::Deferred {
+            data_session: false
+        }
+    );
+    assert!(
+        !h.log.contains(&Command::OpenSession),
+        "nothing went upstream"
+    );
+    let retry = Harness::retry(
+        config(),
+        Upstream::default(),
+        (**state).clone(),
+        json!({}),
+        None,
+    );
+    assert!(retry.log.contains(&Command::OpenSession));
+    assert!(retry
+        .log
+        .iter()
+        .any(|c| matches!(c, Command::PostCall { .. })));
+}
+
+/// A retry of `first_round`'s state with `responses`.
+fn retry_of(first: &Harness, config: FlowConfig, upstream: Upstream, responses: Value) -> Harness {
+    Harness::retry(config, upstream, first.state(), responses, None)
+}
+
+#[test]
+fn a_retry_reopens_and_settles_the_streams_before_it_posts_the_answers() {
+    let first = first_round();
+    let id = first.call_id();
+    let mut h = retry_of(
+        &first,
+        config(),
+        Upstream::default(),
+        json!({"elicitation_0": accept("Ada")}),
+    );
+    assert!(h.log.iter().any(is_open(Stream::Call, Some("c2"))));
+    assert!(h.posted().is_empty(), "no answer before the stream is live");
+    assert!(h.flow.is_reading(), "settling: replayed events are read");
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    let session = h.position(is_open(Stream::Session, None)).unwrap();
+    let answer = h.position(|c| matches!(c, Command::Post(_))).unwrap();
+    assert!(session < answer, "{:?}", h.log);
+    assert_eq!(
+        h.posted()[0],
+        json!({"jsonrpc": "2.0", "id": 0, "result": accept("Ada")})
+    );
+    h.event(Stream::Call, Some("c4"), &result(id, "Hello, Ada!"));
+    let Ending::Complete { rounds, .. } = h.ending() else {
+        panic!("{:?}", h.ending());
+    };
+    assert_eq!(*rounds, 2);
+}
+
+#[test]
+fn a_result_replayed_before_the_priming_event_is_read_once_the_answers_are_up() {
+    let first = first_round();
+    let id = first.call_id();
+    let mut h = retry_of(
+        &first,
+        config(),
+        Upstream::default(),
+        json!({"elicitation_0": accept("Ada")}),
+    );
+    // The server replays the question again (already answered: skipped), then primes.
+    h.event(Stream::Call, Some("c2"), &question(0, "Name?"));
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    h.event(Stream::Call, Some("c4"), &result(id, "done"));
+    assert!(
+        matches!(h.ending(), Ending::Complete { .. }),
+        "{:?}",
+        h.ending()
+    );
+    assert_eq!(h.posted().len(), 1, "the answer went up once");
+}
+
+#[test]
+fn an_unknown_upstream_teaches_whether_it_primes() {
+    let first = first_round();
+    let mut unknown = config();
+    unknown.primes = None;
+    let mut h = retry_of(
+        &first,
+        unknown,
+        Upstream::default(),
+        json!({"elicitation_0": accept("Ada")}),
+    );
+    assert!(h.posted().is_empty());
+    h.advance(Duration::from_millis(300));
+    assert!(h.log.contains(&Command::Learn(Learnt::Primes(false))));
+    assert_eq!(h.posted().len(), 1, "the answers go up after the wait");
+    let mut known_not = config();
+    known_not.primes = Some(false);
+    let h = retry_of(
+        &first,
+        known_not,
+        Upstream::default(),
+        json!({"elicitation_0": accept("Ada")}),
+    );
+    assert_eq!(
+        h.posted().len(),
+        1,
+        "no wait for an upstream known not to prime"
+    );
+}
+
+#[test]
+fn a_question_left_unanswered_is_replayed_from_the_rounds_start() {
+    let mut h = Harness::new_call(config(), Upstream::default());
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
+    h.event(Stream::Call, Some("c3"), &question(1, "Size?"));
+    h.advance(Duration::from_millis(10));
+    let first = h;
+    let mut h = retry_of(
+        &first,
+        config(),
+        Upstream::default(),
+        json!({"elicitation_0": accept("red")}),
+    );
+    assert!(
+        h.log.iter().any(is_open(Stream::Call, Some("c1"))),
+        "from the round's start"
+    );
+    h.event(Stream::Call, Some("c9"), &json!(""));
+    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
+    h.event(Stream::Call, Some("c3"), &question(1, "Size?"));
+    h.advance(Duration::from_millis(10));
+    let Ending::InputRequired {
+        input_requests,
+        state,
+        ..
+    } = h.ending()
+    else {
+        panic!("{:?}", h.ending());
+    };
+    assert_eq!(
+        input_requests.keys().collect::<Vec<_>>(),
+        ["elicitation_1"],
+        "only the unanswered one"
+    );
+    assert_eq!(state.round, 1, "the round is not over");
+}
+
+#[test]
+fn an_empty_resumption_is_tried_again_then_loses_the_call_and_holds_the_group() {
+    let first = first_round();
+    let mut h = retry_of(
+        &first,
+        config(),
+        Upstream::default(),
+        json!({"elicitation_0": accept("Ada")}),
+    );
+    for _ in 0..=EMPTY_RETRIES {
+        h.feed(Input::StreamEnded(Stream::Call));
+        h.advance(Duration::from_millis(400));
+    }
+    let reopens = h
+        .log
+        .iter()
+        .filter(|c| is_open(Stream::Call, Some("c2"))(c))
+        .count();
+    assert_eq!(reopens, 1 + EMPTY_RETRIES as usize);
+    assert!(h
+        .log
+        .contains(&Command::Learn(Learnt::ReplayRefused { empty: true })));
+    assert!(h.log.contains(&Command::ReleaseClaim), "nothing was posted");
+    assert!(h.log.contains(&Command::DeleteSession));
+    assert!(h.posted().is_empty());
+    let refusal = h.refusal();
+    assert_eq!(refusal.code, gcode::FLOW_LOST);
+    assert!(
+        refusal.message.contains("no longer has this call's events"),
+        "{refusal}"
+    );
+}
+
+#[test]
+fn a_resumption_that_ends_after_replaying_something_is_followed() {
+    let first = first_round();
+    let id = first.call_id();
+    let mut h = retry_of(
+        &first,
+        config(),
+        Upstream::default(),
+        json!({"elicitation_0": accept("Ada")}),
+    );
+    h.event(Stream::Call, Some("c3"), &json!({"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": 1, "progress": 1}}));
+    h.feed(Input::StreamEnded(Stream::Call));
+    assert_eq!(h.posted().len(), 1, "the answers went up");
+    h.advance(DEFAULT_RETRY);
+    assert!(
+        h.log
+            .iter()
+            .filter(|c| is_open(Stream::Call, Some("c3"))(c))
+            .count()
+            == 1,
+        "{:?}",
+        h.log
+    );
+    h.event(Stream::Call, Some("c5"), &result(id, "done"));
+    assert!(matches!(h.ending(), Ending::Complete { .. }));
+}
+
+#[test]
+fn a_refused_resumption_releases_the_claim_and_teaches_the_group() {
+    let first = first_round();
+    let mut upstream = Upstream::default();
+    upstream.call_opens.push_back(Err(Failure::new(
+        FailureKind::Refused(400),
+        "refused (HTTP 400)",
+    )));
+    let h = retry_of(
+        &first,
+        config(),
+        upstream,
+        json!({"elicitation_0": accept("Ada")}),
+    );
+    assert!(h
+        .log
+        .contains(&Command::Learn(Learnt::ReplayRefused { empty: false })));
+    assert!(h.log.contains(&Command::ReleaseClaim));
+    assert_eq!(h.refusal().class, Class::UpstreamError);
+}
+
+#[test]
+fn a_lost_call_of_a_restartable_tool_runs_again_asking_only_what_is_new() {
+    let mut restartable = config();
+    restartable.restartable = true;
+    let mut h = Harness::new_call(restartable.clone(), Upstream::default());
+    h.event(Stream::Call, Some("c1"), &question(0, "Where?"));
+    h.advance(Duration::from_millis(10));
+    let first = h;
+    let mut upstream = Upstream::default();
+    upstream.call_opens.push_back(Err(Failure::new(
+        FailureKind::Gone,
+        "the upstream session is gone (HTTP 404)",
+    )));
+    let mut h = retry_of(
+        &first,
+        restartable,
+        upstream,
+        json!({"elicitation_0": accept("Lisbon")}),
+    );
+    assert!(h.log.contains(&Command::Note(Note::Restarted)));
+    assert!(h.log.contains(&Command::ReleaseClaim));
+    assert!(h.log.contains(&Command::OpenSession), "a new session");
+    // The re-run asks the first question again (answered from the state), then a new one.
+    h.event(Stream::Call, Some("r1"), &question(0, "Where?"));
+    assert_eq!(h.posted().last().unwrap()["result"], accept("Lisbon"));
+    h.event(Stream::Call, Some("r2"), &question(1, "Nights?"));
+    h.advance(Duration::from_millis(10));
+    let Ending::InputRequired {
+        input_requests,
+        state,
+        ..
+    } = h.ending()
+    else {
+        panic!("{:?}", h.ending());
+    };
+    assert_eq!(input_requests.keys().collect::<Vec<_>>(), ["elicitation_1"]);
+    assert!(
+        h.log.iter().any(|c| matches!(c, Command::Watch { .. })),
+        "the re-run's session is watched"
+    );
+    assert_eq!(state.round, 2);
+}
+
+#[test]
+fn a_lost_call_of_any_other_tool_ends_with_flow_lost() {
+    let first = first_round();
+    let mut upstream = Upstream::default();
+    upstream.call_opens.push_back(Err(Failure::new(
+        FailureKind::Unreachable,
+        "cannot connect",
+    )));
+    let h = retry_of(
+        &first,
+        config(),
+        upstream,
+        json!({"elicitation_0": accept("Ada")}),
+    );
+    assert_eq!(h.refusal().code, gcode::FLOW_LOST);
+    assert!(!h.log.contains(&Command::OpenSession), "nothing runs twice");
+}
+
+/// A first round without event ids: the upstream cannot resume, so the flow is held.
+fn held_round() -> Harness {
+    let mut h = Harness::new_call(config(), Upstream::default());
+    h.event(Stream::Call, None, &question(0, "Name?"));
+    h.event(Stream::Call, None, &question(1, "Age?"));
+    h.advance(Duration::from_millis(10));
+    h
+}
+
+#[test]
+fn a_round_without_event_ids_is_held_and_its_retry_reads_on_the_held_streams() {
+    let first = held_round();
+    assert!(first
+        .log
+        .contains(&Command::Learn(Learnt::Resumable(false))));
+    let hold = first
+        .position(|c| matches!(c, Command::Hold { .. }))
+        .unwrap();
+    assert!(
+        !first.log[hold..].contains(&Command::CloseStreams),
+        "held streams stay open"
+    );
+    let state = first.state();
+    let Waiting::Held { at, .. } = &state.waiting else {
+        panic!("{state:?}");
+    };
+    assert_eq!(at.slot, 42);
+    let id = first.call_id();
+    let Ending::InputRequired { input_requests, .. } = first.ending() else {
+        unreachable!()
+    };
+    // Only the first question is answered: the second is asked again after the window.
+    let mut h = Harness::retry(
+        config(),
+        Upstream::default(),
+        state,
+        json!({"elicitation_0": accept("Ada")}),
+        Some(input_requests.clone()),
+    );
+    assert!(
+        !h.log
+            .iter()
+            .any(|c| matches!(c, Command::OpenStream { .. })),
+        "nothing reopened"
+    );
+    assert_eq!(h.posted().len(), 1);
+    h.advance(Duration::from_millis(10));
+    let Ending::InputRequired { input_requests, .. } = h.ending() else {
+        panic!("{:?}", h.ending());
+    };
+    assert_eq!(input_requests.keys().collect::<Vec<_>>(), ["elicitation_1"]);
+    let _ = id;
+}
+
+#[test]
+fn a_held_retry_whose_holder_is_gone_loses_the_flow() {
+    let first = held_round();
+    let h = Harness::retry(
+        config(),
+        Upstream::default(),
+        first.state(),
+        json!({}),
+        None,
+    );
+    assert_eq!(h.refusal().code, gcode::FLOW_LOST);
+    assert!(h.refusal().message.contains("replica holding"));
+}
+
+#[test]
+fn a_table_that_refuses_the_flow_ends_the_call() {
+    let upstream = Upstream {
+        held: Err(Refusal::internal(
+            Class::Overloaded,
+            "too many flows are held",
+        )),
+        ..Upstream::default()
+    };
+    let mut h = Harness::new_call(config(), upstream);
+    h.event(Stream::Call, None, &question(0, "Name?"));
+    h.advance(Duration::from_millis(10));
+    assert_eq!(h.refusal().class, Class::Overloaded);
+}
+
+#[test]
+fn a_url_elicitation_required_error_is_asked_then_the_call_is_posted_again() {
+    let mut caps = config();
+    caps.capabilities
+        .insert("elicitation".into(), json!({"url": {}}));
+    let mut h = Harness::new_call(caps.clone(), Upstream::default());
+    let id = h.call_id();
+    let error = json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32042, "message": "visit", "data": {"elicitations": [
+        {"mode": "url", "url": "https://example.com/a", "message": "Open A"}]}}});
+    h.event(Stream::Call, Some("c1"), &error);
+    let state = h.state();
+    assert!(matches!(state.waiting, Waiting::Reissue { .. }));
+    assert!(h.log.contains(&Command::CloseStreams));
+    let mut retry = Harness::retry(
+        caps,
+        Upstream::default(),
+        state,
+        json!({"url_0": {"action": "accept"}}),
+        None,
+    );
+    let again = retry.call_id();
+    assert_ne!(again, id, "a re-issue goes up under a new id");
+    retry.event(Stream::Call, Some("d1"), &result(again, "done"));
+    assert!(matches!(retry.ending(), Ending::Complete { .. }));
+    // A client that did not declare URL elicitation gets -32021.
+    let mut h = Harness::new_call(config(), Upstream::default());
+    let id = h.call_id();
+    let error = json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32042, "message": "visit", "data": {"elicitations": [
+        {"mode": "url", "url": "https://example.com/a", "message": "Open A"}]}}});
+    h.event(Stream::Call, Some("c1"), &error);
+    assert_eq!(h.refusal().code, mcode::MISSING_REQUIRED_CLIENT_CAPABILITY);
+}
+
+#[test]
+fn a_round_that_hears_nothing_ends_at_the_silence_limit() {
+    let first = first_round();
+    let mut h = retry_of(
+        &first,
+        config(),
+        Upstream::default(),
+        json!({"elicitation_0": accept("Ada")}),
+    );
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    // Polls reopen the silent stream meanwhile; priming events are not messages.
+    h.advance(Duration::from_secs(44));
+    assert!(h.ending.is_none());
+    h.advance(Duration::from_secs(2));
+    let refusal = h.refusal();
+    assert_eq!(refusal.class, Class::UpstreamTimeout);
+    assert!(
+        refusal
+            .message
+            .contains("upstream group 'g' sent nothing for 45 s"),
+        "{refusal}"
+    );
+    assert!(
+        refusal.message.contains("tools/call 'ask'") && refusal.message.contains("round 2"),
+        "{refusal}"
+    );
+    let polls = h
+        .log
+        .iter()
+        .filter(|c| is_open(Stream::Call, Some("c3"))(c))
+        .count();
+    assert!(polls >= 20, "a silent resumable stream is polled: {polls}");
+}
+
+#[test]
+fn draining_hands_a_resumable_round_over_and_lets_a_held_one_run() {
+    let mut h = Harness::new_call(config(), Upstream::default());
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.feed(Input::Draining);
+    assert!(h.log.contains(&Command::Note(Note::HandedOver)));
+    let Ending::InputRequired {
+        input_requests,
+        state,
+        ..
+    } = h.ending()
+    else {
+        panic!("{:?}", h.ending());
+    };
+    assert!(input_requests.is_empty(), "a state-only result");
+    assert!(matches!(state.waiting, Waiting::Resumable { .. }));
+    let mut held = Harness::new_call(config(), Upstream::default());
+    held.event(
+        Stream::Call,
+        None,
+        &json!({"jsonrpc": "2.0", "method": "notifications/progress", "params": {}}),
+    );
+    held.feed(Input::Draining);
+    assert!(
+        held.ending.is_none(),
+        "a round that cannot resume finishes here"
+    );
+}
+
+#[test]
+fn a_client_that_leaves_cancels_the_call() {
+    let mut h = Harness::new_call(config(), Upstream::default());
+    h.feed(Input::ClientGone);
+    assert_eq!(h.ending(), &Ending::ClientGone);
+    assert!(h.log.contains(&Command::DeleteSession) && h.log.contains(&Command::CloseStreams));
+}
+
+#[test]
+fn a_round_ends_as_it_fills_up() {
+    let mut limited = config();
+    limited.round_limits.max_questions = 2;
+    let mut h = Harness::new_call(limited, Upstream::default());
+    h.event(Stream::Call, Some("c1"), &question(0, "a"));
+    assert!(h.ending.is_none());
+    h.event(Stream::Call, Some("c2"), &question(1, "b"));
+    let Ending::InputRequired { input_requests, .. } = h.ending() else {
+        panic!("{:?}", h.ending());
+    };
+    assert_eq!(input_requests.len(), 2, "no quiet window waited");
+    assert!(
+        !h.flow.is_reading(),
+        "what the upstream sends next is the next round's"
+    );
+}
+
+#[test]
+fn questions_on_the_get_stream_carry_its_position_and_a_scoped_store_is_resumed_from_it() {
+    let mut h = Harness::new_call(config(), Upstream::default());
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.event(
+        Stream::Session,
+        Some("g1"),
+        &json!({"jsonrpc": "2.0", "method": "notifications/message", "params": {}}),
+    );
+    h.event(Stream::Session, Some("g2"), &question(0, "Where?"));
+    h.advance(Duration::from_millis(10));
+    let state = h.state();
+    let Waiting::Resumable { positions, .. } = &state.waiting else {
+        panic!("{state:?}");
+    };
+    assert_eq!(
+        positions.session_from.as_deref(),
+        Some("g1"),
+        "before the round's first GET question"
+    );
+    let first = h;
+    let answers = json!({"elicitation_0": accept("Lisbon")});
+    let mut scoped = retry_of(&first, config(), Upstream::default(), answers.clone());
+    scoped.event(Stream::Call, Some("c2"), &json!(""));
+    assert!(scoped.log.iter().any(is_open(Stream::Session, Some("g1"))));
+    let mut shared = config();
+    shared.session_replay_scoped = false;
+    let mut h = retry_of(&first, shared, Upstream::default(), answers);
+    h.event(Stream::Call, Some("c2"), &json!(""));
+    assert!(
+        h.log.iter().any(is_open(Stream::Session, None)),
+        "a shared store's GET stream is reopened fresh"
+    );
+    // The next question, pushed on the GET stream once the answer is in, is read.
+    h.event(Stream::Session, Some("g9"), &question(1, "Nights?"));
+    h.advance(Duration::from_millis(10));
+    let Ending::InputRequired { input_requests, .. } = h.ending() else {
+        panic!("{:?}", h.ending());
+    };
+    assert_eq!(input_requests.keys().collect::<Vec<_>>(), ["elicitation_1"]);
+}
+
+#[test]
+fn a_stream_the_upstream_closes_mid_call_is_followed_after_its_retry_hint() {
+    let mut h = Harness::new_call(config(), Upstream::default());
+    let id = h.call_id();
+    let priming = Event {
+        id: Some("c1".into()),
+        event: None,
+        data: String::new(),
+        retry: Some(500),
+    };
+    h.feed(Input::Event {
+        stream: Stream::Call,
+        event: priming,
+    });
+    h.feed(Input::StreamEnded(Stream::Call));
+    h.advance(Duration::from_millis(499));
+    assert!(!h.log.iter().any(is_open(Stream::Call, Some("c1"))));
+    h.advance(Duration::from_millis(1));
+    assert!(h.log.iter().any(is_open(Stream::Call, Some("c1"))));
+    h.event(Stream::Call, Some("c2"), &result(id, "done"));
+    assert!(matches!(h.ending(), Ending::Complete { .. }));
+}
+
+#[test]
+fn a_state_too_large_to_come_back_is_never_issued() {
+    let mut tight = config();
+    tight.max_state_plaintext = 100;
+    let mut h = Harness::new_call(tight, Upstream::default());
+    h.event(Stream::Call, Some(&"e".repeat(200)), &question(0, "Name?"));
+    h.advance(Duration::from_millis(10));
+    let refusal = h.refusal();
+    assert_eq!(refusal.class, Class::OverLimit);
+    assert!(refusal.message.contains("SSE event ids"), "{refusal}");
+    assert!(h.log.contains(&Command::DeleteSession));
+}
+
+#[test]
+fn a_reaper_that_cannot_watch_refuses_the_flow() {
+    let upstream = Upstream {
+        watched: false,
+        ..Upstream::default()
+    };
+    let mut h = Harness::new_call(config(), upstream);
+    h.event(Stream::Call, Some("c1"), &question(0, "Name?"));
+    h.advance(Duration::from_millis(10));
+    assert_eq!(h.refusal().class, Class::Overloaded);
+    assert!(h.log.contains(&Command::DeleteSession));
+}
+
+#[test]
+fn a_request_the_client_cannot_take_is_refused_upstream_before_the_call_ends() {
+    let mut h = Harness::new_call(config(), Upstream::default());
+    let sampling = json!({"jsonrpc": "2.0", "id": 3, "method": "sampling/createMessage", "params": {"messages": []}});
+    h.event(Stream::Call, Some("c1"), &sampling);
+    let refused_at = h
+        .position(|c| matches!(c, Command::Post(v) if v["error"]["code"] == -32601))
+        .unwrap();
+    let finished_at = h.position(|c| matches!(c, Command::Finish(_))).unwrap();
+    assert!(refused_at < finished_at);
+    assert_eq!(h.refusal().code, mcode::MISSING_REQUIRED_CLIENT_CAPABILITY);
+}
+
+#[test]
+fn an_answer_that_provably_never_arrived_releases_the_claim() {
+    let first = first_round();
+    let mut upstream = Upstream::default();
+    upstream.posts.push_back(Err(Failure::new(
+        FailureKind::Refused(400),
+        "refused (HTTP 400)",
+    )));
+    let mut h = retry_of(
+        &first,
+        config(),
+        upstream,
+        json!({"elicitation_0": accept("Ada")}),
+    );
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    assert!(h.log.contains(&Command::ReleaseClaim));
+    assert_eq!(h.refusal().class, Class::UpstreamError);
+    // A timeout may have delivered it: the claim stays.
+    let mut upstream = Upstream::default();
+    upstream.posts.push_back(Err(Failure::new(
+        FailureKind::Timeout,
+        "no response in time",
+    )));
+    let mut h = retry_of(
+        &first,
+        config(),
+        upstream,
+        json!({"elicitation_0": accept("Ada")}),
+    );
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    assert!(!h.log.contains(&Command::ReleaseClaim));
+    assert_eq!(h.refusal().class, Class::UpstreamTimeout);
+}
+
+#[test]
+fn a_data_session_call_reads_only_its_own_stream_and_never_deletes_the_session() {
+    let mut in_session = config();
+    in_session.data_session = true;
+    let mut h = Harness::new_call(in_session, Upstream::default());
+    assert!(!h.log.iter().any(|c| matches!(
+        c,
+        Command::OpenStream {
+            stream: Stream::Session,
+            ..
+        }
+    )));
+    let id = h.call_id();
+    h.event(Stream::Call, Some("c1"), &result(id, "done"));
+    assert!(matches!(h.ending(), Ending::Complete { .. }));
+    assert!(!h.log.contains(&Command::DeleteSession));
+}
+
+#[test]
+fn the_previous_layout_flows_complete_on_this_one() {
+    // A state the previous release sealed opens as its phase (mrtr::state tests the
+    // layout); its retry runs here like any other.
+    let first = first_round();
+    let state = first.state();
+    let old = crate::mrtr::state::v1::FlowState::from(&state);
+    let reopened = FlowState::from(old);
+    let id = first.call_id();
+    let mut h = Harness::retry(
+        config(),
+        Upstream::default(),
+        reopened,
+        json!({"elicitation_0": accept("Ada")}),
+        None,
+    );
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    h.event(Stream::Call, Some("c4"), &result(id, "done"));
+    assert!(matches!(h.ending(), Ending::Complete { .. }));
+}
