@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fuzzes the code that reads untrusted input (the SSE parser, the token opener, the
 # JSON-RPC classifier and validation, the MRTR translator, an upstream's HTTP response
-# read as the exchange reads it: status line, headers, 1xx, framing, SSE) with
+# read as the exchange reads it: status line, headers, 1xx, framing, SSE; and sequences
+# of events driving a bridged call's state machine, with its invariants) with
 # cargo-fuzz / libFuzzer,
 # each target for a bounded time (FUZZ_SECONDS, default 30) starting from the seeds
 # checked in under fuzz/seeds. Fails on the first crash, leaving the reproducer in
