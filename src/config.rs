@@ -212,6 +212,10 @@ pub struct BridgeOptions {
     pub one_shot_session_idle_seconds: u64,
     /// Most sessions kept for one-shot methods; beyond it the least recently used goes.
     pub max_one_shot_sessions: usize,
+    /// Seal `requestState`s in the previous release's layout, which its replicas open:
+    /// for the first phase of a rolling upgrade, until no replica of it is left. (Every
+    /// release opens its own layout and the previous one.)
+    pub seal_previous_version: bool,
     /// Most abandoned-flow sessions one replica watches; beyond it new interactive flows
     /// are refused rather than left unwatched.
     pub max_watched_sessions: usize,
@@ -246,6 +250,7 @@ impl Default for BridgeOptions {
             round_silence_seconds: 45,
             one_shot_session_idle_seconds: 300,
             max_one_shot_sessions: 1024,
+            seal_previous_version: false,
             max_watched_sessions: 100_000,
             max_used_states: 200_000,
             data_session_ttl_seconds: 3600,

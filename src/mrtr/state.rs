@@ -273,7 +273,22 @@ impl FlowState {
         binding: &[u8; 32],
         limit: usize,
     ) -> Result<String, StateTooLarge> {
-        let sealed = self.seal(ring, binding);
+        self.seal_layout_within(ring, binding, limit, false)
+    }
+
+    /// `seal_within`, in the previous layout when `previous` (`seal_previous`).
+    pub fn seal_layout_within(
+        &self,
+        ring: &KeyRing,
+        binding: &[u8; 32],
+        limit: usize,
+        previous: bool,
+    ) -> Result<String, StateTooLarge> {
+        let sealed = if previous {
+            self.seal_previous(ring, binding)
+        } else {
+            self.seal(ring, binding)
+        };
         if sealed.len() <= limit {
             return Ok(sealed);
         }

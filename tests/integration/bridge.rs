@@ -474,3 +474,59 @@ fn a_pending_flow_holds_no_stream_only_its_reaper_entry() {
         "a completed flow is forgotten"
     );
 }
+
+#[test]
+fn a_state_sealed_by_the_previous_release_completes_on_this_one() {
+    // A rolling upgrade: the first round ran on a replica of the previous release, which
+    // sealed its state in the previous layout (format version 1); the retry reaches this
+    // release.
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let first = ask_name(&raw, 1, json!({}));
+    let sealed = first["result"]["requestState"].as_str().expect("a state");
+    let ring = KeyRing::parse(&test_keys()).unwrap();
+    let principal = PrincipalSource::Authorization.digest(None);
+    let bind = binding(&principal, "tools/call", Some("ask_name"), Some(&json!({})));
+    let (_, state) = FlowState::open_unbound(&ring, sealed).expect("the gateway's own state");
+    let previous = state.seal_previous(&ring, &bind);
+    assert_eq!(
+        mrtr_gateway::seal::open_version(
+            &ring,
+            mrtr_gateway::keys::Purpose::RequestState,
+            b"",
+            &previous,
+            1 << 16
+        )
+        .map(|(version, _)| version),
+        Ok(mrtr_gateway::seal::OLDEST_VERSION),
+        "sealed as the previous release did"
+    );
+    let mut retry = answer(&first, json!({"name": "Ada"}));
+    retry["requestState"] = json!(previous);
+    let done = ask_name(&raw, 2, retry);
+    assert_eq!(
+        done["result"]["content"][0]["text"], "Hello, Ada!",
+        "{done}"
+    );
+
+    // During the first phase of the upgrade an upgraded replica seals the previous layout
+    // too, for replicas not yet upgraded.
+    let compat = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.bridge.seal_previous_version = true;
+    });
+    let raw = Raw::new(&compat.url);
+    let first = ask_name(&raw, 1, json!({}));
+    let sealed = first["result"]["requestState"].as_str().expect("a state");
+    let version = mrtr_gateway::seal::open_version(
+        &ring,
+        mrtr_gateway::keys::Purpose::RequestState,
+        b"",
+        sealed,
+        1 << 16,
+    )
+    .map(|(version, _)| version);
+    assert_eq!(version, Ok(mrtr_gateway::seal::OLDEST_VERSION));
+    let done = ask_name(&raw, 2, answer(&first, json!({"name": "Bo"})));
+    assert_eq!(done["result"]["content"][0]["text"], "Hello, Bo!", "{done}");
+}

@@ -731,10 +731,11 @@ async fn finish(
             input_requests,
             shed,
         } => {
-            let sealed = match state.seal_within(
+            let sealed = match state.seal_layout_within(
                 &gw.keys.load(),
                 &call.bind,
                 gw.config.limits.max_request_state_bytes,
+                gw.config.bridge.seal_previous_version,
             ) {
                 Ok(sealed) => sealed,
                 Err(too_large) => {
