@@ -597,3 +597,33 @@ impl HttpServerApp for Listener {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A gateway in front of an address nothing listens on, and a request session over an
+    /// in-memory stream: enough to build a request's future without running it.
+    fn gateway() -> Gateway {
+        let mut config = Config::default();
+        config.apply_overrides(None, None, vec!["http://127.0.0.1:1/mcp".into()]);
+        let keys =
+            Arc::new(KeyRing::parse("k1:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8").unwrap());
+        let upstreams = Upstreams::build(&config).expect("upstreams");
+        Gateway::new(config, keys, upstreams).expect("a gateway")
+    }
+
+    /// A request's whole handling is one future per connection task, living on a worker
+    /// thread's stack while polled: it must stay small, in debug builds too, where nothing
+    /// is optimised (a bridged retry's chain of nested `async fn`s once needed 2 MiB).
+    #[test]
+    fn a_requests_future_is_small() {
+        let gw = gateway();
+        let (client, _server) = tokio::io::duplex(64);
+        let mut session = ServerSession::new_http1(Box::new(client));
+        let handle = gw.handle(&mut session, Arrival::Client);
+        let bytes = std::mem::size_of_val(&handle);
+        println!("a request's future: {bytes} bytes");
+        assert!(bytes < 16 << 10, "a request's future takes {bytes} bytes");
+    }
+}

@@ -123,8 +123,8 @@ impl UpstreamClient {
             .with_label_values(&[endpoint.authority.as_str()])
             .observe(started.elapsed().as_secs_f64());
         Ok(Response {
-            http,
-            pool: Some(peer),
+            http: Box::new(http),
+            pool: Some(Box::new(peer)),
             _in_use: Some(in_use),
         })
     }
@@ -166,15 +166,23 @@ impl UpstreamClient {
     }
 
     /// Returns a fully read response's connection to the pool, or closes it.
-    pub async fn finish(&self, mut response: Response) {
-        match &response.pool {
-            Some(peer) if response.http.response_done() => {
-                let peer = peer.clone();
-                self.connector
-                    .release_http_session(response.http, &peer, Some(POOL_IDLE))
-                    .await;
+    pub async fn finish(&self, response: Response) {
+        let Response {
+            mut http,
+            pool,
+            _in_use,
+        } = response;
+        match pool {
+            // Pingora's release is a future of kilobytes: on the heap, so that it does not
+            // sit in every future that finishes a response.
+            Some(peer) if http.response_done() => {
+                Box::pin(
+                    self.connector
+                        .release_http_session(*http, &*peer, Some(POOL_IDLE)),
+                )
+                .await;
             }
-            _ => response.http.shutdown().await,
+            _ => http.shutdown().await,
         }
     }
 }
@@ -319,7 +327,7 @@ pub async fn read_response_from(stream: Stream) -> Result<Response, ExchangeErro
         .map_err(Failed::into_error)?;
     http.set_read_timeout(timeouts.stream_idle);
     Ok(Response {
-        http,
+        http: Box::new(http),
         pool: None,
         _in_use: None,
     })
@@ -328,12 +336,13 @@ pub async fn read_response_from(stream: Stream) -> Result<Response, ExchangeErro
 /// Every wait of `read_response_from`: its stream is in memory.
 const IN_MEMORY_LIMIT: Duration = Duration::from_secs(1);
 
-/// A response whose header has arrived.
+/// A response whose header has arrived. The session lives on the heap: a response is held
+/// across awaits by every future that reads one, and pingora's session is over a kilobyte.
 pub struct Response {
-    http: HttpSession,
+    http: Box<HttpSession>,
     /// Where the connection goes back once the response is read whole; `None` for a
     /// stream that belongs to no pool.
-    pool: Option<HttpPeer>,
+    pool: Option<Box<HttpPeer>>,
     /// Counts this connection in use until the response is finished or dropped.
     _in_use: Option<InUse>,
 }
