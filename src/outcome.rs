@@ -40,7 +40,10 @@ pub struct Refusal {
 pub enum Class {
     BadRequest,
     TooLarge,
+    /// A legacy client's `Mcp-Session-Id` did not open (404, to make it initialize again).
     SessionRejected,
+    /// A data-layer session cookie did not open (400).
+    CookieRejected,
     SessionRequired,
     SessionEnded,
     StateRejected,
@@ -62,7 +65,7 @@ impl Class {
         match self {
             Class::BadRequest => "bad_request",
             Class::TooLarge => "too_large",
-            Class::SessionRejected => "session_rejected",
+            Class::SessionRejected | Class::CookieRejected => "session_rejected",
             Class::SessionRequired => "session_required",
             Class::SessionEnded => "session_ended",
             Class::StateRejected => "state_rejected",
@@ -79,6 +82,7 @@ impl Class {
     pub fn status(self) -> u16 {
         match self {
             Class::BadRequest
+            | Class::CookieRejected
             | Class::SessionRequired
             | Class::StateRejected
             | Class::MissingCapability => 400,

@@ -307,9 +307,10 @@ impl Gateway {
         &self,
         era: &'static str,
         method: &'static str,
-        outcome: &'static str,
+        outcome: &crate::outcome::Outcome,
         started: Instant,
     ) {
+        let outcome = outcome.label();
         self.metrics
             .requests
             .with_label_values(&[era, method, outcome])

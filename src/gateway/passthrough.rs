@@ -6,6 +6,7 @@
 use super::respond;
 use super::Gateway;
 use crate::metrics::{request_label, InUse};
+use crate::outcome::{Class, Outcome, Refusal};
 use crate::protocol::forwarded;
 use crate::protocol::headers::{self, MCP_SESSION_ID};
 use crate::protocol::jsonrpc::{code, Body};
@@ -18,35 +19,6 @@ use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::ServerSession;
 use serde_json::Value;
 use std::time::Duration;
-
-/// How a request ended, for the requests metric.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome {
-    Ok,
-    BadRequest,
-    TooLarge,
-    SessionRejected,
-    NoUpstream,
-    UpstreamError,
-    ClientGone,
-    /// An SSE stream ended cleanly because the gateway is shutting down.
-    Drained,
-}
-
-impl Outcome {
-    fn label(self) -> &'static str {
-        match self {
-            Outcome::Ok => "ok",
-            Outcome::BadRequest => "bad_request",
-            Outcome::TooLarge => "too_large",
-            Outcome::SessionRejected => "session_rejected",
-            Outcome::NoUpstream => "no_upstream",
-            Outcome::UpstreamError => "upstream_error",
-            Outcome::ClientGone => "client_gone",
-            Outcome::Drained => "drained",
-        }
-    }
-}
 
 /// Where a request goes: the endpoint and, inside a session, the upstream's session id.
 struct Route {
@@ -75,7 +47,7 @@ pub async fn serve(
         parsed.is_some(),
     );
     let outcome = serve_inner(gw, session, group, body, parsed.as_ref(), principal).await;
-    gw.record(era, method, outcome.label(), started);
+    gw.record(era, method, &outcome, started);
 }
 
 async fn serve_inner(
@@ -88,10 +60,7 @@ async fn serve_inner(
 ) -> Outcome {
     let route = match route(gw, session, group, binding) {
         Ok(route) => route,
-        Err(outcome) => {
-            respond_route_error(session, outcome).await;
-            return outcome;
-        }
+        Err(refusal) => return refuse(session, None, refusal).await,
     };
     let id = parsed.and_then(Body::id).cloned();
     let request = upstream_request(gw, session, &route, &body);
@@ -103,8 +72,7 @@ async fn serve_inner(
         Ok(response) => response,
         Err(e) => {
             tracing::warn!(group = %group.name, endpoint = %route.endpoint.addr, error = %e, "upstream exchange failed");
-            respond_upstream_error(session, group, id.as_ref(), &e).await;
-            return Outcome::UpstreamError;
+            return refuse(session, id.as_ref(), upstream_refusal(group, &e)).await;
         }
     };
     count_session_event(gw, session, &route, response.header());
@@ -136,9 +104,12 @@ fn route(
     session: &ServerSession,
     group: &UpstreamGroup,
     binding: &[u8],
-) -> Result<Route, Outcome> {
+) -> Result<Route, Refusal> {
     let Some(token) = session.get_header(MCP_SESSION_ID) else {
-        let endpoint = group.pick().ok_or(Outcome::NoUpstream)?;
+        let none = "no healthy upstream endpoint is available";
+        let endpoint = group
+            .pick()
+            .ok_or_else(|| Refusal::new(Class::NoUpstream, code::INVALID_REQUEST, none))?;
         return Ok(Route {
             endpoint,
             upstream_session: None,
@@ -151,7 +122,8 @@ fn route(
             .with_label_values(&[reason])
             .inc();
         tracing::info!(group = %group.name, reason, "session token refused");
-        Outcome::SessionRejected
+        let text = "Session not found: the Mcp-Session-Id is unknown, expired or not valid here; start a new session with initialize";
+        Refusal::new(Class::SessionRejected, code::INVALID_REQUEST, text)
     };
     let text = token.to_str().map_err(|_| reject("malformed"))?;
     let opened =
@@ -169,15 +141,11 @@ fn route(
     })
 }
 
-async fn respond_route_error(session: &mut ServerSession, outcome: Outcome) {
-    let (status, message) = match outcome {
-        Outcome::SessionRejected => (
-            404,
-            "Session not found: the Mcp-Session-Id is unknown, expired or not valid here; start a new session with initialize",
-        ),
-        _ => (503, "no healthy upstream endpoint is available"),
-    };
-    respond::error(session, status, None, code::INVALID_REQUEST, message).await;
+/// Answers with `refusal`, as a JSON-RPC error in reply to `id`.
+async fn refuse(session: &mut ServerSession, id: Option<&Value>, refusal: Refusal) -> Outcome {
+    let status = refusal.class.status();
+    respond::error(session, status, id, refusal.code, &refusal.message).await;
+    Outcome::Refused(refusal)
 }
 
 /// The request sent upstream: the client's, with the upstream path, host and session,
@@ -365,30 +333,28 @@ async fn pump(
             Err(e) => {
                 tracing::warn!(error = %e, "upstream stream ended abnormally");
                 respond::abort(session).await;
-                return Outcome::UpstreamError;
+                return Outcome::Refused(Refusal::internal(
+                    Class::UpstreamError,
+                    "the upstream broke off the body",
+                ));
             }
         }
     }
 }
 
-async fn respond_upstream_error(
-    session: &mut ServerSession,
-    group: &UpstreamGroup,
-    id: Option<&Value>,
-    e: &ExchangeError,
-) {
-    let (status, what) = match e {
-        ExchangeError::Connect(_) => (502, "is unreachable"),
-        ExchangeError::Timeout => (504, "did not answer in time"),
-        ExchangeError::Broken(_) => (502, "broke the exchange"),
+/// What the client is told when its request's exchange with `group` failed.
+fn upstream_refusal(group: &UpstreamGroup, e: &ExchangeError) -> Refusal {
+    let (class, what) = match e {
+        ExchangeError::Connect(_) => (Class::UpstreamError, "is unreachable"),
+        ExchangeError::Timeout => (Class::UpstreamTimeout, "did not answer in time"),
+        ExchangeError::Broken(_) => (Class::UpstreamError, "broke the exchange"),
         ExchangeError::Unanswered => (
-            502,
+            Class::UpstreamError,
             "closed the connection without answering; the request may have run, so it was not sent again",
         ),
-        ExchangeError::Protocol(what) => (502, *what),
+        ExchangeError::Protocol(what) => (Class::UpstreamError, *what),
     };
-    let message = format!("upstream group '{}' {what}", group.name);
-    respond::error(session, status, id, code::INTERNAL_ERROR, &message).await;
+    Refusal::internal(class, format!("upstream group '{}' {what}", group.name))
 }
 
 /// Sleeps for `period`, or forever when there is none.

@@ -7,9 +7,10 @@
 //! gateway to an arbitrary address. The forwarded request is the client's own (its
 //! credentials included): the owner authenticates it and opens the state again.
 
-use super::passthrough::{self, Outcome};
+use super::passthrough;
 use super::Gateway;
 use crate::config::{split_host_port, ConfigError, Discovery, PeerOptions};
+use crate::outcome::Outcome;
 use crate::protocol::headers;
 use crate::upstream::dns::{self, DnsDiscovery};
 use crate::upstream::{Endpoint, Timeouts};

@@ -2,6 +2,7 @@
 //! `Mcp-Method` and `Mcp-Name` headers must match the body, and `_meta` must carry the
 //! protocol version and client capabilities. Every refusal is the spec's own error.
 
+use crate::outcome::{Class, Refusal};
 use crate::protocol::trace::TraceContext;
 use serde_json::{Map, Value};
 
@@ -69,32 +70,17 @@ pub fn era(
     }
 }
 
-/// A refusal in the protocol's own form: HTTP status and JSON-RPC error.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Refusal {
-    pub status: u16,
-    pub code: i64,
-    pub message: String,
-    pub data: Option<Value>,
+/// The refusals of an invalid 2026-07-28 request (all HTTP 400, with the spec's codes).
+fn header_mismatch(message: impl Into<String>) -> Refusal {
+    Refusal::new(Class::BadRequest, code::HEADER_MISMATCH, message)
 }
 
-impl Refusal {
-    fn new(status: u16, code: i64, message: impl Into<String>) -> Refusal {
-        Refusal {
-            status,
-            code,
-            message: message.into(),
-            data: None,
-        }
-    }
-
-    fn header_mismatch(message: impl Into<String>) -> Refusal {
-        Refusal::new(400, code::HEADER_MISMATCH, message)
-    }
-
-    fn invalid_params(message: impl Into<String>) -> Refusal {
-        Refusal::new(400, crate::protocol::jsonrpc::code::INVALID_PARAMS, message)
-    }
+fn invalid_params(message: impl Into<String>) -> Refusal {
+    Refusal::new(
+        Class::BadRequest,
+        crate::protocol::jsonrpc::code::INVALID_PARAMS,
+        message,
+    )
 }
 
 /// The request headers the modern surface checks.
@@ -157,41 +143,40 @@ impl ModernRequest {
         let params = match params {
             None => Map::new(),
             Some(Value::Object(p)) => p.clone(),
-            Some(_) => return Err(Refusal::invalid_params("params must be an object")),
+            Some(_) => return Err(invalid_params("params must be an object")),
         };
         let meta = params
             .get("_meta")
             .and_then(Value::as_object)
             .ok_or_else(|| {
-                Refusal::invalid_params("params._meta is required in protocol version 2026-07-28")
+                invalid_params("params._meta is required in protocol version 2026-07-28")
             })?;
         let version = meta
             .get(META_VERSION)
             .and_then(Value::as_str)
             .ok_or_else(|| {
-                Refusal::invalid_params(format!("params._meta[\"{META_VERSION}\"] is required"))
+                invalid_params(format!("params._meta[\"{META_VERSION}\"] is required"))
             })?;
         match headers.protocol_version {
             Some(h) if h == version => {}
             Some(h) => {
-                return Err(Refusal::header_mismatch(format!(
+                return Err(header_mismatch(format!(
                     "MCP-Protocol-Version header '{h}' does not match _meta version '{version}'"
                 )))
             }
             None => {
-                return Err(Refusal::header_mismatch(
+                return Err(header_mismatch(
                     "the MCP-Protocol-Version header is required",
                 ))
             }
         }
         if !SUPPORTED_VERSIONS.contains(&version) {
-            let mut refusal = Refusal::new(
-                400,
+            let refusal = Refusal::new(
+                Class::BadRequest,
                 code::UNSUPPORTED_PROTOCOL_VERSION,
                 format!("Unsupported protocol version '{version}'"),
-            );
-            refusal.data =
-                Some(serde_json::json!({"supported": SUPPORTED_VERSIONS, "requested": version}));
+            )
+            .with_data(serde_json::json!({"supported": SUPPORTED_VERSIONS, "requested": version}));
             return Err(refusal);
         }
         let client_capabilities = meta
@@ -199,29 +184,23 @@ impl ModernRequest {
             .and_then(Value::as_object)
             .cloned()
             .ok_or_else(|| {
-                Refusal::invalid_params(format!(
-                    "params._meta[\"{META_CAPABILITIES}\"] is required"
-                ))
+                invalid_params(format!("params._meta[\"{META_CAPABILITIES}\"] is required"))
             })?;
         match headers.method {
             Some(m) if m == method => {}
             Some(m) => {
-                return Err(Refusal::header_mismatch(format!(
+                return Err(header_mismatch(format!(
                     "Mcp-Method header '{m}' does not match the body's method '{method}'"
                 )))
             }
-            None => {
-                return Err(Refusal::header_mismatch(
-                    "the Mcp-Method header is required",
-                ))
-            }
+            None => return Err(header_mismatch("the Mcp-Method header is required")),
         }
         let target = check_name(method, &params, headers.name)?;
         if params.get("inputResponses").is_some_and(|v| !v.is_object()) {
-            return Err(Refusal::invalid_params("inputResponses must be an object"));
+            return Err(invalid_params("inputResponses must be an object"));
         }
         if params.get("requestState").is_some_and(|v| !v.is_string()) {
-            return Err(Refusal::invalid_params("requestState must be a string"));
+            return Err(invalid_params("requestState must be a string"));
         }
         Ok(ModernRequest {
             id,
@@ -247,15 +226,15 @@ fn check_name(
     let Some(field) = name_param(method) else {
         return Ok(None);
     };
-    let body = params.get(field).and_then(Value::as_str).ok_or_else(|| {
-        Refusal::invalid_params(format!("params.{field} is required for {method}"))
-    })?;
-    let header = header.ok_or_else(|| {
-        Refusal::header_mismatch(format!("the Mcp-Name header is required for {method}"))
-    })?;
+    let body = params
+        .get(field)
+        .and_then(Value::as_str)
+        .ok_or_else(|| invalid_params(format!("params.{field} is required for {method}")))?;
+    let header = header
+        .ok_or_else(|| header_mismatch(format!("the Mcp-Name header is required for {method}")))?;
     match decode_header_value(header) {
         Some(decoded) if decoded == body => Ok(Some(body.to_string())),
-        _ => Err(Refusal::header_mismatch(format!(
+        _ => Err(header_mismatch(format!(
             "Mcp-Name header does not match the body's '{field}' parameter"
         ))),
     }
@@ -370,7 +349,7 @@ mod tests {
         h.protocol_version = Some("2099-01-01");
         let r = v(&future, h);
         assert_eq!(
-            (r.status, r.code),
+            (r.class.status(), r.code),
             (400, code::UNSUPPORTED_PROTOCOL_VERSION)
         );
         assert_eq!(r.data.unwrap()["supported"], json!([MODERN_VERSION]));

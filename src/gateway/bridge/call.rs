@@ -715,16 +715,7 @@ async fn finish(
             let ms = now_ms().saturating_sub(started_ms);
             gw.metrics.flow_duration.observe(ms as f64 / 1000.0);
             let cacheable = request.method == "resources/read";
-            let label = finish_with(reply, session, message, server_info, cacheable).await;
-            if label == "ok" {
-                Outcome::Ok
-            } else {
-                let refusal = Refusal::internal(
-                    Class::UpstreamError,
-                    "the upstream answered the call with an error",
-                );
-                Outcome::Refused(refusal)
-            }
+            finish_with(reply, session, message, server_info, cacheable).await
         }
         Ending::InputRequired {
             state,
@@ -794,17 +785,7 @@ async fn finish(
 }
 
 async fn refuse(session: &mut ServerSession, reply: ClientReply, refusal: Refusal) -> Outcome {
-    let status = refusal.class.status();
-    reply
-        .error(
-            session,
-            status,
-            refusal.code,
-            &refusal.message,
-            refusal.data.clone(),
-        )
-        .await;
-    Outcome::Refused(refusal)
+    reply.refuse(session, refusal).await
 }
 
 /// Answers a `requestState` that was refused, with one uniform error whatever the reason;

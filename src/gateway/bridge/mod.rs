@@ -21,7 +21,8 @@ use super::{Arrival, Gateway};
 use crate::metrics::method_label;
 use crate::mrtr::data_session::META_KEY;
 pub(crate) use crate::mrtr::flow::fresh_call_id;
-use crate::mrtr::modern::{ModernHeaders, ModernRequest, Refusal, SUPPORTED_VERSIONS};
+use crate::mrtr::modern::{ModernHeaders, ModernRequest, SUPPORTED_VERSIONS};
+use crate::outcome::{Class, Outcome, Refusal};
 use crate::protocol::jsonrpc::{code, Body};
 use crate::upstream::legacy_session::{read_single, LegacySession, SessionError};
 use crate::upstream::UpstreamGroup;
@@ -99,7 +100,8 @@ pub async fn serve(
         Ok(message) => message,
         Err(text) => {
             respond::error(session, 400, None, code::INVALID_REQUEST, &text).await;
-            gw.record("modern", "other", "bad_request", started);
+            let refusal = Refusal::new(Class::BadRequest, code::INVALID_REQUEST, text);
+            gw.record("modern", "other", &Outcome::Refused(refusal), started);
             return;
         }
     };
@@ -120,7 +122,7 @@ pub async fn serve(
             let era = "modern_relayed";
             super::passthrough::serve(gw, session, group, body, Some(parsed), era, &principal).await
         }
-        Served::Done(outcome) => span.in_scope(|| gw.record("modern", method, outcome, started)),
+        Served::Done(outcome) => span.in_scope(|| gw.record("modern", method, &outcome, started)),
     }
 }
 
@@ -141,7 +143,7 @@ fn parse_single(incoming: &Incoming) -> Result<Value, String> {
 /// What became of a request: answered here (with its metrics outcome), or to be relayed
 /// unchanged to an upstream that speaks 2026-07-28.
 enum Served {
-    Done(&'static str),
+    Done(Outcome),
     Relay,
 }
 
@@ -156,17 +158,12 @@ async fn serve_inner(
     let (Some(method), Some(id)) = (message["method"].as_str(), message.get("id")) else {
         if message.get("method").is_some() {
             respond::write(session, 202, "application/json", Bytes::new()).await;
-            return Served::Done("ok");
+            return Served::Done(Outcome::Ok);
         }
-        respond::error(
-            session,
-            400,
-            None,
-            code::INVALID_REQUEST,
-            "clients send no JSON-RPC responses in protocol version 2026-07-28",
-        )
-        .await;
-        return Served::Done("bad_request");
+        let text = "clients send no JSON-RPC responses in protocol version 2026-07-28";
+        respond::error(session, 400, None, code::INVALID_REQUEST, text).await;
+        let refusal = Refusal::new(Class::BadRequest, code::INVALID_REQUEST, text);
+        return Served::Done(Outcome::Refused(refusal));
     };
     let header = |name: &str| session.get_header(name).and_then(|v| v.to_str().ok());
     let headers = ModernHeaders {
@@ -188,24 +185,19 @@ async fn serve_inner(
         reply
             .error(session, 404, code::METHOD_NOT_FOUND, &text, None)
             .await;
-        return Served::Done("bad_request");
+        let refusal = Refusal::new(Class::BadRequest, code::METHOD_NOT_FOUND, text);
+        return Served::Done(Outcome::Refused(refusal));
     };
     let request = match ModernRequest::validate(id.clone(), method, message.get("params"), headers)
     {
         Ok(r) => r,
-        Err(Refusal {
-            status,
-            code,
-            message: text,
-            data,
-        }) => {
-            reply.error(session, status, code, &text, data).await;
-            return Served::Done("bad_request");
-        }
+        Err(refusal) => return Served::Done(reply.refuse(session, refusal).await),
     };
     if incoming.arrival == Arrival::Peer && !is_retry(&kind, &request) {
         super::refuse_on_peer_listener(session).await;
-        return Served::Done("bad_request");
+        let text = "the peer listener serves only retries of held flows";
+        let refusal = Refusal::new(Class::BadRequest, code::INVALID_REQUEST, text);
+        return Served::Done(Outcome::Refused(refusal));
     }
     // Only a request that passed validation may make the gateway probe the upstream.
     if gw.relays(group, &client_info(&request)).await {
@@ -237,9 +229,7 @@ async fn serve_inner(
     Served::Done(match kind {
         Kind::Discover => discover(gw, session, group, &request, reply).await,
         Kind::Interactive => {
-            call::interactive(gw, session, group, request, reply, incoming, attached)
-                .await
-                .label()
+            call::interactive(gw, session, group, request, reply, incoming, attached).await
         }
         Kind::OneShot => one_shot(gw, session, group, &request, reply, attached, principal).await,
         Kind::SessionCreate => {
@@ -267,21 +257,20 @@ pub(crate) async fn upstream_failed(
     session: &mut ServerSession,
     group: &UpstreamGroup,
     e: &SessionError,
-) -> &'static str {
+) -> Outcome {
     if matches!(e, SessionError::Gone) && reply.cookie.is_some() {
         return session::ended(gw, session, reply).await;
     }
-    let status = if matches!(e, SessionError::NoEndpoint) {
-        503
-    } else {
-        502
+    let class = match e {
+        SessionError::NoEndpoint => Class::NoUpstream,
+        SessionError::Exchange(crate::upstream::exchange::ExchangeError::Timeout) => {
+            Class::UpstreamTimeout
+        }
+        _ => Class::UpstreamError,
     };
     tracing::warn!(group = %group.name, error = %e, "bridged upstream exchange failed");
     let text = format!("upstream group '{}' failed: {e}", group.name);
-    reply
-        .error(session, status, code::INTERNAL_ERROR, &text, None)
-        .await;
-    "upstream_error"
+    reply.refuse(session, Refusal::internal(class, text)).await
 }
 
 /// The upstream's capabilities as the bridge can honour them: list-changed notifications
@@ -317,7 +306,7 @@ async fn discover(
     group: &UpstreamGroup,
     request: &ModernRequest,
     reply: ClientReply,
-) -> &'static str {
+) -> Outcome {
     let init = match gw.initialize_result(group, &client_info(request)).await {
         Ok(init) => init,
         Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
@@ -329,7 +318,7 @@ async fn discover(
     reply
         .result(session, decorate(result, &init["serverInfo"], true))
         .await;
-    "ok"
+    Outcome::Ok
 }
 
 /// A one-shot method (a list, completion): on the data-layer session it runs in, else on
@@ -342,7 +331,7 @@ async fn one_shot(
     reply: ClientReply,
     attached: Option<&session::Attached>,
     principal: &[u8; 32],
-) -> &'static str {
+) -> Outcome {
     if attached.is_some() || gw.config.bridge.one_shot_session_idle_seconds == 0 {
         let upstream = match upstream_for(gw, group, request, attached).await {
             Ok(upstream) => upstream,
@@ -414,7 +403,7 @@ async fn answered(
     group: &UpstreamGroup,
     reply: ClientReply,
     answer: Result<Value, SessionError>,
-) -> &'static str {
+) -> Outcome {
     match answer {
         Ok(message) => finish_with(reply, session, message, &gw.server_info(group), true).await,
         Err(e) => upstream_failed(gw, reply, session, group, &e).await,
@@ -471,27 +460,22 @@ pub(crate) async fn finish_with(
     message: Value,
     server_info: &Value,
     cacheable: bool,
-) -> &'static str {
+) -> Outcome {
     match message.get("result") {
         Some(result) => {
             reply
                 .result(session, decorate(result.clone(), server_info, cacheable))
                 .await;
-            "ok"
+            Outcome::Ok
         }
         None => {
+            // The upstream's own JSON-RPC error, passed on as it is.
             let error = &message["error"];
             let text = error["message"].as_str().unwrap_or("upstream error");
-            reply
-                .error(
-                    session,
-                    200,
-                    error["code"].as_i64().unwrap_or(code::INTERNAL_ERROR),
-                    text,
-                    error.get("data").cloned(),
-                )
-                .await;
-            "upstream_error"
+            let code = error["code"].as_i64().unwrap_or(code::INTERNAL_ERROR);
+            let mut refusal = Refusal::new(Class::UpstreamError, code, text);
+            refusal.data = error.get("data").cloned();
+            reply.refuse(session, refusal).await
         }
     }
 }

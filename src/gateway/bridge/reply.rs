@@ -4,6 +4,7 @@
 
 use crate::gateway::respond;
 use crate::mrtr::data_session::META_KEY;
+use crate::outcome::{Outcome, Refusal};
 use crate::protocol::sse;
 use bytes::Bytes;
 use pingora::http::ResponseHeader;
@@ -99,6 +100,20 @@ impl ClientReply {
             json!({"jsonrpc": "2.0", "id": self.id, "error": error}),
         )
         .await;
+    }
+
+    /// Answers with `refusal` (its class's status, as `error` maps it).
+    pub async fn refuse(self, session: &mut ServerSession, refusal: Refusal) -> Outcome {
+        let status = refusal.class.status();
+        self.error(
+            session,
+            status,
+            refusal.code,
+            &refusal.message,
+            refusal.data.clone(),
+        )
+        .await;
+        Outcome::Refused(refusal)
     }
 
     async fn finish(&self, session: &mut ServerSession, status: u16, message: Value) {

@@ -12,6 +12,7 @@ use crate::mrtr::data_session::{
 };
 use crate::mrtr::modern::{gateway_code as scode, ModernRequest};
 use crate::mrtr::state::now_secs;
+use crate::outcome::{Class, Outcome, Refusal};
 use crate::protocol::jsonrpc::code;
 use crate::protocol::session_token::SessionToken;
 use crate::upstream::legacy_session::LegacySession;
@@ -107,15 +108,13 @@ pub(super) async fn refuse(
     session: &mut ServerSession,
     reply: ClientReply,
     refused: Refused,
-) -> &'static str {
+) -> Outcome {
     match refused {
         Refused::Required(tool) => {
             let text = format!("Session required: tool '{tool}' runs only in a data-layer session; call session/create and send the cookie it returns in _meta[\"mcp/session\"]");
             let data = json!({"method": "session/create"});
-            reply
-                .error(session, 400, scode::SESSION_REQUIRED, &text, Some(data))
-                .await;
-            "session_required"
+            let refusal = Refusal::new(Class::SessionRequired, scode::SESSION_REQUIRED, text);
+            reply.refuse(session, refusal.with_data(data)).await
         }
         Refused::Invalid(reason) => {
             gw.metrics
@@ -124,16 +123,8 @@ pub(super) async fn refuse(
                 .inc();
             tracing::info!(reason, "session cookie refused");
             let data = json!({"_meta": revocation()});
-            reply
-                .error(
-                    session,
-                    400,
-                    scode::SESSION_ENDED,
-                    INVALID_COOKIE,
-                    Some(data),
-                )
-                .await;
-            "session_rejected"
+            let refusal = Refusal::new(Class::CookieRejected, scode::SESSION_ENDED, INVALID_COOKIE);
+            reply.refuse(session, refusal.with_data(data)).await
         }
     }
 }
@@ -144,15 +135,13 @@ pub(super) async fn ended(
     gw: &Gateway,
     session: &mut ServerSession,
     reply: ClientReply,
-) -> &'static str {
+) -> Outcome {
     gw.metrics.data_sessions.with_label_values(&["ended"]).inc();
     tracing::info!("data-layer session ended upstream");
     let text = "Session ended: the upstream no longer has it; call session/create again";
     let data = json!({"_meta": revocation()});
-    reply
-        .error(session, 404, scode::SESSION_ENDED, text, Some(data))
-        .await;
-    "session_ended"
+    let refusal = Refusal::new(Class::SessionEnded, scode::SESSION_ENDED, text);
+    reply.refuse(session, refusal.with_data(data)).await
 }
 
 /// `session/create`: opens an upstream session with the request's capabilities and
@@ -164,7 +153,7 @@ pub(super) async fn create(
     request: &ModernRequest,
     mut reply: ClientReply,
     principal: &[u8; 32],
-) -> &'static str {
+) -> Outcome {
     let caps = Value::Object(request.client_capabilities.clone());
     let (upstream, init) = match gw
         .open_upstream(group, &caps, &client_info(request), &request.trace)
@@ -179,10 +168,9 @@ pub(super) async fn create(
             "upstream group '{}' keeps no usable sessions (no valid Mcp-Session-Id), so it cannot hold a data-layer session",
             group.name
         );
-        reply
-            .error(session, 502, code::INTERNAL_ERROR, &text, None)
+        return reply
+            .refuse(session, Refusal::internal(Class::UpstreamError, text))
             .await;
-        return "upstream_error";
     }
     let mut attached = Attached {
         cookie: DataSession {
@@ -209,7 +197,7 @@ pub(super) async fn create(
     reply
         .result(session, decorate(result, &init["serverInfo"], false))
         .await;
-    "ok"
+    Outcome::Ok
 }
 
 /// `session/delete`: DELETEs the upstream session and revokes the cookie.
@@ -219,13 +207,11 @@ pub(super) async fn delete(
     group: &UpstreamGroup,
     attached: Option<&Attached>,
     reply: ClientReply,
-) -> &'static str {
+) -> Outcome {
     let Some(attached) = attached else {
         let text = "session/delete needs the session: its cookie in _meta[\"mcp/session\"] or its id in params.id";
-        reply
-            .error(session, 400, code::INVALID_PARAMS, text, None)
-            .await;
-        return "bad_request";
+        let refusal = Refusal::new(Class::BadRequest, code::INVALID_PARAMS, text);
+        return reply.refuse(session, refusal).await;
     };
     attached.upstream(gw, group).delete().await;
     gw.metrics
@@ -240,5 +226,5 @@ pub(super) async fn delete(
     reply
         .result(session, decorate(result, &gw.server_info(group), false))
         .await;
-    "ok"
+    Outcome::Ok
 }
