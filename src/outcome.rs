@@ -149,6 +149,21 @@ impl From<Refusal> for Outcome {
     }
 }
 
+/// An error with its chain of sources, one after another, for a log line.
+pub struct Report<'a>(pub &'a dyn std::error::Error);
+
+impl fmt::Display for Report<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = self.0.source();
+        while let Some(cause) = source {
+            write!(f, ": {cause}")?;
+            source = cause.source();
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

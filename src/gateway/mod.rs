@@ -24,7 +24,7 @@ use crate::protocol::host_check::HostPolicy;
 use crate::protocol::jsonrpc::{self, code, Body};
 use crate::protocol::trace::TraceContext;
 use crate::upstream::exchange::UpstreamClient;
-use crate::upstream::legacy_session::{LegacySession, SessionError};
+use crate::upstream::legacy_session::{LegacySession, SessionError, SessionFailure};
 use crate::upstream::{UpstreamGroup, Upstreams};
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
@@ -156,7 +156,9 @@ impl Gateway {
         client_info: &Value,
         trace: &TraceContext,
     ) -> Result<(LegacySession<'g>, Value), SessionError> {
-        let endpoint = group.pick().ok_or(SessionError::NoEndpoint)?;
+        let endpoint = group
+            .pick()
+            .ok_or_else(|| SessionError::no_endpoint(&group.name))?;
         let opened = LegacySession::open(
             &self.client,
             endpoint,
@@ -274,7 +276,12 @@ impl Gateway {
     async fn probe_modern_only(&self, group: &UpstreamGroup, client_info: &Value) -> Option<bool> {
         match self.initialize_result(group, client_info).await {
             Ok(_) => Some(false),
-            Err(SessionError::Protocol(_) | SessionError::Refused(_)) => {
+            Err(e)
+                if matches!(
+                    e.failure(),
+                    SessionFailure::Protocol(_) | SessionFailure::Refused(_)
+                ) =>
+            {
                 let endpoint = group.pick()?;
                 Some(
                     crate::upstream::legacy_session::answers_modern_discover(

@@ -6,13 +6,13 @@
 use super::respond;
 use super::Gateway;
 use crate::metrics::{request_label, InUse};
-use crate::outcome::{Class, Outcome, Refusal};
+use crate::outcome::{Class, Outcome, Refusal, Report};
 use crate::protocol::forwarded;
 use crate::protocol::headers::{self, MCP_SESSION_ID};
 use crate::protocol::jsonrpc::{code, Body};
 use crate::protocol::session_token::SessionToken;
 use crate::protocol::sse::{self, BoundaryTracker};
-use crate::upstream::exchange::{ExchangeError, Response};
+use crate::upstream::exchange::{ExchangeError, ExchangeFailure, Response};
 use crate::upstream::{Endpoint, UpstreamGroup};
 use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
@@ -71,7 +71,7 @@ async fn serve_inner(
     {
         Ok(response) => response,
         Err(e) => {
-            tracing::warn!(group = %group.name, endpoint = %route.endpoint.addr, error = %e, "upstream exchange failed");
+            tracing::warn!(group = %group.name, error = %Report(&e), "upstream exchange failed");
             return refuse(session, id.as_ref(), upstream_refusal(group, &e)).await;
         }
     };
@@ -331,7 +331,7 @@ async fn pump(
                 return Outcome::Ok;
             }
             Err(e) => {
-                tracing::warn!(error = %e, "upstream stream ended abnormally");
+                tracing::warn!(error = %Report(&e), "upstream stream ended abnormally");
                 respond::abort(session).await;
                 return Outcome::Refused(Refusal::internal(
                     Class::UpstreamError,
@@ -344,16 +344,11 @@ async fn pump(
 
 /// What the client is told when its request's exchange with `group` failed.
 fn upstream_refusal(group: &UpstreamGroup, e: &ExchangeError) -> Refusal {
-    let (class, what) = match e {
-        ExchangeError::Connect(_) => (Class::UpstreamError, "is unreachable"),
-        ExchangeError::Timeout => (Class::UpstreamTimeout, "did not answer in time"),
-        ExchangeError::Broken(_) => (Class::UpstreamError, "broke the exchange"),
-        ExchangeError::Unanswered => (
-            Class::UpstreamError,
-            "closed the connection without answering; the request may have run, so it was not sent again",
-        ),
-        ExchangeError::Protocol(what) => (Class::UpstreamError, *what),
+    let class = match e.failure() {
+        ExchangeFailure::Timeout => Class::UpstreamTimeout,
+        _ => Class::UpstreamError,
     };
+    let what = e.failure();
     Refusal::internal(class, format!("upstream group '{}' {what}", group.name))
 }
 

@@ -14,6 +14,7 @@ use pingora::protocols::http::client::HttpSession;
 use pingora::protocols::Stream;
 use pingora::upstreams::peer::HttpPeer;
 use std::fmt;
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -22,15 +23,18 @@ const POOL_IDLE: Duration = Duration::from_secs(60);
 /// Most interim (1xx) responses skipped before an upstream's final response.
 pub const MAX_INTERIM_RESPONSES: usize = 8;
 
-/// Why an exchange failed, for the status and message the client gets.
-#[derive(Debug)]
-pub enum ExchangeError {
+/// What went wrong in an exchange. Its text names no endpoint: it is what a client may be
+/// told.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExchangeFailure {
     /// Could not connect (refused, unreachable, connect timeout).
-    Connect(String),
+    Connect,
     /// Connected, but no complete response header in time.
     Timeout,
     /// The upstream broke the exchange (reset, malformed HTTP).
-    Broken(String),
+    Broken,
+    /// The body is larger than the reader accepts (bytes).
+    TooLarge(usize),
     /// The connection closed or reset after the whole request went out and before any
     /// response, and the request (not idempotent) was not sent again: it may have run.
     Unanswered,
@@ -39,14 +43,79 @@ pub enum ExchangeError {
     Protocol(&'static str),
 }
 
-impl fmt::Display for ExchangeError {
+impl fmt::Display for ExchangeFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            ExchangeError::Connect(e) => write!(f, "cannot connect: {e}"),
-            ExchangeError::Timeout => write!(f, "no response in time"),
-            ExchangeError::Broken(e) => write!(f, "exchange broken: {e}"),
-            ExchangeError::Unanswered => write!(f, "closed without answering"),
-            ExchangeError::Protocol(e) => write!(f, "protocol violation: {e}"),
+            ExchangeFailure::Connect => write!(f, "is unreachable"),
+            ExchangeFailure::Timeout => write!(f, "did not answer in time"),
+            ExchangeFailure::Broken => write!(f, "broke the exchange"),
+            ExchangeFailure::TooLarge(max) => write!(f, "sent a body larger than {max} bytes"),
+            ExchangeFailure::Unanswered => write!(
+                f,
+                "closed the connection without answering; the request may have run, so it was not sent again"
+            ),
+            ExchangeFailure::Protocol(what) => write!(f, "{what}"),
+        }
+    }
+}
+
+/// A failed exchange: what went wrong, with which endpoint, and pingora's error as its
+/// source when there is one. Its text is for logs; clients are told the `failure` alone.
+#[derive(Debug)]
+pub struct ExchangeError {
+    failure: ExchangeFailure,
+    /// `None` for a response read from memory.
+    endpoint: Option<SocketAddr>,
+    source: Option<pingora::BError>,
+}
+
+impl ExchangeError {
+    pub fn failure(&self) -> ExchangeFailure {
+        self.failure
+    }
+
+    pub fn endpoint(&self) -> Option<SocketAddr> {
+        self.endpoint
+    }
+}
+
+impl fmt::Display for ExchangeError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.endpoint {
+            Some(addr) => write!(f, "upstream {addr} {}", self.failure),
+            None => write!(f, "the in-memory upstream {}", self.failure),
+        }
+    }
+}
+
+impl std::error::Error for ExchangeError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
+    }
+}
+
+/// A failure not yet placed at an endpoint.
+#[derive(Debug)]
+struct Fault {
+    failure: ExchangeFailure,
+    source: Option<pingora::BError>,
+}
+
+impl Fault {
+    fn new(failure: ExchangeFailure) -> Fault {
+        Fault {
+            failure,
+            source: None,
+        }
+    }
+
+    fn at(self, endpoint: Option<SocketAddr>) -> ExchangeError {
+        ExchangeError {
+            failure: self.failure,
+            endpoint,
+            source: self.source,
         }
     }
 }
@@ -102,19 +171,20 @@ impl UpstreamClient {
         let started = Instant::now();
         let in_use = InUse::new(&self.metrics.upstream_connections);
         let idempotent = is_idempotent(&request.method);
-        let (mut http, reused) = self.connect(&peer).await?;
+        let at = Some(endpoint.addr);
+        let (mut http, reused) = self.connect(&peer).await.map_err(|f| f.at(at))?;
         if let Err(failed) = Self::write_and_read_header(&mut http, timeouts, &request, &body).await
         {
             http.shutdown().await;
             if !failed.reached.may_retry(idempotent, reused) {
-                return Err(failed.into_error());
+                return Err(failed.into_fault().at(at));
             }
-            http = self.connect(&peer).await?.0;
+            http = self.connect(&peer).await.map_err(|f| f.at(at))?.0;
             if let Err(failed) =
                 Self::write_and_read_header(&mut http, timeouts, &request, &body).await
             {
                 http.shutdown().await;
-                return Err(failed.into_error());
+                return Err(failed.into_fault().at(at));
             }
         }
         http.set_read_timeout(timeouts.stream_idle);
@@ -124,6 +194,7 @@ impl UpstreamClient {
             .observe(started.elapsed().as_secs_f64());
         Ok(Response {
             http: Box::new(http),
+            endpoint: at,
             pool: Some(Box::new(peer)),
             _in_use: Some(in_use),
         })
@@ -131,11 +202,14 @@ impl UpstreamClient {
 
     /// A pooled connection (pingora drops one the upstream closed while it idled), or a
     /// new one; and whether it was pooled.
-    async fn connect(&self, peer: &HttpPeer) -> Result<(HttpSession, bool), ExchangeError> {
+    async fn connect(&self, peer: &HttpPeer) -> Result<(HttpSession, bool), Fault> {
         self.connector
             .get_http_session(peer)
             .await
-            .map_err(|e| ExchangeError::Connect(e.to_string()))
+            .map_err(|e| Fault {
+                failure: ExchangeFailure::Connect,
+                source: Some(e),
+            })
     }
 
     async fn write_and_read_header(
@@ -171,6 +245,7 @@ impl UpstreamClient {
             mut http,
             pool,
             _in_use,
+            ..
         } = response;
         match pool {
             // Pingora's release is a future of kilobytes: on the heap, so that it does not
@@ -231,16 +306,12 @@ async fn read_final_header(http: &mut HttpSession) -> Result<(), Failed> {
                 "answered with 101 Switching Protocols, though no upgrade was asked for"
             }
         };
-        return Err(Failed::at(
-            Reached::Beyond,
-            ExchangeError::Protocol(refused),
-        ));
+        let refused = Fault::new(ExchangeFailure::Protocol(refused));
+        return Err(Failed::at(Reached::Beyond, refused));
     }
     let endless = "sent more interim (1xx) responses than the gateway accepts";
-    Err(Failed::at(
-        Reached::Beyond,
-        ExchangeError::Protocol(endless),
-    ))
+    let endless = Fault::new(ExchangeFailure::Protocol(endless));
+    Err(Failed::at(Reached::Beyond, endless))
 }
 
 /// GET and DELETE may be sent again (RFC 9110 §9.2.2); a POST carries a JSON-RPC
@@ -278,31 +349,38 @@ impl Reached {
     }
 }
 
-/// A failed attempt: how far it got, and the error the caller gets.
+/// A failed attempt: how far it got, and what went wrong.
 struct Failed {
     reached: Reached,
-    error: ExchangeError,
+    fault: Fault,
 }
 
 impl Failed {
-    fn at(reached: Reached, error: ExchangeError) -> Failed {
-        Failed { reached, error }
+    fn at(reached: Reached, fault: Fault) -> Failed {
+        Failed { reached, fault }
     }
 
-    /// The caller's error; an unanswered request not made again says so.
-    fn into_error(self) -> ExchangeError {
-        match (self.reached, self.error) {
-            (Reached::Unanswered, ExchangeError::Broken(_)) => ExchangeError::Unanswered,
-            (_, error) => error,
+    /// The caller's fault; an unanswered request not made again says so.
+    fn into_fault(self) -> Fault {
+        match (self.reached, self.fault.failure) {
+            (Reached::Unanswered, ExchangeFailure::Broken) => Fault {
+                failure: ExchangeFailure::Unanswered,
+                source: self.fault.source,
+            },
+            _ => self.fault,
         }
     }
 }
 
-fn read_error(e: Box<pingora::Error>) -> ExchangeError {
-    if is_timeout(&e) {
-        ExchangeError::Timeout
+fn read_error(e: pingora::BError) -> Fault {
+    let failure = if is_timeout(&e) {
+        ExchangeFailure::Timeout
     } else {
-        ExchangeError::Broken(e.to_string())
+        ExchangeFailure::Broken
+    };
+    Fault {
+        failure,
+        source: Some(e),
     }
 }
 
@@ -314,8 +392,8 @@ pub async fn read_response_from(stream: Stream) -> Result<Response, ExchangeErro
     let mut http = HttpSession::H1(pingora::protocols::http::v1::client::HttpSession::new(
         stream,
     ));
-    let request = RequestHeader::build("POST", b"/mcp", Some(2))
-        .map_err(|e| ExchangeError::Broken(e.to_string()))?;
+    let request =
+        RequestHeader::build("POST", b"/mcp", Some(2)).map_err(|e| read_error(e).at(None))?;
     let timeouts = Timeouts {
         connect: IN_MEMORY_LIMIT,
         response: IN_MEMORY_LIMIT,
@@ -324,10 +402,11 @@ pub async fn read_response_from(stream: Stream) -> Result<Response, ExchangeErro
     let body = Bytes::from_static(b"{}");
     UpstreamClient::write_and_read_header(&mut http, &timeouts, &request, &body)
         .await
-        .map_err(Failed::into_error)?;
+        .map_err(|failed| failed.into_fault().at(None))?;
     http.set_read_timeout(timeouts.stream_idle);
     Ok(Response {
         http: Box::new(http),
+        endpoint: None,
         pool: None,
         _in_use: None,
     })
@@ -340,6 +419,8 @@ const IN_MEMORY_LIMIT: Duration = Duration::from_secs(1);
 /// across awaits by every future that reads one, and pingora's session is over a kilobyte.
 pub struct Response {
     http: Box<HttpSession>,
+    /// Where it came from; `None` for a response read from memory.
+    endpoint: Option<SocketAddr>,
     /// Where the connection goes back once the response is read whole; `None` for a
     /// stream that belongs to no pool.
     pool: Option<Box<HttpPeer>>,
@@ -348,6 +429,11 @@ pub struct Response {
 }
 
 impl Response {
+    /// The endpoint that sent it; `None` for a response read from memory.
+    pub fn endpoint(&self) -> Option<SocketAddr> {
+        self.endpoint
+    }
+
     pub fn header(&self) -> &ResponseHeader {
         self.http
             .response_header()
@@ -364,7 +450,11 @@ impl Response {
 
     /// The next body chunk; `None` at the end of the body.
     pub async fn next_chunk(&mut self) -> Result<Option<Bytes>, ExchangeError> {
-        self.http.read_response_body().await.map_err(read_error)
+        let endpoint = self.endpoint;
+        self.http
+            .read_response_body()
+            .await
+            .map_err(|e| read_error(e).at(endpoint))
     }
 
     /// Reads the whole body, refusing more than `max` bytes.
@@ -372,9 +462,7 @@ impl Response {
         let mut body = Vec::new();
         while let Some(chunk) = self.next_chunk().await? {
             if body.len() + chunk.len() > max {
-                return Err(ExchangeError::Broken(format!(
-                    "body larger than {max} bytes"
-                )));
+                return Err(Fault::new(ExchangeFailure::TooLarge(max)).at(self.endpoint));
             }
             body.extend_from_slice(&chunk);
         }
@@ -406,17 +494,14 @@ mod tests {
             HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n";
         assert_eq!(read(wire).await.unwrap(), (200, b"ok".to_vec()));
         let switch = b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\n\r\nbytes";
-        assert!(matches!(
-            read(switch).await,
-            Err(ExchangeError::Protocol(_))
-        ));
+        let switched = read(switch).await.unwrap_err();
+        assert!(matches!(switched.failure(), ExchangeFailure::Protocol(_)));
         let interim_only = b"HTTP/1.1 100 Continue\r\n\r\n";
         assert!(read(interim_only).await.is_err());
         let endless = b"HTTP/1.1 103 Early Hints\r\n\r\n".repeat(MAX_INTERIM_RESPONSES + 1);
-        assert!(matches!(
-            read(&endless).await,
-            Err(ExchangeError::Protocol(_))
-        ));
+        let endless = read(&endless).await.unwrap_err();
+        assert!(matches!(endless.failure(), ExchangeFailure::Protocol(_)));
+        assert_eq!(endless.endpoint(), None);
         let bad_chunk = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n";
         assert!(read(bad_chunk).await.is_err());
     }
@@ -437,10 +522,10 @@ mod tests {
         assert!(!Reached::Unanswered.may_retry(true, false));
         assert!(is_idempotent(&http::Method::GET) && is_idempotent(&http::Method::DELETE));
         assert!(!is_idempotent(&http::Method::POST));
-        let timeout = Failed::at(Reached::Beyond, ExchangeError::Timeout);
-        assert!(matches!(timeout.into_error(), ExchangeError::Timeout));
-        let closed = Failed::at(Reached::Unanswered, ExchangeError::Broken("eof".into()));
-        assert!(matches!(closed.into_error(), ExchangeError::Unanswered));
+        let timeout = Failed::at(Reached::Beyond, Fault::new(ExchangeFailure::Timeout));
+        assert_eq!(timeout.into_fault().failure, ExchangeFailure::Timeout);
+        let closed = Failed::at(Reached::Unanswered, Fault::new(ExchangeFailure::Broken));
+        assert_eq!(closed.into_fault().failure, ExchangeFailure::Unanswered);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! `notifications/initialized`, then calls, answers to server requests, resumption GETs,
 //! and finally DELETE.
 
-use super::exchange::{ExchangeError, Response, UpstreamClient};
+use super::exchange::{ExchangeError, ExchangeFailure, Response, UpstreamClient};
 use super::{Endpoint, Timeouts};
 use crate::protocol::headers::MCP_SESSION_ID;
 use crate::protocol::sse;
@@ -11,6 +11,8 @@ use crate::protocol::trace::TraceContext;
 use bytes::Bytes;
 use pingora::http::RequestHeader;
 use serde_json::{json, Value};
+use std::fmt;
+use std::net::SocketAddr;
 
 /// The legacy revision the gateway speaks upstream.
 pub const UPSTREAM_VERSION: &str = "2025-11-25";
@@ -29,12 +31,13 @@ pub struct LegacySession<'a> {
     pub persistent: bool,
 }
 
-/// Why the upstream could not be driven.
-#[derive(Debug)]
-pub enum SessionError {
+/// Why the upstream could not be driven. Its text names no endpoint: it is what a client
+/// may be told.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SessionFailure {
     /// The group has no healthy endpoint for a new session.
     NoEndpoint,
-    Exchange(ExchangeError),
+    Exchange(ExchangeFailure),
     /// The upstream answered something other than what the protocol requires.
     Protocol(String),
     /// The upstream refused the request with this HTTP status (4xx or 5xx; a 404 in an
@@ -44,23 +47,86 @@ pub enum SessionError {
     Gone,
 }
 
-impl std::fmt::Display for SessionError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+impl fmt::Display for SessionFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            SessionError::NoEndpoint => write!(f, "no healthy upstream endpoint is available"),
-            SessionError::Exchange(e) => write!(f, "{e}"),
-            SessionError::Protocol(e) => write!(f, "{e}"),
-            SessionError::Refused(status) => {
-                write!(f, "the upstream refused the request (HTTP {status})")
-            }
-            SessionError::Gone => write!(f, "the upstream session is gone (HTTP 404)"),
+            SessionFailure::NoEndpoint => write!(f, "has no healthy endpoint"),
+            SessionFailure::Exchange(e) => write!(f, "{e}"),
+            SessionFailure::Protocol(e) => write!(f, "{e}"),
+            SessionFailure::Refused(status) => write!(f, "refused the request (HTTP {status})"),
+            SessionFailure::Gone => write!(f, "no longer has the session (HTTP 404)"),
         }
+    }
+}
+
+/// A failure to drive the upstream: what went wrong and where (an endpoint, or the group
+/// that had none), with the failed exchange as its source. Its text is for logs.
+#[derive(Debug)]
+pub struct SessionError {
+    failure: SessionFailure,
+    at: Where,
+    source: Option<ExchangeError>,
+}
+
+#[derive(Debug)]
+enum Where {
+    Group(String),
+    Endpoint(Option<SocketAddr>),
+}
+
+impl SessionError {
+    pub fn failure(&self) -> &SessionFailure {
+        &self.failure
+    }
+
+    /// `group` has no healthy endpoint.
+    pub fn no_endpoint(group: &str) -> SessionError {
+        SessionError {
+            failure: SessionFailure::NoEndpoint,
+            at: Where::Group(group.to_string()),
+            source: None,
+        }
+    }
+
+    /// `failure` at `endpoint` (`None`: a response read from memory).
+    pub fn at(endpoint: Option<SocketAddr>, failure: SessionFailure) -> SessionError {
+        SessionError {
+            failure,
+            at: Where::Endpoint(endpoint),
+            source: None,
+        }
+    }
+
+    fn protocol(endpoint: Option<SocketAddr>, what: impl Into<String>) -> SessionError {
+        SessionError::at(endpoint, SessionFailure::Protocol(what.into()))
+    }
+}
+
+impl fmt::Display for SessionError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.at {
+            Where::Group(group) => write!(f, "upstream group '{group}' {}", self.failure),
+            Where::Endpoint(Some(addr)) => write!(f, "upstream {addr} {}", self.failure),
+            Where::Endpoint(None) => write!(f, "the in-memory upstream {}", self.failure),
+        }
+    }
+}
+
+impl std::error::Error for SessionError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source
+            .as_ref()
+            .map(|e| e as &(dyn std::error::Error + 'static))
     }
 }
 
 impl From<ExchangeError> for SessionError {
     fn from(e: ExchangeError) -> Self {
-        SessionError::Exchange(e)
+        SessionError {
+            failure: SessionFailure::Exchange(e.failure()),
+            at: Where::Endpoint(e.endpoint()),
+            source: Some(e),
+        }
     }
 }
 
@@ -95,10 +161,9 @@ impl<'a> LegacySession<'a> {
             .map(str::to_string);
         let message = read_single(&mut response).await;
         client.finish(response).await;
-        let result = message?
-            .get("result")
-            .cloned()
-            .ok_or_else(|| SessionError::Protocol("initialize failed upstream".into()))?;
+        let result = message?.get("result").cloned().ok_or_else(|| {
+            SessionError::protocol(Some(session.endpoint.addr), "did not initialize")
+        })?;
         if let Some(v) = result["protocolVersion"].as_str() {
             session.version = v.to_string();
         }
@@ -177,7 +242,10 @@ impl<'a> LegacySession<'a> {
         self.client.finish(response).await;
         match status {
             200..=299 => Ok(()),
-            other => Err(SessionError::Protocol(format!("expected 202, got {other}"))),
+            other => Err(SessionError::protocol(
+                Some(self.endpoint.addr),
+                format!("answered a notification or response with HTTP {other}, not 202"),
+            )),
         }
     }
 
@@ -213,8 +281,9 @@ impl<'a> LegacySession<'a> {
         }
         if !response.is_sse() {
             self.client.finish(response).await;
-            return Err(SessionError::Protocol(
-                "the upstream answered a GET of its session without an SSE stream".into(),
+            return Err(SessionError::protocol(
+                Some(self.endpoint.addr),
+                "answered a GET of its session without an SSE stream",
             ));
         }
         Ok(response)
@@ -223,10 +292,12 @@ impl<'a> LegacySession<'a> {
     /// Why the upstream refused a request with `status`: a 404 in an established
     /// session means the session is gone.
     fn refused(&self, status: u16) -> SessionError {
-        if status == 404 && self.session_id.is_some() {
-            return SessionError::Gone;
-        }
-        SessionError::Refused(status)
+        let failure = if status == 404 && self.session_id.is_some() {
+            SessionFailure::Gone
+        } else {
+            SessionFailure::Refused(status)
+        };
+        SessionError::at(Some(self.endpoint.addr), failure)
     }
 
     /// Ends the upstream session (best effort).
@@ -259,24 +330,26 @@ impl<'a> LegacySession<'a> {
 /// Reads the single JSON-RPC message of a response: a JSON body, or the first message
 /// event of an SSE body.
 pub async fn read_single(response: &mut Response) -> Result<Value, SessionError> {
+    let at = response.endpoint();
+    let invalid =
+        |e: serde_json::Error| SessionError::protocol(at, format!("sent invalid JSON: {e}"));
     if !response.is_sse() {
         let body = response.read_all(MAX_UPSTREAM_MESSAGE).await?;
-        return serde_json::from_slice(&body)
-            .map_err(|e| SessionError::Protocol(format!("upstream sent invalid JSON: {e}")));
+        return serde_json::from_slice(&body).map_err(invalid);
     }
     let mut parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
     let mut events = Vec::new();
     while let Some(chunk) = response.next_chunk().await? {
         parser
             .push(&chunk, &mut events)
-            .map_err(|e| SessionError::Protocol(e.to_string()))?;
+            .map_err(|e| SessionError::protocol(at, format!("sent a malformed stream: {e}")))?;
         if let Some(event) = events.iter().find(|e| !e.data.is_empty()) {
-            return serde_json::from_str(&event.data)
-                .map_err(|e| SessionError::Protocol(format!("upstream sent invalid JSON: {e}")));
+            return serde_json::from_str(&event.data).map_err(invalid);
         }
     }
-    Err(SessionError::Protocol(
-        "the upstream stream ended without a message".into(),
+    Err(SessionError::protocol(
+        at,
+        "ended its stream without a message",
     ))
 }
 
@@ -314,4 +387,55 @@ pub async fn answers_modern_discover(
             .as_array()
             .is_some_and(|v| v.iter().any(|x| x == version))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outcome::Report;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn a_failure_names_its_endpoint_and_cause_in_logs_but_not_to_clients() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").expect("loopback");
+        let addr = closed.local_addr().expect("bound");
+        drop(closed);
+        let endpoint = Endpoint {
+            addr,
+            authority: addr.to_string(),
+            path: "/mcp".into(),
+        };
+        let timeouts = Timeouts {
+            connect: Duration::from_secs(2),
+            response: Duration::from_secs(2),
+            stream_idle: None,
+        };
+        let client = UpstreamClient::default();
+        let trace = TraceContext::default();
+        let opened =
+            LegacySession::open(&client, endpoint, &timeouts, &json!({}), &json!({}), &trace).await;
+        let e = opened.err().expect("nothing listens there");
+        assert_eq!(
+            *e.failure(),
+            SessionFailure::Exchange(ExchangeFailure::Connect)
+        );
+        let logged = Report(&e).to_string();
+        assert!(
+            logged.starts_with(&format!("upstream {addr} is unreachable")),
+            "{logged}"
+        );
+        let exchange = std::error::Error::source(&e).expect("the failed exchange");
+        assert!(exchange.source().is_some(), "pingora's error is the cause");
+        assert!(
+            logged.len() > e.to_string().len(),
+            "the cause is in the report"
+        );
+        let told = e.failure().to_string();
+        assert!(!told.contains(&addr.port().to_string()), "{told}");
+        let none = SessionError::no_endpoint("tools");
+        assert_eq!(
+            none.to_string(),
+            "upstream group 'tools' has no healthy endpoint"
+        );
+    }
 }

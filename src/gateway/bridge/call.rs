@@ -21,10 +21,10 @@ use crate::mrtr::modern::ModernRequest;
 use crate::mrtr::replay::{self, Claim, StateDigest};
 use crate::mrtr::state::{binding, now_ms, now_secs, FlowState, HeldAt, Waiting};
 use crate::mrtr::translate::RoundLimits;
-use crate::outcome::{Class, Outcome, Refusal};
+use crate::outcome::{Class, Outcome, Refusal, Report};
 use crate::protocol::jsonrpc::code;
-use crate::upstream::exchange::ExchangeError;
-use crate::upstream::legacy_session::{read_single, LegacySession, SessionError};
+use crate::upstream::exchange::ExchangeFailure;
+use crate::upstream::legacy_session::{read_single, LegacySession, SessionError, SessionFailure};
 use crate::upstream::UpstreamGroup;
 use pingora::protocols::http::ServerSession;
 use serde_json::{json, Map, Value};
@@ -680,17 +680,18 @@ fn learn(gw: &Gateway, group: &UpstreamGroup, learnt: Learnt) {
     }
 }
 
-/// The flow's view of an upstream failure.
+/// The flow's view of an upstream failure; the detail (endpoint, cause) goes to the log.
 fn failure(e: &SessionError) -> Failure {
-    let kind = match e {
-        SessionError::NoEndpoint => FailureKind::NoEndpoint,
-        SessionError::Gone => FailureKind::Gone,
-        SessionError::Refused(status) => FailureKind::Refused(*status),
-        SessionError::Exchange(ExchangeError::Connect(_)) => FailureKind::Unreachable,
-        SessionError::Exchange(ExchangeError::Timeout) => FailureKind::Timeout,
-        SessionError::Exchange(_) | SessionError::Protocol(_) => FailureKind::Broken,
+    tracing::info!(error = %Report(e), "upstream exchange of a bridged call failed");
+    let kind = match e.failure() {
+        SessionFailure::NoEndpoint => FailureKind::NoEndpoint,
+        SessionFailure::Gone => FailureKind::Gone,
+        SessionFailure::Refused(status) => FailureKind::Refused(*status),
+        SessionFailure::Exchange(ExchangeFailure::Connect) => FailureKind::Unreachable,
+        SessionFailure::Exchange(ExchangeFailure::Timeout) => FailureKind::Timeout,
+        SessionFailure::Exchange(_) | SessionFailure::Protocol(_) => FailureKind::Broken,
     };
-    Failure::new(kind, e.to_string())
+    Failure::new(kind, e.failure().to_string())
 }
 
 /// Answers the client as the flow ended.

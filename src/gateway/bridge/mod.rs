@@ -22,9 +22,11 @@ use crate::metrics::method_label;
 use crate::mrtr::data_session::META_KEY;
 pub(crate) use crate::mrtr::flow::fresh_call_id;
 use crate::mrtr::modern::{ModernHeaders, ModernRequest, SUPPORTED_VERSIONS};
+use crate::outcome::Report;
 use crate::outcome::{Class, Outcome, Refusal};
 use crate::protocol::jsonrpc::{code, Body};
-use crate::upstream::legacy_session::{read_single, LegacySession, SessionError};
+use crate::upstream::exchange::ExchangeFailure;
+use crate::upstream::legacy_session::{read_single, LegacySession, SessionError, SessionFailure};
 use crate::upstream::UpstreamGroup;
 use bytes::Bytes;
 use one_shot::KeptSessions;
@@ -258,18 +260,16 @@ pub(crate) async fn upstream_failed(
     group: &UpstreamGroup,
     e: &SessionError,
 ) -> Outcome {
-    if matches!(e, SessionError::Gone) && reply.cookie.is_some() {
+    if *e.failure() == SessionFailure::Gone && reply.cookie.is_some() {
         return session::ended(gw, session, reply).await;
     }
-    let class = match e {
-        SessionError::NoEndpoint => Class::NoUpstream,
-        SessionError::Exchange(crate::upstream::exchange::ExchangeError::Timeout) => {
-            Class::UpstreamTimeout
-        }
+    let class = match e.failure() {
+        SessionFailure::NoEndpoint => Class::NoUpstream,
+        SessionFailure::Exchange(ExchangeFailure::Timeout) => Class::UpstreamTimeout,
         _ => Class::UpstreamError,
     };
-    tracing::warn!(group = %group.name, error = %e, "bridged upstream exchange failed");
-    let text = format!("upstream group '{}' failed: {e}", group.name);
+    tracing::warn!(group = %group.name, error = %Report(e), "bridged upstream exchange failed");
+    let text = format!("upstream group '{}' failed: {}", group.name, e.failure());
     reply.refuse(session, Refusal::internal(class, text)).await
 }
 
@@ -355,7 +355,9 @@ async fn one_shot(
             match ask_once(gw, &upstream, request).await {
                 // The upstream forgot the session, so it did not take the request: it goes
                 // again, on a new session.
-                Err(SessionError::Gone) => gw.kept_sessions.forget(&shape, &kept.session_id),
+                Err(e) if *e.failure() == SessionFailure::Gone => {
+                    gw.kept_sessions.forget(&shape, &kept.session_id)
+                }
                 answer => {
                     gw.metrics.upstream_session("reused");
                     let outcome = answered(gw, session, group, reply, answer).await;

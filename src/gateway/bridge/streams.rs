@@ -6,7 +6,9 @@
 use crate::gateway::Gateway;
 use crate::protocol::sse;
 use crate::upstream::exchange::Response;
-use crate::upstream::legacy_session::{LegacySession, SessionError, MAX_UPSTREAM_MESSAGE};
+use crate::upstream::legacy_session::{
+    LegacySession, SessionError, SessionFailure, MAX_UPSTREAM_MESSAGE,
+};
 use bytes::Bytes;
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -100,6 +102,11 @@ pub(super) async fn next_chunk(
 const CONFLICT_RETRIES: u32 = 3;
 const CONFLICT_BACKOFF: Duration = Duration::from_millis(20);
 
+/// Whether the upstream refused a GET because it still holds the stream's previous one.
+fn is_conflict(e: &SessionError) -> bool {
+    *e.failure() == SessionFailure::Refused(409)
+}
+
 /// Resumes the call's stream after `after`, trying a conflict again briefly.
 pub(super) async fn resume_call(
     upstream: &LegacySession<'_>,
@@ -108,7 +115,7 @@ pub(super) async fn resume_call(
     let mut attempt = 0;
     loop {
         match upstream.get(Some(after)).await {
-            Err(SessionError::Refused(409)) if attempt < CONFLICT_RETRIES => {
+            Err(e) if is_conflict(&e) && attempt < CONFLICT_RETRIES => {
                 tokio::time::sleep(CONFLICT_BACKOFF * 2u32.pow(attempt)).await;
                 attempt += 1;
             }
@@ -129,10 +136,12 @@ pub(super) async fn open_session_stream(
     for attempt in 0..=CONFLICT_RETRIES {
         match upstream.get(after).await {
             Ok(response) => return Some(response),
-            Err(SessionError::Refused(409)) if attempt < CONFLICT_RETRIES => {
+            Err(e) if is_conflict(&e) && attempt < CONFLICT_RETRIES => {
                 tokio::time::sleep(CONFLICT_BACKOFF * 2u32.pow(attempt)).await;
             }
-            Err(SessionError::Refused(_)) if after.is_some() => after = None,
+            Err(e) if matches!(e.failure(), SessionFailure::Refused(_)) && after.is_some() => {
+                after = None
+            }
             Err(_) => return None,
         }
     }
