@@ -3,6 +3,7 @@
 //! admin listener, and the assembly of both into a pingora `Server`.
 
 pub mod admin;
+pub mod admission;
 pub mod bridge;
 pub mod connections;
 pub mod learnt;
@@ -12,77 +13,66 @@ pub mod reaper;
 pub mod reload;
 pub mod respond;
 pub mod server;
+pub mod upstream_side;
 
-use crate::config::{Config, ConfigError, ResumeMode, UpstreamEra};
-use crate::keys::{KeyRing, Reloadable, SharedKeyRing};
+pub use admission::Admission;
+pub use upstream_side::UpstreamSide;
+
+use crate::config::{Config, ConfigError};
+use crate::keys::{KeyRing, SharedKeyRing};
 use crate::metrics::Metrics;
 use crate::mrtr::modern::{era, Era};
-use crate::principal::{Authenticator, PrincipalSource, Unauthenticated};
-use crate::protocol::forwarded::TrustedPeers;
+use crate::principal::Unauthenticated;
 use crate::protocol::headers::MCP_SESSION_ID;
-use crate::protocol::host_check::HostPolicy;
 use crate::protocol::jsonrpc::{self, code, Body};
-use crate::protocol::trace::TraceContext;
-use crate::upstream::exchange::UpstreamClient;
-use crate::upstream::legacy_session::{LegacySession, SessionError, SessionFailure};
-use crate::upstream::{UpstreamGroup, Upstreams};
+use crate::upstream::Upstreams;
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream};
 use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
-use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// After a probe of an `era: auto` group got no verdict (the upstream was unreachable),
-/// how long until the next one; until then the group is bridged.
-const PROBE_RETRY: Duration = Duration::from_secs(10);
-
-/// What probing an `era: auto` group found.
-#[derive(Clone, Copy)]
-enum Probed {
-    Verdict(bool),
-    RetryAfter(Instant),
-}
 
 /// Longest wait for each read of a client's request body.
 const CLIENT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a kept-alive client connection may idle between requests.
 const CLIENT_KEEPALIVE_SECONDS: u64 = 60;
 
-/// Everything one gateway instance shares across requests.
+/// Everything one gateway instance shares across requests, by concern; each handler
+/// takes the parts it uses.
 pub struct Gateway {
     pub config: Config,
+    pub admission: Admission,
+    pub sealing: Sealing,
+    pub upstreams: UpstreamSide,
+    pub flows: FlowTables,
+    pub runtime: Runtime,
+}
+
+/// The keys states, cookies and session tokens are sealed with, and the states this
+/// replica has accepted (replays are refused).
+pub struct Sealing {
     /// The key ring, swapped whole when the keys file is reloaded.
     pub keys: Arc<SharedKeyRing>,
-    pub upstreams: Upstreams,
-    pub client: UpstreamClient,
-    pub metrics: Arc<Metrics>,
-    host_policy: HostPolicy,
-    /// The peers whose own forwarding headers are believed (`forwarded.trusted_peers`).
-    pub trusted_peers: TrustedPeers,
-    /// Turns credentials into principals; swapped whole when the JWKS is reloaded.
-    pub authenticator: Arc<Reloadable<Authenticator>>,
-    pub reaper: Arc<reaper::Reaper>,
-    /// Set when a graceful shutdown begins.
-    pub drain: Arc<admin::Drain>,
-    /// The `requestState`s this replica has accepted, to refuse replays.
     pub used_states: std::sync::Mutex<crate::mrtr::replay::UsedStates>,
-    /// Each group's InitializeResult, learnt from the first session opened there; it
-    /// answers `server/discover` and names the server in every modern result.
-    initialize_results: std::sync::Mutex<std::collections::HashMap<String, Value>>,
-    /// For `era: auto` groups, what the probe found.
-    modern_only: std::sync::Mutex<std::collections::HashMap<String, Probed>>,
+}
+
+/// The flows this replica holds or watches, and the replicas that hold the others.
+pub struct FlowTables {
     /// The flows this replica holds (hold mode).
     pub held: Arc<bridge::hold::HeldFlows>,
     /// The other replicas, to forward retries of flows they hold.
     pub peers: peers::Peers,
-    /// What this replica learnt about each group's upstream: refused resumptions (with
-    /// `resume: auto` its flows are held from then on), priming, GET-stream replay.
-    pub learnt: learnt::Learnt,
-    /// The upstream sessions one-shot methods run on, one per shape.
-    pub kept_sessions: bridge::one_shot::KeptSessions,
+    /// The upstream sessions of flows awaiting a retry, reaped when it does not come.
+    pub reaper: Arc<reaper::Reaper>,
+}
+
+/// What the process as a whole shares: metrics and the drain of a graceful shutdown.
+pub struct Runtime {
+    pub metrics: Arc<Metrics>,
+    /// Set when a graceful shutdown begins.
+    pub drain: Arc<admin::Drain>,
 }
 
 impl Gateway {
@@ -91,221 +81,36 @@ impl Gateway {
         keys: Arc<KeyRing>,
         upstreams: Upstreams,
     ) -> Result<Gateway, ConfigError> {
-        let authenticator = Authenticator::new(&config.principal)
-            .map_err(|e| ConfigError::at("principal.jwt", e))?;
-        let listen = config.listen.parse().expect("validated listen address");
-        let host_policy = HostPolicy::for_listener(listen, &config.allowed_hosts);
-        let trusted_peers =
-            TrustedPeers::parse(&config.forwarded.trusted_peers).map_err(|(i, problem)| {
-                ConfigError::at(format!("forwarded.trusted_peers[{i}]"), problem)
-            })?;
-        let reaper = Arc::new(reaper::Reaper::new(config.bridge.max_watched_sessions));
-        let used_states = crate::mrtr::replay::UsedStates::new(config.bridge.max_used_states);
+        let admission = Admission::new(&config)?;
         let resolver = config.dns_resolver.as_ref().and_then(|r| r.parse().ok());
-        let peers = peers::Peers::build(&config.peers, resolver)?;
-        let held = bridge::hold::HeldFlows::new(
-            config.bridge.max_held_flows,
-            config.bridge.max_held_bytes_per_flow,
-        );
+        let bridge = &config.bridge;
+        let flows = FlowTables {
+            held: Arc::new(bridge::hold::HeldFlows::new(
+                bridge.max_held_flows,
+                bridge.max_held_bytes_per_flow,
+            )),
+            peers: peers::Peers::build(&config.peers, resolver)?,
+            reaper: Arc::new(reaper::Reaper::new(bridge.max_watched_sessions)),
+        };
+        let used_states = crate::mrtr::replay::UsedStates::new(bridge.max_used_states);
         let metrics = Arc::new(Metrics::new());
         metrics.keys_loaded.set(keys.kids().count() as i64);
-        for group in &config.upstreams {
-            let unknown = metrics.upstream_resumable.with_label_values(&[&group.name]);
-            unknown.set(-1);
-        }
-        Ok(Gateway {
-            authenticator: Arc::new(Reloadable::new(Arc::new(authenticator))),
-            reaper,
-            drain: Arc::default(),
-            used_states: std::sync::Mutex::new(used_states),
-            host_policy,
-            trusted_peers,
-            initialize_results: Default::default(),
-            modern_only: Default::default(),
-            held: Arc::new(held),
-            peers,
-            learnt: Default::default(),
-            kept_sessions: bridge::one_shot::KeptSessions::new(
-                config.bridge.max_one_shot_sessions,
-                Duration::from_secs(config.bridge.one_shot_session_idle_seconds),
-            ),
-            config,
+        let sealing = Sealing {
             keys: Arc::new(SharedKeyRing::new(keys)),
+            used_states: std::sync::Mutex::new(used_states),
+        };
+        let upstreams = UpstreamSide::new(&config, upstreams, metrics.clone());
+        Ok(Gateway {
+            config,
+            admission,
+            sealing,
             upstreams,
-            client: UpstreamClient::new(metrics.clone()),
-            metrics,
+            flows,
+            runtime: Runtime {
+                metrics,
+                drain: Arc::default(),
+            },
         })
-    }
-
-    pub fn remember_initialize(&self, group: &UpstreamGroup, result: &Value) {
-        let mut cache = self
-            .initialize_results
-            .lock()
-            .expect("initialize cache lock");
-        cache
-            .entry(group.name.clone())
-            .or_insert_with(|| result.clone());
-    }
-
-    /// Opens an upstream session on a healthy endpoint of `group` with the client's
-    /// declared capabilities, and remembers the group's InitializeResult.
-    pub async fn open_upstream<'g>(
-        &'g self,
-        group: &'g UpstreamGroup,
-        capabilities: &Value,
-        client_info: &Value,
-        trace: &TraceContext,
-    ) -> Result<(LegacySession<'g>, Value), SessionError> {
-        let endpoint = group
-            .pick()
-            .ok_or_else(|| SessionError::no_endpoint(&group.name))?;
-        let opened = LegacySession::open(
-            &self.client,
-            endpoint,
-            &group.timeouts,
-            capabilities,
-            client_info,
-            trace,
-        )
-        .await?;
-        self.remember_initialize(group, &opened.1);
-        Ok(opened)
-    }
-
-    /// Whether a round that ended with questions waits resumable (its state resumes the
-    /// call's stream with `Last-Event-ID`) rather than held: by the group's `resume`
-    /// setting, or for `auto` by what the upstream showed (event ids on the call's stream,
-    /// and no refused resumption so far).
-    pub fn resumes(&self, group: &UpstreamGroup, stream_has_ids: bool) -> bool {
-        match group.resume {
-            ResumeMode::Resumable => true,
-            ResumeMode::Hold => false,
-            ResumeMode::Auto => stream_has_ids && !self.replay_refused(group),
-        }
-    }
-
-    fn replay_refused(&self, group: &UpstreamGroup) -> bool {
-        self.learnt.get(&group.name).replay_refused
-    }
-
-    /// Records that a group's upstream refused a `Last-Event-ID` resumption, or answered
-    /// it with an empty stream (`how`): with `resume: auto`, its later flows are held.
-    pub fn note_replay_refused(&self, group: &UpstreamGroup, how: &str) {
-        if group.resume != ResumeMode::Auto {
-            return;
-        }
-        let before = self
-            .learnt
-            .update(&group.name, |facts| facts.replay_refused = true);
-        if !before.replay_refused {
-            tracing::warn!(group = %group.name, how, "upstream cannot resume a Last-Event-ID stream; its flows are held from now on");
-            self.note_resumable(group, false);
-        }
-    }
-
-    /// Records how a group's bridged rounds wait (resumed, or held), for the
-    /// `upstream_resumable` gauge. Logged when first known and whenever it changes (a
-    /// rolling upgrade of the upstream).
-    pub fn note_resumable(&self, group: &UpstreamGroup, resumable: bool) {
-        let gauge = self
-            .metrics
-            .upstream_resumable
-            .with_label_values(&[&group.name]);
-        let value = i64::from(resumable);
-        if gauge.get() != value {
-            gauge.set(value);
-            let mode = if resumable { "resumable" } else { "hold" };
-            tracing::info!(group = %group.name, mode, "bridged rounds of this group wait {mode}");
-        }
-    }
-
-    /// The group's InitializeResult, opening (and closing) a session to learn it once.
-    pub async fn initialize_result(
-        &self,
-        group: &UpstreamGroup,
-        client_info: &Value,
-    ) -> Result<Value, SessionError> {
-        if let Some(known) = self
-            .initialize_results
-            .lock()
-            .expect("initialize cache lock")
-            .get(&group.name)
-        {
-            return Ok(known.clone());
-        }
-        let none = TraceContext::default();
-        let (session, result) = self
-            .open_upstream(group, &json!({}), client_info, &none)
-            .await?;
-        session.delete().await;
-        Ok(result)
-    }
-
-    /// Whether 2026-07-28 requests to `group` are relayed unchanged rather than bridged.
-    pub async fn relays(&self, group: &UpstreamGroup, client_info: &Value) -> bool {
-        match group.era {
-            UpstreamEra::Legacy => false,
-            UpstreamEra::Modern => true,
-            UpstreamEra::Auto => {
-                let probed = self
-                    .modern_only
-                    .lock()
-                    .expect("era cache lock")
-                    .get(&group.name)
-                    .copied();
-                match probed {
-                    Some(Probed::Verdict(modern_only)) => return modern_only,
-                    Some(Probed::RetryAfter(at)) if Instant::now() < at => return false,
-                    _ => {}
-                }
-                let probed = match self.probe_modern_only(group, client_info).await {
-                    Some(verdict) => Probed::Verdict(verdict),
-                    None => Probed::RetryAfter(Instant::now() + PROBE_RETRY),
-                };
-                self.modern_only
-                    .lock()
-                    .expect("era cache lock")
-                    .insert(group.name.clone(), probed);
-                matches!(probed, Probed::Verdict(true))
-            }
-        }
-    }
-
-    /// An upstream that refuses `initialize` but answers `server/discover` speaks only
-    /// 2026-07-28. `None` when it could not be reached: no verdict, probe again later.
-    async fn probe_modern_only(&self, group: &UpstreamGroup, client_info: &Value) -> Option<bool> {
-        match self.initialize_result(group, client_info).await {
-            Ok(_) => Some(false),
-            Err(e)
-                if matches!(
-                    e.failure(),
-                    SessionFailure::Protocol(_) | SessionFailure::Refused(_)
-                ) =>
-            {
-                let endpoint = group.pick()?;
-                Some(
-                    crate::upstream::legacy_session::answers_modern_discover(
-                        &self.client,
-                        &endpoint,
-                        &group.timeouts,
-                    )
-                    .await,
-                )
-            }
-            Err(_) => None,
-        }
-    }
-
-    /// The upstream's serverInfo for modern results, once known.
-    pub fn server_info(&self, group: &UpstreamGroup) -> Value {
-        let cache = self
-            .initialize_results
-            .lock()
-            .expect("initialize cache lock");
-        cache
-            .get(&group.name)
-            .map(|r| r["serverInfo"].clone())
-            .unwrap_or_else(|| json!({"name": group.name, "version": "unknown"}))
     }
 
     /// Counts a finished client request and logs its one access line (target
@@ -318,16 +123,13 @@ impl Gateway {
         started: Instant,
     ) {
         let outcome = outcome.label();
-        self.metrics
+        self.runtime
+            .metrics
             .requests
             .with_label_values(&[era, method, outcome])
             .inc();
         let ms = started.elapsed().as_secs_f64() * 1000.0;
         tracing::info!(target: "mrtr_gateway::access", era, method, outcome, ms, "request");
-    }
-
-    pub fn principal_source(&self) -> &PrincipalSource {
-        &self.config.principal
     }
 
     async fn handle(&self, session: &mut ServerSession, arrival: Arrival) {
@@ -337,6 +139,7 @@ impl Gateway {
         // A forwarded retry's Host and Origin were checked by the replica it reached.
         let host_checked = match arrival {
             Arrival::Client => self
+                .admission
                 .host_policy
                 .check(header(session, "host"), header(session, "origin")),
             Arrival::Peer => Ok(()),
@@ -347,7 +150,7 @@ impl Gateway {
             return;
         }
         let path = session.req_header().uri.path();
-        let Some(group) = self.upstreams.by_path(path) else {
+        let Some(group) = self.upstreams.groups.by_path(path) else {
             let message = format!("no MCP endpoint at {path}");
             respond::error(session, 404, None, code::INVALID_REQUEST, &message).await;
             return;
@@ -358,7 +161,7 @@ impl Gateway {
             respond::error(session, 405, None, code::INVALID_REQUEST, &message).await;
             return;
         }
-        let principal = match self.principal(session) {
+        let principal = match self.admission.principal(session) {
             Ok(p) => p,
             Err(Unauthenticated(why)) => return unauthenticated(session, &why).await,
         };
@@ -404,17 +207,6 @@ impl Gateway {
                 passthrough::serve(self, session, group, body, parsed, "legacy", &principal).await
             }
         }
-    }
-
-    /// The principal of a request; `Err` with a reason the client may see when its
-    /// credentials do not verify (JWT principals).
-    pub fn principal(&self, session: &ServerSession) -> Result<[u8; 32], Unauthenticated> {
-        let value = self
-            .principal_source()
-            .header_name()
-            .and_then(|name| session.get_header(name))
-            .map(|v| v.as_bytes());
-        self.authenticator.load().principal(value)
     }
 
     /// Reads and classifies a POST body within the configured limits; on failure the

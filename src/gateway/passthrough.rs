@@ -4,7 +4,7 @@
 //! request there; a token that does not open is answered 404 and reaches no upstream.
 
 use super::respond;
-use super::Gateway;
+use super::{Admission, Gateway};
 use crate::metrics::{request_label, InUse};
 use crate::outcome::{Class, Outcome, Refusal, Report};
 use crate::protocol::forwarded;
@@ -65,6 +65,7 @@ async fn serve_inner(
     let id = parsed.and_then(Body::id).cloned();
     let request = upstream_request(gw, session, &route, &body);
     let mut response = match gw
+        .upstreams
         .client
         .send(&route.endpoint, &group.timeouts, request, body)
         .await
@@ -78,7 +79,7 @@ async fn serve_inner(
     count_session_event(gw, session, &route, response.header());
     let header = client_response_header(gw, session, group, &route, binding, response.header());
     let outcome = relay(gw, session, header, &mut response).await;
-    gw.client.finish(response).await;
+    gw.upstreams.client.finish(response).await;
     outcome
 }
 
@@ -95,7 +96,8 @@ fn count_session_event(
     }
     let deleted =
         session.req_header().method == http::Method::DELETE && upstream.status.is_success();
-    gw.metrics
+    gw.runtime
+        .metrics
         .upstream_session(if deleted { "deleted" } else { "reused" });
 }
 
@@ -117,7 +119,8 @@ fn route(
         });
     };
     let reject = |reason: &str| {
-        gw.metrics
+        gw.runtime
+            .metrics
             .session_rejections
             .with_label_values(&[reason])
             .inc();
@@ -126,8 +129,8 @@ fn route(
         Refusal::new(Class::SessionRejected, code::INVALID_REQUEST, text)
     };
     let text = token.to_str().map_err(|_| reject("malformed"))?;
-    let opened =
-        SessionToken::open(&gw.keys.load(), binding, text).map_err(|e| reject(e.reason()))?;
+    let opened = SessionToken::open(&gw.sealing.keys.load(), binding, text)
+        .map_err(|e| reject(e.reason()))?;
     if opened.group != group.name {
         return Err(reject("other_group"));
     }
@@ -165,7 +168,7 @@ fn upstream_request(
             let _ = req.append_header(name.clone(), value.clone());
         }
     }
-    if let Some(hop) = hop(gw, session) {
+    if let Some(hop) = hop(&gw.admission, session) {
         for (name, value) in forwarded::forwarding_headers(&client.headers, &hop) {
             let _ = req.insert_header(name, value);
         }
@@ -182,11 +185,11 @@ fn upstream_request(
 
 /// This hop as the forwarding headers describe it: the client's address (whether its
 /// own forwarding headers are believed) and the `Host` it named, over plain HTTP.
-fn hop<'s>(gw: &Gateway, session: &'s ServerSession) -> Option<forwarded::Hop<'s>> {
+fn hop<'s>(admission: &Admission, session: &'s ServerSession) -> Option<forwarded::Hop<'s>> {
     let peer = session.client_addr()?.as_inet()?.ip();
     Some(forwarded::Hop {
         peer,
-        trusted: gw.trusted_peers.contains(peer),
+        trusted: admission.trusted_peers.contains(peer),
         host: super::header(session, "host"),
         proto: "http",
     })
@@ -254,14 +257,14 @@ fn client_session_token(
     if route.upstream_session.as_deref() == Some(sid) {
         return route.client_token.clone();
     }
-    gw.metrics.upstream_session("opened");
+    gw.runtime.metrics.upstream_session("opened");
     let token = SessionToken {
         group: group.name.clone(),
         endpoint: route.endpoint.addr,
         upstream_session: sid.to_string(),
         issued_at: crate::mrtr::state::now_secs(),
     };
-    Some(token.seal(&gw.keys.load(), binding))
+    Some(token.seal(&gw.sealing.keys.load(), binding))
 }
 
 /// Streams the upstream body to the client as it arrives, until either side ends.
@@ -278,7 +281,7 @@ pub(crate) async fn relay(
     {
         return Outcome::ClientGone;
     }
-    let _streaming = InUse::new(&gw.metrics.active_client_streams);
+    let _streaming = InUse::new(&gw.runtime.metrics.active_client_streams);
     let sse = upstream.is_sse();
     // A session's GET stream never ends by itself; a POST's stream ends with its response.
     let endless = sse && session.req_header().method == http::Method::GET;
@@ -301,7 +304,7 @@ async fn pump(
     let mut position = BoundaryTracker::default();
     loop {
         let at_boundary = sse && position.between_events();
-        if endless && at_boundary && gw.drain.is_draining() {
+        if endless && at_boundary && gw.runtime.drain.is_draining() {
             let _ = session.write_response_body(Bytes::new(), true).await;
             session.set_keepalive(None);
             return Outcome::Drained;
@@ -309,13 +312,13 @@ async fn pump(
         let chunk = tokio::select! {
             chunk = upstream.next_chunk() => chunk,
             _ = session.read_body_or_idle(true) => return Outcome::ClientGone,
-            _ = gw.drain.wait(), if endless && at_boundary => continue,
+            _ = gw.runtime.drain.wait(), if endless && at_boundary => continue,
             _ = sleep_or_never(keepalive), if at_boundary => {
                 let comment = Bytes::from_static(sse::KEEP_ALIVE);
                 if session.write_response_body(comment, false).await.is_err() {
                     return Outcome::ClientGone;
                 }
-                gw.metrics.sse_keepalives.inc();
+                gw.runtime.metrics.sse_keepalives.inc();
                 continue;
             }
         };

@@ -109,7 +109,7 @@ pub async fn forward(
     owner: SocketAddr,
     body: &Bytes,
 ) -> Result<Outcome, String> {
-    if !gw.peers.contains(owner) {
+    if !gw.flows.peers.contains(owner) {
         return Err(format!("{owner} is not in the peer set"));
     }
     let path = session.req_header().uri.path().to_string();
@@ -119,20 +119,21 @@ pub async fn forward(
         path,
     };
     let timeouts = Timeouts {
-        connect: gw.peers.connect_timeout,
+        connect: gw.flows.peers.connect_timeout,
         // The owner answers when its round ends: bounded by the flow's own limits.
         response: Duration::from_secs(gw.config.bridge.max_flow_seconds),
         stream_idle: None,
     };
     let request = forwarded_request(session, &endpoint, body);
     let sent = gw
+        .upstreams
         .client
         .send(&endpoint, &timeouts, request, body.clone())
         .await;
     let mut response = sent.map_err(|e| e.to_string())?;
     let header = passthrough::relayed_header(session, response.header());
     let outcome = passthrough::relay(gw, session, header, &mut response).await;
-    gw.client.finish(response).await;
+    gw.upstreams.client.finish(response).await;
     Ok(outcome)
 }
 

@@ -58,8 +58,8 @@ pub fn build(
     let peer_listen = config.peers.listen.clone();
     let keys_poll = Duration::from_millis(config.keys_poll_ms);
     let gateway = Arc::new(Gateway::new(config, keys, upstreams)?);
-    let metrics = gateway.metrics.clone();
-    if let Some(peers) = gateway.peers.discovery_service() {
+    let metrics = gateway.runtime.metrics.clone();
+    if let Some(peers) = gateway.flows.peers.discovery_service() {
         server.add_service(GenBackgroundService::new("peer discovery".into(), peers));
     }
     let reloader = Reloader::new(watched_files(&gateway), metrics.clone(), keys_poll);
@@ -77,9 +77,9 @@ pub fn build(
     mcp.add_tcp(&listen);
     let admin_app = AdminApp {
         metrics: metrics.clone(),
-        drain: gateway.drain.clone(),
-        reaper: gateway.reaper.clone(),
-        held: gateway.held.clone(),
+        drain: gateway.runtime.drain.clone(),
+        reaper: gateway.flows.reaper.clone(),
+        held: gateway.flows.held.clone(),
     };
     let admin = OwnListener::bind(
         "admin",
@@ -106,14 +106,14 @@ pub fn build(
         server.add_service(background_service("peer listener", peer));
     }
     let drain_watch = DrainWatch {
-        drain: gateway.drain.clone(),
+        drain: gateway.runtime.drain.clone(),
         metrics: metrics.clone(),
     };
     server.add_service(background_service("drain watch", drain_watch));
     server.add_service(background_service(
         "abandoned-flow reaper",
         ReaperService {
-            reaper: gateway.reaper.clone(),
+            reaper: gateway.flows.reaper.clone(),
             metrics: metrics.clone(),
         },
     ));
@@ -131,7 +131,10 @@ pub fn build(
 fn watched_files(gateway: &Gateway) -> Vec<WatchedFile> {
     let mut files = Vec::new();
     if let Some(path) = &gateway.config.keys_file {
-        let (keys, metrics) = (gateway.keys.clone(), gateway.metrics.clone());
+        let (keys, metrics) = (
+            gateway.sealing.keys.clone(),
+            gateway.runtime.metrics.clone(),
+        );
         let apply = move |path: &std::path::Path| {
             let ring = KeyRing::load_file(path)?;
             let kids: Vec<String> = ring.kids().map(str::to_string).collect();
@@ -143,7 +146,7 @@ fn watched_files(gateway: &Gateway) -> Vec<WatchedFile> {
     }
     if let PrincipalSource::Jwt(jwt) = &gateway.config.principal {
         let source = gateway.config.principal.clone();
-        let authenticator = gateway.authenticator.clone();
+        let authenticator = gateway.admission.authenticator.clone();
         let apply = move |_: &std::path::Path| {
             let fresh = Authenticator::new(&source)?;
             authenticator.store(fresh);

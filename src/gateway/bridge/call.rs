@@ -12,7 +12,7 @@ use super::streams::{next_chunk, open_session_stream, resume_call, Source, Strea
 use super::{end_session, finish_with, upstream_for, upstream_params, Incoming};
 use crate::config::Limits;
 use crate::gateway::learnt::SessionReplay;
-use crate::gateway::{peers, Arrival, Gateway};
+use crate::gateway::{peers, Arrival, Gateway, UpstreamSide};
 use crate::metrics::InUse;
 use crate::mrtr::flow::{
     CallReply, Command, Ending, Failure, FailureKind, Flow, FlowConfig, Input, Learnt, Note, Stream,
@@ -82,7 +82,7 @@ pub(super) async fn interactive(
         let refusal = Refusal::new(Class::BadRequest, code::INVALID_PARAMS, text);
         return refuse(session, reply, refusal).await;
     }
-    let _active = InUse::new(&gw.metrics.active_rounds);
+    let _active = InUse::new(&gw.runtime.metrics.active_rounds);
     let now = Instant::now();
     let Some(text) = request.params.get("requestState").and_then(Value::as_str) else {
         let flow = Flow::new_call(config(&call, false), now);
@@ -95,17 +95,18 @@ pub(super) async fn interactive(
     };
     name_flow(state.flow_id);
     if let Waiting::Held { at, .. } = &state.waiting {
-        if !gw.peers.is_me(at.owner) {
+        if !gw.flows.peers.is_me(at.owner) {
             let owner = at.owner;
             return to_holder(&call, session, reply, state, owner).await;
         }
     }
     let used = replay::digest(text);
-    let claim =
-        gw.used_states
-            .lock()
-            .expect("used-states lock")
-            .claim(used, state.expires_at, now_secs());
+    let claim = gw
+        .sealing
+        .used_states
+        .lock()
+        .expect("used-states lock")
+        .claim(used, state.expires_at, now_secs());
     match claim {
         Claim::Fresh => {}
         Claim::Replayed => return refuse_state(gw, session, reply, group, "replayed").await,
@@ -135,9 +136,9 @@ async fn continue_flow(
         return drive(call, session, reply, flow, Io::new(None, Some(used))).await;
     };
     let endpoint = match &state.waiting {
-        Waiting::Held { at, .. } => match gw.held.take(at.slot, state.flow_id) {
+        Waiting::Held { at, .. } => match gw.flows.held.take(at.slot, state.flow_id) {
             Some(held) => {
-                gw.metrics.held_event("resumed");
+                gw.runtime.metrics.held_event("resumed");
                 let mut upstream = resume(call, held.endpoint.clone(), &upstream_call.session);
                 upstream.persistent = upstream_call.data_session;
                 let io = Io {
@@ -151,7 +152,7 @@ async fn continue_flow(
                 return drive(call, session, reply, flow, io).await;
             }
             None => {
-                gw.metrics.held_event("lost");
+                gw.runtime.metrics.held_event("lost");
                 let flow = Flow::holder_lost(config(call, false), state, responses, now);
                 return drive(call, session, reply, flow, Io::new(None, Some(used))).await;
             }
@@ -164,10 +165,11 @@ async fn continue_flow(
     };
     let mut upstream = resume(call, endpoint, &upstream_call.session);
     upstream.persistent = upstream_call.data_session;
-    gw.metrics.upstream_session("reused");
+    gw.runtime.metrics.upstream_session("reused");
     let scoped = match &state.waiting {
         Waiting::Resumable { positions, .. } if positions.session_from.is_some() => {
-            let verdict = super::probe::session_replay(gw, call.group, &upstream.endpoint).await;
+            let verdict =
+                super::probe::session_replay(&gw.upstreams, call.group, &upstream.endpoint).await;
             verdict == SessionReplay::Scoped
         }
         _ => false,
@@ -190,7 +192,7 @@ fn resume<'g>(
 ) -> LegacySession<'g> {
     let gw = call.gw;
     let mut upstream = LegacySession::resume(
-        &gw.client,
+        &gw.upstreams.client,
         endpoint,
         &call.group.timeouts,
         session.to_string(),
@@ -217,8 +219,8 @@ fn config(call: &Call<'_>, session_replay_scoped: bool) -> FlowConfig {
     } = *call;
     let bridge = &gw.config.bridge;
     let limits = &gw.config.limits;
-    let learnt = gw.learnt.get(&group.name);
-    let kid_len = gw.keys.load().current().kid().len();
+    let learnt = gw.upstreams.learnt.get(&group.name);
+    let kid_len = gw.sealing.keys.load().current().kid().len();
     FlowConfig {
         group: group.name.clone(),
         method: request.method.clone(),
@@ -281,16 +283,16 @@ fn shedding(gw: &Gateway) -> bool {
         bridge.shed_above_active_rounds,
         bridge.shed_above_held_flows,
     );
-    (rounds > 0 && gw.metrics.active_rounds.get() > rounds as i64)
-        || (held > 0 && gw.held.usage().0 > held)
+    (rounds > 0 && gw.runtime.metrics.active_rounds.get() > rounds as i64)
+        || (held > 0 && gw.flows.held.usage().0 > held)
 }
 
 /// Opens a retry's state: sealed under a key of the ring, bound to this request and
 /// principal, not expired, of this group and naming one of its endpoints (or none yet).
 fn open_state(call: &Call<'_>, text: &str) -> Result<FlowState, &'static str> {
     let gw = call.gw;
-    let state =
-        FlowState::open(&gw.keys.load(), &call.bind, text, now_secs()).map_err(|e| e.reason())?;
+    let state = FlowState::open(&gw.sealing.keys.load(), &call.bind, text, now_secs())
+        .map_err(|e| e.reason())?;
     if state.group != call.group.name {
         return Err("unknown_endpoint");
     }
@@ -362,13 +364,18 @@ async fn to_holder(
         None => "held by a replica without a peer listener".to_string(),
         Some(owner) => match peers::forward(gw, session, owner, &call.incoming.body).await {
             Ok(_) => {
-                gw.metrics.peer_forwards.with_label_values(&["ok"]).inc();
+                gw.runtime
+                    .metrics
+                    .peer_forwards
+                    .with_label_values(&["ok"])
+                    .inc();
                 return Outcome::Forwarded;
             }
             Err(why) => why,
         },
     };
-    gw.metrics
+    gw.runtime
+        .metrics
         .peer_forwards
         .with_label_values(&["owner_gone"])
         .inc();
@@ -432,7 +439,7 @@ async fn wait(call: &Call<'_>, session: &mut ServerSession, io: &mut Io<'_>, flo
         c = next_chunk(&mut io.streams.session), if reading => (Source::Session, c),
         _ = sleep_until_or_never(timeout) => return Woke::Time,
         _ = session.read_body_or_idle(true) => return Woke::Input(Input::ClientGone),
-        _ = call.gw.drain.wait(), if drain => {
+        _ = call.gw.runtime.drain.wait(), if drain => {
             io.drain_told = true;
             return Woke::Input(Input::Draining);
         }
@@ -496,7 +503,7 @@ async fn execute<'g>(
         }
         Command::KeepAlive => {
             if reply.keep_alive(session).await {
-                gw.metrics.sse_keepalives.inc();
+                gw.runtime.metrics.sse_keepalives.inc();
             }
             None
         }
@@ -504,6 +511,7 @@ async fn execute<'g>(
             let upstream = io.upstream.as_ref()?;
             let sid = upstream.session_id.as_ref()?;
             let watched = gw
+                .flows
                 .reaper
                 .watch(&upstream.endpoint, upstream.timeouts, sid, until);
             Some(Input::Watched(watched))
@@ -514,19 +522,20 @@ async fn execute<'g>(
         } => Some(hold(call, io, flow, questions, expires_at).await),
         Command::CloseStreams => {
             std::mem::replace(&mut io.streams, Streams::new(None, None))
-                .close(gw)
+                .close(&gw.upstreams.client)
                 .await;
             None
         }
         Command::DeleteSession => {
             if let Some(upstream) = &io.upstream {
-                end_session(gw, upstream).await;
+                end_session(&gw.flows.reaper, upstream).await;
             }
             None
         }
         Command::ReleaseClaim => {
             if let Some(used) = io.claim.take() {
-                gw.used_states
+                gw.sealing
+                    .used_states
                     .lock()
                     .expect("used-states lock")
                     .release(&used);
@@ -534,11 +543,11 @@ async fn execute<'g>(
             None
         }
         Command::Learn(learnt) => {
-            learn(gw, group, learnt);
+            learn(&gw.upstreams, group, learnt);
             None
         }
         Command::Note(Note::Restarted) => {
-            gw.metrics.call_restarts.inc();
+            gw.runtime.metrics.call_restarts.inc();
             tracing::info!(method = %request.method, "upstream lost the call; running it again");
             None
         }
@@ -607,7 +616,7 @@ async fn post_call(call: &Call<'_>, io: &mut Io<'_>, id: i64) -> Input {
         return Input::CallPosted(Ok(CallReply::Stream));
     }
     let message = read_single(&mut response).await;
-    call.gw.client.finish(response).await;
+    call.gw.upstreams.client.finish(response).await;
     Input::CallPosted(message.map(CallReply::Message).map_err(|e| failure(&e)))
 }
 
@@ -634,11 +643,11 @@ async fn hold(
         streams,
         questions,
     );
-    match gw.held.hold(held) {
+    match gw.flows.held.hold(held) {
         Ok(slot) => {
-            gw.metrics.held_event("held");
+            gw.runtime.metrics.held_event("held");
             Input::Held(Ok(HeldAt {
-                owner: gw.peers.advertise,
+                owner: gw.flows.peers.advertise,
                 slot,
             }))
         }
@@ -662,19 +671,20 @@ async fn hold(
     }
 }
 
-fn learn(gw: &Gateway, group: &UpstreamGroup, learnt: Learnt) {
+fn learn(upstreams: &UpstreamSide, group: &UpstreamGroup, learnt: Learnt) {
     match learnt {
-        Learnt::Resumable(resumable) => gw.note_resumable(group, resumable),
+        Learnt::Resumable(resumable) => upstreams.note_resumable(group, resumable),
         Learnt::ReplayRefused { empty } => {
             let how = if empty {
                 "an empty stream"
             } else {
                 "a refusal"
             };
-            gw.note_replay_refused(group, how);
+            upstreams.note_replay_refused(group, how);
         }
         Learnt::Primes(primes) => {
-            gw.learnt
+            upstreams
+                .learnt
                 .update(&group.name, |facts| facts.resumption_primes = Some(primes));
         }
     }
@@ -705,16 +715,16 @@ async fn finish(
     let Call {
         gw, group, request, ..
     } = *call;
-    let server_info = &gw.server_info(group);
+    let server_info = &gw.upstreams.server_info(group);
     match ending {
         Ending::Complete {
             message,
             rounds,
             started_ms,
         } => {
-            gw.metrics.flow_rounds.observe(f64::from(rounds));
+            gw.runtime.metrics.flow_rounds.observe(f64::from(rounds));
             let ms = now_ms().saturating_sub(started_ms);
-            gw.metrics.flow_duration.observe(ms as f64 / 1000.0);
+            gw.runtime.metrics.flow_duration.observe(ms as f64 / 1000.0);
             let cacheable = request.method == "resources/read";
             finish_with(reply, session, message, server_info, cacheable).await
         }
@@ -724,7 +734,7 @@ async fn finish(
             shed,
         } => {
             let sealed = match state.seal_layout_within(
-                &gw.keys.load(),
+                &gw.sealing.keys.load(),
                 &call.bind,
                 gw.config.limits.max_request_state_bytes,
                 gw.config.bridge.seal_previous_version,
@@ -741,7 +751,7 @@ async fn finish(
             }
             let flow_id = format!("{:016x}", flow.flow_id());
             if shed {
-                gw.metrics.shed.inc();
+                gw.runtime.metrics.shed.inc();
                 tracing::info!(flow = flow_id, "call deferred: shedding load");
             } else {
                 let reissue = matches!(state.waiting, Waiting::Reissue { .. });
@@ -752,7 +762,8 @@ async fn finish(
                     reissue,
                     "input required"
                 );
-                gw.metrics
+                gw.runtime
+                    .metrics
                     .input_required
                     .with_label_values(&[request.method.as_str()])
                     .inc();
@@ -798,7 +809,8 @@ async fn refuse_state(
     group: &UpstreamGroup,
     reason: &'static str,
 ) -> Outcome {
-    gw.metrics
+    gw.runtime
+        .metrics
         .state_rejections
         .with_label_values(&[reason])
         .inc();

@@ -70,10 +70,10 @@ impl Held {
 
     /// Ends the flow: closes its streams and deletes its upstream session (one of its own).
     pub async fn abandon(self, gw: &Gateway) {
-        self.streams.close(gw).await;
+        self.streams.close(&gw.upstreams.client).await;
         if let Some(sid) = self.session_id {
-            gw.reaper.forget(&self.endpoint, &sid);
-            LegacySession::resume(&gw.client, self.endpoint, &self.timeouts, sid)
+            gw.flows.reaper.forget(&self.endpoint, &sid);
+            LegacySession::resume(&gw.upstreams.client, self.endpoint, &self.timeouts, sid)
                 .reap()
                 .await;
         }
@@ -186,9 +186,9 @@ impl BackgroundService for HeldSweeper {
                 _ = tick.tick() => {}
                 _ = shutdown.changed() => return,
             }
-            for held in self.gw.held.take_expired(now_secs()) {
+            for held in self.gw.flows.held.take_expired(now_secs()) {
                 tracing::info!(flow = format!("{:016x}", held.flow_id), "held flow expired");
-                self.gw.metrics.held_event("expired");
+                self.gw.runtime.metrics.held_event("expired");
                 held.abandon(&self.gw).await;
             }
         }

@@ -18,6 +18,7 @@ mod streams;
 
 use super::respond;
 use super::{Arrival, Gateway};
+use crate::gateway::reaper::Reaper;
 use crate::metrics::method_label;
 use crate::mrtr::data_session::META_KEY;
 pub(crate) use crate::mrtr::flow::fresh_call_id;
@@ -25,7 +26,7 @@ use crate::mrtr::modern::{ModernHeaders, ModernRequest, SUPPORTED_VERSIONS};
 use crate::outcome::Report;
 use crate::outcome::{Class, Outcome, Refusal};
 use crate::protocol::jsonrpc::{code, Body};
-use crate::upstream::exchange::ExchangeFailure;
+use crate::upstream::exchange::{ExchangeFailure, UpstreamClient};
 use crate::upstream::legacy_session::{read_single, LegacySession, SessionError, SessionFailure};
 use crate::upstream::UpstreamGroup;
 use bytes::Bytes;
@@ -202,7 +203,7 @@ async fn serve_inner(
         return Served::Done(Outcome::Refused(refusal));
     }
     // Only a request that passed validation may make the gateway probe the upstream.
-    if gw.relays(group, &client_info(&request)).await {
+    if gw.upstreams.relays(group, &client_info(&request)).await {
         return Served::Relay;
     }
     let reply = ClientReply {
@@ -307,7 +308,11 @@ async fn discover(
     request: &ModernRequest,
     reply: ClientReply,
 ) -> Outcome {
-    let init = match gw.initialize_result(group, &client_info(request)).await {
+    let init = match gw
+        .upstreams
+        .initialize_result(group, &client_info(request))
+        .await
+    {
         Ok(init) => init,
         Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
     };
@@ -338,30 +343,30 @@ async fn one_shot(
             Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
         };
         let answer = ask_once(gw, &upstream, request).await;
-        end_session(gw, &upstream).await;
+        end_session(&gw.flows.reaper, &upstream).await;
         return answered(gw, session, group, reply, answer).await;
     }
     let caps = Value::Object(request.client_capabilities.clone());
     let shape = KeptSessions::shape(&group.name, &caps, &client_info(request), principal);
     let mut retired = Vec::new();
-    let kept = gw.kept_sessions.take_live(&shape, Instant::now());
+    let kept = gw.upstreams.kept_sessions.take_live(&shape, Instant::now());
     let kept = kept.unwrap_or_else(|idle| {
         retired.push(idle);
         None
     });
     let timeouts = &group.timeouts;
     if let Some(kept) = kept {
-        if let Some(upstream) = one_shot::resume(&gw.client, group, timeouts, &kept) {
+        if let Some(upstream) = one_shot::resume(&gw.upstreams.client, group, timeouts, &kept) {
             match ask_once(gw, &upstream, request).await {
                 // The upstream forgot the session, so it did not take the request: it goes
                 // again, on a new session.
                 Err(e) if *e.failure() == SessionFailure::Gone => {
-                    gw.kept_sessions.forget(&shape, &kept.session_id)
+                    gw.upstreams.kept_sessions.forget(&shape, &kept.session_id)
                 }
                 answer => {
-                    gw.metrics.upstream_session("reused");
+                    gw.runtime.metrics.upstream_session("reused");
                     let outcome = answered(gw, session, group, reply, answer).await;
-                    retire(gw, group, retired).await;
+                    retire(&gw.upstreams.client, group, retired).await;
                     return outcome;
                 }
             }
@@ -376,12 +381,16 @@ async fn one_shot(
         (Ok(_), Some(sid)) => {
             let (addr, version) = (upstream.endpoint.addr, upstream.version.clone());
             let now = Instant::now();
-            retired.extend(gw.kept_sessions.keep(shape, addr, sid, version, now));
+            retired.extend(
+                gw.upstreams
+                    .kept_sessions
+                    .keep(shape, addr, sid, version, now),
+            );
         }
-        _ => end_session(gw, &upstream).await,
+        _ => end_session(&gw.flows.reaper, &upstream).await,
     }
     let outcome = answered(gw, session, group, reply, answer).await;
-    retire(gw, group, retired).await;
+    retire(&gw.upstreams.client, group, retired).await;
     outcome
 }
 
@@ -395,7 +404,7 @@ async fn ask_once(
     let call = json!({"jsonrpc": "2.0", "id": id, "method": request.method, "params": upstream_params(request)});
     let mut response = upstream.post(&call).await?;
     let message = read_single(&mut response).await;
-    gw.client.finish(response).await;
+    gw.upstreams.client.finish(response).await;
     message
 }
 
@@ -407,16 +416,25 @@ async fn answered(
     answer: Result<Value, SessionError>,
 ) -> Outcome {
     match answer {
-        Ok(message) => finish_with(reply, session, message, &gw.server_info(group), true).await,
+        Ok(message) => {
+            finish_with(
+                reply,
+                session,
+                message,
+                &gw.upstreams.server_info(group),
+                true,
+            )
+            .await
+        }
         Err(e) => upstream_failed(gw, reply, session, group, &e).await,
     }
 }
 
 /// Deletes kept sessions that idled too long or no longer fit (after the client has its
 /// answer).
-async fn retire(gw: &Gateway, group: &UpstreamGroup, retired: Vec<one_shot::Kept>) {
+async fn retire(client: &UpstreamClient, group: &UpstreamGroup, retired: Vec<one_shot::Kept>) {
     for kept in retired {
-        if let Some(upstream) = one_shot::resume(&gw.client, group, &group.timeouts, &kept) {
+        if let Some(upstream) = one_shot::resume(client, group, &group.timeouts, &kept) {
             upstream.delete().await;
         }
     }
@@ -433,11 +451,12 @@ pub(crate) async fn upstream_for<'g>(
     if let Some(attached) = attached {
         let mut upstream = attached.upstream(gw, group);
         upstream.trace = request.trace.clone();
-        gw.metrics.upstream_session("reused");
+        gw.runtime.metrics.upstream_session("reused");
         return Ok(upstream);
     }
     let caps = Value::Object(request.client_capabilities.clone());
     let (upstream, _init) = gw
+        .upstreams
         .open_upstream(group, &caps, &client_info(request), &request.trace)
         .await?;
     Ok(upstream)
@@ -445,13 +464,13 @@ pub(crate) async fn upstream_for<'g>(
 
 /// Deletes the flow's upstream session and stops the reaper watching it; a data-layer
 /// session's outlives the flow.
-pub(crate) async fn end_session(gw: &Gateway, upstream: &LegacySession<'_>) {
+pub(crate) async fn end_session(reaper: &Reaper, upstream: &LegacySession<'_>) {
     if upstream.persistent {
         return;
     }
     upstream.delete().await;
     if let Some(sid) = &upstream.session_id {
-        gw.reaper.forget(&upstream.endpoint, sid);
+        reaper.forget(&upstream.endpoint, sid);
     }
 }
 

@@ -11,7 +11,7 @@
 //! refuses it or replays nothing; one that is shared resolves it.
 
 use crate::gateway::learnt::SessionReplay;
-use crate::gateway::Gateway;
+use crate::gateway::UpstreamSide;
 use crate::protocol::sse;
 use crate::protocol::trace::TraceContext;
 use crate::upstream::exchange::Response;
@@ -29,30 +29,35 @@ const FOREIGN_WATCH: Duration = Duration::from_millis(300);
 
 /// Whether `group`'s store keeps sessions apart, probing `endpoint` the first time.
 pub(super) async fn session_replay(
-    gw: &Gateway,
+    upstreams: &UpstreamSide,
     group: &UpstreamGroup,
     endpoint: &Endpoint,
 ) -> SessionReplay {
-    let known = gw.learnt.get(&group.name).session_replay;
+    let known = upstreams.learnt.get(&group.name).session_replay;
     if known != SessionReplay::Unknown {
         return known;
     }
-    let verdict = probe(gw, group, endpoint).await;
+    let verdict = probe(upstreams, group, endpoint).await;
     if verdict != SessionReplay::Unknown {
-        gw.learnt
+        upstreams
+            .learnt
             .update(&group.name, |facts| facts.session_replay = verdict);
         tracing::info!(group = %group.name, verdict = ?verdict, "probed whether the upstream's event store keeps sessions apart");
     }
     verdict
 }
 
-async fn probe(gw: &Gateway, group: &UpstreamGroup, endpoint: &Endpoint) -> SessionReplay {
+async fn probe(
+    upstreams: &UpstreamSide,
+    group: &UpstreamGroup,
+    endpoint: &Endpoint,
+) -> SessionReplay {
     let open = || {
         let info = json!({"name": "mrtr-gateway-probe", "version": env!("CARGO_PKG_VERSION")});
         let none = TraceContext::default();
         async move {
             LegacySession::open(
-                &gw.client,
+                &upstreams.client,
                 endpoint.clone(),
                 &group.timeouts,
                 &json!({}),

@@ -30,7 +30,7 @@ impl Attached {
     /// The upstream session, to run a request in; it is never deleted by a flow.
     pub fn upstream<'g>(&self, gw: &'g Gateway, group: &'g UpstreamGroup) -> LegacySession<'g> {
         let mut upstream = LegacySession::resume(
-            &gw.client,
+            &gw.upstreams.client,
             self.endpoint.clone(),
             &group.timeouts,
             self.cookie.upstream_session.clone(),
@@ -73,7 +73,7 @@ pub(super) fn attach(
     if text.len() > MAX_COOKIE_LEN {
         return Err(Refused::Invalid("too_long"));
     }
-    let cookie = DataSession::open(&gw.keys.load(), principal, text, now_secs())
+    let cookie = DataSession::open(&gw.sealing.keys.load(), principal, text, now_secs())
         .map_err(|e| Refused::Invalid(e.reason()))?;
     if cookie.group != group.name {
         return Err(Refused::Invalid("other_group"));
@@ -98,7 +98,7 @@ fn required_by(group: &UpstreamGroup, request: &ModernRequest) -> Option<String>
 /// The cookie for the response: the same session with a later expiry, sealed anew.
 pub(super) fn refreshed(gw: &Gateway, attached: &mut Attached, principal: &[u8; 32]) -> Value {
     attached.cookie.expires_at = now_secs() + gw.config.bridge.data_session_ttl_seconds;
-    attached.cookie.cookie(&gw.keys.load(), principal)
+    attached.cookie.cookie(&gw.sealing.keys.load(), principal)
 }
 
 /// Answers a request whose session was refused; a bad cookie gets one uniform error
@@ -117,7 +117,8 @@ pub(super) async fn refuse(
             reply.refuse(session, refusal.with_data(data)).await
         }
         Refused::Invalid(reason) => {
-            gw.metrics
+            gw.runtime
+                .metrics
                 .data_sessions
                 .with_label_values(&["rejected"])
                 .inc();
@@ -136,7 +137,11 @@ pub(super) async fn ended(
     session: &mut ServerSession,
     reply: ClientReply,
 ) -> Outcome {
-    gw.metrics.data_sessions.with_label_values(&["ended"]).inc();
+    gw.runtime
+        .metrics
+        .data_sessions
+        .with_label_values(&["ended"])
+        .inc();
     tracing::info!("data-layer session ended upstream");
     let text = "Session ended: the upstream no longer has it; call session/create again";
     let data = json!({"_meta": revocation()});
@@ -156,6 +161,7 @@ pub(super) async fn create(
 ) -> Outcome {
     let caps = Value::Object(request.client_capabilities.clone());
     let (upstream, init) = match gw
+        .upstreams
         .open_upstream(group, &caps, &client_info(request), &request.trace)
         .await
     {
@@ -183,7 +189,8 @@ pub(super) async fn create(
         endpoint: upstream.endpoint.clone(),
     };
     let cookie = refreshed(gw, &mut attached, principal);
-    gw.metrics
+    gw.runtime
+        .metrics
         .data_sessions
         .with_label_values(&["created"])
         .inc();
@@ -214,7 +221,8 @@ pub(super) async fn delete(
         return reply.refuse(session, refusal).await;
     };
     attached.upstream(gw, group).delete().await;
-    gw.metrics
+    gw.runtime
+        .metrics
         .data_sessions
         .with_label_values(&["deleted"])
         .inc();
@@ -224,7 +232,10 @@ pub(super) async fn delete(
     );
     let result = json!({"deleted": true, "_meta": revocation()});
     reply
-        .result(session, decorate(result, &gw.server_info(group), false))
+        .result(
+            session,
+            decorate(result, &gw.upstreams.server_info(group), false),
+        )
         .await;
     Outcome::Ok
 }

@@ -3,9 +3,8 @@
 //! parsed but not yet read by the flow. Owns reading a chunk into the backlog, and
 //! (re)opening a stream after an event id, a conflict tried again briefly.
 
-use crate::gateway::Gateway;
 use crate::protocol::sse;
-use crate::upstream::exchange::Response;
+use crate::upstream::exchange::{Response, UpstreamClient};
 use crate::upstream::legacy_session::{
     LegacySession, SessionError, SessionFailure, MAX_UPSTREAM_MESSAGE,
 };
@@ -43,9 +42,9 @@ impl Streams {
         }
     }
 
-    pub(super) async fn close(self, gw: &Gateway) {
+    pub(super) async fn close(self, client: &UpstreamClient) {
         for response in [self.call, self.session].into_iter().flatten() {
-            gw.client.finish(response).await;
+            client.finish(response).await;
         }
     }
 

@@ -1,0 +1,235 @@
+//! The gateway's side of its upstream groups: the groups and the pooled client, what
+//! each group's InitializeResult is, which era an `era: auto` group speaks, what was
+//! learnt of each group's resumption, and the sessions one-shot methods are served on.
+
+use super::bridge::one_shot::KeptSessions;
+use super::learnt::Learnt;
+use crate::config::{Config, ResumeMode, UpstreamEra};
+use crate::metrics::Metrics;
+use crate::protocol::trace::TraceContext;
+use crate::upstream::exchange::UpstreamClient;
+use crate::upstream::legacy_session::{LegacySession, SessionError, SessionFailure};
+use crate::upstream::{UpstreamGroup, Upstreams};
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// After a probe of an `era: auto` group got no verdict (the upstream was unreachable),
+/// how long until the next one; until then the group is bridged.
+const PROBE_RETRY: Duration = Duration::from_secs(10);
+
+/// What probing an `era: auto` group found.
+#[derive(Clone, Copy)]
+enum Probed {
+    Verdict(bool),
+    RetryAfter(Instant),
+}
+
+pub struct UpstreamSide {
+    pub groups: Upstreams,
+    /// The pooled client; it counts into the gateway's metrics.
+    pub client: UpstreamClient,
+    /// Each group's InitializeResult, learnt from the first session opened there; it
+    /// answers `server/discover` and names the server in every modern result.
+    initialize_results: Mutex<HashMap<String, Value>>,
+    /// For `era: auto` groups, what the probe found.
+    modern_only: Mutex<HashMap<String, Probed>>,
+    /// What this replica learnt about each group's upstream: refused resumptions (with
+    /// `resume: auto` its flows are held from then on), priming, GET-stream replay.
+    pub learnt: Learnt,
+    /// The upstream sessions one-shot methods run on, one per shape.
+    pub kept_sessions: KeptSessions,
+}
+
+impl UpstreamSide {
+    pub fn new(config: &Config, groups: Upstreams, metrics: Arc<Metrics>) -> UpstreamSide {
+        for group in &config.upstreams {
+            let unknown = metrics.upstream_resumable.with_label_values(&[&group.name]);
+            unknown.set(-1);
+        }
+        UpstreamSide {
+            groups,
+            client: UpstreamClient::new(metrics),
+            initialize_results: Mutex::default(),
+            modern_only: Mutex::default(),
+            learnt: Learnt::default(),
+            kept_sessions: KeptSessions::new(
+                config.bridge.max_one_shot_sessions,
+                Duration::from_secs(config.bridge.one_shot_session_idle_seconds),
+            ),
+        }
+    }
+
+    pub fn remember_initialize(&self, group: &UpstreamGroup, result: &Value) {
+        let mut cache = self
+            .initialize_results
+            .lock()
+            .expect("initialize cache lock");
+        cache
+            .entry(group.name.clone())
+            .or_insert_with(|| result.clone());
+    }
+
+    /// Opens an upstream session on a healthy endpoint of `group` with the client's
+    /// declared capabilities, and remembers the group's InitializeResult.
+    pub async fn open_upstream<'g>(
+        &'g self,
+        group: &'g UpstreamGroup,
+        capabilities: &Value,
+        client_info: &Value,
+        trace: &TraceContext,
+    ) -> Result<(LegacySession<'g>, Value), SessionError> {
+        let endpoint = group
+            .pick()
+            .ok_or_else(|| SessionError::no_endpoint(&group.name))?;
+        let opened = LegacySession::open(
+            &self.client,
+            endpoint,
+            &group.timeouts,
+            capabilities,
+            client_info,
+            trace,
+        )
+        .await?;
+        self.remember_initialize(group, &opened.1);
+        Ok(opened)
+    }
+
+    /// Whether a round that ended with questions waits resumable (its state resumes the
+    /// call's stream with `Last-Event-ID`) rather than held: by the group's `resume`
+    /// setting, or for `auto` by what the upstream showed (event ids on the call's stream,
+    /// and no refused resumption so far).
+    pub fn resumes(&self, group: &UpstreamGroup, stream_has_ids: bool) -> bool {
+        match group.resume {
+            ResumeMode::Resumable => true,
+            ResumeMode::Hold => false,
+            ResumeMode::Auto => stream_has_ids && !self.replay_refused(group),
+        }
+    }
+
+    fn replay_refused(&self, group: &UpstreamGroup) -> bool {
+        self.learnt.get(&group.name).replay_refused
+    }
+
+    /// Records that a group's upstream refused a `Last-Event-ID` resumption, or answered
+    /// it with an empty stream (`how`): with `resume: auto`, its later flows are held.
+    pub fn note_replay_refused(&self, group: &UpstreamGroup, how: &str) {
+        if group.resume != ResumeMode::Auto {
+            return;
+        }
+        let before = self
+            .learnt
+            .update(&group.name, |facts| facts.replay_refused = true);
+        if !before.replay_refused {
+            tracing::warn!(group = %group.name, how, "upstream cannot resume a Last-Event-ID stream; its flows are held from now on");
+            self.note_resumable(group, false);
+        }
+    }
+
+    /// Records how a group's bridged rounds wait (resumed, or held), for the
+    /// `upstream_resumable` gauge. Logged when first known and whenever it changes (a
+    /// rolling upgrade of the upstream).
+    pub fn note_resumable(&self, group: &UpstreamGroup, resumable: bool) {
+        let gauge = self
+            .client
+            .metrics
+            .upstream_resumable
+            .with_label_values(&[&group.name]);
+        let value = i64::from(resumable);
+        if gauge.get() != value {
+            gauge.set(value);
+            let mode = if resumable { "resumable" } else { "hold" };
+            tracing::info!(group = %group.name, mode, "bridged rounds of this group wait {mode}");
+        }
+    }
+
+    /// The group's InitializeResult, opening (and closing) a session to learn it once.
+    pub async fn initialize_result(
+        &self,
+        group: &UpstreamGroup,
+        client_info: &Value,
+    ) -> Result<Value, SessionError> {
+        if let Some(known) = self
+            .initialize_results
+            .lock()
+            .expect("initialize cache lock")
+            .get(&group.name)
+        {
+            return Ok(known.clone());
+        }
+        let none = TraceContext::default();
+        let (session, result) = self
+            .open_upstream(group, &json!({}), client_info, &none)
+            .await?;
+        session.delete().await;
+        Ok(result)
+    }
+
+    /// Whether 2026-07-28 requests to `group` are relayed unchanged rather than bridged.
+    pub async fn relays(&self, group: &UpstreamGroup, client_info: &Value) -> bool {
+        match group.era {
+            UpstreamEra::Legacy => false,
+            UpstreamEra::Modern => true,
+            UpstreamEra::Auto => {
+                let probed = self
+                    .modern_only
+                    .lock()
+                    .expect("era cache lock")
+                    .get(&group.name)
+                    .copied();
+                match probed {
+                    Some(Probed::Verdict(modern_only)) => return modern_only,
+                    Some(Probed::RetryAfter(at)) if Instant::now() < at => return false,
+                    _ => {}
+                }
+                let probed = match self.probe_modern_only(group, client_info).await {
+                    Some(verdict) => Probed::Verdict(verdict),
+                    None => Probed::RetryAfter(Instant::now() + PROBE_RETRY),
+                };
+                self.modern_only
+                    .lock()
+                    .expect("era cache lock")
+                    .insert(group.name.clone(), probed);
+                matches!(probed, Probed::Verdict(true))
+            }
+        }
+    }
+
+    /// An upstream that refuses `initialize` but answers `server/discover` speaks only
+    /// 2026-07-28. `None` when it could not be reached: no verdict, probe again later.
+    async fn probe_modern_only(&self, group: &UpstreamGroup, client_info: &Value) -> Option<bool> {
+        match self.initialize_result(group, client_info).await {
+            Ok(_) => Some(false),
+            Err(e)
+                if matches!(
+                    e.failure(),
+                    SessionFailure::Protocol(_) | SessionFailure::Refused(_)
+                ) =>
+            {
+                let endpoint = group.pick()?;
+                Some(
+                    crate::upstream::legacy_session::answers_modern_discover(
+                        &self.client,
+                        &endpoint,
+                        &group.timeouts,
+                    )
+                    .await,
+                )
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// The upstream's serverInfo for modern results, once known.
+    pub fn server_info(&self, group: &UpstreamGroup) -> Value {
+        let cache = self
+            .initialize_results
+            .lock()
+            .expect("initialize cache lock");
+        cache
+            .get(&group.name)
+            .map(|r| r["serverInfo"].clone())
+            .unwrap_or_else(|| json!({"name": group.name, "version": "unknown"}))
+    }
+}
