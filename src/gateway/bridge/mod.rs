@@ -4,9 +4,12 @@
 //! `tools/call`, `prompts/get` and `resources/read` run as rounds: server requests that
 //! arrive on the call's stream or the session's GET stream are gathered (within a quiet
 //! window) into an `InputRequiredResult` whose sealed `requestState` points at the waiting
-//! upstream call. The retry, on any replica, posts the answers and resumes the call's
-//! stream with `Last-Event-ID`. The upstream keeps running in between: its connections
-//! are closed, never cancelled, and no per-flow memory stays on the gateway.
+//! upstream call. The retry, on any replica, reopens the call's streams (`Last-Event-ID`)
+//! and posts the answers. The upstream keeps running in between: its connections are
+//! closed, never cancelled. A resumable flow leaves only bounded bookkeeping between
+//! rounds (the opening replica's reaper entry, a used state's replay-table entry); a held
+//! one (`hold`) keeps its streams open on its owner. Each call runs as a `mrtr::flow::Flow`
+//! driven by `call`.
 
 mod call;
 pub mod hold;
