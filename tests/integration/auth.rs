@@ -252,3 +252,58 @@ fn an_api_key_header_reaches_the_server_in_both_eras_and_the_group_can_withhold_
     let withheld = ask_name_call(&Raw::new(&narrow.url), &[("x-api-key", "k-3141")]);
     assert_eq!(withheld.status, 401, "forward_headers narrowed the list");
 }
+
+#[test]
+fn every_upstream_exchange_of_a_flow_carries_the_headers_of_the_request_behind_it() {
+    use crate::resumption::{resumable_server, Resumes};
+    let upstream = resumable_server(Resumes::Primed, true, false);
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let call = |id: u64, tag: &str, extra: Value| {
+        let mut params = json!({"name": "hostile", "arguments": {}});
+        params
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let headers = [
+            ("authorization", "Bearer t-1"),
+            ("x-tag", tag),
+            ("accept-encoding", "gzip"),
+        ];
+        let reply = raw.modern_with(
+            id,
+            "tools/call",
+            params,
+            json!({"elicitation": {}}),
+            &headers,
+        );
+        (reply.status, reply.json())
+    };
+    let (_, first) = call(1, "round-1", json!({}));
+    let asked = upstream.requests().len();
+    let (status, done) = call(2, "round-2", answer(&first, json!({"name": "x"})));
+    assert_eq!(status, 200, "{done}");
+    wait_until(
+        "the flow's DELETE",
+        std::time::Duration::from_secs(5),
+        || upstream.requests().iter().any(|s| s.method == "DELETE"),
+    );
+    let seen = upstream.requests();
+    for (i, request) in seen.iter().enumerate() {
+        let what = format!("{} {:?}", request.method, request.json());
+        assert_eq!(
+            request.header("authorization"),
+            Some("Bearer t-1"),
+            "{what}"
+        );
+        let tag = if i < asked { "round-1" } else { "round-2" };
+        assert_eq!(
+            request.header("x-tag"),
+            Some(tag),
+            "each retry's own: {what}"
+        );
+        assert_eq!(request.header("accept-encoding"), None, "{what}");
+        assert_eq!(request.header("mcp-method"), None, "{what}");
+        assert!(request.header("x-forwarded-for").is_some(), "{what}");
+    }
+}
