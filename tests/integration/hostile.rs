@@ -578,6 +578,10 @@ fn the_hostile_input_corpus_gets_documented_errors_and_reaches_no_upstream() {
     let (status, done) = retry(&raw, &json!(once), answers());
     assert_eq!(status, 200, "the genuine state is acted on: {done}");
     assert_eq!(done["result"]["content"][0]["text"], "Hello, x!", "{done}");
+    // The flow's session is deleted once the client has its result.
+    wait_until("the flow's session deleted", Duration::from_secs(5), || {
+        acting.requests().iter().any(|s| s.method == "DELETE")
+    });
     let after_first = acting.count();
     let answers_posted = || acting.requests().iter().filter(|s| is_response(s)).count();
     assert_eq!(

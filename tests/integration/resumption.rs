@@ -8,8 +8,8 @@
 use crate::common::*;
 use crate::scripted::{legacy_basics, Answer, Gate, ScriptedUpstream, Seen};
 use serde_json::{json, Value};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Runs `scenario` with both official clients through replicas `a` and `b`, each
@@ -390,4 +390,58 @@ fn one_shot_methods_reuse_a_kept_session_per_shape() {
     assert_eq!(initializes(), opened + 2);
     assert_eq!(list(json!({})), renewed);
     assert_eq!(initializes(), opened + 2);
+}
+
+#[test]
+fn the_client_has_its_result_before_the_upstream_session_is_deleted() {
+    let delete_answered = Gate::new();
+    let gate = delete_answered.clone();
+    let called = Arc::new(AtomicBool::new(false));
+    let seen_call = called.clone();
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        if seen.method == "DELETE" && seen_call.load(Ordering::SeqCst) {
+            // The upstream takes its time over the call session's DELETE.
+            return Answer::silent()
+                .wait(&gate)
+                .bytes(Answer::status(200, &[], b"").pieces_bytes());
+        }
+        if seen.method == "GET" {
+            return Answer::sse(&[]);
+        }
+        match seen.jsonrpc_method().as_deref() {
+            Some("tools/call") => {
+                seen_call.store(true, Ordering::SeqCst);
+                Answer::json(
+                    200,
+                    &json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {
+                        "content": [{"type": "text", "text": "done"}]}}),
+                )
+            }
+            _ => legacy_basics(seen, "s1").unwrap_or_else(|| Answer::status(405, &[], b"")),
+        }
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let (answered, answer) = std::sync::mpsc::channel();
+    let raw = Raw::new(&gw.url);
+    std::thread::spawn(move || {
+        let _ = answered.send(call_hostile(&raw, 1, json!({})));
+    });
+    wait_until(
+        "the call's session DELETE upstream",
+        Duration::from_secs(10),
+        || {
+            let requests = upstream.requests();
+            let call = requests
+                .iter()
+                .position(|s| s.jsonrpc_method().as_deref() == Some("tools/call"));
+            call.is_some_and(|call| requests[call..].iter().any(|s| s.method == "DELETE"))
+        },
+    );
+    // The DELETE is unanswered; the client has its result all the same.
+    let (status, done) = answer
+        .recv_timeout(Duration::from_secs(5))
+        .expect("the result reaches the client while the upstream holds the DELETE");
+    delete_answered.open();
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(done["result"]["content"][0]["text"], "done");
 }

@@ -400,10 +400,24 @@ async fn drive<'g>(
     mut flow: Flow,
     mut io: Io<'g>,
 ) -> Outcome {
+    // A session deletion waits while the next command is the finish: the client has its
+    // answer first, and the DELETE's round trip is not part of its wait.
+    let mut delete_pending = false;
     loop {
         while let Some(command) = flow.poll_command() {
             if let Command::Finish(ending) = command {
-                return finish(call, session, reply, &flow, ending).await;
+                let outcome = finish(call, session, reply, &flow, ending).await;
+                if delete_pending {
+                    delete_session(call, &io).await;
+                }
+                return outcome;
+            }
+            if command == Command::DeleteSession {
+                delete_pending = true;
+                continue;
+            }
+            if std::mem::take(&mut delete_pending) {
+                delete_session(call, &io).await;
             }
             if let Some(input) = execute(call, session, &mut reply, &mut io, &flow, command).await {
                 flow.handle(input, Instant::now());
@@ -532,9 +546,7 @@ async fn execute<'g>(
             None
         }
         Command::DeleteSession => {
-            if let Some(upstream) = &io.upstream {
-                end_session(&gw.flows.reaper, upstream).await;
-            }
+            delete_session(call, io).await;
             None
         }
         Command::ReleaseClaim => {
@@ -561,6 +573,13 @@ async fn execute<'g>(
             None
         }
         Command::Finish(_) => None,
+    }
+}
+
+/// Deletes the flow's upstream session (unless it is a data-layer session's).
+async fn delete_session(call: &Call<'_>, io: &Io<'_>) {
+    if let Some(upstream) = &io.upstream {
+        end_session(&call.gw.flows.reaper, upstream).await;
     }
 }
 
