@@ -17,4 +17,5 @@ pub mod outcome;
 pub mod principal;
 pub mod protocol;
 pub mod seal;
+pub mod tls;
 pub mod upstream;
