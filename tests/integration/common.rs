@@ -133,7 +133,7 @@ pub fn start_upstream(kind: Upstream) -> (Proc, String) {
 /// Starts `kind` on `port` (again, after a restart); returns the process and its MCP URL.
 pub fn start_upstream_on(kind: Upstream, port: u16) -> (Proc, String) {
     let fixtures = root().join("tests/fixtures");
-    let mut cmd = match kind {
+    let cmd = match kind {
         Upstream::Python
         | Upstream::PythonWithoutEventStore
         | Upstream::PythonForgetfulEventStore => {
@@ -167,23 +167,41 @@ pub fn start_upstream_on(kind: Upstream, port: u16) -> (Proc, String) {
             c
         }
     };
+    let proc = spawn_listening(cmd, &format!("{kind:?}"), port);
+    (proc, format!("http://127.0.0.1:{port}/mcp"))
+}
+
+/// Starts the Python fixture serving HTTPS with `cert` and `key` (PEM) on a free loopback
+/// port; returns the process and its port.
+pub fn start_python_https(cert: &std::path::Path, key: &std::path::Path) -> (Proc, u16) {
+    let port = free_port();
+    let mut cmd = Command::new(python());
+    cmd.arg(root().join("tests/fixtures/py_legacy_server.py"))
+        .arg(port.to_string())
+        .arg("--tls")
+        .args([cert, key]);
+    (spawn_listening(cmd, "Python over HTTPS", port), port)
+}
+
+/// Starts a fixture process and waits until it listens on `port`.
+fn spawn_listening(mut cmd: Command, name: &str, port: u16) -> Proc {
     let child = cmd
-        .current_dir(&fixtures)
+        .current_dir(root().join("tests/fixtures"))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {kind:?} (run tests/setup.sh first): {e}"));
+        .unwrap_or_else(|e| panic!("cannot start {name} (run tests/setup.sh first): {e}"));
     let proc = Proc {
         child,
-        name: format!("{kind:?}"),
+        name: name.to_string(),
     };
     wait_until(
-        &format!("{kind:?} upstream on port {port}"),
+        &format!("{name} upstream on port {port}"),
         Duration::from_secs(30),
         || port_open(port),
     );
-    (proc, format!("http://127.0.0.1:{port}/mcp"))
+    proc
 }
 
 /// A fixed key ring shared by every replica of a test.
@@ -262,8 +280,19 @@ impl TestGateway {
 
 /// Runs a client script to completion within `limit`; returns its output.
 pub fn run_client(program: PathBuf, args: &[&str], limit: Duration) -> Output {
+    run_client_with_env(program, args, &[], limit)
+}
+
+/// [`run_client`] with extra environment variables (a CA file to trust, say).
+pub fn run_client_with_env(
+    program: PathBuf,
+    args: &[&str],
+    env: &[(&str, &std::ffi::OsStr)],
+    limit: Duration,
+) -> Output {
     let child = Command::new(&program)
         .args(args)
+        .envs(env.iter().copied())
         .current_dir(root())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
