@@ -777,6 +777,11 @@ impl Config {
         }
     }
 
+    /// The scheme the MCP listener serves: `https` with `tls`, `http` without.
+    pub fn listener_scheme(&self) -> crate::protocol::scheme::Scheme {
+        crate::protocol::scheme::Scheme::over_tls(self.tls.is_some())
+    }
+
     /// Applies the peer listener's command-line overrides.
     pub fn apply_peer_overrides(&mut self, listen: Option<String>, advertise: Option<String>) {
         if listen.is_some() {

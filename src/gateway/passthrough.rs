@@ -184,14 +184,14 @@ fn upstream_request(
 }
 
 /// This hop as the forwarding headers describe it: the client's address (whether its
-/// own forwarding headers are believed) and the `Host` it named, over plain HTTP.
+/// own forwarding headers are believed), the host it named and the scheme it came over.
 fn hop<'s>(admission: &Admission, session: &'s ServerSession) -> Option<forwarded::Hop<'s>> {
     let peer = session.client_addr()?.as_inet()?.ip();
     Some(forwarded::Hop {
         peer,
         trusted: admission.trusted_peers.contains(peer),
-        host: super::header(session, "host"),
-        proto: "http",
+        host: super::request_host(session),
+        proto: super::request_scheme(session),
     })
 }
 
