@@ -531,39 +531,52 @@ impl Raw {
         &self,
         id: u64,
         method: &str,
-        mut params: Value,
+        params: Value,
         capabilities: Value,
         extra: &[(&str, &str)],
     ) -> Reply {
-        let mut meta = serde_json::json!({
-            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
-            "io.modelcontextprotocol/clientCapabilities": capabilities,
-        });
-        if let Some(extra) = params.get("_meta").and_then(Value::as_object) {
-            meta.as_object_mut()
-                .expect("an object")
-                .extend(extra.clone());
-        }
-        params["_meta"] = meta;
-        let name = params
-            .get("name")
-            .or(params.get("uri"))
-            .and_then(Value::as_str)
-            .map(str::to_string);
-        let mut headers = vec![
-            ("content-type", "application/json"),
-            ("accept", "application/json, text/event-stream"),
-            ("mcp-protocol-version", "2026-07-28"),
-            ("mcp-method", method),
-        ];
-        if let Some(name) = &name {
-            headers.push(("mcp-name", name.as_str()));
-        }
+        let (headers, body) = modern_request(id, method, params, capabilities);
+        let mut headers: Vec<(&str, &str)> =
+            headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
         headers.extend_from_slice(extra);
-        let body =
-            serde_json::json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
         self.request("POST", &headers, Some(&body.to_string()))
     }
+}
+
+/// The headers and body of a 2026-07-28 request: `_meta` with the version and
+/// `capabilities` (merged with any `_meta` in `params`), and headers that match it.
+pub fn modern_request(
+    id: u64,
+    method: &str,
+    mut params: Value,
+    capabilities: Value,
+) -> (Vec<(&'static str, String)>, Value) {
+    let mut meta = serde_json::json!({
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientCapabilities": capabilities,
+    });
+    if let Some(extra) = params.get("_meta").and_then(Value::as_object) {
+        meta.as_object_mut()
+            .expect("an object")
+            .extend(extra.clone());
+    }
+    params["_meta"] = meta;
+    let name = params
+        .get("name")
+        .or(params.get("uri"))
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let mut headers = vec![
+        ("content-type", "application/json".to_string()),
+        ("accept", "application/json, text/event-stream".to_string()),
+        ("mcp-protocol-version", "2026-07-28".to_string()),
+        ("mcp-method", method.to_string()),
+    ];
+    if let Some(name) = name {
+        headers.push(("mcp-name", name));
+    }
+    let body = serde_json::json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
+    (headers, body)
 }
 
 /// A metric's value from the admin listener's `/metrics`: the first series of `name`
