@@ -98,7 +98,12 @@ fn describe(pair: &CertifiedKey) -> String {
         return "a certificate".to_string();
     };
     let names: Vec<String> = match parsed.subject_alternative_name() {
-        Ok(Some(san)) => san.value.general_names.iter().map(|n| n.to_string()).collect(),
+        Ok(Some(san)) => san
+            .value
+            .general_names
+            .iter()
+            .map(|n| n.to_string())
+            .collect(),
         _ => Vec::new(),
     };
     format!(
