@@ -3,6 +3,8 @@
 //! reading the file, so `check-config` and unit tests share them.
 
 use crate::principal::PrincipalSource;
+use crate::protocol::headers::HeaderPolicy;
+use crate::protocol::oauth::PublicResource;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -28,6 +30,11 @@ pub struct Config {
     /// Host names the MCP listener accepts in `Host` and `Origin` (DNS-rebinding
     /// protection). Empty: loopback names only on a loopback listener, any otherwise.
     pub allowed_hosts: Vec<String>,
+    /// The URL clients reach the MCP listener at (`https://mcp.example.com`, perhaps with a
+    /// path prefix a proxy in front strips): a group's public URL is it followed by the
+    /// group's path. OAuth discovery names it (`resource_metadata`, the metadata's
+    /// `resource`). `None`: the scheme and `Host` of each request.
+    pub public_url: Option<String>,
     /// How long a client's SSE stream may stay silent before the gateway writes a
     /// keep-alive comment, so idle timeouts in front do not cut it; 0 turns them off.
     pub sse_keepalive_ms: u64,
@@ -54,6 +61,7 @@ impl Default for Config {
             keys_poll_ms: 2_000,
             principal: PrincipalSource::default(),
             allowed_hosts: Vec::new(),
+            public_url: None,
             sse_keepalive_ms: 15_000,
             dns_resolver: None,
             limits: Limits::default(),
@@ -495,6 +503,21 @@ pub struct UpstreamGroupConfig {
     /// How a bridged call waits for its client between rounds.
     #[serde(default)]
     pub resume: ResumeMode,
+    /// Which end-to-end headers of a 2026-07-28 client's request (credentials, API
+    /// keys, cookies) every upstream exchange of its bridged flow carries: `["*"]`, every
+    /// one (the default), or the names listed. Hop-by-hop headers, and those the bridge
+    /// sets itself, never go.
+    #[serde(default = "default_forward_headers")]
+    pub forward_headers: Vec<String>,
+    /// The URL clients reach this group at, when it is not the listener's `public_url`
+    /// followed by `path` (another host name in front, say).
+    #[serde(default)]
+    pub public_url: Option<String>,
+    /// Protected-resource metadata (RFC 9728) the gateway serves for this group itself,
+    /// with `resource` set to the group's public URL, instead of relaying the upstream's:
+    /// `authorization_servers`, `scopes_supported`, …
+    #[serde(default)]
+    pub resource_metadata: Option<serde_json::Value>,
 }
 
 /// TLS to a group's `https://` endpoints. Every endpoint's certificate is verified against
@@ -636,6 +659,9 @@ fn default_health_interval_ms() -> u64 {
 fn default_dns_refresh_ms() -> u64 {
     5_000
 }
+fn default_forward_headers() -> Vec<String> {
+    vec!["*".into()]
+}
 
 impl UpstreamGroupConfig {
     pub fn new(name: &str, endpoints: Vec<String>) -> Self {
@@ -653,6 +679,9 @@ impl UpstreamGroupConfig {
             dns_refresh_ms: default_dns_refresh_ms(),
             tools: BTreeMap::new(),
             resume: ResumeMode::Auto,
+            forward_headers: default_forward_headers(),
+            public_url: None,
+            resource_metadata: None,
         }
     }
 }
@@ -803,6 +832,9 @@ impl Config {
         }
         self.limits.validate()?;
         self.forwarded.validate()?;
+        if let Some(url) = &self.public_url {
+            check_public_url("public_url", url)?;
+        }
         if self.keys_poll_ms < 100 {
             return Err(ConfigError::at("keys_poll_ms", "must be at least 100"));
         }
@@ -934,7 +966,33 @@ fn validate_group(at: &str, group: &UpstreamGroupConfig) -> Result<(), ConfigErr
             "must be above 0",
         ));
     }
+    HeaderPolicy::parse(&group.forward_headers)
+        .map_err(|p| ConfigError::at(format!("{at}.forward_headers"), p))?;
+    if let Some(url) = &group.public_url {
+        check_public_url(&format!("{at}.public_url"), url)?;
+    }
+    if group
+        .resource_metadata
+        .as_ref()
+        .is_some_and(|m| !m.is_object())
+    {
+        return Err(ConfigError::at(
+            format!("{at}.resource_metadata"),
+            "must be a mapping of metadata fields (authorization_servers, scopes_supported, …)",
+        ));
+    }
     Ok(())
+}
+
+/// A public URL: absolute, http or https, without a query.
+fn check_public_url(path: &str, url: &str) -> Result<(), ConfigError> {
+    match PublicResource::parse(url) {
+        Some(_) => Ok(()),
+        None => Err(ConfigError::at(
+            path,
+            format!("'{url}' must be an absolute http:// or https:// URL without a query"),
+        )),
+    }
 }
 
 /// A `discovery: dns` group names one endpoint whose host is a DNS name: its addresses

@@ -33,6 +33,8 @@ pub struct Refusal {
     pub message: String,
     /// The JSON-RPC error's `data`.
     pub data: Option<Value>,
+    /// For a denial (401, 403): the challenge the client gets in `WWW-Authenticate`.
+    pub challenge: Option<String>,
 }
 
 /// What kind of refusal: its metric label and HTTP status follow from it.
@@ -57,6 +59,10 @@ pub enum Class {
     UpstreamTimeout,
     /// This replica is too busy (a table is full).
     Overloaded,
+    /// The upstream wants the caller to authenticate (401, with its challenge).
+    Unauthorized,
+    /// The upstream denied the caller access (403).
+    Forbidden,
 }
 
 impl Class {
@@ -74,6 +80,8 @@ impl Class {
             Class::NoUpstream => "no_upstream",
             Class::UpstreamError | Class::UpstreamTimeout => "upstream_error",
             Class::Overloaded => "overloaded",
+            Class::Unauthorized => "unauthorized",
+            Class::Forbidden => "forbidden",
         }
     }
 
@@ -86,6 +94,8 @@ impl Class {
             | Class::SessionRequired
             | Class::StateRejected
             | Class::MissingCapability => 400,
+            Class::Unauthorized => 401,
+            Class::Forbidden => 403,
             Class::TooLarge => 413,
             Class::SessionRejected | Class::SessionEnded => 404,
             Class::OverLimit | Class::UpstreamError => 502,
@@ -102,6 +112,7 @@ impl Refusal {
             code,
             message: message.into(),
             data: None,
+            challenge: None,
         }
     }
 
@@ -112,6 +123,11 @@ impl Refusal {
 
     pub fn with_data(mut self, data: Value) -> Refusal {
         self.data = Some(data);
+        self
+    }
+
+    pub fn with_challenge(mut self, challenge: Option<String>) -> Refusal {
+        self.challenge = challenge;
         self
     }
 }

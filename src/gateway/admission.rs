@@ -5,8 +5,11 @@
 use crate::config::{Config, ConfigError};
 use crate::keys::Reloadable;
 use crate::principal::{Authenticator, PrincipalSource, Unauthenticated};
-use crate::protocol::forwarded::TrustedPeers;
+use crate::protocol::forwarded::{self, TrustedPeers};
+use crate::protocol::headers::EndToEnd;
 use crate::protocol::host_check::HostPolicy;
+use crate::protocol::oauth::PublicResource;
+use crate::upstream::UpstreamGroup;
 use pingora::protocols::http::ServerSession;
 use std::sync::Arc;
 
@@ -18,6 +21,8 @@ pub struct Admission {
     pub principal_source: PrincipalSource,
     /// Turns credentials into principals; swapped whole when the JWKS is reloaded.
     pub authenticator: Arc<Reloadable<Authenticator>>,
+    /// The URL clients reach the MCP listener at (`public_url`), when configured.
+    pub public_url: Option<PublicResource>,
 }
 
 impl Admission {
@@ -34,6 +39,7 @@ impl Admission {
             trusted_peers,
             principal_source: config.principal.clone(),
             authenticator: Arc::new(Reloadable::new(Arc::new(authenticator))),
+            public_url: config.public_url.as_deref().and_then(PublicResource::parse),
         })
     }
 
@@ -47,4 +53,52 @@ impl Admission {
             .map(|v| v.as_bytes());
         self.authenticator.load().principal(value)
     }
+
+    /// This hop as the forwarding headers describe it: the client's address (whether its
+    /// own forwarding headers are believed), the `Host` it named and the scheme.
+    pub fn hop<'s>(&self, session: &'s ServerSession) -> Option<forwarded::Hop<'s>> {
+        let peer = session.client_addr()?.as_inet()?.ip();
+        Some(forwarded::Hop {
+            peer,
+            trusted: self.trusted_peers.contains(peer),
+            host: super::request_host(session),
+            proto: super::request_scheme(session),
+        })
+    }
+
+    /// The URL clients reach `group` at: the group's `public_url`, else the listener's
+    /// followed by the group's path, else this request's scheme and `Host` (which the
+    /// host policy has checked) followed by it.
+    pub fn public_resource(
+        &self,
+        session: &ServerSession,
+        group: &UpstreamGroup,
+    ) -> PublicResource {
+        if let Some(url) = &group.public_url {
+            return url.clone();
+        }
+        if let Some(base) = &self.public_url {
+            return base.join(&group.path);
+        }
+        let authority = super::request_host(session)
+            .map(str::to_string)
+            .or_else(|| session.server_addr().map(|a| a.to_string()))
+            .unwrap_or_default();
+        let scheme = super::request_scheme(session);
+        PublicResource::new(&format!("{scheme}://{authority}"), &group.path)
+    }
+
+    /// The end-to-end headers a bridged request passes upstream: the client's, as
+    /// `group` lets them through, and the forwarding headers naming the client.
+    pub fn end_to_end(&self, session: &ServerSession, group: &UpstreamGroup) -> EndToEnd {
+        let client = &session.req_header().headers;
+        let mut headers = EndToEnd::of(client, &group.forward_headers);
+        if let Some(hop) = self.hop(session) {
+            for (name, value) in forwarded::forwarding_headers(client, &hop) {
+                headers.push(name, value);
+            }
+        }
+        headers
+    }
 }
+

@@ -14,6 +14,7 @@ pub mod reload;
 pub mod respond;
 pub mod server;
 pub mod upstream_side;
+pub mod wellknown;
 
 pub use admission::Admission;
 pub use upstream_side::UpstreamSide;
@@ -25,6 +26,7 @@ use crate::mrtr::modern::{era, Era};
 use crate::principal::Unauthenticated;
 use crate::protocol::headers::MCP_SESSION_ID;
 use crate::protocol::jsonrpc::{self, code, Body};
+use crate::protocol::oauth::WellKnown;
 use crate::protocol::scheme::Scheme;
 use crate::upstream::Upstreams;
 use async_trait::async_trait;
@@ -152,6 +154,10 @@ impl Gateway {
         }
         let path = session.req_header().uri.path();
         let Some(group) = self.upstreams.groups.by_path(path) else {
+            // Discovery documents are public: served before any credential is checked.
+            if WellKnown::of(path).is_some() {
+                return wellknown::serve(self, session).await;
+            }
             let message = format!("no MCP endpoint at {path}");
             respond::error(session, 404, None, code::INVALID_REQUEST, &message).await;
             return;

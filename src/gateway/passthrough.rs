@@ -4,14 +4,14 @@
 //! request there; a token that does not open is answered 404 and reaches no upstream.
 
 use super::respond;
-use super::{Admission, Gateway};
+use super::Gateway;
 use crate::metrics::{request_label, InUse};
 use crate::outcome::{Class, Outcome, Refusal, Report};
-use crate::protocol::forwarded;
 use crate::protocol::headers::{self, MCP_SESSION_ID};
 use crate::protocol::jsonrpc::{code, Body};
 use crate::protocol::session_token::SessionToken;
 use crate::protocol::sse::{self, BoundaryTracker};
+use crate::protocol::{forwarded, oauth};
 use crate::upstream::exchange::{ExchangeError, ExchangeFailure, Response};
 use crate::upstream::{Endpoint, UpstreamGroup};
 use bytes::Bytes;
@@ -168,7 +168,7 @@ fn upstream_request(
             let _ = req.append_header(name.clone(), value.clone());
         }
     }
-    if let Some(hop) = hop(&gw.admission, session) {
+    if let Some(hop) = gw.admission.hop(session) {
         for (name, value) in forwarded::forwarding_headers(&client.headers, &hop) {
             let _ = req.insert_header(name, value);
         }
@@ -183,19 +183,8 @@ fn upstream_request(
     req
 }
 
-/// This hop as the forwarding headers describe it: the client's address (whether its
-/// own forwarding headers are believed), the host it named and the scheme it came over.
-fn hop<'s>(admission: &Admission, session: &'s ServerSession) -> Option<forwarded::Hop<'s>> {
-    let peer = session.client_addr()?.as_inet()?.ip();
-    Some(forwarded::Hop {
-        peer,
-        trusted: admission.trusted_peers.contains(peer),
-        host: super::request_host(session),
-        proto: super::request_scheme(session),
-    })
-}
-
-/// The response header the client gets: the upstream's, with its session id sealed.
+/// The response header the client gets: the upstream's, with its session id sealed and
+/// a challenge's `resource_metadata` naming the group's metadata at the gateway.
 fn client_response_header(
     gw: &Gateway,
     session: &mut ServerSession,
@@ -205,6 +194,20 @@ fn client_response_header(
     upstream: &ResponseHeader,
 ) -> ResponseHeader {
     let mut out = relayed_header(session, upstream);
+    if matches!(upstream.status.as_u16(), 401 | 403) {
+        let public = gw.admission.public_resource(session, group);
+        let challenges: Vec<String> = upstream
+            .headers
+            .get_all(http::header::WWW_AUTHENTICATE)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .map(|c| oauth::rewrite_challenge(c, &public))
+            .collect();
+        out.remove_header(&http::header::WWW_AUTHENTICATE);
+        for challenge in challenges {
+            let _ = out.append_header(http::header::WWW_AUTHENTICATE, challenge);
+        }
+    }
     if let Some(sid) = upstream.headers.get(MCP_SESSION_ID) {
         match client_session_token(gw, group, route, binding, sid.as_bytes()) {
             Some(token) => {

@@ -6,9 +6,10 @@ use super::bridge::one_shot::KeptSessions;
 use super::learnt::Learnt;
 use crate::config::{Config, ResumeMode, UpstreamEra};
 use crate::metrics::Metrics;
-use crate::protocol::trace::TraceContext;
 use crate::upstream::exchange::UpstreamClient;
-use crate::upstream::legacy_session::{LegacySession, SessionError, SessionFailure};
+use crate::upstream::legacy_session::{
+    answers_modern_discover, Caller, LegacySession, SessionError, SessionFailure,
+};
 use crate::upstream::{UpstreamGroup, Upstreams};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -19,11 +20,20 @@ use std::time::{Duration, Instant};
 /// how long until the next one; until then the group is bridged.
 const PROBE_RETRY: Duration = Duration::from_secs(10);
 
-/// What probing an `era: auto` group found.
+/// What is known of an `era: auto` group's era.
 #[derive(Clone, Copy)]
 enum Probed {
     Verdict(bool),
     RetryAfter(Instant),
+}
+
+/// What one probe of an `era: auto` group found.
+enum Probe {
+    Verdict(bool),
+    /// The upstream could not be reached: no verdict, probe again later.
+    Unreachable,
+    /// The upstream denied the request the probe was made for: no verdict yet.
+    Denied,
 }
 
 pub struct UpstreamSide {
@@ -78,7 +88,7 @@ impl UpstreamSide {
         group: &'g UpstreamGroup,
         capabilities: &Value,
         client_info: &Value,
-        trace: &TraceContext,
+        caller: &Caller,
     ) -> Result<(LegacySession<'g>, Value), SessionError> {
         let endpoint = group
             .pick()
@@ -89,7 +99,7 @@ impl UpstreamSide {
             &group.timeouts,
             capabilities,
             client_info,
-            trace,
+            caller,
         )
         .await?;
         self.remember_initialize(group, &opened.1);
@@ -149,6 +159,7 @@ impl UpstreamSide {
         &self,
         group: &UpstreamGroup,
         client_info: &Value,
+        caller: &Caller,
     ) -> Result<Value, SessionError> {
         if let Some(known) = self
             .initialize_results
@@ -158,16 +169,21 @@ impl UpstreamSide {
         {
             return Ok(known.clone());
         }
-        let none = TraceContext::default();
         let (session, result) = self
-            .open_upstream(group, &json!({}), client_info, &none)
+            .open_upstream(group, &json!({}), client_info, caller)
             .await?;
         session.delete().await;
         Ok(result)
     }
 
-    /// Whether 2026-07-28 requests to `group` are relayed unchanged rather than bridged.
-    pub async fn relays(&self, group: &UpstreamGroup, client_info: &Value) -> bool {
+    /// Whether 2026-07-28 requests to `group` are relayed unchanged rather than bridged
+    /// (`caller` is the request asking; an `era: auto` group is probed on its behalf).
+    pub async fn relays(
+        &self,
+        group: &UpstreamGroup,
+        client_info: &Value,
+        caller: &Caller,
+    ) -> bool {
         match group.era {
             UpstreamEra::Legacy => false,
             UpstreamEra::Modern => true,
@@ -183,9 +199,12 @@ impl UpstreamSide {
                     Some(Probed::RetryAfter(at)) if Instant::now() < at => return false,
                     _ => {}
                 }
-                let probed = match self.probe_modern_only(group, client_info).await {
-                    Some(verdict) => Probed::Verdict(verdict),
-                    None => Probed::RetryAfter(Instant::now() + PROBE_RETRY),
+                let probed = match self.probe_modern_only(group, client_info, caller).await {
+                    Probe::Verdict(verdict) => Probed::Verdict(verdict),
+                    Probe::Unreachable => Probed::RetryAfter(Instant::now() + PROBE_RETRY),
+                    // The caller was denied: bridged, it gets the upstream's challenge,
+                    // and its authenticated retry probes again.
+                    Probe::Denied => return false,
                 };
                 self.modern_only
                     .lock()
@@ -197,27 +216,30 @@ impl UpstreamSide {
     }
 
     /// An upstream that refuses `initialize` but answers `server/discover` speaks only
-    /// 2026-07-28. `None` when it could not be reached: no verdict, probe again later.
-    async fn probe_modern_only(&self, group: &UpstreamGroup, client_info: &Value) -> Option<bool> {
-        match self.initialize_result(group, client_info).await {
-            Ok(_) => Some(false),
-            Err(e)
-                if matches!(
-                    e.failure(),
-                    SessionFailure::Protocol(_) | SessionFailure::Refused(_)
-                ) =>
-            {
-                let endpoint = group.pick()?;
-                Some(
-                    crate::upstream::legacy_session::answers_modern_discover(
-                        &self.client,
-                        &endpoint,
-                        &group.timeouts,
-                    )
-                    .await,
-                )
-            }
-            Err(_) => None,
+    /// 2026-07-28.
+    async fn probe_modern_only(
+        &self,
+        group: &UpstreamGroup,
+        client_info: &Value,
+        caller: &Caller,
+    ) -> Probe {
+        let denied = match self.initialize_result(group, client_info, caller).await {
+            Ok(_) => return Probe::Verdict(false),
+            Err(e) => match e.failure() {
+                SessionFailure::Protocol(_) | SessionFailure::Refused(_) => false,
+                SessionFailure::Denied { .. } => true,
+                _ => return Probe::Unreachable,
+            },
+        };
+        let Some(endpoint) = group.pick() else {
+            return Probe::Unreachable;
+        };
+        let discovered =
+            answers_modern_discover(&self.client, &endpoint, &group.timeouts, caller).await;
+        match discovered {
+            Some(true) => Probe::Verdict(true),
+            Some(false) if !denied => Probe::Verdict(false),
+            _ => Probe::Denied,
         }
     }
 

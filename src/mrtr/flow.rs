@@ -74,6 +74,8 @@ pub struct Failure {
     pub kind: FailureKind,
     /// What went wrong, for the client's message.
     pub message: String,
+    /// A denial's challenge (`WWW-Authenticate`), which the client must see.
+    pub challenge: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -86,6 +88,9 @@ pub enum FailureKind {
     Gone,
     /// The upstream refused the request with this status.
     Refused(u16),
+    /// The upstream denied the caller's credentials (401) or access (403): the request
+    /// was not processed, and the client may authenticate and retry.
+    Denied(u16),
     /// No answer in time.
     Timeout,
     /// Anything else: a broken exchange, an answer against the protocol.
@@ -97,6 +102,15 @@ impl Failure {
         Failure {
             kind,
             message: message.into(),
+            challenge: None,
+        }
+    }
+
+    /// The upstream denied the caller with `status`, and `challenge`.
+    pub fn denied(status: u16, challenge: Option<String>, message: impl Into<String>) -> Failure {
+        Failure {
+            challenge,
+            ..Failure::new(FailureKind::Denied(status), message)
         }
     }
 
@@ -109,12 +123,26 @@ impl Failure {
     pub fn never_delivered(&self) -> bool {
         matches!(
             self.kind,
-            FailureKind::Unreachable | FailureKind::Refused(_) | FailureKind::Gone
+            FailureKind::Unreachable
+                | FailureKind::Refused(_)
+                | FailureKind::Denied(_)
+                | FailureKind::Gone
         )
     }
 
     /// The client's error for this failure of `group`'s upstream.
     pub fn refusal(&self, group: &str) -> Refusal {
+        if let FailureKind::Denied(status) = self.kind {
+            let class = if status == 401 {
+                Class::Unauthorized
+            } else {
+                Class::Forbidden
+            };
+            let text = format!("upstream group '{group}' {}", self.message);
+            let refusal =
+                Refusal::new(class, crate::protocol::jsonrpc::code::INVALID_REQUEST, text);
+            return refusal.with_challenge(self.challenge.clone());
+        }
         let class = match self.kind {
             FailureKind::NoEndpoint => Class::NoUpstream,
             FailureKind::Timeout => Class::UpstreamTimeout,

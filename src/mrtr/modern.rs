@@ -3,6 +3,7 @@
 //! protocol version and client capabilities. Every refusal is the spec's own error.
 
 use crate::outcome::{Class, Refusal};
+use crate::protocol::headers::EndToEnd;
 use crate::protocol::trace::TraceContext;
 use serde_json::{Map, Value};
 
@@ -106,6 +107,9 @@ pub struct ModernRequest {
     pub progress_token: Option<Value>,
     /// The W3C trace context of the request's headers, for every upstream request.
     pub trace: TraceContext,
+    /// The end-to-end headers every upstream request of its flow carries (the shell
+    /// fills them in by the group's policy).
+    pub headers: EndToEnd,
 }
 
 /// The body parameter `Mcp-Name` mirrors for `method`, if any.
@@ -211,6 +215,7 @@ impl ModernRequest {
                 .map(str::to_string),
             progress_token: meta.get("progressToken").cloned(),
             trace: TraceContext::from_headers(headers.traceparent, headers.tracestate),
+            headers: EndToEnd::default(),
             client_capabilities,
             target,
             params,

@@ -1,9 +1,13 @@
 //! Which HTTP headers cross the gateway. Hop-by-hop headers (RFC 9110 §7.6.1) and any
 //! header a `Connection` header nominates stay on their own hop; framing and the session
-//! header are rewritten by the gateway itself.
+//! header are rewritten by the gateway itself. A bridged flow's upstream exchanges carry
+//! the end-to-end headers of the client request behind them ([`EndToEnd`]): credentials,
+//! API keys, cookies; less what the bridge sets itself or must read back unchanged.
 
 use http::header::HeaderName;
-use http::HeaderMap;
+use http::{HeaderMap, HeaderValue};
+use sha2::{Digest, Sha256};
+use std::fmt;
 
 pub const MCP_SESSION_ID: &str = "mcp-session-id";
 
@@ -40,6 +44,116 @@ pub fn forwardable(headers: &HeaderMap) -> impl Iterator<Item = (&HeaderName, &h
     })
 }
 
+/// Headers of a 2026-07-28 request the bridge never passes to its legacy upstream: it
+/// writes its own body, accept list, protocol version and stream position, and it reads
+/// the upstream's responses itself, so they must come back unencoded and whole.
+const BRIDGE_SETS: &[&str] = &[
+    "content-type",
+    "content-encoding",
+    "accept",
+    "accept-encoding",
+    "range",
+    "if-range",
+    "if-match",
+    "if-none-match",
+    "if-modified-since",
+    "if-unmodified-since",
+    "mcp-protocol-version",
+    "mcp-method",
+    "mcp-name",
+    "last-event-id",
+    "traceparent",
+    "tracestate",
+];
+
+/// Which of a client's end-to-end headers a group's bridged exchanges carry
+/// (`forward_headers`): every one (`*`, the default), or only those named.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HeaderPolicy {
+    All,
+    Only(Vec<HeaderName>),
+}
+
+impl HeaderPolicy {
+    /// From the configured list: `["*"]` is every header; names are matched without case.
+    pub fn parse(names: &[String]) -> Result<HeaderPolicy, String> {
+        if names.iter().any(|n| n == "*") {
+            if names.len() > 1 {
+                return Err("'*' already names every header; list names or '*', not both".into());
+            }
+            return Ok(HeaderPolicy::All);
+        }
+        let parsed = names
+            .iter()
+            .map(|n| {
+                HeaderName::from_bytes(n.trim().to_ascii_lowercase().as_bytes())
+                    .map_err(|_| format!("'{n}' is not a header name"))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(HeaderPolicy::Only(parsed))
+    }
+
+    fn allows(&self, name: &HeaderName) -> bool {
+        match self {
+            HeaderPolicy::All => true,
+            HeaderPolicy::Only(names) => names.contains(name),
+        }
+    }
+}
+
+/// The end-to-end headers a client request passes to every upstream exchange it causes
+/// in a bridged flow, in order. Their values are credentials: `Debug` shows names only.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct EndToEnd(Vec<(HeaderName, HeaderValue)>);
+
+impl EndToEnd {
+    /// The client's headers that `policy` lets through, less hop-by-hop ones, those the
+    /// gateway rewrites, those the bridge sets, and forwarding headers (the gateway
+    /// writes its own: `push` them).
+    pub fn of(client: &HeaderMap, policy: &HeaderPolicy) -> EndToEnd {
+        let kept = forwardable(client).filter(|(name, _)| {
+            let n = name.as_str();
+            !BRIDGE_SETS.contains(&n)
+                && !super::forwarded::NAMES.contains(&n)
+                && policy.allows(name)
+        });
+        EndToEnd(kept.map(|(n, v)| (n.clone(), v.clone())).collect())
+    }
+
+    pub fn push(&mut self, name: HeaderName, value: HeaderValue) {
+        self.0.push((name, value));
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
+        self.0.iter().map(|(n, v)| (n, v))
+    }
+
+    /// A digest of the headers that decide who the upstream serves (everything but the
+    /// forwarding headers, which name the client's address): requests whose digests
+    /// differ never share an upstream session.
+    pub fn digest(&self) -> [u8; 32] {
+        let mut h = Sha256::new();
+        for (name, value) in &self.0 {
+            if super::forwarded::NAMES.contains(&name.as_str()) {
+                continue;
+            }
+            h.update((name.as_str().len() as u32).to_be_bytes());
+            h.update(name.as_str());
+            h.update((value.len() as u32).to_be_bytes());
+            h.update(value.as_bytes());
+        }
+        h.finalize().into()
+    }
+}
+
+impl fmt::Debug for EndToEnd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list()
+            .entries(self.0.iter().map(|(n, _)| n.as_str()))
+            .finish()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -64,5 +178,68 @@ mod tests {
         }
         let kept: Vec<&str> = forwardable(&h).map(|(n, _)| n.as_str()).collect();
         assert_eq!(kept, ["authorization", "accept", "last-event-id"]);
+    }
+
+    fn client_headers() -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("authorization", "Bearer secret-token"),
+            ("x-api-key", "k-123"),
+            ("cookie", "sid=1"),
+            ("connection", "keep-alive, x-hop"),
+            ("x-hop", "1"),
+            ("content-type", "application/json"),
+            ("accept", "application/json, text/event-stream"),
+            ("accept-encoding", "gzip"),
+            ("mcp-protocol-version", "2026-07-28"),
+            ("mcp-method", "tools/call"),
+            (
+                "traceparent",
+                "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            ),
+            ("x-forwarded-for", "6.6.6.6"),
+            ("host", "gw"),
+            ("content-length", "10"),
+        ] {
+            h.append(HeaderName::from_static(k), v.parse().unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn a_bridged_exchange_carries_credentials_and_nothing_the_bridge_sets() {
+        let all = EndToEnd::of(
+            &client_headers(),
+            &HeaderPolicy::parse(&["*".into()]).unwrap(),
+        );
+        let names: Vec<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["authorization", "x-api-key", "cookie"]);
+        let only = HeaderPolicy::parse(&["X-Api-Key".into()]).unwrap();
+        let narrowed = EndToEnd::of(&client_headers(), &only);
+        let names: Vec<&str> = narrowed.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["x-api-key"]);
+        assert!(HeaderPolicy::parse(&["*".into(), "cookie".into()]).is_err());
+        assert!(HeaderPolicy::parse(&["bad header".into()]).is_err());
+    }
+
+    #[test]
+    fn credentials_never_show_in_debug_and_decide_the_digest() {
+        let policy = HeaderPolicy::All;
+        let mut alice = EndToEnd::of(&client_headers(), &policy);
+        let shown = format!("{alice:?}");
+        assert!(!shown.contains("secret-token") && shown.contains("authorization"));
+        let before = alice.digest();
+        alice.push(
+            HeaderName::from_static("x-forwarded-for"),
+            HeaderValue::from_static("10.0.0.1"),
+        );
+        assert_eq!(
+            alice.digest(),
+            before,
+            "the client's address is not who it is"
+        );
+        let mut other = client_headers();
+        other.insert("authorization", "Bearer another".parse().unwrap());
+        assert_ne!(EndToEnd::of(&other, &policy).digest(), before);
     }
 }

@@ -5,7 +5,7 @@
 
 use super::exchange::{ExchangeError, ExchangeFailure, Response, UpstreamClient};
 use super::{Endpoint, Timeouts};
-use crate::protocol::headers::MCP_SESSION_ID;
+use crate::protocol::headers::{EndToEnd, MCP_SESSION_ID};
 use crate::protocol::sse;
 use crate::protocol::trace::TraceContext;
 use bytes::Bytes;
@@ -25,10 +25,20 @@ pub struct LegacySession<'a> {
     pub timeouts: &'a Timeouts,
     pub session_id: Option<String>,
     pub version: String,
-    /// The client request's trace context, sent with every request of this session.
-    pub trace: TraceContext,
+    /// The client request the session acts for now.
+    pub caller: Caller,
     /// A data-layer session's: it outlives the flows run in it, which never delete it.
     pub persistent: bool,
+}
+
+/// The client request an upstream session acts for: its trace context and the end-to-end
+/// headers (credentials among them) that every request of the session carries. A retry
+/// acts for itself: its own headers replace the previous round's. Requests the gateway
+/// makes on its own (reaping an abandoned session) act for no one and carry none.
+#[derive(Clone, Debug, Default)]
+pub struct Caller {
+    pub trace: TraceContext,
+    pub headers: EndToEnd,
 }
 
 /// Why the upstream could not be driven. Its text names no endpoint: it is what a client
@@ -41,8 +51,14 @@ pub enum SessionFailure {
     /// The upstream answered something other than what the protocol requires.
     Protocol(String),
     /// The upstream refused the request with this HTTP status (4xx or 5xx; a 404 in an
-    /// established session is `Gone`).
+    /// established session is `Gone`, a 401 or 403 `Denied`).
     Refused(u16),
+    /// The upstream denied the caller access (401 or 403), with its challenge
+    /// (`WWW-Authenticate`), which the client must see to authenticate.
+    Denied {
+        status: u16,
+        challenge: Option<String>,
+    },
     /// The upstream no longer has the session (HTTP 404).
     Gone,
 }
@@ -54,6 +70,10 @@ impl fmt::Display for SessionFailure {
             SessionFailure::Exchange(e) => write!(f, "{e}"),
             SessionFailure::Protocol(e) => write!(f, "{e}"),
             SessionFailure::Refused(status) => write!(f, "refused the request (HTTP {status})"),
+            SessionFailure::Denied { status: 401, .. } => {
+                write!(f, "requires authorization (HTTP 401)")
+            }
+            SessionFailure::Denied { status, .. } => write!(f, "denied access (HTTP {status})"),
             SessionFailure::Gone => write!(f, "no longer has the session (HTTP 404)"),
         }
     }
@@ -139,7 +159,7 @@ impl<'a> LegacySession<'a> {
         timeouts: &'a Timeouts,
         capabilities: &Value,
         client_info: &Value,
-        trace: &TraceContext,
+        caller: &Caller,
     ) -> Result<(LegacySession<'a>, Value), SessionError> {
         let mut session = LegacySession {
             client,
@@ -147,7 +167,7 @@ impl<'a> LegacySession<'a> {
             timeouts,
             session_id: None,
             version: UPSTREAM_VERSION.into(),
-            trace: trace.clone(),
+            caller: caller.clone(),
             persistent: false,
         };
         let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
@@ -186,14 +206,17 @@ impl<'a> LegacySession<'a> {
             timeouts,
             session_id: Some(session_id),
             version: UPSTREAM_VERSION.into(),
-            trace: TraceContext::default(),
+            caller: Caller::default(),
             persistent: false,
         }
     }
 
     fn request(&self, method: &str, body_len: usize, last_event_id: Option<&str>) -> RequestHeader {
-        let mut req = RequestHeader::build(method, self.endpoint.path.as_bytes(), Some(8))
+        let mut req = RequestHeader::build(method, self.endpoint.path.as_bytes(), Some(16))
             .expect("valid method and path");
+        for (name, value) in self.caller.headers.iter() {
+            let _ = req.append_header(name.clone(), value.clone());
+        }
         let _ = req.insert_header("host", self.endpoint.authority.as_str());
         let accept = if method == "GET" {
             "text/event-stream"
@@ -208,7 +231,7 @@ impl<'a> LegacySession<'a> {
         if let Some(id) = last_event_id {
             let _ = req.insert_header("last-event-id", id);
         }
-        for (name, value) in self.trace.headers() {
+        for (name, value) in self.caller.trace.headers() {
             let _ = req.insert_header(name, value);
         }
         if method == "POST" {
@@ -228,8 +251,9 @@ impl<'a> LegacySession<'a> {
             .await?;
         let status = response.header().status.as_u16();
         if status >= 400 {
+            let refused = self.refused(&response);
             self.client.finish(response).await;
-            return Err(self.refused(status));
+            return Err(refused);
         }
         Ok(response)
     }
@@ -276,8 +300,9 @@ impl<'a> LegacySession<'a> {
             .await?;
         let status = response.header().status.as_u16();
         if status != 200 {
+            let refused = self.refused(&response);
             self.client.finish(response).await;
-            return Err(self.refused(status));
+            return Err(refused);
         }
         if !response.is_sse() {
             self.client.finish(response).await;
@@ -289,13 +314,22 @@ impl<'a> LegacySession<'a> {
         Ok(response)
     }
 
-    /// Why the upstream refused a request with `status`: a 404 in an established
-    /// session means the session is gone.
-    fn refused(&self, status: u16) -> SessionError {
-        let failure = if status == 404 && self.session_id.is_some() {
-            SessionFailure::Gone
-        } else {
-            SessionFailure::Refused(status)
+    /// Why the upstream refused a request: a 404 in an established session means the
+    /// session is gone; a 401 or 403 denies the caller, with the upstream's challenge.
+    fn refused(&self, response: &Response) -> SessionError {
+        let status = response.header().status.as_u16();
+        let failure = match status {
+            404 if self.session_id.is_some() => SessionFailure::Gone,
+            401 | 403 => SessionFailure::Denied {
+                status,
+                challenge: response
+                    .header()
+                    .headers
+                    .get(http::header::WWW_AUTHENTICATE)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string),
+            },
+            _ => SessionFailure::Refused(status),
         };
         SessionError::at(Some(self.endpoint.addr), failure)
     }
@@ -353,20 +387,23 @@ pub async fn read_single(response: &mut Response) -> Result<Value, SessionError>
     ))
 }
 
-/// Whether the upstream answers a 2026-07-28 `server/discover` with a DiscoverResult
-/// naming that version.
+/// Whether the upstream answers a 2026-07-28 `server/discover` (sent for `caller`) with a
+/// DiscoverResult naming that version; `None` when it denied the caller (401, 403): that
+/// says nothing of its era.
 pub async fn answers_modern_discover(
     client: &UpstreamClient,
     endpoint: &Endpoint,
     timeouts: &Timeouts,
-) -> bool {
+    caller: &Caller,
+) -> Option<bool> {
     let version = crate::mrtr::modern::MODERN_VERSION;
     let message = json!({"jsonrpc": "2.0", "id": 0, "method": "server/discover", "params": {"_meta": {
         "io.modelcontextprotocol/protocolVersion": version, "io.modelcontextprotocol/clientCapabilities": {}}}});
     let body = Bytes::from(message.to_string());
-    let Ok(mut req) = RequestHeader::build("POST", endpoint.path.as_bytes(), Some(8)) else {
-        return false;
-    };
+    let mut req = RequestHeader::build("POST", endpoint.path.as_bytes(), Some(16)).ok()?;
+    for (name, value) in caller.headers.iter() {
+        let _ = req.append_header(name.clone(), value.clone());
+    }
     for (name, value) in [
         ("host", endpoint.authority.as_str()),
         ("accept", "application/json, text/event-stream"),
@@ -378,15 +415,19 @@ pub async fn answers_modern_discover(
     }
     let _ = req.insert_header("content-length", body.len());
     let Ok(mut response) = client.send(endpoint, timeouts, req, body).await else {
-        return false;
+        return Some(false);
     };
+    if matches!(response.header().status.as_u16(), 401 | 403) {
+        client.finish(response).await;
+        return None;
+    }
     let answer = read_single(&mut response).await;
     client.finish(response).await;
-    answer.is_ok_and(|m| {
+    Some(answer.is_ok_and(|m| {
         m["result"]["supportedVersions"]
             .as_array()
             .is_some_and(|v| v.iter().any(|x| x == version))
-    })
+    }))
 }
 
 #[cfg(test)]
@@ -412,9 +453,16 @@ mod tests {
             stream_idle: None,
         };
         let client = UpstreamClient::default();
-        let trace = TraceContext::default();
-        let opened =
-            LegacySession::open(&client, endpoint, &timeouts, &json!({}), &json!({}), &trace).await;
+        let nobody = Caller::default();
+        let opened = LegacySession::open(
+            &client,
+            endpoint,
+            &timeouts,
+            &json!({}),
+            &json!({}),
+            &nobody,
+        )
+        .await;
         let e = opened.err().expect("nothing listens there");
         assert_eq!(
             *e.failure(),

@@ -11,6 +11,8 @@ use crate::config::{
     parse_endpoint_url, Config, ConfigError, Discovery, EndpointUrl, ToolPolicy,
     UpstreamGroupConfig,
 };
+use crate::protocol::headers::HeaderPolicy;
+use crate::protocol::oauth::PublicResource;
 use crate::tls::upstream::{EndpointTls, GroupTls};
 use pingora::lb::health_check::TcpHealthCheck;
 use pingora::lb::selection::RoundRobin;
@@ -52,6 +54,12 @@ pub struct UpstreamGroup {
     pub dns_refresh: Option<Duration>,
     /// Per-tool policies, by tool name.
     pub tools: BTreeMap<String, ToolPolicy>,
+    /// Which of a client's end-to-end headers its bridged exchanges carry.
+    pub forward_headers: HeaderPolicy,
+    /// The URL clients reach the group at, when configured for the group itself.
+    pub public_url: Option<PublicResource>,
+    /// Protected-resource metadata the gateway serves for the group, when configured.
+    pub resource_metadata: Option<serde_json::Value>,
     balancer: Arc<LoadBalancer<RoundRobin>>,
 }
 
@@ -93,6 +101,10 @@ impl UpstreamGroup {
             era: cfg.era,
             resume: cfg.resume,
             tools: cfg.tools.clone(),
+            forward_headers: HeaderPolicy::parse(&cfg.forward_headers)
+                .map_err(|p| ConfigError::at(format!("{at}.forward_headers"), p))?,
+            public_url: cfg.public_url.as_deref().and_then(PublicResource::parse),
+            resource_metadata: cfg.resource_metadata.clone(),
             path: cfg.path.clone(),
             members,
             timeouts: Timeouts {

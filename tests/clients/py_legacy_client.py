@@ -10,6 +10,7 @@ Exits non-zero, with the reason on stderr, when a step fails or 30 s pass.
 
 import asyncio
 import json
+import os
 import sys
 import time
 
@@ -113,8 +114,11 @@ async def main(url: str, name: str) -> None:
         if response.request.method == "DELETE":
             deletes.append(("mcp-session-id" in response.request.headers, response.status_code))
 
-    http = httpx2.AsyncClient(timeout=httpx2.Timeout(30.0, read=300.0), event_hooks={"response": [on_response]})
-    server = streamable_http_client(url, http_client=http, terminate_on_close=True) if name == "delete" else url
+    # Credentials for every request (an API key, a bearer token): MCP_TEST_HEADERS, JSON.
+    headers = json.loads(os.environ.get("MCP_TEST_HEADERS", "{}"))
+    http = httpx2.AsyncClient(timeout=httpx2.Timeout(30.0, read=300.0), headers=headers, event_hooks={"response": [on_response]})
+    own_client = name == "delete" or bool(headers)
+    server = streamable_http_client(url, http_client=http, terminate_on_close=True) if own_client else url
     async with http:
         async with Client(
             server,

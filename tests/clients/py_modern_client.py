@@ -13,16 +13,27 @@ And failing: calls the tool `broken` and prints the error the client reports.
 And alternate: the rounds of plan_trip are sent by hand, each to the other of URL and
 URL2, with the SDK's own retry parameters.
 Exits non-zero, with the reason on stderr, when a step fails or 30 s pass.
+
+Credentials, from the environment, for every request the client makes:
+MCP_TEST_HEADERS, a JSON object of headers (an API key, a bearer token); or
+MCP_TEST_OAUTH=1, the SDK's own OAuth client (`OAuthClientProvider`: discovery from the
+server's 401, dynamic registration, authorization code with PKCE), whose browser step is
+played by following the authorization server's redirect, as a user who approves does.
+With either, each HTTP exchange is printed as an `http` step (method, URL, status).
 """
 
 import asyncio
 import json
+import os
 import sys
+from urllib.parse import parse_qs, urlparse
 
 import httpx2
 import mcp_types as types
 from mcp import Client
+from mcp.client.auth import OAuthClientProvider, TokenStorage
 from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.auth import AuthorizationCodeResult, OAuthClientInformationFull, OAuthClientMetadata, OAuthToken
 
 ANSWERS = {
     "What is your name?": {"name": "Alice"},
@@ -75,21 +86,73 @@ class Alternating(httpx2.AsyncBaseTransport):
         self.inner = httpx2.AsyncHTTPTransport()
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        origin = self.origins[self.sent % len(self.origins)]
-        self.sent += 1
-        request.url = request.url.copy_with(host=origin.host, port=origin.port)
-        request.headers["host"] = f"{origin.host}:{origin.port}"
+        first = self.origins[0]
+        if (request.url.host, request.url.port) == (first.host, first.port):
+            # Only the gateway's requests are spread (an authorization server is not).
+            origin = self.origins[self.sent % len(self.origins)]
+            self.sent += 1
+            request.url = request.url.copy_with(host=origin.host, port=origin.port)
+            request.headers["host"] = f"{origin.host}:{origin.port}"
         return await self.inner.handle_async_request(request)
 
     async def aclose(self) -> None:
         await self.inner.aclose()
 
 
+class MemoryStorage(TokenStorage):
+    def __init__(self) -> None:
+        self.tokens: OAuthToken | None = None
+        self.client_info: OAuthClientInformationFull | None = None
+
+    async def get_tokens(self) -> OAuthToken | None:
+        return self.tokens
+
+    async def set_tokens(self, tokens: OAuthToken) -> None:
+        self.tokens = tokens
+
+    async def get_client_info(self) -> OAuthClientInformationFull | None:
+        return self.client_info
+
+    async def set_client_info(self, client_info: OAuthClientInformationFull) -> None:
+        self.client_info = client_info
+
+
+def oauth(url: str) -> OAuthClientProvider:
+    """The SDK's OAuth client; the user approves at once."""
+    redirected: dict[str, str] = {}
+
+    async def open_browser(authorization_url: str) -> None:
+        emit("authorize", url=authorization_url.split("?")[0])
+        async with httpx2.AsyncClient() as browser:
+            response = await browser.get(authorization_url, follow_redirects=False)
+        query = parse_qs(urlparse(response.headers["location"]).query)
+        redirected.update({k: v[0] for k, v in query.items()})
+
+    async def callback() -> AuthorizationCodeResult:
+        return AuthorizationCodeResult(code=redirected["code"], state=redirected.get("state"), iss=redirected.get("iss"))
+
+    metadata = OAuthClientMetadata(
+        client_name="mrtr-gateway test client",
+        redirect_uris=["http://127.0.0.1:1/callback"],
+        grant_types=["authorization_code", "refresh_token"],
+        response_types=["code"],
+    )
+    return OAuthClientProvider(url, metadata, MemoryStorage(), open_browser, callback)
+
+
+async def log_exchange(response: httpx2.Response) -> None:
+    emit("http", method=response.request.method, url=str(response.request.url), status=response.status_code)
+
+
 def client(url: str, url2: str | None = None) -> Client:
     server = url
-    if url2 is not None:
+    headers = json.loads(os.environ.get("MCP_TEST_HEADERS", "{}"))
+    auth = oauth(url) if os.environ.get("MCP_TEST_OAUTH") else None
+    if url2 is not None or headers or auth is not None:
         timeout = httpx2.Timeout(30, read=300)
-        http = httpx2.AsyncClient(transport=Alternating([url, url2]), timeout=timeout)
+        transport = Alternating([url, url2]) if url2 is not None else None
+        hooks = {"response": [log_exchange]} if headers or auth is not None else {}
+        http = httpx2.AsyncClient(transport=transport, timeout=timeout, headers=headers, auth=auth, event_hooks=hooks)
         server = streamable_http_client(url, http_client=http)
     return Client(server, mode="auto", elicitation_callback=on_elicit, sampling_callback=on_sample, list_roots_callback=on_roots)
 

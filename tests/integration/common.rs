@@ -132,6 +132,12 @@ pub fn start_upstream(kind: Upstream) -> (Proc, String) {
 
 /// Starts `kind` on `port` (again, after a restart); returns the process and its MCP URL.
 pub fn start_upstream_on(kind: Upstream, port: u16) -> (Proc, String) {
+    start_upstream_with(kind, port, &[])
+}
+
+/// Starts `kind` on `port` with the fixture's own `flags` (the Python fixture's
+/// `--introspect`, `--api-key`, ...); returns the process and its MCP URL.
+pub fn start_upstream_with(kind: Upstream, port: u16, flags: &[&str]) -> (Proc, String) {
     let fixtures = root().join("tests/fixtures");
     let cmd = match kind {
         Upstream::Python
@@ -139,7 +145,8 @@ pub fn start_upstream_on(kind: Upstream, port: u16) -> (Proc, String) {
         | Upstream::PythonForgetfulEventStore => {
             let mut c = Command::new(python());
             c.arg(fixtures.join("py_legacy_server.py"))
-                .arg(port.to_string());
+                .arg(port.to_string())
+                .args(flags);
             match kind {
                 Upstream::PythonWithoutEventStore => c.arg("--no-event-store"),
                 Upstream::PythonForgetfulEventStore => c.arg("--forgetful-event-store"),
@@ -204,6 +211,25 @@ fn spawn_listening(mut cmd: Command, name: &str, port: u16) -> Proc {
     proc
 }
 
+/// Starts the OAuth authorization server fixture (the Python SDK's provider interfaces,
+/// auto-approving) on a free port; returns the process and its issuer URL.
+pub fn start_oauth_server() -> (Proc, String) {
+    let port = free_port();
+    let child = Command::new(python())
+        .arg(root().join("tests/fixtures/py_oauth_server.py"))
+        .arg(port.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| {
+            panic!("cannot start the OAuth server (run tests/setup.sh first): {e}")
+        });
+    let proc = Proc::adopt(child, "oauth server");
+    wait_until("OAuth server", Duration::from_secs(30), || port_open(port));
+    (proc, format!("http://127.0.0.1:{port}"))
+}
+
 /// A fixed key ring shared by every replica of a test.
 pub fn test_keys() -> String {
     "test1:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8".to_string()
@@ -238,7 +264,18 @@ impl TestGateway {
         keys: &str,
         tweak: impl FnOnce(&mut Config),
     ) -> TestGateway {
-        let (port, admin_port) = (free_port(), free_port());
+        Self::start_on(free_port(), upstreams, keys, tweak)
+    }
+
+    /// [`TestGateway::start_with`] with the MCP listener on `port` (a test that must
+    /// know the gateway's URL before it starts).
+    pub fn start_on(
+        port: u16,
+        upstreams: &[&str],
+        keys: &str,
+        tweak: impl FnOnce(&mut Config),
+    ) -> TestGateway {
+        let admin_port = free_port();
         let mut config = Config::default();
         config.apply_overrides(
             Some(format!("127.0.0.1:{port}")),
@@ -280,14 +317,14 @@ impl TestGateway {
 
 /// Runs a client script to completion within `limit`; returns its output.
 pub fn run_client(program: PathBuf, args: &[&str], limit: Duration) -> Output {
-    run_client_with_env(program, args, &[], limit)
+    run_client_env(program, args, &[], limit)
 }
 
-/// [`run_client`] with extra environment variables (a CA file to trust, say).
-pub fn run_client_with_env(
+/// `run_client` with environment variables (`MCP_TEST_HEADERS`, `MCP_TEST_OAUTH`).
+pub fn run_client_env(
     program: PathBuf,
     args: &[&str],
-    env: &[(&str, &std::ffi::OsStr)],
+    env: &[(&str, &str)],
     limit: Duration,
 ) -> Output {
     let child = Command::new(&program)
@@ -372,6 +409,8 @@ impl Tripwire {
 pub struct Reply {
     pub status: u16,
     pub session: Option<String>,
+    /// A denial's challenge.
+    pub www_authenticate: Option<String>,
     pub content_type: String,
     reader: Box<dyn Read + Send>,
     parser: sse::Parser,
@@ -458,6 +497,7 @@ impl Raw {
         Reply {
             status: resp.status(),
             session: resp.header("mcp-session-id").map(str::to_string),
+            www_authenticate: resp.header("www-authenticate").map(str::to_string),
             content_type: resp.header("content-type").unwrap_or_default().to_string(),
             reader: Box::new(resp.into_reader()),
             parser: sse::Parser::new(1 << 20),
@@ -636,10 +676,20 @@ pub fn ask_name(raw: &Raw, id: u64, extra: Value) -> Value {
 
 /// Runs the Python SDK's modern client driver (`tests/clients/py_modern_client.py`).
 pub fn python_modern(args: &[&str]) -> Vec<Value> {
-    let script = root().join("tests/clients/py_modern_client.py");
+    python_client("py_modern_client.py", args, &[])
+}
+
+/// Runs one of the Python SDK's client drivers in `tests/clients` with `env`.
+pub fn python_client(script: &str, args: &[&str], env: &[(&str, &str)]) -> Vec<Value> {
+    let script = root().join("tests/clients").join(script);
     let mut all = vec![script.to_str().unwrap()];
     all.extend_from_slice(args);
-    json_lines(&run_client(python(), &all, Duration::from_secs(60)))
+    json_lines(&run_client_env(
+        python(),
+        &all,
+        env,
+        Duration::from_secs(60),
+    ))
 }
 
 /// Runs the TypeScript SDK's modern client driver (`tests/clients/ts_modern_client.mjs`).
@@ -653,8 +703,10 @@ pub fn ts_modern(args: &[&str]) -> Vec<Value> {
 /// A client driver negotiated 2026-07-28 and its call completed (the driver itself checks
 /// the result text).
 pub fn assert_modern_call(lines: &[Value], scenario: &str) {
+    let connected = lines.iter().find(|l| l["step"] == "connected");
     assert_eq!(
-        lines[0]["protocolVersion"], "2026-07-28",
+        connected.map(|l| &l["protocolVersion"]),
+        Some(&Value::from("2026-07-28")),
         "{scenario}: {lines:?}"
     );
     assert!(

@@ -1,6 +1,7 @@
 //! Integration tests: in-process gateways in front of real MCP servers, driven by real
 //! MCP clients and by raw HTTP where a client hides the wire.
 
+mod auth;
 mod bad_input;
 mod bridge;
 mod cli;

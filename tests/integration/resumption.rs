@@ -96,7 +96,7 @@ fn official_clients_show_the_gateways_error_for_an_upstream_failure() {
 
 /// How the scripted server answers a `Last-Event-ID` resumption of a call's stream.
 #[derive(Clone, Copy, PartialEq)]
-enum Resumes {
+pub(crate) enum Resumes {
     /// Replays nothing new, primes the stream, and sends the result once the answer is in.
     Primed,
     /// 200 and a stream that ends at once: its store forgot the call.
@@ -110,7 +110,11 @@ enum Resumes {
 /// session's GET stream (`{session}-g1`) with `on_get_stream`; a `ping` is primed with
 /// `{session}-p`. A resumption after another session's event id is refused when `scoped`,
 /// and resolved (a live, primed stream) when not, as a shared store does.
-fn resumable_server(resumes: Resumes, scoped: bool, on_get_stream: bool) -> ScriptedUpstream {
+pub(crate) fn resumable_server(
+    resumes: Resumes,
+    scoped: bool,
+    on_get_stream: bool,
+) -> ScriptedUpstream {
     let sessions = AtomicUsize::new(0);
     let answered = Gate::new();
     let call_id = Mutex::new(Value::Null);

@@ -12,7 +12,6 @@ use mrtr_gateway::config::{Config, ListenerTls, UpstreamEra, UpstreamGroupConfig
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, ServerName};
 use serde_json::{json, Value};
-use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,12 +39,12 @@ fn client(sdk: Sdk, era: &str, url: &str, scenario: &str, ca: Option<&Path>) -> 
         ),
     };
     let script = root().join("tests/clients").join(script);
-    let env: Vec<(&str, &OsStr)> = ca
-        .map(|ca| (variable, ca.as_os_str()))
+    let env: Vec<(&str, &str)> = ca
+        .map(|ca| (variable, ca.to_str().expect("a UTF-8 path")))
         .into_iter()
         .collect();
     let args = [script.to_str().expect("a UTF-8 path"), url, scenario];
-    json_lines(&run_client_with_env(program, &args, &env, CLIENT_LIMIT))
+    json_lines(&run_client_env(program, &args, &env, CLIENT_LIMIT))
 }
 
 /// The text of a client's `call` step.

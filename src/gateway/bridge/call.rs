@@ -168,8 +168,13 @@ async fn continue_flow(
     gw.runtime.metrics.upstream_session("reused");
     let scoped = match &state.waiting {
         Waiting::Resumable { positions, .. } if positions.session_from.is_some() => {
-            let verdict =
-                super::probe::session_replay(&gw.upstreams, call.group, &upstream.endpoint).await;
+            let verdict = super::probe::session_replay(
+                &gw.upstreams,
+                call.group,
+                &upstream.endpoint,
+                &upstream.caller,
+            )
+            .await;
             verdict == SessionReplay::Scoped
         }
         _ => false,
@@ -197,7 +202,7 @@ fn resume<'g>(
         &call.group.timeouts,
         session.to_string(),
     );
-    upstream.trace = call.request.trace.clone();
+    upstream.caller = super::caller(call.request);
     upstream
 }
 
@@ -697,6 +702,9 @@ fn failure(e: &SessionError) -> Failure {
         SessionFailure::NoEndpoint => FailureKind::NoEndpoint,
         SessionFailure::Gone => FailureKind::Gone,
         SessionFailure::Refused(status) => FailureKind::Refused(*status),
+        SessionFailure::Denied { status, challenge } => {
+            return Failure::denied(*status, challenge.clone(), e.failure().to_string());
+        }
         SessionFailure::Exchange(ExchangeFailure::Connect) => FailureKind::Unreachable,
         SessionFailure::Exchange(ExchangeFailure::Timeout) => FailureKind::Timeout,
         SessionFailure::Exchange(_) | SessionFailure::Protocol(_) => FailureKind::Broken,
@@ -790,6 +798,7 @@ async fn finish(
             } else {
                 tracing::info!(group = %group.name, error = %refusal.message, "bridged call refused");
             }
+            let refusal = super::public_challenge(gw, session, group, refusal);
             refuse(session, reply, refusal).await
         }
         Ending::ClientGone => Outcome::ClientGone,

@@ -25,12 +25,16 @@ use crate::gateway::reaper::Reaper;
 use crate::metrics::method_label;
 use crate::mrtr::data_session::META_KEY;
 pub(crate) use crate::mrtr::flow::fresh_call_id;
+use crate::mrtr::flow::Failure;
 use crate::mrtr::modern::{ModernHeaders, ModernRequest, SUPPORTED_VERSIONS};
 use crate::outcome::Report;
 use crate::outcome::{Class, Outcome, Refusal};
 use crate::protocol::jsonrpc::{code, Body};
+use crate::protocol::oauth;
 use crate::upstream::exchange::{ExchangeFailure, UpstreamClient};
-use crate::upstream::legacy_session::{read_single, LegacySession, SessionError, SessionFailure};
+use crate::upstream::legacy_session::{
+    read_single, Caller, LegacySession, SessionError, SessionFailure,
+};
 use crate::upstream::UpstreamGroup;
 use bytes::Bytes;
 use one_shot::KeptSessions;
@@ -194,11 +198,12 @@ async fn serve_inner(
         let refusal = Refusal::new(Class::BadRequest, code::METHOD_NOT_FOUND, text);
         return Served::Done(Outcome::Refused(refusal));
     };
-    let request = match ModernRequest::validate(id.clone(), method, message.get("params"), headers)
-    {
-        Ok(r) => r,
-        Err(refusal) => return Served::Done(reply.refuse(session, refusal).await),
-    };
+    let mut request =
+        match ModernRequest::validate(id.clone(), method, message.get("params"), headers) {
+            Ok(r) => r,
+            Err(refusal) => return Served::Done(reply.refuse(session, refusal).await),
+        };
+    request.headers = gw.admission.end_to_end(session, group);
     if incoming.arrival == Arrival::Peer && !is_retry(&kind, &request) {
         super::refuse_on_peer_listener(session).await;
         let text = "the peer listener serves only retries of held flows";
@@ -206,7 +211,11 @@ async fn serve_inner(
         return Served::Done(Outcome::Refused(refusal));
     }
     // Only a request that passed validation may make the gateway probe the upstream.
-    if gw.upstreams.relays(group, &client_info(&request)).await {
+    if gw
+        .upstreams
+        .relays(group, &client_info(&request), &caller(&request))
+        .await
+    {
         return Served::Relay;
     }
     let reply = ClientReply {
@@ -250,6 +259,14 @@ fn is_retry(kind: &Kind, request: &ModernRequest) -> bool {
     matches!(kind, Kind::Interactive) && request.params.get("requestState").is_some()
 }
 
+/// The client request an upstream session acts for.
+pub(crate) fn caller(request: &ModernRequest) -> Caller {
+    Caller {
+        trace: request.trace.clone(),
+        headers: request.headers.clone(),
+    }
+}
+
 pub(crate) fn client_info(request: &ModernRequest) -> Value {
     request.params["_meta"]
         .get("io.modelcontextprotocol/clientInfo")
@@ -267,6 +284,13 @@ pub(crate) async fn upstream_failed(
     if *e.failure() == SessionFailure::Gone && reply.cookie.is_some() {
         return session::ended(gw, session, reply).await;
     }
+    if let SessionFailure::Denied { status, challenge } = e.failure() {
+        tracing::info!(group = %group.name, error = %Report(e), "upstream denied the caller");
+        let refusal = Failure::denied(*status, challenge.clone(), e.failure().to_string())
+            .refusal(&group.name);
+        let refusal = public_challenge(gw, session, group, refusal);
+        return reply.refuse(session, refusal).await;
+    }
     let class = match e.failure() {
         SessionFailure::NoEndpoint => Class::NoUpstream,
         SessionFailure::Exchange(ExchangeFailure::Timeout) => Class::UpstreamTimeout,
@@ -275,6 +299,22 @@ pub(crate) async fn upstream_failed(
     tracing::warn!(group = %group.name, error = %Report(e), "bridged upstream exchange failed");
     let text = format!("upstream group '{}' failed: {}", group.name, e.failure());
     reply.refuse(session, Refusal::internal(class, text)).await
+}
+
+/// A denial's challenge as the client must see it: its `resource_metadata` names the
+/// group's metadata at the gateway's public URL, not the upstream's address.
+pub(crate) fn public_challenge(
+    gw: &Gateway,
+    session: &ServerSession,
+    group: &UpstreamGroup,
+    refusal: Refusal,
+) -> Refusal {
+    let Some(challenge) = &refusal.challenge else {
+        return refusal;
+    };
+    let public = gw.admission.public_resource(session, group);
+    let challenge = oauth::rewrite_challenge(challenge, &public);
+    refusal.with_challenge(Some(challenge))
 }
 
 /// The upstream's capabilities as the bridge can honour them: list-changed notifications
@@ -313,7 +353,7 @@ async fn discover(
 ) -> Outcome {
     let init = match gw
         .upstreams
-        .initialize_result(group, &client_info(request))
+        .initialize_result(group, &client_info(request), &caller(request))
         .await
     {
         Ok(init) => init,
@@ -350,7 +390,14 @@ async fn one_shot(
         return answered(gw, session, group, reply, answer).await;
     }
     let caps = Value::Object(request.client_capabilities.clone());
-    let shape = KeptSessions::shape(&group.name, &caps, &client_info(request), principal);
+    let credentials = request.headers.digest();
+    let shape = KeptSessions::shape(
+        &group.name,
+        &caps,
+        &client_info(request),
+        principal,
+        &credentials,
+    );
     let mut retired = Vec::new();
     let kept = gw.upstreams.kept_sessions.take_live(&shape, Instant::now());
     let kept = kept.unwrap_or_else(|idle| {
@@ -359,7 +406,8 @@ async fn one_shot(
     });
     let timeouts = &group.timeouts;
     if let Some(kept) = kept {
-        if let Some(upstream) = one_shot::resume(&gw.upstreams.client, group, timeouts, &kept) {
+        if let Some(mut upstream) = one_shot::resume(&gw.upstreams.client, group, timeouts, &kept) {
+            upstream.caller = caller(request);
             match ask_once(gw, &upstream, request).await {
                 // The upstream forgot the session, so it did not take the request: it goes
                 // again, on a new session.
@@ -453,14 +501,14 @@ pub(crate) async fn upstream_for<'g>(
 ) -> Result<LegacySession<'g>, SessionError> {
     if let Some(attached) = attached {
         let mut upstream = attached.upstream(gw, group);
-        upstream.trace = request.trace.clone();
+        upstream.caller = caller(request);
         gw.runtime.metrics.upstream_session("reused");
         return Ok(upstream);
     }
     let caps = Value::Object(request.client_capabilities.clone());
     let (upstream, _init) = gw
         .upstreams
-        .open_upstream(group, &caps, &client_info(request), &request.trace)
+        .open_upstream(group, &caps, &client_info(request), &caller(request))
         .await?;
     Ok(upstream)
 }

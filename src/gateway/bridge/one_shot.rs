@@ -6,7 +6,8 @@
 //! client has no session, so opening one per request made every `tools/list` pay that
 //! cost. One-shot methods change nothing on the server, so one session serves all of a
 //! shape's one-shot requests: a shape is everything that decides what a session answers
-//! (the group, the declared client capabilities, the client's identity, the principal).
+//! (the group, the declared client capabilities, the client's identity, the principal,
+//! the credentials its requests carry upstream).
 //! Interactive calls never use these sessions, so no call's server-side state is seen by
 //! another. A kept session the upstream has forgotten (HTTP 404) is replaced, and the
 //! request sent again on the new one: a 404 means the request was not processed.
@@ -55,6 +56,7 @@ impl KeptSessions {
         capabilities: &serde_json::Value,
         client_info: &serde_json::Value,
         principal: &[u8; 32],
+        credentials: &[u8; 32],
     ) -> Shape {
         let mut h = Sha256::new();
         h.update(b"mrtr-gateway one-shot shape v1\0");
@@ -67,6 +69,7 @@ impl KeptSessions {
             h.update(part.as_bytes());
         }
         h.update(principal);
+        h.update(credentials);
         h.finalize().into()
     }
 
@@ -160,12 +163,14 @@ mod tests {
 
     #[test]
     fn a_shape_is_every_part_that_decides_what_a_session_answers() {
-        let base = KeptSessions::shape("g", &json!({"roots": {}}), &json!({"name": "c"}), &[1; 32]);
+        let (caps, info) = (json!({"roots": {}}), json!({"name": "c"}));
+        let base = KeptSessions::shape("g", &caps, &info, &[1; 32], &[0; 32]);
         for other in [
-            KeptSessions::shape("h", &json!({"roots": {}}), &json!({"name": "c"}), &[1; 32]),
-            KeptSessions::shape("g", &json!({}), &json!({"name": "c"}), &[1; 32]),
-            KeptSessions::shape("g", &json!({"roots": {}}), &json!({"name": "d"}), &[1; 32]),
-            KeptSessions::shape("g", &json!({"roots": {}}), &json!({"name": "c"}), &[2; 32]),
+            KeptSessions::shape("h", &caps, &info, &[1; 32], &[0; 32]),
+            KeptSessions::shape("g", &json!({}), &info, &[1; 32], &[0; 32]),
+            KeptSessions::shape("g", &caps, &json!({"name": "d"}), &[1; 32], &[0; 32]),
+            KeptSessions::shape("g", &caps, &info, &[2; 32], &[0; 32]),
+            KeptSessions::shape("g", &caps, &info, &[1; 32], &[9; 32]),
         ] {
             assert_ne!(base, other);
         }

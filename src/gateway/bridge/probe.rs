@@ -15,7 +15,7 @@ use crate::gateway::UpstreamSide;
 use crate::protocol::sse;
 use crate::protocol::trace::TraceContext;
 use crate::upstream::exchange::Response;
-use crate::upstream::legacy_session::{LegacySession, MAX_UPSTREAM_MESSAGE};
+use crate::upstream::legacy_session::{Caller, LegacySession, MAX_UPSTREAM_MESSAGE};
 use crate::upstream::{Endpoint, UpstreamGroup};
 use serde_json::json;
 use std::time::Duration;
@@ -27,17 +27,19 @@ const FIRST_ID_LIMIT: Duration = Duration::from_secs(1);
 /// (or refuses it) at once.
 const FOREIGN_WATCH: Duration = Duration::from_millis(300);
 
-/// Whether `group`'s store keeps sessions apart, probing `endpoint` the first time.
+/// Whether `group`'s store keeps sessions apart, probing `endpoint` the first time with
+/// the credentials of `caller` (the request that needs to know).
 pub(super) async fn session_replay(
     upstreams: &UpstreamSide,
     group: &UpstreamGroup,
     endpoint: &Endpoint,
+    caller: &Caller,
 ) -> SessionReplay {
     let known = upstreams.learnt.get(&group.name).session_replay;
     if known != SessionReplay::Unknown {
         return known;
     }
-    let verdict = probe(upstreams, group, endpoint).await;
+    let verdict = probe(upstreams, group, endpoint, caller).await;
     if verdict != SessionReplay::Unknown {
         upstreams
             .learnt
@@ -51,10 +53,15 @@ async fn probe(
     upstreams: &UpstreamSide,
     group: &UpstreamGroup,
     endpoint: &Endpoint,
+    caller: &Caller,
 ) -> SessionReplay {
+    let caller = Caller {
+        trace: TraceContext::default(),
+        headers: caller.headers.clone(),
+    };
     let open = || {
         let info = json!({"name": "mrtr-gateway-probe", "version": env!("CARGO_PKG_VERSION")});
-        let none = TraceContext::default();
+        let caller = &caller;
         async move {
             LegacySession::open(
                 &upstreams.client,
@@ -62,7 +69,7 @@ async fn probe(
                 &group.timeouts,
                 &json!({}),
                 &info,
-                &none,
+                caller,
             )
             .await
             .ok()

@@ -5,7 +5,7 @@
 use crate::gateway::respond;
 use crate::mrtr::data_session::META_KEY;
 use crate::outcome::{Outcome, Refusal};
-use crate::protocol::sse;
+use crate::protocol::{jsonrpc, sse};
 use bytes::Bytes;
 use pingora::http::ResponseHeader;
 use pingora::protocols::http::ServerSession;
@@ -102,17 +102,27 @@ impl ClientReply {
         .await;
     }
 
-    /// Answers with `refusal` (its class's status, as `error` maps it).
+    /// Answers with `refusal` (its class's status, as `error` maps it), and a denial's
+    /// challenge in `WWW-Authenticate` (which official clients act on: they start their
+    /// OAuth flow).
     pub async fn refuse(self, session: &mut ServerSession, refusal: Refusal) -> Outcome {
         let status = refusal.class.status();
-        self.error(
-            session,
-            status,
-            refusal.code,
-            &refusal.message,
-            refusal.data.clone(),
-        )
-        .await;
+        match &refusal.challenge {
+            Some(challenge) if !self.streaming => {
+                let body =
+                    jsonrpc::error_body(Some(&self.id), refusal.code, &refusal.message, None);
+                if let Ok(mut header) = ResponseHeader::build(status, Some(4)) {
+                    let _ =
+                        header.insert_header(http::header::WWW_AUTHENTICATE, challenge.as_str());
+                    respond::write_with(session, header, "application/json", body.into()).await;
+                }
+            }
+            _ => {
+                let data = refusal.data.clone();
+                self.error(session, status, refusal.code, &refusal.message, data)
+                    .await
+            }
+        }
         Outcome::Refused(refusal)
     }
 

@@ -162,7 +162,7 @@ pub(super) async fn create(
     let caps = Value::Object(request.client_capabilities.clone());
     let (upstream, init) = match gw
         .upstreams
-        .open_upstream(group, &caps, &client_info(request), &request.trace)
+        .open_upstream(group, &caps, &client_info(request), &super::caller(request))
         .await
     {
         Ok(opened) => opened,

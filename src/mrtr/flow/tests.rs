@@ -44,6 +44,8 @@ fn config() -> FlowConfig {
 /// How the scripted upstream answers the commands that wait for an answer.
 struct Upstream {
     session: Option<String>,
+    /// How `OpenSession` fails, if it does.
+    open_failure: Option<Failure>,
     /// Answers to `OpenStream { Call }`, in turn (then `Ok`).
     call_opens: VecDeque<Result<(), Failure>>,
     /// The call's reply, given the id it was posted under.
@@ -58,6 +60,7 @@ impl Default for Upstream {
     fn default() -> Self {
         Upstream {
             session: Some("s1".into()),
+            open_failure: None,
             call_opens: VecDeque::new(),
             call_reply: |_| CallReply::Stream,
             posts: VecDeque::new(),
@@ -73,9 +76,12 @@ impl Default for Upstream {
 impl Upstream {
     fn answer(&mut self, command: &Command) -> Option<Input> {
         match command {
-            Command::OpenSession => Some(Input::SessionOpened {
-                endpoint: ENDPOINT.parse().unwrap(),
-                session: self.session.clone(),
+            Command::OpenSession => Some(match self.open_failure.clone() {
+                Some(failure) => Input::SessionFailed(failure),
+                None => Input::SessionOpened {
+                    endpoint: ENDPOINT.parse().unwrap(),
+                    session: self.session.clone(),
+                },
             }),
             Command::OpenStream { stream, .. } => {
                 let result = match stream {
@@ -577,6 +583,79 @@ fn a_refused_resumption_releases_the_claim_and_teaches_the_group() {
         .contains(&Command::Learn(Learnt::ReplayRefused { empty: false })));
     assert!(h.log.contains(&Command::ReleaseClaim));
     assert_eq!(h.refusal().class, Class::UpstreamError);
+}
+
+fn challenge() -> Option<String> {
+    Some(r#"Bearer error="invalid_token", resource_metadata="http://10.0.0.7:3001/.well-known/oauth-protected-resource/mcp""#.into())
+}
+
+#[test]
+fn an_upstream_that_denies_a_new_call_passes_its_challenge_to_the_client() {
+    let upstream = Upstream {
+        open_failure: Some(Failure::denied(
+            401,
+            challenge(),
+            "requires authorization (HTTP 401)",
+        )),
+        ..Upstream::default()
+    };
+    let h = Harness::new_call(config(), upstream);
+    let refusal = h.refusal();
+    assert_eq!(refusal.class, Class::Unauthorized);
+    assert_eq!(refusal.class.status(), 401);
+    assert_eq!(refusal.challenge, challenge());
+    assert!(refusal
+        .message
+        .contains("upstream group 'g' requires authorization"));
+    assert!(!h.log.iter().any(|c| matches!(c, Command::PostCall { .. })));
+}
+
+#[test]
+fn a_denied_retry_keeps_its_call_for_an_authenticated_retry_of_the_same_state() {
+    let first = first_round();
+    let mut upstream = Upstream::default();
+    upstream.call_opens.push_back(Err(Failure::denied(
+        401,
+        challenge(),
+        "requires authorization (HTTP 401)",
+    )));
+    let h = retry_of(
+        &first,
+        config(),
+        upstream,
+        json!({"elicitation_0": accept("Ada")}),
+    );
+    assert!(
+        h.log.contains(&Command::ReleaseClaim),
+        "the same state may come again"
+    );
+    assert!(
+        !h.log.iter().any(|c| matches!(c, Command::Learn(_))),
+        "a denial says nothing of the group's resumptions: {:?}",
+        h.log
+    );
+    assert!(
+        !h.log.contains(&Command::DeleteSession),
+        "the call waits for the authenticated retry"
+    );
+    assert!(h.posted().is_empty(), "no answer went up");
+    assert_eq!(h.refusal().class, Class::Unauthorized);
+    assert_eq!(h.refusal().challenge, challenge());
+    // The authenticated retry of the same state completes the call.
+    let mut again = retry_of(
+        &first,
+        config(),
+        Upstream::default(),
+        json!({"elicitation_0": accept("Ada")}),
+    );
+    again.event(Stream::Call, Some("c3"), &json!(""));
+    assert_eq!(again.posted().len(), 1, "the answer goes up now");
+    again.event(
+        Stream::Call,
+        Some("c4"),
+        &result(first.call_id(), "Hello, Ada"),
+    );
+    assert!(matches!(again.ending(), Ending::Complete { .. }));
 }
 
 #[test]

@@ -1,0 +1,309 @@
+//! Protected servers behind the gateway, as they ship: the Python SDK's own OAuth
+//! resource-server support (`AuthSettings` + a token verifier, tokens from an
+//! authorization server built on the SDK's provider interfaces) and an API-key header.
+//! The client's credentials reach the server on every exchange of a bridged flow, on
+//! whichever replica serves each round; a denial reaches the client with its status and
+//! challenge; OAuth discovery works through the gateway and names the gateway's URL.
+
+use crate::common::*;
+use serde_json::{json, Value};
+
+/// An OAuth-protected legacy server whose tokens come from a fresh authorization server;
+/// `resource` is the resource URL it is configured with (`None`: its own address, as a
+/// server set up without the gateway in mind names itself), `strict` whether it accepts
+/// only tokens issued for that resource.
+struct Protected {
+    _auth_server: Proc,
+    issuer: String,
+    _server: Proc,
+    url: String,
+}
+
+fn protected(resource: Option<&str>, strict: bool) -> Protected {
+    let (auth_server, issuer) = start_oauth_server();
+    let port = free_port();
+    let own = format!("http://127.0.0.1:{port}/mcp");
+    let introspect = format!("{issuer}/introspect");
+    let mut flags = vec![
+        "--introspect",
+        introspect.as_str(),
+        "--resource-url",
+        resource.unwrap_or(&own),
+    ];
+    if strict {
+        flags.push("--strict-resource");
+    }
+    let (server, url) = start_upstream_with(Upstream::Python, port, &flags);
+    Protected {
+        _auth_server: auth_server,
+        issuer,
+        _server: server,
+        url,
+    }
+}
+
+fn ask_name_call(raw: &Raw, extra: &[(&str, &str)]) -> Reply {
+    raw.modern_with(
+        1,
+        "tools/call",
+        json!({"name": "ask_name", "arguments": {}}),
+        json!({"elicitation": {}}),
+        extra,
+    )
+}
+
+/// The `resource_metadata` URL of a challenge.
+fn metadata_url(challenge: &str) -> String {
+    let start = challenge
+        .find("resource_metadata=\"")
+        .unwrap_or_else(|| panic!("no resource_metadata in {challenge}"))
+        + "resource_metadata=\"".len();
+    let end = challenge[start..].find('"').expect("a quoted URL") + start;
+    challenge[start..end].to_string()
+}
+
+fn origin(url: &str) -> &str {
+    let after_scheme = url.find("://").expect("an absolute URL") + 3;
+    let end = url[after_scheme..]
+        .find('/')
+        .map_or(url.len(), |i| i + after_scheme);
+    &url[..end]
+}
+
+#[test]
+fn a_client_without_a_token_is_challenged_with_metadata_the_gateway_serves() {
+    let server = protected(None, false);
+    let gw = TestGateway::start(&[&server.url], &test_keys());
+    let raw = Raw::new(&gw.url);
+
+    let denied = ask_name_call(&raw, &[]);
+    assert_eq!(denied.status, 401, "the upstream's status, not 502");
+    let challenge = denied.www_authenticate.clone().expect("WWW-Authenticate");
+    assert!(challenge.starts_with("Bearer"), "{challenge}");
+    let metadata = metadata_url(&challenge);
+    assert_eq!(
+        metadata,
+        format!(
+            "{}/.well-known/oauth-protected-resource/mcp",
+            origin(&gw.url)
+        ),
+        "the challenge names the gateway, not {}",
+        server.url
+    );
+    let body = denied.json();
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("requires authorization")),
+        "{body}"
+    );
+
+    let document: Value = ureq::get(&metadata)
+        .call()
+        .expect("the metadata is served through the gateway")
+        .into_json()
+        .unwrap();
+    assert_eq!(document["resource"], gw.url.as_str(), "{document}");
+    assert_eq!(document["authorization_servers"][0], server.issuer.as_str());
+
+    // A legacy client gets the upstream's 401 too, with the same challenge rewritten.
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}});
+    let legacy = raw.post(None, &init);
+    assert_eq!(legacy.status, 401);
+    let legacy_challenge = legacy.www_authenticate.clone().expect("WWW-Authenticate");
+    assert_eq!(metadata_url(&legacy_challenge), metadata);
+    // So does the root form of the discovery path, for the only group.
+    let root = format!("{}/.well-known/oauth-protected-resource", origin(&gw.url));
+    let root_document: Value = ureq::get(&root).call().unwrap().into_json().unwrap();
+    assert_eq!(root_document["resource"], gw.url.as_str());
+}
+
+/// The `http` steps a client driver printed: (method, URL, status).
+fn exchanges(lines: &[Value]) -> Vec<(String, String, u64)> {
+    lines
+        .iter()
+        .filter(|l| l["step"] == "http")
+        .map(|l| {
+            (
+                l["method"].as_str().unwrap_or_default().to_string(),
+                l["url"].as_str().unwrap_or_default().to_string(),
+                l["status"].as_u64().unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn the_official_clients_oauth_flow_runs_through_the_gateway_then_its_token_completes_a_flow_on_two_replicas(
+) {
+    let server = protected(None, false);
+    // Replicas behind one name share its public URL: here, the first replica's.
+    let port = free_port();
+    let public = format!("http://127.0.0.1:{port}");
+    let public_url = |config: &mut mrtr_gateway::config::Config| {
+        config.public_url = Some(public.clone());
+    };
+    let a = TestGateway::start_on(port, &[&server.url], &test_keys(), public_url);
+    let b = TestGateway::start_with(&[&server.url], &test_keys(), public_url);
+    let lines = python_client(
+        "py_modern_client.py",
+        &[&a.url, "multi", &b.url],
+        &[("MCP_TEST_OAUTH", "1")],
+    );
+    assert_modern_call(&lines, "oauth multi");
+    let seen = exchanges(&lines);
+    let discovered = |gw: &TestGateway| {
+        let metadata = format!(
+            "{}/.well-known/oauth-protected-resource/mcp",
+            origin(&gw.url)
+        );
+        seen.iter()
+            .any(|(m, u, s)| m == "GET" && *u == metadata && *s == 200)
+    };
+    assert!(
+        discovered(&a) || discovered(&b),
+        "discovery went through the gateway: {seen:?}"
+    );
+    assert!(
+        lines.iter().any(|l| l["step"] == "authorize"),
+        "the client authorized: {lines:?}"
+    );
+    assert!(
+        seen.iter()
+            .any(|(_, u, s)| u.starts_with(&server.issuer) && u.ends_with("/token") && *s == 200),
+        "a token was issued: {seen:?}"
+    );
+    for replica in [&a, &b] {
+        let served = seen
+            .iter()
+            .filter(|(m, u, s)| m == "POST" && u.starts_with(origin(&replica.url)) && *s == 200)
+            .count();
+        assert!(
+            served >= 1,
+            "{} served no authenticated round: {seen:?}",
+            replica.url
+        );
+    }
+    let elicitations = lines.iter().filter(|l| l["step"] == "elicitation").count();
+    assert_eq!(elicitations, 2, "two rounds of questions: {lines:?}");
+}
+
+#[test]
+fn a_strict_resource_server_accepts_tokens_issued_for_the_gateways_public_url() {
+    let (gw_port, public) = {
+        let port = free_port();
+        (port, format!("http://127.0.0.1:{port}"))
+    };
+    let resource = format!("{public}/mcp");
+    let server = protected(Some(&resource), true);
+    let gw = TestGateway::start_on(gw_port, &[&server.url], &test_keys(), |config| {
+        config.public_url = Some(public.clone());
+    });
+    let document: Value = ureq::get(&format!(
+        "{public}/.well-known/oauth-protected-resource/mcp"
+    ))
+    .call()
+    .unwrap()
+    .into_json()
+    .unwrap();
+    assert_eq!(document["resource"], resource.as_str());
+    let lines = python_client(
+        "py_modern_client.py",
+        &[&gw.url, "elicit"],
+        &[("MCP_TEST_OAUTH", "1")],
+    );
+    assert_modern_call(&lines, "oauth elicit, strict audience");
+}
+
+#[test]
+fn an_api_key_header_reaches_the_server_in_both_eras_and_the_group_can_withhold_it() {
+    let (_server, url) =
+        start_upstream_with(Upstream::Python, free_port(), &["--api-key", "k-3141"]);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let key = r#"{"X-API-Key": "k-3141"}"#;
+    let modern = python_client(
+        "py_modern_client.py",
+        &[&gw.url, "multi"],
+        &[("MCP_TEST_HEADERS", key)],
+    );
+    assert_modern_call(&modern, "api key, modern");
+    let legacy = python_client(
+        "py_legacy_client.py",
+        &[&gw.url, "elicit"],
+        &[("MCP_TEST_HEADERS", key)],
+    );
+    assert!(
+        legacy.iter().any(|l| l["step"] == "initialize"),
+        "{legacy:?}"
+    );
+
+    let raw = Raw::new(&gw.url);
+    let without = ask_name_call(&raw, &[]);
+    assert_eq!(without.status, 401);
+    assert_eq!(without.www_authenticate.as_deref(), Some("ApiKey"));
+    let with = ask_name_call(&raw, &[("x-api-key", "k-3141")]);
+    assert_eq!(with.status, 200, "the key went upstream");
+
+    // A group that forwards only Authorization keeps the key to itself.
+    let narrow = TestGateway::start_with(&[&url], &test_keys(), |config| {
+        config.upstreams[0].forward_headers = vec!["authorization".into()];
+    });
+    let withheld = ask_name_call(&Raw::new(&narrow.url), &[("x-api-key", "k-3141")]);
+    assert_eq!(withheld.status, 401, "forward_headers narrowed the list");
+}
+
+#[test]
+fn every_upstream_exchange_of_a_flow_carries_the_headers_of_the_request_behind_it() {
+    use crate::resumption::{resumable_server, Resumes};
+    let upstream = resumable_server(Resumes::Primed, true, false);
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let call = |id: u64, tag: &str, extra: Value| {
+        let mut params = json!({"name": "hostile", "arguments": {}});
+        params
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let headers = [
+            ("authorization", "Bearer t-1"),
+            ("x-tag", tag),
+            ("accept-encoding", "gzip"),
+        ];
+        let reply = raw.modern_with(
+            id,
+            "tools/call",
+            params,
+            json!({"elicitation": {}}),
+            &headers,
+        );
+        (reply.status, reply.json())
+    };
+    let (_, first) = call(1, "round-1", json!({}));
+    let asked = upstream.requests().len();
+    let (status, done) = call(2, "round-2", answer(&first, json!({"name": "x"})));
+    assert_eq!(status, 200, "{done}");
+    wait_until(
+        "the flow's DELETE",
+        std::time::Duration::from_secs(5),
+        || upstream.requests().iter().any(|s| s.method == "DELETE"),
+    );
+    let seen = upstream.requests();
+    for (i, request) in seen.iter().enumerate() {
+        let what = format!("{} {:?}", request.method, request.json());
+        assert_eq!(
+            request.header("authorization"),
+            Some("Bearer t-1"),
+            "{what}"
+        );
+        let tag = if i < asked { "round-1" } else { "round-2" };
+        assert_eq!(
+            request.header("x-tag"),
+            Some(tag),
+            "each retry's own: {what}"
+        );
+        assert_eq!(request.header("accept-encoding"), None, "{what}");
+        assert_eq!(request.header("mcp-method"), None, "{what}");
+        assert!(request.header("x-forwarded-for").is_some(), "{what}");
+    }
+}
