@@ -191,8 +191,9 @@ fn run(
     config.validate().map_err(config_error)?;
     let keys = Arc::new(load_keys(&mut config)?);
     let (listen, admin) = (config.listen.clone(), config.admin_listen.clone());
+    let scheme = config.listener_scheme();
     let (server, _metrics) = server::build(config, keys, Vec::new()).map_err(config_error)?;
-    tracing::info!(%listen, %admin, "mrtr-gateway serving");
+    tracing::info!(%listen, %scheme, %admin, "mrtr-gateway serving");
     server::run(server);
     Ok(())
 }
@@ -281,6 +282,9 @@ fn check_config(file: &std::path::Path, peer_advertise: Option<String>) -> Resul
     config.apply_peer_overrides(None, peer_advertise);
     config.validate().map_err(config_error)?;
     crate::upstream::Upstreams::build(&config).map_err(config_error)?;
+    if let Some(tls) = &config.tls {
+        crate::tls::listener::ListenerCert::load(tls).map_err(config_error)?;
+    }
     let resolver = config.dns_resolver.as_ref().and_then(|r| r.parse().ok());
     crate::gateway::peers::Peers::build(&config.peers, resolver).map_err(config_error)?;
     if let Some(path) = &config.keys_file {

@@ -16,11 +16,14 @@ use std::path::{Path, PathBuf};
 pub struct Config {
     /// Where MCP clients connect.
     pub listen: String,
+    /// TLS on the MCP listener (HTTPS, and HTTP/2 through ALPN); unset: plain HTTP.
+    pub tls: Option<ListenerTls>,
     /// Where `/healthz`, `/readyz` and `/metrics` are served.
     pub admin_listen: String,
     /// A file of `KID:BASE64URL_32_BYTES` keys; `MRTR_GATEWAY_KEYS` takes precedence.
     pub keys_file: Option<PathBuf>,
-    /// How often the keys file is checked for changes (it is also re-read on SIGHUP).
+    /// How often the files the gateway reloads (the keys file, the JWKS, the listener's
+    /// certificate and key) are checked for changes; all are also re-read on SIGHUP.
     pub keys_poll_ms: u64,
     /// Whom sealed tokens are bound to.
     pub principal: PrincipalSource,
@@ -52,6 +55,7 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             listen: "127.0.0.1:8080".into(),
+            tls: None,
             admin_listen: "127.0.0.1:9090".into(),
             keys_file: None,
             keys_poll_ms: 2_000,
@@ -67,6 +71,39 @@ impl Default for Config {
             peers: PeerOptions::default(),
             upstreams: Vec::new(),
         }
+    }
+}
+
+/// The MCP listener's certificate. Both files are re-read when they change and on SIGHUP;
+/// new connections get the new certificate, and a pair that does not load is logged and
+/// the one in use kept.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ListenerTls {
+    /// PEM certificate chain, the gateway's own certificate first.
+    pub cert_file: PathBuf,
+    /// PEM private key of that certificate (PKCS#8, PKCS#1 or SEC1).
+    pub key_file: PathBuf,
+    /// Offer HTTP/2 through ALPN (`h2`, then `http/1.1`); false offers HTTP/1.1 only.
+    #[serde(default = "default_true")]
+    pub http2: bool,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+impl ListenerTls {
+    fn validate(&self) -> Result<(), ConfigError> {
+        for (key, path) in [("cert_file", &self.cert_file), ("key_file", &self.key_file)] {
+            if path.as_os_str().is_empty() {
+                return Err(ConfigError::at(
+                    format!("tls.{key}"),
+                    "must name a PEM file",
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -433,8 +470,12 @@ pub struct UpstreamGroupConfig {
     /// The gateway path this group serves.
     #[serde(default = "default_path")]
     pub path: String,
-    /// Upstream MCP endpoints, as `http://host:port/path`.
+    /// Upstream MCP endpoints, as `http://host:port/path` or `https://host:port/path`.
     pub endpoints: Vec<String>,
+    /// How the group's `https://` endpoints are verified, and the client certificate the
+    /// gateway presents to them.
+    #[serde(default)]
+    pub tls: UpstreamTls,
     #[serde(default = "default_connect_timeout_ms")]
     pub connect_timeout_ms: u64,
     /// Longest wait for an upstream's response header.
@@ -477,6 +518,63 @@ pub struct UpstreamGroupConfig {
     /// `authorization_servers`, `scopes_supported`, …
     #[serde(default)]
     pub resource_metadata: Option<serde_json::Value>,
+}
+
+/// TLS to a group's `https://` endpoints. Every endpoint's certificate is verified against
+/// the endpoint URL's host (a DNS name or an IP address), which is also sent as SNI.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UpstreamTls {
+    /// PEM bundle of the CA certificates the endpoints' certificates must chain to, in
+    /// place of the system's roots. Unset: the system's roots (`SSL_CERT_FILE` and
+    /// `SSL_CERT_DIR` are honoured).
+    pub ca_file: Option<PathBuf>,
+    /// PEM certificate chain the gateway presents when an endpoint asks for a client
+    /// certificate (mutual TLS); with `client_key_file`.
+    pub client_cert_file: Option<PathBuf>,
+    /// PEM private key of `client_cert_file`.
+    pub client_key_file: Option<PathBuf>,
+    /// Accept ANY certificate the endpoints present, without verifying who signed it or
+    /// whom it names: anyone on the path can then read and change the traffic. For tests
+    /// against throwaway certificates only; the gateway warns at start.
+    pub dangerously_accept_any_certificate: bool,
+}
+
+impl UpstreamTls {
+    /// Whether anything is configured.
+    pub fn is_set(&self) -> bool {
+        *self != UpstreamTls::default()
+    }
+
+    fn validate(&self, at: &str, group: &UpstreamGroupConfig) -> Result<(), ConfigError> {
+        if self.client_cert_file.is_some() != self.client_key_file.is_some() {
+            let missing = match self.client_cert_file {
+                Some(_) => "client_key_file",
+                None => "client_cert_file",
+            };
+            return Err(ConfigError::at(
+                format!("{at}.tls.{missing}"),
+                "client_cert_file and client_key_file go together",
+            ));
+        }
+        if self.dangerously_accept_any_certificate && self.ca_file.is_some() {
+            return Err(ConfigError::at(
+                format!("{at}.tls.ca_file"),
+                "has no effect with dangerously_accept_any_certificate: remove one",
+            ));
+        }
+        let any_https = group
+            .endpoints
+            .iter()
+            .any(|url| parse_endpoint_url(url).is_ok_and(|e| e.tls));
+        if self.is_set() && !any_https {
+            return Err(ConfigError::at(
+                format!("{at}.tls"),
+                "is set, but no endpoint of the group is https://",
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// What the gateway enforces for one tool.
@@ -571,6 +669,7 @@ impl UpstreamGroupConfig {
             name: name.into(),
             path: default_path(),
             endpoints,
+            tls: UpstreamTls::default(),
             connect_timeout_ms: default_connect_timeout_ms(),
             response_timeout_ms: default_response_timeout_ms(),
             stream_idle_timeout_ms: 0,
@@ -620,20 +719,23 @@ impl std::error::Error for ConfigError {}
 pub struct EndpointUrl {
     /// `host:port`, for resolution and the `Host` header.
     pub authority: String,
+    /// The host name or IP address, without brackets.
     pub host: String,
     pub port: u16,
     pub path: String,
+    /// Whether the URL is `https://`.
+    pub tls: bool,
 }
 
 pub fn parse_endpoint_url(url: &str) -> Result<EndpointUrl, String> {
     let uri: http::Uri = url
         .parse()
         .map_err(|e| format!("'{url}' is not a URL: {e}"))?;
-    match uri.scheme_str() {
-        Some("http") => {}
-        Some("https") => return Err(format!("'{url}': https upstreams are not supported in this build; terminate TLS in front of the upstream or use http://")),
-        _ => return Err(format!("'{url}' must start with http://")),
-    }
+    let tls = match uri.scheme_str() {
+        Some("http") => false,
+        Some("https") => true,
+        _ => return Err(format!("'{url}' must start with http:// or https://")),
+    };
     let host = uri
         .host()
         .filter(|h| !h.is_empty())
@@ -641,7 +743,7 @@ pub fn parse_endpoint_url(url: &str) -> Result<EndpointUrl, String> {
         .trim_start_matches('[')
         .trim_end_matches(']')
         .to_string();
-    let port = uri.port_u16().unwrap_or(80);
+    let port = uri.port_u16().unwrap_or(if tls { 443 } else { 80 });
     let path = match uri.path_and_query().map(|p| p.as_str()) {
         None | Some("") => "/".to_string(),
         Some(p) => p.to_string(),
@@ -655,6 +757,7 @@ pub fn parse_endpoint_url(url: &str) -> Result<EndpointUrl, String> {
         host,
         port,
         path,
+        tls,
     })
 }
 
@@ -703,6 +806,11 @@ impl Config {
         }
     }
 
+    /// The scheme the MCP listener serves: `https` with `tls`, `http` without.
+    pub fn listener_scheme(&self) -> crate::protocol::scheme::Scheme {
+        crate::protocol::scheme::Scheme::over_tls(self.tls.is_some())
+    }
+
     /// Applies the peer listener's command-line overrides.
     pub fn apply_peer_overrides(&mut self, listen: Option<String>, advertise: Option<String>) {
         if listen.is_some() {
@@ -718,6 +826,9 @@ impl Config {
         check_addr("admin_listen", &self.admin_listen)?;
         if self.listen == self.admin_listen {
             return Err(ConfigError::at("admin_listen", "must differ from listen"));
+        }
+        if let Some(tls) = &self.tls {
+            tls.validate()?;
         }
         self.limits.validate()?;
         self.forwarded.validate()?;
@@ -839,6 +950,7 @@ fn validate_group(at: &str, group: &UpstreamGroupConfig) -> Result<(), ConfigErr
     for (j, url) in group.endpoints.iter().enumerate() {
         parse_endpoint_url(url).map_err(|p| ConfigError::at(format!("{at}.endpoints[{j}]"), p))?;
     }
+    group.tls.validate(at, group)?;
     if group.discovery == Discovery::Dns {
         validate_dns_discovery(at, group)?;
     }
@@ -1079,6 +1191,58 @@ mod tests {
     }
 
     #[test]
+    fn https_endpoints_and_their_tls_options_name_their_key_paths() {
+        let https = MINIMAL.replace("http://127.0.0.1:3001/mcp", "https://127.0.0.1:3443/mcp");
+        let c = Config::from_yaml(&https).unwrap();
+        assert!(!c.upstreams[0].tls.is_set());
+        let with = |base: &str, tls: &str| Config::from_yaml(&format!("{base}    tls:\n{tls}"));
+        let path_of = |base: &str, tls: &str| with(base, tls).unwrap_err().path;
+        let ca = with(&https, "      ca_file: /etc/mrtr/ca.pem\n").unwrap();
+        assert_eq!(
+            ca.upstreams[0].tls.ca_file.as_deref(),
+            Some(Path::new("/etc/mrtr/ca.pem"))
+        );
+        let pair = "      client_cert_file: /c.pem\n      client_key_file: /k.pem\n";
+        assert!(with(&https, pair).unwrap().upstreams[0].tls.is_set());
+        assert_eq!(
+            path_of(&https, "      client_cert_file: /c.pem\n"),
+            "upstreams[0].tls.client_key_file"
+        );
+        assert_eq!(
+            path_of(&https, "      client_key_file: /k.pem\n"),
+            "upstreams[0].tls.client_cert_file"
+        );
+        let both = "      dangerously_accept_any_certificate: true\n      ca_file: /ca.pem\n";
+        assert_eq!(path_of(&https, both), "upstreams[0].tls.ca_file");
+        let plain_only = path_of(MINIMAL, "      ca_file: /ca.pem\n");
+        assert_eq!(plain_only, "upstreams[0].tls");
+        let typo = with(&https, "      ca: /ca.pem\n").unwrap_err();
+        assert_eq!(typo.path, "upstreams[0].tls");
+        assert!(typo.problem.contains("unknown field `ca`"), "{typo}");
+        let dns = "upstreams:\n  - name: remote\n    discovery: dns\n    endpoints: [\"https://legacy.ns.svc/mcp\"]\n";
+        assert!(with(dns, "      ca_file: /ca.pem\n").is_ok());
+    }
+
+    #[test]
+    fn the_listener_tls_block_names_its_key_paths() {
+        let with = |tls: &str| Config::from_yaml(&format!("tls:\n{tls}{MINIMAL}"));
+        let c = with("  cert_file: /tls/cert.pem\n  key_file: /tls/key.pem\n").unwrap();
+        let tls = c.tls.expect("a TLS listener");
+        assert!(tls.http2, "HTTP/2 is offered by default");
+        assert_eq!(tls.key_file, Path::new("/tls/key.pem"));
+        assert!(Config::from_yaml(MINIMAL).unwrap().tls.is_none());
+        let h1 = with("  cert_file: /c\n  key_file: /k\n  http2: false\n").unwrap();
+        assert!(!h1.tls.unwrap().http2);
+        let missing = with("  cert_file: /tls/cert.pem\n").unwrap_err();
+        assert_eq!(missing.path, "tls");
+        assert!(missing.problem.contains("key_file"), "{missing}");
+        let empty = with("  cert_file: ''\n  key_file: /k\n").unwrap_err();
+        assert_eq!(empty.path, "tls.cert_file");
+        let typo = with("  cert: /c\n  key_file: /k\n").unwrap_err();
+        assert_eq!(typo.path, "tls");
+    }
+
+    #[test]
     fn endpoint_urls_are_taken_apart() {
         let e = parse_endpoint_url("http://127.0.0.1:3001/mcp").unwrap();
         assert_eq!(
@@ -1087,9 +1251,16 @@ mod tests {
         );
         assert_eq!(parse_endpoint_url("http://svc").unwrap().path, "/");
         assert_eq!(parse_endpoint_url("http://[::1]:9/m").unwrap().host, "::1");
-        assert!(parse_endpoint_url("https://x/mcp")
+        let https = parse_endpoint_url("https://mcp.example.com/mcp").unwrap();
+        assert!(https.tls);
+        assert_eq!(
+            (https.port, https.authority.as_str()),
+            (443, "mcp.example.com")
+        );
+        assert!(!e.tls);
+        assert!(parse_endpoint_url("ftp://x/mcp")
             .unwrap_err()
-            .contains("https"));
+            .contains("https://"));
         assert!(parse_endpoint_url("not a url").is_err());
     }
 }

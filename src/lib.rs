@@ -2,7 +2,7 @@
 //!
 //! The crate is split into socket-free protocol logic ([`protocol`], [`keys`], [`seal`],
 //! [`principal`], [`config`]) and the Pingora shell that drives it ([`gateway`],
-//! [`upstream`]). [`demo`] is an embedded legacy MCP server for `mrtr-gateway demo` and the
+//! [`upstream`], and [`tls`] for both sides' certificates). [`demo`] is an embedded legacy MCP server for `mrtr-gateway demo` and the
 //! benchmarks. See ARCHITECTURE.md for the map and the flow of one request.
 
 pub mod cli;
@@ -17,4 +17,5 @@ pub mod outcome;
 pub mod principal;
 pub mod protocol;
 pub mod seal;
+pub mod tls;
 pub mod upstream;

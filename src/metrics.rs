@@ -286,7 +286,7 @@ impl Metrics {
             reloads: counters(
                 &r,
                 "mrtr_gateway_reloads_total",
-                "Reloads of the keys file and the JWKS, by file and outcome",
+                "Reloads of the keys file, the JWKS and the listener's certificate, by file and outcome",
                 &["file", "outcome"],
             ),
             active_rounds: gauge(
@@ -371,7 +371,7 @@ impl Metrics {
         for method in ["tools/call", "prompts/get", "resources/read"] {
             self.input_required.with_label_values(&[method]);
         }
-        for file in ["keys", "jwks"] {
+        for file in ["keys", "jwks", "tls"] {
             for outcome in ["ok", "error"] {
                 self.reloads.with_label_values(&[file, outcome]);
             }

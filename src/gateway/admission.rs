@@ -61,8 +61,8 @@ impl Admission {
         Some(forwarded::Hop {
             peer,
             trusted: self.trusted_peers.contains(peer),
-            host: host(session),
-            proto: scheme(session),
+            host: super::request_host(session),
+            proto: super::request_scheme(session),
         })
     }
 
@@ -80,11 +80,12 @@ impl Admission {
         if let Some(base) = &self.public_url {
             return base.join(&group.path);
         }
-        let authority = host(session)
+        let authority = super::request_host(session)
             .map(str::to_string)
             .or_else(|| session.server_addr().map(|a| a.to_string()))
             .unwrap_or_default();
-        PublicResource::new(&format!("{}://{authority}", scheme(session)), &group.path)
+        let scheme = super::request_scheme(session);
+        PublicResource::new(&format!("{scheme}://{authority}"), &group.path)
     }
 
     /// The end-to-end headers a bridged request passes upstream: the client's, as
@@ -101,16 +102,3 @@ impl Admission {
     }
 }
 
-fn host(session: &ServerSession) -> Option<&str> {
-    session.get_header("host").and_then(|v| v.to_str().ok())
-}
-
-/// The scheme a request arrived over: `https` on a TLS connection.
-fn scheme(session: &ServerSession) -> &'static str {
-    let tls = session.digest().is_some_and(|d| d.ssl_digest.is_some());
-    if tls {
-        "https"
-    } else {
-        "http"
-    }
-}

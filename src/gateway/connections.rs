@@ -1,7 +1,8 @@
 //! The MCP listener's connection cap. Each client connection holds buffers and a task
 //! while it lives, idle or not; above `limits.max_client_connections` a new one is read
-//! just far enough to be answered 503 with a JSON-RPC error and `Connection: close`,
-//! then closed, rather than reset or left to exhaust the file descriptors.
+//! just far enough to be answered 503 with a JSON-RPC error and `Connection: close` (on
+//! HTTP/2, its first stream, then GOAWAY), then closed, rather than reset or left to
+//! exhaust the file descriptors. A TLS connection is counted once its handshake is done.
 //!
 //! Pingora's `HttpServerApp` sees requests, not connections, so the cap is a `ServerApp`
 //! wrapped around the listener's app (whose `ServerApp` is pingora's own), holding a slot
@@ -13,8 +14,9 @@ use crate::metrics::Metrics;
 use crate::protocol::jsonrpc::code;
 use async_trait::async_trait;
 use pingora::apps::ServerApp;
+use pingora::protocols::http::v2::{self, server::H2Accept};
 use pingora::protocols::http::ServerSession;
-use pingora::protocols::Stream;
+use pingora::protocols::{Digest, Stream, ALPN};
 use pingora::server::ShutdownWatch;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -91,16 +93,55 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Capped<A> {
     }
 }
 
-/// Reads the request of a connection over the cap (briefly) and answers it 503.
+const REFUSAL: &str = "the gateway serves its maximum number of client connections; retry later";
+
+/// Reads the request of a connection over the cap (briefly) and answers it 503; over TLS
+/// with HTTP/2 negotiated, its first stream's.
 async fn refuse(stream: Stream) {
+    if matches!(stream.selected_alpn_proto(), Some(ALPN::H2)) {
+        return refuse_h2(stream).await;
+    }
     let mut session = ServerSession::new_http1(stream);
     let read = tokio::time::timeout(REFUSAL_READ_LIMIT, session.read_request()).await;
     if !matches!(read, Ok(Ok(true))) {
         return;
     }
-    let message = "the gateway serves its maximum number of client connections; retry later";
-    super::refuse_and_close(&mut session, 503, code::INTERNAL_ERROR, message).await;
+    super::refuse_and_close(&mut session, 503, code::INTERNAL_ERROR, REFUSAL).await;
     let _ = session.finish().await;
+}
+
+/// Waits for `f` at most `REFUSAL_READ_LIMIT`.
+fn limit<F: std::future::Future>(f: F) -> tokio::time::Timeout<F> {
+    tokio::time::timeout(REFUSAL_READ_LIMIT, f)
+}
+
+/// Answers the first stream of an HTTP/2 connection over the cap 503, then closes the
+/// connection (GOAWAY) once the answer went out. The connection is driven all along: an
+/// HTTP/2 stream's frames move only while its connection is polled.
+async fn refuse_h2(stream: Stream) {
+    let Ok(Ok(mut connection)) = limit(v2::server::handshake(stream, None)).await else {
+        return;
+    };
+    let digest = Arc::new(Digest::default());
+    let accepted = limit(v2::server::HttpSession::from_h2_conn(
+        &mut connection,
+        digest,
+    ))
+    .await;
+    if let Ok(Ok(Some(H2Accept::Session(h2)))) = accepted {
+        let mut session = ServerSession::new_http2(h2);
+        let answer = async {
+            super::refuse_and_close(&mut session, 503, code::INTERNAL_ERROR, REFUSAL).await;
+            let _ = session.finish().await;
+        };
+        let driven = std::future::poll_fn(|cx| connection.poll_closed(cx));
+        tokio::select! {
+            _ = answer => {}
+            _ = driven => return,
+        }
+    }
+    connection.graceful_shutdown();
+    let _ = limit(std::future::poll_fn(|cx| connection.poll_closed(cx))).await;
 }
 
 #[cfg(test)]

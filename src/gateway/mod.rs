@@ -27,13 +27,14 @@ use crate::principal::Unauthenticated;
 use crate::protocol::headers::MCP_SESSION_ID;
 use crate::protocol::jsonrpc::{self, code, Body};
 use crate::protocol::oauth::WellKnown;
+use crate::protocol::scheme::Scheme;
 use crate::upstream::Upstreams;
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
-use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream};
+use pingora::apps::{HttpPersistentSettings, HttpServerApp, HttpServerOptions, ReusedHttpStream};
 use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 /// Longest wait for each read of a client's request body.
@@ -143,7 +144,7 @@ impl Gateway {
             Arrival::Client => self
                 .admission
                 .host_policy
-                .check(header(session, "host"), header(session, "origin")),
+                .check(request_host(session), header(session, "origin")),
             Arrival::Peer => Ok(()),
         };
         if let Err(why) = host_checked {
@@ -291,6 +292,18 @@ fn header<'s>(session: &'s ServerSession, name: &str) -> Option<&'s str> {
     session.get_header(name).and_then(|v| v.to_str().ok())
 }
 
+/// The host the request names: its `Host` header, or an HTTP/2 request's `:authority`
+/// (pingora checked that the two agree when both are present).
+pub fn request_host(session: &ServerSession) -> Option<&str> {
+    header(session, "host").or_else(|| session.req_header().uri.authority().map(|a| a.as_str()))
+}
+
+/// The scheme the request arrived over: `https` when its connection is TLS (the MCP
+/// listener with `tls:`), `http` otherwise (the peer listener is always plain HTTP).
+pub fn request_scheme(session: &ServerSession) -> Scheme {
+    Scheme::over_tls(session.digest().is_some_and(|d| d.ssl_digest.is_some()))
+}
+
 /// Refuses requests with more headers, or more header bytes, than the limits allow.
 fn check_header_limits(
     session: &ServerSession,
@@ -371,8 +384,21 @@ pub struct Listener {
     pub arrival: Arrival,
 }
 
+/// The listeners' HTTP options: an HTTP/2 connection (over TLS, by ALPN) that carries no
+/// stream for as long as an idle HTTP/1.1 connection is kept is closed, so idle
+/// connections do not hold the connection cap's slots.
+static SERVER_OPTIONS: LazyLock<HttpServerOptions> = LazyLock::new(|| {
+    let mut options = HttpServerOptions::default();
+    options.h2_idle_timeout = Some(Duration::from_secs(CLIENT_KEEPALIVE_SECONDS));
+    options
+});
+
 #[async_trait]
 impl HttpServerApp for Listener {
+    fn server_options(&self) -> Option<&HttpServerOptions> {
+        Some(&SERVER_OPTIONS)
+    }
+
     async fn process_new_http(
         self: &Arc<Self>,
         mut session: ServerSession,

@@ -117,6 +117,8 @@ pub async fn forward(
         addr: owner,
         authority: owner.to_string(),
         path,
+        // The peer listener speaks plain HTTP: keep it on the replicas' own network.
+        tls: None,
     };
     let timeouts = Timeouts {
         connect: gw.flows.peers.connect_timeout,

@@ -38,11 +38,7 @@ struct Table {
 
 impl Table {
     fn find(&self, endpoint: &Endpoint) -> Option<u32> {
-        let same = |t: &Target| {
-            t.endpoint.addr == endpoint.addr
-                && t.endpoint.path == endpoint.path
-                && t.endpoint.authority == endpoint.authority
-        };
+        let same = |t: &Target| t.endpoint == *endpoint;
         self.targets.iter().position(same).map(|i| i as u32)
     }
 
@@ -173,6 +169,7 @@ mod tests {
             addr: ([127, 0, 0, 1], port).into(),
             authority: format!("127.0.0.1:{port}"),
             path: "/mcp".into(),
+            tls: None,
         }
     }
 

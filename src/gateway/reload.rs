@@ -1,7 +1,8 @@
-//! Reloading, without a restart, the files the gateway reads at start: the keys file and
-//! a JWT principal's JWKS. Each is re-read when its contents change (polled, which also
-//! catches a Kubernetes Secret's symlink swap) and on SIGHUP. A file that does not parse
-//! is logged and counted, and what is in use is kept.
+//! Reloading, without a restart, the files the gateway reads at start: the keys file, a
+//! JWT principal's JWKS, and the MCP listener's certificate and key (watched as one). Each
+//! is re-read when its contents change (polled, which also catches a Kubernetes Secret's
+//! symlink swap) and on SIGHUP. A file that does not parse is logged and counted, and what
+//! is in use is kept.
 
 use crate::metrics::Metrics;
 use async_trait::async_trait;
@@ -16,42 +17,59 @@ use tokio::signal::unix::{signal, Signal, SignalKind};
 /// Parses a file and puts the result in use; `Ok` carries a summary for the log.
 pub type Apply = Box<dyn Fn(&Path) -> Result<String, String> + Send + Sync>;
 
-/// One file to keep current.
+/// One file, or files that are put in use together, to keep current.
 pub struct WatchedFile {
-    /// The metric label and log name: `keys` or `jwks`.
+    /// The metric label and log name: `keys`, `jwks` or `tls`.
     pub name: &'static str,
-    pub path: PathBuf,
+    /// The files; `apply` gets the first.
+    pub paths: Vec<PathBuf>,
     pub apply: Apply,
-    /// A digest of the contents last seen, so an unchanged file costs no parse.
+    /// A digest of the contents last seen, so unchanged files cost no parse.
     seen: Mutex<Option<[u8; 32]>>,
 }
 
 impl WatchedFile {
     pub fn new(name: &'static str, path: PathBuf, apply: Apply) -> WatchedFile {
-        let seen = std::fs::read(&path).ok().map(|b| Sha256::digest(b).into());
+        Self::together(name, vec![path], apply)
+    }
+
+    /// Files put in use together (a certificate and its key): a change to any of them
+    /// applies them all.
+    pub fn together(name: &'static str, paths: Vec<PathBuf>, apply: Apply) -> WatchedFile {
+        let seen = digest_of(&paths).ok();
         WatchedFile {
             name,
-            path,
+            paths,
             apply,
             seen: Mutex::new(seen),
         }
     }
 
-    /// Re-reads the file if it changed (or always, when `forced`); `None` if unchanged.
+    /// Re-reads the files if they changed (or always, when `forced`); `None` if unchanged.
     fn reload(&self, forced: bool) -> Option<Result<String, String>> {
-        let bytes = match std::fs::read(&self.path) {
-            Ok(b) => b,
-            Err(e) => return Some(Err(format!("{}: {e}", self.path.display()))),
+        let digest = match digest_of(&self.paths) {
+            Ok(digest) => digest,
+            Err(e) => return Some(Err(e)),
         };
-        let digest: [u8; 32] = Sha256::digest(&bytes).into();
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
         if !forced && *seen == Some(digest) {
             return None;
         }
         // Remember even contents that fail, so an error is logged once, not every poll.
         *seen = Some(digest);
-        Some((self.apply)(&self.path))
+        let first = self.paths.first()?;
+        Some((self.apply)(first))
     }
+}
+
+/// One digest of the contents of every file, in order.
+fn digest_of(paths: &[PathBuf]) -> Result<[u8; 32], String> {
+    let mut hasher = Sha256::new();
+    for path in paths {
+        let bytes = std::fs::read(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        hasher.update(Sha256::digest(&bytes));
+    }
+    Ok(hasher.finalize().into())
 }
 
 pub struct Reloader {
@@ -71,7 +89,9 @@ impl Reloader {
 
     fn reload_all(&self, forced: bool) {
         if forced && self.files.is_empty() {
-            tracing::info!("SIGHUP: no keys file or JWKS file configured; nothing to reload");
+            tracing::info!(
+                "SIGHUP: no keys file, JWKS file or listener certificate configured; nothing to reload"
+            );
         }
         for file in &self.files {
             let Some(outcome) = file.reload(forced) else {

@@ -35,15 +35,21 @@ pub async fn write_with(
 }
 
 /// Frames a response body of unknown length: chunked for HTTP/1.1 clients. HTTP/1.0 has
-/// no chunked coding, so an HTTP/1.0 client's body ends when the connection closes.
+/// no chunked coding, so an HTTP/1.0 client's body ends when the connection closes. An
+/// HTTP/2 body is framed by its DATA frames and ends with the stream.
 pub fn frame_unknown_length(session: &mut ServerSession, header: &mut ResponseHeader) {
     header.remove_header(&http::header::CONTENT_LENGTH);
-    let version = session.req_header().version;
-    if matches!(version, http::Version::HTTP_10 | http::Version::HTTP_09) {
-        header.remove_header(&http::header::TRANSFER_ENCODING);
-        session.set_keepalive(None);
-    } else {
-        let _ = header.insert_header(http::header::TRANSFER_ENCODING, "chunked");
+    match session.req_header().version {
+        http::Version::HTTP_10 | http::Version::HTTP_09 => {
+            header.remove_header(&http::header::TRANSFER_ENCODING);
+            session.set_keepalive(None);
+        }
+        http::Version::HTTP_2 => {
+            header.remove_header(&http::header::TRANSFER_ENCODING);
+        }
+        _ => {
+            let _ = header.insert_header(http::header::TRANSFER_ENCODING, "chunked");
+        }
     }
 }
 

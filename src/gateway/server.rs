@@ -1,4 +1,5 @@
-//! Assembling a pingora `Server`: the MCP listener (its connections capped), the admin
+//! Assembling a pingora `Server`: the MCP listener (its connections capped; TLS with a
+//! reloaded certificate when `tls:` is set), the admin
 //! listener, the peer listener (when configured), the drain watch, the reaper and
 //! held-flow sweeper, and one health-check service per upstream group (and one for DNS
 //! peer discovery). `run` blocks until a signal;
@@ -15,6 +16,7 @@ use crate::config::{Config, ConfigError};
 use crate::keys::KeyRing;
 use crate::metrics::Metrics;
 use crate::principal::{Authenticator, PrincipalSource};
+use crate::tls::listener::ListenerCert;
 use crate::upstream::Upstreams;
 use async_trait::async_trait;
 use pingora::server::configuration::ServerConf;
@@ -53,6 +55,7 @@ pub fn build(
             server.add_service(GenBackgroundService::new(name, group.balancer()));
         }
     }
+    let listener_cert = config.tls.as_ref().map(ListenerCert::load).transpose()?;
     let listen = config.listen.clone();
     let admin_listen = config.admin_listen.clone();
     let peer_listen = config.peers.listen.clone();
@@ -62,7 +65,9 @@ pub fn build(
     if let Some(peers) = gateway.flows.peers.discovery_service() {
         server.add_service(GenBackgroundService::new("peer discovery".into(), peers));
     }
-    let reloader = Reloader::new(watched_files(&gateway), metrics.clone(), keys_poll);
+    let mut watched = watched_files(&gateway);
+    watched.extend(listener_cert.as_ref().map(watched_certificate));
+    let reloader = Reloader::new(watched, metrics.clone(), keys_poll);
     server.add_service(background_service("reloader", reloader));
     let listener = Listener {
         gw: gateway.clone(),
@@ -74,7 +79,13 @@ pub fn build(
         cap: ConnectionCap::new(max_connections, metrics.clone()),
     };
     let mut mcp = Service::new("mcp".to_string(), capped);
-    mcp.add_tcp(&listen);
+    match &listener_cert {
+        Some(cert) => {
+            mcp.add_tls_with_settings(&listen, None, cert.settings()?);
+            tracing::info!(%listen, certificate = %cert.describe(), "the MCP listener serves TLS");
+        }
+        None => mcp.add_tcp(&listen),
+    }
     let admin_app = AdminApp {
         metrics: metrics.clone(),
         drain: gateway.runtime.drain.clone(),
@@ -159,6 +170,15 @@ fn watched_files(gateway: &Gateway) -> Vec<WatchedFile> {
         ));
     }
     files
+}
+
+/// The listener's certificate and key, watched as one: new connections get the new pair.
+fn watched_certificate(cert: &Arc<ListenerCert>) -> WatchedFile {
+    let files = [&cert.files().cert_file, &cert.files().key_file];
+    let paths = files.into_iter().cloned().collect();
+    let cert = cert.clone();
+    let apply = move |_: &std::path::Path| cert.reload();
+    WatchedFile::together("tls", paths, Box::new(apply))
 }
 
 /// Runs until SIGTERM (graceful), SIGINT (fast) or SIGQUIT (upgrade).

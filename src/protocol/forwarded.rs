@@ -4,6 +4,7 @@
 //! appended; from any other peer they are dropped and replaced, so a client cannot make
 //! an upstream believe it came from elsewhere.
 
+use super::scheme::Scheme;
 use http::header::HeaderName;
 use http::{HeaderMap, HeaderValue};
 use std::net::IpAddr;
@@ -106,7 +107,7 @@ pub struct Hop<'a> {
     /// The `Host` the request named.
     pub host: Option<&'a str>,
     /// The scheme it arrived over.
-    pub proto: &'a str,
+    pub proto: Scheme,
 }
 
 /// The forwarding headers for the next hop, to set in place of any `client` sent: from a
@@ -204,7 +205,7 @@ mod tests {
             peer: peer.parse().unwrap(),
             trusted,
             host: Some("mcp.example.com"),
-            proto: "http",
+            proto: Scheme::Http,
         }
     }
 
@@ -234,6 +235,18 @@ mod tests {
                 ("x-forwarded-host".into(), "mcp.example.com".into()),
             ]
         );
+    }
+
+    #[test]
+    fn a_request_that_arrived_over_tls_says_https() {
+        let mut over_tls = hop("192.0.2.7", false);
+        over_tls.proto = Scheme::Https;
+        let out = render(forwarding_headers(&client(SPOOFED), &over_tls));
+        assert_eq!(
+            out[1].1,
+            "for=192.0.2.7;host=\"mcp.example.com\";proto=https"
+        );
+        assert_eq!(out[2], ("x-forwarded-proto".into(), "https".into()));
     }
 
     #[test]

@@ -1,13 +1,15 @@
 //! Socket-free MCP protocol logic: JSON-RPC classification and error bodies, the SSE
 //! codec, the sealed legacy session token, W3C trace context, which headers cross a hop
-//! and forwarding headers, OAuth resource discovery through the gateway. Nothing here
-//! does I/O; the gateway shell feeds bytes in and acts on what comes out.
+//! and forwarding headers, the scheme a request arrived over, OAuth resource discovery
+//! through the gateway. Nothing here does I/O; the gateway shell feeds bytes in and acts
+//! on what comes out.
 
 pub mod forwarded;
 pub mod headers;
 pub mod host_check;
 pub mod jsonrpc;
 pub mod oauth;
+pub mod scheme;
 pub mod session_token;
 pub mod sse;
 pub mod trace;

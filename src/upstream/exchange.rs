@@ -7,6 +7,7 @@
 
 use super::{Endpoint, Timeouts};
 use crate::metrics::{InUse, Metrics};
+use crate::tls::upstream::{handshake_failure, HandshakeFailure};
 use bytes::Bytes;
 use pingora::connectors::http::Connector;
 use pingora::http::{RequestHeader, ResponseHeader};
@@ -29,6 +30,12 @@ pub const MAX_INTERIM_RESPONSES: usize = 8;
 pub enum ExchangeFailure {
     /// Could not connect (refused, unreachable, connect timeout).
     Connect,
+    /// The endpoint's certificate did not verify (an unknown issuer, expired, not valid
+    /// for the endpoint's name): nothing was sent.
+    Untrusted,
+    /// The TLS handshake failed otherwise (the endpoint does not speak TLS, or refused
+    /// the gateway's certificate or protocol versions): nothing was sent.
+    Handshake,
     /// Connected, but no complete response header in time.
     Timeout,
     /// The upstream broke the exchange (reset, malformed HTTP).
@@ -47,6 +54,10 @@ impl fmt::Display for ExchangeFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ExchangeFailure::Connect => write!(f, "is unreachable"),
+            ExchangeFailure::Untrusted => {
+                write!(f, "presented a certificate the gateway does not trust")
+            }
+            ExchangeFailure::Handshake => write!(f, "failed the TLS handshake"),
             ExchangeFailure::Timeout => write!(f, "did not answer in time"),
             ExchangeFailure::Broken => write!(f, "broke the exchange"),
             ExchangeFailure::TooLarge(max) => write!(f, "sent a body larger than {max} bytes"),
@@ -151,6 +162,9 @@ fn is_timeout(e: &pingora::Error) -> bool {
 impl UpstreamClient {
     fn peer(endpoint: &Endpoint, timeouts: &Timeouts) -> HttpPeer {
         let mut peer = HttpPeer::new(endpoint.addr, false, String::new());
+        if let Some(tls) = &endpoint.tls {
+            tls.configure(&mut peer);
+        }
         peer.options.connection_timeout = Some(timeouts.connect);
         peer.options.total_connection_timeout = Some(timeouts.connect);
         peer.options.idle_timeout = Some(POOL_IDLE);
@@ -201,13 +215,15 @@ impl UpstreamClient {
     }
 
     /// A pooled connection (pingora drops one the upstream closed while it idled), or a
-    /// new one; and whether it was pooled.
+    /// new one; and whether it was pooled. A failed connection is never tried again: a
+    /// handshake that failed would fail again.
     async fn connect(&self, peer: &HttpPeer) -> Result<(HttpSession, bool), Fault> {
-        self.connector
-            .get_http_session(peer)
+        // Pingora's connect future holds a TLS handshake: on the heap, so that it does not
+        // sit in every future that sends a request.
+        Box::pin(self.connector.get_http_session(peer))
             .await
             .map_err(|e| Fault {
-                failure: ExchangeFailure::Connect,
+                failure: connect_failure(&e),
                 source: Some(e),
             })
     }
@@ -369,6 +385,16 @@ impl Failed {
             },
             _ => self.fault,
         }
+    }
+}
+
+/// What a failed connection attempt was: a TLS handshake that failed (the certificate
+/// did not verify, or otherwise), or no connection.
+fn connect_failure(e: &pingora::Error) -> ExchangeFailure {
+    match handshake_failure(e) {
+        Some(HandshakeFailure::Untrusted) => ExchangeFailure::Untrusted,
+        Some(HandshakeFailure::Failed) => ExchangeFailure::Handshake,
+        None => ExchangeFailure::Connect,
     }
 }
 

@@ -445,6 +445,7 @@ mod tests {
             addr,
             authority: addr.to_string(),
             path: "/mcp".into(),
+            tls: None,
         };
         let timeouts = Timeouts {
             connect: Duration::from_secs(2),

@@ -8,10 +8,12 @@ pub mod exchange;
 pub mod legacy_session;
 
 use crate::config::{
-    parse_endpoint_url, Config, ConfigError, Discovery, ToolPolicy, UpstreamGroupConfig,
+    parse_endpoint_url, Config, ConfigError, Discovery, EndpointUrl, ToolPolicy,
+    UpstreamGroupConfig,
 };
 use crate::protocol::headers::HeaderPolicy;
 use crate::protocol::oauth::PublicResource;
+use crate::tls::upstream::{EndpointTls, GroupTls};
 use pingora::lb::health_check::TcpHealthCheck;
 use pingora::lb::selection::RoundRobin;
 use pingora::lb::LoadBalancer;
@@ -28,6 +30,8 @@ pub struct Endpoint {
     pub authority: String,
     /// The upstream's MCP path.
     pub path: String,
+    /// How to speak TLS to it (`https://`); `None`: plain HTTP.
+    pub tls: Option<EndpointTls>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -64,9 +68,13 @@ enum Members {
     /// The configured endpoints, resolved at start.
     Static(Vec<Endpoint>),
     /// The balancer's current backends, the DNS name's last answer; each is an endpoint
-    /// with the configured URL's authority (the `Host` a Kubernetes backend expects) and
-    /// path.
-    Dns { authority: String, path: String },
+    /// with the configured URL's authority (the `Host` a Kubernetes backend expects), path
+    /// and TLS (the name every pod's certificate must be valid for).
+    Dns {
+        authority: String,
+        path: String,
+        tls: Option<EndpointTls>,
+    },
 }
 
 impl UpstreamGroup {
@@ -75,9 +83,10 @@ impl UpstreamGroup {
         cfg: &UpstreamGroupConfig,
         dns_resolver: Option<SocketAddr>,
     ) -> Result<UpstreamGroup, ConfigError> {
+        let tls = Self::load_tls(at, cfg)?;
         let (members, mut balancer) = match cfg.discovery {
-            Discovery::Static => Self::resolve_static(at, cfg)?,
-            Discovery::Dns => Self::discover_by_dns(at, cfg, dns_resolver)?,
+            Discovery::Static => Self::resolve_static(at, cfg, tls.as_ref())?,
+            Discovery::Dns => Self::discover_by_dns(at, cfg, dns_resolver, tls.as_ref())?,
         };
         let health_check_interval = (cfg.health_check_interval_ms > 0)
             .then(|| Duration::from_millis(cfg.health_check_interval_ms));
@@ -110,10 +119,23 @@ impl UpstreamGroup {
         })
     }
 
+    /// The group's TLS settings, loaded when one of its endpoints is `https://`.
+    fn load_tls(at: &str, cfg: &UpstreamGroupConfig) -> Result<Option<Arc<GroupTls>>, ConfigError> {
+        let any_https = cfg
+            .endpoints
+            .iter()
+            .any(|url| parse_endpoint_url(url).is_ok_and(|e| e.tls));
+        if !any_https {
+            return Ok(None);
+        }
+        GroupTls::load(at, &cfg.name, &cfg.tls).map(Some)
+    }
+
     /// Resolves every endpoint now (blocking DNS, at start).
     fn resolve_static(
         at: &str,
         cfg: &UpstreamGroupConfig,
+        tls: Option<&Arc<GroupTls>>,
     ) -> Result<(Members, LoadBalancer<RoundRobin>), ConfigError> {
         let mut endpoints = Vec::with_capacity(cfg.endpoints.len());
         for (j, url) in cfg.endpoints.iter().enumerate() {
@@ -129,6 +151,7 @@ impl UpstreamGroup {
                 .ok_or_else(|| err(format!("'{}' resolves to no address", parsed.host)))?;
             endpoints.push(Endpoint {
                 addr,
+                tls: endpoint_tls(&parsed, tls),
                 authority: parsed.authority,
                 path: parsed.path,
             });
@@ -148,6 +171,7 @@ impl UpstreamGroup {
         at: &str,
         cfg: &UpstreamGroupConfig,
         dns_resolver: Option<SocketAddr>,
+        tls: Option<&Arc<GroupTls>>,
     ) -> Result<(Members, LoadBalancer<RoundRobin>), ConfigError> {
         let url = cfg
             .endpoints
@@ -160,6 +184,7 @@ impl UpstreamGroup {
             .map_err(|p| ConfigError::at(format!("{at}.discovery"), p))?;
         let balancer = dns::balancer(discovery, Duration::from_millis(cfg.dns_refresh_ms));
         let members = Members::Dns {
+            tls: endpoint_tls(&parsed, tls),
             authority: parsed.authority,
             path: parsed.path,
         };
@@ -182,13 +207,16 @@ impl UpstreamGroup {
     pub fn endpoint(&self, addr: SocketAddr) -> Option<Endpoint> {
         match &self.members {
             Members::Static(endpoints) => endpoints.iter().find(|e| e.addr == addr).cloned(),
-            Members::Dns { authority, path } => {
-                dns::in_answer(&self.balancer, addr).then(|| Endpoint {
-                    addr,
-                    authority: authority.clone(),
-                    path: path.clone(),
-                })
-            }
+            Members::Dns {
+                authority,
+                path,
+                tls,
+            } => dns::in_answer(&self.balancer, addr).then(|| Endpoint {
+                addr,
+                authority: authority.clone(),
+                path: path.clone(),
+                tls: tls.clone(),
+            }),
         }
     }
 
@@ -202,6 +230,13 @@ impl UpstreamGroup {
     pub fn balancer(&self) -> Arc<LoadBalancer<RoundRobin>> {
         self.balancer.clone()
     }
+}
+
+/// TLS to an endpoint whose URL is `https://`: its host is the name its certificate must
+/// be valid for.
+fn endpoint_tls(parsed: &EndpointUrl, group: Option<&Arc<GroupTls>>) -> Option<EndpointTls> {
+    let group = group.filter(|_| parsed.tls)?;
+    Some(EndpointTls::new(&parsed.host, group.clone()))
 }
 
 /// Every configured group.
@@ -256,6 +291,29 @@ mod tests {
             "/b"
         );
         assert!(g.endpoint("127.0.0.1:3".parse().unwrap()).is_none());
+    }
+
+    #[test]
+    fn https_endpoints_are_verified_against_their_urls_host() {
+        let g = group(&["https://127.0.0.1:1/a", "http://127.0.0.1:2/b"]);
+        let tls = g.endpoint("127.0.0.1:1".parse().unwrap()).unwrap().tls;
+        let tls = tls.expect("an https endpoint speaks TLS");
+        assert_eq!(
+            tls.server_name, "127.0.0.1",
+            "an IP address is the name too"
+        );
+        assert!(tls.verifies());
+        let plain = g.endpoint("127.0.0.1:2".parse().unwrap()).unwrap();
+        assert!(plain.tls.is_none());
+        let mut cfg = UpstreamGroupConfig::new("g", vec!["https://mcp.svc.local:8443/m".into()]);
+        cfg.discovery = Discovery::Dns;
+        let nowhere = Some("127.0.0.1:9".parse().unwrap());
+        let dns = UpstreamGroup::build("upstreams[0]", &cfg, nowhere).unwrap();
+        let Members::Dns { tls, authority, .. } = &dns.members else {
+            panic!("a DNS group")
+        };
+        assert_eq!(tls.as_ref().unwrap().server_name, "mcp.svc.local");
+        assert_eq!(authority, "mcp.svc.local:8443");
     }
 
     #[test]

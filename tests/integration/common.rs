@@ -139,7 +139,7 @@ pub fn start_upstream_on(kind: Upstream, port: u16) -> (Proc, String) {
 /// `--introspect`, `--api-key`, ...); returns the process and its MCP URL.
 pub fn start_upstream_with(kind: Upstream, port: u16, flags: &[&str]) -> (Proc, String) {
     let fixtures = root().join("tests/fixtures");
-    let mut cmd = match kind {
+    let cmd = match kind {
         Upstream::Python
         | Upstream::PythonWithoutEventStore
         | Upstream::PythonForgetfulEventStore => {
@@ -174,23 +174,41 @@ pub fn start_upstream_with(kind: Upstream, port: u16, flags: &[&str]) -> (Proc, 
             c
         }
     };
+    let proc = spawn_listening(cmd, &format!("{kind:?}"), port);
+    (proc, format!("http://127.0.0.1:{port}/mcp"))
+}
+
+/// Starts the Python fixture serving HTTPS with `cert` and `key` (PEM) on a free loopback
+/// port; returns the process and its port.
+pub fn start_python_https(cert: &std::path::Path, key: &std::path::Path) -> (Proc, u16) {
+    let port = free_port();
+    let mut cmd = Command::new(python());
+    cmd.arg(root().join("tests/fixtures/py_legacy_server.py"))
+        .arg(port.to_string())
+        .arg("--tls")
+        .args([cert, key]);
+    (spawn_listening(cmd, "Python over HTTPS", port), port)
+}
+
+/// Starts a fixture process and waits until it listens on `port`.
+fn spawn_listening(mut cmd: Command, name: &str, port: u16) -> Proc {
     let child = cmd
-        .current_dir(&fixtures)
+        .current_dir(root().join("tests/fixtures"))
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {kind:?} (run tests/setup.sh first): {e}"));
+        .unwrap_or_else(|e| panic!("cannot start {name} (run tests/setup.sh first): {e}"));
     let proc = Proc {
         child,
-        name: format!("{kind:?}"),
+        name: name.to_string(),
     };
     wait_until(
-        &format!("{kind:?} upstream on port {port}"),
+        &format!("{name} upstream on port {port}"),
         Duration::from_secs(30),
         || port_open(port),
     );
-    (proc, format!("http://127.0.0.1:{port}/mcp"))
+    proc
 }
 
 /// Starts the OAuth authorization server fixture (the Python SDK's provider interfaces,
@@ -553,39 +571,52 @@ impl Raw {
         &self,
         id: u64,
         method: &str,
-        mut params: Value,
+        params: Value,
         capabilities: Value,
         extra: &[(&str, &str)],
     ) -> Reply {
-        let mut meta = serde_json::json!({
-            "io.modelcontextprotocol/protocolVersion": "2026-07-28",
-            "io.modelcontextprotocol/clientCapabilities": capabilities,
-        });
-        if let Some(extra) = params.get("_meta").and_then(Value::as_object) {
-            meta.as_object_mut()
-                .expect("an object")
-                .extend(extra.clone());
-        }
-        params["_meta"] = meta;
-        let name = params
-            .get("name")
-            .or(params.get("uri"))
-            .and_then(Value::as_str)
-            .map(str::to_string);
-        let mut headers = vec![
-            ("content-type", "application/json"),
-            ("accept", "application/json, text/event-stream"),
-            ("mcp-protocol-version", "2026-07-28"),
-            ("mcp-method", method),
-        ];
-        if let Some(name) = &name {
-            headers.push(("mcp-name", name.as_str()));
-        }
+        let (headers, body) = modern_request(id, method, params, capabilities);
+        let mut headers: Vec<(&str, &str)> =
+            headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
         headers.extend_from_slice(extra);
-        let body =
-            serde_json::json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
         self.request("POST", &headers, Some(&body.to_string()))
     }
+}
+
+/// The headers and body of a 2026-07-28 request: `_meta` with the version and
+/// `capabilities` (merged with any `_meta` in `params`), and headers that match it.
+pub fn modern_request(
+    id: u64,
+    method: &str,
+    mut params: Value,
+    capabilities: Value,
+) -> (Vec<(&'static str, String)>, Value) {
+    let mut meta = serde_json::json!({
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientCapabilities": capabilities,
+    });
+    if let Some(extra) = params.get("_meta").and_then(Value::as_object) {
+        meta.as_object_mut()
+            .expect("an object")
+            .extend(extra.clone());
+    }
+    params["_meta"] = meta;
+    let name = params
+        .get("name")
+        .or(params.get("uri"))
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let mut headers = vec![
+        ("content-type", "application/json".to_string()),
+        ("accept", "application/json, text/event-stream".to_string()),
+        ("mcp-protocol-version", "2026-07-28".to_string()),
+        ("mcp-method", method.to_string()),
+    ];
+    if let Some(name) = name {
+        headers.push(("mcp-name", name));
+    }
+    let body = serde_json::json!({"jsonrpc": "2.0", "id": id, "method": method, "params": params});
+    (headers, body)
 }
 
 /// A metric's value from the admin listener's `/metrics`: the first series of `name`

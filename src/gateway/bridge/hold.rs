@@ -209,6 +209,7 @@ mod tests {
                 addr: "127.0.0.1:1".parse().unwrap(),
                 authority: "127.0.0.1:1".into(),
                 path: "/mcp".into(),
+                tls: None,
             },
             Timeouts {
                 connect: Duration::from_secs(1),

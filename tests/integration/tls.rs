@@ -1,0 +1,531 @@
+//! TLS on both sides of the gateway, with certificates made at test time: HTTPS upstreams
+//! (the Python SDK server under uvicorn) verified against a group's CA, and the MCP
+//! listener serving HTTPS to the official clients, its certificate reloaded, HTTP/2 by
+//! ALPN.
+
+use crate::common::*;
+use crate::pki::*;
+use crate::scripted::{legacy_basics, Answer, ScriptedUpstream};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use mrtr_gateway::config::{Config, ListenerTls, UpstreamEra, UpstreamGroupConfig};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, ServerName};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_rustls::{rustls, TlsConnector};
+
+const CLIENT_LIMIT: Duration = Duration::from_secs(60);
+
+/// Which official client drives a flow.
+#[derive(Clone, Copy, Debug)]
+enum Sdk {
+    Python,
+    TypeScript,
+}
+
+/// Runs an official client script (`py_*_client.py` or `ts_*_client.mjs`, `era` legacy or
+/// modern) against `url` with `scenario`, trusting `ca` when given.
+fn client(sdk: Sdk, era: &str, url: &str, scenario: &str, ca: Option<&Path>) -> Vec<Value> {
+    let (program, script, variable) = match sdk {
+        Sdk::Python => (python(), format!("py_{era}_client.py"), "SSL_CERT_FILE"),
+        Sdk::TypeScript => (
+            node(),
+            format!("ts_{era}_client.mjs"),
+            "NODE_EXTRA_CA_CERTS",
+        ),
+    };
+    let script = root().join("tests/clients").join(script);
+    let env: Vec<(&str, &str)> = ca
+        .map(|ca| (variable, ca.to_str().expect("a UTF-8 path")))
+        .into_iter()
+        .collect();
+    let args = [script.to_str().expect("a UTF-8 path"), url, scenario];
+    json_lines(&run_client_env(program, &args, &env, CLIENT_LIMIT))
+}
+
+/// The text of a client's `call` step.
+fn call_text(lines: &[Value]) -> &str {
+    lines
+        .iter()
+        .find(|l| l["step"] == "call")
+        .and_then(|l| l["text"].as_str())
+        .unwrap_or_else(|| panic!("no call step in {lines:#?}"))
+}
+
+/// A Python SDK server over HTTPS with a certificate `ca` issued for `names`.
+struct HttpsUpstream {
+    _server: Proc,
+    port: u16,
+}
+
+impl HttpsUpstream {
+    fn start(ca: &TestCa, names: &[&str], pems: &PemDir, label: &str) -> HttpsUpstream {
+        let (cert, key) = ca.issue(names).write(pems, label);
+        let (server, port) = start_python_https(&cert, &key);
+        HttpsUpstream {
+            _server: server,
+            port,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("https://127.0.0.1:{}/mcp", self.port)
+    }
+}
+
+/// A Python SDK server over HTTPS with a certificate for 127.0.0.1 from a test CA, and
+/// the CA's file.
+fn trusted_upstream(pems: &PemDir) -> (HttpsUpstream, PathBuf) {
+    let ca = TestCa::new("upstream CA");
+    let ca_file = ca.write(pems);
+    (
+        HttpsUpstream::start(&ca, &["127.0.0.1"], pems, "server"),
+        ca_file,
+    )
+}
+
+/// A gateway whose one group trusts `ca_file` for its endpoint at `url`, the group
+/// configured further by `tweak`.
+fn gateway_trusting(
+    url: &str,
+    ca_file: &Path,
+    tweak: impl FnOnce(&mut UpstreamGroupConfig),
+) -> TestGateway {
+    let ca_file = ca_file.to_path_buf();
+    TestGateway::start_with(&[url], &test_keys(), move |c| {
+        c.upstreams[0].tls.ca_file = Some(ca_file);
+        tweak(&mut c.upstreams[0]);
+    })
+}
+
+#[test]
+fn bridged_and_legacy_clients_complete_flows_over_an_https_upstream() {
+    let pems = PemDir::new("upstream");
+    let (upstream, ca_file) = trusted_upstream(&pems);
+    // TCP health checks run against the TLS endpoint while the flows do.
+    let gw = gateway_trusting(&upstream.url(), &ca_file, |g| {
+        g.health_check_interval_ms = 100
+    });
+    let modern = client(Sdk::Python, "modern", &gw.url, "elicit", None);
+    assert_modern_call(&modern, "Python modern client, HTTPS upstream");
+    assert_eq!(call_text(&modern), "Hello, Alice!");
+    let modern = client(Sdk::TypeScript, "modern", &gw.url, "multi", None);
+    assert_modern_call(&modern, "TypeScript modern client, HTTPS upstream");
+    let legacy = client(Sdk::Python, "legacy", &gw.url, "elicit", None);
+    assert!(
+        legacy.iter().any(|l| l["step"] == "elicitation"),
+        "{legacy:#?}"
+    );
+    assert_eq!(call_text(&legacy), "Hello, Alice!");
+    println!("bridged (Python, TypeScript) and legacy (Python) flows over an HTTPS upstream: ok");
+}
+
+/// What a raw legacy `initialize` and a raw 2026-07-28 call get from a gateway whose
+/// upstream the group does not trust, each with the connections that reached the upstream
+/// so far. The group is `era: legacy`, so no era probe runs: each request makes one
+/// exchange.
+fn refused_twice(upstream_port: u16, ca_file: &Path) -> ((Reply, usize), (Value, usize)) {
+    let relay = CountingRelay::start(upstream_port);
+    let url = format!("https://127.0.0.1:{}/mcp", relay.port);
+    let gw = gateway_trusting(&url, ca_file, |g| g.era = UpstreamEra::Legacy);
+    let raw = Raw::new(&gw.url);
+    let init = json!({"jsonrpc":"2.0","id":1,"method":"initialize","params":{
+        "protocolVersion":"2025-11-25","capabilities":{},"clientInfo":{"name":"t","version":"1"}}});
+    let legacy = raw.post(None, &init);
+    let after_legacy = relay.count();
+    let modern = ask_name(&raw, 2, json!({}));
+    ((legacy, after_legacy), (modern, relay.count()))
+}
+
+#[test]
+fn an_upstream_certificate_the_group_does_not_trust_is_refused_naming_the_group() {
+    let pems = PemDir::new("untrusted");
+    let trusted = TestCa::new("the group's CA");
+    let ca_file = trusted.write(&pems);
+    let rogue = TestCa::new("a CA the group does not know");
+    let impostor = HttpsUpstream::start(&rogue, &["127.0.0.1"], &pems, "impostor");
+    let misnamed = HttpsUpstream::start(&trusted, &["mcp.example.com"], &pems, "misnamed");
+    let group = "upstream group 'default'";
+    let untrusted = "presented a certificate the gateway does not trust";
+    let names_both = |m: &str| m.contains(group) && m.contains(untrusted);
+    for (what, upstream) in [("unknown issuer", &impostor), ("another name", &misnamed)] {
+        let ((legacy, after_legacy), (modern, after_modern)) =
+            refused_twice(upstream.port, &ca_file);
+        assert_eq!(legacy.status, 502, "{what}");
+        let body = legacy.json();
+        let message = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(names_both(message), "{what}: {body}");
+        let message = modern["error"]["message"].as_str().unwrap_or_default();
+        assert!(names_both(message), "{what}: {modern}");
+        // One handshake per request, none made again.
+        assert_eq!(
+            after_legacy, 1,
+            "{what}: connections for the legacy request"
+        );
+        assert_eq!(
+            after_modern, 2,
+            "{what}: connections after the bridged call"
+        );
+        println!("a certificate with {what}: refused once per request, naming the group");
+    }
+}
+
+#[test]
+fn connections_to_an_https_upstream_are_pooled() {
+    let pems = PemDir::new("pooled");
+    let (upstream, ca_file) = trusted_upstream(&pems);
+    let relay = CountingRelay::start(upstream.port);
+    let url = format!("https://127.0.0.1:{}/mcp", relay.port);
+    let gw = gateway_trusting(&url, &ca_file, |_| {});
+    let raw = Raw::new(&gw.url);
+    let session = raw.initialize(json!({}));
+    let calls = 4;
+    for id in 0..calls {
+        let add = json!({"jsonrpc":"2.0","id":10 + id,"method":"tools/call",
+            "params":{"name":"add","arguments":{"a":id,"b":1}}});
+        let mut reply = raw.post(Some(&session), &add);
+        assert_eq!(reply.status, 200);
+        Raw::messages_until(&mut reply, |m| m.get("result").is_some());
+    }
+    let exchanges = 2 + calls as usize;
+    let connections = relay.count();
+    println!("{exchanges} exchanges over {connections} TLS connection(s)");
+    assert!(
+        connections < exchanges,
+        "{connections} connections for {exchanges} exchanges"
+    );
+}
+
+/// A gateway whose MCP listener serves TLS with a certificate for 127.0.0.1 from a test
+/// CA, the files it reads, and the CA's.
+struct TlsGateway {
+    gw: TestGateway,
+    url: String,
+    pems: PemDir,
+    ca: TestCa,
+    ca_file: PathBuf,
+    cert: PathBuf,
+}
+
+impl TlsGateway {
+    fn start(upstream: &str, tweak: impl FnOnce(&mut Config)) -> TlsGateway {
+        let pems = PemDir::new("listener");
+        let ca = TestCa::new("listener CA");
+        let ca_file = ca.write(&pems);
+        let (cert, key) = ca
+            .issue(&["127.0.0.1", "localhost"])
+            .write(&pems, "listener");
+        let files = ListenerTls {
+            cert_file: cert.clone(),
+            key_file: key.clone(),
+            http2: true,
+        };
+        let gw = TestGateway::start_with(&[upstream], &test_keys(), move |c| {
+            c.tls = Some(files);
+            c.keys_poll_ms = 100;
+            tweak(c);
+        });
+        let url = gw.url.replacen("http://", "https://", 1);
+        TlsGateway {
+            gw,
+            url,
+            pems,
+            ca,
+            ca_file,
+            cert,
+        }
+    }
+
+    /// A TLS client that trusts the test CA only and offers `alpn`.
+    fn client(&self, alpn: &[&str]) -> TlsConnector {
+        tls_client(&self.ca.pem, alpn)
+    }
+}
+
+fn tls_client(ca_pem: &str, alpn: &[&str]) -> TlsConnector {
+    let mut roots = rustls::RootCertStore::empty();
+    for certificate in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(certificate.expect("CA PEM")).expect("a CA");
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("TLS versions")
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = alpn.iter().map(|p| p.as_bytes().to_vec()).collect();
+    TlsConnector::from(Arc::new(config))
+}
+
+type Tls = tokio_rustls::client::TlsStream<tokio::net::TcpStream>;
+
+async fn tls_connect(connector: &TlsConnector, port: u16) -> Tls {
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect to the gateway");
+    let name = ServerName::IpAddress(std::net::Ipv4Addr::LOCALHOST.into());
+    connector.connect(name, tcp).await.expect("a TLS handshake")
+}
+
+/// The protocol the handshake settled on by ALPN, if any.
+fn alpn_of(stream: &Tls) -> Option<String> {
+    let protocol = stream.get_ref().1.alpn_protocol()?;
+    Some(String::from_utf8_lossy(protocol).into_owned())
+}
+
+/// The DER of the first certificate in `pem`.
+fn der_of(pem: &str) -> Vec<u8> {
+    CertificateDer::from_pem_slice(pem.as_bytes())
+        .expect("a certificate")
+        .to_vec()
+}
+
+/// The certificate a new connection to `port` is presented.
+fn presented(connector: &TlsConnector, port: u16) -> Vec<u8> {
+    runtime().block_on(async {
+        let stream = tls_connect(connector, port).await;
+        let chain = stream.get_ref().1.peer_certificates().expect("a chain");
+        chain[0].to_vec()
+    })
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime")
+}
+
+type H2 = hyper::client::conn::http2::SendRequest<Full<Bytes>>;
+
+/// An HTTP/2 connection over TLS (ALPN `h2`).
+async fn h2_connect(connector: &TlsConnector, port: u16) -> H2 {
+    let stream = tls_connect(connector, port).await;
+    assert_eq!(alpn_of(&stream).as_deref(), Some("h2"), "ALPN chose HTTP/2");
+    let io = hyper_util::rt::TokioIo::new(stream);
+    let executor = hyper_util::rt::TokioExecutor::new();
+    let (sender, connection) = hyper::client::conn::http2::handshake(executor, io)
+        .await
+        .expect("an HTTP/2 handshake");
+    tokio::spawn(connection);
+    sender
+}
+
+/// Posts `body` with `headers` over HTTP/2; the status, headers and JSON-RPC messages
+/// (the JSON body, or every SSE event's data).
+async fn h2_post(
+    h2: &mut H2,
+    url: &str,
+    headers: &[(&str, String)],
+    body: &Value,
+) -> (u16, http::HeaderMap, Vec<Value>) {
+    let mut request = http::Request::post(url);
+    for (name, value) in headers {
+        request = request.header(*name, value);
+    }
+    let request = request
+        .body(Full::new(Bytes::from(body.to_string())))
+        .expect("a request");
+    let response = h2.send_request(request).await.expect("a response");
+    assert_eq!(response.version(), http::Version::HTTP_2);
+    let (parts, body) = response.into_parts();
+    let bytes = body.collect().await.expect("the body").to_bytes();
+    let text = String::from_utf8_lossy(&bytes);
+    let messages = match serde_json::from_str(&text) {
+        Ok(json) => vec![json],
+        Err(_) => text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data:"))
+            .filter_map(|data| serde_json::from_str(data.trim()).ok())
+            .collect(),
+    };
+    (parts.status.as_u16(), parts.headers, messages)
+}
+
+fn legacy_headers(session: Option<&str>) -> Vec<(&'static str, String)> {
+    let mut headers = vec![
+        ("content-type", "application/json".to_string()),
+        ("accept", "application/json, text/event-stream".to_string()),
+        ("mcp-protocol-version", "2025-11-25".to_string()),
+    ];
+    headers.extend(session.map(|s| ("mcp-session-id", s.to_string())));
+    headers
+}
+
+fn initialize() -> Value {
+    json!({"jsonrpc":"2.0","id":1,"method":"initialize","params":{
+        "protocolVersion":"2025-11-25","capabilities":{"elicitation":{}},
+        "clientInfo":{"name":"h2-test","version":"1"}}})
+}
+
+#[test]
+fn official_clients_connect_to_the_tls_listener_trusting_a_test_ca() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let tls = TlsGateway::start(&url, |_| {});
+    let ca = Some(tls.ca_file.as_path());
+    for sdk in [Sdk::Python, Sdk::TypeScript] {
+        let legacy = client(sdk, "legacy", &tls.url, "elicit", ca);
+        assert_eq!(call_text(&legacy), "Hello, Alice!", "{sdk:?} legacy");
+        let modern = client(sdk, "modern", &tls.url, "elicit", ca);
+        assert_modern_call(&modern, &format!("{sdk:?} modern client over TLS"));
+        println!("{sdk:?} client over TLS: a legacy session and a 2026-07-28 MRTR flow ok");
+    }
+}
+
+#[test]
+fn a_reloaded_listener_certificate_reaches_new_connections_and_a_bad_one_is_not_used() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let tls = TlsGateway::start(&url, |_| {});
+    let connector = tls.client(&["http/1.1"]);
+    let first = std::fs::read_to_string(&tls.cert).expect("the first certificate");
+    assert_eq!(presented(&connector, tls.gw.port), der_of(&first));
+    let renewed = tls.ca.issue(&["127.0.0.1"]);
+    renewed.write(&tls.pems, "listener");
+    wait_until("the renewed certificate", Duration::from_secs(10), || {
+        presented(&connector, tls.gw.port) == der_of(&renewed.cert)
+    });
+    let ca = Some(tls.ca_file.as_path());
+    let legacy = client(Sdk::Python, "legacy", &tls.url, "basic", ca);
+    assert!(legacy.iter().any(|l| l["step"] == "call"), "{legacy:#?}");
+    let failed = |gw: &TestGateway| {
+        metric_with(
+            &gw.admin,
+            "mrtr_gateway_reloads_total",
+            "file=\"tls\",outcome=\"error\"",
+        )
+    };
+    assert_eq!(failed(&tls.gw), Some(0.0));
+    tls.pems.write(
+        "listener.key",
+        "-----BEGIN PRIVATE KEY-----\nbm90IGEga2V5\n-----END PRIVATE KEY-----\n",
+    );
+    wait_until(
+        "the bad key's reload to fail",
+        Duration::from_secs(10),
+        || failed(&tls.gw) == Some(1.0),
+    );
+    assert_eq!(presented(&connector, tls.gw.port), der_of(&renewed.cert));
+    println!("a renewed certificate reached new connections; a bad key was refused and the renewed pair kept");
+}
+
+#[test]
+fn http2_over_tls_serves_pass_through_and_the_bridge() {
+    let (_upstream, upstream_url) = start_upstream(Upstream::Python);
+    let tls = TlsGateway::start(&upstream_url, |_| {});
+    let connector = tls.client(&["h2", "http/1.1"]);
+    let url = tls.url.clone();
+    runtime().block_on(async move {
+        let mut h2 = h2_connect(&connector, tls.gw.port).await;
+        let (status, headers, messages) = h2_post(&mut h2, &url, &legacy_headers(None), &initialize()).await;
+        assert_eq!(status, 200, "{messages:?}");
+        assert!(messages[0]["result"]["protocolVersion"].is_string(), "{messages:?}");
+        let session = headers["mcp-session-id"].to_str().expect("a session id").to_string();
+        let initialized = json!({"jsonrpc":"2.0","method":"notifications/initialized"});
+        let with_session = legacy_headers(Some(&session));
+        let (status, _, _) = h2_post(&mut h2, &url, &with_session, &initialized).await;
+        assert_eq!(status, 202);
+        let add = json!({"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"add","arguments":{"a":2,"b":3}}});
+        let (status, _, messages) = h2_post(&mut h2, &url, &with_session, &add).await;
+        assert_eq!(status, 200);
+        let result = messages.iter().find(|m| m["id"] == 2).expect("the call's result");
+        assert_eq!(result["result"]["content"][0]["text"], "2+3=5", "{result}");
+        println!("HTTP/2 over TLS: legacy pass-through ok");
+        let call = json!({"name": "ask_name", "arguments": {}});
+        let caps = json!({"elicitation": {}});
+        let (headers, body) = modern_request(3, "tools/call", call.clone(), caps.clone());
+        let (status, _, first) = h2_post(&mut h2, &url, &headers, &body).await;
+        assert_eq!(status, 200, "{first:?}");
+        let mut retry = call;
+        let answered = answer(&first[0], json!({"name": "Alice"}));
+        retry.as_object_mut().expect("params").extend(answered.as_object().expect("an object").clone());
+        let (headers, body) = modern_request(4, "tools/call", retry, caps);
+        let (status, _, last) = h2_post(&mut h2, &url, &headers, &body).await;
+        assert_eq!(status, 200, "{last:?}");
+        assert_eq!(last[0]["result"]["content"][0]["text"], "Hello, Alice!", "{last:?}");
+        println!("HTTP/2 over TLS: a bridged call with an elicitation ok");
+    });
+}
+
+#[test]
+fn requests_over_tls_are_forwarded_as_https_and_checked_by_their_authority() {
+    let upstream = ScriptedUpstream::start(|seen| {
+        legacy_basics(seen, "s-1").unwrap_or_else(|| Answer::status(400, &[], b""))
+    });
+    let tls = TlsGateway::start(&upstream.url(), |_| {});
+    let connector = tls.client(&["h2", "http/1.1"]);
+    let (port, url) = (tls.gw.port, tls.url.clone());
+    let seen = runtime().block_on(async move {
+        let mut h2 = h2_connect(&connector, port).await;
+        let (status, _, _) = h2_post(&mut h2, &url, &legacy_headers(None), &initialize()).await;
+        assert_eq!(status, 200);
+        let mut foreign = legacy_headers(None);
+        foreign.push(("origin", "https://evil.example".to_string()));
+        let (status, _, _) = h2_post(&mut h2, &url, &foreign, &initialize()).await;
+        assert_eq!(status, 403, "a foreign Origin over HTTP/2");
+        upstream.requests()
+    });
+    assert_eq!(seen.len(), 1, "only the first request went upstream");
+    let authority = format!("127.0.0.1:{}", tls.gw.port);
+    let expected = [
+        ("x-forwarded-proto", "https".to_string()),
+        (
+            "forwarded",
+            format!("for=127.0.0.1;host=\"{authority}\";proto=https"),
+        ),
+        ("x-forwarded-host", authority.clone()),
+    ];
+    for (name, value) in expected {
+        assert_eq!(seen[0].headers_named(name), [value.as_str()], "{name}");
+    }
+}
+
+#[test]
+fn http2_false_offers_http1_only() {
+    let tripwire = Tripwire::start();
+    let tls = TlsGateway::start(&tripwire.url(), |c| {
+        if let Some(files) = c.tls.as_mut() {
+            files.http2 = false;
+        }
+    });
+    let connector = tls.client(&["h2", "http/1.1"]);
+    let alpn = runtime().block_on(async { alpn_of(&tls_connect(&connector, tls.gw.port).await) });
+    assert_eq!(alpn.as_deref(), Some("http/1.1"));
+}
+
+#[test]
+fn the_connection_cap_counts_tls_connections_and_answers_http2_ones_503() {
+    let tripwire = Tripwire::start();
+    let tls = TlsGateway::start(&tripwire.url(), |c| c.limits.max_client_connections = 1);
+    let (h1, h2) = (tls.client(&["http/1.1"]), tls.client(&["h2"]));
+    let (port, url, admin) = (tls.gw.port, tls.url.clone(), tls.gw.admin.clone());
+    runtime().block_on(async move {
+        let _held = tls_connect(&h1, port).await;
+        wait_until(
+            "the first TLS connection to hold the slot",
+            Duration::from_secs(10),
+            || metric(&admin, "mrtr_gateway_client_connections") == 1.0,
+        );
+        let mut refused = h2_connect(&h2, port).await;
+        let (status, _, messages) =
+            h2_post(&mut refused, &url, &legacy_headers(None), &initialize()).await;
+        assert_eq!(status, 503, "{messages:?}");
+        let message = messages[0]["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("maximum number of client connections"),
+            "{message}"
+        );
+        let mut plain = tls_connect(&h1, port).await;
+        plain
+            .write_all(b"GET /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\n\r\n")
+            .await
+            .expect("a request");
+        let mut head = [0u8; 12];
+        plain.read_exact(&mut head).await.expect("a status line");
+        assert_eq!(&head, b"HTTP/1.1 503");
+    });
+    assert_eq!(tripwire.count(), 0);
+}
