@@ -257,6 +257,15 @@ pub struct BridgeOptions {
     pub one_shot_session_idle_seconds: u64,
     /// Most sessions kept for one-shot methods; beyond it the least recently used goes.
     pub max_one_shot_sessions: usize,
+    /// Upstream sessions initialized ahead of demand for interactive calls, per shape
+    /// (group, declared capabilities, client, principal, credentials): a new call takes
+    /// one instead of waiting for `initialize`, and starts opening its replacement. Each
+    /// serves one call and is deleted after it. 0 turns them off.
+    pub warm_sessions_per_shape: usize,
+    /// Most warm sessions (ready or opening) on one replica, over all shapes.
+    pub max_warm_sessions: usize,
+    /// A warm session unused this long is deleted, and never handed to a call.
+    pub warm_session_idle_seconds: u64,
     /// Seal `requestState`s in the previous release's layout, which its replicas open:
     /// for the first phase of a rolling upgrade, until no replica of it is left. (Every
     /// release opens its own layout and the previous one.)
@@ -295,6 +304,9 @@ impl Default for BridgeOptions {
             round_silence_seconds: 45,
             one_shot_session_idle_seconds: 300,
             max_one_shot_sessions: 1024,
+            warm_sessions_per_shape: 2,
+            max_warm_sessions: 256,
+            warm_session_idle_seconds: 30,
             seal_previous_version: false,
             max_watched_sessions: 100_000,
             max_used_states: 200_000,
@@ -867,6 +879,12 @@ impl Config {
             return Err(ConfigError::at(
                 "bridge.quiet_window_ms",
                 "must be 1 to 10000",
+            ));
+        }
+        if b.warm_sessions_per_shape > 0 && b.warm_session_idle_seconds == 0 {
+            return Err(ConfigError::at(
+                "bridge.warm_session_idle_seconds",
+                "must be above 0 while bridge.warm_sessions_per_shape is",
             ));
         }
         if b.data_session_ttl_seconds == 0 {

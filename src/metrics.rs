@@ -25,7 +25,8 @@ pub struct Metrics {
     /// Upstream streams reopened with `Last-Event-ID`, by outcome (`ok`, `failed`).
     pub upstream_resumptions: IntCounterVec,
     /// Upstream sessions by event: `opened`, `reused` (a request in an existing one),
-    /// `deleted`, `reaped` (deleted at an abandoned flow's deadline).
+    /// `warm` (a call took one opened ahead of demand), `deleted`, `reaped` (deleted at an
+    /// abandoned flow's deadline).
     pub upstream_sessions: IntCounterVec,
     /// Data-layer sessions by event: `created`, `deleted`, `ended` (the upstream no
     /// longer had it), `rejected` (a cookie that did not open; the reason is logged).
@@ -41,6 +42,8 @@ pub struct Metrics {
     pub upstream_connections: IntGauge,
     /// Flows waiting for a client's retry that this replica opened (the reaper's table).
     pub pending_flows: IntGauge,
+    /// Upstream sessions initialized ahead of demand, ready for a call.
+    pub warm_sessions: IntGauge,
     /// Bridged interactive requests in progress on this replica (first calls and retries).
     pub active_rounds: IntGauge,
     /// New calls deferred by load shedding with a `requestState`-only result.
@@ -232,7 +235,7 @@ impl Metrics {
             upstream_sessions: counters(
                 &r,
                 "mrtr_gateway_upstream_sessions_total",
-                "Upstream sessions opened, reused, deleted and reaped",
+                "Upstream sessions opened, reused, taken warm, deleted and reaped",
                 &["event"],
             ),
             data_sessions: counters(
@@ -269,6 +272,11 @@ impl Metrics {
                 &r,
                 "mrtr_gateway_pending_flows",
                 "Flows waiting for input whose upstream session this replica watches",
+            ),
+            warm_sessions: gauge(
+                &r,
+                "mrtr_gateway_warm_sessions",
+                "Upstream sessions initialized ahead of demand, ready for an interactive call",
             ),
             sse_keepalives: register(
                 &r,
@@ -353,7 +361,7 @@ impl Metrics {
     /// Creates every fixed-label series at 0, so a dashboard or an alert sees "none yet"
     /// rather than "no data".
     fn zero_known_series(&self) {
-        for event in ["opened", "reused", "deleted", "reaped"] {
+        for event in ["opened", "reused", "warm", "deleted", "reaped"] {
             self.upstream_sessions.with_label_values(&[event]);
         }
         for event in ["created", "deleted", "ended", "rejected"] {

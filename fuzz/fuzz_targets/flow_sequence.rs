@@ -174,6 +174,7 @@ fn answer(command: &Command, b: &mut Bytes, seen: &mut Seen, config: &FlowConfig
             Input::SessionOpened {
                 endpoint: "10.0.0.7:3001".parse().unwrap(),
                 session: Some("s1".into()),
+                warm: b.next() % 2 == 0,
             }
         }),
         Command::OpenStream { stream, .. } => Some(Input::StreamOpened {

@@ -8,6 +8,7 @@
 
 use super::admin::{AdminApp, DrainWatch, OwnListener, ADMIN_CONNECTION_TIME};
 use super::bridge::hold::HeldSweeper;
+use super::bridge::warm::WarmSweeper;
 use super::connections::{Capped, ConnectionCap};
 use super::reaper::ReaperService;
 use super::reload::{Reloader, WatchedFile};
@@ -126,6 +127,13 @@ pub fn build(
         ReaperService {
             reaper: gateway.flows.reaper.clone(),
             metrics: metrics.clone(),
+        },
+    ));
+    server.add_service(background_service(
+        "warm-session sweeper",
+        WarmSweeper {
+            warm: gateway.upstreams.warm.clone(),
+            client: gateway.upstreams.client.clone(),
         },
     ));
     server.add_service(background_service(

@@ -3,6 +3,7 @@
 //! learnt of each group's resumption, and the sessions one-shot methods are served on.
 
 use super::bridge::one_shot::KeptSessions;
+use super::bridge::warm::WarmSessions;
 use super::learnt::Learnt;
 use crate::config::{Config, ResumeMode, UpstreamEra};
 use crate::metrics::Metrics;
@@ -38,8 +39,9 @@ enum Probe {
 
 pub struct UpstreamSide {
     pub groups: Upstreams,
-    /// The pooled client; it counts into the gateway's metrics.
-    pub client: UpstreamClient,
+    /// The pooled client; it counts into the gateway's metrics. Shared with the work a
+    /// request leaves behind (deleting its session, warming the next).
+    pub client: Arc<UpstreamClient>,
     /// Each group's InitializeResult, learnt from the first session opened there; it
     /// answers `server/discover` and names the server in every modern result.
     initialize_results: Mutex<HashMap<String, Value>>,
@@ -50,6 +52,8 @@ pub struct UpstreamSide {
     pub learnt: Learnt,
     /// The upstream sessions one-shot methods run on, one per shape.
     pub kept_sessions: KeptSessions,
+    /// Sessions initialized ahead of demand for interactive calls.
+    pub warm: Arc<WarmSessions>,
 }
 
 impl UpstreamSide {
@@ -60,7 +64,7 @@ impl UpstreamSide {
         }
         UpstreamSide {
             groups,
-            client: UpstreamClient::new(metrics),
+            client: Arc::new(UpstreamClient::new(metrics)),
             initialize_results: Mutex::default(),
             modern_only: Mutex::default(),
             learnt: Learnt::default(),
@@ -68,6 +72,11 @@ impl UpstreamSide {
                 config.bridge.max_one_shot_sessions,
                 Duration::from_secs(config.bridge.one_shot_session_idle_seconds),
             ),
+            warm: Arc::new(WarmSessions::new(
+                config.bridge.warm_sessions_per_shape,
+                config.bridge.max_warm_sessions,
+                Duration::from_secs(config.bridge.warm_session_idle_seconds),
+            )),
         }
     }
 

@@ -165,10 +165,13 @@ pub enum CallReply {
 /// What happened, fed to the flow with the time.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Input {
-    /// `OpenSession`: the session is open (`session` is its id, if the server gave one).
+    /// `OpenSession`: the session is open (`session` is its id, if the server gave one);
+    /// `warm`: it was initialized ahead of demand, and may have been forgotten upstream
+    /// since.
     SessionOpened {
         endpoint: SocketAddr,
         session: Option<String>,
+        warm: bool,
     },
     SessionFailed(Failure),
     /// `OpenStream`: the stream is open, or not.
@@ -201,7 +204,9 @@ pub enum Input {
 #[derive(Clone, Debug, PartialEq)]
 pub enum Command {
     /// Open an upstream session for the call (the request's data-layer session, or a new
-    /// one initialized with its capabilities); answer `SessionOpened` or `SessionFailed`.
+    /// one initialized with its capabilities, ahead of demand if one is ready); answer
+    /// `SessionOpened` or `SessionFailed`. Asked again in a flow, it replaces a warm
+    /// session the upstream no longer has with one opened now.
     OpenSession,
     /// Open `stream` (dropping what was there): the call's resumed after `after`, or the
     /// session's, after `after` or fresh; answer `StreamOpened`.
@@ -349,6 +354,8 @@ pub struct Flow {
     commands: VecDeque<Command>,
     /// This request opened the flow's upstream session (a new call, or a re-run).
     opened_session: bool,
+    /// The session was initialized ahead of demand and no call has gone out on it yet.
+    warm_session: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -544,6 +551,7 @@ impl Flow {
             phase: Phase::Done,
             commands: VecDeque::new(),
             opened_session: false,
+            warm_session: false,
         }
     }
 
@@ -602,9 +610,14 @@ impl Flow {
     pub fn handle(&mut self, input: Input, now: Instant) {
         let phase = std::mem::replace(&mut self.phase, Phase::Done);
         self.phase = match (phase, input) {
-            (Phase::Opening, Input::SessionOpened { endpoint, session }) => {
-                self.session_opened(endpoint, session)
-            }
+            (
+                Phase::Opening,
+                Input::SessionOpened {
+                    endpoint,
+                    session,
+                    warm,
+                },
+            ) => self.session_opened(endpoint, session, warm),
             (Phase::Opening, Input::SessionFailed(failure)) => {
                 self.finish(Ending::Refused(self.refusal_for(&failure)))
             }
@@ -675,8 +688,14 @@ impl Flow {
         Phase::Opening
     }
 
-    fn session_opened(&mut self, endpoint: SocketAddr, session: Option<String>) -> Phase {
+    fn session_opened(
+        &mut self,
+        endpoint: SocketAddr,
+        session: Option<String>,
+        warm: bool,
+    ) -> Phase {
         self.opened_session = !self.config.data_session;
+        self.warm_session = warm;
         let call = UpstreamCall {
             endpoint,
             session: session.unwrap_or_default(),
@@ -708,8 +727,16 @@ impl Flow {
         reply: Result<CallReply, Failure>,
         now: Instant,
     ) -> Phase {
+        let warm = std::mem::take(&mut self.warm_session);
         let reply = match reply {
             Ok(reply) => reply,
+            Err(failure) if warm && failure.is_lost() => {
+                // A session initialized ahead of demand that the upstream forgot (or whose
+                // endpoint went away) ran nothing: the call goes out on a session opened now.
+                self.commands.push_back(Command::CloseStreams);
+                self.commands.push_back(Command::OpenSession);
+                return Phase::Opening;
+            }
             Err(failure) => {
                 self.commands.push_back(Command::CloseStreams);
                 self.delete_session(&call);

@@ -23,3 +23,4 @@ mod sessions;
 mod shedding;
 mod tls;
 mod transport;
+mod warm;

@@ -9,7 +9,8 @@ use super::hold::{Held, NotHeld};
 use super::reply::{decorate, ClientReply};
 use super::session::{self, Attached};
 use super::streams::{next_chunk, open_session_stream, resume_call, Source, Streams};
-use super::{end_session, finish_with, upstream_for, upstream_params, Incoming};
+use super::warm;
+use super::{end_session, end_session_later, finish_with, upstream_for, upstream_params, Incoming};
 use crate::config::Limits;
 use crate::gateway::learnt::SessionReplay;
 use crate::gateway::{peers, Arrival, Gateway, UpstreamSide};
@@ -400,15 +401,16 @@ async fn drive<'g>(
     mut flow: Flow,
     mut io: Io<'g>,
 ) -> Outcome {
-    // A session deletion waits while the next command is the finish: the client has its
-    // answer first, and the DELETE's round trip is not part of its wait.
+    // A session deletion that comes right before the finish goes out after it, in the
+    // background: the client has its answer first, and neither it nor the next request on
+    // its connection waits for the DELETE's round trip.
     let mut delete_pending = false;
     loop {
         while let Some(command) = flow.poll_command() {
             if let Command::Finish(ending) = command {
                 let outcome = finish(call, session, reply, &flow, ending).await;
-                if delete_pending {
-                    delete_session(call, &io).await;
+                if let Some(upstream) = io.upstream.take().filter(|_| delete_pending) {
+                    end_session_later(call.gw, upstream);
                 }
                 return outcome;
             }
@@ -583,19 +585,38 @@ async fn delete_session(call: &Call<'_>, io: &Io<'_>) {
     }
 }
 
-/// Opens the call's upstream session: the request's data-layer session, or a new one.
+/// Opens the call's upstream session: the request's data-layer session, a warm one, or a
+/// new one. A flow that asks again replaces a warm session the upstream forgot: with one
+/// opened now.
 async fn open_session<'g>(call: &Call<'g>, io: &mut Io<'g>) -> Input {
-    match upstream_for(call.gw, call.group, call.request, call.data_session).await {
+    let (gw, group, request) = (call.gw, call.group, call.request);
+    let replacing = io.upstream.is_some();
+    let shape = (call.data_session.is_none() && gw.config.bridge.warm_sessions_per_shape > 0)
+        .then(|| warm::shape_of(group, request, &call.incoming.principal));
+    if let Some(shape) = shape.as_ref().filter(|_| !replacing) {
+        if let Some(upstream) = warm::take(gw, group, request, shape) {
+            return opened(io, upstream, true);
+        }
+    }
+    match upstream_for(gw, group, request, call.data_session).await {
         Ok(upstream) => {
-            let input = Input::SessionOpened {
-                endpoint: upstream.endpoint.addr,
-                session: upstream.session_id.clone(),
-            };
-            io.upstream = Some(upstream);
-            input
+            if let Some(shape) = shape {
+                warm::warm_up(gw, group, request, shape);
+            }
+            opened(io, upstream, false)
         }
         Err(e) => Input::SessionFailed(failure(&e)),
     }
+}
+
+fn opened<'g>(io: &mut Io<'g>, upstream: LegacySession<'g>, warm: bool) -> Input {
+    let input = Input::SessionOpened {
+        endpoint: upstream.endpoint.addr,
+        session: upstream.session_id.clone(),
+        warm,
+    };
+    io.upstream = Some(upstream);
+    input
 }
 
 async fn open_stream(io: &mut Io<'_>, stream: Stream, after: Option<String>) -> Input {

@@ -18,6 +18,7 @@ mod probe;
 mod reply;
 mod session;
 mod streams;
+pub mod warm;
 
 use super::respond;
 use super::{Arrival, Gateway};
@@ -523,6 +524,38 @@ pub(crate) async fn end_session(reaper: &Reaper, upstream: &LegacySession<'_>) {
     if let Some(sid) = &upstream.session_id {
         reaper.forget(&upstream.endpoint, sid);
     }
+}
+
+/// `end_session` in the background, for a request that has answered its client: its
+/// handler returns without waiting for the DELETE.
+pub(crate) fn end_session_later(gw: &Gateway, upstream: LegacySession<'_>) {
+    if upstream.persistent {
+        return;
+    }
+    if let Some(sid) = &upstream.session_id {
+        gw.flows.reaper.forget(&upstream.endpoint, sid);
+    }
+    let client = gw.upstreams.client.clone();
+    let timeouts = *upstream.timeouts;
+    let LegacySession {
+        endpoint,
+        session_id,
+        version,
+        caller,
+        ..
+    } = upstream;
+    tokio::spawn(async move {
+        let session = LegacySession {
+            client: &client,
+            endpoint,
+            timeouts: &timeouts,
+            session_id,
+            version,
+            caller,
+            persistent: false,
+        };
+        session.delete().await;
+    });
 }
 
 /// Answers the client with the upstream's final response to the call.

@@ -46,6 +46,10 @@ struct Upstream {
     session: Option<String>,
     /// How `OpenSession` fails, if it does.
     open_failure: Option<Failure>,
+    /// Whether each `OpenSession` in turn hands a warm session (then a fresh one).
+    warm: VecDeque<bool>,
+    /// How the call's posts fail, in turn (then `call_reply`).
+    call_failures: VecDeque<Failure>,
     /// Answers to `OpenStream { Call }`, in turn (then `Ok`).
     call_opens: VecDeque<Result<(), Failure>>,
     /// The call's reply, given the id it was posted under.
@@ -61,6 +65,8 @@ impl Default for Upstream {
         Upstream {
             session: Some("s1".into()),
             open_failure: None,
+            warm: VecDeque::new(),
+            call_failures: VecDeque::new(),
             call_opens: VecDeque::new(),
             call_reply: |_| CallReply::Stream,
             posts: VecDeque::new(),
@@ -81,6 +87,7 @@ impl Upstream {
                 None => Input::SessionOpened {
                     endpoint: ENDPOINT.parse().unwrap(),
                     session: self.session.clone(),
+                    warm: self.warm.pop_front().unwrap_or(false),
                 },
             }),
             Command::OpenStream { stream, .. } => {
@@ -93,7 +100,12 @@ impl Upstream {
                     result,
                 })
             }
-            Command::PostCall { id } => Some(Input::CallPosted(Ok((self.call_reply)(*id)))),
+            Command::PostCall { id } => {
+                Some(Input::CallPosted(match self.call_failures.pop_front() {
+                    Some(failure) => Err(failure),
+                    None => Ok((self.call_reply)(*id)),
+                }))
+            }
             Command::Post(_) => Some(Input::Posted(self.posts.pop_front().unwrap_or(Ok(())))),
             Command::Watch { .. } => Some(Input::Watched(self.watched)),
             Command::Hold { .. } => Some(Input::Held(self.held.clone())),
@@ -318,6 +330,73 @@ fn a_call_that_completes_at_once_ends_with_its_own_response_only() {
     assert_eq!(*rounds, 1);
     assert!(h.log.contains(&Command::DeleteSession));
     assert!(!h.log.iter().any(|c| matches!(c, Command::Watch { .. })));
+}
+
+#[test]
+fn a_warm_session_the_upstream_forgot_is_replaced_and_the_call_goes_out_once() {
+    for lost in [
+        Failure::new(FailureKind::Gone, "no longer has the session"),
+        Failure::new(FailureKind::Unreachable, "cannot connect"),
+    ] {
+        let upstream = Upstream {
+            warm: VecDeque::from([true]),
+            call_failures: VecDeque::from([lost.clone()]),
+            call_reply: |id| CallReply::Message(result(id, "on a fresh session")),
+            ..Upstream::default()
+        };
+        let h = Harness::new_call(config(), upstream);
+        let Ending::Complete { message, .. } = h.ending() else {
+            panic!("{lost:?}: {:?}", h.ending());
+        };
+        assert_eq!(
+            message["result"]["content"][0]["text"],
+            "on a fresh session"
+        );
+        let opens = h.log.iter().filter(|c| **c == Command::OpenSession).count();
+        assert_eq!(opens, 2, "{lost:?}: the warm session, then a fresh one");
+        let posts = h
+            .log
+            .iter()
+            .filter(|c| matches!(c, Command::PostCall { .. }))
+            .count();
+        assert_eq!(posts, 2, "{lost:?}: the call ran on neither before");
+    }
+}
+
+#[test]
+fn only_a_warm_session_is_replaced_and_only_when_it_ran_nothing() {
+    let gone = || Failure::new(FailureKind::Gone, "no longer has the session");
+    // A session opened for the call that is gone at once: the call fails.
+    let upstream = Upstream {
+        call_failures: VecDeque::from([gone()]),
+        ..Upstream::default()
+    };
+    let h = Harness::new_call(config(), upstream);
+    assert_eq!(h.refusal().class, Class::UpstreamError, "{:?}", h.refusal());
+    assert_eq!(
+        h.log.iter().filter(|c| **c == Command::OpenSession).count(),
+        1
+    );
+    // A warm session that refuses the call otherwise: the refusal stands.
+    let upstream = Upstream {
+        warm: VecDeque::from([true]),
+        call_failures: VecDeque::from([Failure::new(FailureKind::Refused(500), "refused")]),
+        ..Upstream::default()
+    };
+    let h = Harness::new_call(config(), upstream);
+    assert_eq!(h.refusal().class, Class::UpstreamError, "{:?}", h.refusal());
+    let opens = h.log.iter().filter(|c| **c == Command::OpenSession).count();
+    assert_eq!(opens, 1);
+    // The replacement is not itself replaced.
+    let upstream = Upstream {
+        warm: VecDeque::from([true]),
+        call_failures: VecDeque::from([gone(), gone()]),
+        ..Upstream::default()
+    };
+    let h = Harness::new_call(config(), upstream);
+    let opens = h.log.iter().filter(|c| **c == Command::OpenSession).count();
+    assert_eq!(opens, 2);
+    assert!(matches!(h.ending(), Ending::Refused(_)));
 }
 
 #[test]

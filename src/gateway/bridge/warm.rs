@@ -1,0 +1,401 @@
+//! Upstream sessions initialized ahead of demand, so a new interactive call does not
+//! wait for `initialize` and `notifications/initialized` before its call goes out.
+//!
+//! A session is ready for one shape only: everything that decides what the upstream
+//! session is (the group, the declared client capabilities, the client's identity, the
+//! principal, the credentials its exchanges carry), the digest `KeptSessions::shape`
+//! computes. Each is used for one call and deleted after it, like a session opened for
+//! the call; no two flows ever share one. A call that takes one starts the opening of its
+//! replacement, so a shape that keeps calling finds one ready; a shape seen once opens at
+//! most `per_shape` sessions it may never use, deleted once they idle past `idle`.
+//!
+//! A session that waits can be forgotten upstream (a restart, the server's own idle
+//! timeout): the flow then runs its call on a session opened at once (`Flow` learns the
+//! session was warm; a 404 or a refused connection means the call ran nowhere).
+//!
+//! Bounded: at most `per_shape` per shape and `max` in all, counting those still opening.
+
+use super::one_shot::{KeptSessions, Shape};
+use super::{caller, client_info};
+use crate::gateway::Gateway;
+use crate::mrtr::modern::ModernRequest;
+use crate::upstream::exchange::UpstreamClient;
+use crate::upstream::legacy_session::{Caller, LegacySession};
+use crate::upstream::{Endpoint, Timeouts, UpstreamGroup};
+use async_trait::async_trait;
+use pingora::server::ShutdownWatch;
+use pingora::services::background::BackgroundService;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How often idle warm sessions are looked for.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// The shape of a new interactive call's session.
+pub(super) fn shape_of(
+    group: &UpstreamGroup,
+    request: &ModernRequest,
+    principal: &[u8; 32],
+) -> Shape {
+    let caps = Value::Object(request.client_capabilities.clone());
+    let credentials = request.headers.digest();
+    KeptSessions::shape(
+        &group.name,
+        &caps,
+        &client_info(request),
+        principal,
+        &credentials,
+    )
+}
+
+/// A ready session for a new call of `shape`, acting for `request` (its replacement then
+/// starts opening).
+pub(super) fn take<'g>(
+    gw: &'g Gateway,
+    group: &'g UpstreamGroup,
+    request: &ModernRequest,
+    shape: &Shape,
+) -> Option<LegacySession<'g>> {
+    let upstreams = &gw.upstreams;
+    let warm = upstreams.warm.take(shape, Instant::now())?;
+    let ready = upstreams.warm.ready() as i64;
+    upstreams.client.metrics.warm_sessions.set(ready);
+    warm_up(gw, group, request, *shape);
+    // An endpoint that left the group since is not used (its session is reaped by the
+    // upstream's own expiry).
+    let endpoint = group.endpoint(warm.endpoint.addr)?;
+    gw.runtime.metrics.upstream_session("warm");
+    Some(LegacySession {
+        client: &upstreams.client,
+        endpoint,
+        timeouts: &group.timeouts,
+        session_id: Some(warm.session_id),
+        version: warm.version,
+        caller: caller(request),
+        persistent: false,
+    })
+}
+
+/// Starts opening a session of `shape` in the background, if its pool has room: after a
+/// call of the shape took one, or opened one itself (so an upstream that refuses the
+/// shape's sessions is not asked again for nothing).
+pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernRequest, shape: Shape) {
+    let pool = gw.upstreams.warm.clone();
+    if !pool.reserve(&shape) {
+        return;
+    }
+    let Some(endpoint) = group.pick() else {
+        pool.failed(&shape);
+        return;
+    };
+    let client = gw.upstreams.client.clone();
+    let timeouts = group.timeouts;
+    let (caps, info) = (
+        Value::Object(request.client_capabilities.clone()),
+        client_info(request),
+    );
+    // Its own exchanges carry no trace of the request that caused them.
+    let caller = Caller {
+        headers: request.headers.clone(),
+        ..Caller::default()
+    };
+    tokio::spawn(async move {
+        let opened = LegacySession::open(&client, endpoint, &timeouts, &caps, &info, &caller).await;
+        match opened {
+            Ok((session, _)) => match session.session_id.clone() {
+                Some(session_id) => pool.opened(
+                    shape,
+                    Warm {
+                        endpoint: session.endpoint.clone(),
+                        timeouts,
+                        session_id,
+                        version: session.version.clone(),
+                        caller,
+                        opened: Instant::now(),
+                    },
+                ),
+                // A server without sessions gains nothing from one opened ahead.
+                None => pool.failed(&shape),
+            },
+            Err(e) => {
+                pool.failed(&shape);
+                tracing::debug!(error = %crate::outcome::Report(&e), "a session ahead of demand did not open");
+            }
+        }
+        client.metrics.warm_sessions.set(pool.ready() as i64);
+    });
+}
+
+/// Deletes `warm` upstream (best effort).
+async fn delete(client: &UpstreamClient, warm: Warm) {
+    let session = LegacySession {
+        client,
+        endpoint: warm.endpoint,
+        timeouts: &warm.timeouts,
+        session_id: Some(warm.session_id),
+        version: warm.version,
+        caller: warm.caller,
+        persistent: false,
+    };
+    session.delete().await;
+}
+
+/// Deletes warm sessions that idled out, and every one at shutdown.
+pub struct WarmSweeper {
+    pub warm: Arc<WarmSessions>,
+    pub client: Arc<UpstreamClient>,
+}
+
+#[async_trait]
+impl BackgroundService for WarmSweeper {
+    async fn start(&self, mut shutdown: ShutdownWatch) {
+        let mut tick = tokio::time::interval(SWEEP_EVERY);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    for warm in self.warm.expired(Instant::now()) {
+                        delete(&self.client, warm).await;
+                    }
+                    self.client.metrics.warm_sessions.set(self.warm.ready() as i64);
+                }
+                _ = shutdown.changed() => break,
+            }
+        }
+        for warm in self.warm.drain() {
+            delete(&self.client, warm).await;
+        }
+    }
+}
+
+/// A session initialized ahead of demand, ready for a call of its shape.
+#[derive(Clone, Debug)]
+pub struct Warm {
+    pub endpoint: Endpoint,
+    pub timeouts: Timeouts,
+    pub session_id: String,
+    /// The protocol version the upstream negotiated for it.
+    pub version: String,
+    /// The headers it was opened with, for its DELETE when it idles out.
+    pub caller: Caller,
+    pub opened: Instant,
+}
+
+#[derive(Default)]
+struct Pools {
+    ready: HashMap<Shape, Vec<Warm>>,
+    opening: HashMap<Shape, usize>,
+    /// Ready and opening, over every shape.
+    total: usize,
+}
+
+impl Pools {
+    fn count(&self, shape: &Shape) -> usize {
+        self.ready.get(shape).map_or(0, Vec::len) + self.opening.get(shape).copied().unwrap_or(0)
+    }
+
+    fn done_opening(&mut self, shape: &Shape) {
+        if let Some(n) = self.opening.get_mut(shape) {
+            *n -= 1;
+            if *n == 0 {
+                self.opening.remove(shape);
+            }
+            self.total -= 1;
+        }
+    }
+}
+
+/// The warm sessions of this replica, by shape.
+pub struct WarmSessions {
+    pools: Mutex<Pools>,
+    per_shape: usize,
+    max: usize,
+    idle: Duration,
+}
+
+impl WarmSessions {
+    /// `per_shape` 0 turns warm sessions off.
+    pub fn new(per_shape: usize, max: usize, idle: Duration) -> WarmSessions {
+        WarmSessions {
+            pools: Mutex::default(),
+            per_shape,
+            max,
+            idle,
+        }
+    }
+
+    fn pools(&self) -> std::sync::MutexGuard<'_, Pools> {
+        self.pools.lock().expect("warm sessions lock")
+    }
+
+    /// A ready session of `shape` that has not idled past the limit at `now`, the most
+    /// recently opened first.
+    pub fn take(&self, shape: &Shape, now: Instant) -> Option<Warm> {
+        let mut pools = self.pools();
+        let ready = pools.ready.get_mut(shape)?;
+        let fresh = ready
+            .iter()
+            .rposition(|w| now.saturating_duration_since(w.opened) < self.idle)?;
+        let warm = ready.remove(fresh);
+        if ready.is_empty() {
+            pools.ready.remove(shape);
+        }
+        pools.total -= 1;
+        Some(warm)
+    }
+
+    /// Whether a session of `shape` may start opening now (room in its pool and in all);
+    /// a `true` must be followed by `opened` or `failed`.
+    pub fn reserve(&self, shape: &Shape) -> bool {
+        let mut pools = self.pools();
+        if pools.count(shape) >= self.per_shape || pools.total >= self.max {
+            return false;
+        }
+        *pools.opening.entry(*shape).or_default() += 1;
+        pools.total += 1;
+        true
+    }
+
+    /// A reserved session is open and ready.
+    pub fn opened(&self, shape: Shape, warm: Warm) {
+        let mut pools = self.pools();
+        pools.done_opening(&shape);
+        pools.ready.entry(shape).or_default().push(warm);
+        pools.total += 1;
+    }
+
+    /// A reserved session did not open.
+    pub fn failed(&self, shape: &Shape) {
+        self.pools().done_opening(shape);
+    }
+
+    /// Removes and returns the sessions that idled past the limit at `now`, for deletion.
+    pub fn expired(&self, now: Instant) -> Vec<Warm> {
+        let mut pools = self.pools();
+        let idle = self.idle;
+        let mut gone = Vec::new();
+        pools.ready.retain(|_, ready| {
+            let (old, young) = std::mem::take(ready)
+                .into_iter()
+                .partition(|w| now.saturating_duration_since(w.opened) >= idle);
+            *ready = young;
+            gone.extend::<Vec<Warm>>(old);
+            !ready.is_empty()
+        });
+        pools.total -= gone.len();
+        gone
+    }
+
+    /// Removes and returns every ready session (at shutdown), for deletion.
+    pub fn drain(&self) -> Vec<Warm> {
+        let mut pools = self.pools();
+        let all: Vec<Warm> = pools.ready.drain().flat_map(|(_, w)| w).collect();
+        pools.total -= all.len();
+        all
+    }
+
+    /// How many sessions are ready now.
+    pub fn ready(&self) -> usize {
+        self.pools().ready.values().map(Vec::len).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn warm(id: &str, opened: Instant) -> Warm {
+        Warm {
+            endpoint: Endpoint {
+                addr: ([127, 0, 0, 1], 3001).into(),
+                authority: "127.0.0.1:3001".into(),
+                path: "/mcp".into(),
+                tls: None,
+            },
+            timeouts: Timeouts {
+                connect: Duration::from_secs(1),
+                response: Duration::from_secs(1),
+                stream_idle: None,
+            },
+            session_id: id.into(),
+            version: "2025-11-25".into(),
+            caller: Caller::default(),
+            opened,
+        }
+    }
+
+    #[test]
+    fn a_ready_session_serves_one_call_of_its_shape_only() {
+        let w = WarmSessions::new(2, 10, Duration::from_secs(30));
+        let now = Instant::now();
+        assert!(w.reserve(&[1; 32]));
+        w.opened([1; 32], warm("a", now));
+        assert!(w.take(&[2; 32], now).is_none(), "another shape");
+        assert_eq!(
+            w.take(&[1; 32], now).map(|w| w.session_id),
+            Some("a".into())
+        );
+        assert!(w.take(&[1; 32], now).is_none(), "used once");
+        assert_eq!(w.ready(), 0);
+    }
+
+    #[test]
+    fn pools_are_bounded_per_shape_and_in_all_counting_those_opening() {
+        let w = WarmSessions::new(2, 3, Duration::from_secs(30));
+        let now = Instant::now();
+        assert!(w.reserve(&[1; 32]));
+        assert!(w.reserve(&[1; 32]));
+        assert!(!w.reserve(&[1; 32]), "two per shape, opening or ready");
+        w.opened([1; 32], warm("a", now));
+        assert!(!w.reserve(&[1; 32]));
+        assert!(w.reserve(&[2; 32]));
+        assert!(!w.reserve(&[3; 32]), "three in all");
+        w.failed(&[2; 32]);
+        assert!(w.reserve(&[3; 32]), "a failed opening frees its place");
+        assert!(w.take(&[1; 32], now).is_some());
+        assert!(w.reserve(&[1; 32]), "a taken session frees its place");
+    }
+
+    #[test]
+    fn idle_sessions_are_never_handed_out_and_are_returned_for_deletion() {
+        let w = WarmSessions::new(3, 10, Duration::from_secs(30));
+        let start = Instant::now();
+        for (id, at) in [("old", start), ("new", start + Duration::from_secs(20))] {
+            assert!(w.reserve(&[1; 32]));
+            w.opened([1; 32], warm(id, at));
+        }
+        let later = start + Duration::from_secs(31);
+        assert_eq!(
+            w.take(&[1; 32], later).map(|w| w.session_id),
+            Some("new".into())
+        );
+        assert!(
+            w.take(&[1; 32], later).is_none(),
+            "the idle one is not handed out"
+        );
+        let expired = w.expired(later);
+        assert_eq!(expired.len(), 1);
+        assert_eq!(expired[0].session_id, "old");
+        assert_eq!(w.ready(), 0);
+        assert!(w.reserve(&[1; 32]) && w.reserve(&[1; 32]) && w.reserve(&[1; 32]));
+    }
+
+    #[test]
+    fn drain_returns_every_ready_session() {
+        let w = WarmSessions::new(2, 10, Duration::from_secs(30));
+        let now = Instant::now();
+        for shape in [[1; 32], [2; 32]] {
+            assert!(w.reserve(&shape));
+            w.opened(shape, warm("s", now));
+        }
+        assert_eq!(w.drain().len(), 2);
+        assert_eq!(w.ready(), 0);
+    }
+
+    #[test]
+    fn turned_off_nothing_is_reserved() {
+        let w = WarmSessions::new(0, 10, Duration::from_secs(30));
+        assert!(!w.reserve(&[1; 32]));
+    }
+}

@@ -1,0 +1,247 @@
+//! Upstream sessions initialized ahead of demand (`bridge.warm_sessions_per_shape`): a
+//! call of a shape seen before runs on a session already open; a session is never used
+//! by a call of another shape (other credentials, other capabilities); a warm session the
+//! upstream forgot costs a fresh one, and the call runs once; idle ones are deleted.
+
+use crate::common::*;
+use crate::scripted::{legacy_basics, Answer, ScriptedUpstream, Seen};
+use mrtr_gateway::config::{Config, UpstreamEra};
+use serde_json::{json, Value};
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// A legacy upstream that numbers its sessions (`s1`, `s2`, ...), answers `tools/call`
+/// with JSON at once, and answers 404 to any request in a session it was told to forget.
+struct Numbered {
+    upstream: ScriptedUpstream,
+    forgotten: Arc<Mutex<HashSet<String>>>,
+}
+
+impl Numbered {
+    fn start() -> Numbered {
+        let opened = Arc::new(AtomicUsize::new(0));
+        let forgotten: Arc<Mutex<HashSet<String>>> = Arc::default();
+        let gone = forgotten.clone();
+        let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+            let session = seen.header("mcp-session-id").map(str::to_string);
+            if session.is_some_and(|s| gone.lock().unwrap().contains(&s)) {
+                return Answer::status(404, &[], b"");
+            }
+            if seen.method == "GET" {
+                return Answer::sse(&[]);
+            }
+            if seen.jsonrpc_method().as_deref() == Some("initialize") {
+                let n = opened.fetch_add(1, Ordering::SeqCst) + 1;
+                return legacy_basics(seen, &format!("s{n}")).expect("an initialize");
+            }
+            if seen.jsonrpc_method().as_deref() == Some("tools/call") {
+                let text = format!("ran in {}", seen.header("mcp-session-id").unwrap_or("-"));
+                return Answer::json(
+                    200,
+                    &json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {
+                        "content": [{"type": "text", "text": text}]}}),
+                );
+            }
+            legacy_basics(seen, "-").unwrap_or_else(|| Answer::status(405, &[], b""))
+        });
+        Numbered {
+            upstream,
+            forgotten,
+        }
+    }
+
+    /// The headers the `initialize` of session `sid` carried.
+    fn initialize_of(&self, sid: &str) -> Seen {
+        let requests = self.upstream.requests();
+        let sessions_before = |i: usize| {
+            requests[..i]
+                .iter()
+                .filter(|s| s.jsonrpc_method().as_deref() == Some("initialize"))
+                .count()
+        };
+        let n: usize = sid[1..].parse().expect("a numbered session");
+        requests
+            .iter()
+            .enumerate()
+            .find(|(i, s)| {
+                s.jsonrpc_method().as_deref() == Some("initialize") && sessions_before(*i) == n - 1
+            })
+            .map(|(_, s)| s.clone())
+            .expect("the session was initialized")
+    }
+
+    /// The `tools/call` requests, with the session each went out in.
+    fn calls(&self) -> Vec<String> {
+        self.upstream
+            .requests()
+            .iter()
+            .filter(|s| s.jsonrpc_method().as_deref() == Some("tools/call"))
+            .map(|s| s.header("mcp-session-id").unwrap_or("-").to_string())
+            .collect()
+    }
+}
+
+fn call(raw: &Raw, id: u64, capabilities: Value, headers: &[(&str, &str)]) -> String {
+    let params = json!({"name": "work", "arguments": {}});
+    let reply = raw.modern_with(id, "tools/call", params, capabilities, headers);
+    assert_eq!(reply.status, 200);
+    let done = reply.json();
+    done["result"]["content"][0]["text"]
+        .as_str()
+        .unwrap_or_else(|| panic!("a result: {done}"))
+        .to_string()
+}
+
+/// A gateway in front of `numbered`, known to be legacy (no era probe opens a session).
+fn gateway(numbered: &Numbered, tweak: impl FnOnce(&mut Config)) -> TestGateway {
+    TestGateway::start_with(&[&numbered.upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        tweak(c);
+    })
+}
+
+fn warm_ready(gw: &TestGateway, n: f64) {
+    wait_until(
+        &format!("{n} warm sessions ready"),
+        Duration::from_secs(10),
+        || metric(&gw.admin, "mrtr_gateway_warm_sessions") == n,
+    );
+}
+
+#[test]
+fn a_call_of_a_shape_seen_before_runs_on_a_session_opened_ahead_of_it() {
+    let numbered = Numbered::start();
+    let gw = gateway(&numbered, |_| {});
+    let raw = Raw::new(&gw.url);
+    let alice = [("authorization", "Bearer alice")];
+    assert_eq!(call(&raw, 1, json!({}), &alice), "ran in s1");
+    warm_ready(&gw, 1.0);
+    let requests_before = numbered.upstream.count();
+    // The next call of the shape takes s2, initialized before the call was made.
+    assert_eq!(call(&raw, 2, json!({}), &alice), "ran in s2");
+    assert!(numbered.initialize_of("s2").index < requests_before);
+    assert_eq!(
+        metric_with(
+            &gw.admin,
+            "mrtr_gateway_upstream_sessions_total",
+            "event=\"warm\""
+        ),
+        Some(1.0)
+    );
+    // The warm session was opened with the caller's credentials.
+    assert_eq!(
+        numbered.initialize_of("s2").header("authorization"),
+        Some("Bearer alice")
+    );
+    // Its replacement is opened; the used one is deleted after its call.
+    warm_ready(&gw, 1.0);
+    wait_until("s2 deleted", Duration::from_secs(5), || {
+        numbered
+            .upstream
+            .requests()
+            .iter()
+            .any(|s| s.method == "DELETE" && s.header("mcp-session-id") == Some("s2"))
+    });
+}
+
+#[test]
+fn a_warm_session_serves_only_calls_of_its_own_shape() {
+    let numbered = Numbered::start();
+    let gw = gateway(&numbered, |_| {});
+    let raw = Raw::new(&gw.url);
+    assert_eq!(
+        call(&raw, 1, json!({}), &[("authorization", "Bearer alice")]),
+        "ran in s1"
+    );
+    warm_ready(&gw, 1.0);
+    // Other credentials, other capabilities: each opens a session of its own.
+    let bob = call(&raw, 2, json!({}), &[("authorization", "Bearer bob")]);
+    let eliciting = call(
+        &raw,
+        3,
+        json!({"elicitation": {}}),
+        &[("authorization", "Bearer alice")],
+    );
+    for ran_in in [&bob, &eliciting] {
+        assert_ne!(
+            ran_in, "ran in s2",
+            "alice's warm session served another shape"
+        );
+    }
+    let bob_session = bob.trim_start_matches("ran in ");
+    assert_eq!(
+        numbered.initialize_of(bob_session).header("authorization"),
+        Some("Bearer bob")
+    );
+    assert_eq!(
+        metric_with(
+            &gw.admin,
+            "mrtr_gateway_upstream_sessions_total",
+            "event=\"warm\""
+        ),
+        Some(0.0)
+    );
+}
+
+#[test]
+fn a_warm_session_the_upstream_forgot_is_replaced_and_the_call_runs_once() {
+    let numbered = Numbered::start();
+    let gw = gateway(&numbered, |_| {});
+    let raw = Raw::new(&gw.url);
+    assert_eq!(call(&raw, 1, json!({}), &[]), "ran in s1");
+    warm_ready(&gw, 1.0);
+    // The upstream restarts its session table: s2 is gone.
+    numbered.forgotten.lock().unwrap().insert("s2".into());
+    let ran_in = call(&raw, 2, json!({}), &[]);
+    assert_ne!(ran_in, "ran in s2");
+    let calls = numbered.calls();
+    assert_eq!(calls.len(), 3, "{calls:?}");
+    assert_eq!(
+        calls[1], "s2",
+        "the call was refused in the forgotten session"
+    );
+    assert_eq!(
+        format!("ran in {}", calls[2]),
+        ran_in,
+        "then ran once, in a fresh one"
+    );
+}
+
+#[test]
+fn warm_sessions_that_idle_out_are_deleted() {
+    let numbered = Numbered::start();
+    let gw = gateway(&numbered, |c| {
+        c.bridge.warm_session_idle_seconds = 1;
+    });
+    let raw = Raw::new(&gw.url);
+    assert_eq!(call(&raw, 1, json!({}), &[]), "ran in s1");
+    warm_ready(&gw, 1.0);
+    wait_until(
+        "the idle warm session deleted",
+        Duration::from_secs(10),
+        || {
+            numbered
+                .upstream
+                .requests()
+                .iter()
+                .any(|s| s.method == "DELETE" && s.header("mcp-session-id") == Some("s2"))
+        },
+    );
+    warm_ready(&gw, 0.0);
+    // The next call opens a session of its own.
+    assert_eq!(call(&raw, 2, json!({}), &[]), "ran in s3");
+}
+
+#[test]
+fn with_warm_sessions_off_every_call_opens_its_own() {
+    let numbered = Numbered::start();
+    let gw = gateway(&numbered, |c| {
+        c.bridge.warm_sessions_per_shape = 0;
+    });
+    let raw = Raw::new(&gw.url);
+    assert_eq!(call(&raw, 1, json!({}), &[]), "ran in s1");
+    assert_eq!(call(&raw, 2, json!({}), &[]), "ran in s2");
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_warm_sessions"), 0.0);
+}
