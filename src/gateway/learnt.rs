@@ -2,7 +2,8 @@
 //! being told: whether the group's `Last-Event-ID` resumptions work, whether a resumed
 //! stream is primed (an event with an id and no data once the replay is done and the
 //! stream is live again), and whether the group's event store keeps sessions apart, so
-//! that a session's GET stream can be replayed without another session's events.
+//! that a session's GET stream can be replayed without another session's events, and
+//! whether it lets go of a closed GET stream in time for a new one.
 //! `resume: auto` and the retry path decide by it; each verdict is logged once.
 
 use std::collections::HashMap;
@@ -35,6 +36,10 @@ pub struct GroupLearnt {
     /// resumption showed it.
     pub resumption_primes: Option<bool>,
     pub session_replay: SessionReplay,
+    /// The upstream keeps a session's GET stream after the gateway closed it (a new GET
+    /// got 409 for as long as the gateway tried): a GET stream is then reopened with one
+    /// attempt, since waiting for the server to let go of the old one never paid.
+    pub session_stream_kept: bool,
 }
 
 /// Every group's learnt facts, by group name.

@@ -146,6 +146,17 @@ impl UpstreamSide {
         }
     }
 
+    /// Records that the group's upstream keeps a session's GET stream after the gateway
+    /// closed it: its GET streams are reopened with one attempt from now on.
+    pub fn note_session_stream_kept(&self, group: &UpstreamGroup) {
+        let before = self
+            .learnt
+            .update(&group.name, |facts| facts.session_stream_kept = true);
+        if !before.session_stream_kept {
+            tracing::info!(group = %group.name, "upstream keeps a closed GET stream for a while (409 to a new one); GET streams are reopened without waiting from now on");
+        }
+    }
+
     /// Records how a group's bridged rounds wait (resumed, or held), for the
     /// `upstream_resumable` gauge. Logged when first known and whenever it changes (a
     /// rolling upgrade of the upstream).

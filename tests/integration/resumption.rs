@@ -7,7 +7,9 @@
 
 use crate::common::*;
 use crate::scripted::{legacy_basics, Answer, Gate, ScriptedUpstream, Seen};
+use mrtr_gateway::config::UpstreamEra;
 use serde_json::{json, Value};
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -444,4 +446,106 @@ fn the_client_has_its_result_before_the_upstream_session_is_deleted() {
     delete_answered.open();
     assert_eq!(status, 200, "{done}");
     assert_eq!(done["result"]["content"][0]["text"], "done");
+}
+
+#[test]
+fn an_upstream_that_keeps_a_closed_get_stream_is_not_waited_for_twice() {
+    // Each session's first GET stream is held by the server for good: every later GET
+    // in the session gets 409, as a server that notices a closed stream only when it
+    // next writes to it answers.
+    let with_get: Mutex<HashSet<String>> = Mutex::default();
+    let gates: Mutex<HashMap<String, Gate>> = Mutex::default();
+    let call_ids: Mutex<HashMap<String, Value>> = Mutex::default();
+    let sessions = AtomicUsize::new(0);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let sid = seen
+            .header("mcp-session-id")
+            .unwrap_or_default()
+            .to_string();
+        let gate = gates
+            .lock()
+            .unwrap()
+            .entry(sid.clone())
+            .or_default()
+            .clone();
+        if seen.method == "GET" {
+            let Some(after) = seen.header("last-event-id") else {
+                return match with_get.lock().unwrap().insert(sid) {
+                    true => Answer::sse(&[]),
+                    false => Answer::status(409, &[], b"Conflict: one GET stream per session"),
+                };
+            };
+            let id = call_ids
+                .lock()
+                .unwrap()
+                .get(&sid)
+                .cloned()
+                .unwrap_or_default();
+            let result = json!({"jsonrpc": "2.0", "id": id, "result": {
+                "content": [{"type": "text", "text": format!("done after {after}")}]}});
+            return Answer::sse(&[])
+                .event(Some(&format!("{sid}-c3")), &json!(""))
+                .wait(&gate)
+                .event(None, &result)
+                .end();
+        }
+        let body = seen.json().unwrap_or_default();
+        if body.get("method").is_none() && body.get("result").is_some() {
+            gate.open();
+            return Answer::status(202, &[], b"");
+        }
+        match body["method"].as_str() {
+            Some("initialize") => {
+                let n = sessions.fetch_add(1, Ordering::SeqCst);
+                legacy_basics(seen, &format!("s{n}")).expect("initialize")
+            }
+            Some("tools/call") => {
+                call_ids
+                    .lock()
+                    .unwrap()
+                    .insert(sid.clone(), body["id"].clone());
+                let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
+                    "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
+                Answer::sse(&[])
+                    .event(Some(&format!("{sid}-c1")), &json!(""))
+                    .event(Some(&format!("{sid}-c2")), &question)
+            }
+            _ => legacy_basics(seen, "unused").unwrap_or_else(|| Answer::status(405, &[], b"")),
+        }
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.bridge.warm_sessions_per_shape = 0;
+    });
+    let raw = Raw::new(&gw.url);
+    let fresh_gets = || {
+        upstream
+            .requests()
+            .iter()
+            .filter(|s| s.method == "GET" && s.header("last-event-id").is_none())
+            .count()
+    };
+    let mut after_each = Vec::new();
+    for flow in 0..2u64 {
+        let (status, first) = call_hostile(&raw, 2 * flow + 1, json!({}));
+        assert_eq!(status, 200, "{first}");
+        let key = first["result"]["inputRequests"]
+            .as_object()
+            .and_then(|q| q.keys().next().cloned())
+            .unwrap_or_else(|| panic!("a question: {first}"));
+        let retry = json!({"inputResponses": {key: {"action": "accept", "content": {}}},
+            "requestState": first["result"]["requestState"]});
+        let (status, done) = call_hostile(&raw, 2 * flow + 2, retry);
+        assert_eq!(status, 200, "{done}");
+        assert!(done["result"]["content"][0]["text"].is_string(), "{done}");
+        after_each.push(fresh_gets());
+    }
+    // Flow 1: the round's GET, then the retry's tried four times (three retries on 409).
+    assert_eq!(after_each[0], 1 + 4, "the first retry waits for the server");
+    // Flow 2: the round's GET, and the retry's once: waiting never paid.
+    assert_eq!(
+        after_each[1] - after_each[0],
+        1 + 1,
+        "the second retry does not wait"
+    );
 }

@@ -511,7 +511,7 @@ async fn execute<'g>(
     } = *call;
     match command {
         Command::OpenSession => Some(open_session(call, io).await),
-        Command::OpenStream { stream, after } => Some(open_stream(io, stream, after).await),
+        Command::OpenStream { stream, after } => Some(open_stream(call, io, stream, after).await),
         Command::PostCall { id } => Some(post_call(call, io, id).await),
         Command::Post(message) => {
             let upstream = io.upstream.as_ref()?;
@@ -619,7 +619,12 @@ fn opened<'g>(io: &mut Io<'g>, upstream: LegacySession<'g>, warm: bool) -> Input
     input
 }
 
-async fn open_stream(io: &mut Io<'_>, stream: Stream, after: Option<String>) -> Input {
+async fn open_stream(
+    call: &Call<'_>,
+    io: &mut Io<'_>,
+    stream: Stream,
+    after: Option<String>,
+) -> Input {
     let Some(upstream) = io.upstream.as_ref() else {
         let result = Err(Failure::new(FailureKind::Broken, "no upstream session"));
         return Input::StreamOpened { stream, result };
@@ -638,7 +643,13 @@ async fn open_stream(io: &mut Io<'_>, stream: Stream, after: Option<String>) -> 
         )),
         (Stream::Session, after) => {
             io.streams.session = None;
-            io.streams.session = open_session_stream(upstream, after.as_deref()).await;
+            let (upstreams, group) = (&call.gw.upstreams, &call.group.name);
+            let patient = !upstreams.learnt.get(group).session_stream_kept;
+            let (stream, kept) = open_session_stream(upstream, after.as_deref(), patient).await;
+            io.streams.session = stream;
+            if kept && patient {
+                upstreams.note_session_stream_kept(call.group);
+            }
             Ok(())
         }
     };

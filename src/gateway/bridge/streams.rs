@@ -126,23 +126,27 @@ pub(super) async fn resume_call(
 /// The session's GET stream, where a legacy server sends requests not tied to a call,
 /// resumed after `after` when given (falling back to a fresh one when the upstream
 /// refuses the resumption). A second GET in one session gets 409 while the server still
-/// holds the previous round's, so a conflict is tried again a few times, briefly.
+/// holds the previous round's, so a conflict is tried again a few times, briefly, when
+/// `patient`. The stream, if one opened, and whether it stayed in conflict throughout.
 pub(super) async fn open_session_stream(
     upstream: &LegacySession<'_>,
     after: Option<&str>,
-) -> Option<Response> {
+    patient: bool,
+) -> (Option<Response>, bool) {
+    let retries = if patient { CONFLICT_RETRIES } else { 0 };
     let mut after = after;
-    for attempt in 0..=CONFLICT_RETRIES {
+    for attempt in 0..=retries {
         match upstream.get(after).await {
-            Ok(response) => return Some(response),
-            Err(e) if is_conflict(&e) && attempt < CONFLICT_RETRIES => {
+            Ok(response) => return (Some(response), false),
+            Err(e) if is_conflict(&e) && attempt < retries => {
                 tokio::time::sleep(CONFLICT_BACKOFF * 2u32.pow(attempt)).await;
             }
+            Err(e) if is_conflict(&e) => return (None, true),
             Err(e) if matches!(e.failure(), SessionFailure::Refused(_)) && after.is_some() => {
                 after = None
             }
-            Err(_) => return None,
+            Err(_) => return (None, false),
         }
     }
-    None
+    (None, false)
 }
