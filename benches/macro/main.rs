@@ -17,6 +17,8 @@
 //! 4. `requestState` size on the wire for 1, 3 and 10 input requests.
 //! 5. Stalls: sequential bridged flows against the Python SDK server with an event store,
 //!    each timed (p50, p90, p99, max).
+//! 6. Latency over a delayed link: the client behind a delay proxy (RTT 0, 10, 40 ms), the
+//!    full legacy flow, a legacy client keeping its session, and a bridged flow.
 
 mod client;
 mod load;
@@ -25,6 +27,7 @@ mod pending;
 mod procs;
 mod report;
 mod stall;
+mod wan;
 
 use client::Conn;
 use load::{drive, Budget, Stats};
@@ -95,7 +98,7 @@ fn main() {
         .enable_all()
         .build()
         .expect("a runtime");
-    // MRTR_BENCH_ONLY=pending (or pass, flow, state, stall) runs one section while iterating.
+    // MRTR_BENCH_ONLY=pending (or pass, flow, state, stall, wan) runs one section while iterating.
     let only = std::env::var("MRTR_BENCH_ONLY").unwrap_or_default();
     let run = |section: &str| only.is_empty() || only == section;
     runtime.block_on(async {
@@ -113,6 +116,9 @@ fn main() {
         }
         if run("stall") {
             stall::measure(scale.stall_flows, &dir, &mut report).await;
+        }
+        if run("wan") {
+            wan::measure(&scale, &dir, &mut report).await;
         }
     });
     let _ = std::fs::remove_dir_all(&dir);

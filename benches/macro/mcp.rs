@@ -110,7 +110,7 @@ pub struct Interview {
 }
 
 impl Interview {
-    fn arguments(self) -> Value {
+    pub fn arguments(self) -> Value {
         json!({"rounds": self.rounds, "questions": self.questions})
     }
 
@@ -164,6 +164,20 @@ pub async fn legacy_call_flow(
     answer: impl Fn(&Value) -> Value,
 ) -> Result<(), String> {
     let session = initialize(side).await?;
+    legacy_call_in(stream, side, &session, call, answer).await?;
+    delete(side, &session).await
+}
+
+/// One call of a legacy client that keeps its session: the call's stream held open, each
+/// question answered by a POST on `side`.
+pub async fn legacy_call_in(
+    stream: &mut Conn,
+    side: &mut Conn,
+    session: &str,
+    call: LegacyCall<'_>,
+    answer: impl Fn(&Value) -> Value,
+) -> Result<(), String> {
+    let session = session.to_string();
     let params = json!({"name": call.tool, "arguments": call.arguments});
     let body = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params});
     let mut events = legacy_post(stream, Some(&session), body).await?.events();
@@ -183,7 +197,7 @@ pub async fn legacy_call_flow(
         }
     }
     while events.next().await?.is_some() {}
-    delete(side, &session).await
+    Ok(())
 }
 
 pub fn check(text: &str, expected: &str) -> Result<(), String> {

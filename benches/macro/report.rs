@@ -33,6 +33,27 @@ fn machine() -> String {
     format!("{cores} cores, {model}")
 }
 
+/// Flow times (ms) of each variant of the delayed-link section at one RTT.
+pub struct Times {
+    pub rtt_ms: u64,
+    pub full: Vec<f64>,
+    pub kept: Vec<f64>,
+    pub bridged: Vec<f64>,
+}
+
+/// The median and p90 of `times` (ms), nearest rank.
+fn quantiles(times: &[f64]) -> [f64; 2] {
+    let mut sorted = times.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    [50.0, 90.0].map(|p| {
+        let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
+        sorted
+            .get(rank.clamp(1, sorted.len().max(1)) - 1)
+            .copied()
+            .unwrap_or(0.0)
+    })
+}
+
 /// The `p`th percentile (0 to 100) of sorted durations, nearest rank.
 fn percentile(sorted: &[std::time::Duration], p: f64) -> std::time::Duration {
     let rank = ((p / 100.0) * sorted.len() as f64).ceil() as usize;
@@ -316,6 +337,47 @@ impl Report {
             format!("max {max:.2} ms, p50 {p50:.2} ms ({:.2}×)", max / p50),
             max < 2.0 * p50,
         );
+    }
+
+    /// Flow times over a delayed link, for one backend: each RTT's three variants.
+    pub fn wan(&mut self, backend: &str, runs: &[Times]) {
+        let _ = writeln!(
+            self.text,
+            "## Latency over a delayed link: {backend}\n\nThe client behind a delay proxy on loopback (RTT / 2 each way), the gateway next to the server, default settings; one-question flows interleaved, {} of each per RTT, timed whole by the client.\n\n| RTT | full legacy flow p50 / p90 | legacy, session kept p50 / p90 | 2026-07-28 through the gateway p50 / p90 | bridged / kept | bridged / full |\n| ---: | ---: | ---: | ---: | ---: | ---: |",
+            runs.first().map_or(0, |r| r.bridged.len())
+        );
+        for run in runs {
+            let [full, kept, bridged] = [&run.full, &run.kept, &run.bridged].map(|t| quantiles(t));
+            let _ = writeln!(
+                self.text,
+                "| {} ms | {:.1} / {:.1} ms | {:.1} / {:.1} ms | {:.1} / {:.1} ms | {:.2}× | {:.2}× |",
+                run.rtt_ms,
+                full[0], full[1], kept[0], kept[1], bridged[0], bridged[1],
+                bridged[0] / kept[0],
+                bridged[0] / full[0]
+            );
+            let [kept, full, bridged] = [kept[0], full[0], bridged[0]];
+            if run.rtt_ms == 10 {
+                self.goal(
+                    &format!("{backend}, RTT 10 ms: bridged flow ≤ 1.05× the legacy client keeping its session"),
+                    format!("{:.2}× ({bridged:.1} ms vs {kept:.1} ms)", bridged / kept),
+                    bridged <= 1.05 * kept,
+                );
+                self.goal(
+                    &format!("{backend}, RTT 10 ms: bridged flow ≤ 0.5× the full legacy flow"),
+                    format!("{:.2}× ({bridged:.1} ms vs {full:.1} ms)", bridged / full),
+                    bridged <= 0.5 * full,
+                );
+            }
+            if run.rtt_ms == 0 && backend.starts_with("demo") {
+                self.goal(
+                    "demo backend, loopback: bridged flow ≤ 1.5× the legacy client keeping its session",
+                    format!("{:.2}× ({bridged:.2} ms vs {kept:.2} ms)", bridged / kept),
+                    bridged <= 1.5 * kept,
+                );
+            }
+        }
+        let _ = writeln!(self.text);
     }
 
     pub fn finish(mut self) {

@@ -64,7 +64,7 @@ pub async fn measure(flows: usize, dir: &Path, report: &mut Report) {
 }
 
 /// One `ask_name` flow: the question, then the answer and the result.
-async fn flow(conn: &mut Conn, tag: &str) -> Result<(), String> {
+pub async fn flow(conn: &mut Conn, tag: &str) -> Result<(), String> {
     let first = call(conn, 1, Map::new()).await?;
     let result = &first["result"];
     let requests = result["inputRequests"]
@@ -85,7 +85,7 @@ async fn flow(conn: &mut Conn, tag: &str) -> Result<(), String> {
         .ok_or_else(|| format!("got {text:?}, wanted {want:?}"))
 }
 
-fn accept_name(tag: &str) -> Value {
+pub fn accept_name(tag: &str) -> Value {
     json!({"action": "accept", "content": {"name": tag}})
 }
 
