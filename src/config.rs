@@ -241,7 +241,9 @@ pub struct BridgeOptions {
     /// The most a whole flow may take, across all its rounds; at this deadline the
     /// replica that opened it deletes the upstream session if it is still open.
     pub max_flow_seconds: u64,
-    /// How long after the last server request a round waits for more before answering.
+    /// How long after the last server request a round waits for more before answering;
+    /// 0 answers as soon as the upstream has nothing more to read now (a question sent
+    /// later is asked in the next round).
     pub quiet_window_ms: u64,
     /// How long a followed upstream stream may stay silent before the bridge reopens it
     /// with `Last-Event-ID` (recovers events an upstream stored but did not deliver).
@@ -299,7 +301,7 @@ impl Default for BridgeOptions {
         BridgeOptions {
             request_state_ttl_seconds: 600,
             max_flow_seconds: 1800,
-            quiet_window_ms: 10,
+            quiet_window_ms: 1,
             resume_poll_ms: 2000,
             round_silence_seconds: 45,
             one_shot_session_idle_seconds: 300,
@@ -875,10 +877,10 @@ impl Config {
                 "must be at least 100",
             ));
         }
-        if b.quiet_window_ms == 0 || b.quiet_window_ms > 10_000 {
+        if b.quiet_window_ms > 10_000 {
             return Err(ConfigError::at(
                 "bridge.quiet_window_ms",
-                "must be 1 to 10000",
+                "must be 0 to 10000",
             ));
         }
         if b.warm_sessions_per_shape > 0 && b.warm_session_idle_seconds == 0 {

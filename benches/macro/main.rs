@@ -84,7 +84,7 @@ impl Scale {
 
 const DEFAULT_GATEWAY: GatewayOptions = GatewayOptions {
     threads: 1,
-    quiet_window_ms: 10,
+    quiet_window_ms: 1,
     hold: false,
 };
 
@@ -226,13 +226,13 @@ async fn elicitation(scale: &Scale, dir: &Path, report: &mut Report) {
     let backend = procs::backend();
     let (gateway, _admin) = procs::gateway(dir, &backend, DEFAULT_GATEWAY);
     let short = GatewayOptions {
-        quiet_window_ms: 1,
+        quiet_window_ms: 0,
         ..DEFAULT_GATEWAY
     };
     let (gateway_short, _admin2) = procs::gateway(dir, &backend, short);
     let held = GatewayOptions {
         hold: true,
-        ..short
+        ..DEFAULT_GATEWAY
     };
     let (gateway_held, _admin3) = procs::gateway(dir, &backend, held);
     for rounds in [1, 3] {

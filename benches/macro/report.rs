@@ -152,8 +152,8 @@ impl Report {
         self.goal("pass-through req/s ≥ nginx's", figure, one >= nginx);
     }
 
-    /// The flow through the gateway: resumable with the default and a 1 ms quiet window,
-    /// and in hold mode with 1 ms.
+    /// The flow through the gateway: resumable with the default (1 ms) and a zero quiet
+    /// window, and in hold mode with the default.
     pub fn elicitation(&mut self, rounds: u64, direct: &Stats, gateway: [&Stats; 3]) {
         let [through, short, held] = gateway;
         let _ = writeln!(
@@ -170,11 +170,11 @@ impl Report {
                 direct,
             ),
             (
-                "2026-07-28 MRTR through the gateway (quiet window 10 ms, the default)",
+                "2026-07-28 MRTR through the gateway (quiet window 1 ms, the default)",
                 through,
             ),
             (
-                "2026-07-28 MRTR through the gateway (quiet window 1 ms)",
+                "2026-07-28 MRTR through the gateway (quiet window 0)",
                 short,
             ),
             (
@@ -196,14 +196,14 @@ impl Report {
         let ratio = |s: &Stats| s.percentile_ms(0.5) / direct.percentile_ms(0.5);
         let _ = writeln!(
             self.text,
-            "\nRatio of p50 flow time, gateway / direct: {:.2} (default), {:.2} (1 ms quiet window), {:.2} (hold mode, 1 ms).\n",
+            "\nRatio of p50 flow time, gateway / direct: {:.2} (default), {:.2} (quiet window 0), {:.2} (hold mode).\n",
             ratio(through),
             ratio(short),
             ratio(held)
         );
         let goal = format!("MRTR flow ≤ 1.2× direct stateful, {rounds} round(s)");
         let figure = format!(
-            "{:.2}× (default); {:.2}× (1 ms quiet window)",
+            "{:.2}× (default); {:.2}× (quiet window 0)",
             ratio(through),
             ratio(short)
         );
@@ -317,7 +317,7 @@ impl Report {
         );
         let _ = writeln!(
             self.text,
-            "`ask_name` (one question, then the result), one client, default settings (quiet window 10 ms, resume poll 2 s); each bridged flow followed by the same flow driven directly by a legacy client (its stream held open), whose tail is the server's own.\n\n| flow | p50 | p90 | p99 | max | max / p50 |\n| --- | ---: | ---: | ---: | ---: | ---: |"
+            "`ask_name` (one question, then the result), one client, default settings (quiet window 1 ms, resume poll 2 s); each bridged flow followed by the same flow driven directly by a legacy client (its stream held open), whose tail is the server's own.\n\n| flow | p50 | p90 | p99 | max | max / p50 |\n| --- | ---: | ---: | ---: | ---: | ---: |"
         );
         for (label, times) in [
             ("2026-07-28 through the gateway", bridged),

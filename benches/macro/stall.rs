@@ -25,7 +25,7 @@ pub async fn measure(flows: usize, dir: &Path, report: &mut Report) {
     };
     let options = GatewayOptions {
         threads: 1,
-        quiet_window_ms: 10,
+        quiet_window_ms: 1,
         hold: false,
     };
     let (gateway, _admin) = procs::gateway(dir, &python, options);

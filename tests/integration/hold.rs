@@ -131,7 +131,8 @@ fn a_dead_owner_gives_the_documented_error_promptly_and_a_fresh_call_succeeds() 
 #[test]
 fn a_retry_that_leaves_a_question_unanswered_is_asked_it_again() {
     let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);
-    let replicas = peered(&url, 2, |_| {});
+    // Both parallel questions must land in round 1: a window they always fit in.
+    let replicas = peered(&url, 2, |c| c.bridge.quiet_window_ms = 10);
     let (ra, rb) = (Raw::new(&replicas[0].url), Raw::new(&replicas[1].url));
     let first = call(&ra, 1, "ask_two", json!({}));
     let questions = first["result"]["inputRequests"]

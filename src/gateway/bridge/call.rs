@@ -450,20 +450,27 @@ enum Woke {
 }
 
 /// Waits for the next thing the flow must know: a chunk on a stream it reads, the client
-/// leaving, the gateway draining, or its timeout.
+/// leaving, the gateway draining, or its timeout. What the upstream has already sent
+/// comes before a timeout that is due: the timeout fires only once the streams have
+/// nothing more to read now (the I/O driver is polled first), so a quiet window of zero
+/// ends a round as soon as the upstream has nothing more to say.
 async fn wait(call: &Call<'_>, session: &mut ServerSession, io: &mut Io<'_>, flow: &Flow) -> Woke {
     let reading = flow.is_reading();
     let timeout = flow.poll_timeout().map(tokio::time::Instant::from_std);
+    if reading && timeout.is_some_and(|t| t <= tokio::time::Instant::now()) {
+        tokio::task::yield_now().await;
+    }
     let drain = !io.drain_told;
     let (source, chunk) = tokio::select! {
-        c = next_chunk(&mut io.streams.call), if reading => (Source::Call, c),
-        c = next_chunk(&mut io.streams.session), if reading => (Source::Session, c),
-        _ = sleep_until_or_never(timeout) => return Woke::Time,
-        _ = session.read_body_or_idle(true) => return Woke::Input(Input::ClientGone),
+        biased;
         _ = call.gw.runtime.drain.wait(), if drain => {
             io.drain_told = true;
             return Woke::Input(Input::Draining);
         }
+        _ = session.read_body_or_idle(true) => return Woke::Input(Input::ClientGone),
+        c = next_chunk(&mut io.streams.call), if reading => (Source::Call, c),
+        c = next_chunk(&mut io.streams.session), if reading => (Source::Session, c),
+        _ = sleep_until_or_never(timeout) => return Woke::Time,
     };
     match chunk {
         Some(Ok(Some(bytes))) => match io.streams.push(source, &bytes) {
