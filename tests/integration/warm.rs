@@ -1,5 +1,5 @@
 //! Upstream sessions initialized ahead of demand (`bridge.warm_sessions_per_shape`): a
-//! call of a shape seen before runs on a session already open; a session is never used
+//! call of a shape that came back runs on a session already open; a session is never used
 //! by a call of another shape (other credentials, other capabilities); a warm session the
 //! upstream forgot costs a fresh one, and the call runs once; idle ones are deleted.
 
@@ -117,11 +117,13 @@ fn a_call_of_a_shape_seen_before_runs_on_a_session_opened_ahead_of_it() {
     let raw = Raw::new(&gw.url);
     let alice = [("authorization", "Bearer alice")];
     assert_eq!(call(&raw, 1, json!({}), &alice), "ran in s1");
+    // The shape comes back: s3 is opened for its next call.
+    assert_eq!(call(&raw, 2, json!({}), &alice), "ran in s2");
     warm_ready(&gw, 1.0);
     let requests_before = numbered.upstream.count();
-    // The next call of the shape takes s2, initialized before the call was made.
-    assert_eq!(call(&raw, 2, json!({}), &alice), "ran in s2");
-    assert!(numbered.initialize_of("s2").index < requests_before);
+    // The next call of the shape takes s3, initialized before the call was made.
+    assert_eq!(call(&raw, 3, json!({}), &alice), "ran in s3");
+    assert!(numbered.initialize_of("s3").index < requests_before);
     assert_eq!(
         metric_with(
             &gw.admin,
@@ -132,18 +134,26 @@ fn a_call_of_a_shape_seen_before_runs_on_a_session_opened_ahead_of_it() {
     );
     // The warm session was opened with the caller's credentials.
     assert_eq!(
-        numbered.initialize_of("s2").header("authorization"),
+        numbered.initialize_of("s3").header("authorization"),
         Some("Bearer alice")
     );
     // Its replacement is opened; the used one is deleted after its call.
     warm_ready(&gw, 1.0);
-    wait_until("s2 deleted", Duration::from_secs(5), || {
+    wait_until("s3 deleted", Duration::from_secs(5), || {
         numbered
             .upstream
             .requests()
             .iter()
-            .any(|s| s.method == "DELETE" && s.header("mcp-session-id") == Some("s2"))
+            .any(|s| s.method == "DELETE" && s.header("mcp-session-id") == Some("s3"))
     });
+}
+
+/// Two calls of one shape (`headers`, no capabilities): the shape comes back, and
+/// session s3 is opened ahead of its next call.
+fn warmed(gw: &TestGateway, raw: &Raw, headers: &[(&str, &str)]) {
+    assert_eq!(call(raw, 1, json!({}), headers), "ran in s1");
+    assert_eq!(call(raw, 2, json!({}), headers), "ran in s2");
+    warm_ready(gw, 1.0);
 }
 
 #[test]
@@ -151,22 +161,18 @@ fn a_warm_session_serves_only_calls_of_its_own_shape() {
     let numbered = Numbered::start();
     let gw = gateway(&numbered, |_| {});
     let raw = Raw::new(&gw.url);
-    assert_eq!(
-        call(&raw, 1, json!({}), &[("authorization", "Bearer alice")]),
-        "ran in s1"
-    );
-    warm_ready(&gw, 1.0);
+    warmed(&gw, &raw, &[("authorization", "Bearer alice")]);
     // Other credentials, other capabilities: each opens a session of its own.
-    let bob = call(&raw, 2, json!({}), &[("authorization", "Bearer bob")]);
+    let bob = call(&raw, 3, json!({}), &[("authorization", "Bearer bob")]);
     let eliciting = call(
         &raw,
-        3,
+        4,
         json!({"elicitation": {}}),
         &[("authorization", "Bearer alice")],
     );
     for ran_in in [&bob, &eliciting] {
         assert_ne!(
-            ran_in, "ran in s2",
+            ran_in, "ran in s3",
             "alice's warm session served another shape"
         );
     }
@@ -186,24 +192,43 @@ fn a_warm_session_serves_only_calls_of_its_own_shape() {
 }
 
 #[test]
+fn a_shape_that_never_recurs_opens_nothing_ahead() {
+    let numbered = Numbered::start();
+    let gw = gateway(&numbered, |_| {});
+    let raw = Raw::new(&gw.url);
+    // A request id makes every request its own shape.
+    for (n, id) in ["r1", "r2", "r3"].into_iter().enumerate() {
+        let ran_in = call(&raw, n as u64 + 1, json!({}), &[("x-request-id", id)]);
+        assert_eq!(ran_in, format!("ran in s{}", n + 1));
+    }
+    let initializes = numbered
+        .upstream
+        .requests()
+        .iter()
+        .filter(|s| s.jsonrpc_method().as_deref() == Some("initialize"))
+        .count();
+    assert_eq!(initializes, 3, "one session per call, none ahead of demand");
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_warm_sessions"), 0.0);
+}
+
+#[test]
 fn a_warm_session_the_upstream_forgot_is_replaced_and_the_call_runs_once() {
     let numbered = Numbered::start();
     let gw = gateway(&numbered, |_| {});
     let raw = Raw::new(&gw.url);
-    assert_eq!(call(&raw, 1, json!({}), &[]), "ran in s1");
-    warm_ready(&gw, 1.0);
-    // The upstream restarts its session table: s2 is gone.
-    numbered.forgotten.lock().unwrap().insert("s2".into());
-    let ran_in = call(&raw, 2, json!({}), &[]);
-    assert_ne!(ran_in, "ran in s2");
+    warmed(&gw, &raw, &[]);
+    // The upstream restarts its session table: s3 is gone.
+    numbered.forgotten.lock().unwrap().insert("s3".into());
+    let ran_in = call(&raw, 3, json!({}), &[]);
+    assert_ne!(ran_in, "ran in s3");
     let calls = numbered.calls();
-    assert_eq!(calls.len(), 3, "{calls:?}");
+    assert_eq!(calls.len(), 4, "{calls:?}");
     assert_eq!(
-        calls[1], "s2",
+        calls[2], "s3",
         "the call was refused in the forgotten session"
     );
     assert_eq!(
-        format!("ran in {}", calls[2]),
+        format!("ran in {}", calls[3]),
         ran_in,
         "then ran once, in a fresh one"
     );
@@ -216,8 +241,7 @@ fn warm_sessions_that_idle_out_are_deleted() {
         c.bridge.warm_session_idle_seconds = 1;
     });
     let raw = Raw::new(&gw.url);
-    assert_eq!(call(&raw, 1, json!({}), &[]), "ran in s1");
-    warm_ready(&gw, 1.0);
+    warmed(&gw, &raw, &[]);
     wait_until(
         "the idle warm session deleted",
         Duration::from_secs(10),
@@ -226,12 +250,12 @@ fn warm_sessions_that_idle_out_are_deleted() {
                 .upstream
                 .requests()
                 .iter()
-                .any(|s| s.method == "DELETE" && s.header("mcp-session-id") == Some("s2"))
+                .any(|s| s.method == "DELETE" && s.header("mcp-session-id") == Some("s3"))
         },
     );
     warm_ready(&gw, 0.0);
     // The next call opens a session of its own.
-    assert_eq!(call(&raw, 2, json!({}), &[]), "ran in s3");
+    assert_eq!(call(&raw, 3, json!({}), &[]), "ran in s4");
 }
 
 #[test]
@@ -241,7 +265,8 @@ fn with_warm_sessions_off_every_call_opens_its_own() {
         c.bridge.warm_sessions_per_shape = 0;
     });
     let raw = Raw::new(&gw.url);
-    assert_eq!(call(&raw, 1, json!({}), &[]), "ran in s1");
-    assert_eq!(call(&raw, 2, json!({}), &[]), "ran in s2");
+    for n in 1..=3 {
+        assert_eq!(call(&raw, n, json!({}), &[]), format!("ran in s{n}"));
+    }
     assert_eq!(metric(&gw.admin, "mrtr_gateway_warm_sessions"), 0.0);
 }

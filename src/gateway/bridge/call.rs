@@ -607,7 +607,7 @@ async fn open_session<'g>(call: &Call<'g>, io: &mut Io<'g>) -> Input {
     }
     match upstream_for(gw, group, request, call.data_session).await {
         Ok(upstream) => {
-            if let Some(shape) = shape {
+            if let Some(shape) = shape.filter(|s| gw.upstreams.warm.recurs(s, Instant::now())) {
                 warm::warm_up(gw, group, request, shape);
             }
             opened(io, upstream, false)

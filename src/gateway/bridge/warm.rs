@@ -5,9 +5,11 @@
 //! session is (the group, the declared client capabilities, the client's identity, the
 //! principal, the credentials its exchanges carry), the digest `KeptSessions::shape`
 //! computes. Each is used for one call and deleted after it, like a session opened for
-//! the call; no two flows ever share one. A call that takes one starts the opening of its
-//! replacement, so a shape that keeps calling finds one ready; a shape seen once opens at
-//! most `per_shape` sessions it may never use, deleted once they idle past `idle`.
+//! the call; no two flows ever share one. A shape is warmed once it comes back (its
+//! second call within the idle time), and a call that takes one starts the opening of
+//! its replacement, so a shape that keeps calling finds one ready; a shape seen once
+//! costs nothing, and one that stops calling leaves at most `per_shape` sessions,
+//! deleted once they idle past `idle`.
 //!
 //! A session that waits can be forgotten upstream (a restart, the server's own idle
 //! timeout): the flow then runs its call on a session opened at once (`Flow` learns the
@@ -79,8 +81,9 @@ pub(super) fn take<'g>(
 }
 
 /// Starts opening a session of `shape` in the background, if its pool has room: after a
-/// call of the shape took one, or opened one itself (so an upstream that refuses the
-/// shape's sessions is not asked again for nothing).
+/// call of the shape took one, or opened one itself for the second time within the idle
+/// time (so an upstream that refuses the shape's sessions is not asked again for
+/// nothing, and a shape that never recurs costs the server nothing).
 pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernRequest, shape: Shape) {
     let pool = gw.upstreams.warm.clone();
     if !pool.reserve(&shape) {
@@ -188,6 +191,9 @@ struct Pools {
     opening: HashMap<Shape, usize>,
     /// Ready and opening, over every shape.
     total: usize,
+    /// When each shape last opened a session for a call of its own (bounded, idle ones
+    /// forgotten): a shape is warmed only once it has come back.
+    seen: HashMap<Shape, Instant>,
 }
 
 impl Pools {
@@ -243,6 +249,24 @@ impl WarmSessions {
         }
         pools.total -= 1;
         Some(warm)
+    }
+
+    /// Notes that a call of `shape` opened a session of its own at `now`; whether the
+    /// shape had done so within the idle time before (it recurs, so warming it pays: a
+    /// shape made unique by a per-request header never is).
+    pub fn recurs(&self, shape: &Shape, now: Instant) -> bool {
+        let mut pools = self.pools();
+        let idle = self.idle;
+        if pools.seen.len() >= self.max.max(1) * 4 {
+            pools
+                .seen
+                .retain(|_, at| now.saturating_duration_since(*at) < idle);
+            if pools.seen.len() >= self.max.max(1) * 4 {
+                pools.seen.clear();
+            }
+        }
+        let before = pools.seen.insert(*shape, now);
+        before.is_some_and(|at| now.saturating_duration_since(at) < idle)
     }
 
     /// Whether a session of `shape` may start opening now (room in its pool and in all);
@@ -391,6 +415,23 @@ mod tests {
         }
         assert_eq!(w.drain().len(), 2);
         assert_eq!(w.ready(), 0);
+    }
+
+    #[test]
+    fn a_shape_recurs_when_it_came_back_within_the_idle_time() {
+        let w = WarmSessions::new(2, 1, Duration::from_secs(30));
+        let t0 = Instant::now();
+        assert!(!w.recurs(&[1; 32], t0), "seen once");
+        assert!(w.recurs(&[1; 32], t0 + Duration::from_secs(29)));
+        assert!(
+            !w.recurs(&[1; 32], t0 + Duration::from_secs(60)),
+            "idle since"
+        );
+        // Bounded: four shapes per warm session allowed; idle ones go first.
+        for n in 2..10u8 {
+            w.recurs(&[n; 32], t0 + Duration::from_secs(60));
+        }
+        assert!(w.pools().seen.len() <= 4);
     }
 
     #[test]
