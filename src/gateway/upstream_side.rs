@@ -16,6 +16,7 @@ use serde_json::{json, Value};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
 
 /// After a probe of an `era: auto` group got no verdict (the upstream was unreachable),
 /// how long until the next one; until then the group is bridged.
@@ -54,7 +55,12 @@ pub struct UpstreamSide {
     pub kept_sessions: KeptSessions,
     /// Sessions initialized ahead of demand for interactive calls.
     pub warm: Arc<WarmSessions>,
+    /// Permits for finished flows' DELETEs sent in the background.
+    pub background_deletes: Arc<Semaphore>,
 }
+
+/// Most finished flows' session DELETEs in flight in the background at once.
+pub const MAX_BACKGROUND_DELETES: usize = 1024;
 
 impl UpstreamSide {
     pub fn new(config: &Config, groups: Upstreams, metrics: Arc<Metrics>) -> UpstreamSide {
@@ -72,6 +78,7 @@ impl UpstreamSide {
                 config.bridge.max_one_shot_sessions,
                 Duration::from_secs(config.bridge.one_shot_session_idle_seconds),
             ),
+            background_deletes: Arc::new(Semaphore::new(MAX_BACKGROUND_DELETES)),
             warm: Arc::new(WarmSessions::new(
                 config.bridge.warm_sessions_per_shape,
                 config.bridge.max_warm_sessions,

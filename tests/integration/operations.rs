@@ -1,8 +1,10 @@
 //! What operators rely on: every metric after a real flow, the dashboard built only on
 //! exported metrics, SSE keep-alives on idle streams, and a SIGTERM drain that finishes
-//! in-flight requests, refuses new connections and hands bridged rounds to another replica.
+//! in-flight requests, refuses new connections, hands bridged rounds to another replica
+//! and deletes the upstream sessions it opened ahead of demand.
 
 use crate::common::*;
+use crate::scripted::{legacy_basics, Answer, ScriptedUpstream, Seen};
 use mrtr_gateway::config::UpstreamEra;
 use serde_json::{json, Value};
 use std::process::{Command, Stdio};
@@ -497,4 +499,46 @@ fn trace_context_reaches_the_upstream_in_headers_and_meta() {
     let relayed = seen(raw.request("POST", &headers, Some(&body.to_string())), 3);
     assert_eq!(relayed["traceparent"], parent, "pass-through: {relayed}");
     assert_eq!(relayed["tracestate"], "vendor=abc", "{relayed}");
+}
+
+#[test]
+fn sessions_opened_ahead_of_demand_are_deleted_at_shutdown() {
+    let opened = std::sync::atomic::AtomicUsize::new(0);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        if seen.method == "GET" {
+            return Answer::sse(&[]);
+        }
+        match seen.jsonrpc_method().as_deref() {
+            Some("initialize") => {
+                let n = opened.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                legacy_basics(seen, &format!("s{n}")).expect("an initialize")
+            }
+            Some("tools/call") => Answer::json(
+                200,
+                &json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {
+                    "content": [{"type": "text", "text": "done"}]}}),
+            ),
+            _ => legacy_basics(seen, "-").unwrap_or_else(|| Answer::status(405, &[], b"")),
+        }
+    });
+    let mut gw = GatewayProcess::start(&upstream.url());
+    let raw = Raw::new(&gw.url);
+    // Two calls of one shape: s3 is opened ahead of its next call.
+    for id in 1..=2 {
+        let params = json!({"name": "work", "arguments": {}});
+        let reply = raw.modern(id, "tools/call", params, json!({}));
+        assert_eq!(reply.status, 200);
+    }
+    wait_until("a warm session ready", Duration::from_secs(10), || {
+        metric(&gw.admin, "mrtr_gateway_warm_sessions") == 1.0
+    });
+    gw.sigterm();
+    wait_until("the gateway exits", Duration::from_secs(15), || {
+        gw.proc.exited()
+    });
+    let deleted = upstream
+        .requests()
+        .iter()
+        .any(|s| s.method == "DELETE" && s.header("mcp-session-id") == Some("s3"));
+    assert!(deleted, "the warm session is deleted at shutdown");
 }

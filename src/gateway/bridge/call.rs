@@ -410,7 +410,7 @@ async fn drive<'g>(
             if let Command::Finish(ending) = command {
                 let outcome = finish(call, session, reply, &flow, ending).await;
                 if let Some(upstream) = io.upstream.take().filter(|_| delete_pending) {
-                    end_session_later(call.gw, upstream);
+                    end_session_later(call.gw, upstream).await;
                 }
                 return outcome;
             }

@@ -527,8 +527,13 @@ pub(crate) async fn end_session(reaper: &Reaper, upstream: &LegacySession<'_>) {
 }
 
 /// `end_session` in the background, for a request that has answered its client: its
-/// handler returns without waiting for the DELETE.
-pub(crate) fn end_session_later(gw: &Gateway, upstream: LegacySession<'_>) {
+/// handler returns without waiting for the DELETE. At most `MAX_BACKGROUND_DELETES` run
+/// at once (an upstream that holds DELETEs cannot pile up tasks and connections); past
+/// that the handler waits for its own.
+pub(crate) async fn end_session_later(gw: &Gateway, upstream: LegacySession<'_>) {
+    let Ok(permit) = gw.upstreams.background_deletes.clone().try_acquire_owned() else {
+        return end_session(&gw.flows.reaper, &upstream).await;
+    };
     if upstream.persistent {
         return;
     }
@@ -555,6 +560,7 @@ pub(crate) fn end_session_later(gw: &Gateway, upstream: LegacySession<'_>) {
             persistent: false,
         };
         session.delete().await;
+        drop(permit);
     });
 }
 

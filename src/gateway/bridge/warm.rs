@@ -158,17 +158,25 @@ impl BackgroundService for WarmSweeper {
         loop {
             tokio::select! {
                 _ = tick.tick() => {
-                    for warm in self.warm.expired(Instant::now()) {
-                        delete(&self.client, warm).await;
-                    }
+                    self.delete_all(self.warm.expired(Instant::now())).await;
                     self.client.metrics.warm_sessions.set(self.warm.ready() as i64);
                 }
                 _ = shutdown.changed() => break,
             }
         }
-        for warm in self.warm.drain() {
-            delete(&self.client, warm).await;
+        self.delete_all(self.warm.drain()).await;
+    }
+}
+
+impl WarmSweeper {
+    /// Deletes `sessions` upstream, all at once (each bounded by its group's timeouts).
+    async fn delete_all(&self, sessions: Vec<Warm>) {
+        let mut deleting = tokio::task::JoinSet::new();
+        for warm in sessions {
+            let client = self.client.clone();
+            deleting.spawn(async move { delete(&client, warm).await });
         }
+        while deleting.join_next().await.is_some() {}
     }
 }
 
