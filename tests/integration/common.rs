@@ -181,12 +181,22 @@ pub fn start_upstream_with(kind: Upstream, port: u16, flags: &[&str]) -> (Proc, 
 /// Starts the Python fixture serving HTTPS with `cert` and `key` (PEM) on a free loopback
 /// port; returns the process and its port.
 pub fn start_python_https(cert: &std::path::Path, key: &std::path::Path) -> (Proc, u16) {
+    start_python_https_with(cert, key, &[])
+}
+
+/// `start_python_https` with the fixture's further `flags` (`--tls-client-ca CA`).
+pub fn start_python_https_with(
+    cert: &std::path::Path,
+    key: &std::path::Path,
+    flags: &[&std::ffi::OsStr],
+) -> (Proc, u16) {
     let port = free_port();
     let mut cmd = Command::new(python());
     cmd.arg(root().join("tests/fixtures/py_legacy_server.py"))
         .arg(port.to_string())
         .arg("--tls")
-        .args([cert, key]);
+        .args([cert, key])
+        .args(flags);
     (spawn_listening(cmd, "Python over HTTPS", port), port)
 }
 

@@ -12,6 +12,7 @@ use mrtr_gateway::config::{Config, ListenerTls, UpstreamEra, UpstreamGroupConfig
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, ServerName};
 use serde_json::{json, Value};
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -172,6 +173,43 @@ fn an_upstream_certificate_the_group_does_not_trust_is_refused_naming_the_group(
         );
         println!("a certificate with {what}: refused once per request, naming the group");
     }
+}
+
+#[test]
+fn an_upstream_that_requires_a_client_certificate_gets_the_groups() {
+    let pems = PemDir::new("mutual");
+    let server_ca = TestCa::new("upstream CA");
+    let ca_file = server_ca.write(&pems);
+    let (cert, key) = server_ca.issue(&["127.0.0.1"]).write(&pems, "server");
+    let client_ca = TestCa::new("the upstream's client CA");
+    let client_ca_file = pems.write("client-ca.pem", &client_ca.pem);
+    let (client_cert, client_key) = client_ca.issue(&["mrtr-gateway"]).write(&pems, "gateway");
+    let flags = [OsStr::new("--tls-client-ca"), client_ca_file.as_os_str()];
+    let (_server, port) = start_python_https_with(&cert, &key, &flags);
+    let url = format!("https://127.0.0.1:{port}/mcp");
+    // With the group's client certificate, bridged and legacy flows complete.
+    let gw = gateway_trusting(&url, &ca_file, |g| {
+        g.tls.client_cert_file = Some(client_cert);
+        g.tls.client_key_file = Some(client_key);
+    });
+    let modern = client(Sdk::Python, "modern", &gw.url, "elicit", None);
+    assert_modern_call(
+        &modern,
+        "Python modern client, upstream wanting a client certificate",
+    );
+    assert_eq!(call_text(&modern), "Hello, Alice!");
+    let legacy = client(Sdk::Python, "legacy", &gw.url, "elicit", None);
+    assert_eq!(call_text(&legacy), "Hello, Alice!");
+    // Without one, the server closes the connection (uvicorn sends no alert), and the
+    // client is told which group failed.
+    let bare = gateway_trusting(&url, &ca_file, |g| g.era = UpstreamEra::Legacy);
+    let refused = ask_name(&Raw::new(&bare.url), 1, json!({}));
+    let message = refused["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.starts_with("upstream group 'default' failed: "),
+        "{refused}"
+    );
+    println!("mutual TLS upstream: served with the group's client certificate, refused without: {message}");
 }
 
 #[test]
