@@ -259,6 +259,38 @@ fn warm_sessions_that_idle_out_are_deleted() {
 }
 
 #[test]
+fn a_server_without_sessions_is_not_warmed() {
+    // Stateless: `initialize` answers without an Mcp-Session-Id.
+    let upstream = ScriptedUpstream::start(|seen: &Seen| match seen.jsonrpc_method().as_deref() {
+        Some("initialize") => Answer::json(
+            200,
+            &json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {
+                "protocolVersion": "2025-11-25", "capabilities": {"tools": {}},
+                "serverInfo": {"name": "stateless", "version": "1"}}}),
+        ),
+        Some("tools/call") => Answer::json(
+            200,
+            &json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {
+                "content": [{"type": "text", "text": "done"}]}}),
+        ),
+        _ => legacy_basics(seen, "-").unwrap_or_else(|| Answer::status(405, &[], b"")),
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+    });
+    let raw = Raw::new(&gw.url);
+    for id in 1..=3 {
+        assert_eq!(call(&raw, id, json!({}), &[]), "done");
+    }
+    let initializes = upstream
+        .requests()
+        .iter()
+        .filter(|s| s.jsonrpc_method().as_deref() == Some("initialize"))
+        .count();
+    assert_eq!(initializes, 3, "one per call, none ahead of demand");
+}
+
+#[test]
 fn with_warm_sessions_off_every_call_opens_its_own() {
     let numbered = Numbered::start();
     let gw = gateway(&numbered, |c| {

@@ -607,7 +607,10 @@ async fn open_session<'g>(call: &Call<'g>, io: &mut Io<'g>) -> Input {
     }
     match upstream_for(gw, group, request, call.data_session).await {
         Ok(upstream) => {
-            if let Some(shape) = shape.filter(|s| gw.upstreams.warm.recurs(s, Instant::now())) {
+            // A server that gives no session id keeps no sessions: nothing to warm.
+            let sessions = upstream.session_id.is_some();
+            let recurs = |s: &_| sessions && gw.upstreams.warm.recurs(s, Instant::now());
+            if let Some(shape) = shape.filter(recurs) {
                 warm::warm_up(gw, group, request, shape);
             }
             opened(io, upstream, false)
