@@ -540,25 +540,15 @@ pub(crate) async fn end_session_later(gw: &Gateway, upstream: LegacySession<'_>)
     if let Some(sid) = &upstream.session_id {
         gw.flows.reaper.forget(&upstream.endpoint, sid);
     }
+    let Some(sid) = upstream.session_id else {
+        return;
+    };
     let client = gw.upstreams.client.clone();
     let timeouts = *upstream.timeouts;
-    let LegacySession {
-        endpoint,
-        session_id,
-        version,
-        caller,
-        ..
-    } = upstream;
+    let (endpoint, version, caller) = (upstream.endpoint, upstream.version, upstream.caller);
     tokio::spawn(async move {
-        let session = LegacySession {
-            client: &client,
-            endpoint,
-            timeouts: &timeouts,
-            session_id,
-            version,
-            caller,
-            persistent: false,
-        };
+        let mut session = LegacySession::resume(&client, endpoint, &timeouts, sid);
+        (session.version, session.caller) = (version, caller);
         session.delete().await;
         drop(permit);
     });

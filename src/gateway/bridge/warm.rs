@@ -69,15 +69,14 @@ pub(super) fn take<'g>(
     // upstream's own expiry).
     let endpoint = group.endpoint(warm.endpoint.addr)?;
     gw.runtime.metrics.upstream_session("warm");
-    Some(LegacySession {
-        client: &upstreams.client,
+    let mut session = LegacySession::resume(
+        &upstreams.client,
         endpoint,
-        timeouts: &group.timeouts,
-        session_id: Some(warm.session_id),
-        version: warm.version,
-        caller: caller(request),
-        persistent: false,
-    })
+        &group.timeouts,
+        warm.session_id,
+    );
+    (session.version, session.caller) = (warm.version, caller(request));
+    Some(session)
 }
 
 /// Starts opening a session of `shape` in the background, if its pool has room: after a
@@ -133,15 +132,8 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
 
 /// Deletes `warm` upstream (best effort).
 async fn delete(client: &UpstreamClient, warm: Warm) {
-    let session = LegacySession {
-        client,
-        endpoint: warm.endpoint,
-        timeouts: &warm.timeouts,
-        session_id: Some(warm.session_id),
-        version: warm.version,
-        caller: warm.caller,
-        persistent: false,
-    };
+    let mut session = LegacySession::resume(client, warm.endpoint, &warm.timeouts, warm.session_id);
+    (session.version, session.caller) = (warm.version, warm.caller);
     session.delete().await;
 }
 
