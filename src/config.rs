@@ -241,9 +241,9 @@ pub struct BridgeOptions {
     /// The most a whole flow may take, across all its rounds; at this deadline the
     /// replica that opened it deletes the upstream session if it is still open.
     pub max_flow_seconds: u64,
-    /// How long after the last server request a round waits for more before answering;
-    /// 0 answers as soon as the upstream has nothing more to read now (a question sent
-    /// later is asked in the next round).
+    /// How long after the last server request a round waits for more before answering
+    /// (to the microsecond: `gateway::precise_sleep`); 0 answers as soon as the upstream
+    /// has nothing more to read now (a question sent later is asked in the next round).
     pub quiet_window_ms: u64,
     /// How long a followed upstream stream may stay silent before the bridge reopens it
     /// with `Last-Event-ID` (recovers events an upstream stored but did not deliver).

@@ -9,6 +9,7 @@ pub mod connections;
 pub mod learnt;
 pub mod passthrough;
 pub mod peers;
+pub mod precise_sleep;
 pub mod reaper;
 pub mod reload;
 pub mod respond;

@@ -90,7 +90,13 @@ fn official_clients_complete_held_flows_with_rounds_on_alternating_replicas() {
     let resumed = sum(&replicas, |g| held_event(g, "resumed"));
     let forwarded = sum(&replicas, |g| forwards(g, "ok"));
     println!("held rounds {held}, resumed {resumed}, retries forwarded to their owner {forwarded}");
-    assert_eq!(held, 10.0, "every round of every flow was held");
+    // Ten rounds in all, or one more when the Python server's second parallel question
+    // (`two`) came after the quiet window and was asked in a round of its own.
+    let rounds = sum(&replicas, |g| {
+        metric_with(&g.admin, "mrtr_gateway_input_required_total", "tools/call").unwrap()
+    });
+    assert!((10.0..=11.0).contains(&rounds), "{rounds} rounds");
+    assert_eq!(held, rounds, "every round of every flow was held");
     assert_eq!(resumed, held, "every held round was taken up by its retry");
     assert!(forwarded >= 4.0, "retries crossed replicas: {forwarded}");
     assert_eq!(sum(&replicas, |g| held_event(g, "lost")), 0.0);

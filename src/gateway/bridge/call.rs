@@ -490,9 +490,10 @@ async fn wait(call: &Call<'_>, session: &mut ServerSession, io: &mut Io<'_>, flo
     }
 }
 
+/// Sleeps until `at` (precisely: a round's quiet window is a millisecond), or forever.
 async fn sleep_until_or_never(at: Option<tokio::time::Instant>) {
     match at {
-        Some(t) => tokio::time::sleep_until(t).await,
+        Some(t) => crate::gateway::precise_sleep::sleep_until(t).await,
         None => std::future::pending().await,
     }
 }
