@@ -83,6 +83,9 @@ enum Command {
         /// Worker threads.
         #[arg(long, default_value_t = 1)]
         threads: usize,
+        /// Most sessions held at once (the benchmarks park a million flows).
+        #[arg(long, default_value_t = crate::demo::MAX_SESSIONS)]
+        max_sessions: usize,
     },
     /// Validate a configuration file; exits non-zero on the first problem.
     CheckConfig {
@@ -121,8 +124,12 @@ pub fn main() -> ExitCode {
             listeners,
             demo_listen,
         } => demo(listeners, demo_listen),
-        Command::DemoServer { listen, threads } => {
-            crate::demo::serve(&listen, threads);
+        Command::DemoServer {
+            listen,
+            threads,
+            max_sessions,
+        } => {
+            crate::demo::serve(&listen, threads, max_sessions);
             Ok(())
         }
         Command::CheckConfig {
@@ -207,7 +214,10 @@ fn demo(listeners: Listeners, demo_listen: String) -> Result<(), String> {
     let keys = Arc::new(load_keys(&mut config)?);
     let gateway_url = format!("http://{}/mcp", config.listen);
     let admin = config.admin_listen.clone();
-    let extra: server::ExtraServices = vec![Box::new(crate::demo::service(&demo_listen))];
+    let extra: server::ExtraServices = vec![Box::new(crate::demo::service(
+        &demo_listen,
+        crate::demo::MAX_SESSIONS,
+    ))];
     let (server, _metrics) = server::build(config, keys, extra).map_err(config_error)?;
     println!("{}", walkthrough(&gateway_url, &upstream, &admin));
     server::run(server);

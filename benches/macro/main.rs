@@ -5,7 +5,7 @@
 //! to `target/macro-report.md`; `cargo test` runs it at smoke scale, which checks that
 //! every comparison still works and loses nothing. Scale can be overridden with
 //! `MRTR_BENCH_SECONDS`, `MRTR_BENCH_CONNECTIONS`, `MRTR_BENCH_FLOW_CONNECTIONS`,
-//! `MRTR_BENCH_PENDING` and `MRTR_BENCH_HELD`.
+//! `MRTR_BENCH_PENDING`, `MRTR_BENCH_HELD` and `MRTR_BENCH_PARKED`.
 //!
 //! 1. Pass-through: a legacy client's `tools/call`, JSON and streamed, direct to the demo
 //!    backend, through the gateway and through nginx.
@@ -14,6 +14,8 @@
 //! 3. Pending flows: N flows stopped at an `InputRequiredResult`, the gateway's footprint
 //!    before and after, then all completed (none lost, none completed twice); against
 //!    flows whose SSE stream the gateway's legacy pass-through holds.
+//!    Parked at scale: a million flows (`MRTR_BENCH_PARKED`) parked on one replica, its RSS
+//!    read along the way (the curve), then a sample spread over the run completed.
 //! 4. `requestState` size on the wire for 1, 3 and 10 input requests.
 //! 5. Stalls: sequential bridged flows against the Python SDK server with an event store,
 //!    each timed (p50, p90, p99, max).
@@ -47,6 +49,8 @@ pub struct Scale {
     pub flow_workers: usize,
     pub pending: usize,
     pub held: usize,
+    /// Flows parked at once in the scale section.
+    pub parked: usize,
     /// Sequential flows in the stall section.
     pub stall_flows: usize,
 }
@@ -73,6 +77,10 @@ impl Scale {
             flow_workers: env("MRTR_BENCH_FLOW_CONNECTIONS", if full { 8.0 } else { 4.0 }) as usize,
             pending: env("MRTR_BENCH_PENDING", pending) as usize,
             held: env("MRTR_BENCH_HELD", held) as usize,
+            parked: env(
+                "MRTR_BENCH_PARKED",
+                if full { 1_000_000.0 } else { 1_000.0 },
+            ) as usize,
             stall_flows: env("MRTR_BENCH_STALL_FLOWS", if full { 100.0 } else { 10.0 }) as usize,
         }
     }
@@ -86,6 +94,7 @@ const DEFAULT_GATEWAY: GatewayOptions = GatewayOptions {
     threads: 1,
     quiet_window_ms: 1,
     hold: false,
+    max_watched_sessions: 100_000,
 };
 
 fn main() {
@@ -98,7 +107,7 @@ fn main() {
         .enable_all()
         .build()
         .expect("a runtime");
-    // MRTR_BENCH_ONLY=pending (or pass, flow, state, stall, wan) runs one section while iterating.
+    // MRTR_BENCH_ONLY=pending (or pass, flow, parked, state, stall, wan) runs one section.
     let only = std::env::var("MRTR_BENCH_ONLY").unwrap_or_default();
     let run = |section: &str| only.is_empty() || only == section;
     runtime.block_on(async {
@@ -110,6 +119,9 @@ fn main() {
         }
         if run("pending") {
             pending::compare(&scale, &dir, &mut report).await;
+        }
+        if run("parked") {
+            pending::parked(&scale, &dir, &mut report).await;
         }
         if run("state") {
             state_sizes(&dir, &mut report).await;
@@ -240,20 +252,40 @@ async fn elicitation(scale: &Scale, dir: &Path, report: &mut Report) {
             rounds,
             questions: 1,
         };
+        // The last: legacy flows through the same gateway's pass-through, whose CPU per
+        // flow the bridged flows' is compared with.
         let clients = [
             (&backend, false),
             (&gateway, true),
             (&gateway_short, true),
             (&gateway_held, true),
+            (&gateway, false),
         ];
-        let mut runs: [Vec<Stats>; 4] = Default::default();
+        let mut runs: [Vec<Stats>; 5] = Default::default();
+        let mut cpu = [(0.0, 0); 5];
         for _ in 0..scale.repeats {
-            for ((target, modern), runs) in clients.iter().zip(runs.iter_mut()) {
-                runs.push(flow_load(scale, target, interview, *modern).await);
+            for (((target, modern), runs), cpu) in clients.iter().zip(&mut runs).zip(&mut cpu) {
+                let before = procs::cpu_seconds(target.pid());
+                let stats = flow_load(scale, target, interview, *modern).await;
+                *cpu = (
+                    cpu.0 + procs::cpu_seconds(target.pid()) - before,
+                    cpu.1 + stats.ok,
+                );
+                runs.push(stats);
             }
         }
-        let [direct, through, short, held] = runs.map(median);
-        report.elicitation(rounds, &direct, [&through, &short, &held]);
+        let cpu_us = |i: usize| cpu[i].0 * 1e6 / cpu[i].1.max(1) as f64;
+        let gateway_cpu = report::FlowCpu {
+            bridged_us: cpu_us(1),
+            pass_through_us: cpu_us(4),
+        };
+        let [direct, through, short, held, passed] = runs.map(median);
+        report.elicitation(
+            rounds,
+            &direct,
+            [&through, &short, &held, &passed],
+            gateway_cpu,
+        );
     }
 }
 

@@ -7,8 +7,7 @@
 use crate::client::{Conn, Events};
 use crate::load::{drive, Budget, Stats};
 use crate::mcp::{self, Interview, Step};
-use crate::procs::GatewayOptions;
-use crate::procs::{self, Footprint, Proc};
+use crate::procs::{self, Footprint, GatewayOptions, Proc};
 use crate::report::Report;
 use crate::{Scale, DEFAULT_GATEWAY};
 use serde_json::{json, Map, Value};
@@ -84,59 +83,11 @@ async fn mrtr_flows(flows: usize, dir: &Path, options: GatewayOptions) -> Pendin
     let (gateway, _admin) = procs::gateway(dir, &backend, options);
     warm_up(&gateway, true).await;
     let before = procs::settled_footprint(gateway.pid()).await;
-    let open: RefCell<Vec<(String, Map<String, Value>)>> = RefCell::new(Vec::new());
-    let opening = drive(
-        WORKERS,
-        phase(flows),
-        |_| async { Conn::new(&gateway.addr) },
-        |mut conn, n| {
-            let open = &open;
-            async move {
-                let tag = format!("p{n}");
-                let outcome =
-                    match mcp::modern_round(&mut conn, 1, ONE_QUESTION, Map::new(), &tag).await {
-                        Ok(Step::Input { retry }) => {
-                            open.borrow_mut().push((tag, retry));
-                            Ok(())
-                        }
-                        Ok(Step::Done(text)) => Err(format!("completed without asking: {text}")),
-                        Err(e) => Err(e),
-                    };
-                (conn, outcome)
-            }
-        },
-    )
-    .await;
+    let (opening, open) = open_flows(&gateway, 0, flows, |_| true).await;
     let pending = procs::settled_footprint(gateway.pid()).await;
-    let opened = open.borrow().len();
-    let used: RefCell<Vec<(String, Map<String, Value>)>> = RefCell::new(Vec::new());
-    let completing =
-        drive(
-            WORKERS,
-            phase(opened),
-            |_| async { Conn::new(&gateway.addr) },
-            |mut conn, _| {
-                let (open, used) = (&open, &used);
-                async move {
-                    let Some((tag, retry)) = open.borrow_mut().pop() else {
-                        return (conn, Err("nothing left to complete".into()));
-                    };
-                    let outcome =
-                        match mcp::modern_round(&mut conn, 2, ONE_QUESTION, retry.clone(), &tag)
-                            .await
-                        {
-                            Ok(Step::Done(text)) => mcp::check(&text, &ONE_QUESTION.expected(&tag)),
-                            Ok(Step::Input { .. }) => Err("asked again".into()),
-                            Err(e) => Err(e),
-                        };
-                    used.borrow_mut().push((tag, retry));
-                    (conn, outcome)
-                }
-            },
-        )
-        .await;
+    let opened = open.len();
+    let (completing, used) = complete_flows(&gateway, open).await;
     let after = procs::settled_footprint(gateway.pid()).await;
-    let used = used.into_inner();
     let replay_count = used.len();
     let replays = RefCell::new(used);
     let duplicated = RefCell::new(0usize);
@@ -175,6 +126,142 @@ async fn mrtr_flows(flows: usize, dir: &Path, options: GatewayOptions) -> Pendin
         duplicated: duplicated.into_inner(),
         errors,
     }
+}
+
+/// A flow stopped at its `InputRequiredResult`: its tag and the retry that completes it.
+type Open = (String, Map<String, Value>);
+
+/// Opens `count` flows numbered from `first`, each stopped at its `InputRequiredResult`;
+/// returns the retries of those `keep` selects by number.
+async fn open_flows(
+    gateway: &Proc,
+    first: usize,
+    count: usize,
+    keep: impl Fn(usize) -> bool,
+) -> (Stats, Vec<Open>) {
+    let open: RefCell<Vec<Open>> = RefCell::new(Vec::new());
+    let opening = drive(
+        WORKERS,
+        phase(count),
+        |_| async { Conn::new(&gateway.addr) },
+        |mut conn, n| {
+            let (open, number) = (&open, first + n);
+            let keep = keep(number);
+            async move {
+                let tag = format!("p{number}");
+                let outcome =
+                    match mcp::modern_round(&mut conn, 1, ONE_QUESTION, Map::new(), &tag).await {
+                        Ok(Step::Input { retry }) => {
+                            if keep {
+                                open.borrow_mut().push((tag, retry));
+                            }
+                            Ok(())
+                        }
+                        Ok(Step::Done(text)) => Err(format!("completed without asking: {text}")),
+                        Err(e) => Err(e),
+                    };
+                (conn, outcome)
+            }
+        },
+    )
+    .await;
+    (opening, open.into_inner())
+}
+
+/// Completes `open` flows, each result checked against its own answer; returns the
+/// retries used.
+async fn complete_flows(gateway: &Proc, open: Vec<Open>) -> (Stats, Vec<Open>) {
+    let count = open.len();
+    let (open, used) = (RefCell::new(open), RefCell::new(Vec::new()));
+    let completing =
+        drive(
+            WORKERS,
+            phase(count),
+            |_| async { Conn::new(&gateway.addr) },
+            |mut conn, _| {
+                let (open, used) = (&open, &used);
+                async move {
+                    let Some((tag, retry)) = open.borrow_mut().pop() else {
+                        return (conn, Err("nothing left to complete".into()));
+                    };
+                    let outcome =
+                        match mcp::modern_round(&mut conn, 2, ONE_QUESTION, retry.clone(), &tag)
+                            .await
+                        {
+                            Ok(Step::Done(text)) => mcp::check(&text, &ONE_QUESTION.expected(&tag)),
+                            Ok(Step::Input { .. }) => Err("asked again".into()),
+                            Err(e) => Err(e),
+                        };
+                    used.borrow_mut().push((tag, retry));
+                    (conn, outcome)
+                }
+            },
+        )
+        .await;
+    (completing, used.into_inner())
+}
+
+/// Parked flows at scale: what the gateway's RSS does as flows wait for their users.
+pub struct Parked {
+    pub flows: usize,
+    pub before: Footprint,
+    /// (flows parked, footprint) after each step.
+    pub curve: Vec<(usize, Footprint)>,
+    /// Parked flows completed at the end, spread over the run.
+    pub sample: usize,
+    pub completed: usize,
+    pub errors: Vec<String>,
+}
+
+impl Parked {
+    pub fn bytes_per_flow(&self, (flows, footprint): &(usize, Footprint)) -> f64 {
+        (footprint.rss_kib as f64 - self.before.rss_kib as f64) * 1024.0 / (*flows).max(1) as f64
+    }
+}
+
+/// Where the curve is read, as fractions of the flows parked.
+const CURVE: [f64; 6] = [0.01, 0.1, 0.25, 0.5, 0.75, 1.0];
+/// Parked flows completed at the end (one every `flows / SAMPLE`).
+const SAMPLE: usize = 1000;
+
+/// Parks `scale.parked` flows on one replica (the bounds raised for them), reading RSS at
+/// each point of the curve, then completes a sample spread over the whole run.
+pub async fn parked(scale: &Scale, dir: &Path, report: &mut Report) {
+    let flows = scale.parked;
+    let backend = procs::backend();
+    let options = GatewayOptions {
+        max_watched_sessions: flows + WARM_UP,
+        ..DEFAULT_GATEWAY
+    };
+    let (gateway, _admin) = procs::gateway(dir, &backend, options);
+    warm_up(&gateway, true).await;
+    let before = procs::settled_footprint(gateway.pid()).await;
+    let stride = (flows / SAMPLE).max(1);
+    let (mut curve, mut sample, mut errors) = (Vec::new(), Vec::new(), Vec::new());
+    let mut parked = 0;
+    for fraction in CURVE {
+        let until = (flows as f64 * fraction) as usize;
+        if until <= parked {
+            continue;
+        }
+        let (opening, kept) =
+            open_flows(&gateway, parked, until - parked, |n| n % stride == 0).await;
+        parked += opening.ok;
+        sample.extend(kept);
+        errors.extend(opening.first_error);
+        curve.push((parked, procs::settled_footprint(gateway.pid()).await));
+    }
+    let count = sample.len();
+    let (completing, _) = complete_flows(&gateway, sample).await;
+    errors.extend(completing.first_error);
+    report.parked(&Parked {
+        flows,
+        before,
+        curve,
+        sample: count,
+        completed: completing.ok,
+        errors,
+    });
 }
 
 /// A legacy flow waiting for its answer: its session, and its call stream held open.

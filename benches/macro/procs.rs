@@ -114,6 +114,10 @@ fn start_with(name: &'static str, addr: String, command: &mut Command, stderr: S
 }
 
 /// The embedded legacy demo server, alone, on one thread.
+/// Sessions the demo backend holds at once: room for every parked flow of the scale
+/// section (its sessions are a hash map, so the bound costs nothing until used).
+const BACKEND_SESSIONS: usize = 4_000_000;
+
 pub fn backend() -> Proc {
     let addr = free_addr();
     start(
@@ -121,6 +125,7 @@ pub fn backend() -> Proc {
         addr.clone(),
         command(Side::Backend, GATEWAY)
             .args(["demo-server", "--threads", "1", "--listen", &addr])
+            .args(["--max-sessions", &BACKEND_SESSIONS.to_string()])
             .env("RUST_LOG", "warn"),
     )
 }
@@ -153,15 +158,18 @@ pub struct GatewayOptions {
     pub quiet_window_ms: u64,
     /// `resume: hold`: flows wait with their upstream streams held, not resumable.
     pub hold: bool,
+    /// `bridge.max_watched_sessions`: how many flows may be parked at once.
+    pub max_watched_sessions: usize,
 }
 
 /// The gateway in front of `backend`, its config written to `dir`.
 pub fn gateway(dir: &Path, backend: &Proc, options: GatewayOptions) -> (Proc, String) {
     let (addr, admin) = (free_addr(), free_addr());
     let config = format!(
-        "listen: {addr}\nadmin_listen: {admin}\nserver:\n  threads: {}\nbridge:\n  quiet_window_ms: {}\n  max_used_states: 1000000\nupstreams:\n  - name: demo\n    path: /mcp\n    endpoints: [http://{}/mcp]\n    health_check_interval_ms: 0\n    resume: {}\n",
+        "listen: {addr}\nadmin_listen: {admin}\nserver:\n  threads: {}\nbridge:\n  quiet_window_ms: {}\n  max_used_states: 1000000\n  max_watched_sessions: {}\nupstreams:\n  - name: demo\n    path: /mcp\n    endpoints: [http://{}/mcp]\n    health_check_interval_ms: 0\n    resume: {}\n",
         options.threads,
         options.quiet_window_ms,
+        options.max_watched_sessions,
         backend.addr,
         if options.hold { "hold" } else { "auto" }
     );
@@ -244,6 +252,22 @@ pub async fn settled_footprint(pid: u32) -> Footprint {
         last = now;
     }
     last
+}
+
+/// CPU time (user and system, all threads) `pid` has used so far, in seconds: fields 14
+/// and 15 of `/proc/PID/stat`, in the kernel's fixed user-space tick of 1/100 s.
+pub fn cpu_seconds(pid: u32) -> f64 {
+    const TICKS_PER_SECOND: f64 = 100.0;
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The command name (field 2) may hold spaces; the fields after it are plain numbers.
+    let after_name = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let ticks: f64 = after_name
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|t| t.parse::<f64>().ok())
+        .sum();
+    ticks / TICKS_PER_SECOND
 }
 
 pub fn footprint(pid: u32) -> Footprint {

@@ -3,7 +3,7 @@
 //! operation is a failure: the report says so and the run exits non-zero.
 
 use crate::load::Stats;
-use crate::pending::Pending;
+use crate::pending::{Parked, Pending};
 use crate::Scale;
 use std::fmt::Write;
 
@@ -154,8 +154,8 @@ impl Report {
 
     /// The flow through the gateway: resumable with the default (1 ms) and a zero quiet
     /// window, and in hold mode with the default.
-    pub fn elicitation(&mut self, rounds: u64, direct: &Stats, gateway: [&Stats; 3]) {
-        let [through, short, held] = gateway;
+    pub fn elicitation(&mut self, rounds: u64, direct: &Stats, gateway: [&Stats; 4], cpu: FlowCpu) {
+        let [through, short, held, passed] = gateway;
         let _ = writeln!(
             self.text,
             "## The elicitation flow, {rounds} round(s) of one question\n"
@@ -181,6 +181,7 @@ impl Report {
                 "2026-07-28 MRTR through the gateway, hold mode (quiet window 1 ms)",
                 held,
             ),
+            ("legacy stateful through the gateway's pass-through", passed),
         ];
         for (label, stats) in rows {
             let _ = writeln!(
@@ -208,6 +209,73 @@ impl Report {
             ratio(short)
         );
         self.goal(&goal, figure, ratio(through) <= 1.2);
+        let cpu_ratio = cpu.bridged_us / cpu.pass_through_us;
+        let _ = writeln!(
+            self.text,
+            "Gateway CPU (user + system, all threads) per flow: {:.0} µs bridged (default), {:.0} µs for the legacy flow through pass-through ({cpu_ratio:.2}×).\n",
+            cpu.bridged_us, cpu.pass_through_us
+        );
+        self.goal(
+            &format!("gateway CPU per bridged flow ≤ 1.0× a legacy flow through pass-through, {rounds} round(s)"),
+            format!(
+                "{cpu_ratio:.2}× ({:.0} µs vs {:.0} µs)",
+                cpu.bridged_us, cpu.pass_through_us
+            ),
+            cpu_ratio <= 1.0,
+        );
+    }
+
+    pub fn parked(&mut self, p: &Parked) {
+        let _ = writeln!(
+            self.text,
+            "## Parked flows at scale: {} flows waiting for their users on one replica\n",
+            p.flows
+        );
+        let _ = writeln!(
+            self.text,
+            "Default settings except `bridge.max_watched_sessions` ({}); RSS before: {:.1} MiB.\n",
+            p.flows + 200,
+            p.before.rss_kib as f64 / 1024.0
+        );
+        let _ = writeln!(
+            self.text,
+            "| flows parked | RSS (MiB) | bytes per parked flow | fds |\n| ---: | ---: | ---: | ---: |"
+        );
+        for point in &p.curve {
+            let _ = writeln!(
+                self.text,
+                "| {} | {:.1} | {:.0} | {} |",
+                point.0,
+                point.1.rss_kib as f64 / 1024.0,
+                p.bytes_per_flow(point),
+                point.1.fds
+            );
+        }
+        let _ = writeln!(
+            self.text,
+            "\nThen {} of them, spread over the run, completed: {} with their own answer.\n",
+            p.sample, p.completed
+        );
+        if p.completed < p.sample || !p.errors.is_empty() {
+            self.failures.push(format!(
+                "parked: {} of {} completed; errors: {:?}",
+                p.completed, p.sample, p.errors
+            ));
+        }
+        let Some(last) = p.curve.last() else {
+            return;
+        };
+        let rss = last.1.rss_kib as f64 * 1024.0;
+        self.goal(
+            "1,000,000 parked flows on one replica within 128 MB RSS",
+            format!(
+                "{} parked: {:.1} MB RSS ({:.0} B per flow)",
+                last.0,
+                rss / 1e6,
+                p.bytes_per_flow(last)
+            ),
+            last.0 >= 1_000_000 && rss <= 128e6,
+        );
     }
 
     pub fn pending(&mut self, mrtr: &Pending, mrtr_held: &Pending, held: &Pending) {
@@ -401,4 +469,11 @@ impl Report {
             std::process::exit(1);
         }
     }
+}
+
+/// The gateway's CPU time per flow, over all runs of a comparison.
+#[derive(Clone, Copy)]
+pub struct FlowCpu {
+    pub bridged_us: f64,
+    pub pass_through_us: f64,
 }

@@ -6,7 +6,7 @@
 
 use crate::client::Conn;
 use crate::mcp::{legacy_call_flow, result_text, LegacyCall};
-use crate::procs::{self, GatewayOptions};
+use crate::procs;
 use crate::report::Report;
 use serde_json::{json, Map, Value};
 use std::path::Path;
@@ -23,12 +23,7 @@ pub async fn measure(flows: usize, dir: &Path, report: &mut Report) {
         );
         return;
     };
-    let options = GatewayOptions {
-        threads: 1,
-        quiet_window_ms: 1,
-        hold: false,
-    };
-    let (gateway, _admin) = procs::gateway(dir, &python, options);
+    let (gateway, _admin) = procs::gateway(dir, &python, crate::DEFAULT_GATEWAY);
     let mut conn = Conn::new(&gateway.addr);
     // One flow first: the upstream's era and priming are learnt once per replica.
     if let Err(e) = flow(&mut conn, "warm").await {

@@ -25,11 +25,13 @@ use stream::EventStream;
 
 const SUPPORTED_VERSIONS: &[&str] = &["2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"];
 const MAX_BODY: usize = 1 << 20;
-const MAX_SESSIONS: usize = 100_000;
+/// Sessions held at once unless `demo-server --max-sessions` says otherwise.
+pub const MAX_SESSIONS: usize = 100_000;
 
-#[derive(Default)]
 pub struct DemoServer {
     sessions: Mutex<HashMap<String, Arc<DemoSession>>>,
+    /// Past this many sessions, `initialize` gets 503.
+    max_sessions: usize,
 }
 
 /// A complete response.
@@ -82,6 +84,13 @@ fn new_session_id() -> String {
 }
 
 impl DemoServer {
+    pub fn new(max_sessions: usize) -> DemoServer {
+        DemoServer {
+            sessions: Mutex::default(),
+            max_sessions,
+        }
+    }
+
     fn session(&self, id: &str) -> Option<Arc<DemoSession>> {
         self.sessions
             .lock()
@@ -134,7 +143,7 @@ impl DemoServer {
                 "Bad Request: no session; send initialize first",
             ));
         }
-        if self.sessions.lock().expect("sessions lock").len() >= MAX_SESSIONS {
+        if self.sessions.lock().expect("sessions lock").len() >= self.max_sessions {
             return Answer::Reply(Reply::error(
                 503,
                 message.get("id"),
@@ -392,22 +401,25 @@ impl HttpServerApp for DemoServer {
 }
 
 /// Runs the demo server alone, on `threads` worker threads, until SIGTERM or SIGINT.
-pub fn serve(listen: &str, threads: usize) {
+pub fn serve(listen: &str, threads: usize, max_sessions: usize) {
     let conf = pingora::server::configuration::ServerConf {
         threads: threads.max(1),
         ..Default::default()
     };
     let mut server = pingora::server::Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
-    server.add_service(service(listen));
+    server.add_service(service(listen, max_sessions));
     server.run(pingora::server::RunArgs::default());
 }
 
 /// A pingora service running the demo server on `listen`.
-pub fn service(listen: &str) -> pingora::services::listening::Service<DemoServer> {
+pub fn service(
+    listen: &str,
+    max_sessions: usize,
+) -> pingora::services::listening::Service<DemoServer> {
     let mut service = pingora::services::listening::Service::new(
         "demo MCP server".to_string(),
-        DemoServer::default(),
+        DemoServer::new(max_sessions),
     );
     service.add_tcp(listen);
     service
