@@ -88,32 +88,22 @@ async fn mrtr_flows(flows: usize, dir: &Path, options: GatewayOptions) -> Pendin
     let opened = open.len();
     let (completing, used) = complete_flows(&gateway, open).await;
     let after = procs::settled_footprint(gateway.pid()).await;
-    let replay_count = used.len();
-    let replays = RefCell::new(used);
     let duplicated = RefCell::new(0usize);
-    let replaying = drive(
-        WORKERS,
-        phase(replay_count),
-        |_| async { Conn::new(&gateway.addr) },
-        |mut conn, _| {
-            let (replays, duplicated) = (&replays, &duplicated);
-            async move {
-                let Some((_, retry)) = replays.borrow_mut().pop() else {
-                    return (conn, Err("nothing left to replay".into()));
-                };
-                let outcome = match mcp::modern_call(&mut conn, 3, ONE_QUESTION, retry).await {
-                    Ok(m) if m["error"]["code"] == -32602 => Ok(()),
-                    Ok(m) if m.get("result").is_some() => {
-                        *duplicated.borrow_mut() += 1;
-                        Err(format!("a replay was accepted: {m}"))
-                    }
-                    Ok(m) => Err(format!("unexpected reply to a replay: {m}")),
-                    Err(e) => Err(e),
-                };
-                (conn, outcome)
-            }
-        },
-    )
+    let replaying = for_each(&gateway, used, |mut conn, (_, retry)| {
+        let duplicated = &duplicated;
+        async move {
+            let outcome = match mcp::modern_call(&mut conn, 3, ONE_QUESTION, retry).await {
+                Ok(m) if m["error"]["code"] == -32602 => Ok(()),
+                Ok(m) if m.get("result").is_some() => {
+                    *duplicated.borrow_mut() += 1;
+                    Err(format!("a replay was accepted: {m}"))
+                }
+                Ok(m) => Err(format!("unexpected reply to a replay: {m}")),
+                Err(e) => Err(e),
+            };
+            (conn, outcome)
+        }
+    })
     .await;
     let errors = first_errors(&[&opening, &completing, &replaying]);
     Pending {
@@ -171,34 +161,47 @@ async fn open_flows(
 /// Completes `open` flows, each result checked against its own answer; returns the
 /// retries used.
 async fn complete_flows(gateway: &Proc, open: Vec<Open>) -> (Stats, Vec<Open>) {
-    let count = open.len();
-    let (open, used) = (RefCell::new(open), RefCell::new(Vec::new()));
-    let completing =
-        drive(
-            WORKERS,
-            phase(count),
-            |_| async { Conn::new(&gateway.addr) },
-            |mut conn, _| {
-                let (open, used) = (&open, &used);
-                async move {
-                    let Some((tag, retry)) = open.borrow_mut().pop() else {
-                        return (conn, Err("nothing left to complete".into()));
-                    };
-                    let outcome =
-                        match mcp::modern_round(&mut conn, 2, ONE_QUESTION, retry.clone(), &tag)
-                            .await
-                        {
-                            Ok(Step::Done(text)) => mcp::check(&text, &ONE_QUESTION.expected(&tag)),
-                            Ok(Step::Input { .. }) => Err("asked again".into()),
-                            Err(e) => Err(e),
-                        };
-                    used.borrow_mut().push((tag, retry));
-                    (conn, outcome)
-                }
-            },
-        )
-        .await;
+    let used = RefCell::new(Vec::new());
+    let completing = for_each(gateway, open, |mut conn, (tag, retry)| {
+        let used = &used;
+        async move {
+            let outcome =
+                match mcp::modern_round(&mut conn, 2, ONE_QUESTION, retry.clone(), &tag).await {
+                    Ok(Step::Done(text)) => mcp::check(&text, &ONE_QUESTION.expected(&tag)),
+                    Ok(Step::Input { .. }) => Err("asked again".into()),
+                    Err(e) => Err(e),
+                };
+            used.borrow_mut().push((tag, retry));
+            (conn, outcome)
+        }
+    })
+    .await;
     (completing, used.into_inner())
+}
+
+/// Runs `op` on each of `items`, `WORKERS` at a time, each worker on its own connection.
+async fn for_each<T, F, Fut>(gateway: &Proc, items: Vec<T>, op: F) -> Stats
+where
+    F: Fn(Conn, T) -> Fut,
+    Fut: std::future::Future<Output = (Conn, Result<(), String>)>,
+{
+    let count = items.len();
+    let (items, op) = (RefCell::new(items), &op);
+    drive(
+        WORKERS,
+        phase(count),
+        |_| async { Conn::new(&gateway.addr) },
+        |conn, _| {
+            let item = items.borrow_mut().pop();
+            async move {
+                match item {
+                    Some(item) => op(conn, item).await,
+                    None => (conn, Err("nothing left to do".into())),
+                }
+            }
+        },
+    )
+    .await
 }
 
 /// Parked flows at scale: what the gateway's RSS does as flows wait for their users.
