@@ -95,6 +95,7 @@ const DEFAULT_GATEWAY: GatewayOptions = GatewayOptions {
     quiet_window_ms: 1,
     hold: false,
     max_watched_sessions: 100_000,
+    request_state_ttl_seconds: 600,
 };
 
 fn main() {

@@ -232,8 +232,11 @@ const SAMPLE: usize = 1000;
 pub async fn parked(scale: &Scale, dir: &Path, report: &mut Report) {
     let flows = scale.parked;
     let backend = procs::backend();
+    // Parking a million flows takes longer than a state's default lifetime (600 s): the
+    // first ones must still be valid when the sample is completed.
     let options = GatewayOptions {
         max_watched_sessions: flows + WARM_UP,
+        request_state_ttl_seconds: 1800,
         ..DEFAULT_GATEWAY
     };
     let (gateway, _admin) = procs::gateway(dir, &backend, options);

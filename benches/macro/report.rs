@@ -233,7 +233,7 @@ impl Report {
         );
         let _ = writeln!(
             self.text,
-            "Default settings except `bridge.max_watched_sessions` ({}); RSS before: {:.1} MiB.\n",
+            "Default settings except `bridge.max_watched_sessions` ({}) and `request_state_ttl_seconds` (1800, as parking them all takes longer than the default 600 s); RSS before: {:.1} MiB.\n",
             p.flows + 200,
             p.before.rss_kib as f64 / 1024.0
         );

@@ -15,7 +15,8 @@ use crate::upstream::{Endpoint, Timeouts};
 use async_trait::async_trait;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
-use std::collections::HashMap;
+use std::collections::HashSet;
+use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -28,12 +29,45 @@ struct Target {
     timeouts: Timeouts,
 }
 
-/// The watched sessions: (target index, upstream session id) → deadline. An entry costs
-/// about a hundred bytes, so a pending flow stays cheap (benches/RESULTS.md).
+/// A watched session: where it lives, its id, and its deadline. Hashed and compared by
+/// (target, session) only; 24 bytes in the table, plus the id on the heap, since a
+/// replica may watch a million of them (benches/RESULTS.md, "Parked flows at scale").
+struct Watched {
+    session: Box<str>,
+    target: u32,
+    /// Seconds since the epoch (fits until 2106).
+    deadline: u32,
+}
+
+impl Watched {
+    fn new(target: u32, session: &str, deadline: u64) -> Watched {
+        Watched {
+            session: session.into(),
+            target,
+            deadline: u32::try_from(deadline).unwrap_or(u32::MAX),
+        }
+    }
+}
+
+impl PartialEq for Watched {
+    fn eq(&self, other: &Self) -> bool {
+        (self.target, &self.session) == (other.target, &other.session)
+    }
+}
+
+impl Eq for Watched {}
+
+impl Hash for Watched {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        (self.target, &self.session).hash(state);
+    }
+}
+
+/// The watched sessions, and the targets they live on.
 #[derive(Default)]
 struct Table {
     targets: Vec<Target>,
-    deadlines: HashMap<(u32, Box<str>), u64>,
+    watched: HashSet<Watched>,
 }
 
 impl Table {
@@ -83,11 +117,11 @@ impl Reaper {
     ) -> bool {
         let mut table = self.table.lock().expect("reaper lock");
         let target = table.intern(endpoint, timeouts);
-        let key = (target, Box::<str>::from(session));
-        if table.deadlines.len() >= self.capacity && !table.deadlines.contains_key(&key) {
+        let entry = Watched::new(target, session, deadline);
+        if table.watched.len() >= self.capacity && !table.watched.contains(&entry) {
             return false;
         }
-        table.deadlines.insert(key, deadline);
+        table.watched.replace(entry);
         true
     }
 
@@ -95,29 +129,26 @@ impl Reaper {
     pub fn forget(&self, endpoint: &Endpoint, session: &str) {
         let mut table = self.table.lock().expect("reaper lock");
         if let Some(target) = table.find(endpoint) {
-            table.deadlines.remove(&(target, Box::<str>::from(session)));
+            table.watched.remove(&Watched::new(target, session, 0));
         }
     }
 
     /// How many sessions are watched now.
     pub fn watched(&self) -> usize {
-        self.table.lock().expect("reaper lock").deadlines.len()
+        self.table.lock().expect("reaper lock").watched.len()
     }
 
     /// Removes and returns the sessions due at `now`, with where they live.
     fn take_due(&self, now: u64) -> Vec<(Endpoint, Timeouts, String)> {
         let mut table = self.table.lock().expect("reaper lock");
-        let due: Vec<(u32, Box<str>)> = table
-            .deadlines
-            .iter()
-            .filter(|(_, deadline)| **deadline <= now)
-            .map(|(key, _)| key.clone())
+        let due: Vec<Watched> = table
+            .watched
+            .extract_if(|w| u64::from(w.deadline) <= now)
             .collect();
         due.into_iter()
-            .map(|key| {
-                table.deadlines.remove(&key);
-                let target = &table.targets[key.0 as usize];
-                (target.endpoint.clone(), target.timeouts, key.1.into())
+            .map(|w| {
+                let target = &table.targets[w.target as usize];
+                (target.endpoint.clone(), target.timeouts, w.session.into())
             })
             .collect()
     }
