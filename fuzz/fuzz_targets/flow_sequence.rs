@@ -175,6 +175,7 @@ fn answer(command: &Command, b: &mut Bytes, seen: &mut Seen, config: &FlowConfig
                 endpoint: "10.0.0.7:3001".parse().unwrap(),
                 session: Some("s1".into()),
                 warm: b.next() % 2 == 0,
+                session_stream: b.next() % 2 == 0,
             }
         }),
         Command::OpenStream { stream, .. } => Some(Input::StreamOpened {

@@ -167,11 +167,12 @@ pub enum CallReply {
 pub enum Input {
     /// `OpenSession`: the session is open (`session` is its id, if the server gave one);
     /// `warm`: it was initialized ahead of demand, and may have been forgotten upstream
-    /// since.
+    /// since; `session_stream`: its GET stream is open already (opened with it).
     SessionOpened {
         endpoint: SocketAddr,
         session: Option<String>,
         warm: bool,
+        session_stream: bool,
     },
     SessionFailed(Failure),
     /// `OpenStream`: the stream is open, or not.
@@ -616,8 +617,9 @@ impl Flow {
                     endpoint,
                     session,
                     warm,
+                    session_stream,
                 },
-            ) => self.session_opened(endpoint, session, warm),
+            ) => self.session_opened(endpoint, session, warm, session_stream),
             (Phase::Opening, Input::SessionFailed(failure)) => {
                 self.finish(Ending::Refused(self.refusal_for(&failure)))
             }
@@ -693,6 +695,7 @@ impl Flow {
         endpoint: SocketAddr,
         session: Option<String>,
         warm: bool,
+        session_stream: bool,
     ) -> Phase {
         self.opened_session = !self.config.data_session;
         self.warm_session = warm;
@@ -703,8 +706,9 @@ impl Flow {
             data_session: self.config.data_session,
         };
         // A data-layer session has no GET stream of the flow's: calls in it may run at
-        // once, and only each call's own stream says which call a request belongs to.
-        if call.data_session {
+        // once, and only each call's own stream says which call a request belongs to. A
+        // warm session's stream was opened with it.
+        if call.data_session || session_stream {
             return self.post_call(call);
         }
         self.commands.push_back(Command::OpenStream {

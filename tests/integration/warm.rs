@@ -1,7 +1,8 @@
 //! Upstream sessions initialized ahead of demand (`bridge.warm_sessions_per_shape`): a
 //! call of a shape that came back runs on a session already open; a session is never used
 //! by a call of another shape (other credentials, other capabilities); a warm session the
-//! upstream forgot costs a fresh one, and the call runs once; idle ones are deleted.
+//! upstream forgot costs a fresh one, and the call runs once; idle ones are deleted. A
+//! warm session's GET stream is opened with it, so its call goes up at once.
 
 use crate::common::*;
 use crate::scripted::{legacy_basics, Answer, ScriptedUpstream, Seen};
@@ -124,6 +125,16 @@ fn a_call_of_a_shape_seen_before_runs_on_a_session_opened_ahead_of_it() {
     // The next call of the shape takes s3, initialized before the call was made.
     assert_eq!(call(&raw, 3, json!({}), &alice), "ran in s3");
     assert!(numbered.initialize_of("s3").index < requests_before);
+    // Its GET stream was opened with it: the call went up without opening another.
+    let gets: Vec<usize> = numbered
+        .upstream
+        .requests()
+        .iter()
+        .filter(|s| s.method == "GET" && s.header("mcp-session-id") == Some("s3"))
+        .map(|s| s.index)
+        .collect();
+    assert_eq!(gets.len(), 1, "{gets:?}");
+    assert!(gets[0] < requests_before);
     assert_eq!(
         metric_with(
             &gw.admin,

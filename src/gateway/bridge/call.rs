@@ -602,8 +602,10 @@ async fn open_session<'g>(call: &Call<'g>, io: &mut Io<'g>) -> Input {
     let shape = (call.data_session.is_none() && gw.config.bridge.warm_sessions_per_shape > 0)
         .then(|| warm::shape_of(group, request, &call.incoming.principal));
     if let Some(shape) = shape.as_ref().filter(|_| !replacing) {
-        if let Some(upstream) = warm::take(gw, group, request, shape) {
-            return opened(io, upstream, true);
+        if let Some((upstream, stream)) = warm::take(gw, group, request, shape) {
+            let session_stream = stream.is_some();
+            io.streams.session = stream;
+            return opened(io, upstream, true, session_stream);
         }
     }
     match upstream_for(gw, group, request, call.data_session).await {
@@ -614,17 +616,23 @@ async fn open_session<'g>(call: &Call<'g>, io: &mut Io<'g>) -> Input {
             if let Some(shape) = shape.filter(recurs) {
                 warm::warm_up(gw, group, request, shape);
             }
-            opened(io, upstream, false)
+            opened(io, upstream, false, false)
         }
         Err(e) => Input::SessionFailed(failure(&e)),
     }
 }
 
-fn opened<'g>(io: &mut Io<'g>, upstream: LegacySession<'g>, warm: bool) -> Input {
+fn opened<'g>(
+    io: &mut Io<'g>,
+    upstream: LegacySession<'g>,
+    warm: bool,
+    session_stream: bool,
+) -> Input {
     let input = Input::SessionOpened {
         endpoint: upstream.endpoint.addr,
         session: upstream.session_id.clone(),
         warm,
+        session_stream,
     };
     io.upstream = Some(upstream);
     input

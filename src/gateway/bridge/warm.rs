@@ -11,6 +11,9 @@
 //! costs nothing, and one that stops calling leaves at most `per_shape` sessions,
 //! deleted once they idle past `idle`.
 //!
+//! Its GET stream is opened with it (the session's stream the flow would otherwise open
+//! before its call), and held while it waits.
+//!
 //! A session that waits can be forgotten upstream (a restart, the server's own idle
 //! timeout): the flow then runs its call on a session opened at once (`Flow` learns the
 //! session was warm; a 404 or a refused connection means the call ran nowhere).
@@ -18,10 +21,11 @@
 //! Bounded: at most `per_shape` per shape and `max` in all, counting those still opening.
 
 use super::one_shot::{KeptSessions, Shape};
+use super::streams::open_session_stream;
 use super::{caller, client_info};
 use crate::gateway::Gateway;
 use crate::mrtr::modern::ModernRequest;
-use crate::upstream::exchange::UpstreamClient;
+use crate::upstream::exchange::{Response, UpstreamClient};
 use crate::upstream::legacy_session::{Caller, LegacySession};
 use crate::upstream::{Endpoint, Timeouts, UpstreamGroup};
 use async_trait::async_trait;
@@ -59,7 +63,7 @@ pub(super) fn take<'g>(
     group: &'g UpstreamGroup,
     request: &ModernRequest,
     shape: &Shape,
-) -> Option<LegacySession<'g>> {
+) -> Option<(LegacySession<'g>, Option<Response>)> {
     let upstreams = &gw.upstreams;
     let warm = upstreams.warm.take(shape, Instant::now())?;
     let ready = upstreams.warm.ready() as i64;
@@ -76,7 +80,7 @@ pub(super) fn take<'g>(
         warm.session_id,
     );
     (session.version, session.caller) = (warm.version, caller(request));
-    Some(session)
+    Some((session, warm.stream.map(|s| s.0)))
 }
 
 /// Starts opening a session of `shape` in the background, if its pool has room: after a
@@ -107,17 +111,20 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
         let opened = LegacySession::open(&client, endpoint, &timeouts, &caps, &info, &caller).await;
         match opened {
             Ok((session, _)) => match session.session_id.clone() {
-                Some(session_id) => pool.opened(
-                    shape,
-                    Warm {
+                Some(session_id) => {
+                    // A fresh session has no earlier GET stream to conflict with: one try.
+                    let (stream, _) = open_session_stream(&session, None, false).await;
+                    let warm = Warm {
                         endpoint: session.endpoint.clone(),
                         timeouts,
                         session_id,
                         version: session.version.clone(),
                         caller,
                         opened: Instant::now(),
-                    },
-                ),
+                        stream: stream.map(SessionStream),
+                    };
+                    pool.opened(shape, warm);
+                }
                 // A server without sessions gains nothing from one opened ahead.
                 None => pool.failed(&shape),
             },
@@ -173,7 +180,7 @@ impl WarmSweeper {
 }
 
 /// A session initialized ahead of demand, ready for a call of its shape.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Warm {
     pub endpoint: Endpoint,
     pub timeouts: Timeouts,
@@ -183,6 +190,18 @@ pub struct Warm {
     /// The headers it was opened with, for its DELETE when it idles out.
     pub caller: Caller,
     pub opened: Instant,
+    /// Its GET stream, opened with it, so the call it serves goes up at once; `None`
+    /// when the upstream offers none (the call's flow then tries itself).
+    pub stream: Option<SessionStream>,
+}
+
+/// A warm session's open GET stream.
+pub struct SessionStream(Response);
+
+impl std::fmt::Debug for SessionStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SessionStream")
+    }
 }
 
 #[derive(Default)]
@@ -346,6 +365,7 @@ mod tests {
             version: "2025-11-25".into(),
             caller: Caller::default(),
             opened,
+            stream: None,
         }
     }
 

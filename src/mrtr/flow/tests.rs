@@ -48,6 +48,8 @@ struct Upstream {
     open_failure: Option<Failure>,
     /// Whether each `OpenSession` in turn hands a warm session (then a fresh one).
     warm: VecDeque<bool>,
+    /// Whether the sessions come with their GET stream open.
+    session_stream: bool,
     /// How the call's posts fail, in turn (then `call_reply`).
     call_failures: VecDeque<Failure>,
     /// Answers to `OpenStream { Call }`, in turn (then `Ok`).
@@ -66,6 +68,7 @@ impl Default for Upstream {
             session: Some("s1".into()),
             open_failure: None,
             warm: VecDeque::new(),
+            session_stream: false,
             call_failures: VecDeque::new(),
             call_opens: VecDeque::new(),
             call_reply: |_| CallReply::Stream,
@@ -88,6 +91,7 @@ impl Upstream {
                     endpoint: ENDPOINT.parse().unwrap(),
                     session: self.session.clone(),
                     warm: self.warm.pop_front().unwrap_or(false),
+                    session_stream: self.session_stream,
                 },
             }),
             Command::OpenStream { stream, .. } => {
@@ -361,6 +365,35 @@ fn a_warm_session_the_upstream_forgot_is_replaced_and_the_call_goes_out_once() {
             .count();
         assert_eq!(posts, 2, "{lost:?}: the call ran on neither before");
     }
+}
+
+#[test]
+fn a_session_that_comes_with_its_stream_open_posts_the_call_at_once() {
+    let opening = |session_stream| {
+        let upstream = Upstream {
+            warm: VecDeque::from([true]),
+            session_stream,
+            call_reply: |id| CallReply::Message(result(id, "done")),
+            ..Upstream::default()
+        };
+        let h = Harness::new_call(config(), upstream);
+        assert!(
+            matches!(h.ending(), Ending::Complete { .. }),
+            "{:?}",
+            h.ending()
+        );
+        h.log
+            .iter()
+            .take_while(|c| !matches!(c, Command::PostCall { .. }))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(opening(true), [Command::OpenSession]);
+    let session_stream = Command::OpenStream {
+        stream: Stream::Session,
+        after: None,
+    };
+    assert_eq!(opening(false), [Command::OpenSession, session_stream]);
 }
 
 #[test]
