@@ -24,7 +24,7 @@ use crate::mrtr::state::{binding, now_ms, now_secs, FlowState, HeldAt, Waiting};
 use crate::mrtr::translate::RoundLimits;
 use crate::outcome::{Class, Outcome, Refusal, Report};
 use crate::protocol::jsonrpc::code;
-use crate::upstream::exchange::ExchangeFailure;
+use crate::upstream::exchange::{ExchangeFailure, Response};
 use crate::upstream::legacy_session::{read_single, LegacySession, SessionError, SessionFailure};
 use crate::upstream::UpstreamGroup;
 use pingora::protocols::http::ServerSession;
@@ -603,9 +603,7 @@ async fn open_session<'g>(call: &Call<'g>, io: &mut Io<'g>) -> Input {
         .then(|| warm::shape_of(group, request, &call.incoming.principal));
     if let Some(shape) = shape.as_ref().filter(|_| !replacing) {
         if let Some((upstream, stream)) = warm::take(gw, group, request, shape) {
-            let session_stream = stream.is_some();
-            io.streams.session = stream;
-            return opened(io, upstream, true, session_stream);
+            return opened(io, upstream, true, stream);
         }
     }
     match upstream_for(gw, group, request, call.data_session).await {
@@ -616,25 +614,27 @@ async fn open_session<'g>(call: &Call<'g>, io: &mut Io<'g>) -> Input {
             if let Some(shape) = shape.filter(recurs) {
                 warm::warm_up(gw, group, request, shape);
             }
-            opened(io, upstream, false, false)
+            opened(io, upstream, false, None)
         }
         Err(e) => Input::SessionFailed(failure(&e)),
     }
 }
 
+/// The flow's session is `upstream`, with its GET stream if one came open with it.
 fn opened<'g>(
     io: &mut Io<'g>,
     upstream: LegacySession<'g>,
     warm: bool,
-    session_stream: bool,
+    session_stream: Option<Response>,
 ) -> Input {
     let input = Input::SessionOpened {
         endpoint: upstream.endpoint.addr,
         session: upstream.session_id.clone(),
         warm,
-        session_stream,
+        session_stream: session_stream.is_some(),
     };
     io.upstream = Some(upstream);
+    io.streams.session = session_stream;
     input
 }
 

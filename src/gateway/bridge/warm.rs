@@ -80,7 +80,7 @@ pub(super) fn take<'g>(
         warm.session_id,
     );
     (session.version, session.caller) = (warm.version, caller(request));
-    Some((session, warm.stream.map(|s| s.0)))
+    Some((session, warm.stream))
 }
 
 /// Starts opening a session of `shape` in the background, if its pool has room: after a
@@ -121,7 +121,7 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
                         version: session.version.clone(),
                         caller,
                         opened: Instant::now(),
-                        stream: stream.map(SessionStream),
+                        stream,
                     };
                     pool.opened(shape, warm);
                 }
@@ -180,7 +180,6 @@ impl WarmSweeper {
 }
 
 /// A session initialized ahead of demand, ready for a call of its shape.
-#[derive(Debug)]
 pub struct Warm {
     pub endpoint: Endpoint,
     pub timeouts: Timeouts,
@@ -192,16 +191,7 @@ pub struct Warm {
     pub opened: Instant,
     /// Its GET stream, opened with it, so the call it serves goes up at once; `None`
     /// when the upstream offers none (the call's flow then tries itself).
-    pub stream: Option<SessionStream>,
-}
-
-/// A warm session's open GET stream.
-pub struct SessionStream(Response);
-
-impl std::fmt::Debug for SessionStream {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("SessionStream")
-    }
+    pub stream: Option<Response>,
 }
 
 #[derive(Default)]
