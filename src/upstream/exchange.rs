@@ -8,16 +8,18 @@
 use super::{Endpoint, Timeouts};
 use crate::metrics::{InUse, Metrics};
 use crate::tls::upstream::{handshake_failure, HandshakeFailure};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use pingora::connectors::http::Connector;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::client::HttpSession;
+use pingora::protocols::http::v1;
 use pingora::protocols::Stream;
 use pingora::upstreams::peer::HttpPeer;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::io::AsyncWriteExt;
 
 /// How long an idle pooled upstream connection is kept.
 const POOL_IDLE: Duration = Duration::from_secs(60);
@@ -186,21 +188,17 @@ impl UpstreamClient {
         let in_use = InUse::new(&self.metrics.upstream_connections);
         let idempotent = is_idempotent(&request.method);
         let at = Some(endpoint.addr);
-        let (mut http, reused) = self.connect(&peer).await.map_err(|f| f.at(at))?;
-        if let Err(failed) = Self::write_and_read_header(&mut http, timeouts, &request, &body).await
-        {
-            http.shutdown().await;
-            if !failed.reached.may_retry(idempotent, reused) {
-                return Err(failed.into_fault().at(at));
+        let (http, reused) = self.connect(&peer).await.map_err(|f| f.at(at))?;
+        let mut http = match Self::write_and_read_header(http, timeouts, &request, &body).await {
+            Ok(http) => http,
+            Err(failed) if failed.reached.may_retry(idempotent, reused) => {
+                let http = self.connect(&peer).await.map_err(|f| f.at(at))?.0;
+                Self::write_and_read_header(http, timeouts, &request, &body)
+                    .await
+                    .map_err(|failed| failed.into_fault().at(at))?
             }
-            http = self.connect(&peer).await.map_err(|f| f.at(at))?.0;
-            if let Err(failed) =
-                Self::write_and_read_header(&mut http, timeouts, &request, &body).await
-            {
-                http.shutdown().await;
-                return Err(failed.into_fault().at(at));
-            }
-        }
+            Err(failed) => return Err(failed.into_fault().at(at)),
+        };
         http.set_read_timeout(timeouts.stream_idle);
         self.metrics
             .upstream_duration
@@ -228,31 +226,23 @@ impl UpstreamClient {
             })
     }
 
+    /// Writes the request and reads the final response header; a failed attempt's
+    /// connection is shut.
     async fn write_and_read_header(
-        http: &mut HttpSession,
+        http: HttpSession,
         timeouts: &Timeouts,
         request: &RequestHeader,
         body: &Bytes,
-    ) -> Result<(), Failed> {
-        http.set_write_timeout(Some(timeouts.response));
+    ) -> Result<HttpSession, Failed> {
+        let mut http = write_request(http, timeouts.response, request, body).await?;
         http.set_read_timeout(Some(timeouts.response));
-        if let Err(e) = http.write_request_header(Box::new(request.clone())).await {
-            // The header did not go out whole: no upstream can have acted on it.
-            let reached = if is_timeout(&e) {
-                Reached::Beyond
-            } else {
-                Reached::Nothing
-            };
-            return Err(Failed::at(reached, read_error(e)));
+        match read_final_header(&mut http).await {
+            Ok(()) => Ok(http),
+            Err(failed) => {
+                http.shutdown().await;
+                Err(failed)
+            }
         }
-        let beyond = |e| Failed::at(Reached::Beyond, read_error(e));
-        if !body.is_empty() {
-            http.write_request_body(body.clone(), true)
-                .await
-                .map_err(beyond)?;
-        }
-        http.finish_request_body().await.map_err(beyond)?;
-        read_final_header(http).await
     }
 
     /// Returns a fully read response's connection to the pool, or closes it.
@@ -296,6 +286,60 @@ impl HeaderKind {
             100..=199 => HeaderKind::Interim,
             _ => HeaderKind::Final,
         }
+    }
+}
+
+/// Writes `request` and its `body` with one flush, so a small request leaves in one
+/// segment (pingora's client flushes its header before the body: two writes per POST, and
+/// a second read at the upstream). The session is rebuilt on the same connection, as
+/// pingora builds it, to read the response. A write that fails sent the request short of
+/// its end, which no upstream acts on (a body shorter than its `Content-Length` is no
+/// request): nothing ran, and it may be made again. A write that times out is not made
+/// again, as after any timeout.
+async fn write_request(
+    http: HttpSession,
+    limit: Duration,
+    request: &RequestHeader,
+    body: &Bytes,
+) -> Result<HttpSession, Failed> {
+    let nothing = |failure: ExchangeFailure| Failed::at(Reached::Nothing, Fault::new(failure));
+    let HttpSession::H1(h1) = http else {
+        // Upstream peers offer HTTP/1.1 only (`ALPN::H1`).
+        return Err(nothing(ExchangeFailure::Protocol(
+            "negotiated a protocol other than HTTP/1.1",
+        )));
+    };
+    let Some(header) = v1::client::http_req_header_to_wire(request) else {
+        return Err(nothing(ExchangeFailure::Protocol(
+            "cannot carry the request's target",
+        )));
+    };
+    let mut wire = BytesMut::with_capacity(header.len() + body.len());
+    wire.extend_from_slice(&header);
+    wire.extend_from_slice(body);
+    let mut stream = h1.into_inner();
+    let written = tokio::time::timeout(limit, async {
+        stream.write_all(&wire).await?;
+        stream.flush().await
+    })
+    .await;
+    match written {
+        Ok(Ok(())) => Ok(HttpSession::H1(v1::client::HttpSession::new(stream))),
+        Ok(Err(e)) => Err(Failed::at(
+            Reached::Nothing,
+            Fault {
+                failure: ExchangeFailure::Broken,
+                source: Some(pingora::Error::because(
+                    pingora::ErrorType::WriteError,
+                    "while writing the request",
+                    e,
+                )),
+            },
+        )),
+        Err(_) => Err(Failed::at(
+            Reached::Beyond,
+            Fault::new(ExchangeFailure::Timeout),
+        )),
     }
 }
 
@@ -415,9 +459,7 @@ fn read_error(e: pingora::BError) -> Fault {
 /// `next_chunk`. The stream belongs to no pool. For the `upstream_response` fuzz target
 /// and tests, which feed an upstream's response from memory.
 pub async fn read_response_from(stream: Stream) -> Result<Response, ExchangeError> {
-    let mut http = HttpSession::H1(pingora::protocols::http::v1::client::HttpSession::new(
-        stream,
-    ));
+    let http = HttpSession::H1(v1::client::HttpSession::new(stream));
     let request =
         RequestHeader::build("POST", b"/mcp", Some(2)).map_err(|e| read_error(e).at(None))?;
     let timeouts = Timeouts {
@@ -426,7 +468,7 @@ pub async fn read_response_from(stream: Stream) -> Result<Response, ExchangeErro
         stream_idle: Some(IN_MEMORY_LIMIT),
     };
     let body = Bytes::from_static(b"{}");
-    UpstreamClient::write_and_read_header(&mut http, &timeouts, &request, &body)
+    let mut http = UpstreamClient::write_and_read_header(http, &timeouts, &request, &body)
         .await
         .map_err(|failed| failed.into_fault().at(None))?;
     http.set_read_timeout(timeouts.stream_idle);
@@ -530,6 +572,34 @@ mod tests {
         assert_eq!(endless.endpoint(), None);
         let bad_chunk = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n";
         assert!(read(bad_chunk).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_request_goes_out_whole_and_a_failed_write_ran_nothing() {
+        let request = RequestHeader::build("POST", b"/mcp", None).unwrap();
+        let body = Bytes::from_static(b"{\"jsonrpc\":\"2.0\"}");
+        let (client, mut upstream) = tokio::io::duplex(4096);
+        let http = HttpSession::H1(v1::client::HttpSession::new(Box::new(client)));
+        let limit = Duration::from_secs(1);
+        let written = write_request(http, limit, &request, &body).await;
+        assert!(written.is_ok());
+        let mut wire = vec![0; 4096];
+        let n = tokio::io::AsyncReadExt::read(&mut upstream, &mut wire)
+            .await
+            .unwrap();
+        assert_eq!(
+            &wire[..n],
+            b"POST /mcp HTTP/1.1\r\n\r\n{\"jsonrpc\":\"2.0\"}"
+        );
+
+        let (client, upstream) = tokio::io::duplex(4096);
+        drop(upstream);
+        let http = HttpSession::H1(v1::client::HttpSession::new(Box::new(client)));
+        let Err(failed) = write_request(http, limit, &request, &body).await else {
+            panic!("a write to a closed peer fails");
+        };
+        assert_eq!(failed.reached, Reached::Nothing);
+        assert_eq!(failed.fault.failure, ExchangeFailure::Broken);
     }
 
     #[test]
