@@ -2,29 +2,34 @@
 //! call of a shape that came back runs on a session already open; a session is never used
 //! by a call of another shape (other credentials, other capabilities); a warm session the
 //! upstream forgot costs a fresh one, and the call runs once; idle ones are deleted. A
-//! warm session's GET stream is opened with it, so its call goes up at once.
+//! warm session's GET stream is opened with it, so its call goes up at once; its
+//! replacement opens once the call has its answer, not beside it.
 
 use crate::common::*;
-use crate::scripted::{legacy_basics, Answer, ScriptedUpstream, Seen};
+use crate::scripted::{legacy_basics, Answer, Gate, ScriptedUpstream, Seen};
 use mrtr_gateway::config::{Config, UpstreamEra};
 use serde_json::{json, Value};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A legacy upstream that numbers its sessions (`s1`, `s2`, ...), answers `tools/call`
-/// with JSON at once, and answers 404 to any request in a session it was told to forget.
+/// with JSON at once (or, in a session it was told to hold, once the test opens a gate),
+/// and answers 404 to any request in a session it was told to forget.
 struct Numbered {
     upstream: ScriptedUpstream,
     forgotten: Arc<Mutex<HashSet<String>>>,
+    held: Arc<Mutex<Option<(String, Gate)>>>,
 }
 
 impl Numbered {
     fn start() -> Numbered {
         let opened = Arc::new(AtomicUsize::new(0));
         let forgotten: Arc<Mutex<HashSet<String>>> = Arc::default();
+        let held: Arc<Mutex<Option<(String, Gate)>>> = Arc::default();
         let gone = forgotten.clone();
+        let holding = held.clone();
         let upstream = ScriptedUpstream::start(move |seen: &Seen| {
             let session = seen.header("mcp-session-id").map(str::to_string);
             if session.is_some_and(|s| gone.lock().unwrap().contains(&s)) {
@@ -38,19 +43,41 @@ impl Numbered {
                 return legacy_basics(seen, &format!("s{n}")).expect("an initialize");
             }
             if seen.jsonrpc_method().as_deref() == Some("tools/call") {
-                let text = format!("ran in {}", seen.header("mcp-session-id").unwrap_or("-"));
-                return Answer::json(
+                let sid = seen.header("mcp-session-id").unwrap_or("-");
+                let text = format!("ran in {sid}");
+                let answer = Answer::json(
                     200,
                     &json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {
                         "content": [{"type": "text", "text": text}]}}),
                 );
+                return match holding.lock().unwrap().as_ref() {
+                    Some((held, gate)) if held == sid => {
+                        Answer::silent().wait(gate).bytes(answer.pieces_bytes())
+                    }
+                    _ => answer,
+                };
             }
             legacy_basics(seen, "-").unwrap_or_else(|| Answer::status(405, &[], b""))
         });
         Numbered {
             upstream,
             forgotten,
+            held,
         }
+    }
+
+    /// Holds the answer to the call in session `sid` until the gate returned opens.
+    fn hold_calls_in(&self, sid: &str) -> Gate {
+        let gate = Gate::new();
+        *self.held.lock().unwrap() = Some((sid.to_string(), gate.clone()));
+        gate
+    }
+
+    /// How many sessions were initialized.
+    fn initialized(&self) -> usize {
+        let requests = self.upstream.requests();
+        let initialize = |s: &&Seen| s.jsonrpc_method().as_deref() == Some("initialize");
+        requests.iter().filter(initialize).count()
     }
 
     /// The headers the `initialize` of session `sid` carried.
@@ -157,6 +184,36 @@ fn a_call_of_a_shape_seen_before_runs_on_a_session_opened_ahead_of_it() {
             .iter()
             .any(|s| s.method == "DELETE" && s.header("mcp-session-id") == Some("s3"))
     });
+}
+
+#[test]
+fn the_replacement_of_a_warm_session_opens_after_the_call_not_beside_it() {
+    let numbered = Numbered::start();
+    let gw = gateway(&numbered, |_| {});
+    let alice = [("authorization", "Bearer alice")];
+    warmed(&gw, &Raw::new(&gw.url), &alice);
+    let gate = numbered.hold_calls_in("s3");
+    let url = gw.url.clone();
+    let caller = std::thread::spawn(move || call(&Raw::new(&url), 3, json!({}), &alice));
+    wait_until("the call in s3", Duration::from_secs(10), || {
+        numbered.calls().iter().any(|s| s == "s3")
+    });
+    // While the upstream works on the call, no session is initialized beside it: its
+    // `initialize` would queue behind the call at a server that serves one at a time.
+    let watched_until = Instant::now() + Duration::from_millis(300);
+    while Instant::now() < watched_until {
+        assert_eq!(
+            numbered.initialized(),
+            3,
+            "a session opened beside the call"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    gate.open();
+    assert_eq!(caller.join().unwrap(), "ran in s3");
+    // Once the client has its answer, the replacement opens.
+    warm_ready(&gw, 1.0);
+    assert_eq!(numbered.initialized(), 4);
 }
 
 /// Two calls of one shape (`headers`, no capabilities): the shape comes back, and

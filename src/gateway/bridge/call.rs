@@ -6,6 +6,7 @@
 //! flow's (`mrtr::flow`); this is the only async code of a bridged call.
 
 use super::hold::{Held, NotHeld};
+use super::one_shot::Shape;
 use super::reply::{decorate, ClientReply};
 use super::session::{self, Attached};
 use super::streams::{next_chunk, open_session_stream, resume_call, Source, Streams};
@@ -54,6 +55,9 @@ struct Io<'g> {
     claim: Option<StateDigest>,
     /// The drain signal was passed to the flow (it fires for good once set).
     drain_told: bool,
+    /// A session of this shape opens ahead of demand once the client has its answer:
+    /// the upstream is busy with this call until then.
+    warm_after: Option<Shape>,
 }
 
 pub(super) async fn interactive(
@@ -143,10 +147,8 @@ async fn continue_flow(
                 let mut upstream = resume(call, held.endpoint.clone(), &upstream_call.session);
                 upstream.persistent = upstream_call.data_session;
                 let io = Io {
-                    upstream: Some(upstream),
                     streams: held.streams,
-                    claim: Some(used),
-                    drain_told: false,
+                    ..Io::new(Some(upstream), Some(used))
                 };
                 let questions = Some(held.questions);
                 let flow = Flow::retry(config(call, false), state, responses, questions, now);
@@ -214,6 +216,7 @@ impl Io<'_> {
             streams: Streams::new(None, None),
             claim,
             drain_told: false,
+            warm_after: None,
         }
     }
 }
@@ -409,6 +412,9 @@ async fn drive<'g>(
         while let Some(command) = flow.poll_command() {
             if let Command::Finish(ending) = command {
                 let outcome = finish(call, session, reply, &flow, ending).await;
+                if let Some(shape) = io.warm_after.take() {
+                    warm::warm_up(call.gw, call.group, call.request, shape);
+                }
                 if let Some(upstream) = io.upstream.take().filter(|_| delete_pending) {
                     end_session_later(call.gw, upstream).await;
                 }
@@ -603,6 +609,7 @@ async fn open_session<'g>(call: &Call<'g>, io: &mut Io<'g>) -> Input {
         .then(|| warm::shape_of(group, request, &call.incoming.principal));
     if let Some(shape) = shape.as_ref().filter(|_| !replacing) {
         if let Some((upstream, stream)) = warm::take(gw, group, request, shape) {
+            io.warm_after = Some(*shape);
             return opened(io, upstream, true, stream);
         }
     }
@@ -611,9 +618,7 @@ async fn open_session<'g>(call: &Call<'g>, io: &mut Io<'g>) -> Input {
             // A server that gives no session id keeps no sessions: nothing to warm.
             let sessions = upstream.session_id.is_some();
             let recurs = |s: &_| sessions && gw.upstreams.warm.recurs(s, Instant::now());
-            if let Some(shape) = shape.filter(recurs) {
-                warm::warm_up(gw, group, request, shape);
-            }
+            io.warm_after = shape.filter(recurs);
             opened(io, upstream, false, None)
         }
         Err(e) => Input::SessionFailed(failure(&e)),

@@ -7,7 +7,9 @@
 //! computes. Each is used for one call and deleted after it, like a session opened for
 //! the call; no two flows ever share one. A shape is warmed once it comes back (its
 //! second call within the idle time), and a call that takes one starts the opening of
-//! its replacement, so a shape that keeps calling finds one ready; a shape seen once
+//! its replacement once its client has the round's answer (before, the replacement's
+//! `initialize` would queue at the upstream behind the call), so a shape that keeps
+//! calling finds one ready; a shape seen once
 //! costs nothing, and one that stops calling leaves at most `per_shape` sessions,
 //! deleted once they idle past `idle`.
 //!
@@ -56,8 +58,8 @@ pub(super) fn shape_of(
     )
 }
 
-/// A ready session for a new call of `shape`, acting for `request` (its replacement then
-/// starts opening).
+/// A ready session for a new call of `shape`, acting for `request` (the caller starts its
+/// replacement with `warm_up` once the call's client has its answer).
 pub(super) fn take<'g>(
     gw: &'g Gateway,
     group: &'g UpstreamGroup,
@@ -68,7 +70,6 @@ pub(super) fn take<'g>(
     let warm = upstreams.warm.take(shape, Instant::now())?;
     let ready = upstreams.warm.ready() as i64;
     upstreams.client.metrics.warm_sessions.set(ready);
-    warm_up(gw, group, request, *shape);
     // An endpoint that left the group since is not used (its session is reaped by the
     // upstream's own expiry).
     let endpoint = group.endpoint(warm.endpoint.addr)?;
