@@ -182,6 +182,10 @@ fn answer(command: &Command, b: &mut Bytes, seen: &mut Seen, config: &FlowConfig
             stream: *stream,
             result: ok_or_fail(b),
         }),
+        Command::Reopen { .. } => Some(Input::StreamOpened {
+            stream: Stream::Call,
+            result: ok_or_fail(b),
+        }),
         Command::PostCall { id } => {
             seen.last_call_id = Some(*id);
             Some(Input::CallPosted(match b.next() % 6 {

@@ -13,14 +13,15 @@
 //!  Opening ─▶ OpeningSessionStream ─▶ Posting ─▶ Reading ─┬─▶ Finish(result | error)
 //!     ▲                                             ▲       ├─▶ Watching ─▶ Finish(questions)
 //!     │ restartable, lost                           │       └─▶ Holding ──▶ Finish(questions)
-//!  retry of Resumable ─▶ Reopening ─▶ Settling ─▶ ReopeningSession ─▶ Answering ─┤
+//!  retry of Resumable ─▶ Reopening ─▶ Settling ──────────────────────▶ Answering ─┤
 //!  retry of Held (taken) ───────────────────────────────────────────▶ Answering ─┤
 //!  retry of Reissue ────────────────────────────────────────────────▶ Answering ─▶ Posting
 //!  retry of Deferred ─▶ (as a new call)
 //! ```
 //!
 //! A retry reopens what its call waits on before any answer goes up, so what the answers
-//! cause finds a stream to go out on. A round ends when the call completes, when the
+//! cause finds a stream to go out on: the call's stream and the session's GET stream,
+//! both at once. A round ends when the call completes, when the
 //! quiet window passes after the last new question, when it holds as many questions as it
 //! may, or in error; its questions go to the client with the state the next retry resumes
 //! from: resumable, or held by this replica.
@@ -215,6 +216,14 @@ pub enum Command {
         stream: Stream,
         after: Option<String>,
     },
+    /// A retry's reopening: the call's stream resumed after `after` and, beside it, the
+    /// session's (after `session_after`, or fresh); answer `StreamOpened` for the call's
+    /// stream once both are done. The session's is optional: without it, questions come
+    /// on the call's stream only.
+    Reopen {
+        after: String,
+        session_after: Option<String>,
+    },
     /// Post the call under `id`; answer `CallPosted`.
     PostCall { id: i64 },
     /// Post a JSON-RPC response to a server request (an answer, a ping's, a refusal);
@@ -392,8 +401,6 @@ enum Phase {
         retry: Box<Retry>,
         until: Instant,
     },
-    /// The session's stream is reopened.
-    ReopeningSession(Box<Retry>),
     /// The retry's answers go up, one `Post` at a time.
     Answering(Box<Retry>),
     /// A round is read.
@@ -419,8 +426,11 @@ struct Retry {
     all_answered: bool,
     /// Empty resumptions so far.
     empties: u32,
-    /// Events the resumed stream replayed while it settled.
-    replayed: Vec<Event>,
+    /// The session's stream was reopened with the call's.
+    session_reopened: bool,
+    /// Events read while the resumed stream settled (replayed on the call's stream, or
+    /// on the session's), for the round.
+    replayed: Vec<(Stream, Event)>,
     /// The resumed stream ended while it settled (after replaying something).
     call_ended: bool,
     to_post: VecDeque<(Pending, Value)>,
@@ -632,14 +642,11 @@ impl Flow {
             (Phase::Reopening(retry), Input::StreamOpened { result, .. }) => {
                 self.call_reopened(retry, result, now)
             }
-            (Phase::Settling { retry, until }, Input::Event { event, .. }) => {
-                self.settling_event(retry, until, event, now)
+            (Phase::Settling { retry, until }, Input::Event { stream, event }) => {
+                self.settling_event(retry, until, stream, event, now)
             }
             (Phase::Settling { retry, .. }, Input::StreamEnded(Stream::Call)) => {
                 self.settling_ended(retry, now)
-            }
-            (Phase::ReopeningSession(retry), Input::StreamOpened { .. }) => {
-                self.answer(*retry, now)
             }
             (Phase::Answering(retry), Input::Posted(result)) => {
                 self.answer_posted(retry, result, now)
@@ -664,7 +671,7 @@ impl Flow {
                 if self.config.primes.is_none() {
                     self.learn(Learnt::Primes(false));
                 }
-                self.reopen_session_stream(retry, now)
+                self.answer(*retry, now)
             }
             Phase::Backoff { retry, until } if now >= until => self.reopen_call(retry, now),
             Phase::Reading(reading) => self.reading_timeout(reading, now),
@@ -786,7 +793,9 @@ impl Flow {
         self.reopen_call(Box::new(retry), now)
     }
 
-    fn reopen_call(&mut self, retry: Box<Retry>, now: Instant) -> Phase {
+    /// Resumes the call's stream, with the session's GET stream beside it the first time
+    /// (a data-layer session's call reads only its own stream).
+    fn reopen_call(&mut self, mut retry: Box<Retry>, now: Instant) -> Phase {
         let Some(from) = retry.from.clone() else {
             let failure = Failure::new(
                 FailureKind::Broken,
@@ -794,10 +803,25 @@ impl Flow {
             );
             return self.unresumable(retry, Err(failure), now);
         };
-        self.commands.push_back(Command::OpenStream {
-            stream: Stream::Call,
-            after: Some(from),
-        });
+        let command = if retry.call.data_session || retry.session_reopened {
+            Command::OpenStream {
+                stream: Stream::Call,
+                after: Some(from),
+            }
+        } else {
+            retry.session_reopened = true;
+            // Resumed after its sealed position only where the group's store keeps
+            // sessions apart; fresh otherwise.
+            let session_after = retry
+                .session_from
+                .clone()
+                .filter(|_| self.config.session_replay_scoped);
+            Command::Reopen {
+                after: from,
+                session_after,
+            }
+        };
+        self.commands.push_back(command);
         Phase::Reopening(retry)
     }
 
@@ -814,7 +838,7 @@ impl Flow {
             return self.unresumable(retry, Err(failure), now);
         }
         if self.config.primes == Some(false) {
-            return self.reopen_session_stream(retry, now);
+            return self.answer(*retry, now);
         }
         let limit = if self.config.primes == Some(true) {
             SETTLE_PRIMED
@@ -827,33 +851,38 @@ impl Flow {
         }
     }
 
-    /// An event read while the resumed stream settles: replayed ones wait for the round;
-    /// the priming event says the stream is live again, and the answers may go up.
+    /// An event read while the resumed stream settles: events wait for the round; the
+    /// call stream's priming event says it is live again, and the answers may go up.
     fn settling_event(
         &mut self,
         mut retry: Box<Retry>,
         until: Instant,
+        stream: Stream,
         event: Event,
         now: Instant,
     ) -> Phase {
-        let priming = event.id.is_some() && event.data.is_empty();
-        retry.replayed.push(event);
+        let priming = stream == Stream::Call && event.id.is_some() && event.data.is_empty();
+        retry.replayed.push((stream, event));
         if !priming {
             return Phase::Settling { retry, until };
         }
         if self.config.primes != Some(true) {
             self.learn(Learnt::Primes(true));
         }
-        self.reopen_session_stream(retry, now)
+        self.answer(*retry, now)
     }
 
     /// The resumed stream ended while it settled: empty, the upstream has nothing after
     /// the position (tried again briefly first); after replaying something, the round
     /// follows it from there.
     fn settling_ended(&mut self, mut retry: Box<Retry>, now: Instant) -> Phase {
-        if !retry.replayed.is_empty() {
+        if retry
+            .replayed
+            .iter()
+            .any(|(stream, _)| *stream == Stream::Call)
+        {
             retry.call_ended = true;
-            return self.reopen_session_stream(retry, now);
+            return self.answer(*retry, now);
         }
         if retry.empties < EMPTY_RETRIES {
             let until = now + EMPTY_BACKOFF * 2u32.pow(retry.empties);
@@ -893,22 +922,6 @@ impl Flow {
                 self.lost(Lost::Unresumable, &retry.pending, &retry.responses, now)
             }
         }
-    }
-
-    fn reopen_session_stream(&mut self, retry: Box<Retry>, now: Instant) -> Phase {
-        if retry.call.data_session {
-            return self.answer(*retry, now);
-        }
-        let after = if self.config.session_replay_scoped {
-            retry.session_from.clone()
-        } else {
-            None
-        };
-        self.commands.push_back(Command::OpenStream {
-            stream: Stream::Session,
-            after,
-        });
-        Phase::ReopeningSession(retry)
     }
 
     /// Posts the retry's answers, in the order of the questions, then goes on.
@@ -1019,13 +1032,10 @@ impl Flow {
                 let mut reading = self.reading_for(call, Some(positions), true, true, now);
                 reading.round.skip(answered);
                 let mut phase = Phase::Reading(reading);
-                for event in replayed {
+                for (stream, event) in replayed {
                     phase = match phase {
                         Phase::Reading(r) if r.posting.is_none() => {
-                            let input = Input::Event {
-                                stream: Stream::Call,
-                                event,
-                            };
+                            let input = Input::Event { stream, event };
                             self.reading(r, input, now)
                         }
                         other => return other,
@@ -1613,6 +1623,7 @@ impl Retry {
             session_from: None,
             all_answered,
             empties: 0,
+            session_reopened: false,
             replayed: Vec::new(),
             call_ended: false,
             to_post: VecDeque::new(),

@@ -526,6 +526,10 @@ async fn execute<'g>(
     match command {
         Command::OpenSession => Some(open_session(call, io).await),
         Command::OpenStream { stream, after } => Some(open_stream(call, io, stream, after).await),
+        Command::Reopen {
+            after,
+            session_after,
+        } => Some(reopen(call, io, &after, session_after.as_deref()).await),
         Command::PostCall { id } => Some(post_call(call, io, id).await),
         Command::Post(message) => {
             let upstream = io.upstream.as_ref()?;
@@ -667,17 +671,60 @@ async fn open_stream(
         )),
         (Stream::Session, after) => {
             io.streams.session = None;
-            let (upstreams, group) = (&call.gw.upstreams, &call.group.name);
-            let patient = !upstreams.learnt.get(group).session_stream_kept;
-            let (stream, kept) = open_session_stream(upstream, after.as_deref(), patient).await;
-            io.streams.session = stream;
-            if kept && patient {
-                upstreams.note_session_stream_kept(call.group);
-            }
+            io.streams.session = session_stream(call, upstream, after.as_deref()).await;
             Ok(())
         }
     };
     Input::StreamOpened { stream, result }
+}
+
+/// A retry's streams: the call's resumed after `after` and the session's (after
+/// `session_after`, or fresh), opened at once; answered as the call's stream.
+async fn reopen(
+    call: &Call<'_>,
+    io: &mut Io<'_>,
+    after: &str,
+    session_after: Option<&str>,
+) -> Input {
+    let Io {
+        upstream, streams, ..
+    } = io;
+    let Some(upstream) = upstream.as_ref() else {
+        let result = Err(Failure::new(FailureKind::Broken, "no upstream session"));
+        return Input::StreamOpened {
+            stream: Stream::Call,
+            result,
+        };
+    };
+    (streams.call, streams.session) = (None, None);
+    let (resumed, session) = tokio::join!(
+        resume_call(upstream, after),
+        session_stream(call, upstream, session_after)
+    );
+    streams.session = session;
+    let result = resumed
+        .map(|response| streams.replace_call(response))
+        .map_err(|e| failure(&e));
+    Input::StreamOpened {
+        stream: Stream::Call,
+        result,
+    }
+}
+
+/// The session's GET stream, if the upstream opens one; a server found to keep a closed
+/// one (409 to a new GET) is asked once, others again briefly.
+async fn session_stream(
+    call: &Call<'_>,
+    upstream: &LegacySession<'_>,
+    after: Option<&str>,
+) -> Option<Response> {
+    let (upstreams, group) = (&call.gw.upstreams, &call.group.name);
+    let patient = !upstreams.learnt.get(group).session_stream_kept;
+    let (stream, kept) = open_session_stream(upstream, after, patient).await;
+    if kept && patient {
+        upstreams.note_session_stream_kept(call.group);
+    }
+    stream
 }
 
 async fn post_call(call: &Call<'_>, io: &mut Io<'_>, id: i64) -> Input {

@@ -52,7 +52,7 @@ struct Upstream {
     session_stream: bool,
     /// How the call's posts fail, in turn (then `call_reply`).
     call_failures: VecDeque<Failure>,
-    /// Answers to `OpenStream { Call }`, in turn (then `Ok`).
+    /// Answers to `OpenStream { Call }` and `Reopen`, in turn (then `Ok`).
     call_opens: VecDeque<Result<(), Failure>>,
     /// The call's reply, given the id it was posted under.
     call_reply: fn(i64) -> CallReply,
@@ -104,6 +104,10 @@ impl Upstream {
                     result,
                 })
             }
+            Command::Reopen { .. } => Some(Input::StreamOpened {
+                stream: Stream::Call,
+                result: self.call_opens.pop_front().unwrap_or(Ok(())),
+            }),
             Command::PostCall { id } => {
                 Some(Input::CallPosted(match self.call_failures.pop_front() {
                     Some(failure) => Err(failure),
@@ -261,8 +265,22 @@ fn accept(name: &str) -> Value {
     json!({"action": "accept", "content": {"name": name}})
 }
 
+/// Whether a command opens `stream` after `after`: alone, or in a retry's `Reopen`.
 fn is_open(stream: Stream, after: Option<&str>) -> impl Fn(&Command) -> bool + '_ {
-    move |c| matches!(c, Command::OpenStream { stream: s, after: a } if *s == stream && a.as_deref() == after)
+    move |c| match c {
+        Command::OpenStream {
+            stream: s,
+            after: a,
+        } => *s == stream && a.as_deref() == after,
+        Command::Reopen {
+            after: a,
+            session_after,
+        } => match stream {
+            Stream::Call => Some(a.as_str()) == after,
+            Stream::Session => session_after.as_deref() == after,
+        },
+        _ => false,
+    }
 }
 
 /// A first round that asked one question (id 0) on the call's stream, event `c2`.
@@ -493,6 +511,12 @@ fn a_shedding_replica_defers_a_new_call_and_its_retry_starts_it() {
         .any(|c| matches!(c, Command::PostCall { .. })));
 }
 
+/// A retry of `first`'s state that accepts its question with `name`.
+fn answered(first: &Harness, name: &str) -> Harness {
+    let responses = json!({"elicitation_0": accept(name)});
+    retry_of(first, config(), Upstream::default(), responses)
+}
+
 /// A retry of `first_round`'s state with `responses`.
 fn retry_of(first: &Harness, config: FlowConfig, upstream: Upstream, responses: Value) -> Harness {
     Harness::retry(config, upstream, first.state(), responses, None)
@@ -502,19 +526,22 @@ fn retry_of(first: &Harness, config: FlowConfig, upstream: Upstream, responses: 
 fn a_retry_reopens_and_settles_the_streams_before_it_posts_the_answers() {
     let first = first_round();
     let id = first.call_id();
-    let mut h = retry_of(
-        &first,
-        config(),
-        Upstream::default(),
-        json!({"elicitation_0": accept("Ada")}),
-    );
-    assert!(h.log.iter().any(is_open(Stream::Call, Some("c2"))));
+    let mut h = answered(&first, "Ada");
+    // Both streams are reopened at once, before anything else.
+    let reopen = Command::Reopen {
+        after: "c2".into(),
+        session_after: None,
+    };
+    assert_eq!(h.log, [reopen]);
     assert!(h.posted().is_empty(), "no answer before the stream is live");
     assert!(h.flow.is_reading(), "settling: replayed events are read");
+    // The session stream's own priming event does not make the call's stream live.
+    h.event(Stream::Session, Some("g1"), &json!(""));
+    assert!(
+        h.posted().is_empty(),
+        "no answer before the call's stream is live"
+    );
     h.event(Stream::Call, Some("c3"), &json!(""));
-    let session = h.position(is_open(Stream::Session, None)).unwrap();
-    let answer = h.position(|c| matches!(c, Command::Post(_))).unwrap();
-    assert!(session < answer, "{:?}", h.log);
     assert_eq!(
         h.posted()[0],
         json!({"jsonrpc": "2.0", "id": 0, "result": accept("Ada")})
@@ -527,15 +554,34 @@ fn a_retry_reopens_and_settles_the_streams_before_it_posts_the_answers() {
 }
 
 #[test]
+fn a_question_on_the_session_stream_while_the_call_settles_is_asked_after_the_answers() {
+    let first = first_round();
+    let mut h = answered(&first, "Ada");
+    // Pushed on the GET stream before the answers went up; then the call's stream is live.
+    h.event(Stream::Session, Some("g1"), &question(1, "Nights?"));
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    assert_eq!(
+        h.posted().len(),
+        1,
+        "the answer goes up once the call's stream is live"
+    );
+    h.advance(Duration::from_millis(10));
+    let Ending::InputRequired { input_requests, .. } = h.ending() else {
+        panic!("{:?}", h.ending());
+    };
+    assert_eq!(input_requests.keys().collect::<Vec<_>>(), ["elicitation_1"]);
+    let state = h.state();
+    let Waiting::Resumable { positions, .. } = &state.waiting else {
+        panic!("{state:?}");
+    };
+    assert_eq!(positions.last_event_id.as_deref(), Some("c3"));
+}
+
+#[test]
 fn a_result_replayed_before_the_priming_event_is_read_once_the_answers_are_up() {
     let first = first_round();
     let id = first.call_id();
-    let mut h = retry_of(
-        &first,
-        config(),
-        Upstream::default(),
-        json!({"elicitation_0": accept("Ada")}),
-    );
+    let mut h = answered(&first, "Ada");
     // The server replays the question again (already answered: skipped), then primes.
     h.event(Stream::Call, Some("c2"), &question(0, "Name?"));
     h.event(Stream::Call, Some("c3"), &json!(""));
@@ -586,12 +632,7 @@ fn a_question_left_unanswered_is_replayed_from_the_rounds_start() {
     h.event(Stream::Call, Some("c3"), &question(1, "Size?"));
     h.advance(Duration::from_millis(10));
     let first = h;
-    let mut h = retry_of(
-        &first,
-        config(),
-        Upstream::default(),
-        json!({"elicitation_0": accept("red")}),
-    );
+    let mut h = answered(&first, "red");
     assert!(
         h.log.iter().any(is_open(Stream::Call, Some("c1"))),
         "from the round's start"
@@ -619,12 +660,7 @@ fn a_question_left_unanswered_is_replayed_from_the_rounds_start() {
 #[test]
 fn an_empty_resumption_is_tried_again_then_loses_the_call_and_holds_the_group() {
     let first = first_round();
-    let mut h = retry_of(
-        &first,
-        config(),
-        Upstream::default(),
-        json!({"elicitation_0": accept("Ada")}),
-    );
+    let mut h = answered(&first, "Ada");
     for _ in 0..=EMPTY_RETRIES {
         h.feed(Input::StreamEnded(Stream::Call));
         h.advance(Duration::from_millis(400));
@@ -653,12 +689,7 @@ fn an_empty_resumption_is_tried_again_then_loses_the_call_and_holds_the_group() 
 fn a_resumption_that_ends_after_replaying_something_is_followed() {
     let first = first_round();
     let id = first.call_id();
-    let mut h = retry_of(
-        &first,
-        config(),
-        Upstream::default(),
-        json!({"elicitation_0": accept("Ada")}),
-    );
+    let mut h = answered(&first, "Ada");
     h.event(Stream::Call, Some("c3"), &json!({"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": 1, "progress": 1}}));
     h.feed(Input::StreamEnded(Stream::Call));
     assert_eq!(h.posted().len(), 1, "the answers went up");
@@ -754,12 +785,7 @@ fn a_denied_retry_keeps_its_call_for_an_authenticated_retry_of_the_same_state() 
     assert_eq!(h.refusal().class, Class::Unauthorized);
     assert_eq!(h.refusal().challenge, challenge());
     // The authenticated retry of the same state completes the call.
-    let mut again = retry_of(
-        &first,
-        config(),
-        Upstream::default(),
-        json!({"elicitation_0": accept("Ada")}),
-    );
+    let mut again = answered(&first, "Ada");
     again.event(Stream::Call, Some("c3"), &json!(""));
     assert_eq!(again.posted().len(), 1, "the answer goes up now");
     again.event(
@@ -950,12 +976,7 @@ fn a_url_elicitation_required_error_is_asked_then_the_call_is_posted_again() {
 #[test]
 fn a_round_that_hears_nothing_ends_at_the_silence_limit() {
     let first = first_round();
-    let mut h = retry_of(
-        &first,
-        config(),
-        Upstream::default(),
-        json!({"elicitation_0": accept("Ada")}),
-    );
+    let mut h = answered(&first, "Ada");
     h.event(Stream::Call, Some("c3"), &json!(""));
     // Polls reopen the silent stream meanwhile; priming events are not messages.
     h.advance(Duration::from_secs(44));
