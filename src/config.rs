@@ -241,10 +241,14 @@ pub struct BridgeOptions {
     /// The most a whole flow may take, across all its rounds; at this deadline the
     /// replica that opened it deletes the upstream session if it is still open.
     pub max_flow_seconds: u64,
-    /// How long after the last server request a round waits for more before answering
-    /// (to the microsecond: `gateway::precise_sleep`); 0 answers as soon as the upstream
-    /// has nothing more to read now (a question sent later is asked in the next round).
+    /// How long after the last server request a round of a call that asks several
+    /// questions at once waits for more before answering (to the microsecond:
+    /// `gateway::precise_sleep`). Other rounds answer as soon as the upstream has nothing
+    /// more to read now (a question sent later is asked in the next round).
     pub quiet_window_ms: u64,
+    /// Which rounds wait `quiet_window_ms`: those of calls seen asking several questions
+    /// at once (a question that missed its round), or all.
+    pub quiet_window_for: QuietWindowFor,
     /// How long a followed upstream stream may stay silent before the bridge reopens it
     /// with `Last-Event-ID` (recovers events an upstream stored but did not deliver).
     pub resume_poll_ms: u64,
@@ -302,6 +306,7 @@ impl Default for BridgeOptions {
             request_state_ttl_seconds: 600,
             max_flow_seconds: 1800,
             quiet_window_ms: 1,
+            quiet_window_for: QuietWindowFor::Parallel,
             resume_poll_ms: 2000,
             round_silence_seconds: 45,
             one_shot_session_idle_seconds: 300,
@@ -625,6 +630,19 @@ pub enum Discovery {
     /// The one endpoint's host name (a Kubernetes headless Service) is resolved every
     /// `dns_refresh_ms`; its addresses, with the URL's port and path, are the endpoints.
     Dns,
+}
+
+/// Which bridged rounds wait the quiet window after a question.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum QuietWindowFor {
+    /// The rounds of a call (group, method, tool or resource) this replica saw ask a
+    /// question before the answers to its previous round went up: it asks several at
+    /// once. Every other round answers as soon as the upstream has nothing more to send.
+    #[default]
+    Parallel,
+    /// Every round.
+    All,
 }
 
 /// How a bridged call waits for its client between rounds.

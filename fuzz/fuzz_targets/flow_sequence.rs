@@ -62,6 +62,7 @@ fn config(b: &mut Bytes) -> FlowConfig {
         max_state_bytes: 4096,
         kid_len: 2,
         quiet_window: Duration::from_millis(10),
+        asks_at_once: b.next() % 2 == 0,
         poll: Duration::from_millis(500),
         silence: Duration::from_secs(5),
         silence_seconds: 5,

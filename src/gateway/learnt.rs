@@ -3,11 +3,18 @@
 //! stream is primed (an event with an id and no data once the replay is done and the
 //! stream is live again), and whether the group's event store keeps sessions apart, so
 //! that a session's GET stream can be replayed without another session's events, and
-//! whether it lets go of a closed GET stream in time for a new one.
-//! `resume: auto` and the retry path decide by it; each verdict is logged once.
+//! whether it lets go of a closed GET stream in time for a new one; and which of its
+//! tools ask several questions at once (their rounds wait the quiet window).
+//! `resume: auto`, the retry path and the round's end decide by it; each verdict is
+//! logged once.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
+
+/// Most tools (and prompts, resources) remembered as asking several questions at once,
+/// over all groups: beyond it, others are not remembered, and their rounds keep ending as
+/// soon as the upstream has nothing more to send.
+pub const MAX_ASKING_AT_ONCE: usize = 4096;
 
 /// Whether a session's GET stream may be resumed with `Last-Event-ID`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -46,6 +53,8 @@ pub struct GroupLearnt {
 #[derive(Default)]
 pub struct Learnt {
     groups: Mutex<HashMap<String, GroupLearnt>>,
+    /// The calls (group, method, target) seen asking several questions at once.
+    asking_at_once: Mutex<HashSet<(String, String, String)>>,
 }
 
 impl Learnt {
@@ -62,6 +71,24 @@ impl Learnt {
         learn(facts);
         before
     }
+
+    /// Whether `target` of `group` (a tool's name, a prompt's, a resource's URI, by
+    /// `method`) was seen asking several questions at once.
+    pub fn asks_at_once(&self, group: &str, method: &str, target: &str) -> bool {
+        let key = (group.to_string(), method.to_string(), target.to_string());
+        self.asking_at_once
+            .lock()
+            .expect("learnt lock")
+            .contains(&key)
+    }
+
+    /// Remembers that `target` asks several questions at once; true if it is new (and
+    /// there was room for it).
+    pub fn note_asks_at_once(&self, group: &str, method: &str, target: &str) -> bool {
+        let mut asking = self.asking_at_once.lock().expect("learnt lock");
+        asking.len() < MAX_ASKING_AT_ONCE
+            && asking.insert((group.to_string(), method.to_string(), target.to_string()))
+    }
 }
 
 #[cfg(test)]
@@ -76,5 +103,27 @@ mod tests {
         assert_eq!(before.resumption_primes, None);
         assert_eq!(learnt.get("g").resumption_primes, Some(true));
         assert_eq!(learnt.get("other"), GroupLearnt::default());
+    }
+
+    #[test]
+    fn tools_asking_at_once_are_remembered_per_group_and_bounded() {
+        let learnt = Learnt::default();
+        assert!(!learnt.asks_at_once("g", "tools/call", "ask_two"));
+        assert!(learnt.note_asks_at_once("g", "tools/call", "ask_two"));
+        assert!(
+            !learnt.note_asks_at_once("g", "tools/call", "ask_two"),
+            "known"
+        );
+        assert!(learnt.asks_at_once("g", "tools/call", "ask_two"));
+        assert!(!learnt.asks_at_once("other", "tools/call", "ask_two"));
+        assert!(!learnt.asks_at_once("g", "prompts/get", "ask_two"));
+        for n in 1..MAX_ASKING_AT_ONCE {
+            learnt.note_asks_at_once("g", "tools/call", &format!("t{n}"));
+        }
+        assert!(
+            !learnt.note_asks_at_once("g", "tools/call", "one_more"),
+            "full"
+        );
+        assert!(!learnt.asks_at_once("g", "tools/call", "one_more"));
     }
 }

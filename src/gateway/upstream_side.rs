@@ -7,6 +7,7 @@ use super::bridge::warm::WarmSessions;
 use super::learnt::Learnt;
 use crate::config::{Config, ResumeMode, UpstreamEra};
 use crate::metrics::Metrics;
+use crate::mrtr::modern::ModernRequest;
 use crate::upstream::exchange::UpstreamClient;
 use crate::upstream::legacy_session::{
     answers_modern_discover, Caller, LegacySession, SessionError, SessionFailure,
@@ -161,6 +162,18 @@ impl UpstreamSide {
             .update(&group.name, |facts| facts.session_stream_kept = true);
         if !before.session_stream_kept {
             tracing::info!(group = %group.name, "upstream keeps a closed GET stream for a while (409 to a new one); GET streams are reopened without waiting from now on");
+        }
+    }
+
+    /// Records that `request`'s call asks several questions at once: its rounds wait the
+    /// quiet window from now on. Logged once per call.
+    pub fn note_asks_at_once(&self, group: &UpstreamGroup, request: &ModernRequest) {
+        let target = request.target.as_deref().unwrap_or_default();
+        if self
+            .learnt
+            .note_asks_at_once(&group.name, &request.method, target)
+        {
+            tracing::info!(group = %group.name, method = %request.method, target, "this call asks several questions at once (one missed its round); its rounds wait bridge.quiet_window_ms for the rest from now on");
         }
     }
 

@@ -21,10 +21,13 @@
 //!
 //! A retry reopens what its call waits on before any answer goes up, so what the answers
 //! cause finds a stream to go out on: the call's stream and the session's GET stream,
-//! both at once. A round ends when the call completes, when the
-//! quiet window passes after the last new question, when it holds as many questions as it
-//! may, or in error; its questions go to the client with the state the next retry resumes
-//! from: resumable, or held by this replica.
+//! both at once. A round ends when the call completes, when the upstream has nothing more
+//! to send after a question (for a call known to ask several at once, and a round that
+//! will be held: when the quiet window passes after the last new question), when it holds
+//! as many questions as it may, or in error; its questions go to the client with the
+//! state the next retry resumes from: resumable, or held by this replica. A question that
+//! missed its round is replayed before the next round's answers go up, and teaches the
+//! shell that the call asks at once.
 //!
 //! Nothing here reads a clock, a socket or a key: times are inputs, the state is sealed by
 //! the shell (the flow checks that it fits), and the tables (reaper, held flows) are the
@@ -267,6 +270,10 @@ pub enum Learnt {
     ReplayRefused { empty: bool },
     /// Whether its resumed streams are primed once live.
     Primes(bool),
+    /// The call asked a question before the previous round's answers went up (it was
+    /// replayed while the resumed stream settled): the tool asks several questions at
+    /// once, and one of them missed its round. Its later rounds wait the quiet window.
+    AsksAtOnce,
 }
 
 /// Events worth counting.
@@ -322,7 +329,14 @@ pub struct FlowConfig {
     /// The state limit itself, and the sealing key id's length, for the message.
     pub max_state_bytes: usize,
     pub kid_len: usize,
+    /// How long a round waits after a question for more, where it waits at all: a round
+    /// that will be held, or one of a call that asks several questions at once
+    /// (`asks_at_once`). Other rounds end as soon as the upstream has nothing more to
+    /// send: a question that misses its round is replayed before the next one's answers
+    /// go up, which shows the call asks at once (`Learnt::AsksAtOnce`).
     pub quiet_window: Duration,
+    /// The call is known to ask several questions at once (or every round waits).
+    pub asks_at_once: bool,
     pub poll: Duration,
     pub silence: Duration,
     pub silence_seconds: u64,
@@ -1032,14 +1046,24 @@ impl Flow {
                 let mut reading = self.reading_for(call, Some(positions), true, true, now);
                 reading.round.skip(answered);
                 let mut phase = Phase::Reading(reading);
+                let mut asked_before_the_answers = false;
                 for (stream, event) in replayed {
                     phase = match phase {
                         Phase::Reading(r) if r.posting.is_none() => {
+                            let asked = r.round.question_count();
                             let input = Input::Event { stream, event };
-                            self.reading(r, input, now)
+                            let next = self.reading(r, input, now);
+                            asked_before_the_answers |= matches!(&next,
+                                Phase::Reading(n) if n.round.question_count() > asked);
+                            next
                         }
                         other => return other,
                     };
+                }
+                // Every question of the round before was answered, so the replay holds
+                // only what came after it: a question there did not wait for those answers.
+                if all_answered && asked_before_the_answers {
+                    self.learn(Learnt::AsksAtOnce);
                 }
                 match phase {
                     Phase::Reading(r) if call_ended => {
@@ -1198,7 +1222,7 @@ impl Flow {
             return self.end_round(r, end);
         }
         if r.round.question_count() > asked {
-            r.quiet_until = Some(now + self.config.quiet_window);
+            r.quiet_until = Some(now + self.quiet_window(&r));
         }
         if r.round.is_full() && r.posting.is_none() {
             return self.end_round(r, RoundEnd::Questions { draining: false });
@@ -1264,6 +1288,17 @@ impl Flow {
             });
         }
         Phase::Reading(r)
+    }
+
+    /// How long the round waits after a question for more. A held round always waits the
+    /// window: its retry reads on without a replay, so a question that missed the round
+    /// would not show the call asks several at once.
+    fn quiet_window(&self, r: &Reading) -> Duration {
+        if self.config.asks_at_once || !self.resumes(r) {
+            self.config.quiet_window
+        } else {
+            Duration::ZERO
+        }
     }
 
     /// Whether a round that ends now waits resumable, rather than held on this replica.
@@ -1589,7 +1624,7 @@ impl Flow {
         match learnt {
             Learnt::ReplayRefused { .. } => self.config.replay_refused = true,
             Learnt::Primes(primes) => self.config.primes = Some(primes),
-            Learnt::Resumable(_) => {}
+            Learnt::Resumable(_) | Learnt::AsksAtOnce => {}
         }
         self.commands.push_back(Command::Learn(learnt));
     }

@@ -4,7 +4,7 @@
 
 use crate::common::*;
 use crate::scripted::{legacy_basics, Answer, Gate, ScriptedUpstream, Seen};
-use mrtr_gateway::config::ResumeMode;
+use mrtr_gateway::config::{QuietWindowFor, ResumeMode};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -55,25 +55,39 @@ pub fn question_flood_case() -> usize {
             answer.event(Some(&format!("e{i}")), &question(json!(i), &pad))
         })
     }));
-    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
-        c.limits.max_input_requests_per_round = 16;
-        c.limits.max_request_state_bytes = 16 << 10;
-    });
-    let started = Instant::now();
-    let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
-    assert_eq!(status, 200, "{body}");
-    let asked = body["result"]["inputRequests"]
-        .as_object()
-        .unwrap_or_else(|| panic!("no inputRequests: {body}"));
-    assert_eq!(asked.len(), 16, "the round ends as it reaches the limit");
-    println!(
-        "a flood of 200 questions of 16 KB: the round ended at 16 after {:?}",
-        started.elapsed()
+    let asked = |window_for: QuietWindowFor| {
+        let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+            c.limits.max_input_requests_per_round = 16;
+            c.limits.max_request_state_bytes = 16 << 10;
+            c.bridge.quiet_window_for = window_for;
+        });
+        let started = Instant::now();
+        let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
+        assert_eq!(status, 200, "{body}");
+        let asked = body["result"]["inputRequests"]
+            .as_object()
+            .unwrap_or_else(|| panic!("no inputRequests: {body}"))
+            .len();
+        println!(
+            "a flood of 200 questions of 16 KB ({window_for:?}): the round ended at {asked} after {:?}",
+            started.elapsed()
+        );
+        asked
+    };
+    // A round that waits for more questions ends as it reaches the limit; one that ends
+    // once nothing more is readable asks what had arrived, within the limit.
+    assert_eq!(
+        asked(QuietWindowFor::All),
+        16,
+        "the round ends at the limit"
     );
+    assert!((1..=16).contains(&asked(QuietWindowFor::Parallel)));
 
-    // Questions whose bytes pass the limit end the call with an error naming it.
+    // Questions whose bytes pass the limit in one round end the call with an error
+    // naming it.
     let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
         c.limits.max_input_requests_bytes = 64 << 10;
+        c.bridge.quiet_window_for = QuietWindowFor::All;
     });
     let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
     assert_eq!(status, 200, "{body}");

@@ -12,7 +12,7 @@ use super::session::{self, Attached};
 use super::streams::{next_chunk, open_session_stream, resume_call, Source, Streams};
 use super::warm;
 use super::{end_session, end_session_later, finish_with, upstream_for, upstream_params, Incoming};
-use crate::config::Limits;
+use crate::config::{Limits, QuietWindowFor};
 use crate::gateway::learnt::SessionReplay;
 use crate::gateway::{peers, Arrival, Gateway, UpstreamSide};
 use crate::metrics::InUse;
@@ -247,6 +247,7 @@ fn config(call: &Call<'_>, session_replay_scoped: bool) -> FlowConfig {
         max_state_bytes: limits.max_request_state_bytes,
         kid_len,
         quiet_window: Duration::from_millis(bridge.quiet_window_ms),
+        asks_at_once: asks_at_once(gw, group, request),
         poll: Duration::from_millis(bridge.resume_poll_ms),
         silence: Duration::from_secs(bridge.round_silence_seconds),
         silence_seconds: bridge.round_silence_seconds,
@@ -263,6 +264,14 @@ fn config(call: &Call<'_>, session_replay_scoped: bool) -> FlowConfig {
         now_ms: now_ms(),
         flow_id: rand::random(),
     }
+}
+
+/// Whether the rounds of `request` wait the quiet window after a question: its call was
+/// seen asking several questions at once (or every round waits, by configuration).
+fn asks_at_once(gw: &Gateway, group: &UpstreamGroup, request: &ModernRequest) -> bool {
+    let target = request.target.as_deref().unwrap_or_default();
+    gw.config.bridge.quiet_window_for == QuietWindowFor::All
+        || (gw.upstreams.learnt).asks_at_once(&group.name, &request.method, target)
 }
 
 /// The longest plaintext whose sealed text stays within `limit`.
@@ -580,7 +589,7 @@ async fn execute<'g>(
             None
         }
         Command::Learn(learnt) => {
-            learn(&gw.upstreams, group, learnt);
+            learn(&gw.upstreams, group, request, learnt);
             None
         }
         Command::Note(Note::Restarted) => {
@@ -697,10 +706,15 @@ async fn reopen(
         };
     };
     (streams.call, streams.session) = (None, None);
-    let (resumed, session) = tokio::join!(
-        resume_call(upstream, after),
-        session_stream(call, upstream, session_after)
-    );
+    // Two exchanges side by side: on the heap, so that they do not sit in every request's
+    // future (`a_requests_future_is_small`).
+    let (resumed, session) = Box::pin(async {
+        tokio::join!(
+            resume_call(upstream, after),
+            session_stream(call, upstream, session_after)
+        )
+    })
+    .await;
     streams.session = session;
     let result = resumed
         .map(|response| streams.replace_call(response))
@@ -798,7 +812,7 @@ async fn hold(
     }
 }
 
-fn learn(upstreams: &UpstreamSide, group: &UpstreamGroup, learnt: Learnt) {
+fn learn(upstreams: &UpstreamSide, group: &UpstreamGroup, request: &ModernRequest, learnt: Learnt) {
     match learnt {
         Learnt::Resumable(resumable) => upstreams.note_resumable(group, resumable),
         Learnt::ReplayRefused { empty } => {
@@ -814,6 +828,7 @@ fn learn(upstreams: &UpstreamSide, group: &UpstreamGroup, learnt: Learnt) {
                 .learnt
                 .update(&group.name, |facts| facts.resumption_primes = Some(primes));
         }
+        Learnt::AsksAtOnce => upstreams.note_asks_at_once(group, request),
     }
 }
 

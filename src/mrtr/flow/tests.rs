@@ -24,6 +24,7 @@ fn config() -> FlowConfig {
         max_state_bytes: 4096,
         kid_len: 2,
         quiet_window: Duration::from_millis(10),
+        asks_at_once: true,
         poll: Duration::from_secs(2),
         silence: Duration::from_secs(45),
         silence_seconds: 45,
@@ -575,6 +576,65 @@ fn a_question_on_the_session_stream_while_the_call_settles_is_asked_after_the_an
         panic!("{state:?}");
     };
     assert_eq!(positions.last_event_id.as_deref(), Some("c3"));
+}
+
+#[test]
+fn a_round_waits_the_quiet_window_only_for_a_call_that_asks_at_once_or_a_held_round() {
+    let round_after = |asks_at_once: bool, resume: ResumeMode, after: Duration| {
+        let mut config = config();
+        (config.asks_at_once, config.resume) = (asks_at_once, resume);
+        let mut h = Harness::new_call(config, Upstream::default());
+        h.event(Stream::Call, Some("c1"), &question(0, "Name?"));
+        h.advance(after);
+        h.ending.is_some() || h.log.iter().any(|c| matches!(c, Command::Hold { .. }))
+    };
+    // Nothing more to read now: the round ends at once.
+    assert!(round_after(false, ResumeMode::Auto, Duration::ZERO));
+    // A call known to ask at once, and a round that will be held, wait the window.
+    assert!(!round_after(
+        true,
+        ResumeMode::Auto,
+        Duration::from_millis(9)
+    ));
+    assert!(round_after(
+        true,
+        ResumeMode::Auto,
+        Duration::from_millis(10)
+    ));
+    assert!(!round_after(
+        false,
+        ResumeMode::Hold,
+        Duration::from_millis(9)
+    ));
+    assert!(round_after(
+        false,
+        ResumeMode::Hold,
+        Duration::from_millis(10)
+    ));
+}
+
+#[test]
+fn a_question_sent_before_the_answers_went_up_shows_the_call_asks_at_once() {
+    let first = first_round();
+    let asks_at_once = |h: &Harness| h.log.contains(&Command::Learn(Learnt::AsksAtOnce));
+    // The second of two questions asked at once missed the first round: it is replayed
+    // while the resumed stream settles, before the answer goes up.
+    let mut h = answered(&first, "Ada");
+    h.event(Stream::Call, Some("c3"), &question(1, "Nights?"));
+    h.event(Stream::Call, Some("c4"), &json!(""));
+    assert!(asks_at_once(&h), "{:?}", h.log);
+    // A question the answers caused (after the stream is live) says nothing of the kind.
+    let mut h = answered(&first, "Ada");
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    h.event(Stream::Call, Some("c4"), &question(1, "Nights?"));
+    h.advance(Duration::from_millis(10));
+    assert!(!asks_at_once(&h), "{:?}", h.log);
+    // Nor does a question of the round before replayed because it went unanswered.
+    let mut h = retry_of(&first, config(), Upstream::default(), json!({}));
+    h.event(Stream::Call, Some("c2"), &question(0, "Name?"));
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    h.advance(Duration::from_millis(10));
+    assert!(!asks_at_once(&h), "{:?}", h.log);
 }
 
 #[test]
