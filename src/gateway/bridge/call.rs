@@ -413,14 +413,17 @@ async fn drive<'g>(
     mut flow: Flow,
     mut io: Io<'g>,
 ) -> Outcome {
-    // A session deletion that comes right before the finish goes out after it, in the
-    // background: the client has its answer first, and neither it nor the next request on
-    // its connection waits for the DELETE's round trip.
-    let mut delete_pending = false;
+    // Closing the streams and deleting the session, when they come right before the
+    // finish, follow it: the client has its answer first, and neither it nor the next
+    // request on its connection waits for them (the DELETE goes out in the background).
+    let (mut close_pending, mut delete_pending) = (false, false);
     loop {
         while let Some(command) = flow.poll_command() {
             if let Command::Finish(ending) = command {
                 let outcome = finish(call, session, reply, &flow, ending).await;
+                if close_pending {
+                    close_streams(call, &mut io).await;
+                }
                 if let Some(shape) = io.warm_after.take() {
                     warm::warm_up(call.gw, call.group, call.request, shape);
                 }
@@ -429,9 +432,19 @@ async fn drive<'g>(
                 }
                 return outcome;
             }
-            if command == Command::DeleteSession {
-                delete_pending = true;
-                continue;
+            match command {
+                Command::CloseStreams => {
+                    close_pending = true;
+                    continue;
+                }
+                Command::DeleteSession => {
+                    delete_pending = true;
+                    continue;
+                }
+                _ => {}
+            }
+            if std::mem::take(&mut close_pending) {
+                close_streams(call, &mut io).await;
             }
             if std::mem::take(&mut delete_pending) {
                 delete_session(call, &io).await;
@@ -569,9 +582,7 @@ async fn execute<'g>(
             expires_at,
         } => Some(hold(call, io, flow, questions, expires_at).await),
         Command::CloseStreams => {
-            std::mem::replace(&mut io.streams, Streams::new(None, None))
-                .close(&gw.upstreams.client)
-                .await;
+            close_streams(call, io).await;
             None
         }
         Command::DeleteSession => {
@@ -603,6 +614,13 @@ async fn execute<'g>(
         }
         Command::Finish(_) => None,
     }
+}
+
+/// Closes the flow's upstream streams (never cancelling the call).
+async fn close_streams(call: &Call<'_>, io: &mut Io<'_>) {
+    std::mem::replace(&mut io.streams, Streams::new(None, None))
+        .close(&call.gw.upstreams.client)
+        .await;
 }
 
 /// Deletes the flow's upstream session (unless it is a data-layer session's).
