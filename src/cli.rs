@@ -84,8 +84,12 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         threads: usize,
         /// Most sessions held at once (the benchmarks park a million flows).
-        #[arg(long, default_value_t = crate::demo::MAX_SESSIONS)]
+        #[arg(long, default_value_t = crate::demo::DemoOptions::default().max_sessions)]
         max_sessions: usize,
+        /// How long a tool waits for the client's answer to a question, in seconds (the
+        /// benchmarks park flows for longer than the default).
+        #[arg(long, default_value_t = crate::demo::DemoOptions::default().answer_timeout.as_secs())]
+        answer_timeout_seconds: u64,
     },
     /// Validate a configuration file; exits non-zero on the first problem.
     CheckConfig {
@@ -128,8 +132,13 @@ pub fn main() -> ExitCode {
             listen,
             threads,
             max_sessions,
+            answer_timeout_seconds,
         } => {
-            crate::demo::serve(&listen, threads, max_sessions);
+            let options = crate::demo::DemoOptions {
+                max_sessions,
+                answer_timeout: std::time::Duration::from_secs(answer_timeout_seconds),
+            };
+            crate::demo::serve(&listen, threads, options);
             Ok(())
         }
         Command::CheckConfig {
@@ -216,7 +225,7 @@ fn demo(listeners: Listeners, demo_listen: String) -> Result<(), String> {
     let admin = config.admin_listen.clone();
     let extra: server::ExtraServices = vec![Box::new(crate::demo::service(
         &demo_listen,
-        crate::demo::MAX_SESSIONS,
+        crate::demo::DemoOptions::default(),
     ))];
     let (server, _metrics) = server::build(config, keys, extra).map_err(config_error)?;
     println!("{}", walkthrough(&gateway_url, &upstream, &admin));

@@ -117,6 +117,9 @@ fn start_with(name: &'static str, addr: String, command: &mut Command, stderr: S
 /// Sessions the demo backend holds at once: room for every parked flow of the scale
 /// section (its sessions are a hash map, so the bound costs nothing until used).
 const BACKEND_SESSIONS: usize = 4_000_000;
+/// How long the demo backend's tools wait for an answer, in seconds: longer than the
+/// scale section parks its first flow (about eleven minutes for a million).
+const BACKEND_ANSWER_TIMEOUT_SECONDS: u64 = 7200;
 
 pub fn backend() -> Proc {
     let addr = free_addr();
@@ -126,6 +129,10 @@ pub fn backend() -> Proc {
         command(Side::Backend, GATEWAY)
             .args(["demo-server", "--threads", "1", "--listen", &addr])
             .args(["--max-sessions", &BACKEND_SESSIONS.to_string()])
+            .args([
+                "--answer-timeout-seconds",
+                &BACKEND_ANSWER_TIMEOUT_SECONDS.to_string(),
+            ])
             .env("RUST_LOG", "warn"),
     )
 }

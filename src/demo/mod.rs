@@ -21,17 +21,32 @@ use session::DemoSession;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 use stream::EventStream;
 
 const SUPPORTED_VERSIONS: &[&str] = &["2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05"];
 const MAX_BODY: usize = 1 << 20;
-/// Sessions held at once unless `demo-server --max-sessions` says otherwise.
-pub const MAX_SESSIONS: usize = 100_000;
+/// How many sessions the demo server holds, and how long its tools wait for answers.
+#[derive(Clone, Copy, Debug)]
+pub struct DemoOptions {
+    /// Past this many sessions, `initialize` gets 503.
+    pub max_sessions: usize,
+    /// How long a tool waits for the client to answer a server request.
+    pub answer_timeout: Duration,
+}
+
+impl Default for DemoOptions {
+    fn default() -> Self {
+        DemoOptions {
+            max_sessions: 100_000,
+            answer_timeout: Duration::from_secs(600),
+        }
+    }
+}
 
 pub struct DemoServer {
     sessions: Mutex<HashMap<String, Arc<DemoSession>>>,
-    /// Past this many sessions, `initialize` gets 503.
-    max_sessions: usize,
+    options: DemoOptions,
 }
 
 /// A complete response.
@@ -84,10 +99,10 @@ fn new_session_id() -> String {
 }
 
 impl DemoServer {
-    pub fn new(max_sessions: usize) -> DemoServer {
+    pub fn new(options: DemoOptions) -> DemoServer {
         DemoServer {
             sessions: Mutex::default(),
-            max_sessions,
+            options,
         }
     }
 
@@ -143,7 +158,7 @@ impl DemoServer {
                 "Bad Request: no session; send initialize first",
             ));
         }
-        if self.sessions.lock().expect("sessions lock").len() >= self.max_sessions {
+        if self.sessions.lock().expect("sessions lock").len() >= self.options.max_sessions {
             return Answer::Reply(Reply::error(
                 503,
                 message.get("id"),
@@ -158,7 +173,8 @@ impl DemoServer {
             .find(|v| **v == asked)
             .unwrap_or(&SUPPORTED_VERSIONS[0]);
         let id = new_session_id();
-        let session = Arc::new(DemoSession::new(params["capabilities"].clone()));
+        let capabilities = params["capabilities"].clone();
+        let session = Arc::new(DemoSession::new(capabilities, self.options.answer_timeout));
         self.sessions
             .lock()
             .expect("sessions lock")
@@ -401,25 +417,25 @@ impl HttpServerApp for DemoServer {
 }
 
 /// Runs the demo server alone, on `threads` worker threads, until SIGTERM or SIGINT.
-pub fn serve(listen: &str, threads: usize, max_sessions: usize) {
+pub fn serve(listen: &str, threads: usize, options: DemoOptions) {
     let conf = pingora::server::configuration::ServerConf {
         threads: threads.max(1),
         ..Default::default()
     };
     let mut server = pingora::server::Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
-    server.add_service(service(listen, max_sessions));
+    server.add_service(service(listen, options));
     server.run(pingora::server::RunArgs::default());
 }
 
 /// A pingora service running the demo server on `listen`.
 pub fn service(
     listen: &str,
-    max_sessions: usize,
+    options: DemoOptions,
 ) -> pingora::services::listening::Service<DemoServer> {
     let mut service = pingora::services::listening::Service::new(
         "demo MCP server".to_string(),
-        DemoServer::new(max_sessions),
+        DemoServer::new(options),
     );
     service.add_tcp(listen);
     service

@@ -9,9 +9,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::oneshot;
 
-/// How long a tool waits for the client to answer a server request.
-const ANSWER_TIMEOUT: Duration = Duration::from_secs(600);
-
 #[derive(Debug)]
 pub enum ServerRequestError {
     /// The client answered with a JSON-RPC error.
@@ -45,12 +42,15 @@ pub struct DemoSession {
     next_request: AtomicI64,
     /// Whether a standalone GET stream is being read.
     pub standalone_open: AtomicBool,
+    /// How long a tool waits for the client to answer a server request.
+    answer_timeout: Duration,
 }
 
 impl DemoSession {
-    pub fn new(capabilities: Value) -> DemoSession {
+    pub fn new(capabilities: Value, answer_timeout: Duration) -> DemoSession {
         DemoSession {
             capabilities,
+            answer_timeout,
             streams: Mutex::new(HashMap::new()),
             next_stream: AtomicU64::new(0),
             pending: Mutex::new(HashMap::new()),
@@ -97,7 +97,7 @@ impl DemoSession {
     /// The client's answer to a request sent with [`DemoSession::send_request`].
     pub async fn answer_to(&self, asked: Asked) -> Result<Value, ServerRequestError> {
         let Asked { id, rx } = asked;
-        let answer = tokio::time::timeout(ANSWER_TIMEOUT, rx).await;
+        let answer = tokio::time::timeout(self.answer_timeout, rx).await;
         self.pending.lock().expect("pending lock").remove(&id);
         match answer {
             Ok(Ok(message)) => match message.get("result") {
