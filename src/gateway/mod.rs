@@ -207,7 +207,9 @@ impl Gateway {
                     principal,
                     arrival,
                 };
-                bridge::serve(self, session, group, request).await
+                // The bridge's future is the largest by far: on the heap, so that a legacy
+                // request's future (moved onto the heap whole per request) stays small.
+                Box::pin(bridge::serve(self, session, group, request)).await
             }
             Era::Legacy if arrival == Arrival::Peer => refuse_on_peer_listener(session).await,
             Era::Legacy => {
