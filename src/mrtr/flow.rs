@@ -485,6 +485,14 @@ struct Reading {
     keepalive_at: Option<Instant>,
     /// A `Post` (a ping's answer, a refusal) is awaited, and what follows it.
     posting: Option<AfterPost>,
+    /// What the flow read before the round began (a retry's replay, while its stream
+    /// settled) and has yet to take: taken in order, each once no `Post` is awaited.
+    replayed: VecDeque<Input>,
+    /// A question among `replayed` shows the call asks several at once (every question
+    /// of the round before was answered, so the replay holds only what came after it).
+    replay_teaches: bool,
+    /// The input being taken comes from `replayed`.
+    taking_replayed: bool,
 }
 
 /// What follows a round's `Post`.
@@ -1045,32 +1053,13 @@ impl Flow {
                 let positions = (from, session_from);
                 let mut reading = self.reading_for(call, Some(positions), true, true, now);
                 reading.round.skip(answered);
-                let mut phase = Phase::Reading(reading);
-                let mut asked_before_the_answers = false;
-                for (stream, event) in replayed {
-                    phase = match phase {
-                        Phase::Reading(r) if r.posting.is_none() => {
-                            let asked = r.round.question_count();
-                            let input = Input::Event { stream, event };
-                            let next = self.reading(r, input, now);
-                            asked_before_the_answers |= matches!(&next,
-                                Phase::Reading(n) if n.round.question_count() > asked);
-                            next
-                        }
-                        other => return other,
-                    };
-                }
-                // Every question of the round before was answered, so the replay holds
-                // only what came after it: a question there did not wait for those answers.
-                if all_answered && asked_before_the_answers {
-                    self.learn(Learnt::AsksAtOnce);
-                }
-                match phase {
-                    Phase::Reading(r) if call_ended => {
-                        self.reading(r, Input::StreamEnded(Stream::Call), now)
-                    }
-                    other => other,
-                }
+                reading.replayed = replayed
+                    .into_iter()
+                    .map(|(stream, event)| Input::Event { stream, event })
+                    .chain(call_ended.then_some(Input::StreamEnded(Stream::Call)))
+                    .collect();
+                reading.replay_teaches = all_answered;
+                self.take_replayed(reading, now)
             }
         }
     }
@@ -1114,7 +1103,28 @@ impl Flow {
             last_message: now,
             keepalive_at: config.keepalive.map(|k| now + k),
             posting: None,
+            replayed: VecDeque::new(),
+            replay_teaches: false,
+            taking_replayed: false,
         })
+    }
+
+    /// Takes what the round read before it began, in order, until a `Post` is awaited
+    /// (the rest follows its answer) or the round ends (the rest is replayed again from
+    /// the state's positions).
+    fn take_replayed(&mut self, mut r: Box<Reading>, now: Instant) -> Phase {
+        while r.posting.is_none() {
+            let Some(input) = r.replayed.pop_front() else {
+                break;
+            };
+            r.taking_replayed = true;
+            r = match self.reading(r, input, now) {
+                Phase::Reading(r) => r,
+                ended => return ended,
+            };
+            r.taking_replayed = false;
+        }
+        Phase::Reading(r)
     }
 
     fn reading(&mut self, mut r: Box<Reading>, input: Input, now: Instant) -> Phase {
@@ -1148,7 +1158,7 @@ impl Flow {
                 (_, Ok(())) if r.round.is_full() => {
                     self.end_round(r, RoundEnd::Questions { draining: false })
                 }
-                (_, Ok(())) => Phase::Reading(r),
+                (_, Ok(())) => self.take_replayed(r, now),
             },
             Input::ClientGone => self.end_round(r, RoundEnd::ClientGone),
             // Only a resumable round can be handed over; others finish here.
@@ -1222,6 +1232,10 @@ impl Flow {
             return self.end_round(r, end);
         }
         if r.round.question_count() > asked {
+            if r.taking_replayed && std::mem::take(&mut r.replay_teaches) {
+                // Asked without waiting for the answers of the round before.
+                self.learn(Learnt::AsksAtOnce);
+            }
             r.quiet_until = Some(now + self.quiet_window(&r));
         }
         if r.round.is_full() && r.posting.is_none() {

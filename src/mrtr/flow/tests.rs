@@ -638,6 +638,25 @@ fn a_question_sent_before_the_answers_went_up_shows_the_call_asks_at_once() {
 }
 
 #[test]
+fn a_question_replayed_after_a_ping_is_asked_once_the_ping_is_answered() {
+    let first = first_round();
+    let mut h = answered(&first, "Ada");
+    // Replayed while the stream settles: a ping, then a question.
+    let ping = json!({"jsonrpc": "2.0", "id": 9, "method": "ping"});
+    h.event(Stream::Call, Some("c3"), &ping);
+    h.event(Stream::Call, Some("c4"), &question(1, "Nights?"));
+    h.event(Stream::Call, Some("c5"), &json!(""));
+    let posted = h.posted();
+    assert_eq!(posted.len(), 2, "the answer, then the ping's: {posted:?}");
+    assert_eq!(posted[1], json!({"jsonrpc": "2.0", "id": 9, "result": {}}));
+    h.advance(Duration::from_millis(10));
+    let Ending::InputRequired { input_requests, .. } = h.ending() else {
+        panic!("{:?}", h.ending());
+    };
+    assert_eq!(input_requests.keys().collect::<Vec<_>>(), ["elicitation_1"]);
+}
+
+#[test]
 fn a_result_replayed_before_the_priming_event_is_read_once_the_answers_are_up() {
     let first = first_round();
     let id = first.call_id();
