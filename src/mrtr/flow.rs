@@ -493,6 +493,9 @@ struct Reading {
     replay_teaches: bool,
     /// The input being taken comes from `replayed`.
     taking_replayed: bool,
+    /// The gateway began draining before the round could be resumed elsewhere (no event
+    /// id seen yet): it is handed over as soon as it can be.
+    drain_pending: bool,
 }
 
 /// What follows a round's `Post`.
@@ -1106,6 +1109,7 @@ impl Flow {
             replayed: VecDeque::new(),
             replay_teaches: false,
             taking_replayed: false,
+            drain_pending: false,
         })
     }
 
@@ -1161,9 +1165,14 @@ impl Flow {
                 (_, Ok(())) => self.take_replayed(r, now),
             },
             Input::ClientGone => self.end_round(r, RoundEnd::ClientGone),
-            // Only a resumable round can be handed over; others finish here.
+            // Only a resumable round can be handed over; others finish here. One that
+            // cannot be resumed yet is handed over once it can.
             Input::Draining if self.resumes(&r) => {
                 self.end_round(r, RoundEnd::Questions { draining: true })
+            }
+            Input::Draining => {
+                r.drain_pending = true;
+                Phase::Reading(r)
             }
             _ => Phase::Reading(r),
         }
@@ -1189,7 +1198,7 @@ impl Flow {
             }
         }
         if event.data.is_empty() {
-            return Phase::Reading(r);
+            return self.read_on(r);
         }
         r.last_message = now;
         if stream == Stream::Call {
@@ -1240,6 +1249,15 @@ impl Flow {
         }
         if r.round.is_full() && r.posting.is_none() {
             return self.end_round(r, RoundEnd::Questions { draining: false });
+        }
+        self.read_on(r)
+    }
+
+    /// The round reads on after an event, unless the gateway is draining and the round
+    /// can now be handed over.
+    fn read_on(&mut self, r: Box<Reading>) -> Phase {
+        if r.drain_pending && r.posting.is_none() && self.resumes(&r) {
+            return self.end_round(r, RoundEnd::Questions { draining: true });
         }
         Phase::Reading(r)
     }

@@ -1097,6 +1097,13 @@ fn draining_hands_a_resumable_round_over_and_lets_a_held_one_run() {
     };
     assert!(input_requests.is_empty(), "a state-only result");
     assert!(matches!(state.waiting, Waiting::Resumable { .. }));
+    // Draining before the call's stream showed an event id: handed over once it does.
+    let mut early = Harness::new_call(config(), Upstream::default());
+    early.feed(Input::Draining);
+    assert!(early.ending.is_none(), "not resumable yet");
+    early.event(Stream::Call, Some("c1"), &json!(""));
+    assert!(early.log.contains(&Command::Note(Note::HandedOver)));
+    assert!(matches!(early.ending(), Ending::InputRequired { .. }));
     let mut held = Harness::new_call(config(), Upstream::default());
     held.event(
         Stream::Call,
