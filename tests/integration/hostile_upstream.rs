@@ -60,6 +60,9 @@ pub fn question_flood_case() -> usize {
             c.limits.max_input_requests_per_round = 16;
             c.limits.max_request_state_bytes = 16 << 10;
             c.bridge.quiet_window_for = window_for;
+            // A round that waits ends at the limit, not at the window: a long one keeps
+            // a loaded machine's slow upstream from ending it first.
+            c.bridge.quiet_window_ms = 5000;
         });
         let started = Instant::now();
         let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
@@ -88,6 +91,7 @@ pub fn question_flood_case() -> usize {
     let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
         c.limits.max_input_requests_bytes = 64 << 10;
         c.bridge.quiet_window_for = QuietWindowFor::All;
+        c.bridge.quiet_window_ms = 5000;
     });
     let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
     assert_eq!(status, 200, "{body}");
