@@ -1,20 +1,23 @@
-//! One HTTP exchange with an upstream endpoint over pingora's pooled client: send the
-//! request, read the response header within the response timeout, then hand out body
-//! chunks. A response read to its end goes back to the pool; one abandoned midway is
-//! shut down, so a half-read stream is never reused. Interim (1xx) responses are
+//! One HTTP exchange with an upstream endpoint over pingora's HTTP/1.1 client session:
+//! send the request, read the response header within the response timeout, then hand
+//! out body chunks. New connections (TCP, TLS) are pingora's transport connector's; a
+//! response read to its end leaves its connection idle for the next exchange
+//! (`upstream::idle`); one abandoned midway is shut down, so a half-read stream is never
+//! reused. Interim (1xx) responses are
 //! skipped, a protocol switch refused, and a failed attempt made again only when the
 //! request provably did not run.
 
+use super::idle::IdleConnections;
 use super::{Endpoint, Timeouts};
 use crate::metrics::{InUse, Metrics};
 use crate::tls::upstream::{handshake_failure, HandshakeFailure};
 use bytes::{Bytes, BytesMut};
-use pingora::connectors::http::Connector;
+use pingora::connectors::TransportConnector;
 use pingora::http::{RequestHeader, ResponseHeader};
-use pingora::protocols::http::client::HttpSession;
-use pingora::protocols::http::v1;
+use pingora::protocols::http::v1::client::{http_req_header_to_wire, HttpSession};
 use pingora::protocols::Stream;
 use pingora::upstreams::peer::HttpPeer;
+use pingora::upstreams::peer::Peer;
 use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -133,17 +136,20 @@ impl Fault {
     }
 }
 
-/// The pooled client every exchange goes through; it counts upstream latency, the
-/// connections in use and upstream session events into its gateway's metrics.
+/// The client every exchange goes through, with its idle connections; it counts
+/// upstream latency, the connections in use and upstream session events into its
+/// gateway's metrics.
 pub struct UpstreamClient {
-    connector: Connector,
+    transport: TransportConnector,
+    idle: IdleConnections,
     pub metrics: Arc<Metrics>,
 }
 
 impl UpstreamClient {
     pub fn new(metrics: Arc<Metrics>) -> UpstreamClient {
         UpstreamClient {
-            connector: Connector::new(None),
+            transport: TransportConnector::new(None),
+            idle: IdleConnections::new(POOL_IDLE),
             metrics,
         }
     }
@@ -199,7 +205,7 @@ impl UpstreamClient {
             }
             Err(failed) => return Err(failed.into_fault().at(at)),
         };
-        http.set_read_timeout(timeouts.stream_idle);
+        http.read_timeout = timeouts.stream_idle;
         self.metrics
             .upstream_duration
             .with_label_values(&[endpoint.authority.as_str()])
@@ -212,18 +218,22 @@ impl UpstreamClient {
         })
     }
 
-    /// A pooled connection (pingora drops one the upstream closed while it idled), or a
-    /// new one; and whether it was pooled. A failed connection is never tried again: a
-    /// handshake that failed would fail again.
+    /// An idle connection to the peer (one the upstream closed while it idled is not
+    /// used), or a new one; and whether it was idle. A failed connection is never tried
+    /// again: a handshake that failed would fail again.
     async fn connect(&self, peer: &HttpPeer) -> Result<(HttpSession, bool), Fault> {
+        if let Some(stream) = self.idle.take(peer.reuse_hash()) {
+            return Ok((HttpSession::new(stream), true));
+        }
         // Pingora's connect future holds a TLS handshake: on the heap, so that it does not
         // sit in every future that sends a request.
-        Box::pin(self.connector.get_http_session(peer))
+        let stream = Box::pin(self.transport.new_stream(peer))
             .await
             .map_err(|e| Fault {
                 failure: connect_failure(&e),
                 source: Some(e),
-            })
+            })?;
+        Ok((HttpSession::new(stream), false))
     }
 
     /// Writes the request and reads the final response header; a failed attempt's
@@ -235,7 +245,7 @@ impl UpstreamClient {
         body: &Bytes,
     ) -> Result<HttpSession, Failed> {
         let mut http = write_request(http, timeouts.response, request, body).await?;
-        http.set_read_timeout(Some(timeouts.response));
+        http.read_timeout = Some(timeouts.response);
         match read_final_header(&mut http).await {
             Ok(()) => Ok(http),
             Err(failed) => {
@@ -254,14 +264,13 @@ impl UpstreamClient {
             ..
         } = response;
         match pool {
-            // Pingora's release is a future of kilobytes: on the heap, so that it does not
-            // sit in every future that finishes a response.
-            Some(peer) if http.response_done() => {
-                Box::pin(
-                    self.connector
-                        .release_http_session(*http, &*peer, Some(POOL_IDLE)),
-                )
-                .await;
+            Some(peer) if http.is_body_done() => {
+                // Kept only if pingora finds it reusable: the body read to its end, no
+                // byte past it, keep-alive on both sides.
+                http.respect_keepalive();
+                if let Some(stream) = http.reuse().await {
+                    self.idle.put(peer.reuse_hash(), stream);
+                }
             }
             _ => http.shutdown().await,
         }
@@ -303,13 +312,7 @@ async fn write_request(
     body: &Bytes,
 ) -> Result<HttpSession, Failed> {
     let nothing = |failure: ExchangeFailure| Failed::at(Reached::Nothing, Fault::new(failure));
-    let HttpSession::H1(h1) = http else {
-        // Upstream peers offer HTTP/1.1 only (`ALPN::H1`).
-        return Err(nothing(ExchangeFailure::Protocol(
-            "negotiated a protocol other than HTTP/1.1",
-        )));
-    };
-    let Some(header) = v1::client::http_req_header_to_wire(request) else {
+    let Some(header) = http_req_header_to_wire(request) else {
         return Err(nothing(ExchangeFailure::Protocol(
             "cannot carry the request's target",
         )));
@@ -317,14 +320,14 @@ async fn write_request(
     let mut wire = BytesMut::with_capacity(header.len() + body.len());
     wire.extend_from_slice(&header);
     wire.extend_from_slice(body);
-    let mut stream = h1.into_inner();
+    let mut stream = http.into_inner();
     let written = tokio::time::timeout(limit, async {
         stream.write_all(&wire).await?;
         stream.flush().await
     })
     .await;
     match written {
-        Ok(Ok(())) => Ok(HttpSession::H1(v1::client::HttpSession::new(stream))),
+        Ok(Ok(())) => Ok(HttpSession::new(stream)),
         Ok(Err(e)) => Err(Failed::at(
             Reached::Nothing,
             Fault {
@@ -347,7 +350,7 @@ async fn write_request(
 /// `MAX_INTERIM_RESPONSES` interim ones; a switch of protocols is refused.
 async fn read_final_header(http: &mut HttpSession) -> Result<(), Failed> {
     for interim in 0..=MAX_INTERIM_RESPONSES {
-        if let Err(e) = http.read_response_header().await {
+        if let Err(e) = http.read_response().await {
             // Pingora marks a connection that closed or reset before a response header
             // `ReusedOnly`; after an interim response the upstream surely has the request.
             let unanswered = interim == 0 && matches!(e.retry, pingora::RetryType::ReusedOnly);
@@ -358,7 +361,7 @@ async fn read_final_header(http: &mut HttpSession) -> Result<(), Failed> {
             };
             return Err(Failed::at(reached, read_error(e)));
         }
-        let status = http.response_header().map_or(0, |h| h.status.as_u16());
+        let status = http.resp_header().map_or(0, |h| h.status.as_u16());
         let refused = match HeaderKind::of(status) {
             HeaderKind::Final => return Ok(()),
             HeaderKind::Interim => continue,
@@ -459,7 +462,7 @@ fn read_error(e: pingora::BError) -> Fault {
 /// `next_chunk`. The stream belongs to no pool. For the `upstream_response` fuzz target
 /// and tests, which feed an upstream's response from memory.
 pub async fn read_response_from(stream: Stream) -> Result<Response, ExchangeError> {
-    let http = HttpSession::H1(v1::client::HttpSession::new(stream));
+    let http = HttpSession::new(stream);
     let request =
         RequestHeader::build("POST", b"/mcp", Some(2)).map_err(|e| read_error(e).at(None))?;
     let timeouts = Timeouts {
@@ -471,7 +474,7 @@ pub async fn read_response_from(stream: Stream) -> Result<Response, ExchangeErro
     let mut http = UpstreamClient::write_and_read_header(http, &timeouts, &request, &body)
         .await
         .map_err(|failed| failed.into_fault().at(None))?;
-    http.set_read_timeout(timeouts.stream_idle);
+    http.read_timeout = timeouts.stream_idle;
     Ok(Response {
         http: Box::new(http),
         endpoint: None,
@@ -504,7 +507,7 @@ impl Response {
 
     pub fn header(&self) -> &ResponseHeader {
         self.http
-            .response_header()
+            .resp_header()
             .expect("send() returns only after the response header was read")
     }
 
@@ -520,7 +523,7 @@ impl Response {
     pub async fn next_chunk(&mut self) -> Result<Option<Bytes>, ExchangeError> {
         let endpoint = self.endpoint;
         self.http
-            .read_response_body()
+            .read_body_bytes()
             .await
             .map_err(|e| read_error(e).at(endpoint))
     }
@@ -579,7 +582,7 @@ mod tests {
         let request = RequestHeader::build("POST", b"/mcp", None).unwrap();
         let body = Bytes::from_static(b"{\"jsonrpc\":\"2.0\"}");
         let (client, mut upstream) = tokio::io::duplex(4096);
-        let http = HttpSession::H1(v1::client::HttpSession::new(Box::new(client)));
+        let http = HttpSession::new(Box::new(client));
         let limit = Duration::from_secs(1);
         let written = write_request(http, limit, &request, &body).await;
         assert!(written.is_ok());
@@ -594,7 +597,7 @@ mod tests {
 
         let (client, upstream) = tokio::io::duplex(4096);
         drop(upstream);
-        let http = HttpSession::H1(v1::client::HttpSession::new(Box::new(client)));
+        let http = HttpSession::new(Box::new(client));
         let Err(failed) = write_request(http, limit, &request, &body).await else {
             panic!("a write to a closed peer fails");
         };

@@ -5,6 +5,7 @@
 
 pub mod dns;
 pub mod exchange;
+pub mod idle;
 pub mod legacy_session;
 
 use crate::config::{
