@@ -26,6 +26,8 @@ use tokio::io::AsyncWriteExt;
 
 /// How long an idle pooled upstream connection is kept.
 const POOL_IDLE: Duration = Duration::from_secs(60);
+/// Most bytes of a body nobody wants that are read off to keep its connection.
+const DISCARD_LIMIT: usize = 64 << 10;
 /// Most interim (1xx) responses skipped before an upstream's final response.
 pub const MAX_INTERIM_RESPONSES: usize = 8;
 
@@ -253,6 +255,14 @@ impl UpstreamClient {
                 Err(failed)
             }
         }
+    }
+
+    /// Reads off the rest of a body nobody wants (a refusal, a 202's, a DELETE's), within
+    /// `limit`, so that its connection can serve the next exchange; a body over
+    /// `DISCARD_LIMIT`, or slower than `limit`, closes it instead.
+    pub async fn discard(&self, mut response: Response, limit: Duration) {
+        let _ = tokio::time::timeout(limit, response.read_all(DISCARD_LIMIT)).await;
+        self.finish(response).await;
     }
 
     /// Returns a fully read response's connection to the pool, or closes it.

@@ -252,18 +252,23 @@ impl<'a> LegacySession<'a> {
         let status = response.header().status.as_u16();
         if status >= 400 {
             let refused = self.refused(&response);
-            self.client.finish(response).await;
+            self.discard(response).await;
             return Err(refused);
         }
         Ok(response)
     }
 
+    /// Reads off a response's unwanted body within the response timeout, keeping its
+    /// connection for the next exchange.
+    async fn discard(&self, response: Response) {
+        self.client.discard(response, self.timeouts.response).await;
+    }
+
     /// POSTs a notification or a response, which the upstream must accept with 202.
     pub async fn post_and_expect_accepted(&self, message: &Value) -> Result<(), SessionError> {
-        let mut response = self.post(message).await?;
+        let response = self.post(message).await?;
         let status = response.header().status.as_u16();
-        let _ = response.read_all(64 << 10).await;
-        self.client.finish(response).await;
+        self.discard(response).await;
         match status {
             200..=299 => Ok(()),
             other => Err(SessionError::protocol(
@@ -301,11 +306,11 @@ impl<'a> LegacySession<'a> {
         let status = response.header().status.as_u16();
         if status != 200 {
             let refused = self.refused(&response);
-            self.client.finish(response).await;
+            self.discard(response).await;
             return Err(refused);
         }
         if !response.is_sse() {
-            self.client.finish(response).await;
+            self.discard(response).await;
             return Err(SessionError::protocol(
                 Some(self.endpoint.addr),
                 "answered a GET of its session without an SSE stream",
@@ -349,13 +354,12 @@ impl<'a> LegacySession<'a> {
             return;
         }
         let req = self.request("DELETE", 0, None);
-        if let Ok(mut response) = self
+        if let Ok(response) = self
             .client
             .send(&self.endpoint, self.timeouts, req, Bytes::new())
             .await
         {
-            let _ = response.read_all(64 << 10).await;
-            self.client.finish(response).await;
+            self.discard(response).await;
             self.client.metrics.upstream_session(event);
         }
     }

@@ -548,4 +548,21 @@ fn an_upstream_that_keeps_a_closed_get_stream_is_not_waited_for_twice() {
         1 + 1,
         "the second retry does not wait"
     );
+    // A refused GET's connection is read to its end and serves a later exchange: each
+    // session's fresh GET after its first was refused with 409.
+    let requests = upstream.requests();
+    let mut sessions_with_get = HashSet::new();
+    let refused: Vec<&Seen> = requests
+        .iter()
+        .filter(|s| s.method == "GET" && s.header("last-event-id").is_none())
+        .filter(|s| !sessions_with_get.insert(s.header("mcp-session-id")))
+        .collect();
+    assert_eq!(refused.len(), 4 + 1, "the two retries' GETs");
+    let carried_more = |r: &&Seen| {
+        (requests.iter()).any(|s| s.connection == r.connection && s.on_connection > r.on_connection)
+    };
+    assert!(
+        refused.iter().any(carried_more),
+        "a refused GET's connection served the next exchange"
+    );
 }
