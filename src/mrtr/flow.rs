@@ -184,6 +184,12 @@ pub enum Input {
         stream: Stream,
         result: Result<(), Failure>,
     },
+    /// `Reopen`: the call's stream is resumed (at `call_at`, which may be before the
+    /// session's stream was done), or not.
+    Reopened {
+        result: Result<(), Failure>,
+        call_at: Instant,
+    },
     /// `PostCall`: the upstream's answer to the call.
     CallPosted(Result<CallReply, Failure>),
     /// `Post`: the upstream took the message (202), or not.
@@ -220,8 +226,8 @@ pub enum Command {
         after: Option<String>,
     },
     /// A retry's reopening: the call's stream resumed after `after` and, beside it, the
-    /// session's (after `session_after`, or fresh); answer `StreamOpened` for the call's
-    /// stream once both are done. The session's is optional: without it, questions come
+    /// session's (after `session_after`, or fresh); answer `Reopened` once both are
+    /// done. The session's is optional: without it, questions come
     /// on the call's stream only.
     Reopen {
         after: String,
@@ -664,8 +670,11 @@ impl Flow {
             (Phase::Posting { call }, Input::CallPosted(reply)) => {
                 self.call_posted(call, reply, now)
             }
+            (Phase::Reopening(retry), Input::Reopened { result, call_at }) => {
+                self.call_reopened(retry, result, call_at.min(now), now)
+            }
             (Phase::Reopening(retry), Input::StreamOpened { result, .. }) => {
-                self.call_reopened(retry, result, now)
+                self.call_reopened(retry, result, now, now)
             }
             (Phase::Settling { retry, until }, Input::Event { stream, event }) => {
                 self.settling_event(retry, until, stream, event, now)
@@ -850,10 +859,13 @@ impl Flow {
         Phase::Reopening(retry)
     }
 
+    /// The retry's streams are open: the wait for the call stream's priming event counts
+    /// from when that stream answered, so a slow session stream does not add to it.
     fn call_reopened(
         &mut self,
         retry: Box<Retry>,
         result: Result<(), Failure>,
+        call_at: Instant,
         now: Instant,
     ) -> Phase {
         if let Err(failure) = result {
@@ -872,7 +884,7 @@ impl Flow {
         };
         Phase::Settling {
             retry,
-            until: now + limit,
+            until: call_at + limit,
         }
     }
 

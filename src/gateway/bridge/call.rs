@@ -706,7 +706,7 @@ async fn open_stream(
 }
 
 /// A retry's streams: the call's resumed after `after` and the session's (after
-/// `session_after`, or fresh), opened at once; answered as the call's stream.
+/// `session_after`, or fresh), opened at once; answered with when the call's answered.
 async fn reopen(
     call: &Call<'_>,
     io: &mut Io<'_>,
@@ -718,17 +718,17 @@ async fn reopen(
     } = io;
     let Some(upstream) = upstream.as_ref() else {
         let result = Err(Failure::new(FailureKind::Broken, "no upstream session"));
-        return Input::StreamOpened {
-            stream: Stream::Call,
+        return Input::Reopened {
             result,
+            call_at: Instant::now(),
         };
     };
     (streams.call, streams.session) = (None, None);
     // Two exchanges side by side: on the heap, so that they do not sit in every request's
     // future (`a_requests_future_is_small`).
-    let (resumed, session) = Box::pin(async {
+    let ((resumed, call_at), session) = Box::pin(async {
         tokio::join!(
-            resume_call(upstream, after),
+            async { (resume_call(upstream, after).await, Instant::now()) },
             session_stream(call, upstream, session_after)
         )
     })
@@ -737,10 +737,7 @@ async fn reopen(
     let result = resumed
         .map(|response| streams.replace_call(response))
         .map_err(|e| failure(&e));
-    Input::StreamOpened {
-        stream: Stream::Call,
-        result,
-    }
+    Input::Reopened { result, call_at }
 }
 
 /// The session's GET stream, if the upstream opens one; a server found to keep a closed

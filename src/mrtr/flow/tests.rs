@@ -61,6 +61,8 @@ struct Upstream {
     posts: VecDeque<Result<(), Failure>>,
     watched: bool,
     held: Result<HeldAt, Refusal>,
+    /// How much later than the call's resumed stream the session's stream was done.
+    session_stream_lag: Duration,
 }
 
 impl Default for Upstream {
@@ -79,12 +81,13 @@ impl Default for Upstream {
                 owner: Some("10.0.0.1:9091".parse().unwrap()),
                 slot: 42,
             }),
+            session_stream_lag: Duration::ZERO,
         }
     }
 }
 
 impl Upstream {
-    fn answer(&mut self, command: &Command) -> Option<Input> {
+    fn answer(&mut self, command: &Command, now: Instant) -> Option<Input> {
         match command {
             Command::OpenSession => Some(match self.open_failure.clone() {
                 Some(failure) => Input::SessionFailed(failure),
@@ -105,9 +108,9 @@ impl Upstream {
                     result,
                 })
             }
-            Command::Reopen { .. } => Some(Input::StreamOpened {
-                stream: Stream::Call,
+            Command::Reopen { .. } => Some(Input::Reopened {
                 result: self.call_opens.pop_front().unwrap_or(Ok(())),
+                call_at: now.checked_sub(self.session_stream_lag).unwrap_or(now),
             }),
             Command::PostCall { id } => {
                 Some(Input::CallPosted(match self.call_failures.pop_front() {
@@ -173,7 +176,7 @@ impl Harness {
                 assert!(self.ending.is_none(), "a flow finishes once");
                 self.ending = Some(ending.clone());
             }
-            let answer = self.upstream.answer(&command);
+            let answer = self.upstream.answer(&command, self.now);
             self.log.push(command);
             if let Some(input) = answer {
                 self.flow.handle(input, self.now);
@@ -700,6 +703,37 @@ fn an_unknown_upstream_teaches_whether_it_primes() {
         h.posted().len(),
         1,
         "no wait for an upstream known not to prime"
+    );
+}
+
+#[test]
+fn the_wait_for_priming_counts_from_the_call_streams_resumption() {
+    // A server that keeps a closed GET stream makes the session's stream take its retries
+    // (up to 140 ms) after the call's stream is back; that time is part of the wait.
+    let first = first_round();
+    let mut unknown = config();
+    unknown.primes = None;
+    let upstream = Upstream {
+        session_stream_lag: Duration::from_millis(200),
+        ..Upstream::default()
+    };
+    let mut h = retry_of(
+        &first,
+        unknown,
+        upstream,
+        json!({"elicitation_0": accept("Ada")}),
+    );
+    h.advance(Duration::from_millis(99));
+    assert!(
+        h.posted().is_empty(),
+        "still within the call stream's 300 ms"
+    );
+    h.advance(Duration::from_millis(1));
+    assert!(h.log.contains(&Command::Learn(Learnt::Primes(false))));
+    assert_eq!(
+        h.posted().len(),
+        1,
+        "300 ms after the call's stream, not 500"
     );
 }
 
