@@ -3,32 +3,43 @@
 //! taken (a read that must find nothing: a close or stray bytes discard it) and for its
 //! idle time, and each peer keeps a bounded number, the most recently used taken first.
 //! Releasing and taking one is a lock and a vector operation, not a task spawned per
-//! release and a task handoff per reuse.
+//! release and a task handoff per reuse. One sweeper task per pool closes, every
+//! `SWEEP_EVERY`, what the upstream closed or what idled past the limit, so that the
+//! connections to a peer never used again (a pod gone from DNS) do not stay open.
 
 use pingora::protocols::Stream;
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Waker};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::io::{AsyncRead, ReadBuf};
+use tokio::time::Instant;
 
 /// Most idle connections kept per peer; past it the oldest is closed.
 pub const MAX_IDLE_PER_PEER: usize = 128;
+/// How often the sweeper closes idle connections that are closed, stray or too old.
+const SWEEP_EVERY: Duration = Duration::from_secs(5);
+
+type ByPeer = Mutex<HashMap<u64, Vec<(Stream, Instant)>>>;
 
 /// Idle connections by peer (pingora's `reuse_hash`: address and TLS settings).
 pub struct IdleConnections {
-    by_peer: Mutex<HashMap<u64, Vec<(Stream, Instant)>>>,
+    by_peer: Arc<ByPeer>,
     /// How long a connection may idle before it is closed instead of used.
     idle_limit: Duration,
+    /// The sweeper, started with the first connection kept on the runtime that kept it
+    /// (and again should that runtime have ended).
+    sweeper: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl IdleConnections {
     pub fn new(idle_limit: Duration) -> IdleConnections {
         IdleConnections {
-            by_peer: Mutex::default(),
+            by_peer: Arc::default(),
             idle_limit,
+            sweeper: Mutex::default(),
         }
     }
 
@@ -47,6 +58,7 @@ impl IdleConnections {
     /// Keeps `stream` for the next exchange with `peer`; connections idle past the limit,
     /// and the oldest past `MAX_IDLE_PER_PEER`, are closed.
     pub fn put(&self, peer: u64, stream: Stream) {
+        self.keep_sweeping();
         let mut by_peer = self.by_peer.lock().expect("idle connections lock");
         let idle = by_peer.entry(peer).or_default();
         idle.retain(|(_, since)| since.elapsed() < self.idle_limit);
@@ -56,12 +68,45 @@ impl IdleConnections {
         idle.push((stream, Instant::now()));
     }
 
+    fn keep_sweeping(&self) {
+        let mut sweeper = self.sweeper.lock().expect("idle sweeper lock");
+        if sweeper.as_ref().is_none_or(|task| task.is_finished()) {
+            let by_peer = Arc::downgrade(&self.by_peer);
+            *sweeper = Some(tokio::spawn(sweep_every(by_peer, self.idle_limit)));
+        }
+    }
+
     /// How many connections idle, over all peers.
     #[cfg(test)]
     fn len(&self) -> usize {
         let by_peer = self.by_peer.lock().expect("idle connections lock");
         by_peer.values().map(Vec::len).sum()
     }
+}
+
+/// Sweeps the pool every `SWEEP_EVERY` until the pool is dropped.
+async fn sweep_every(by_peer: Weak<ByPeer>, idle_limit: Duration) {
+    let mut ticks = tokio::time::interval(SWEEP_EVERY);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let Some(by_peer) = by_peer.upgrade() else {
+            return;
+        };
+        sweep(&by_peer, idle_limit);
+    }
+}
+
+/// Closes every idle connection the upstream closed, that holds stray bytes or that
+/// idled past `idle_limit`, and forgets peers left with none.
+fn sweep(by_peer: &ByPeer, idle_limit: Duration) {
+    let mut by_peer = by_peer.lock().expect("idle connections lock");
+    by_peer.retain(|_, idle| {
+        idle.retain_mut(|(stream, since)| {
+            since.elapsed() < idle_limit && is_open_and_quiet(stream)
+        });
+        !idle.is_empty()
+    });
 }
 
 /// Whether an idle connection has nothing to read now: an upstream never speaks first on
@@ -112,6 +157,37 @@ mod tests {
         let (old, _peer_old) = stream();
         expired.put(1, old);
         assert!(expired.take(1).is_none(), "idle past the limit");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_sweeper_closes_what_a_peer_never_used_again_closed() {
+        let idle = IdleConnections::new(Duration::from_secs(60));
+        let (gone, peer_gone) = stream();
+        idle.put(1, gone);
+        let (kept, _peer_kept) = stream();
+        idle.put(2, kept);
+        drop(peer_gone);
+        // Neither peer is used again; the sweeper alone closes peer 1's connection.
+        tokio::time::sleep(SWEEP_EVERY * 2).await;
+        assert_eq!(idle.len(), 1, "only the open one idles");
+        let by_peer = idle.by_peer.lock().unwrap();
+        assert!(
+            !by_peer.contains_key(&1),
+            "a peer left with none is forgotten"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_sweeper_closes_what_idled_past_the_limit_and_ends_with_its_pool() {
+        let idle = IdleConnections::new(Duration::from_secs(7));
+        let (old, _peer_old) = stream();
+        idle.put(1, old);
+        let weak = Arc::downgrade(&idle.by_peer);
+        tokio::time::sleep(SWEEP_EVERY * 3).await;
+        assert_eq!(idle.len(), 0, "idled past its limit, with no put or take");
+        drop(idle);
+        tokio::time::sleep(SWEEP_EVERY * 2).await;
+        assert!(weak.upgrade().is_none(), "the sweeper holds no pool alive");
     }
 
     #[tokio::test]
