@@ -26,8 +26,11 @@ use tokio::io::AsyncWriteExt;
 
 /// How long an idle pooled upstream connection is kept.
 const POOL_IDLE: Duration = Duration::from_secs(60);
-/// Most bytes of a body nobody wants that are read off to keep its connection.
+/// Most bytes of a body nobody wants that are read off to keep its connection, and the
+/// longest wait for them: a refusal's body comes with its header, and one that dribbles
+/// must not hold the exchange that waits behind it.
 const DISCARD_LIMIT: usize = 64 << 10;
+const DISCARD_WAIT: Duration = Duration::from_millis(250);
 /// Most interim (1xx) responses skipped before an upstream's final response.
 pub const MAX_INTERIM_RESPONSES: usize = 8;
 
@@ -258,9 +261,10 @@ impl UpstreamClient {
     }
 
     /// Reads off the rest of a body nobody wants (a refusal, a 202's, a DELETE's), within
-    /// `limit`, so that its connection can serve the next exchange; a body over
-    /// `DISCARD_LIMIT`, or slower than `limit`, closes it instead.
+    /// `limit` and `DISCARD_WAIT`, so that its connection can serve the next exchange; a
+    /// body over `DISCARD_LIMIT`, or slower than that, closes it instead.
     pub async fn discard(&self, mut response: Response, limit: Duration) {
+        let limit = limit.min(DISCARD_WAIT);
         let _ = tokio::time::timeout(limit, response.read_all(DISCARD_LIMIT)).await;
         self.finish(response).await;
     }

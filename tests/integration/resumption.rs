@@ -566,3 +566,89 @@ fn an_upstream_that_keeps_a_closed_get_stream_is_not_waited_for_twice() {
         "a refused GET's connection served the next exchange"
     );
 }
+
+#[test]
+fn a_refusal_whose_body_never_ends_does_not_hold_the_retry() {
+    // The server refuses a second GET stream with 409 and a body it never finishes (its
+    // Content-Length promises more than it sends). The retry reads no more of it than a
+    // refusal's body takes to arrive; it does not wait out the response timeout.
+    let with_get: Mutex<HashSet<String>> = Mutex::default();
+    let call_ids: Mutex<HashMap<String, Value>> = Mutex::default();
+    let sessions = AtomicUsize::new(0);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let sid = seen
+            .header("mcp-session-id")
+            .unwrap_or_default()
+            .to_string();
+        if seen.method == "GET" {
+            let Some(after) = seen.header("last-event-id") else {
+                return match with_get.lock().unwrap().insert(sid) {
+                    true => Answer::sse(&[]),
+                    false => {
+                        Answer::raw("HTTP/1.1 409 Conflict\r\ncontent-length: 64\r\n\r\nConflict")
+                    }
+                };
+            };
+            let id = call_ids
+                .lock()
+                .unwrap()
+                .get(&sid)
+                .cloned()
+                .unwrap_or_default();
+            let result = json!({"jsonrpc": "2.0", "id": id, "result": {
+                "content": [{"type": "text", "text": format!("done after {after}")}]}});
+            return Answer::sse(&[])
+                .event(Some(&format!("{sid}-c3")), &json!(""))
+                .event(None, &result)
+                .end();
+        }
+        let body = seen.json().unwrap_or_default();
+        if body.get("method").is_none() && body.get("result").is_some() {
+            return Answer::status(202, &[], b"");
+        }
+        match body["method"].as_str() {
+            Some("initialize") => {
+                let n = sessions.fetch_add(1, Ordering::SeqCst);
+                legacy_basics(seen, &format!("s{n}")).expect("initialize")
+            }
+            Some("tools/call") => {
+                call_ids
+                    .lock()
+                    .unwrap()
+                    .insert(sid.clone(), body["id"].clone());
+                let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
+                    "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
+                Answer::sse(&[])
+                    .event(Some(&format!("{sid}-c1")), &json!(""))
+                    .event(Some(&format!("{sid}-c2")), &question)
+            }
+            _ => legacy_basics(seen, "unused").unwrap_or_else(|| Answer::status(405, &[], b"")),
+        }
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.upstreams[0].response_timeout_ms = 120_000;
+        c.bridge.warm_sessions_per_shape = 0;
+    });
+    let url = gw.url.clone();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let raw = Raw::new(&url);
+        let (status, first) = call_hostile(&raw, 1, json!({}));
+        assert_eq!(status, 200, "{first}");
+        let key = first["result"]["inputRequests"]
+            .as_object()
+            .and_then(|q| q.keys().next().cloned())
+            .unwrap_or_else(|| panic!("a question: {first}"));
+        let retry = json!({"inputResponses": {key: {"action": "accept", "content": {}}},
+            "requestState": first["result"]["requestState"]});
+        let _ = done_tx.send(call_hostile(&raw, 2, retry));
+    });
+    // Four refused GETs (the first retry tries three times more) at a 120 s response
+    // timeout each would take eight minutes.
+    let (status, done) = done_rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the retry is answered while the refusals' bodies are still owed");
+    assert_eq!(status, 200, "{done}");
+    assert!(done["result"]["content"][0]["text"].is_string(), "{done}");
+}
