@@ -448,16 +448,16 @@ fn the_client_has_its_result_before_the_upstream_session_is_deleted() {
     assert_eq!(done["result"]["content"][0]["text"], "done");
 }
 
-#[test]
-fn an_upstream_that_keeps_a_closed_get_stream_is_not_waited_for_twice() {
-    // Each session's first GET stream is held by the server for good: every later GET
-    // in the session gets 409, as a server that notices a closed stream only when it
-    // next writes to it answers.
+/// A server that holds each session's first GET stream for good and answers every later
+/// GET in the session with `refusal`, as a server that notices a closed stream only when
+/// it next writes to it answers; the call asks one question, and its resumed stream
+/// sends the result once the answer is in.
+fn keeps_its_first_get_stream(refusal: Answer) -> ScriptedUpstream {
     let with_get: Mutex<HashSet<String>> = Mutex::default();
     let gates: Mutex<HashMap<String, Gate>> = Mutex::default();
     let call_ids: Mutex<HashMap<String, Value>> = Mutex::default();
     let sessions = AtomicUsize::new(0);
-    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+    ScriptedUpstream::start(move |seen: &Seen| {
         let sid = seen
             .header("mcp-session-id")
             .unwrap_or_default()
@@ -472,7 +472,7 @@ fn an_upstream_that_keeps_a_closed_get_stream_is_not_waited_for_twice() {
             let Some(after) = seen.header("last-event-id") else {
                 return match with_get.lock().unwrap().insert(sid) {
                     true => Answer::sse(&[]),
-                    false => Answer::status(409, &[], b"Conflict: one GET stream per session"),
+                    false => refusal.clone(),
                 };
             };
             let id = call_ids
@@ -512,7 +512,17 @@ fn an_upstream_that_keeps_a_closed_get_stream_is_not_waited_for_twice() {
             }
             _ => legacy_basics(seen, "unused").unwrap_or_else(|| Answer::status(405, &[], b"")),
         }
-    });
+    })
+}
+
+#[test]
+fn an_upstream_that_keeps_a_closed_get_stream_is_not_waited_for_twice() {
+    // Every GET after a session's first gets a whole 409.
+    let upstream = keeps_its_first_get_stream(Answer::status(
+        409,
+        &[],
+        b"Conflict: one GET stream per session",
+    ));
     let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
         c.upstreams[0].era = UpstreamEra::Legacy;
         c.bridge.warm_sessions_per_shape = 0;
@@ -572,59 +582,9 @@ fn a_refusal_whose_body_never_ends_does_not_hold_the_retry() {
     // The server refuses a second GET stream with 409 and a body it never finishes (its
     // Content-Length promises more than it sends). The retry reads no more of it than a
     // refusal's body takes to arrive; it does not wait out the response timeout.
-    let with_get: Mutex<HashSet<String>> = Mutex::default();
-    let call_ids: Mutex<HashMap<String, Value>> = Mutex::default();
-    let sessions = AtomicUsize::new(0);
-    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
-        let sid = seen
-            .header("mcp-session-id")
-            .unwrap_or_default()
-            .to_string();
-        if seen.method == "GET" {
-            let Some(after) = seen.header("last-event-id") else {
-                return match with_get.lock().unwrap().insert(sid) {
-                    true => Answer::sse(&[]),
-                    false => {
-                        Answer::raw("HTTP/1.1 409 Conflict\r\ncontent-length: 64\r\n\r\nConflict")
-                    }
-                };
-            };
-            let id = call_ids
-                .lock()
-                .unwrap()
-                .get(&sid)
-                .cloned()
-                .unwrap_or_default();
-            let result = json!({"jsonrpc": "2.0", "id": id, "result": {
-                "content": [{"type": "text", "text": format!("done after {after}")}]}});
-            return Answer::sse(&[])
-                .event(Some(&format!("{sid}-c3")), &json!(""))
-                .event(None, &result)
-                .end();
-        }
-        let body = seen.json().unwrap_or_default();
-        if body.get("method").is_none() && body.get("result").is_some() {
-            return Answer::status(202, &[], b"");
-        }
-        match body["method"].as_str() {
-            Some("initialize") => {
-                let n = sessions.fetch_add(1, Ordering::SeqCst);
-                legacy_basics(seen, &format!("s{n}")).expect("initialize")
-            }
-            Some("tools/call") => {
-                call_ids
-                    .lock()
-                    .unwrap()
-                    .insert(sid.clone(), body["id"].clone());
-                let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
-                    "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
-                Answer::sse(&[])
-                    .event(Some(&format!("{sid}-c1")), &json!(""))
-                    .event(Some(&format!("{sid}-c2")), &question)
-            }
-            _ => legacy_basics(seen, "unused").unwrap_or_else(|| Answer::status(405, &[], b"")),
-        }
-    });
+    let upstream = keeps_its_first_get_stream(Answer::raw(
+        "HTTP/1.1 409 Conflict\r\ncontent-length: 64\r\n\r\nConflict",
+    ));
     let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
         c.upstreams[0].era = UpstreamEra::Legacy;
         c.upstreams[0].response_timeout_ms = 120_000;
