@@ -40,6 +40,8 @@ pub struct Metrics {
     pub client_connections_refused: IntCounter,
     /// Upstream connections in use: an exchange waiting for, or reading, a response.
     pub upstream_connections: IntGauge,
+    /// Upstream connections kept idle for the next exchange.
+    pub upstream_idle_connections: IntGauge,
     /// Flows waiting for a client's retry that this replica opened (the reaper's table).
     pub pending_flows: IntGauge,
     /// Upstream sessions initialized ahead of demand, ready for a call.
@@ -267,6 +269,11 @@ impl Metrics {
                 &r,
                 "mrtr_gateway_upstream_connections",
                 "Upstream connections in use (a response awaited or being read)",
+            ),
+            upstream_idle_connections: gauge(
+                &r,
+                "mrtr_gateway_upstream_idle_connections",
+                "Upstream connections kept idle for the next exchange",
             ),
             pending_flows: gauge(
                 &r,

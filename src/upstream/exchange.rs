@@ -154,7 +154,7 @@ impl UpstreamClient {
     pub fn new(metrics: Arc<Metrics>) -> UpstreamClient {
         UpstreamClient {
             transport: TransportConnector::new(None),
-            idle: IdleConnections::new(POOL_IDLE),
+            idle: IdleConnections::new(POOL_IDLE, metrics.upstream_idle_connections.clone()),
             metrics,
         }
     }

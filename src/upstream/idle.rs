@@ -8,6 +8,7 @@
 //! connections to a peer never used again (a pod gone from DNS) do not stay open.
 
 use pingora::protocols::Stream;
+use prometheus::IntGauge;
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -27,6 +28,8 @@ type ByPeer = Mutex<HashMap<u64, Vec<(Stream, Instant)>>>;
 /// Idle connections by peer (pingora's `reuse_hash`: address and TLS settings).
 pub struct IdleConnections {
     by_peer: Arc<ByPeer>,
+    /// How many idle, over all peers (`upstream_idle_connections`).
+    count: IntGauge,
     /// How long a connection may idle before it is closed instead of used.
     idle_limit: Duration,
     /// The sweeper, started with the first connection kept on the runtime that kept it
@@ -35,9 +38,10 @@ pub struct IdleConnections {
 }
 
 impl IdleConnections {
-    pub fn new(idle_limit: Duration) -> IdleConnections {
+    pub fn new(idle_limit: Duration, count: IntGauge) -> IdleConnections {
         IdleConnections {
             by_peer: Arc::default(),
+            count,
             idle_limit,
             sweeper: Mutex::default(),
         }
@@ -47,12 +51,15 @@ impl IdleConnections {
     pub fn take(&self, peer: u64) -> Option<Stream> {
         let mut by_peer = self.by_peer.lock().expect("idle connections lock");
         let idle = by_peer.get_mut(&peer)?;
+        let mut taken = None;
         while let Some((mut stream, since)) = idle.pop() {
             if since.elapsed() < self.idle_limit && is_open_and_quiet(&mut stream) {
-                return Some(stream);
+                taken = Some(stream);
+                break;
             }
         }
-        None
+        self.count.set(total(&by_peer));
+        taken
     }
 
     /// Keeps `stream` for the next exchange with `peer`; connections idle past the limit,
@@ -66,13 +73,15 @@ impl IdleConnections {
             idle.remove(0);
         }
         idle.push((stream, Instant::now()));
+        self.count.set(total(&by_peer));
     }
 
     fn keep_sweeping(&self) {
         let mut sweeper = self.sweeper.lock().expect("idle sweeper lock");
         if sweeper.as_ref().is_none_or(|task| task.is_finished()) {
             let by_peer = Arc::downgrade(&self.by_peer);
-            *sweeper = Some(tokio::spawn(sweep_every(by_peer, self.idle_limit)));
+            let sweep = sweep_every(by_peer, self.idle_limit, self.count.clone());
+            *sweeper = Some(tokio::spawn(sweep));
         }
     }
 
@@ -80,12 +89,16 @@ impl IdleConnections {
     #[cfg(test)]
     fn len(&self) -> usize {
         let by_peer = self.by_peer.lock().expect("idle connections lock");
-        by_peer.values().map(Vec::len).sum()
+        usize::try_from(total(&by_peer)).unwrap_or(usize::MAX)
     }
 }
 
+fn total(by_peer: &HashMap<u64, Vec<(Stream, Instant)>>) -> i64 {
+    by_peer.values().map(|idle| idle.len() as i64).sum()
+}
+
 /// Sweeps the pool every `SWEEP_EVERY` until the pool is dropped.
-async fn sweep_every(by_peer: Weak<ByPeer>, idle_limit: Duration) {
+async fn sweep_every(by_peer: Weak<ByPeer>, idle_limit: Duration, count: IntGauge) {
     let mut ticks = tokio::time::interval(SWEEP_EVERY);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -93,13 +106,13 @@ async fn sweep_every(by_peer: Weak<ByPeer>, idle_limit: Duration) {
         let Some(by_peer) = by_peer.upgrade() else {
             return;
         };
-        sweep(&by_peer, idle_limit);
+        count.set(sweep(&by_peer, idle_limit));
     }
 }
 
 /// Closes every idle connection the upstream closed, that holds stray bytes or that
-/// idled past `idle_limit`, and forgets peers left with none.
-fn sweep(by_peer: &ByPeer, idle_limit: Duration) {
+/// idled past `idle_limit`, and forgets peers left with none; how many are left.
+fn sweep(by_peer: &ByPeer, idle_limit: Duration) -> i64 {
     let mut by_peer = by_peer.lock().expect("idle connections lock");
     by_peer.retain(|_, idle| {
         idle.retain_mut(|(stream, since)| {
@@ -107,6 +120,7 @@ fn sweep(by_peer: &ByPeer, idle_limit: Duration) {
         });
         !idle.is_empty()
     });
+    total(&by_peer)
 }
 
 /// Whether an idle connection has nothing to read now: an upstream never speaks first on
@@ -128,6 +142,10 @@ mod tests {
     use super::*;
     use tokio::io::AsyncWriteExt;
 
+    fn gauge() -> IntGauge {
+        IntGauge::new("idle", "idle").unwrap()
+    }
+
     fn stream() -> (Stream, tokio::io::DuplexStream) {
         let (ours, theirs) = tokio::io::duplex(64);
         (Box::new(ours), theirs)
@@ -135,13 +153,14 @@ mod tests {
 
     #[tokio::test]
     async fn an_idle_connection_is_taken_once_and_only_while_open_quiet_and_recent() {
-        let idle = IdleConnections::new(Duration::from_secs(60));
+        let idle = IdleConnections::new(Duration::from_secs(60), gauge());
         let (open, _peer_open) = stream();
         idle.put(1, open);
         assert_eq!(idle.len(), 1);
         assert!(idle.take(2).is_none(), "another peer's");
         assert!(idle.take(1).is_some());
         assert!(idle.take(1).is_none(), "taken once");
+        assert_eq!(idle.count.get(), 0, "the gauge follows takes");
 
         let (closed, peer_closed) = stream();
         idle.put(1, closed);
@@ -153,7 +172,7 @@ mod tests {
         peer_chatty.write_all(b"HTTP/1.1 408").await.unwrap();
         assert!(idle.take(1).is_none(), "stray bytes");
 
-        let expired = IdleConnections::new(Duration::ZERO);
+        let expired = IdleConnections::new(Duration::ZERO, gauge());
         let (old, _peer_old) = stream();
         expired.put(1, old);
         assert!(expired.take(1).is_none(), "idle past the limit");
@@ -161,7 +180,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_sweeper_closes_what_a_peer_never_used_again_closed() {
-        let idle = IdleConnections::new(Duration::from_secs(60));
+        let idle = IdleConnections::new(Duration::from_secs(60), gauge());
         let (gone, peer_gone) = stream();
         idle.put(1, gone);
         let (kept, _peer_kept) = stream();
@@ -170,6 +189,7 @@ mod tests {
         // Neither peer is used again; the sweeper alone closes peer 1's connection.
         tokio::time::sleep(SWEEP_EVERY * 2).await;
         assert_eq!(idle.len(), 1, "only the open one idles");
+        assert_eq!(idle.count.get(), 1, "the gauge follows the sweep");
         let by_peer = idle.by_peer.lock().unwrap();
         assert!(
             !by_peer.contains_key(&1),
@@ -179,7 +199,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_sweeper_closes_what_idled_past_the_limit_and_ends_with_its_pool() {
-        let idle = IdleConnections::new(Duration::from_secs(7));
+        let idle = IdleConnections::new(Duration::from_secs(7), gauge());
         let (old, _peer_old) = stream();
         idle.put(1, old);
         let weak = Arc::downgrade(&idle.by_peer);
@@ -192,7 +212,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_peer_keeps_at_most_its_bound_the_newest_taken_first() {
-        let idle = IdleConnections::new(Duration::from_secs(60));
+        let idle = IdleConnections::new(Duration::from_secs(60), gauge());
         let mut peers = Vec::new();
         for _ in 0..MAX_IDLE_PER_PEER + 3 {
             let (ours, theirs) = stream();
@@ -200,6 +220,7 @@ mod tests {
             peers.push(theirs);
         }
         assert_eq!(idle.len(), MAX_IDLE_PER_PEER);
+        assert_eq!(idle.count.get(), MAX_IDLE_PER_PEER as i64, "and puts");
         // The newest is taken first: closing its peer makes it unusable, the next is taken.
         drop(peers.pop());
         assert!(idle.take(7).is_some());
