@@ -515,6 +515,21 @@ fn keeps_its_first_get_stream(refusal: Answer) -> ScriptedUpstream {
     })
 }
 
+/// A GET that opens a session's stream afresh (no `Last-Event-ID`).
+fn is_fresh_get(seen: &Seen) -> bool {
+    seen.method == "GET" && seen.header("last-event-id").is_none()
+}
+
+/// The retry of `first`'s one question, accepted with empty content.
+fn accepting_the_question(first: &Value) -> Value {
+    let key = first["result"]["inputRequests"]
+        .as_object()
+        .and_then(|q| q.keys().next().cloned())
+        .unwrap_or_else(|| panic!("a question: {first}"));
+    json!({"inputResponses": {key: {"action": "accept", "content": {}}},
+        "requestState": first["result"]["requestState"]})
+}
+
 #[test]
 fn an_upstream_that_keeps_a_closed_get_stream_is_not_waited_for_twice() {
     // Every GET after a session's first gets a whole 409.
@@ -532,19 +547,14 @@ fn an_upstream_that_keeps_a_closed_get_stream_is_not_waited_for_twice() {
         upstream
             .requests()
             .iter()
-            .filter(|s| s.method == "GET" && s.header("last-event-id").is_none())
+            .filter(|s| is_fresh_get(s))
             .count()
     };
     let mut after_each = Vec::new();
     for flow in 0..2u64 {
         let (status, first) = call_hostile(&raw, 2 * flow + 1, json!({}));
         assert_eq!(status, 200, "{first}");
-        let key = first["result"]["inputRequests"]
-            .as_object()
-            .and_then(|q| q.keys().next().cloned())
-            .unwrap_or_else(|| panic!("a question: {first}"));
-        let retry = json!({"inputResponses": {key: {"action": "accept", "content": {}}},
-            "requestState": first["result"]["requestState"]});
+        let retry = accepting_the_question(&first);
         let (status, done) = call_hostile(&raw, 2 * flow + 2, retry);
         assert_eq!(status, 200, "{done}");
         assert!(done["result"]["content"][0]["text"].is_string(), "{done}");
@@ -564,7 +574,7 @@ fn an_upstream_that_keeps_a_closed_get_stream_is_not_waited_for_twice() {
     let mut sessions_with_get = HashSet::new();
     let refused: Vec<&Seen> = requests
         .iter()
-        .filter(|s| s.method == "GET" && s.header("last-event-id").is_none())
+        .filter(|s| is_fresh_get(s))
         .filter(|s| !sessions_with_get.insert(s.header("mcp-session-id")))
         .collect();
     assert_eq!(refused.len(), 4 + 1, "the two retries' GETs");
@@ -596,12 +606,7 @@ fn a_refusal_whose_body_never_ends_does_not_hold_the_retry() {
         let raw = Raw::new(&url);
         let (status, first) = call_hostile(&raw, 1, json!({}));
         assert_eq!(status, 200, "{first}");
-        let key = first["result"]["inputRequests"]
-            .as_object()
-            .and_then(|q| q.keys().next().cloned())
-            .unwrap_or_else(|| panic!("a question: {first}"));
-        let retry = json!({"inputResponses": {key: {"action": "accept", "content": {}}},
-            "requestState": first["result"]["requestState"]});
+        let retry = accepting_the_question(&first);
         let _ = done_tx.send(call_hostile(&raw, 2, retry));
     });
     // Four refused GETs (the first retry tries three times more) at a 120 s response
