@@ -422,7 +422,7 @@ pub async fn answers_modern_discover(
         return Some(false);
     };
     if matches!(response.header().status.as_u16(), 401 | 403) {
-        client.finish(response).await;
+        client.discard(response, timeouts.response).await;
         return None;
     }
     let answer = read_single(&mut response).await;
