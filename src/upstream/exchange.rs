@@ -7,7 +7,7 @@
 //! skipped, a protocol switch refused, and a failed attempt made again only when the
 //! request provably did not run.
 
-use super::idle::IdleConnections;
+use super::idle::{idle_life, IdleConnections, IDLE_MOST};
 use super::{Endpoint, Timeouts};
 use crate::metrics::{InUse, Metrics};
 use crate::tls::upstream::{handshake_failure, HandshakeFailure};
@@ -24,8 +24,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
 
-/// How long an idle pooled upstream connection is kept.
-const POOL_IDLE: Duration = Duration::from_secs(60);
 /// Most bytes of a body nobody wants that are read off to keep its connection, and the
 /// longest wait for them: a refusal's body comes with its header, and one that dribbles
 /// must not hold the exchange that waits behind it.
@@ -154,7 +152,7 @@ impl UpstreamClient {
     pub fn new(metrics: Arc<Metrics>) -> UpstreamClient {
         UpstreamClient {
             transport: TransportConnector::new(None),
-            idle: IdleConnections::new(POOL_IDLE, metrics.upstream_idle_connections.clone()),
+            idle: IdleConnections::new(metrics.upstream_idle_connections.clone()),
             metrics,
         }
     }
@@ -180,7 +178,7 @@ impl UpstreamClient {
         }
         peer.options.connection_timeout = Some(timeouts.connect);
         peer.options.total_connection_timeout = Some(timeouts.connect);
-        peer.options.idle_timeout = Some(POOL_IDLE);
+        peer.options.idle_timeout = Some(IDLE_MOST);
         peer
     }
 
@@ -280,10 +278,19 @@ impl UpstreamClient {
         match pool {
             Some(peer) if http.is_body_done() => {
                 // Kept only if pingora finds it reusable: the body read to its end, no
-                // byte past it, keep-alive on both sides.
+                // byte past it, keep-alive on both sides; and for less than the upstream
+                // keeps it.
                 http.respect_keepalive();
-                if let Some(stream) = http.reuse().await {
-                    self.idle.put(peer.reuse_hash(), stream);
+                let life = idle_life(
+                    http.resp_header()
+                        .into_iter()
+                        .flat_map(|header| header.headers.get_all("keep-alive"))
+                        .map(|value| value.as_bytes()),
+                );
+                if life.is_zero() {
+                    http.shutdown().await;
+                } else if let Some(stream) = http.reuse().await {
+                    self.idle.put(peer.reuse_hash(), stream, life);
                 }
             }
             _ => http.shutdown().await,

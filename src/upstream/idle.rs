@@ -4,8 +4,14 @@
 //! idle time, and each peer keeps a bounded number, the most recently used taken first.
 //! Releasing and taking one is a lock and a vector operation, not a task spawned per
 //! release and a task handoff per reuse. One sweeper task per pool closes, every
-//! `SWEEP_EVERY`, what the upstream closed or what idled past the limit, so that the
+//! `SWEEP_EVERY`, what the upstream closed or what idled past its time, so that the
 //! connections to a peer never used again (a pod gone from DNS) do not stay open.
+//!
+//! A connection idles only for as long as its upstream keeps it open with time to spare
+//! (`idle_life`): a request written as the upstream's idle timer fires meets its close, and
+//! a POST that met a close cannot be made again (it may have run). The upstream's own
+//! `Keep-Alive: timeout` hint, less a margin, or else less than the 5 s of common servers
+//! (Node, uvicorn, Apache): the choice of Node's undici client, for the same reason.
 
 use pingora::protocols::Stream;
 use prometheus::IntGauge;
@@ -20,29 +26,58 @@ use tokio::time::Instant;
 
 /// Most idle connections kept per peer; past it the oldest is closed.
 pub const MAX_IDLE_PER_PEER: usize = 128;
+/// How long a connection idles when its upstream gave no `Keep-Alive: timeout`.
+pub const IDLE_UNHINTED: Duration = Duration::from_secs(4);
+/// What is taken off an upstream's `Keep-Alive: timeout`: a request's time in flight and
+/// the upstream's timer granularity.
+const HINT_MARGIN: Duration = Duration::from_secs(1);
+/// Longest a connection idles, whatever its upstream says.
+pub const IDLE_MOST: Duration = Duration::from_secs(60);
 /// How often the sweeper closes idle connections that are closed, stray or too old.
 const SWEEP_EVERY: Duration = Duration::from_secs(5);
 
+/// Each peer's idle connections, oldest first, with when each must no longer be used.
 type ByPeer = Mutex<HashMap<u64, Vec<(Stream, Instant)>>>;
+
+/// How long a connection may idle after a response whose `Keep-Alive` header values are
+/// `keep_alive`: the smallest `timeout` hint (seconds) less `HINT_MARGIN`, at most
+/// `IDLE_MOST`; `IDLE_UNHINTED` without a readable hint. Zero: do not keep it.
+pub fn idle_life<'a>(keep_alive: impl IntoIterator<Item = &'a [u8]>) -> Duration {
+    let hint = keep_alive
+        .into_iter()
+        .filter_map(|value| std::str::from_utf8(value).ok())
+        .flat_map(|value| value.split(','))
+        .filter_map(|param| {
+            let (name, seconds) = param.split_once('=')?;
+            if !name.trim().eq_ignore_ascii_case("timeout") {
+                return None;
+            }
+            seconds.trim().trim_matches('"').parse::<u64>().ok()
+        })
+        .min();
+    match hint {
+        Some(seconds) => Duration::from_secs(seconds)
+            .saturating_sub(HINT_MARGIN)
+            .min(IDLE_MOST),
+        None => IDLE_UNHINTED,
+    }
+}
 
 /// Idle connections by peer (pingora's `reuse_hash`: address and TLS settings).
 pub struct IdleConnections {
     by_peer: Arc<ByPeer>,
     /// How many idle, over all peers (`upstream_idle_connections`).
     count: IntGauge,
-    /// How long a connection may idle before it is closed instead of used.
-    idle_limit: Duration,
     /// The sweeper, started with the first connection kept on the runtime that kept it
     /// (and again should that runtime have ended).
     sweeper: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl IdleConnections {
-    pub fn new(idle_limit: Duration, count: IntGauge) -> IdleConnections {
+    pub fn new(count: IntGauge) -> IdleConnections {
         IdleConnections {
             by_peer: Arc::default(),
             count,
-            idle_limit,
             sweeper: Mutex::default(),
         }
     }
@@ -52,8 +87,8 @@ impl IdleConnections {
         let mut by_peer = self.by_peer.lock().expect("idle connections lock");
         let idle = by_peer.get_mut(&peer)?;
         let mut taken = None;
-        while let Some((mut stream, since)) = idle.pop() {
-            if since.elapsed() < self.idle_limit && is_open_and_quiet(&mut stream) {
+        while let Some((mut stream, until)) = idle.pop() {
+            if Instant::now() < until && is_open_and_quiet(&mut stream) {
                 taken = Some(stream);
                 break;
             }
@@ -62,17 +97,16 @@ impl IdleConnections {
         taken
     }
 
-    /// Keeps `stream` for the next exchange with `peer`; connections idle past the limit,
-    /// and the oldest past `MAX_IDLE_PER_PEER`, are closed.
-    pub fn put(&self, peer: u64, stream: Stream) {
+    /// Keeps `stream` for the next exchange with `peer`, for at most `life` (`idle_life`);
+    /// the oldest past `MAX_IDLE_PER_PEER` is closed.
+    pub fn put(&self, peer: u64, stream: Stream, life: Duration) {
         self.keep_sweeping();
         let mut by_peer = self.by_peer.lock().expect("idle connections lock");
         let idle = by_peer.entry(peer).or_default();
-        idle.retain(|(_, since)| since.elapsed() < self.idle_limit);
         if idle.len() >= MAX_IDLE_PER_PEER {
             idle.remove(0);
         }
-        idle.push((stream, Instant::now()));
+        idle.push((stream, Instant::now() + life));
         self.count.set(total(&by_peer));
     }
 
@@ -80,7 +114,7 @@ impl IdleConnections {
         let mut sweeper = self.sweeper.lock().expect("idle sweeper lock");
         if sweeper.as_ref().is_none_or(|task| task.is_finished()) {
             let by_peer = Arc::downgrade(&self.by_peer);
-            let sweep = sweep_every(by_peer, self.idle_limit, self.count.clone());
+            let sweep = sweep_every(by_peer, self.count.clone());
             *sweeper = Some(tokio::spawn(sweep));
         }
     }
@@ -98,7 +132,7 @@ fn total(by_peer: &HashMap<u64, Vec<(Stream, Instant)>>) -> i64 {
 }
 
 /// Sweeps the pool every `SWEEP_EVERY` until the pool is dropped.
-async fn sweep_every(by_peer: Weak<ByPeer>, idle_limit: Duration, count: IntGauge) {
+async fn sweep_every(by_peer: Weak<ByPeer>, count: IntGauge) {
     let mut ticks = tokio::time::interval(SWEEP_EVERY);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -106,18 +140,17 @@ async fn sweep_every(by_peer: Weak<ByPeer>, idle_limit: Duration, count: IntGaug
         let Some(by_peer) = by_peer.upgrade() else {
             return;
         };
-        count.set(sweep(&by_peer, idle_limit));
+        count.set(sweep(&by_peer));
     }
 }
 
 /// Closes every idle connection the upstream closed, that holds stray bytes or that
-/// idled past `idle_limit`, and forgets peers left with none; how many are left.
-fn sweep(by_peer: &ByPeer, idle_limit: Duration) -> i64 {
+/// idled past its time, and forgets peers left with none; how many are left.
+fn sweep(by_peer: &ByPeer) -> i64 {
+    let now = Instant::now();
     let mut by_peer = by_peer.lock().expect("idle connections lock");
     by_peer.retain(|_, idle| {
-        idle.retain_mut(|(stream, since)| {
-            since.elapsed() < idle_limit && is_open_and_quiet(stream)
-        });
+        idle.retain_mut(|(stream, until)| now < *until && is_open_and_quiet(stream));
         !idle.is_empty()
     });
     total(&by_peer)
@@ -153,9 +186,9 @@ mod tests {
 
     #[tokio::test]
     async fn an_idle_connection_is_taken_once_and_only_while_open_quiet_and_recent() {
-        let idle = IdleConnections::new(Duration::from_secs(60), gauge());
+        let idle = IdleConnections::new(gauge());
         let (open, _peer_open) = stream();
-        idle.put(1, open);
+        idle.put(1, open, IDLE_MOST);
         assert_eq!(idle.len(), 1);
         assert!(idle.take(2).is_none(), "another peer's");
         assert!(idle.take(1).is_some());
@@ -163,28 +196,67 @@ mod tests {
         assert_eq!(idle.count.get(), 0, "the gauge follows takes");
 
         let (closed, peer_closed) = stream();
-        idle.put(1, closed);
+        idle.put(1, closed, IDLE_MOST);
         drop(peer_closed);
         assert!(idle.take(1).is_none(), "closed while it idled");
 
         let (chatty, mut peer_chatty) = stream();
-        idle.put(1, chatty);
+        idle.put(1, chatty, IDLE_MOST);
         peer_chatty.write_all(b"HTTP/1.1 408").await.unwrap();
         assert!(idle.take(1).is_none(), "stray bytes");
 
-        let expired = IdleConnections::new(Duration::ZERO, gauge());
+        let (unkept, _peer_unkept) = stream();
+        idle.put(1, unkept, Duration::ZERO);
+        assert!(idle.take(1).is_none(), "a life of zero is not taken");
+    }
+
+    #[test]
+    fn an_idle_connection_lives_less_than_its_upstream_said_it_keeps_it() {
+        let life = |values: &[&str]| idle_life(values.iter().map(|v| v.as_bytes()));
+        assert_eq!(life(&[]), IDLE_UNHINTED, "no hint");
+        assert_eq!(life(&["timeout=5"]), Duration::from_secs(4), "Node's");
+        assert_eq!(
+            life(&["max=100, Timeout = \"30\""]),
+            Duration::from_secs(29)
+        );
+        assert_eq!(
+            life(&["timeout=10", "timeout=3"]),
+            Duration::from_secs(2),
+            "least"
+        );
+        assert_eq!(life(&["timeout=1"]), Duration::ZERO, "too short to keep");
+        assert_eq!(life(&["timeout=0"]), Duration::ZERO);
+        assert_eq!(life(&["timeout=86400"]), IDLE_MOST, "bounded");
+        assert_eq!(
+            life(&["timeout=soon", "max=5"]),
+            IDLE_UNHINTED,
+            "unreadable"
+        );
+        assert!(
+            IDLE_UNHINTED < Duration::from_secs(5),
+            "under common servers' 5 s"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_connection_is_not_taken_past_its_life() {
+        let idle = IdleConnections::new(gauge());
         let (old, _peer_old) = stream();
-        expired.put(1, old);
-        assert!(expired.take(1).is_none(), "idle past the limit");
+        idle.put(1, old, IDLE_UNHINTED);
+        tokio::time::advance(IDLE_UNHINTED - Duration::from_millis(1)).await;
+        let young = idle.take(1).expect("taken within its life");
+        idle.put(1, young, Duration::from_secs(1));
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert!(idle.take(1).is_none(), "idle past its life");
     }
 
     #[tokio::test(start_paused = true)]
     async fn the_sweeper_closes_what_a_peer_never_used_again_closed() {
-        let idle = IdleConnections::new(Duration::from_secs(60), gauge());
+        let idle = IdleConnections::new(gauge());
         let (gone, peer_gone) = stream();
-        idle.put(1, gone);
+        idle.put(1, gone, IDLE_MOST);
         let (kept, _peer_kept) = stream();
-        idle.put(2, kept);
+        idle.put(2, kept, IDLE_MOST);
         drop(peer_gone);
         // Neither peer is used again; the sweeper alone closes peer 1's connection.
         tokio::time::sleep(SWEEP_EVERY * 2).await;
@@ -199,9 +271,9 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_sweeper_closes_what_idled_past_the_limit_and_ends_with_its_pool() {
-        let idle = IdleConnections::new(Duration::from_secs(7), gauge());
+        let idle = IdleConnections::new(gauge());
         let (old, _peer_old) = stream();
-        idle.put(1, old);
+        idle.put(1, old, Duration::from_secs(7));
         let weak = Arc::downgrade(&idle.by_peer);
         tokio::time::sleep(SWEEP_EVERY * 3).await;
         assert_eq!(idle.len(), 0, "idled past its limit, with no put or take");
@@ -212,11 +284,11 @@ mod tests {
 
     #[tokio::test]
     async fn a_peer_keeps_at_most_its_bound_the_newest_taken_first() {
-        let idle = IdleConnections::new(Duration::from_secs(60), gauge());
+        let idle = IdleConnections::new(gauge());
         let mut peers = Vec::new();
         for _ in 0..MAX_IDLE_PER_PEER + 3 {
             let (ours, theirs) = stream();
-            idle.put(7, ours);
+            idle.put(7, ours, IDLE_MOST);
             peers.push(theirs);
         }
         assert_eq!(idle.len(), MAX_IDLE_PER_PEER);

@@ -632,6 +632,11 @@ fn the_transport_corpus_gets_documented_answers() {
         "502 / 504, sent once; an idempotent GET sent again",
     );
     table.row(
+        "pooled connection past the upstream's Keep-Alive timeout",
+        keep_alive_hint_case(),
+        "reused within it, a fresh connection past it: the POST answered",
+    );
+    table.row(
         "upstream abort mid-body (bad chunk, reset, short body)",
         upstream_abort_case(),
         "no terminal chunk / short of Content-Length, connection closed",

@@ -428,6 +428,53 @@ fn a_post_is_never_sent_upstream_twice() {
     no_duplicate_post_case();
 }
 
+/// A pooled connection idles for less than its upstream keeps it open: a request written
+/// as the upstream's idle timer fires meets its close, and a POST that met it is not made
+/// again. The upstream says `Keep-Alive: timeout=2` and closes, unanswered, a request that
+/// comes on a connection it has left idle for 1.5 s (its timer firing as the request
+/// arrives). A request right after the last is still carried on the same connection; a
+/// call 1.6 s later goes on a fresh one and is answered.
+pub(crate) fn keep_alive_hint_case() -> usize {
+    let last_answered = std::sync::Mutex::new(std::collections::HashMap::new());
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let mut last_answered = last_answered.lock().unwrap();
+        let idle = last_answered.get(&seen.connection).map(Instant::elapsed);
+        if idle.is_some_and(|idle| idle >= Duration::from_millis(1500)) {
+            return Answer::silent().then_close();
+        }
+        last_answered.insert(seen.connection, Instant::now());
+        let result = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}});
+        Answer::json_with(200, &[("keep-alive", "timeout=2")], &result)
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let (head, _) = post_once(gw.port, "", &list_body(1));
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    let (head, _) = post_once(gw.port, "", &list_body(2));
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    let second = &upstream.requests()[1];
+    assert_eq!(
+        (second.connection, second.on_connection),
+        (0, 1),
+        "a connection within its hinted life was not reused"
+    );
+
+    // Let the connection idle past what the upstream said it keeps it.
+    std::thread::sleep(Duration::from_millis(1600));
+    let (head, body) = post_once(gw.port, "", &call_body(3, "work"));
+    assert!(head.starts_with("http/1.1 200"), "{head}\n{body}");
+    let call = &upstream.requests()[2];
+    assert_eq!(
+        call.on_connection, 0,
+        "the call went on a connection idle past the upstream's keep-alive"
+    );
+    2
+}
+
+#[test]
+fn a_pooled_connection_idles_less_than_its_upstream_keeps_it() {
+    keep_alive_hint_case();
+}
+
 /// Risk: an upstream that aborts its body (a bad chunk size, a reset mid-body, a
 /// `Content-Length` body cut short) must not reach the client as a complete body: the
 /// client's response ends without its terminal chunk (or short of its length) and the
