@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -118,8 +119,13 @@ pub struct Limits {
     pub max_header_count: usize,
     /// Most bytes of request header names and values together (431 above it).
     pub max_header_bytes: usize,
-    /// Longest wait for a request's headers (the connection is closed after it).
+    /// Longest wait for a request's headers (the connection is closed after it), from
+    /// its first byte.
     pub header_timeout_ms: u64,
+    /// How long a kept-alive client connection may wait for its next request (HTTP/1.1)
+    /// or stream (HTTP/2) before the gateway closes it; longer than the 60 s load
+    /// balancers keep idle connections to a backend, so that they close first.
+    pub client_idle_timeout_ms: u64,
     /// Longest time a request body may take to arrive in full (408 after it).
     pub body_timeout_ms: u64,
     /// Longest `requestState` accepted, checked before any decoding.
@@ -147,6 +153,7 @@ impl Default for Limits {
             max_header_count: 100,
             max_header_bytes: 32 << 10,
             header_timeout_ms: 10_000,
+            client_idle_timeout_ms: 75_000,
             body_timeout_ms: 30_000,
             max_request_state_bytes: 4096,
             max_input_responses_bytes: 1 << 20,
@@ -159,6 +166,10 @@ impl Default for Limits {
 }
 
 impl Limits {
+    pub fn client_idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.client_idle_timeout_ms)
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
         let at_least = |name: &str, value: u64, min: u64| {
             if value < min {
@@ -175,6 +186,7 @@ impl Limits {
         at_least("max_header_count", self.max_header_count as u64, 8)?;
         at_least("max_header_bytes", self.max_header_bytes as u64, 1024)?;
         at_least("header_timeout_ms", self.header_timeout_ms, 100)?;
+        at_least("client_idle_timeout_ms", self.client_idle_timeout_ms, 100)?;
         at_least("body_timeout_ms", self.body_timeout_ms, 100)?;
         at_least(
             "max_request_state_bytes",

@@ -21,6 +21,7 @@ use pingora::server::ShutdownWatch;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::watch;
 
 /// Longest a connection over the cap may take to send the request it is refused.
 const REFUSAL_READ_LIMIT: Duration = Duration::from_secs(1);
@@ -29,6 +30,10 @@ const REFUSAL_READ_LIMIT: Duration = Duration::from_secs(1);
 pub struct ConnectionCap {
     open: AtomicUsize,
     max: usize,
+    /// From this many open connections on, the listener is crowded: idle kept-alive
+    /// connections give their slots up (nginx's manner).
+    crowded_from: usize,
+    crowded: watch::Sender<bool>,
     metrics: Arc<Metrics>,
 }
 
@@ -40,26 +45,44 @@ impl ConnectionCap {
         ConnectionCap {
             open: AtomicUsize::new(0),
             max,
+            crowded_from: (max - max / 10).max(1),
+            crowded: watch::Sender::new(false),
             metrics,
         }
+    }
+
+    /// Whether the cap is nearly reached (nine tenths of it): while it is, a connection
+    /// between requests is closed rather than kept.
+    pub fn crowding(&self) -> watch::Receiver<bool> {
+        self.crowded.subscribe()
     }
 
     /// A slot for one more connection, or `None` at the maximum.
     pub fn admit(&self) -> Option<Slot<'_>> {
         let below = |open: usize| (open < self.max).then_some(open + 1);
-        let before = self
+        let Ok(before) = self
             .open
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, below)
-            .ok()?;
-        self.metrics.client_connections.set(before as i64 + 1);
+        else {
+            self.note_open(self.max);
+            return None;
+        };
+        self.note_open(before + 1);
         Some(Slot(self))
+    }
+
+    fn note_open(&self, open: usize) {
+        self.metrics.client_connections.set(open as i64);
+        let crowded = open >= self.crowded_from;
+        self.crowded
+            .send_if_modified(|was| std::mem::replace(was, crowded) != crowded);
     }
 }
 
 impl Drop for Slot<'_> {
     fn drop(&mut self) {
         let before = self.0.open.fetch_sub(1, Ordering::AcqRel);
-        self.0.metrics.client_connections.set(before as i64 - 1);
+        self.0.note_open(before - 1);
     }
 }
 
@@ -160,5 +183,25 @@ mod tests {
         let c = cap.admit().expect("a freed slot");
         drop((b, c));
         assert_eq!(metrics.client_connections.get(), 0);
+    }
+
+    #[test]
+    fn the_cap_is_crowded_from_nine_tenths_until_it_falls_below() {
+        let cap = ConnectionCap::new(20, Arc::new(Metrics::new()));
+        let crowding = cap.crowding();
+        let mut slots: Vec<_> = (0..17).map(|_| cap.admit().unwrap()).collect();
+        assert!(!*crowding.borrow(), "17 of 20");
+        slots.push(cap.admit().unwrap());
+        assert!(*crowding.borrow(), "18 of 20");
+        slots.pop();
+        assert!(!*crowding.borrow(), "back to 17");
+        let tiny = ConnectionCap::new(1, Arc::new(Metrics::new()));
+        let slot = tiny.admit();
+        assert!(
+            *tiny.crowding().borrow(),
+            "a cap of one is crowded when used"
+        );
+        drop(slot);
+        assert!(!*tiny.crowding().borrow());
     }
 }

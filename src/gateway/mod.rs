@@ -34,14 +34,17 @@ use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use pingora::apps::{HttpPersistentSettings, HttpServerApp, HttpServerOptions, ReusedHttpStream};
 use pingora::protocols::http::ServerSession;
+use pingora::protocols::Stream;
 use pingora::server::ShutdownWatch;
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::io::AsyncReadExt;
+use tokio::sync::watch;
 
 /// Longest wait for each read of a client's request body.
 const CLIENT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a kept-alive client connection may idle between requests.
-const CLIENT_KEEPALIVE_SECONDS: u64 = 60;
+/// Room for the first read of a kept-alive connection's next request.
+const NEXT_REQUEST_BUFFER: usize = 4096;
 
 /// Everything one gateway instance shares across requests, by concern; each handler
 /// takes the parts it uses.
@@ -383,23 +386,71 @@ async fn refuse_and_close(session: &mut ServerSession, status: u16, code: i64, m
 /// A listener's application: the MCP listener's (`Arrival::Client`) or the peer
 /// listener's (`Arrival::Peer`), both serving one shared gateway.
 pub struct Listener {
-    pub gw: Arc<Gateway>,
-    pub arrival: Arrival,
+    gw: Arc<Gateway>,
+    arrival: Arrival,
+    /// Whether the listener's connection cap is nearly reached (`ConnectionCap::crowding`):
+    /// idle kept-alive connections are closed, and answers say `Connection: close`.
+    crowding: Option<watch::Receiver<bool>>,
+    /// An HTTP/2 connection (over TLS, by ALPN) that carries no stream for as long as an
+    /// idle HTTP/1.1 connection is kept is closed, so idle connections do not hold the
+    /// connection cap's slots.
+    options: HttpServerOptions,
 }
 
-/// The listeners' HTTP options: an HTTP/2 connection (over TLS, by ALPN) that carries no
-/// stream for as long as an idle HTTP/1.1 connection is kept is closed, so idle
-/// connections do not hold the connection cap's slots.
-static SERVER_OPTIONS: LazyLock<HttpServerOptions> = LazyLock::new(|| {
-    let mut options = HttpServerOptions::default();
-    options.h2_idle_timeout = Some(Duration::from_secs(CLIENT_KEEPALIVE_SECONDS));
-    options
-});
+impl Listener {
+    pub fn new(
+        gw: Arc<Gateway>,
+        arrival: Arrival,
+        crowding: Option<watch::Receiver<bool>>,
+    ) -> Listener {
+        let mut options = HttpServerOptions::default();
+        options.h2_idle_timeout = Some(gw.config.limits.client_idle_timeout());
+        Listener {
+            gw,
+            arrival,
+            crowding,
+            options,
+        }
+    }
+
+    fn is_crowded(&self) -> bool {
+        self.crowding.as_ref().is_some_and(|c| *c.borrow())
+    }
+
+    /// Waits on a kept-alive connection for the first bytes of its next request, for at
+    /// most `limits.client_idle_timeout_ms`, and not once the gateway shuts down or the
+    /// listener is crowded. The header timeout counts from these bytes, not from the
+    /// last response: a connection may idle longer than a request may take to arrive.
+    async fn next_request_begins(
+        &self,
+        mut stream: Stream,
+        shutdown: &ShutdownWatch,
+    ) -> Option<(Stream, BytesMut)> {
+        let mut first = BytesMut::with_capacity(NEXT_REQUEST_BUFFER);
+        let idle = self.gw.config.limits.client_idle_timeout();
+        let mut shutdown = shutdown.clone();
+        let mut crowding = self.crowding.clone();
+        let crowded = async {
+            match crowding.as_mut() {
+                Some(crowding) => crowding.wait_for(|crowded| *crowded).await.is_ok(),
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            read = tokio::time::timeout(idle, stream.read_buf(&mut first)) => match read {
+                Ok(Ok(n)) if n > 0 => Some((stream, first)),
+                _ => None,
+            },
+            Ok(_) = shutdown.wait_for(|down| *down) => None,
+            true = crowded => None,
+        }
+    }
+}
 
 #[async_trait]
 impl HttpServerApp for Listener {
     fn server_options(&self) -> Option<&HttpServerOptions> {
-        Some(&SERVER_OPTIONS)
+        Some(&self.options)
     }
 
     async fn process_new_http(
@@ -421,15 +472,21 @@ impl HttpServerApp for Listener {
         // request with both Content-Length and Transfer-Encoding (RFC 9112 §6.1: bytes
         // after its body must never run as a request), nor for HTTP/1.0 without
         // `Connection: keep-alive`. Only a connection it left alive gets the idle timeout.
-        let reusable = session.get_keepalive().is_some() && !*shutdown.borrow();
-        session.set_keepalive(reusable.then_some(CLIENT_KEEPALIVE_SECONDS));
+        // A crowded listener closes the connection after this answer, and says so.
+        let reusable =
+            session.get_keepalive().is_some() && !*shutdown.borrow() && !self.is_crowded();
+        let idle_seconds = self.gw.config.limits.client_idle_timeout().as_secs().max(1);
+        session.set_keepalive(reusable.then_some(idle_seconds));
         self.gw.handle(&mut session, self.arrival).await;
         close_if_body_unread(&mut session).await;
-        let settings = HttpPersistentSettings::for_session(&session);
-        match session.finish().await {
-            Ok(stream) => stream.map(|s| ReusedHttpStream::from_reusable_stream(s, settings)),
-            Err(_) => None,
-        }
+        let mut settings = HttpPersistentSettings::for_session(&session);
+        let (stream, pipelined) = session.finish().await.ok()??.into_parts();
+        let (stream, next) = match pipelined.filter(|bytes| !bytes.is_empty()) {
+            Some(pipelined) => (stream, pipelined),
+            None => self.next_request_begins(stream, shutdown).await?,
+        };
+        settings.set_pipelined_prefix(next);
+        Some(ReusedHttpStream::new(stream, Some(settings)))
     }
 }
 

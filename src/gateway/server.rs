@@ -70,14 +70,12 @@ pub fn build(
     watched.extend(listener_cert.as_ref().map(watched_certificate));
     let reloader = Reloader::new(watched, metrics.clone(), keys_poll);
     server.add_service(background_service("reloader", reloader));
-    let listener = Listener {
-        gw: gateway.clone(),
-        arrival: Arrival::Client,
-    };
     let max_connections = gateway.config.limits.max_client_connections;
+    let cap = ConnectionCap::new(max_connections, metrics.clone());
+    let listener = Listener::new(gateway.clone(), Arrival::Client, Some(cap.crowding()));
     let capped = Capped {
         app: Arc::new(listener),
-        cap: ConnectionCap::new(max_connections, metrics.clone()),
+        cap,
     };
     let mut mcp = Service::new("mcp".to_string(), capped);
     match &listener_cert {
@@ -108,10 +106,7 @@ pub fn build(
     server.add_service(mcp);
     server.add_service(background_service("admin", admin));
     if let Some(addr) = &peer_listen {
-        let app = Listener {
-            gw: gateway.clone(),
-            arrival: Arrival::Peer,
-        };
+        let app = Listener::new(gateway.clone(), Arrival::Peer, None);
         let peer = OwnListener::bind("peer", app, addr, None).map_err(|e| {
             ConfigError::at("peers.listen", format!("cannot listen on {addr}: {e}"))
         })?;

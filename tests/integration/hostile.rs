@@ -657,6 +657,11 @@ fn the_transport_corpus_gets_documented_answers() {
         "503 -32603, Connection: close; a freed slot is served",
     );
     table.row(
+        "idle kept-alive connections (past the header timeout, at the cap)",
+        client_idle_case() + crowded_listener_case(),
+        "served until the idle timeout; a stalled header closed; idle ones closed near the cap",
+    );
+    table.row(
         "Origin null (and file://)",
         origin_null_case(),
         "403 -32600, nothing forwarded",

@@ -336,6 +336,14 @@ fn post_once(port: u16, extra: &str, body: &Value) -> (String, String) {
     read_response(&mut stream)
 }
 
+/// Sends a legacy POST on `stream` and reads its response: head (lower-cased) and body.
+fn ask(stream: &mut TcpStream, body: &Value) -> (String, String) {
+    stream
+        .write_all(post("HTTP/1.1", "", body).as_bytes())
+        .unwrap();
+    read_response(stream)
+}
+
 /// The JSON-RPC error message of a response body.
 fn error_message(body: &str) -> String {
     let value: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
@@ -663,4 +671,98 @@ pub(crate) fn connection_cap_case() -> usize {
 #[test]
 fn client_connections_above_the_cap_get_503_and_close() {
     connection_cap_case();
+}
+
+/// A kept-alive connection waits for its next request for `limits.client_idle_timeout_ms`
+/// (longer than the 60 s a load balancer keeps an idle connection to a backend, so that
+/// it closes first), and the header timeout counts from the request's first byte: a
+/// request sent after an idle longer than the header timeout is served on the same
+/// connection, one whose header stalls is closed after the header timeout, and an idle
+/// connection is closed after the idle timeout.
+pub(crate) fn client_idle_case() -> usize {
+    let upstream = sse_lister();
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.limits.header_timeout_ms = 300;
+    });
+    let mut stream = connect(gw.port);
+    let (head, _) = ask(&mut stream, &initialize_body());
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    // Idle for longer than a request's header may take.
+    std::thread::sleep(Duration::from_millis(700));
+    let (head, _) = ask(&mut stream, &initialize_body());
+    assert!(
+        head.starts_with("http/1.1 200"),
+        "the kept-alive connection closed before the idle timeout: {head}"
+    );
+    stream.write_all(b"POST /mcp HTTP/1.1\r\nhost: 1").unwrap();
+    let (answer, closed) = read_to_close(&mut stream);
+    assert!(
+        closed,
+        "a stalled header outlived the header timeout: {answer}"
+    );
+
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.limits.client_idle_timeout_ms = 300;
+    });
+    let mut stream = connect(gw.port);
+    let (head, _) = ask(&mut stream, &initialize_body());
+    assert_eq!(
+        header_value(&head, "connection"),
+        Some("keep-alive"),
+        "{head}"
+    );
+    let (answer, closed) = read_to_close(&mut stream);
+    assert!(
+        closed,
+        "an idle connection outlived the idle timeout: {answer}"
+    );
+    3
+}
+
+#[test]
+fn a_kept_alive_connection_waits_for_its_next_request_for_the_idle_timeout() {
+    client_idle_case();
+}
+
+/// A listener near its connection cap (nine tenths) closes kept-alive connections that
+/// wait for a next request, so that new clients get their slots (nginx's manner), and
+/// answers `Connection: close` while it is crowded.
+pub(crate) fn crowded_listener_case() -> usize {
+    let upstream = sse_lister();
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.limits.max_client_connections = 3;
+    });
+    let gauge = || metric(&gw.admin, "mrtr_gateway_client_connections");
+    let mut kept = connect(gw.port);
+    let (head, _) = ask(&mut kept, &initialize_body());
+    assert_eq!(
+        header_value(&head, "connection"),
+        Some("keep-alive"),
+        "{head}"
+    );
+    // The third connection reaches the cap's nine tenths.
+    let fresh = [connect(gw.port), connect(gw.port)];
+    let (answer, closed) = read_to_close(&mut kept);
+    assert!(
+        closed,
+        "an idle connection kept its slot at the cap: {answer}"
+    );
+    wait_until("the idle connection's slot given up", READ_LIMIT, || {
+        gauge() == 2.0
+    });
+    let mut newcomer = connect(gw.port);
+    let (head, _) = ask(&mut newcomer, &initialize_body());
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert_eq!(
+        header_value(&head, "connection"),
+        Some("close"),
+        "a crowded listener keeps connections: {head}"
+    );
+    drop(fresh);
+    2
+}
+
+#[test]
+fn a_crowded_listener_gives_idle_connections_slots_to_new_clients() {
+    crowded_listener_case();
 }
