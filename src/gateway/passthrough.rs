@@ -285,7 +285,9 @@ pub(crate) async fn relay(
         return Outcome::ClientGone;
     }
     let _streaming = InUse::new(&gw.runtime.metrics.active_client_streams);
-    let sse = upstream.is_sse();
+    // A content-coded stream (gzip from a server's middleware) is relayed as it is: its
+    // event boundaries cannot be seen, and a keep-alive comment would corrupt it.
+    let sse = upstream.is_sse() && !upstream.is_encoded();
     // A session's GET stream never ends by itself; a POST's stream ends with its response.
     let endless = sse && session.req_header().method == http::Method::GET;
     pump(gw, session, upstream, sse, endless).await

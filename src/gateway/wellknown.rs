@@ -163,6 +163,8 @@ async fn fetch(
         .map_err(|_| unreachable(format!("cannot be asked for '{path}'")))?;
     let _ = request.insert_header("host", endpoint.authority.as_str());
     let _ = request.insert_header("accept", "application/json");
+    // Read, and relayed without the upstream's headers: uncoded.
+    let _ = request.insert_header("accept-encoding", "identity");
     let client = &gw.upstreams.client;
     let mut response = client
         .send(endpoint, &group.timeouts, request, Bytes::new())

@@ -532,12 +532,24 @@ impl Response {
             .expect("send() returns only after the response header was read")
     }
 
-    /// Whether the body is an SSE stream.
+    /// Whether the body is an SSE stream (the media type is case-insensitive).
     pub fn is_sse(&self) -> bool {
         self.header()
             .headers
             .get(http::header::CONTENT_TYPE)
-            .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"))
+            .and_then(|v| v.as_bytes().get(..b"text/event-stream".len()))
+            .is_some_and(|prefix| prefix.eq_ignore_ascii_case(b"text/event-stream"))
+    }
+
+    /// Whether the body is content-coded (`Content-Encoding` other than `identity`): its
+    /// bytes are not the media type's, and nothing may be inserted into them.
+    pub fn is_encoded(&self) -> bool {
+        self.header()
+            .headers
+            .get_all(http::header::CONTENT_ENCODING)
+            .iter()
+            .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+            .any(|coding| !coding.trim_ascii().eq_ignore_ascii_case(b"identity"))
     }
 
     /// The next body chunk; `None` at the end of the body.
@@ -578,6 +590,43 @@ mod tests {
             body.extend_from_slice(&chunk);
         }
         Ok((response.header().status.as_u16(), body))
+    }
+
+    /// Whether a response with these headers is an SSE stream, and a coded one.
+    async fn kind(headers: &str) -> (bool, bool) {
+        let wire = format!("HTTP/1.1 200 OK\r\n{headers}content-length: 0\r\n\r\n");
+        let (client, mut upstream) = tokio::io::duplex(4096);
+        upstream
+            .write_all(wire.as_bytes())
+            .await
+            .expect("in memory");
+        let response = read_response_from(Box::new(client))
+            .await
+            .expect("a response");
+        (response.is_sse(), response.is_encoded())
+    }
+
+    #[tokio::test]
+    async fn a_response_is_known_as_sse_and_as_coded_by_its_headers() {
+        let sse = "content-type: text/event-stream\r\n";
+        assert_eq!(kind(sse).await, (true, false));
+        let shouted = "content-type: Text/Event-Stream; charset=utf-8\r\n";
+        assert_eq!(
+            kind(shouted).await,
+            (true, false),
+            "media types ignore case"
+        );
+        assert_eq!(kind("content-type: text/event\r\n").await, (false, false));
+        assert_eq!(
+            kind("content-type: application/json\r\n").await,
+            (false, false)
+        );
+        let gzip = format!("{sse}content-encoding: gzip\r\n");
+        assert_eq!(kind(&gzip).await, (true, true));
+        let identity = format!("{sse}content-encoding: Identity\r\n");
+        assert_eq!(kind(&identity).await, (true, false));
+        let listed = format!("{sse}content-encoding: identity, br\r\n");
+        assert_eq!(kind(&listed).await, (true, true));
     }
 
     #[tokio::test]

@@ -224,6 +224,8 @@ impl<'a> LegacySession<'a> {
             "application/json, text/event-stream"
         };
         let _ = req.insert_header("accept", accept);
+        // The bridge reads every body itself: uncoded (no header would allow any coding).
+        let _ = req.insert_header("accept-encoding", "identity");
         let _ = req.insert_header("mcp-protocol-version", self.version.as_str());
         if let Some(sid) = &self.session_id {
             let _ = req.insert_header(MCP_SESSION_ID, sid.as_str());
@@ -411,6 +413,7 @@ pub async fn answers_modern_discover(
     for (name, value) in [
         ("host", endpoint.authority.as_str()),
         ("accept", "application/json, text/event-stream"),
+        ("accept-encoding", "identity"),
         ("content-type", "application/json"),
         ("mcp-protocol-version", version),
         ("mcp-method", "server/discover"),

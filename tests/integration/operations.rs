@@ -223,6 +223,61 @@ fn idle_client_streams_get_keep_alive_comments() {
     }
 }
 
+/// A content-coded SSE stream (gzip from a server's compression middleware, to a client
+/// that accepts it) is relayed byte for byte: its event boundaries cannot be seen, so no
+/// keep-alive comment goes into it, however long the upstream is silent.
+#[test]
+fn a_content_coded_stream_gets_no_keep_alive_comments() {
+    // A gzip stream's bytes, flushed in two pieces; the first ends in two newline bytes,
+    // as compressed bytes may.
+    let first = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03\xaa\x56\n\n".to_vec();
+    let second = b"\xca\x4c\x51\xb2\x32\xd4\x01\x00\x00\x00\xff\xff".to_vec();
+    let coded = [first.clone(), second.clone()].concat();
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        let silence = Duration::from_millis(350);
+        Answer::sse(&[("content-encoding", "gzip")])
+            .pause(silence)
+            .chunk(&first)
+            .pause(silence)
+            .chunk(&second)
+            .end()
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.sse_keepalive_ms = 100
+    });
+    let raw = Raw::new(&gw.url);
+    let session = raw.initialize(json!({}));
+    let call = json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+        "params": {"name": "slow", "arguments": {}}});
+    let mut reply = raw.request(
+        "POST",
+        &[
+            ("content-type", "application/json"),
+            ("accept", "application/json, text/event-stream"),
+            ("accept-encoding", "gzip"),
+            ("mcp-protocol-version", "2025-11-25"),
+            ("mcp-session-id", &session),
+        ],
+        Some(&call.to_string()),
+    );
+    assert_eq!(reply.status, 200);
+    let mut relayed = Vec::new();
+    let mut buf = [0u8; 256];
+    loop {
+        let n = reply.read_raw(&mut buf);
+        if n == 0 {
+            break;
+        }
+        relayed.extend_from_slice(&buf[..n]);
+        assert!(relayed.len() <= 4096, "more than the upstream sent");
+    }
+    assert_eq!(relayed, coded, "the coded stream was changed");
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_sse_keepalives_total"), 0.0);
+}
+
 /// A gateway process started from the binary, so that it can get a real SIGTERM.
 struct GatewayProcess {
     proc: Proc,
