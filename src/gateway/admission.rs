@@ -88,11 +88,13 @@ impl Admission {
         PublicResource::new(&format!("{scheme}://{authority}"), &group.path)
     }
 
-    /// The end-to-end headers a bridged request passes upstream: the client's, as
-    /// `group` lets them through, and the forwarding headers naming the client.
+    /// What a bridged request passes upstream: the client's end-to-end headers, as
+    /// `group` lets them through, the forwarding headers naming the client, and the
+    /// client's query string.
     pub fn end_to_end(&self, session: &ServerSession, group: &UpstreamGroup) -> EndToEnd {
         let client = &session.req_header().headers;
-        let mut headers = EndToEnd::of(client, &group.forward_headers);
+        let query = session.req_header().uri.query();
+        let mut headers = EndToEnd::of(client, &group.forward_headers).with_query(query);
         if let Some(hop) = self.hop(session) {
             for (name, value) in forwarded::forwarding_headers(client, &hop) {
                 headers.push(name, value);

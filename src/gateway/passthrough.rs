@@ -11,6 +11,7 @@ use crate::protocol::headers::{self, MCP_SESSION_ID};
 use crate::protocol::jsonrpc::{code, Body};
 use crate::protocol::session_token::SessionToken;
 use crate::protocol::sse::{self, BoundaryTracker};
+use crate::protocol::target::upstream_target;
 use crate::protocol::{forwarded, oauth};
 use crate::upstream::exchange::{ExchangeError, ExchangeFailure, Response};
 use crate::upstream::{Endpoint, UpstreamGroup};
@@ -161,8 +162,10 @@ fn upstream_request(
 ) -> RequestHeader {
     let client = session.req_header();
     let method = client.method.as_str();
-    let mut req = RequestHeader::build(method, route.endpoint.path.as_bytes(), Some(16))
-        .expect("method and configured path are valid");
+    // The client's query came as part of its request URI, so the target is one too.
+    let target = upstream_target(&route.endpoint.path, client.uri.query());
+    let mut req = RequestHeader::build(method, target.as_bytes(), Some(16))
+        .expect("method and target are valid");
     for (name, value) in headers::forwardable(&client.headers) {
         if !forwarded::NAMES.contains(&name.as_str()) {
             let _ = req.append_header(name.clone(), value.clone());

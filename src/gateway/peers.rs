@@ -112,7 +112,12 @@ pub async fn forward(
     if !gw.flows.peers.contains(owner) {
         return Err(format!("{owner} is not in the peer set"));
     }
-    let path = session.req_header().uri.path().to_string();
+    // The client's query too: the owner carries it upstream like the client's headers.
+    let uri = &session.req_header().uri;
+    let path = uri
+        .path_and_query()
+        .map_or(uri.path(), |p| p.as_str())
+        .to_string();
     let endpoint = Endpoint {
         addr: owner,
         authority: owner.to_string(),

@@ -102,9 +102,13 @@ impl HeaderPolicy {
 }
 
 /// The end-to-end headers a client request passes to every upstream exchange it causes
-/// in a bridged flow, in order. Their values are credentials: `Debug` shows names only.
+/// in a bridged flow, in order, and its query string (`protocol::target`). Their values
+/// are credentials: `Debug` shows header names only.
 #[derive(Clone, Default, PartialEq, Eq)]
-pub struct EndToEnd(Vec<(HeaderName, HeaderValue)>);
+pub struct EndToEnd {
+    headers: Vec<(HeaderName, HeaderValue)>,
+    query: Option<String>,
+}
 
 impl EndToEnd {
     /// The client's headers that `policy` lets through, less hop-by-hop ones, those the
@@ -117,23 +121,42 @@ impl EndToEnd {
                 && !super::forwarded::NAMES.contains(&n)
                 && policy.allows(name)
         });
-        EndToEnd(kept.map(|(n, v)| (n.clone(), v.clone())).collect())
+        EndToEnd {
+            headers: kept.map(|(n, v)| (n.clone(), v.clone())).collect(),
+            query: None,
+        }
+    }
+
+    /// With the client's query string (without `?`; none if empty).
+    pub fn with_query(mut self, query: Option<&str>) -> EndToEnd {
+        self.query = query.filter(|q| !q.is_empty()).map(str::to_string);
+        self
     }
 
     pub fn push(&mut self, name: HeaderName, value: HeaderValue) {
-        self.0.push((name, value));
+        self.headers.push((name, value));
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
-        self.0.iter().map(|(n, v)| (n, v))
+        self.headers.iter().map(|(n, v)| (n, v))
     }
 
-    /// A digest of the headers that decide who the upstream serves (everything but the
-    /// forwarding headers, which name the client's address): requests whose digests
-    /// differ never share an upstream session.
+    /// The client's query string, for `protocol::target::upstream_target`.
+    pub fn query(&self) -> Option<&str> {
+        self.query.as_deref()
+    }
+
+    /// A digest of what decides who the upstream serves (the headers but the forwarding
+    /// ones, which name the client's address, and the query, which may hold a key):
+    /// requests whose digests differ never share an upstream session.
     pub fn digest(&self) -> [u8; 32] {
         let mut h = Sha256::new();
-        for (name, value) in &self.0 {
+        if let Some(query) = &self.query {
+            h.update(b"?");
+            h.update((query.len() as u32).to_be_bytes());
+            h.update(query);
+        }
+        for (name, value) in &self.headers {
             if super::forwarded::NAMES.contains(&name.as_str()) {
                 continue;
             }
@@ -148,8 +171,9 @@ impl EndToEnd {
 
 impl fmt::Debug for EndToEnd {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let query = self.query.as_ref().map(|_| "?query");
         f.debug_list()
-            .entries(self.0.iter().map(|(n, _)| n.as_str()))
+            .entries(self.headers.iter().map(|(n, _)| n.as_str()).chain(query))
             .finish()
     }
 }
@@ -241,5 +265,17 @@ mod tests {
         let mut other = client_headers();
         other.insert("authorization", "Bearer another".parse().unwrap());
         assert_ne!(EndToEnd::of(&other, &policy).digest(), before);
+        let keyed = EndToEnd::of(&client_headers(), &policy).with_query(Some("apiKey=k1"));
+        assert!(!format!("{keyed:?}").contains("k1"), "{keyed:?}");
+        assert_ne!(keyed.digest(), before, "a key in the URL is who it is");
+        let other_key = EndToEnd::of(&client_headers(), &policy).with_query(Some("apiKey=k2"));
+        assert_ne!(keyed.digest(), other_key.digest());
+        assert_eq!(
+            EndToEnd::of(&client_headers(), &policy)
+                .with_query(Some(""))
+                .digest(),
+            before,
+            "an empty query is none"
+        );
     }
 }

@@ -1,7 +1,7 @@
 //! Socket-free MCP protocol logic: JSON-RPC classification and error bodies, the SSE
 //! codec, the sealed legacy session token, W3C trace context, which headers cross a hop
 //! and forwarding headers, the scheme a request arrived over, OAuth resource discovery
-//! through the gateway. Nothing here does I/O; the gateway shell feeds bytes in and acts
+//! through the gateway, the request target of an upstream exchange. Nothing here does I/O; the gateway shell feeds bytes in and acts
 //! on what comes out.
 
 pub mod forwarded;
@@ -12,4 +12,5 @@ pub mod oauth;
 pub mod scheme;
 pub mod session_token;
 pub mod sse;
+pub mod target;
 pub mod trace;

@@ -7,6 +7,7 @@ use super::exchange::{ExchangeError, ExchangeFailure, Response, UpstreamClient};
 use super::{Endpoint, Timeouts};
 use crate::protocol::headers::{EndToEnd, MCP_SESSION_ID};
 use crate::protocol::sse;
+use crate::protocol::target::upstream_target;
 use crate::protocol::trace::TraceContext;
 use bytes::Bytes;
 use pingora::http::RequestHeader;
@@ -212,8 +213,10 @@ impl<'a> LegacySession<'a> {
     }
 
     fn request(&self, method: &str, body_len: usize, last_event_id: Option<&str>) -> RequestHeader {
-        let mut req = RequestHeader::build(method, self.endpoint.path.as_bytes(), Some(16))
-            .expect("valid method and path");
+        // The client's query came as part of its request URI, so the target is one too.
+        let target = upstream_target(&self.endpoint.path, self.caller.headers.query());
+        let mut req = RequestHeader::build(method, target.as_bytes(), Some(16))
+            .expect("valid method and target");
         for (name, value) in self.caller.headers.iter() {
             let _ = req.append_header(name.clone(), value.clone());
         }
@@ -406,7 +409,8 @@ pub async fn answers_modern_discover(
     let message = json!({"jsonrpc": "2.0", "id": 0, "method": "server/discover", "params": {"_meta": {
         "io.modelcontextprotocol/protocolVersion": version, "io.modelcontextprotocol/clientCapabilities": {}}}});
     let body = Bytes::from(message.to_string());
-    let mut req = RequestHeader::build("POST", endpoint.path.as_bytes(), Some(16)).ok()?;
+    let target = upstream_target(&endpoint.path, caller.headers.query());
+    let mut req = RequestHeader::build("POST", target.as_bytes(), Some(16)).ok()?;
     for (name, value) in caller.headers.iter() {
         let _ = req.append_header(name.clone(), value.clone());
     }

@@ -253,6 +253,66 @@ fn an_api_key_header_reaches_the_server_in_both_eras_and_the_group_can_withhold_
     assert_eq!(withheld.status, 401, "forward_headers narrowed the list");
 }
 
+/// The key in a client's URL (`/mcp?apiKey=…`, as hosted MCP servers take per-user keys)
+/// reaches the upstream like a header does: on every exchange of a bridged flow, after
+/// the endpoint's own query; and a session opened with one key never serves a call made
+/// with another (warm sessions are kept per key).
+#[test]
+fn every_upstream_exchange_of_a_flow_carries_the_query_of_the_request_behind_it() {
+    use crate::resumption::{resumable_server, Resumes};
+    let upstream = resumable_server(Resumes::Primed, true, false);
+    let endpoint = format!("{}?tenant=a", upstream.url());
+    let gw = TestGateway::start(&[&endpoint], &test_keys());
+    let flow = |key: &str, id: u64| {
+        let raw = Raw::new(&format!("{}?apiKey={key}&tenant=b", gw.url));
+        let call = |id: u64, extra: Value| {
+            let mut params = json!({"name": "hostile", "arguments": {}});
+            params
+                .as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            raw.modern_with(id, "tools/call", params, json!({"elicitation": {}}), &[])
+                .json()
+        };
+        let first = call(id, json!({}));
+        let done = call(id + 1, answer(&first, json!({"name": "x"})));
+        assert_eq!(done["result"]["content"][0]["text"], "done", "{done}");
+    };
+    for (n, key) in ["k1", "k1", "k1", "k2"].into_iter().enumerate() {
+        flow(key, 10 * n as u64);
+    }
+    wait_until(
+        "every flow's DELETE",
+        std::time::Duration::from_secs(5),
+        || {
+            upstream
+                .requests()
+                .iter()
+                .filter(|s| s.method == "DELETE")
+                .count()
+                >= 4
+        },
+    );
+    let mut key_of_session = std::collections::HashMap::new();
+    for request in upstream.requests() {
+        let what = format!("{} {} {:?}", request.method, request.path, request.json());
+        let (path, query) = request.path.split_once('?').expect(&what);
+        assert_eq!(path, "/mcp", "{what}");
+        let key = query
+            .strip_prefix("tenant=a&apiKey=")
+            .unwrap_or_else(|| panic!("not the endpoint's tenant, then the key: {what}"));
+        if let Some(session) = request.header("mcp-session-id") {
+            let first = key_of_session
+                .entry(session.to_string())
+                .or_insert(key.to_string());
+            assert_eq!(
+                first, key,
+                "a session opened with one key served another: {what}"
+            );
+        }
+    }
+}
+
 #[test]
 fn every_upstream_exchange_of_a_flow_carries_the_headers_of_the_request_behind_it() {
     use crate::resumption::{resumable_server, Resumes};

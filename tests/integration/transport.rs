@@ -483,6 +483,36 @@ fn a_pooled_connection_idles_less_than_its_upstream_keeps_it() {
     keep_alive_hint_case();
 }
 
+/// A legacy client's query string (a per-user key in its URL) reaches the upstream after
+/// the endpoint's own query, whose parameters it cannot override.
+pub(crate) fn client_query_case() -> usize {
+    let upstream = sse_lister();
+    let endpoint = format!("{}?tenant=a", upstream.url());
+    let gw = TestGateway::start(&[&endpoint], &test_keys());
+    let raw = Raw::new(&format!("{}?apiKey=k1&tenant=b", gw.url));
+    let session = raw.initialize(json!({}));
+    assert_eq!(raw.post(Some(&session), &list_body(2)).status, 200);
+    let plain = Raw::new(&gw.url);
+    assert_eq!(plain.post(Some(&session), &list_body(3)).status, 200);
+    let paths: Vec<String> = upstream.requests().iter().map(|s| s.path.clone()).collect();
+    assert_eq!(
+        paths,
+        [
+            "/mcp?tenant=a&apiKey=k1",
+            "/mcp?tenant=a&apiKey=k1",
+            "/mcp?tenant=a&apiKey=k1",
+            "/mcp?tenant=a",
+        ],
+        "initialize, initialized, a list with the key; a list without"
+    );
+    2
+}
+
+#[test]
+fn a_legacy_clients_query_reaches_the_upstream() {
+    client_query_case();
+}
+
 /// Risk: an upstream that aborts its body (a bad chunk size, a reset mid-body, a
 /// `Content-Length` body cut short) must not reach the client as a complete body: the
 /// client's response ends without its terminal chunk (or short of its length) and the

@@ -1,0 +1,114 @@
+//! The request target of an upstream exchange: the configured endpoint's path and query,
+//! with the client's own query parameters after them. Hosted MCP servers take per-user
+//! API keys and options in the URL (`/mcp?apiKey=…`), so a drop-in must carry them. A
+//! parameter the endpoint's URL sets is the operator's: the client's of the same name is
+//! left out, so that it cannot override it, whichever of two values a server reads.
+
+use std::borrow::Cow;
+
+/// `endpoint` (a configured path and query) with the parameters of `client_query` (the
+/// query of the client's request URI, without `?`) appended, less those whose name the
+/// endpoint's query already has.
+pub fn upstream_target<'a>(endpoint: &'a str, client_query: Option<&str>) -> Cow<'a, str> {
+    let Some(client_query) = client_query.filter(|q| !q.is_empty()) else {
+        return Cow::Borrowed(endpoint);
+    };
+    let configured: Vec<Vec<u8>> = match endpoint.split_once('?') {
+        Some((_, query)) => params(query).map(name_of).collect(),
+        None => Vec::new(),
+    };
+    let carried: Vec<&str> = params(client_query)
+        .filter(|param| !configured.contains(&name_of(param)))
+        .collect();
+    if carried.is_empty() {
+        return Cow::Borrowed(endpoint);
+    }
+    let joiner = match endpoint.split_once('?') {
+        None => "?",
+        Some((_, "")) => "",
+        Some((_, query)) if query.ends_with('&') => "",
+        Some(_) => "&",
+    };
+    Cow::Owned(format!("{endpoint}{joiner}{}", carried.join("&")))
+}
+
+/// A query's non-empty `name=value` pieces.
+fn params(query: &str) -> impl Iterator<Item = &str> {
+    query.split('&').filter(|param| !param.is_empty())
+}
+
+/// A parameter's name, decoded as a form decodes it (`%XX` escapes, `+` a space), so
+/// that `api%5Fkey` and `api_key` are one name.
+fn name_of(param: &str) -> Vec<u8> {
+    let name = param
+        .split_once('=')
+        .map_or(param, |(name, _)| name)
+        .as_bytes();
+    let mut decoded = Vec::with_capacity(name.len());
+    let mut i = 0;
+    while i < name.len() {
+        let escaped = (name[i] == b'%')
+            .then(|| name.get(i + 1..i + 3))
+            .flatten()
+            .filter(|hex| hex.iter().all(u8::is_ascii_hexdigit))
+            .and_then(|hex| std::str::from_utf8(hex).ok())
+            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
+        match (escaped, name[i]) {
+            (Some(byte), _) => {
+                decoded.push(byte);
+                i += 3;
+            }
+            (None, b'+') => {
+                decoded.push(b' ');
+                i += 1;
+            }
+            (None, byte) => {
+                decoded.push(byte);
+                i += 1;
+            }
+        }
+    }
+    decoded
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_clients_query_follows_the_endpoints_path() {
+        assert_eq!(upstream_target("/mcp", None), "/mcp");
+        assert_eq!(upstream_target("/mcp", Some("")), "/mcp");
+        assert_eq!(upstream_target("/mcp", Some("apiKey=k1")), "/mcp?apiKey=k1");
+        assert_eq!(
+            upstream_target("/mcp", Some("a=1&&b=%20x")),
+            "/mcp?a=1&b=%20x",
+            "empty pieces dropped, escapes kept as sent"
+        );
+    }
+
+    #[test]
+    fn the_endpoints_own_parameters_cannot_be_overridden() {
+        let endpoint = "/mcp?tenant=a&api_key=operator";
+        assert_eq!(
+            upstream_target(endpoint, Some("tenant=b&x=1&api%5Fkey=mine&API_KEY=other")),
+            "/mcp?tenant=a&api_key=operator&x=1&API_KEY=other",
+            "same names (also escaped) left out; names keep their case"
+        );
+        assert_eq!(upstream_target(endpoint, Some("tenant=b")), endpoint);
+        assert_eq!(upstream_target("/mcp?", Some("x=1")), "/mcp?x=1");
+        assert_eq!(upstream_target("/mcp?a=1&", Some("x=1")), "/mcp?a=1&x=1");
+        assert_eq!(
+            upstream_target("/mcp?a+b=1", Some("a%20b=2&c")),
+            "/mcp?a+b=1&c"
+        );
+    }
+
+    #[test]
+    fn a_broken_escape_is_a_name_of_its_own() {
+        assert_eq!(name_of("a%2=1"), b"a%2".to_vec());
+        assert_eq!(name_of("%zz"), b"%zz".to_vec());
+        assert_eq!(name_of("%+1"), b"% 1".to_vec(), "no sign in an escape");
+        assert_eq!(name_of("%41%42"), b"AB".to_vec());
+    }
+}
