@@ -383,6 +383,24 @@ async fn refuse_and_close(session: &mut ServerSession, status: u16, code: i64, m
     let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
 }
 
+/// Answers a request whose header could not be parsed (a malformed request line or
+/// header, or a target longer than a URI may be) 400, as pingora's proxy does, then closes
+/// the connection. Pingora's error text quotes the raw header, credentials included: it is
+/// neither logged nor sent.
+async fn refuse_unreadable_header(session: &mut ServerSession) {
+    tracing::info!("client request header not parsed: refused 400");
+    let message = "the request header could not be parsed: a malformed request line or \
+                   header, or a request target longer than 65534 bytes";
+    let body = jsonrpc::error_body(None, code::INVALID_REQUEST, message, None);
+    let Ok(mut header) = pingora::http::ResponseHeader::build(400, Some(3)) else {
+        return session.shutdown().await;
+    };
+    let _ = header.insert_header("content-type", "application/json");
+    let _ = header.insert_header("content-length", body.len());
+    let _ = session.write_error_response(header, body.into()).await;
+    session.shutdown().await;
+}
+
 /// A listener's application: the MCP listener's (`Arrival::Client`) or the peer
 /// listener's (`Arrival::Peer`), both serving one shared gateway.
 pub struct Listener {
@@ -465,6 +483,10 @@ impl HttpServerApp for Listener {
         session.set_pipelining_enabled(true);
         match tokio::time::timeout(header_timeout, session.read_request()).await {
             Ok(Ok(true)) => {}
+            Ok(Err(e)) if e.etype == pingora::ErrorType::InvalidHTTPHeader => {
+                refuse_unreadable_header(&mut session).await;
+                return None;
+            }
             _ => return None,
         }
         session.set_read_timeout(Some(CLIENT_BODY_READ_TIMEOUT));

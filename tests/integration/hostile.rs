@@ -612,6 +612,11 @@ fn the_transport_corpus_gets_documented_answers() {
     use crate::transport::*;
     let mut table = Table::default();
     table.row(
+        "unparsable header (request line, header line, target over 64 KB)",
+        unparsable_header_case(),
+        "400 with a JSON-RPC error, closed, nothing forwarded",
+    );
+    table.row(
         "CL+TE request smuggling",
         cl_te_smuggling_case(),
         "answered, then the connection closes; the smuggled request never runs",

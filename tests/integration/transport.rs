@@ -513,6 +513,48 @@ fn a_legacy_clients_query_reaches_the_upstream() {
     client_query_case();
 }
 
+/// A request whose header cannot be parsed (a malformed request line or header line, a
+/// target longer than the 65,534 bytes a URI may have) is answered 400 with a JSON-RPC
+/// error saying so, and its connection closed; nothing reaches the upstream.
+pub(crate) fn unparsable_header_case() -> usize {
+    let upstream = sse_lister();
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let long_target = format!(
+        "POST /mcp?k={} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: 2\r\n\r\n{{}}",
+        "a".repeat(70_000)
+    );
+    let cases = [
+        long_target,
+        "GARBAGE\r\n\r\n".to_string(),
+        "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\nno colon here\r\n\r\n".to_string(),
+    ];
+    for request in &cases {
+        let mut stream = connect(gw.port);
+        stream.write_all(request.as_bytes()).unwrap();
+        let (answer, closed) = read_to_close(&mut stream);
+        let (head, body) = answer
+            .split_once("\r\n\r\n")
+            .expect("an answer, not a reset");
+        assert!(head.starts_with("HTTP/1.1 400"), "{answer}");
+        assert!(
+            error_message(body).contains("could not be parsed"),
+            "{body}"
+        );
+        assert!(closed, "the connection outlived an unparsable header");
+    }
+    assert_eq!(
+        upstream.count(),
+        0,
+        "an unparsable request reached the upstream"
+    );
+    cases.len()
+}
+
+#[test]
+fn a_request_whose_header_cannot_be_parsed_gets_400() {
+    unparsable_header_case();
+}
+
 /// Risk: an upstream that aborts its body (a bad chunk size, a reset mid-body, a
 /// `Content-Length` body cut short) must not reach the client as a complete body: the
 /// client's response ends without its terminal chunk (or short of its length) and the
