@@ -60,29 +60,30 @@ impl ConnectionCap {
     /// A slot for one more connection, or `None` at the maximum.
     pub fn admit(&self) -> Option<Slot<'_>> {
         let below = |open: usize| (open < self.max).then_some(open + 1);
-        let Ok(before) = self
-            .open
+        self.open
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, below)
-        else {
-            self.note_open(self.max);
-            return None;
-        };
-        self.note_open(before + 1);
+            .ok()?;
+        self.note_open();
         Some(Slot(self))
     }
 
-    fn note_open(&self, open: usize) {
-        self.metrics.client_connections.set(open as i64);
-        let crowded = open >= self.crowded_from;
-        self.crowded
-            .send_if_modified(|was| std::mem::replace(was, crowded) != crowded);
+    /// Publishes how many connections are open (the gauge) and whether they crowd the
+    /// cap, read under the crowding channel's lock: of admissions and drops racing, the
+    /// last to publish shows the latest count.
+    fn note_open(&self) {
+        self.crowded.send_if_modified(|crowded| {
+            let open = self.open.load(Ordering::Acquire);
+            self.metrics.client_connections.set(open as i64);
+            let now = open >= self.crowded_from;
+            std::mem::replace(crowded, now) != now
+        });
     }
 }
 
 impl Drop for Slot<'_> {
     fn drop(&mut self) {
-        let before = self.0.open.fetch_sub(1, Ordering::AcqRel);
-        self.0.note_open(before - 1);
+        self.0.open.fetch_sub(1, Ordering::AcqRel);
+        self.0.note_open();
     }
 }
 

@@ -13,20 +13,17 @@ pub fn upstream_target<'a>(endpoint: &'a str, client_query: Option<&str>) -> Cow
     let Some(client_query) = client_query.filter(|q| !q.is_empty()) else {
         return Cow::Borrowed(endpoint);
     };
-    let configured: Vec<Vec<u8>> = match endpoint.split_once('?') {
-        Some((_, query)) => params(query).map(name_of).collect(),
-        None => Vec::new(),
-    };
+    let own_query = endpoint.split_once('?').map(|(_, query)| query);
+    let configured: Vec<Vec<u8>> = params(own_query.unwrap_or_default()).map(name_of).collect();
     let carried: Vec<&str> = params(client_query)
         .filter(|param| !configured.contains(&name_of(param)))
         .collect();
     if carried.is_empty() {
         return Cow::Borrowed(endpoint);
     }
-    let joiner = match endpoint.split_once('?') {
+    let joiner = match own_query {
         None => "?",
-        Some((_, "")) => "",
-        Some((_, query)) if query.ends_with('&') => "",
+        Some(query) if query.is_empty() || query.ends_with('&') => "",
         Some(_) => "&",
     };
     Cow::Owned(format!("{endpoint}{joiner}{}", carried.join("&")))
@@ -44,29 +41,28 @@ fn name_of(param: &str) -> Vec<u8> {
         .split_once('=')
         .map_or(param, |(name, _)| name)
         .as_bytes();
+    let hex = |digit: u8| (digit as char).to_digit(16);
     let mut decoded = Vec::with_capacity(name.len());
-    let mut i = 0;
-    while i < name.len() {
-        let escaped = (name[i] == b'%')
-            .then(|| name.get(i + 1..i + 3))
-            .flatten()
-            .filter(|hex| hex.iter().all(u8::is_ascii_hexdigit))
-            .and_then(|hex| std::str::from_utf8(hex).ok())
-            .and_then(|hex| u8::from_str_radix(hex, 16).ok());
-        match (escaped, name[i]) {
-            (Some(byte), _) => {
-                decoded.push(byte);
-                i += 3;
+    let mut rest = name;
+    while let Some((&byte, tail)) = rest.split_first() {
+        let escaped = match (byte, tail) {
+            (b'%', [high, low, ..]) => hex(*high).zip(hex(*low)),
+            _ => None,
+        };
+        rest = match (escaped, byte) {
+            (Some((high, low)), _) => {
+                decoded.push((high * 16 + low) as u8);
+                &tail[2..]
             }
             (None, b'+') => {
                 decoded.push(b' ');
-                i += 1;
+                tail
             }
             (None, byte) => {
                 decoded.push(byte);
-                i += 1;
+                tail
             }
-        }
+        };
     }
     decoded
 }
