@@ -3,6 +3,7 @@
 //! reading the file, so `check-config` and unit tests share them.
 
 use crate::principal::PrincipalSource;
+use crate::protocol::cors::CorsPolicy;
 use crate::protocol::headers::HeaderPolicy;
 use crate::protocol::oauth::PublicResource;
 use serde::{Deserialize, Serialize};
@@ -31,6 +32,11 @@ pub struct Config {
     /// Host names the MCP listener accepts in `Host` and `Origin` (DNS-rebinding
     /// protection). Empty: loopback names only on a loopback listener, any otherwise.
     pub allowed_hosts: Vec<String>,
+    /// Web origins (`https://app.example.com`, or `*` for any) whose pages may use the
+    /// gateway from a browser: the gateway answers their CORS preflights and grants its
+    /// responses to them, and they pass the `Origin` check. Empty: CORS is the upstream's
+    /// (preflights and its `Access-Control-*` headers are relayed).
+    pub cors_allowed_origins: Vec<String>,
     /// The URL clients reach the MCP listener at (`https://mcp.example.com`, perhaps with a
     /// path prefix a proxy in front strips): a group's public URL is it followed by the
     /// group's path. OAuth discovery names it (`resource_metadata`, the metadata's
@@ -62,6 +68,7 @@ impl Default for Config {
             keys_poll_ms: 2_000,
             principal: PrincipalSource::default(),
             allowed_hosts: Vec::new(),
+            cors_allowed_origins: Vec::new(),
             public_url: None,
             sse_keepalive_ms: 15_000,
             dns_resolver: None,
@@ -865,6 +872,12 @@ impl Config {
         }
     }
 
+    /// The CORS policy `cors_allowed_origins` describes.
+    pub fn cors_policy(&self) -> Result<CorsPolicy, ConfigError> {
+        CorsPolicy::parse(&self.cors_allowed_origins)
+            .map_err(|(i, problem)| ConfigError::at(format!("cors_allowed_origins[{i}]"), problem))
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         check_addr("listen", &self.listen)?;
         check_addr("admin_listen", &self.admin_listen)?;
@@ -876,6 +889,7 @@ impl Config {
         }
         self.limits.validate()?;
         self.forwarded.validate()?;
+        self.cors_policy()?;
         if let Some(url) = &self.public_url {
             check_public_url("public_url", url)?;
         }

@@ -5,6 +5,7 @@
 use crate::config::{Config, ConfigError};
 use crate::keys::Reloadable;
 use crate::principal::{Authenticator, PrincipalSource, Unauthenticated};
+use crate::protocol::cors::CorsPolicy;
 use crate::protocol::forwarded::{self, TrustedPeers};
 use crate::protocol::headers::EndToEnd;
 use crate::protocol::host_check::HostPolicy;
@@ -15,6 +16,8 @@ use std::sync::Arc;
 
 pub struct Admission {
     pub host_policy: HostPolicy,
+    /// Which web origins may read the gateway's answers (`cors_allowed_origins`).
+    pub cors: CorsPolicy,
     /// The peers whose own forwarding headers are believed (`forwarded.trusted_peers`).
     pub trusted_peers: TrustedPeers,
     /// Where a request's principal comes from.
@@ -36,6 +39,7 @@ impl Admission {
             })?;
         Ok(Admission {
             host_policy: HostPolicy::for_listener(listen, &config.allowed_hosts),
+            cors: config.cors_policy()?,
             trusted_peers,
             principal_source: config.principal.clone(),
             authenticator: Arc::new(Reloadable::new(Arc::new(authenticator))),

@@ -6,6 +6,7 @@ pub mod admin;
 pub mod admission;
 pub mod bridge;
 pub mod connections;
+pub mod cors;
 pub mod learnt;
 pub mod passthrough;
 pub mod peers;
@@ -143,30 +144,46 @@ impl Gateway {
         if let Err(message) = check_header_limits(session, &self.config.limits) {
             return refuse_and_close(session, 431, code::INVALID_REQUEST, &message).await;
         }
-        // A forwarded retry's Host and Origin were checked by the replica it reached.
+        // A forwarded retry's Host and Origin were checked by the replica it reached (and
+        // its CORS headers are that replica's to add).
         let host_checked = match arrival {
-            Arrival::Client => self
-                .admission
-                .host_policy
-                .check(request_host(session), header(session, "origin")),
+            Arrival::Client => {
+                // An origin the CORS policy lists is one the operator chose to let in.
+                let granted = cors::grant(&self.admission.cors, session);
+                let origin = header(session, "origin").filter(|_| !granted);
+                self.admission
+                    .host_policy
+                    .check(request_host(session), origin)
+            }
             Arrival::Peer => Ok(()),
         };
         if let Err(why) = host_checked {
-            let message = format!("Forbidden: {why} (DNS-rebinding protection; see allowed_hosts)");
+            let message = format!(
+                "Forbidden: {why} (DNS-rebinding protection; see allowed_hosts, and \
+                 cors_allowed_origins for web origins)"
+            );
             respond::error(session, 403, None, code::INVALID_REQUEST, &message).await;
             return;
         }
         let path = session.req_header().uri.path();
-        let Some(group) = self.upstreams.groups.by_path(path) else {
-            // Discovery documents are public: served before any credential is checked.
-            if WellKnown::of(path).is_some() {
-                return wellknown::serve(self, session).await;
-            }
+        let group = self.upstreams.groups.by_path(path);
+        if group.is_none() && WellKnown::of(path).is_none() {
             let message = format!("no MCP endpoint at {path}");
             respond::error(session, 404, None, code::INVALID_REQUEST, &message).await;
             return;
-        };
+        }
         let method = session.req_header().method.clone();
+        // Preflights carry no credentials: answered before any is checked.
+        if method == http::Method::OPTIONS && self.admission.cors.is_gateways() {
+            return cors::answer_options(session).await;
+        }
+        let Some(group) = group else {
+            // Discovery documents are public: served before any credential is checked.
+            return wellknown::serve(self, session).await;
+        };
+        if method == http::Method::OPTIONS {
+            return self.relay_options(session, group, arrival).await;
+        }
         if !matches!(method.as_str(), "POST" | "GET" | "DELETE") {
             let message = format!("method {method} is not allowed; use POST, GET or DELETE");
             respond::error(session, 405, None, code::INVALID_REQUEST, &message).await;
@@ -220,6 +237,31 @@ impl Gateway {
                 passthrough::serve(self, session, group, body, parsed, "legacy", &principal).await
             }
         }
+    }
+
+    /// Relays an `OPTIONS` (a browser's preflight) to the upstream when the gateway has no
+    /// CORS policy of its own, as a reverse proxy does. A preflight carries no credentials,
+    /// so it goes as the anonymous principal: a session token it names does not open.
+    async fn relay_options(
+        &self,
+        session: &mut ServerSession,
+        group: &crate::upstream::UpstreamGroup,
+        arrival: Arrival,
+    ) {
+        if arrival == Arrival::Peer {
+            return refuse_on_peer_listener(session).await;
+        }
+        let anonymous = self.admission.principal_source.digest(None);
+        passthrough::serve(
+            self,
+            session,
+            group,
+            Bytes::new(),
+            None,
+            "legacy",
+            &anonymous,
+        )
+        .await
     }
 
     /// Reads and classifies a POST body within the configured limits; on failure the

@@ -3,8 +3,8 @@
 //! naming the upstream endpoint and session. Any replica opens the token and routes the
 //! request there; a token that does not open is answered 404 and reaches no upstream.
 
-use super::respond;
 use super::Gateway;
+use super::{cors, respond};
 use crate::metrics::{request_label, InUse};
 use crate::outcome::{Class, Outcome, Refusal, Report};
 use crate::protocol::headers::{self, MCP_SESSION_ID};
@@ -277,9 +277,13 @@ fn client_session_token(
 pub(crate) async fn relay(
     gw: &Gateway,
     session: &mut ServerSession,
-    header: ResponseHeader,
+    mut header: ResponseHeader,
     upstream: &mut Response,
 ) -> Outcome {
+    if gw.admission.cors.is_gateways() {
+        cors::strip_upstreams(&mut header);
+        cors::decorate(session, &mut header);
+    }
     if session
         .write_response_header(Box::new(header))
         .await

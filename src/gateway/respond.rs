@@ -25,6 +25,7 @@ pub async fn write_with(
 ) {
     let _ = header.insert_header("content-type", content_type);
     let _ = header.insert_header("content-length", body.len());
+    super::cors::decorate(session, &mut header);
     if session
         .write_response_header(Box::new(header))
         .await

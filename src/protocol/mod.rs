@@ -4,6 +4,7 @@
 //! through the gateway, the request target of an upstream exchange. Nothing here does
 //! I/O; the gateway shell feeds bytes in and acts on what comes out.
 
+pub mod cors;
 pub mod forwarded;
 pub mod headers;
 pub mod host_check;

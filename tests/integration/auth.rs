@@ -371,3 +371,50 @@ fn every_upstream_exchange_of_a_flow_carries_the_headers_of_the_request_behind_i
         assert!(request.header("x-forwarded-for").is_some(), "{what}");
     }
 }
+
+#[test]
+fn a_browser_client_of_a_protected_server_can_read_its_challenge_and_discovery_document() {
+    let server = protected(None, false);
+    let app = "https://app.example";
+    let gw = TestGateway::start_with(&[&server.url], &test_keys(), |c| {
+        c.cors_allowed_origins = vec![app.into()];
+    });
+    let raw = Raw::new(&gw.url);
+    let asks = [
+        ("origin", app),
+        ("access-control-request-method", "POST"),
+        (
+            "access-control-request-headers",
+            "authorization, content-type",
+        ),
+    ];
+
+    // The preflight carries no token: the gateway answers it, the server never sees it.
+    let preflight = raw.request("OPTIONS", &asks, None);
+    assert_eq!(preflight.status, 204);
+    assert_eq!(
+        preflight.header_values("access-control-allow-origin"),
+        [app]
+    );
+
+    let denied = ask_name_call(&raw, &[("origin", app)]);
+    assert_eq!(denied.status, 401);
+    assert_eq!(denied.header_values("access-control-allow-origin"), [app]);
+    let exposed = denied
+        .header_values("access-control-expose-headers")
+        .join(",");
+    assert!(exposed.contains("WWW-Authenticate"), "{exposed}");
+    let metadata = metadata_url(&denied.www_authenticate.clone().expect("a challenge"));
+
+    // OAuth discovery from the page: the metadata's own preflight and GET.
+    let discovery = Raw::new(&metadata);
+    let preflight = discovery.request("OPTIONS", &asks, None);
+    assert_eq!(preflight.status, 204);
+    let document = discovery.request("GET", &[("origin", app)], None);
+    assert_eq!(document.status, 200);
+    assert_eq!(document.header_values("access-control-allow-origin"), [app]);
+    assert_eq!(
+        document.json()["authorization_servers"][0],
+        server.issuer.as_str()
+    );
+}

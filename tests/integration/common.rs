@@ -422,12 +422,23 @@ pub struct Reply {
     /// A denial's challenge.
     pub www_authenticate: Option<String>,
     pub content_type: String,
+    /// Every header, in order (lower-case names).
+    pub headers: Vec<(String, String)>,
     reader: Box<dyn Read + Send>,
     parser: sse::Parser,
     pending: Vec<Event>,
 }
 
 impl Reply {
+    /// The values of every header named `name` (lower-case).
+    pub fn header_values(&self, name: &str) -> Vec<&str> {
+        self.headers
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+            .collect()
+    }
+
     /// Raw body bytes as they arrive, before any SSE parsing.
     pub fn read_raw(&mut self, buf: &mut [u8]) -> usize {
         self.reader.read(buf).expect("body bytes")
@@ -504,7 +515,18 @@ impl Raw {
             Err(ureq::Error::Status(_, r)) => r,
             Err(e) => panic!("{method} {} failed: {e}", self.url),
         };
+        let headers = resp
+            .headers_names()
+            .into_iter()
+            .flat_map(|name| {
+                let values: Vec<String> = resp.all(&name).iter().map(|v| v.to_string()).collect();
+                values
+                    .into_iter()
+                    .map(move |v| (name.to_ascii_lowercase(), v))
+            })
+            .collect();
         Reply {
+            headers,
             status: resp.status(),
             session: resp.header("mcp-session-id").map(str::to_string),
             www_authenticate: resp.header("www-authenticate").map(str::to_string),

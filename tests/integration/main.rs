@@ -7,6 +7,7 @@ mod bridge;
 mod cli;
 mod common;
 mod conformance;
+mod cors;
 mod dns;
 mod hold;
 mod hostile;

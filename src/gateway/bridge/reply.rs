@@ -2,7 +2,7 @@
 //! notification (progress, an opted-in log message) has to be streamed; and the fields
 //! every 2026-07-28 result carries.
 
-use crate::gateway::respond;
+use crate::gateway::{cors, respond};
 use crate::mrtr::data_session::META_KEY;
 use crate::outcome::{Outcome, Refusal};
 use crate::protocol::{jsonrpc, sse};
@@ -56,6 +56,7 @@ impl ClientReply {
         let _ = header.insert_header("cache-control", "no-cache");
         let _ = header.insert_header("x-accel-buffering", "no");
         respond::frame_unknown_length(session, &mut header);
+        cors::decorate(session, &mut header);
         self.streaming = session
             .write_response_header(Box::new(header))
             .await
