@@ -146,6 +146,19 @@ impl EndToEnd {
         self.query.as_deref()
     }
 
+    /// The same without the forwarding headers: what a request the gateway makes on its
+    /// own behalf for the caller carries (reaping its abandoned session), which names no
+    /// client address.
+    pub fn without_forwarding(&self) -> EndToEnd {
+        let own = |(name, _): &&(HeaderName, HeaderValue)| {
+            !super::forwarded::NAMES.contains(&name.as_str())
+        };
+        EndToEnd {
+            headers: self.headers.iter().filter(own).cloned().collect(),
+            query: self.query.clone(),
+        }
+    }
+
     /// A digest of what decides who the upstream serves (the headers but the forwarding
     /// ones, which name the client's address, and the query, which may hold a key):
     /// requests whose digests differ never share an upstream session.

@@ -364,8 +364,15 @@ impl<'a> LegacySession<'a> {
             .send(&self.endpoint, self.timeouts, req, Bytes::new())
             .await
         {
+            let status = response.header().status;
             self.discard(response).await;
-            self.client.metrics.upstream_session(event);
+            // A refused DELETE (401 without credentials, 404 for a session already
+            // gone) ended nothing.
+            if status.is_success() {
+                self.client.metrics.upstream_session(event);
+            } else {
+                tracing::info!(%status, event, "the upstream did not delete a session");
+            }
         }
     }
 }

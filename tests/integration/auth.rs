@@ -7,6 +7,7 @@
 
 use crate::common::*;
 use serde_json::{json, Value};
+use std::time::Duration;
 
 /// An OAuth-protected legacy server whose tokens come from a fresh authorization server;
 /// `resource` is the resource URL it is configured with (`None`: its own address, as a
@@ -417,4 +418,56 @@ fn a_browser_client_of_a_protected_server_can_read_its_challenge_and_discovery_d
         document.json()["authorization_servers"][0],
         server.issuer.as_str()
     );
+}
+
+/// A server that checks credentials on every request (an API-key middleware, as the
+/// SDKs' OAuth resource servers do too) refuses a DELETE without them: the session of a
+/// flow its client abandoned is deleted at the flow's deadline with the credentials of
+/// the round that left it, not kept by the server for good.
+#[test]
+fn an_abandoned_flow_on_a_server_that_wants_credentials_is_deleted_with_them() {
+    use mrtr_gateway::keys::KeyRing;
+    use mrtr_gateway::mrtr::state::{binding, FlowState};
+    use mrtr_gateway::principal::PrincipalSource;
+
+    let (_server, url) =
+        start_upstream_with(Upstream::Python, free_port(), &["--api-key", "k-2718"]);
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.bridge.request_state_ttl_seconds = 1;
+        c.bridge.max_flow_seconds = 2;
+    });
+    let first = ask_name_call(&Raw::new(&gw.url), &[("x-api-key", "k-2718")]).json();
+    let sealed = first["result"]["requestState"]
+        .as_str()
+        .expect("a requestState");
+    let ring = KeyRing::parse(&test_keys()).unwrap();
+    let principal = PrincipalSource::Authorization.digest(None);
+    let bind = binding(&principal, "tools/call", Some("ask_name"), Some(&json!({})));
+    let flow = FlowState::open(&ring, &bind, sealed, 0).expect("the gateway's own state");
+    let session = flow.waiting.call().map(|c| c.session.clone());
+
+    let upstream = Raw::new(&url);
+    let alive = || {
+        let list = json!({"jsonrpc": "2.0", "id": 5, "method": "tools/list"}).to_string();
+        let mut headers = vec![
+            ("content-type", "application/json"),
+            ("accept", "application/json, text/event-stream"),
+            ("x-api-key", "k-2718"),
+        ];
+        if let Some(session) = &session {
+            headers.push(("mcp-session-id", session.as_str()));
+        }
+        upstream.request("POST", &headers, Some(&list)).status == 200
+    };
+    assert!(
+        alive(),
+        "the pending flow's session is open until its deadline"
+    );
+    wait_until(
+        "the reaper to delete the abandoned session",
+        Duration::from_secs(15),
+        || !alive(),
+    );
+    let reaped = metric_with(&gw.admin, "mrtr_gateway_upstream_sessions_total", "reaped");
+    assert_eq!(reaped, Some(1.0), "counted once the server deleted it");
 }

@@ -571,10 +571,13 @@ async fn execute<'g>(
         Command::Watch { until } => {
             let upstream = io.upstream.as_ref()?;
             let sid = upstream.session_id.as_ref()?;
-            let watched = gw
-                .flows
-                .reaper
-                .watch(&upstream.endpoint, upstream.timeouts, sid, until);
+            let watched = gw.flows.reaper.watch(
+                &upstream.endpoint,
+                upstream.timeouts,
+                sid,
+                &upstream.caller.headers,
+                until,
+            );
             Some(Input::Watched(watched))
         }
         Command::Hold {
