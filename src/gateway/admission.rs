@@ -32,14 +32,20 @@ impl Admission {
     pub fn new(config: &Config) -> Result<Admission, ConfigError> {
         let authenticator = Authenticator::new(&config.principal)
             .map_err(|e| ConfigError::at("principal.jwt", e))?;
-        let listen = config.listen.parse().expect("validated listen address");
+        let listen: std::net::SocketAddr = config.listen.parse().expect("validated listen address");
         let trusted_peers =
             TrustedPeers::parse(&config.forwarded.trusted_peers).map_err(|(i, problem)| {
                 ConfigError::at(format!("forwarded.trusted_peers[{i}]"), problem)
             })?;
+        let cors = config.cors_policy()?;
+        if cors == CorsPolicy::AnyOrigin && listen.ip().is_loopback() {
+            tracing::warn!(
+                "cors_allowed_origins is *: any web page the user opens may call the MCP servers behind this loopback listener; list the origins to let in"
+            );
+        }
         Ok(Admission {
             host_policy: HostPolicy::for_listener(listen, &config.allowed_hosts),
-            cors: config.cors_policy()?,
+            cors,
             trusted_peers,
             principal_source: config.principal.clone(),
             authenticator: Arc::new(Reloadable::new(Arc::new(authenticator))),
