@@ -7,6 +7,7 @@ use super::respond;
 use crate::protocol::cors::{self, CorsGrant, CorsPolicy};
 use crate::protocol::jsonrpc::code;
 use bytes::Bytes;
+use http::header::{HeaderName, HeaderValue};
 use pingora::http::ResponseHeader;
 use pingora::protocols::http::ServerSession;
 
@@ -57,30 +58,35 @@ pub async fn answer_options(session: &mut ServerSession) {
     let preflight = request
         .headers
         .contains_key(http::header::ACCESS_CONTROL_REQUEST_METHOD);
-    let grant = request.extensions.get::<CorsGrant>();
+    let granted = request.extensions.get::<CorsGrant>();
     let origin = super::header(session, "origin");
-    let (Some(grant), true) = (grant, preflight) else {
-        if let (Some(origin), true) = (origin, preflight) {
-            let message = format!("Forbidden: Origin '{origin}' is not in cors_allowed_origins");
-            return respond::error(session, 403, None, code::INVALID_REQUEST, &message).await;
+    match (preflight, granted, origin) {
+        (true, Some(grant), _) => {
+            let headers = grant.preflight_headers(&request.headers);
+            write_no_content(session, headers).await
         }
-        let Ok(mut header) = ResponseHeader::build(204, Some(2)) else {
-            return;
-        };
-        let _ = header.insert_header(http::header::ALLOW, "GET, POST, DELETE, OPTIONS");
-        return write_empty(session, header).await;
-    };
-    let Ok(mut header) = ResponseHeader::build(204, Some(6)) else {
-        return;
-    };
-    for (name, value) in grant.preflight_headers(&request.headers) {
-        let _ = header.append_header(name, value);
+        (true, None, Some(origin)) => {
+            let message = format!("Forbidden: Origin '{origin}' is not in cors_allowed_origins");
+            respond::error(session, 403, None, code::INVALID_REQUEST, &message).await
+        }
+        _ => {
+            let allow = HeaderValue::from_static("GET, POST, DELETE, OPTIONS");
+            write_no_content(session, [(http::header::ALLOW, allow)]).await
+        }
     }
-    write_empty(session, header).await
 }
 
-/// Writes a bodiless 204.
-async fn write_empty(session: &mut ServerSession, header: ResponseHeader) {
+/// Writes a 204 with `headers`.
+async fn write_no_content(
+    session: &mut ServerSession,
+    headers: impl IntoIterator<Item = (HeaderName, HeaderValue)>,
+) {
+    let Ok(mut header) = ResponseHeader::build(204, Some(8)) else {
+        return;
+    };
+    for (name, value) in headers {
+        let _ = header.append_header(name, value);
+    }
     if session
         .write_response_header(Box::new(header))
         .await
