@@ -16,10 +16,11 @@ use crate::upstream::exchange::UpstreamClient;
 use crate::upstream::legacy_session::LegacySession;
 use crate::upstream::{Endpoint, Timeouts};
 use async_trait::async_trait;
+use hashbrown::HashTable;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
-use std::collections::{HashMap, HashSet};
-use std::hash::{Hash, Hasher};
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,126 +33,91 @@ struct Target {
     timeouts: Timeouts,
 }
 
-/// A watched session: where it lives, whose credentials its DELETE carries, its id, and
-/// its deadline. Hashed and compared by (target, session id) only; 24 bytes in the table,
-/// plus the caller's index and the id on the heap (in the allocator's size class of the
-/// id alone, for the 36-byte ids servers issue), since a replica may watch a million of
-/// them (benches/RESULTS.md, "Parked flows at scale").
+/// A watched session: whose it is, its id, and its deadline. 24 bytes in the table, plus
+/// the id on the heap, since a replica may watch a million of them (benches/RESULTS.md,
+/// "Parked flows at scale"); found by (endpoint, id).
 struct Watched {
-    /// The caller's index (4 bytes, little-endian), then the session id.
-    key: Box<[u8]>,
-    target: u32,
+    session: Box<str>,
+    owner: u32,
     /// Seconds since the epoch (fits until 2106).
     deadline: u32,
 }
 
-impl Watched {
-    fn new(target: u32, caller: u32, session: &str, deadline: u64) -> Watched {
-        let mut key = Vec::with_capacity(4 + session.len());
-        key.extend_from_slice(&caller.to_le_bytes());
-        key.extend_from_slice(session.as_bytes());
-        Watched {
-            key: key.into_boxed_slice(),
-            target,
-            deadline: u32::try_from(deadline).unwrap_or(u32::MAX),
-        }
-    }
-
-    fn caller(&self) -> u32 {
-        let mut index = [0; 4];
-        index.copy_from_slice(&self.key[..4]);
-        u32::from_le_bytes(index)
-    }
-
-    fn session(&self) -> &[u8] {
-        &self.key[4..]
-    }
+/// Whose watched sessions are: the endpoint they live on (an index into the targets) and
+/// the credentials their DELETE carries. Interned and counted, since one user's many
+/// flows on one endpoint share one, and dropped with the last.
+struct Owner {
+    target: u32,
+    headers: EndToEnd,
+    digest: [u8; 32],
+    watching: u32,
 }
 
-impl PartialEq for Watched {
-    fn eq(&self, other: &Self) -> bool {
-        (self.target, self.session()) == (other.target, other.session())
-    }
-}
-
-impl Eq for Watched {}
-
-impl Hash for Watched {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        (self.target, self.session()).hash(state);
-    }
-}
-
-/// The end-to-end headers (credentials) watched sessions' DELETEs carry, interned: one
-/// user's many flows share one copy, dropped with the last of them.
 #[derive(Default)]
-struct Callers {
-    slots: Vec<Option<Caller>>,
-    by_digest: HashMap<[u8; 32], u32>,
+struct Owners {
+    slots: Vec<Option<Owner>>,
+    index: HashMap<(u32, [u8; 32]), u32>,
     free: Vec<u32>,
 }
 
-struct Caller {
-    headers: EndToEnd,
-    digest: [u8; 32],
-    watched_by: u32,
-}
-
-impl Callers {
-    /// The index of `headers`, counted once more.
-    fn acquire(&mut self, headers: &EndToEnd) -> u32 {
+impl Owners {
+    /// The owner of sessions on `target` deleted with `headers`, counted once more.
+    fn acquire(&mut self, target: u32, headers: &EndToEnd) -> u32 {
         let digest = headers.digest();
-        if let Some(&index) = self.by_digest.get(&digest) {
-            if let Some(caller) = &mut self.slots[index as usize] {
-                caller.watched_by += 1;
+        if let Some(&index) = self.index.get(&(target, digest)) {
+            if let Some(owner) = &mut self.slots[index as usize] {
+                owner.watching += 1;
                 return index;
             }
         }
-        let caller = Caller {
+        let owner = Owner {
+            target,
             headers: headers.without_forwarding(),
             digest,
-            watched_by: 1,
+            watching: 1,
         };
         let index = match self.free.pop() {
             Some(index) => {
-                self.slots[index as usize] = Some(caller);
+                self.slots[index as usize] = Some(owner);
                 index
             }
             None => {
-                self.slots.push(Some(caller));
+                self.slots.push(Some(owner));
                 (self.slots.len() - 1) as u32
             }
         };
-        self.by_digest.insert(digest, index);
+        self.index.insert((target, digest), index);
         index
     }
 
     /// Counts `index` once less; the last release drops its headers.
     fn release(&mut self, index: u32) {
         let slot = &mut self.slots[index as usize];
-        let Some(caller) = slot else { return };
-        caller.watched_by -= 1;
-        if caller.watched_by == 0 {
-            self.by_digest.remove(&caller.digest);
+        let Some(owner) = slot else { return };
+        owner.watching -= 1;
+        if owner.watching == 0 {
+            self.index.remove(&(owner.target, owner.digest));
             *slot = None;
             self.free.push(index);
         }
     }
 
-    fn headers(&self, index: u32) -> EndToEnd {
-        self.slots[index as usize]
-            .as_ref()
-            .map(|c| c.headers.clone())
-            .unwrap_or_default()
+    fn get(&self, index: u32) -> Option<&Owner> {
+        self.slots.get(index as usize)?.as_ref()
+    }
+
+    fn target_of(&self, index: u32) -> Option<u32> {
+        self.get(index).map(|o| o.target)
     }
 }
 
-/// The watched sessions, and the targets they live on.
+/// The watched sessions, whose they are, and the targets they live on.
 #[derive(Default)]
 struct Table {
     targets: Vec<Target>,
-    callers: Callers,
-    watched: HashSet<Watched>,
+    owners: Owners,
+    watched: HashTable<Watched>,
+    hasher: RandomState,
 }
 
 impl Table {
@@ -175,6 +141,34 @@ impl Table {
             }
         }
     }
+
+    /// Removes and returns the entry of `session` on `target`, if watched.
+    fn take(&mut self, target: u32, session: &str) -> Option<Watched> {
+        let owners = &self.owners;
+        let same =
+            |w: &Watched| &*w.session == session && owners.target_of(w.owner) == Some(target);
+        let hash = slot_hash(&self.hasher, Some(target), session);
+        let found = self.watched.find_entry(hash, same).ok()?;
+        Some(found.remove().0)
+    }
+
+    /// Adds an entry known to be absent, for a session on `target`.
+    fn insert(&mut self, target: u32, entry: Watched) {
+        let Table {
+            owners,
+            watched,
+            hasher,
+            ..
+        } = self;
+        let hash = slot_hash(hasher, Some(target), &entry.session);
+        let rehash = |w: &Watched| slot_hash(hasher, owners.target_of(w.owner), &w.session);
+        watched.insert_unique(hash, entry, rehash);
+    }
+}
+
+/// The hash a watched session is found by: its endpoint and its id.
+fn slot_hash(hasher: &RandomState, target: Option<u32>, session: &str) -> u64 {
+    hasher.hash_one((target, session))
 }
 
 pub struct Reaper {
@@ -204,15 +198,19 @@ impl Reaper {
     ) -> bool {
         let mut table = self.table.lock().expect("reaper lock");
         let target = table.intern(endpoint, timeouts);
-        let caller = table.callers.acquire(caller);
-        let entry = Watched::new(target, caller, session, deadline);
-        if table.watched.len() >= self.capacity && !table.watched.contains(&entry) {
-            table.callers.release(caller);
+        let owner = table.owners.acquire(target, caller);
+        let entry = Watched {
+            session: session.into(),
+            owner,
+            deadline: u32::try_from(deadline).unwrap_or(u32::MAX),
+        };
+        if let Some(replaced) = table.take(target, session) {
+            table.owners.release(replaced.owner);
+        } else if table.watched.len() >= self.capacity {
+            table.owners.release(owner);
             return false;
         }
-        if let Some(replaced) = table.watched.replace(entry) {
-            table.callers.release(replaced.caller());
-        }
+        table.insert(target, entry);
         true
     }
 
@@ -222,8 +220,8 @@ impl Reaper {
         let Some(target) = table.find(endpoint) else {
             return;
         };
-        if let Some(watched) = table.watched.take(&Watched::new(target, 0, session, 0)) {
-            table.callers.release(watched.caller());
+        if let Some(removed) = table.take(target, session) {
+            table.owners.release(removed.owner);
         }
     }
 
@@ -240,20 +238,20 @@ impl Reaper {
             .watched
             .extract_if(|w| u64::from(w.deadline) <= now)
             .collect();
-        due.into_iter()
-            .map(|w| {
-                let target = &table.targets[w.target as usize];
-                let (endpoint, timeouts) = (target.endpoint.clone(), target.timeouts);
-                let headers = table.callers.headers(w.caller());
-                table.callers.release(w.caller());
-                Due {
-                    endpoint,
-                    timeouts,
-                    session: String::from_utf8_lossy(w.session()).into_owned(),
-                    headers,
-                }
-            })
-            .collect()
+        let mut out = Vec::with_capacity(due.len());
+        for w in due {
+            if let Some(owner) = table.owners.get(w.owner) {
+                let target = &table.targets[owner.target as usize];
+                out.push(Due {
+                    endpoint: target.endpoint.clone(),
+                    timeouts: target.timeouts,
+                    session: w.session.into(),
+                    headers: owner.headers.clone(),
+                });
+            }
+            table.owners.release(w.owner);
+        }
+        out
     }
 
     /// Deletes every session due at `now`; returns how many.
@@ -390,19 +388,31 @@ mod tests {
     }
 
     #[test]
+    fn one_id_on_two_endpoints_is_two_sessions() {
+        let r = Reaper::new(10);
+        assert!(r.watch(&endpoint(1), &timeouts(), "1", &nobody(), 100));
+        assert!(r.watch(&endpoint(2), &timeouts(), "1", &nobody(), 100));
+        assert_eq!(r.watched(), 2);
+        r.forget(&endpoint(1), "1");
+        let due = r.take_due(100);
+        assert_eq!(due.len(), 1);
+        assert_eq!(due[0].endpoint.addr, endpoint(2).addr);
+    }
+
+    #[test]
     fn a_watched_session_stays_24_bytes_in_the_table() {
         assert_eq!(std::mem::size_of::<Watched>(), 24);
     }
 
     #[test]
-    fn callers_are_shared_and_dropped_with_their_last_session() {
+    fn owners_are_shared_and_dropped_with_their_last_session() {
         let r = Reaper::new(10);
         for session in ["a", "b", "c"] {
             assert!(r.watch(&endpoint(1), &timeouts(), session, &bearer("Bearer u"), 100));
         }
         let live = |r: &Reaper| {
             let table = r.table.lock().unwrap();
-            table.callers.slots.iter().flatten().count()
+            table.owners.slots.iter().flatten().count()
         };
         assert_eq!(live(&r), 1, "one user's flows share one copy");
         r.forget(&endpoint(1), "a");
@@ -411,10 +421,6 @@ mod tests {
         r.forget(&endpoint(1), "c");
         assert_eq!(live(&r), 0, "the last session released its caller");
         assert!(r.watch(&endpoint(1), &timeouts(), "d", &bearer("Bearer v"), 100));
-        assert_eq!(
-            r.table.lock().unwrap().callers.slots.len(),
-            1,
-            "slot reused"
-        );
+        assert_eq!(r.table.lock().unwrap().owners.slots.len(), 1, "slot reused");
     }
 }
