@@ -173,17 +173,13 @@ impl Gateway {
             return;
         }
         let method = session.req_header().method.clone();
-        // Preflights carry no credentials: answered before any is checked.
-        if method == http::Method::OPTIONS && self.admission.cors.is_gateways() {
-            return cors::answer_options(session).await;
+        if method == http::Method::OPTIONS {
+            return self.serve_options(session, group, arrival).await;
         }
         let Some(group) = group else {
             // Discovery documents are public: served before any credential is checked.
             return wellknown::serve(self, session).await;
         };
-        if method == http::Method::OPTIONS {
-            return self.relay_options(session, group, arrival).await;
-        }
         if !matches!(method.as_str(), "POST" | "GET" | "DELETE") {
             let message = format!("method {method} is not allowed; use POST, GET or DELETE");
             respond::error(session, 405, None, code::INVALID_REQUEST, &message).await;
@@ -239,29 +235,29 @@ impl Gateway {
         }
     }
 
-    /// Relays an `OPTIONS` (a browser's preflight) to the upstream when the gateway has no
-    /// CORS policy of its own, as a reverse proxy does. A preflight carries no credentials,
-    /// so it goes as the anonymous principal: a session token it names does not open.
-    async fn relay_options(
+    /// Serves an `OPTIONS` (a browser's preflight, which carries no credentials) before
+    /// any credential is checked: under the gateway's CORS policy it answers itself;
+    /// otherwise an endpoint's is relayed to the upstream as a reverse proxy does, as the
+    /// anonymous principal (a session token it names opens only if an anonymous client
+    /// was given it), and a discovery document's is refused like any method but GET.
+    async fn serve_options(
         &self,
         session: &mut ServerSession,
-        group: &crate::upstream::UpstreamGroup,
+        group: Option<&crate::upstream::UpstreamGroup>,
         arrival: Arrival,
     ) {
         if arrival == Arrival::Peer {
             return refuse_on_peer_listener(session).await;
         }
+        if self.admission.cors.is_gateways() {
+            return cors::answer_options(session).await;
+        }
+        let Some(group) = group else {
+            return wellknown::serve(self, session).await;
+        };
         let anonymous = self.admission.principal_source.digest(None);
-        passthrough::serve(
-            self,
-            session,
-            group,
-            Bytes::new(),
-            None,
-            "legacy",
-            &anonymous,
-        )
-        .await
+        let body = Bytes::new();
+        passthrough::serve(self, session, group, body, None, "legacy", &anonymous).await
     }
 
     /// Reads and classifies a POST body within the configured limits; on failure the
