@@ -19,6 +19,7 @@ use async_trait::async_trait;
 use hashbrown::HashTable;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
+use slab::Slab;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex};
@@ -55,9 +56,8 @@ struct Owner {
 
 #[derive(Default)]
 struct Owners {
-    slots: Vec<Option<Owner>>,
+    slots: Slab<Owner>,
     index: HashMap<(u32, [u8; 32]), u32>,
-    free: Vec<u32>,
 }
 
 impl Owners {
@@ -65,45 +65,35 @@ impl Owners {
     fn acquire(&mut self, target: u32, headers: &EndToEnd) -> u32 {
         let digest = headers.digest();
         if let Some(&index) = self.index.get(&(target, digest)) {
-            if let Some(owner) = &mut self.slots[index as usize] {
+            if let Some(owner) = self.slots.get_mut(index as usize) {
                 owner.watching += 1;
                 return index;
             }
         }
-        let owner = Owner {
+        let index = self.slots.insert(Owner {
             target,
             headers: headers.without_forwarding(),
             digest,
             watching: 1,
-        };
-        let index = match self.free.pop() {
-            Some(index) => {
-                self.slots[index as usize] = Some(owner);
-                index
-            }
-            None => {
-                self.slots.push(Some(owner));
-                (self.slots.len() - 1) as u32
-            }
-        };
+        }) as u32;
         self.index.insert((target, digest), index);
         index
     }
 
     /// Counts `index` once less; the last release drops its headers.
     fn release(&mut self, index: u32) {
-        let slot = &mut self.slots[index as usize];
-        let Some(owner) = slot else { return };
+        let Some(owner) = self.slots.get_mut(index as usize) else {
+            return;
+        };
         owner.watching -= 1;
         if owner.watching == 0 {
+            let owner = self.slots.remove(index as usize);
             self.index.remove(&(owner.target, owner.digest));
-            *slot = None;
-            self.free.push(index);
         }
     }
 
     fn get(&self, index: u32) -> Option<&Owner> {
-        self.slots.get(index as usize)?.as_ref()
+        self.slots.get(index as usize)
     }
 
     fn target_of(&self, index: u32) -> Option<u32> {
@@ -412,7 +402,7 @@ mod tests {
         }
         let live = |r: &Reaper| {
             let table = r.table.lock().unwrap();
-            table.owners.slots.iter().flatten().count()
+            table.owners.slots.len()
         };
         assert_eq!(live(&r), 1, "one user's flows share one copy");
         r.forget(&endpoint(1), "a");
@@ -421,6 +411,15 @@ mod tests {
         r.forget(&endpoint(1), "c");
         assert_eq!(live(&r), 0, "the last session released its caller");
         assert!(r.watch(&endpoint(1), &timeouts(), "d", &bearer("Bearer v"), 100));
-        assert_eq!(r.table.lock().unwrap().owners.slots.len(), 1, "slot reused");
+        let indexes: Vec<u32> = r
+            .table
+            .lock()
+            .unwrap()
+            .owners
+            .index
+            .values()
+            .copied()
+            .collect();
+        assert_eq!(indexes, [0], "slot reused");
     }
 }
