@@ -381,6 +381,11 @@ fn sigterm_finishes_the_request_in_flight_and_refuses_new_connections() {
     let mut gw = GatewayProcess::start(&url);
     let raw = Raw::new(&gw.url);
     let session = raw.initialize(json!({}));
+    // The initialization's exchanges may still be finishing: the call is in flight only
+    // once the count rises from nothing.
+    wait_until("the initialization done", Duration::from_secs(10), || {
+        metric(&gw.admin, "mrtr_gateway_upstream_connections") == 0.0
+    });
     let call = json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
         "params": {"name": "slow_echo", "arguments": {"text": "still here", "ms": 2500}}});
     let in_flight = std::thread::spawn(move || final_message(raw.post(Some(&session), &call), 7));
