@@ -4,6 +4,7 @@
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
 pub const GATEWAY: &str = env!("CARGO_BIN_EXE_mrtr-gateway");
@@ -84,9 +85,23 @@ pub fn pin_load_generator() {
     }
 }
 
+/// A loopback address nothing listens on, never handed out twice in this process. Ports
+/// come from a counter below the kernel's ephemeral range (32768 and up): `bind(":0")`
+/// then release could hand the same port out twice (a gateway's listener and its admin
+/// listener), or to an outgoing connection before the server binds it.
 fn free_addr() -> String {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("a free loopback port");
-    listener.local_addr().expect("bound").to_string()
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    const FIRST: u16 = 10_000;
+    const SPAN: u16 = 10_000;
+    // Processes started one after another begin at different places.
+    let offset = (std::process::id() % 50) as u16 * 200;
+    for _ in 0..SPAN {
+        let port = FIRST + (offset + NEXT.fetch_add(1, Ordering::Relaxed)) % SPAN;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return format!("127.0.0.1:{port}");
+        }
+    }
+    panic!("no free loopback port in {FIRST}..{}", FIRST + SPAN)
 }
 
 fn start(name: &'static str, addr: String, command: &mut Command) -> Proc {
