@@ -2,6 +2,9 @@
 //! the gateway unchanged, except that the `Mcp-Session-Id` it sees is a sealed token
 //! naming the upstream endpoint and session. Any replica opens the token and routes the
 //! request there; a token that does not open is answered 404 and reaches no upstream.
+//! A legacy client's request ids go up wrapped per upstream session and come back as
+//! they were (`protocol::request_ids`), so a store shared by sessions keeps their streams
+//! apart.
 
 use super::Gateway;
 use super::{cors, respond};
@@ -9,6 +12,7 @@ use crate::metrics::{request_label, InUse};
 use crate::outcome::{Class, Outcome, Refusal, Report};
 use crate::protocol::headers::{self, MCP_SESSION_ID};
 use crate::protocol::jsonrpc::{code, Body};
+use crate::protocol::request_ids::{self, IdTag, Unwrap};
 use crate::protocol::session_token::SessionToken;
 use crate::protocol::sse::{self, BoundaryTracker};
 use crate::protocol::target::upstream_target;
@@ -47,8 +51,18 @@ pub async fn serve(
         parsed.as_ref().and_then(Body::method),
         parsed.is_some(),
     );
-    let outcome = serve_inner(gw, session, group, body, parsed.as_ref(), principal).await;
-    gw.record(era, method, &outcome, started);
+    // A legacy client's ids are wrapped; a 2026-07-28 upstream keeps no streams to resume.
+    let wraps_ids = era == "legacy";
+    let outcome = serve_inner(
+        gw,
+        session,
+        group,
+        body,
+        parsed.as_ref(),
+        principal,
+        wraps_ids,
+    );
+    gw.record(era, method, &outcome.await, started);
 }
 
 async fn serve_inner(
@@ -58,13 +72,28 @@ async fn serve_inner(
     body: Bytes,
     parsed: Option<&Body>,
     binding: &[u8; 32],
+    wraps_ids: bool,
 ) -> Outcome {
     let route = match route(gw, session, group, binding) {
         Ok(route) => route,
         Err(refusal) => return refuse(session, None, refusal).await,
     };
     let id = parsed.and_then(Body::id).cloned();
-    let request = upstream_request(gw, session, &route, &body);
+    let method = &session.req_header().method;
+    let wraps_ids = wraps_ids && (method == http::Method::POST || method == http::Method::GET);
+    let body = match wraps_ids.then(|| wrap_ids(&route, body.clone())) {
+        None => body,
+        Some(Ok(wrapped)) => wrapped,
+        Some(Err(e)) => {
+            let refusal = Refusal::new(Class::BadRequest, code::INVALID_REQUEST, e.to_string());
+            return refuse(session, id.as_ref(), refusal).await;
+        }
+    };
+    let mut request = upstream_request(gw, session, &route, &body);
+    if wraps_ids {
+        // A content-coded body could not be unwrapped on its way back.
+        request.remove_header(&http::header::ACCEPT_ENCODING);
+    }
     let mut response = match gw
         .upstreams
         .client
@@ -79,9 +108,23 @@ async fn serve_inner(
     };
     count_session_event(gw, session, &route, response.header());
     let header = client_response_header(gw, session, group, &route, binding, response.header());
-    let outcome = relay(gw, session, header, &mut response).await;
+    let unwrap = (wraps_ids && !response.is_encoded()).then(Unwrap::default);
+    let outcome = relay(gw, session, header, &mut response, unwrap).await;
     gw.upstreams.client.finish(response).await;
     outcome
+}
+
+/// The POST body with its request ids wrapped under the upstream session's tag (a random
+/// one before the upstream gave a session); the same body when it has none.
+fn wrap_ids(route: &Route, body: Bytes) -> Result<Bytes, request_ids::WrapError> {
+    if body.is_empty() {
+        return Ok(body);
+    }
+    let tag = match &route.upstream_session {
+        Some(upstream) => IdTag::of_session(upstream),
+        None => IdTag::random(),
+    };
+    Ok(request_ids::wrap_body(&body, &tag)?.map_or(body, Bytes::from))
 }
 
 /// Counts a request in an existing upstream session, and a session the client deleted.
@@ -273,16 +316,31 @@ fn client_session_token(
     Some(token.seal(&gw.sealing.keys.load(), binding))
 }
 
-/// Streams the upstream body to the client as it arrives, until either side ends.
+/// The longest response with a Content-Length whose ids are unwrapped in one piece, under
+/// its new length; a longer one streams, its length unknown.
+const MAX_WHOLE_BODY: usize = 1 << 20;
+
+/// Streams the upstream body to the client as it arrives, until either side ends, with
+/// the request ids `ids` unwraps given back as the client sent them.
 pub(crate) async fn relay(
     gw: &Gateway,
     session: &mut ServerSession,
     mut header: ResponseHeader,
     upstream: &mut Response,
+    mut ids: Option<Unwrap>,
 ) -> Outcome {
     if gw.admission.cors.is_gateways() {
         cors::strip_upstreams(&mut header);
         cors::decorate(session, &mut header);
+    }
+    if let Some(unwrap) = ids.as_mut() {
+        match content_length(&header) {
+            Some(length) if length <= MAX_WHOLE_BODY => {
+                return relay_whole(session, header, upstream, length, unwrap).await
+            }
+            Some(_) => respond::frame_unknown_length(session, &mut header),
+            None => {}
+        }
     }
     if session
         .write_response_header(Box::new(header))
@@ -297,7 +355,50 @@ pub(crate) async fn relay(
     let sse = upstream.is_sse() && !upstream.is_encoded();
     // A session's GET stream never ends by itself; a POST's stream ends with its response.
     let endless = sse && session.req_header().method == http::Method::GET;
-    pump(gw, session, upstream, sse, endless).await
+    pump(gw, session, upstream, sse, endless, ids).await
+}
+
+fn content_length(header: &ResponseHeader) -> Option<usize> {
+    let value = header.headers.get(http::header::CONTENT_LENGTH)?;
+    // A length that does not parse is the upstream's problem: stream under no length.
+    Some(value.to_str().ok()?.parse().unwrap_or(usize::MAX))
+}
+
+/// Relays a body of known `length` read whole, its ids unwrapped, under its new length.
+async fn relay_whole(
+    session: &mut ServerSession,
+    mut header: ResponseHeader,
+    upstream: &mut Response,
+    length: usize,
+    ids: &mut Unwrap,
+) -> Outcome {
+    let body = match upstream.read_all(length).await {
+        Ok(body) => body,
+        Err(e) => {
+            tracing::warn!(error = %Report(&e), "upstream body not read");
+            let message = "the upstream broke off the body";
+            return refuse(
+                session,
+                None,
+                Refusal::internal(Class::UpstreamError, message),
+            )
+            .await;
+        }
+    };
+    let body = match (ids.push(body), ids.finish()) {
+        (body, rest) if rest.is_empty() => body,
+        (body, rest) => [body, rest].concat().into(),
+    };
+    let _ = header.insert_header(http::header::CONTENT_LENGTH, body.len());
+    if session
+        .write_response_header(Box::new(header))
+        .await
+        .is_err()
+        || session.write_response_body(body, true).await.is_err()
+    {
+        return Outcome::ClientGone;
+    }
+    Outcome::Ok
 }
 
 /// Relays body chunks. An SSE stream gets keep-alive comments while the upstream is
@@ -310,6 +411,7 @@ async fn pump(
     upstream: &mut Response,
     sse: bool,
     endless: bool,
+    mut ids: Option<Unwrap>,
 ) -> Outcome {
     let keepalive = (sse && gw.config.sse_keepalive_ms > 0)
         .then(|| Duration::from_millis(gw.config.sse_keepalive_ms));
@@ -336,13 +438,21 @@ async fn pump(
         };
         match chunk {
             Ok(Some(bytes)) => {
+                let bytes = match ids.as_mut() {
+                    Some(unwrap) => unwrap.push(bytes),
+                    None => bytes,
+                };
+                if bytes.is_empty() {
+                    continue;
+                }
                 position.push(&bytes);
                 if session.write_response_body(bytes, false).await.is_err() {
                     return Outcome::ClientGone;
                 }
             }
             Ok(None) => {
-                let _ = session.write_response_body(Bytes::new(), true).await;
+                let rest = ids.as_mut().map(Unwrap::finish).unwrap_or_default();
+                let _ = session.write_response_body(rest, true).await;
                 return Outcome::Ok;
             }
             Err(e) => {

@@ -10,6 +10,7 @@ pub mod headers;
 pub mod host_check;
 pub mod jsonrpc;
 pub mod oauth;
+pub mod request_ids;
 pub mod scheme;
 pub mod session_token;
 pub mod sse;

@@ -549,6 +549,17 @@ impl Raw {
         self.request("POST", &headers, Some(&body.to_string()))
     }
 
+    /// Resumes a stream of `session` after `last_event_id` (GET + `Last-Event-ID`).
+    pub fn resume(&self, session: &str, last_event_id: &str) -> Reply {
+        let headers = [
+            ("accept", "text/event-stream"),
+            ("mcp-session-id", session),
+            ("last-event-id", last_event_id),
+            ("mcp-protocol-version", "2025-11-25"),
+        ];
+        self.request("GET", &headers, None)
+    }
+
     /// initialize + notifications/initialized; returns the (client-facing) session id.
     pub fn initialize(&self, capabilities: Value) -> String {
         let init = serde_json::json!({"jsonrpc":"2.0","id":1,"method":"initialize","params":{

@@ -644,7 +644,7 @@ fn the_transport_corpus_gets_documented_answers() {
     table.row(
         "upstream abort mid-body (bad chunk, reset, short body)",
         upstream_abort_case(),
-        "no terminal chunk / short of Content-Length, connection closed",
+        "no terminal chunk, connection closed; a short JSON body not yet relayed: 502",
     );
     table.row(
         "upstream 101 Switching Protocols",

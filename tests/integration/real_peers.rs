@@ -182,13 +182,7 @@ fn resume_after_disconnect(server: Upstream, tool: &str, answer: Value, expect: 
         &json!({"jsonrpc":"2.0","id":question["id"],"result":answer}),
     );
     assert_eq!(reply.status, 202, "{server:?}: answer not accepted");
-    let headers = [
-        ("accept", "text/event-stream"),
-        ("mcp-session-id", sid.as_str()),
-        ("last-event-id", event_id.as_str()),
-        ("mcp-protocol-version", "2025-11-25"),
-    ];
-    let mut resumed = raw.request("GET", &headers, None);
+    let mut resumed = raw.resume(&sid, &event_id);
     assert_eq!(resumed.status, 200, "{server:?}: resumption refused");
     let seen = Raw::messages_until(&mut resumed, |m| m["id"] == 42);
     let result = &seen.last().unwrap().1;
@@ -242,6 +236,53 @@ fn last_event_id_resumption_through_the_gateway_server_everything() {
         "trigger-elicitation-request",
         json!({"action":"decline"}),
         "decline",
+    );
+}
+
+/// Two users' legacy sessions whose calls share an id (SDK clients number their requests
+/// alike), on a server whose event store is shared by sessions as the SDK's examples are:
+/// the one resuming its call's stream after its question is replayed its own result, not
+/// the other user's.
+#[test]
+fn a_legacy_resumption_from_a_shared_event_store_replays_only_its_own_sessions_events() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let (alice, bob) = (Raw::new(&gw.url), Raw::new(&gw.url));
+    let alices = alice.initialize(json!({"elicitation": {}}));
+    let bobs = bob.initialize(json!({"elicitation": {}}));
+    let call = json!({"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"ask_name","arguments":{}}});
+    let answer = |question: &Value, name: &str| json!({"jsonrpc":"2.0","id":question["id"],"result":{"action":"accept","content":{"name":name}}});
+    let asked = |m: &Value| m["method"] == "elicitation/create";
+
+    // Alice's stream breaks after her question.
+    let mut stream = alice.post(Some(&alices), &call);
+    let (event_id, question) = Raw::messages_until(&mut stream, asked).pop().unwrap();
+    let event_id = event_id.expect("the question has an event id");
+    drop(stream);
+    // Bob's call, with the same id, runs to its end meanwhile.
+    let mut stream = bob.post(Some(&bobs), &call);
+    let (_, bobs_question) = Raw::messages_until(&mut stream, asked).pop().unwrap();
+    let reply = bob.post(Some(&bobs), &answer(&bobs_question, "Bob"));
+    assert_eq!(reply.status, 202);
+    let (_, result) = Raw::messages_until(&mut stream, |m| m["id"] == 2)
+        .pop()
+        .unwrap();
+    assert!(result.to_string().contains("Hello, Bob!"), "{result}");
+
+    // Alice answers and resumes her call's stream.
+    let reply = alice.post(Some(&alices), &answer(&question, "Alice"));
+    assert_eq!(reply.status, 202);
+    let mut resumed = alice.resume(&alices, &event_id);
+    assert_eq!(resumed.status, 200);
+    let seen = Raw::messages_until(&mut resumed, |m| m["id"] == 2);
+    let replayed: Vec<String> = seen.iter().map(|(_, m)| m.to_string()).collect();
+    assert!(
+        replayed.iter().all(|m| !m.contains("Bob")),
+        "another session's events replayed: {replayed:?}"
+    );
+    assert!(
+        replayed.last().unwrap().contains("Hello, Alice!"),
+        "{replayed:?}"
     );
 }
 
@@ -318,13 +359,7 @@ fn sse_polling_resumes_through_the_gateway() {
             last_id = id;
         }
     }
-    let headers = [
-        ("accept", "text/event-stream"),
-        ("mcp-session-id", sid.as_str()),
-        ("last-event-id", last_id.as_str()),
-        ("mcp-protocol-version", "2025-11-25"),
-    ];
-    let mut resumed = raw.request("GET", &headers, None);
+    let mut resumed = raw.resume(&sid, &last_id);
     assert_eq!(resumed.status, 200);
     let result = Raw::messages_until(&mut resumed, |m| m["id"] == 9)
         .pop()

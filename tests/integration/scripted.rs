@@ -98,6 +98,17 @@ impl Seen {
             .and_then(|v| v.get("id").cloned())
             .unwrap_or(Value::Null)
     }
+
+    /// The JSON-RPC id as the client sent it: the gateway sends a legacy client's ids
+    /// wrapped per session (`protocol::request_ids`), and a script that answers by the
+    /// client's request tells them apart by this.
+    pub fn client_jsonrpc_id(&self) -> Value {
+        let mut unwrap = mrtr_gateway::protocol::request_ids::Unwrap::default();
+        let sent = self.jsonrpc_id().to_string();
+        let mut text = unwrap.push(sent.into()).to_vec();
+        text.extend_from_slice(&unwrap.finish());
+        serde_json::from_slice(&text).expect("an unwrapped id is JSON")
+    }
 }
 
 /// A gate a reply can wait at until the test opens it (bounded by `GATE_LIMIT`).

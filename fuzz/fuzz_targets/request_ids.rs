@@ -1,0 +1,43 @@
+//! Legacy request ids wrapped on the way up and unwrapped on the way back
+//! (`protocol::request_ids`) on arbitrary bytes: wrapping never panics and gives JSON
+//! whose request id unwraps to the client's; unwrapping never panics, holds back a
+//! bounded amount, and gives the same bytes however the body is split into chunks.
+#![no_main]
+
+use bytes::Bytes;
+use libfuzzer_sys::fuzz_target;
+use mrtr_gateway::protocol::request_ids::{wrap_body, IdTag, Unwrap};
+use serde_json::Value;
+
+/// Unwraps `body` fed in chunks of `size` bytes.
+fn unwrap(body: &[u8], size: usize) -> Vec<u8> {
+    let mut unwrap = Unwrap::default();
+    let mut out = Vec::new();
+    for chunk in body.chunks(size) {
+        out.extend_from_slice(&unwrap.push(Bytes::copy_from_slice(chunk)));
+    }
+    out.extend_from_slice(&unwrap.finish());
+    out
+}
+
+fuzz_target!(|input: &[u8]| {
+    let Some((&split, body)) = input.split_first() else {
+        return;
+    };
+    let whole = unwrap(body, body.len().max(1));
+    assert_eq!(whole, unwrap(body, usize::from(split % 23) + 1), "chunking changed the bytes");
+
+    let tag = IdTag::of_session("fuzz");
+    let Ok(Some(wrapped)) = wrap_body(body, &tag) else {
+        return;
+    };
+    let wrapped: Value = serde_json::from_slice(&wrapped).expect("wrapped bodies are JSON");
+    let original: Value = serde_json::from_slice(body).expect("a body that wrapped is JSON");
+    if let (Some(id), Some(sent)) = (original.get("id"), wrapped.get("id")) {
+        if original.get("method").is_some() && id != sent {
+            let back = unwrap(sent.to_string().as_bytes(), 7);
+            let back: Value = serde_json::from_slice(&back).expect("an unwrapped id is JSON");
+            assert_eq!(&back, id, "the id did not come back");
+        }
+    }
+});

@@ -1,0 +1,485 @@
+//! Request ids on legacy pass-through, made unique per upstream session.
+//!
+//! Servers name a request's SSE stream after its JSON-RPC id (the Python SDK does), and
+//! event stores written like the SDKs' examples keep one store for all sessions, keyed by
+//! stream. Clients number their requests alike (0, 1, 2, …), so a client resuming its
+//! call's stream with `Last-Event-ID` would be replayed what other sessions' requests with
+//! the same id were sent after its position: another user's results.
+//!
+//! So every request id a legacy client sends goes upstream wrapped into one that names its
+//! upstream session: `mrtr.<tag>.n.<integer>` or `mrtr.<tag>.s.<base64url of the string>`,
+//! where the tag is a digest of the upstream session id (`IdTag`; a
+//! request outside any session, `initialize`, gets a random one). `notifications/cancelled`
+//! names the wrapped id too. What the upstream sends back is unwrapped as it streams
+//! (`Unwrap`): each such JSON string becomes the client's id again. Nothing is kept: any
+//! replica unwraps what another wrapped.
+
+use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+use base64::Engine;
+use bytes::Bytes;
+use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+use serde_json::value::RawValue;
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+use std::fmt;
+
+/// The longest client id (as JSON text) the gateway wraps; a longer one is refused.
+pub const MAX_CLIENT_ID: usize = 1024;
+
+/// What starts a wrapped id on the wire: its opening quote and prefix.
+const MARK: &[u8] = b"\"mrtr.";
+/// Characters of a tag: 12 bytes of digest in base64url.
+const TAG_CHARS: usize = 16;
+/// The longest wrapped id as JSON text, quotes included.
+const MAX_WRAPPED: usize = MARK.len() + TAG_CHARS + 3 + MAX_CLIENT_ID.div_ceil(3) * 4 + 1;
+
+/// What marks a client's ids as sent in one upstream session.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct IdTag(String);
+
+impl IdTag {
+    /// The tag of an upstream session (the same on every replica; session ids are unique
+    /// per server, and servers that share an event store share sessions too).
+    pub fn of_session(upstream_session: &str) -> IdTag {
+        let mut digest = Sha256::new();
+        digest.update(b"mrtr-gateway request ids\0");
+        digest.update(upstream_session.as_bytes());
+        IdTag(URL_SAFE_NO_PAD.encode(&digest.finalize()[..12]))
+    }
+
+    /// A tag for requests outside any session (`initialize`).
+    pub fn random() -> IdTag {
+        IdTag(URL_SAFE_NO_PAD.encode(rand::random::<[u8; 12]>()))
+    }
+
+    /// `id` wrapped: an integer or a string (what `jsonrpc::classify` lets through).
+    fn wrap(&self, id: &Value) -> Option<String> {
+        let wrapped = match id {
+            Value::Number(n) if n.is_i64() || n.is_u64() => format!("mrtr.{}.n.{n}", self.0),
+            Value::String(s) => format!("mrtr.{}.s.{}", self.0, URL_SAFE_NO_PAD.encode(s)),
+            _ => return None,
+        };
+        Some(format!("\"{wrapped}\""))
+    }
+}
+
+/// Why a body's ids could not be wrapped.
+#[derive(Debug, PartialEq, Eq)]
+pub enum WrapError {
+    /// A client id longer than `MAX_CLIENT_ID` bytes.
+    IdTooLong,
+    /// Not the JSON-RPC object (or batch of them) `jsonrpc::classify` accepted.
+    NotMessages,
+}
+
+impl fmt::Display for WrapError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WrapError::IdTooLong => write!(f, "a request id is longer than {MAX_CLIENT_ID} bytes"),
+            WrapError::NotMessages => f.write_str("the body is not JSON-RPC messages"),
+        }
+    }
+}
+
+impl std::error::Error for WrapError {}
+
+/// `body` with the ids of its requests, and the request ids its cancellations name,
+/// wrapped under `tag`; `None` when it has none (responses, other notifications), so the
+/// body goes up as it came. Members keep their order; params are not parsed.
+pub fn wrap_body(body: &[u8], tag: &IdTag) -> Result<Option<Vec<u8>>, WrapError> {
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    let mut messages: Vec<Members> = if first == Some(&b'[') {
+        serde_json::from_slice(body).map_err(|_| WrapError::NotMessages)?
+    } else {
+        vec![serde_json::from_slice(body).map_err(|_| WrapError::NotMessages)?]
+    };
+    let mut changed = false;
+    for message in &mut messages {
+        changed |= wrap_message(message, tag)?;
+    }
+    if !changed {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(body.len() + 32 * messages.len());
+    if first == Some(&b'[') {
+        out.push(b'[');
+        for (i, message) in messages.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            message.write(&mut out);
+        }
+        out.push(b']');
+    } else {
+        messages[0].write(&mut out);
+    }
+    Ok(Some(out))
+}
+
+/// Wraps a request's id, or a cancellation's `requestId`; whether anything changed.
+fn wrap_message(message: &mut Members, tag: &IdTag) -> Result<bool, WrapError> {
+    let Some(method) = message.get("method") else {
+        return Ok(false);
+    };
+    if message.get("id").is_some() {
+        return message.wrap_member("id", tag);
+    }
+    if serde_json::from_str::<String>(method.get()).ok().as_deref()
+        != Some("notifications/cancelled")
+    {
+        return Ok(false);
+    }
+    let Some(params) = message.get("params") else {
+        return Ok(false);
+    };
+    let Ok(mut params) = serde_json::from_str::<Members>(params.get()) else {
+        return Ok(false);
+    };
+    if !params.wrap_member("requestId", tag)? {
+        return Ok(false);
+    }
+    let mut text = Vec::new();
+    params.write(&mut text);
+    let text = String::from_utf8(text).expect("written from JSON text");
+    message.set("params", text);
+    Ok(true)
+}
+
+/// A JSON object's members in order, each value its raw JSON text.
+struct Members(Vec<(String, MemberValue)>);
+
+enum MemberValue {
+    Raw(Box<RawValue>),
+    Text(String),
+}
+
+impl MemberValue {
+    fn get(&self) -> &str {
+        match self {
+            MemberValue::Raw(raw) => raw.get(),
+            MemberValue::Text(text) => text,
+        }
+    }
+}
+
+impl Members {
+    fn get(&self, name: &str) -> Option<&MemberValue> {
+        self.0.iter().find(|(k, _)| k == name).map(|(_, v)| v)
+    }
+
+    fn set(&mut self, name: &str, text: String) {
+        if let Some((_, v)) = self.0.iter_mut().find(|(k, _)| k == name) {
+            *v = MemberValue::Text(text);
+        }
+    }
+
+    /// Wraps the id in member `name`; whether there was one to wrap.
+    fn wrap_member(&mut self, name: &str, tag: &IdTag) -> Result<bool, WrapError> {
+        let Some(raw) = self.get(name) else {
+            return Ok(false);
+        };
+        if raw.get().len() > MAX_CLIENT_ID {
+            return Err(WrapError::IdTooLong);
+        }
+        let id: Value = serde_json::from_str(raw.get()).map_err(|_| WrapError::NotMessages)?;
+        match tag.wrap(&id) {
+            Some(wrapped) => {
+                self.set(name, wrapped);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    fn write(&self, out: &mut Vec<u8>) {
+        out.push(b'{');
+        for (i, (name, value)) in self.0.iter().enumerate() {
+            if i > 0 {
+                out.push(b',');
+            }
+            serde_json::to_writer(&mut *out, name).expect("a string serializes");
+            out.push(b':');
+            out.extend_from_slice(value.get().as_bytes());
+        }
+        out.push(b'}');
+    }
+}
+
+impl<'de> Deserialize<'de> for Members {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Members, D::Error> {
+        struct Object;
+        impl<'de> Visitor<'de> for Object {
+            type Value = Members;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Members, A::Error> {
+                let mut members = Vec::new();
+                while let Some((name, value)) = map.next_entry::<String, Box<RawValue>>()? {
+                    members.push((name, MemberValue::Raw(value)));
+                }
+                Ok(Members(members))
+            }
+        }
+        d.deserialize_map(Object)
+    }
+}
+
+/// Unwraps the ids in a body as it streams, chunk by chunk: a wrapped id split between
+/// chunks is held back until it is whole (at most `MAX_WRAPPED` bytes). Anything that is
+/// not a well-formed wrapped id passes unchanged, so an escaped one inside a string
+/// (`\"mrtr.…\"`, which cannot end in a bare quote) is left alone.
+#[derive(Default)]
+pub struct Unwrap {
+    held: Vec<u8>,
+}
+
+impl Unwrap {
+    /// The bytes of `chunk` that can go to the client now.
+    pub fn push(&mut self, chunk: Bytes) -> Bytes {
+        if self.held.is_empty() && !may_hold_mark(&chunk) {
+            return chunk;
+        }
+        self.held.extend_from_slice(&chunk);
+        let mut out = Vec::with_capacity(self.held.len());
+        let kept = unwrap_into(&self.held, &mut out, false);
+        self.held.drain(..kept);
+        out.into()
+    }
+
+    /// What was held back, at the end of the body.
+    pub fn finish(&mut self) -> Bytes {
+        let mut out = Vec::with_capacity(self.held.len());
+        unwrap_into(&self.held, &mut out, true);
+        self.held.clear();
+        out.into()
+    }
+}
+
+/// Whether `chunk` holds a mark, or ends with the start of one.
+fn may_hold_mark(chunk: &[u8]) -> bool {
+    memchr::memmem::find(chunk, MARK).is_some()
+        || (1..MARK.len()).any(|n| chunk.ends_with(&MARK[..n]))
+}
+
+/// Copies `input` to `out` with its wrapped ids unwrapped; returns how much of `input` it
+/// consumed (all of it at the end of the body, else up to a wrapped id not yet whole).
+fn unwrap_into(input: &[u8], out: &mut Vec<u8>, at_end: bool) -> usize {
+    let mut at = 0;
+    while let Some(found) = memchr::memmem::find(&input[at..], MARK) {
+        let start = at + found;
+        out.extend_from_slice(&input[at..start]);
+        match read_wrapped(&input[start..]) {
+            Wrapped::Id(len, original) => {
+                out.extend_from_slice(original.as_bytes());
+                at = start + len;
+            }
+            Wrapped::Incomplete if !at_end => return start,
+            Wrapped::Incomplete | Wrapped::Not => {
+                out.push(input[start]);
+                at = start + 1;
+            }
+        }
+    }
+    // A tail that may begin a mark waits for the next chunk.
+    let tail = (1..MARK.len())
+        .rev()
+        .find(|&n| !at_end && input.len() - at >= n && input.ends_with(&MARK[..n]))
+        .map_or(input.len(), |n| input.len() - n);
+    out.extend_from_slice(&input[at..tail]);
+    tail
+}
+
+enum Wrapped {
+    /// A wrapped id `len` bytes long, and the client's id as JSON text.
+    Id(usize, String),
+    /// The input ends before a wrapped id could be told from something else.
+    Incomplete,
+    Not,
+}
+
+/// Reads a wrapped id at the start of `input` (which begins with `MARK`).
+fn read_wrapped(input: &[u8]) -> Wrapped {
+    let body_start = MARK.len() + TAG_CHARS + 3;
+    let Some(end) = input
+        .iter()
+        .skip(MARK.len())
+        .position(|&b| !is_wrapped_char(b))
+    else {
+        return if input.len() < MAX_WRAPPED {
+            Wrapped::Incomplete
+        } else {
+            Wrapped::Not
+        };
+    };
+    let end = MARK.len() + end;
+    if input[end] != b'"' || end < body_start || end + 1 > MAX_WRAPPED {
+        return Wrapped::Not;
+    }
+    let inner = &input[MARK.len()..end];
+    let (tag, rest) = inner.split_at(TAG_CHARS);
+    if tag.contains(&b'.') {
+        return Wrapped::Not;
+    }
+    let original = match rest {
+        [b'.', b'n', b'.', digits @ ..] => integer(digits),
+        [b'.', b's', b'.', encoded @ ..] => string(encoded),
+        _ => None,
+    };
+    match original {
+        Some(original) => Wrapped::Id(end + 1, original),
+        None => Wrapped::Not,
+    }
+}
+
+/// Characters a wrapped id is made of: base64url, the dots and a minus sign.
+fn is_wrapped_char(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')
+}
+
+fn integer(digits: &[u8]) -> Option<String> {
+    let text = std::str::from_utf8(digits).ok()?;
+    let ok = text.parse::<i64>().is_ok() || text.parse::<u64>().is_ok();
+    ok.then(|| text.to_string())
+}
+
+fn string(encoded: &[u8]) -> Option<String> {
+    let bytes = URL_SAFE_NO_PAD.decode(encoded).ok()?;
+    let text = String::from_utf8(bytes).ok()?;
+    serde_json::to_string(&text).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn tag() -> IdTag {
+        IdTag::of_session("session-a")
+    }
+
+    fn wrapped(body: Value) -> Value {
+        let bytes = serde_json::to_vec(&body).unwrap();
+        let out = wrap_body(&bytes, &tag())
+            .unwrap()
+            .expect("something wrapped");
+        serde_json::from_slice(&out).unwrap()
+    }
+
+    /// Unwraps `text` pushed in pieces cut at `cuts`.
+    fn unwrap_in_pieces(text: &[u8], cuts: &[usize]) -> Vec<u8> {
+        let mut unwrap = Unwrap::default();
+        let mut out = Vec::new();
+        let mut from = 0;
+        for &cut in cuts.iter().chain([&text.len()]) {
+            out.extend_from_slice(&unwrap.push(Bytes::copy_from_slice(&text[from..cut])));
+            from = cut;
+        }
+        out.extend_from_slice(&unwrap.finish());
+        out
+    }
+
+    #[test]
+    fn ids_of_one_session_differ_from_another_sessions_and_map_back() {
+        let call =
+            json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "x"}});
+        let a = wrapped(call.clone());
+        let other = IdTag::of_session("session-b");
+        let b = wrap_body(&serde_json::to_vec(&call).unwrap(), &other)
+            .unwrap()
+            .unwrap();
+        let b: Value = serde_json::from_slice(&b).unwrap();
+        assert_ne!(
+            a["id"], b["id"],
+            "two sessions' id 2 name different streams"
+        );
+        assert_eq!(a["params"], call["params"]);
+        let answer = json!({"jsonrpc": "2.0", "id": a["id"], "result": {}}).to_string();
+        let back = unwrap_in_pieces(answer.as_bytes(), &[]);
+        assert_eq!(serde_json::from_slice::<Value>(&back).unwrap()["id"], 2);
+    }
+
+    #[test]
+    fn string_ids_any_text_come_back_equal() {
+        for id in ["abc", "", "a\"b\\c\n", "ключ", "mrtr.x", "-1"] {
+            let out = wrapped(json!({"jsonrpc": "2.0", "id": id, "method": "ping"}));
+            let text = format!(
+                "data: {{\"jsonrpc\":\"2.0\",\"id\":{},\"result\":{{}}}}\n\n",
+                out["id"]
+            );
+            let back = String::from_utf8(unwrap_in_pieces(text.as_bytes(), &[])).unwrap();
+            let data: Value =
+                serde_json::from_str(back.trim_start_matches("data: ").trim()).unwrap();
+            assert_eq!(data["id"], id, "{back}");
+        }
+        for id in [json!(0), json!(-7), json!(u64::MAX)] {
+            let out = wrapped(json!({"jsonrpc": "2.0", "id": id, "method": "ping"}));
+            let back = unwrap_in_pieces(json!({"id": out["id"]}).to_string().as_bytes(), &[]);
+            assert_eq!(serde_json::from_slice::<Value>(&back).unwrap()["id"], id);
+        }
+    }
+
+    #[test]
+    fn batches_and_cancellations_are_wrapped_and_responses_and_notifications_are_not() {
+        let batch = json!([
+            {"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+            {"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 1, "reason": "x"}},
+            {"jsonrpc": "2.0", "id": 9, "result": {}},
+        ]);
+        let out = wrapped(batch);
+        assert_eq!(out[1]["params"]["requestId"], out[0]["id"]);
+        assert_eq!(out[1]["params"]["reason"], "x");
+        assert_eq!(
+            out[2]["id"], 9,
+            "a response to the server keeps the server's id"
+        );
+        for untouched in [
+            json!({"jsonrpc": "2.0", "method": "notifications/initialized"}),
+            json!({"jsonrpc": "2.0", "id": "s1", "result": {"action": "accept"}}),
+        ] {
+            let bytes = serde_json::to_vec(&untouched).unwrap();
+            assert_eq!(wrap_body(&bytes, &tag()), Ok(None));
+        }
+    }
+
+    #[test]
+    fn an_overlong_id_is_refused() {
+        let id = "x".repeat(MAX_CLIENT_ID);
+        let body = json!({"jsonrpc": "2.0", "id": id, "method": "ping"}).to_string();
+        assert_eq!(
+            wrap_body(body.as_bytes(), &tag()),
+            Err(WrapError::IdTooLong)
+        );
+    }
+
+    #[test]
+    fn a_wrapped_id_split_anywhere_unwraps_and_other_text_is_untouched() {
+        let out = wrapped(json!({"jsonrpc": "2.0", "id": "k-1", "method": "ping"}));
+        let text = format!(
+            "id: 5\ndata: {{\"id\":{},\"result\":{{\"text\":\"\\\"mrtr.not-an-id\\\" \\\"mrtr.\"}}}}\n\n:\n\n",
+            out["id"]
+        );
+        let expected = text.replace(out["id"].to_string().as_str(), "\"k-1\"");
+        for cut in 0..=text.len() {
+            let got = unwrap_in_pieces(text.as_bytes(), &[cut]);
+            assert_eq!(String::from_utf8(got).unwrap(), expected, "cut at {cut}");
+        }
+        // Byte by byte, in one pass.
+        let every_byte: Vec<usize> = (1..text.len()).collect();
+        let got = unwrap_in_pieces(text.as_bytes(), &every_byte);
+        assert_eq!(String::from_utf8(got).unwrap(), expected);
+    }
+
+    #[test]
+    fn what_is_held_back_is_bounded() {
+        let mut unwrap = Unwrap::default();
+        let mut out = Vec::new();
+        out.extend_from_slice(&unwrap.push(Bytes::from_static(b"\"mrtr.")));
+        for _ in 0..1000 {
+            out.extend_from_slice(&unwrap.push(Bytes::from_static(b"aaaaaaaa")));
+            assert!(unwrap.held.len() <= MAX_WRAPPED + 8);
+        }
+        out.extend_from_slice(&unwrap.finish());
+        assert_eq!(out.len(), 6 + 8000, "nothing lost");
+    }
+}
