@@ -17,10 +17,11 @@
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine;
 use bytes::Bytes;
-use serde::de::{Deserialize, Deserializer, MapAccess, Visitor};
+use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
+use std::borrow::Cow;
 use std::fmt;
 
 /// The longest client id (as JSON text) the gateway wraps; a longer one is refused.
@@ -85,144 +86,82 @@ impl std::error::Error for WrapError {}
 
 /// `body` with the ids of its requests, and the request ids its cancellations name,
 /// wrapped under `tag`; `None` when it has none (responses, other notifications), so the
-/// body goes up as it came. Members keep their order; params are not parsed.
+/// body goes up as it came. Only the ids are replaced: every other byte stays the
+/// client's, and params are not parsed.
 pub fn wrap_body(body: &[u8], tag: &IdTag) -> Result<Option<Vec<u8>>, WrapError> {
-    let first = body.iter().find(|b| !b.is_ascii_whitespace());
-    let mut messages: Vec<Members> = if first == Some(&b'[') {
-        serde_json::from_slice(body).map_err(|_| WrapError::NotMessages)?
+    let text = std::str::from_utf8(body).map_err(|_| WrapError::NotMessages)?;
+    let batch = text.trim_start().starts_with('[');
+    let messages: Vec<Envelope> = if batch {
+        serde_json::from_str(text).map_err(|_| WrapError::NotMessages)?
     } else {
-        vec![serde_json::from_slice(body).map_err(|_| WrapError::NotMessages)?]
+        vec![serde_json::from_str(text).map_err(|_| WrapError::NotMessages)?]
     };
-    let mut changed = false;
-    for message in &mut messages {
-        changed |= wrap_message(message, tag)?;
+    let mut splices = Vec::new();
+    for message in &messages {
+        if let Some(id) = message.id_to_wrap()? {
+            let wrapped = tag.wrap(&parse_id(id)?);
+            splices.extend(wrapped.map(|w| (span(text, id), w)));
+        }
     }
-    if !changed {
+    if splices.is_empty() {
         return Ok(None);
     }
-    let mut out = Vec::with_capacity(body.len() + 32 * messages.len());
-    if first == Some(&b'[') {
-        out.push(b'[');
-        for (i, message) in messages.iter().enumerate() {
-            if i > 0 {
-                out.push(b',');
-            }
-            message.write(&mut out);
-        }
-        out.push(b']');
-    } else {
-        messages[0].write(&mut out);
+    let mut out = Vec::with_capacity(body.len() + 40 * splices.len());
+    let mut at = 0;
+    for (span, wrapped) in splices {
+        out.extend_from_slice(&body[at..span.start]);
+        out.extend_from_slice(wrapped.as_bytes());
+        at = span.end;
     }
+    out.extend_from_slice(&body[at..]);
     Ok(Some(out))
 }
 
-/// Wraps a request's id, or a cancellation's `requestId`; whether anything changed.
-fn wrap_message(message: &mut Members, tag: &IdTag) -> Result<bool, WrapError> {
-    let Some(method) = message.get("method") else {
-        return Ok(false);
-    };
-    if message.get("id").is_some() {
-        return message.wrap_member("id", tag);
-    }
-    if serde_json::from_str::<String>(method.get()).ok().as_deref()
-        != Some("notifications/cancelled")
-    {
-        return Ok(false);
-    }
-    let Some(params) = message.get("params") else {
-        return Ok(false);
-    };
-    let Ok(mut params) = serde_json::from_str::<Members>(params.get()) else {
-        return Ok(false);
-    };
-    if !params.wrap_member("requestId", tag)? {
-        return Ok(false);
-    }
-    let mut text = Vec::new();
-    params.write(&mut text);
-    let text = String::from_utf8(text).expect("written from JSON text");
-    message.set("params", text);
-    Ok(true)
+/// The members of a message that say whether it carries a client's request id.
+#[derive(Deserialize)]
+struct Envelope<'a> {
+    #[serde(borrow)]
+    method: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    params: Option<&'a RawValue>,
 }
 
-/// A JSON object's members in order, each value its raw JSON text.
-struct Members(Vec<(String, MemberValue)>);
-
-enum MemberValue {
-    Raw(Box<RawValue>),
-    Text(String),
+#[derive(Deserialize)]
+struct Cancellation<'a> {
+    #[serde(borrow, rename = "requestId")]
+    request_id: Option<&'a RawValue>,
 }
 
-impl MemberValue {
-    fn get(&self) -> &str {
-        match self {
-            MemberValue::Raw(raw) => raw.get(),
-            MemberValue::Text(text) => text,
-        }
-    }
-}
-
-impl Members {
-    fn get(&self, name: &str) -> Option<&MemberValue> {
-        self.0.iter().find(|(k, _)| k == name).map(|(_, v)| v)
-    }
-
-    fn set(&mut self, name: &str, text: String) {
-        if let Some((_, v)) = self.0.iter_mut().find(|(k, _)| k == name) {
-            *v = MemberValue::Text(text);
-        }
-    }
-
-    /// Wraps the id in member `name`; whether there was one to wrap.
-    fn wrap_member(&mut self, name: &str, tag: &IdTag) -> Result<bool, WrapError> {
-        let Some(raw) = self.get(name) else {
-            return Ok(false);
+impl<'a> Envelope<'a> {
+    /// A request's id, or the request id a cancellation names.
+    fn id_to_wrap(&self) -> Result<Option<&'a RawValue>, WrapError> {
+        let Some(method) = &self.method else {
+            return Ok(None);
         };
-        if raw.get().len() > MAX_CLIENT_ID {
-            return Err(WrapError::IdTooLong);
+        if self.id.is_some() {
+            return Ok(self.id);
         }
-        let id: Value = serde_json::from_str(raw.get()).map_err(|_| WrapError::NotMessages)?;
-        match tag.wrap(&id) {
-            Some(wrapped) => {
-                self.set(name, wrapped);
-                Ok(true)
-            }
-            None => Ok(false),
-        }
-    }
-
-    fn write(&self, out: &mut Vec<u8>) {
-        out.push(b'{');
-        for (i, (name, value)) in self.0.iter().enumerate() {
-            if i > 0 {
-                out.push(b',');
-            }
-            serde_json::to_writer(&mut *out, name).expect("a string serializes");
-            out.push(b':');
-            out.extend_from_slice(value.get().as_bytes());
-        }
-        out.push(b'}');
+        let Some(params) = self.params.filter(|_| method == "notifications/cancelled") else {
+            return Ok(None);
+        };
+        let cancellation: Option<Cancellation> = serde_json::from_str(params.get()).ok();
+        Ok(cancellation.and_then(|c| c.request_id))
     }
 }
 
-impl<'de> Deserialize<'de> for Members {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Members, D::Error> {
-        struct Object;
-        impl<'de> Visitor<'de> for Object {
-            type Value = Members;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Members, A::Error> {
-                let mut members = Vec::new();
-                while let Some((name, value)) = map.next_entry::<String, Box<RawValue>>()? {
-                    members.push((name, MemberValue::Raw(value)));
-                }
-                Ok(Members(members))
-            }
-        }
-        d.deserialize_map(Object)
+fn parse_id(raw: &RawValue) -> Result<Value, WrapError> {
+    if raw.get().len() > MAX_CLIENT_ID {
+        return Err(WrapError::IdTooLong);
     }
+    serde_json::from_str(raw.get()).map_err(|_| WrapError::NotMessages)
+}
+
+/// Where `raw`, borrowed from `text`, lies in it.
+fn span(text: &str, raw: &RawValue) -> std::ops::Range<usize> {
+    let start = raw.get().as_ptr() as usize - text.as_ptr() as usize;
+    start..start + raw.get().len()
 }
 
 /// Unwraps the ids in a body as it streams, chunk by chunk: a wrapped id split between
@@ -237,8 +176,14 @@ pub struct Unwrap {
 impl Unwrap {
     /// The bytes of `chunk` that can go to the client now.
     pub fn push(&mut self, chunk: Bytes) -> Bytes {
-        if self.held.is_empty() && !may_hold_mark(&chunk) {
-            return chunk;
+        if self.held.is_empty() {
+            if !may_hold_mark(&chunk) {
+                return chunk;
+            }
+            let mut out = Vec::with_capacity(chunk.len());
+            let kept = unwrap_into(&chunk, &mut out, false);
+            self.held.extend_from_slice(&chunk[kept..]);
+            return out.into();
         }
         self.held.extend_from_slice(&chunk);
         let mut out = Vec::with_capacity(self.held.len());
