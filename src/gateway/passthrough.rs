@@ -81,10 +81,9 @@ async fn serve_inner(
     let id = parsed.and_then(Body::id).cloned();
     let method = &session.req_header().method;
     let wraps_ids = wraps_ids && (method == http::Method::POST || method == http::Method::GET);
-    let body = match wraps_ids.then(|| wrap_ids(&route, body.clone())) {
-        None => body,
-        Some(Ok(wrapped)) => wrapped,
-        Some(Err(e)) => {
+    let body = match wrap_ids(&route, body, wraps_ids) {
+        Ok(body) => body,
+        Err(e) => {
             let refusal = Refusal::new(Class::BadRequest, code::INVALID_REQUEST, e.to_string());
             return refuse(session, id.as_ref(), refusal).await;
         }
@@ -115,9 +114,9 @@ async fn serve_inner(
 }
 
 /// The POST body with its request ids wrapped under the upstream session's tag (a random
-/// one before the upstream gave a session); the same body when it has none.
-fn wrap_ids(route: &Route, body: Bytes) -> Result<Bytes, request_ids::WrapError> {
-    if body.is_empty() {
+/// one before the upstream gave a session), if `wraps`; the same body when it has none.
+fn wrap_ids(route: &Route, body: Bytes, wraps: bool) -> Result<Bytes, request_ids::WrapError> {
+    if !wraps || body.is_empty() {
         return Ok(body);
     }
     let tag = match &route.upstream_session {

@@ -176,19 +176,19 @@ pub struct Unwrap {
 impl Unwrap {
     /// The bytes of `chunk` that can go to the client now.
     pub fn push(&mut self, chunk: Bytes) -> Bytes {
-        if self.held.is_empty() {
-            if !may_hold_mark(&chunk) {
-                return chunk;
-            }
-            let mut out = Vec::with_capacity(chunk.len());
-            let kept = unwrap_into(&chunk, &mut out, false);
-            self.held.extend_from_slice(&chunk[kept..]);
-            return out.into();
+        if self.held.is_empty() && !may_hold_mark(&chunk) {
+            return chunk;
         }
-        self.held.extend_from_slice(&chunk);
-        let mut out = Vec::with_capacity(self.held.len());
-        let kept = unwrap_into(&self.held, &mut out, false);
-        self.held.drain(..kept);
+        let input = if self.held.is_empty() {
+            &chunk[..]
+        } else {
+            self.held.extend_from_slice(&chunk);
+            &self.held[..]
+        };
+        let mut out = Vec::with_capacity(input.len());
+        let kept = unwrap_into(input, &mut out, false);
+        let rest = input[kept..].to_vec();
+        self.held = rest;
         out.into()
     }
 
@@ -203,8 +203,15 @@ impl Unwrap {
 
 /// Whether `chunk` holds a mark, or ends with the start of one.
 fn may_hold_mark(chunk: &[u8]) -> bool {
-    memchr::memmem::find(chunk, MARK).is_some()
-        || (1..MARK.len()).any(|n| chunk.ends_with(&MARK[..n]))
+    memchr::memmem::find(chunk, MARK).is_some() || mark_begun_at_end(chunk) > 0
+}
+
+/// How many bytes at the end of `bytes` may begin a mark.
+fn mark_begun_at_end(bytes: &[u8]) -> usize {
+    (1..MARK.len())
+        .rev()
+        .find(|&n| bytes.ends_with(&MARK[..n]))
+        .unwrap_or(0)
 }
 
 /// Copies `input` to `out` with its wrapped ids unwrapped; returns how much of `input` it
@@ -227,10 +234,10 @@ fn unwrap_into(input: &[u8], out: &mut Vec<u8>, at_end: bool) -> usize {
         }
     }
     // A tail that may begin a mark waits for the next chunk.
-    let tail = (1..MARK.len())
-        .rev()
-        .find(|&n| !at_end && input.len() - at >= n && input.ends_with(&MARK[..n]))
-        .map_or(input.len(), |n| input.len() - n);
+    let tail = match at_end {
+        true => input.len(),
+        false => input.len() - mark_begun_at_end(&input[at..]),
+    };
     out.extend_from_slice(&input[at..tail]);
     tail
 }
