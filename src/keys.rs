@@ -25,13 +25,16 @@ pub enum Purpose {
     RequestState,
     /// The cookie of a data-layer session (`_meta["mcp/session"]`).
     DataSession,
+    /// An upstream SSE event id given to a legacy client (`protocol::event_ids`).
+    EventId,
 }
 
 impl Purpose {
-    pub const ALL: [Purpose; 3] = [
+    pub const ALL: [Purpose; 4] = [
         Purpose::Session,
         Purpose::RequestState,
         Purpose::DataSession,
+        Purpose::EventId,
     ];
 
     pub fn label(self) -> &'static [u8] {
@@ -39,6 +42,7 @@ impl Purpose {
             Purpose::Session => b"mrtr-gateway/v1/session",
             Purpose::RequestState => b"mrtr-gateway/v1/request-state",
             Purpose::DataSession => b"mrtr-gateway/v1/data-session",
+            Purpose::EventId => b"mrtr-gateway/v1/event-id",
         }
     }
 

@@ -10,6 +10,7 @@ use sha2::{Digest, Sha256};
 use std::fmt;
 
 pub const MCP_SESSION_ID: &str = "mcp-session-id";
+pub const LAST_EVENT_ID: &str = "last-event-id";
 
 const HOP_BY_HOP: &[&str] = &[
     "connection",
