@@ -269,11 +269,12 @@ SID=$(curl -si {H} $GW -d '{{"jsonrpc":"2.0","id":1,"method":"initialize","param
 curl -s {H} -H "mcp-session-id: $SID" $GW -d '{{"jsonrpc":"2.0","method":"notifications/initialized"}}'
 # 5. Call a tool that asks a question on the SSE stream. The server waits for the answer;
 #    curl stops listening after 2 seconds.
-curl -sN --max-time 2 {H} -H "mcp-session-id: $SID" $GW -d '{{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{{"name":"ask_name","arguments":{{}}}}}}'
+S5=$(curl -sN --max-time 2 {H} -H "mcp-session-id: $SID" $GW -d '{{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{{"name":"ask_name","arguments":{{}}}}}}'); echo "$S5"
 # 6. Answer the question (its JSON-RPC id is 0): the gateway answers 202.
 curl -s -o /dev/null -w '%{{http_code}}\n' {H} -H "mcp-session-id: $SID" $GW -d '{{"jsonrpc":"2.0","id":0,"result":{{"action":"accept","content":{{"name":"Ada"}}}}}}'
-# 7. Resume the stream after the question's event id (0-1): the result arrives.
-curl -sN -H 'accept: text/event-stream' -H "mcp-session-id: $SID" -H 'last-event-id: 0-1' $GW
+# 7. Resume the stream after the question's event id (the last `id:` it showed, sealed by
+#    the gateway to this session): the result arrives.
+curl -sN -H 'accept: text/event-stream' -H "mcp-session-id: $SID" -H "last-event-id: $(echo "$S5" | sed -n 's/^id: //p' | tail -n 1)" $GW
 # 8. End the session.
 curl -s -o /dev/null -w '%{{http_code}}\n' -X DELETE -H "mcp-session-id: $SID" $GW
 "#

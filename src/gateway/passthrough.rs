@@ -4,20 +4,26 @@
 //! request there; a token that does not open is answered 404 and reaches no upstream.
 //! A legacy client's request ids go up wrapped per upstream session and come back as
 //! they were (`protocol::request_ids`), so a store shared by sessions keeps their streams
-//! apart.
+//! apart; the SSE event ids it gets are sealed to its upstream session, and it resumes
+//! only from those (`protocol::event_ids`).
 
+use super::bridge::probe::session_replay;
+use super::learnt::SessionReplay;
 use super::Gateway;
 use super::{cors, respond};
 use crate::metrics::{request_label, InUse};
 use crate::outcome::{Class, Outcome, Refusal, Report};
-use crate::protocol::headers::{self, MCP_SESSION_ID};
+use crate::protocol::event_ids::{self, EventIds, Rewrite, Stream};
+use crate::protocol::headers::{self, LAST_EVENT_ID, MCP_SESSION_ID};
 use crate::protocol::jsonrpc::{code, Body};
 use crate::protocol::request_ids::{self, IdTag, Unwrap};
 use crate::protocol::session_token::SessionToken;
 use crate::protocol::sse::{self, BoundaryTracker};
 use crate::protocol::target::upstream_target;
+use crate::protocol::trace::TraceContext;
 use crate::protocol::{forwarded, oauth};
 use crate::upstream::exchange::{ExchangeError, ExchangeFailure, Response};
+use crate::upstream::legacy_session::Caller;
 use crate::upstream::{Endpoint, UpstreamGroup};
 use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
@@ -51,17 +57,10 @@ pub async fn serve(
         parsed.as_ref().and_then(Body::method),
         parsed.is_some(),
     );
-    // A legacy client's ids are wrapped; a 2026-07-28 upstream keeps no streams to resume.
-    let wraps_ids = era == "legacy";
-    let outcome = serve_inner(
-        gw,
-        session,
-        group,
-        body,
-        parsed.as_ref(),
-        principal,
-        wraps_ids,
-    );
+    // A legacy client's ids are rewritten; a 2026-07-28 upstream keeps no streams to
+    // resume.
+    let legacy = era == "legacy";
+    let outcome = serve_inner(gw, session, group, body, parsed.as_ref(), principal, legacy);
     gw.record(era, method, &outcome.await, started);
 }
 
@@ -72,15 +71,24 @@ async fn serve_inner(
     body: Bytes,
     parsed: Option<&Body>,
     binding: &[u8; 32],
-    wraps_ids: bool,
+    legacy: bool,
 ) -> Outcome {
     let route = match route(gw, session, group, binding) {
         Ok(route) => route,
         Err(refusal) => return refuse(session, None, refusal).await,
     };
     let id = parsed.and_then(Body::id).cloned();
+    let resumption = match resumption(gw, session, group, &route, binding, legacy).await {
+        Ok(resumption) => resumption,
+        Err(refusal) => return refuse(session, id.as_ref(), refusal).await,
+    };
     let method = &session.req_header().method;
-    let wraps_ids = wraps_ids && (method == http::Method::POST || method == http::Method::GET);
+    let stream = match (&resumption, method == http::Method::GET) {
+        (Some((stream, _)), _) => *stream,
+        (None, true) => Stream::Session,
+        (None, false) => Stream::Call,
+    };
+    let wraps_ids = legacy && (method == http::Method::POST || method == http::Method::GET);
     let body = match wrap_ids(&route, body, wraps_ids) {
         Ok(body) => body,
         Err(e) => {
@@ -92,6 +100,12 @@ async fn serve_inner(
     if wraps_ids {
         // A content-coded body could not be unwrapped on its way back.
         request.remove_header(&http::header::ACCEPT_ENCODING);
+    }
+    if legacy {
+        request.remove_header(LAST_EVENT_ID);
+    }
+    if let Some((_, upstream_id)) = resumption {
+        let _ = request.insert_header(LAST_EVENT_ID, upstream_id);
     }
     let mut response = match gw
         .upstreams
@@ -107,10 +121,113 @@ async fn serve_inner(
     };
     count_session_event(gw, session, &route, response.header());
     let header = client_response_header(gw, session, group, &route, binding, response.header());
-    let unwrap = (wraps_ids && !response.is_encoded()).then(Unwrap::default);
-    let outcome = relay(gw, session, header, &mut response, unwrap).await;
+    let rewrite = (wraps_ids && !response.is_encoded())
+        .then(|| BodyRewrite::new(gw, &route, binding, &response, stream));
+    let outcome = relay(gw, session, header, &mut response, rewrite).await;
     gw.upstreams.client.finish(response).await;
     outcome
+}
+
+/// Where a legacy client resumes: the stream and the upstream's own event id in its
+/// `Last-Event-ID`, which must be one the gateway sealed for the request's upstream
+/// session. `None` without one, for a session GET stream whose upstream store may be
+/// shared by sessions (it is then reopened fresh), and when the client is not `legacy`
+/// (its header goes up as it is).
+async fn resumption(
+    gw: &Gateway,
+    session: &ServerSession,
+    group: &UpstreamGroup,
+    route: &Route,
+    principal: &[u8; 32],
+    legacy: bool,
+) -> Result<Option<(Stream, http::HeaderValue)>, Refusal> {
+    let Some(client_position) = session.get_header(LAST_EVENT_ID).filter(|_| legacy) else {
+        return Ok(None);
+    };
+    let binding = event_ids::binding(principal, route.upstream_session.as_deref());
+    let opened = match client_position.to_str() {
+        Ok(text) => event_ids::open(&gw.sealing.keys.load(), &binding, text)
+            .map_err(|e| e.reason())
+            .and_then(|p| match http::HeaderValue::from_bytes(&p.upstream_id) {
+                Ok(id) => Ok((p.stream, id)),
+                Err(_) => Err("not_a_header"),
+            }),
+        Err(_) => Err("malformed"),
+    };
+    let (stream, upstream_id) = opened.map_err(|reason| {
+        tracing::info!(group = %group.name, reason, "Last-Event-ID refused");
+        let text = "Last-Event-ID is not an event id this gateway sent in this session; resume from one it sent, or reconnect without one";
+        Refusal::new(Class::BadRequest, code::INVALID_REQUEST, text)
+    })?;
+    if stream == Stream::Session {
+        let caller = Caller {
+            trace: TraceContext::default(),
+            headers: gw.admission.end_to_end(session, group),
+        };
+        let replay = session_replay(&gw.upstreams, group, &route.endpoint, &caller).await;
+        if replay != SessionReplay::Scoped {
+            tracing::debug!(group = %group.name, ?replay, "session GET stream reopened fresh");
+            return Ok(None);
+        }
+    }
+    Ok(Some((stream, upstream_id)))
+}
+
+/// A legacy client's response as it streams: the upstream's SSE event ids sealed to the
+/// upstream session, then the client's request ids given back.
+pub(crate) struct BodyRewrite {
+    event_ids: Option<EventIds>,
+    request_ids: Unwrap,
+}
+
+impl BodyRewrite {
+    /// The rewrite of `response` to `principal`, which is (or resumes) `stream`.
+    fn new(
+        gw: &Gateway,
+        route: &Route,
+        principal: &[u8; 32],
+        response: &Response,
+        stream: Stream,
+    ) -> BodyRewrite {
+        let opened = response.header().headers.get(MCP_SESSION_ID);
+        let upstream_session = opened
+            .and_then(|v| v.to_str().ok())
+            .or(route.upstream_session.as_deref());
+        let rewrite = Rewrite {
+            ring: gw.sealing.keys.load(),
+            binding: event_ids::binding(principal, upstream_session),
+            stream,
+        };
+        BodyRewrite {
+            event_ids: response.is_sse().then(|| EventIds::new(rewrite)),
+            request_ids: Unwrap::default(),
+        }
+    }
+
+    fn push(&mut self, chunk: Bytes) -> Bytes {
+        let chunk = match self.event_ids.as_mut() {
+            Some(event_ids) => event_ids.push(chunk),
+            None => chunk,
+        };
+        self.request_ids.push(chunk)
+    }
+
+    fn finish(&mut self) -> Bytes {
+        let rest = self
+            .event_ids
+            .as_mut()
+            .map(EventIds::finish)
+            .unwrap_or_default();
+        concat(self.request_ids.push(rest), self.request_ids.finish())
+    }
+}
+
+fn concat(head: Bytes, tail: Bytes) -> Bytes {
+    match (head.is_empty(), tail.is_empty()) {
+        (_, true) => head,
+        (true, _) => tail,
+        _ => [head, tail].concat().into(),
+    }
 }
 
 /// The POST body with its request ids wrapped under the upstream session's tag (a random
@@ -320,22 +437,22 @@ fn client_session_token(
 const MAX_WHOLE_BODY: usize = 1 << 20;
 
 /// Streams the upstream body to the client as it arrives, until either side ends, with
-/// the request ids `ids` unwraps given back as the client sent them.
+/// a legacy client's body rewritten as it goes (`BodyRewrite`).
 pub(crate) async fn relay(
     gw: &Gateway,
     session: &mut ServerSession,
     mut header: ResponseHeader,
     upstream: &mut Response,
-    mut ids: Option<Unwrap>,
+    mut rewrite: Option<BodyRewrite>,
 ) -> Outcome {
     if gw.admission.cors.is_gateways() {
         cors::strip_upstreams(&mut header);
         cors::decorate(session, &mut header);
     }
-    if let Some(unwrap) = ids.as_mut() {
+    if let Some(rewriting) = rewrite.as_mut() {
         match content_length(&header) {
             Some(length) if length <= MAX_WHOLE_BODY => {
-                return relay_whole(session, header, upstream, length, unwrap).await
+                return relay_whole(session, header, upstream, length, rewriting).await
             }
             Some(_) => respond::frame_unknown_length(session, &mut header),
             None => {}
@@ -354,7 +471,7 @@ pub(crate) async fn relay(
     let sse = upstream.is_sse() && !upstream.is_encoded();
     // A session's GET stream never ends by itself; a POST's stream ends with its response.
     let endless = sse && session.req_header().method == http::Method::GET;
-    pump(gw, session, upstream, sse, endless, ids).await
+    pump(gw, session, upstream, sse, endless, rewrite).await
 }
 
 fn content_length(header: &ResponseHeader) -> Option<usize> {
@@ -363,13 +480,13 @@ fn content_length(header: &ResponseHeader) -> Option<usize> {
     Some(value.to_str().ok()?.parse().unwrap_or(usize::MAX))
 }
 
-/// Relays a body of known `length` read whole, its ids unwrapped, under its new length.
+/// Relays a body of known `length` read whole and rewritten, under its new length.
 async fn relay_whole(
     session: &mut ServerSession,
     mut header: ResponseHeader,
     upstream: &mut Response,
     length: usize,
-    ids: &mut Unwrap,
+    rewrite: &mut BodyRewrite,
 ) -> Outcome {
     let body = match upstream.read_all(length).await {
         Ok(body) => body,
@@ -384,10 +501,7 @@ async fn relay_whole(
             .await;
         }
     };
-    let body = match (ids.push(body), ids.finish()) {
-        (body, rest) if rest.is_empty() => body,
-        (body, rest) => [body, rest].concat().into(),
-    };
+    let body = concat(rewrite.push(body), rewrite.finish());
     let _ = header.insert_header(http::header::CONTENT_LENGTH, body.len());
     if session
         .write_response_header(Box::new(header))
@@ -410,7 +524,7 @@ async fn pump(
     upstream: &mut Response,
     sse: bool,
     endless: bool,
-    mut ids: Option<Unwrap>,
+    mut rewrite: Option<BodyRewrite>,
 ) -> Outcome {
     let keepalive = (sse && gw.config.sse_keepalive_ms > 0)
         .then(|| Duration::from_millis(gw.config.sse_keepalive_ms));
@@ -437,8 +551,8 @@ async fn pump(
         };
         match chunk {
             Ok(Some(bytes)) => {
-                let bytes = match ids.as_mut() {
-                    Some(unwrap) => unwrap.push(bytes),
+                let bytes = match rewrite.as_mut() {
+                    Some(rewrite) => rewrite.push(bytes),
                     None => bytes,
                 };
                 if bytes.is_empty() {
@@ -450,7 +564,10 @@ async fn pump(
                 }
             }
             Ok(None) => {
-                let rest = ids.as_mut().map(Unwrap::finish).unwrap_or_default();
+                let rest = rewrite
+                    .as_mut()
+                    .map(BodyRewrite::finish)
+                    .unwrap_or_default();
                 let _ = session.write_response_body(rest, true).await;
                 return Outcome::Ok;
             }

@@ -286,6 +286,168 @@ fn a_legacy_resumption_from_a_shared_event_store_replays_only_its_own_sessions_e
     );
 }
 
+/// Calls the Python fixture's `announce`, which sends `text` on the session's GET stream;
+/// returns the call's own stream (its result, with event ids).
+fn announce(raw: &Raw, session: &str, text: &str) -> Vec<(Option<String>, Value)> {
+    let call = json!({"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":"announce","arguments":{"text":text}}});
+    let mut reply = raw.post(Some(session), &call);
+    assert_eq!(reply.status, 200, "announce {text}");
+    Raw::messages_until(&mut reply, |m| m["id"] == 7)
+}
+
+/// Opens `session`'s GET stream, from `position` if given. The SDK refuses a second GET
+/// stream (409) until it has seen the first one's client leave, so a reconnection is
+/// retried until it is taken, within a bound.
+fn open_get_stream(raw: &Raw, session: &str, position: Option<&str>) -> Reply {
+    let mut headers = vec![
+        ("accept", "text/event-stream"),
+        ("mcp-session-id", session),
+        ("mcp-protocol-version", "2025-11-25"),
+    ];
+    headers.extend(position.map(|p| ("last-event-id", p)));
+    let mut stream = None;
+    wait_until("the GET stream is taken", Duration::from_secs(10), || {
+        let reply = raw.request("GET", &headers, None);
+        let conflict = reply.status == 409;
+        stream = Some(reply);
+        !conflict
+    });
+    let stream = stream.expect("a GET was sent");
+    assert_eq!(stream.status, 200, "the GET stream");
+    stream
+}
+
+fn logged(text: &str) -> impl Fn(&Value) -> bool + '_ {
+    move |m: &Value| m["method"] == "notifications/message" && m["params"]["data"] == text
+}
+
+/// The Python SDK keeps every session's GET stream under one name, `_GET_stream`, in a
+/// store shared by sessions: resuming one replays what every session's GET stream was
+/// sent since. A legacy client that reconnects its GET stream through the gateway, as
+/// clients do after an idle timeout, gets its own session's messages only.
+#[test]
+fn a_legacy_get_stream_reconnects_without_other_sessions_messages() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let (alice, bob) = (Raw::new(&gw.url), Raw::new(&gw.url));
+    let alices = alice.initialize(json!({}));
+    let bobs = bob.initialize(json!({}));
+
+    let mut stream = open_get_stream(&alice, &alices, None);
+    announce(&alice, &alices, "for Alice");
+    let (position, _) = Raw::messages_until(&mut stream, logged("for Alice"))
+        .pop()
+        .unwrap();
+    drop(stream);
+    announce(&bob, &bobs, "for Bob");
+
+    // Alice reconnects as SDK clients do: from her last position, if she was given one.
+    let mut stream = open_get_stream(&alice, &alices, position.as_deref());
+    announce(&alice, &alices, "Alice again");
+    let seen = Raw::messages_until(&mut stream, logged("Alice again"));
+    let seen: Vec<String> = seen.iter().map(|(_, m)| m.to_string()).collect();
+    assert!(
+        seen.iter().all(|m| !m.contains("for Bob")),
+        "another session's GET-stream message reached Alice: {seen:?}"
+    );
+}
+
+/// Where the upstream's store keeps sessions apart (the TypeScript fixture's, one per
+/// session), a legacy client's GET stream resumes from its position: a question sent
+/// while it was disconnected is replayed, not lost.
+#[test]
+fn a_legacy_get_stream_resumes_where_the_store_keeps_sessions_apart() {
+    let (_upstream, url) = start_upstream(Upstream::TypeScript);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let sid = raw.initialize(json!({"elicitation": {}}));
+    let asked = |m: &Value| m["method"] == "elicitation/create";
+    let mut stream = open_get_stream(&raw, &sid, None);
+    let call = json!({"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"name":"plan_trip_get_stream","arguments":{}}});
+    let mut call_stream = raw.post(Some(&sid), &call);
+    let (position, first) = Raw::messages_until(&mut stream, asked).pop().unwrap();
+    let position = position.expect("the question has an event id");
+    drop(stream);
+    let answer = |q: &Value, content: Value| json!({"jsonrpc":"2.0","id":q["id"],"result":{"action":"accept","content":content}});
+    let reply = raw.post(
+        Some(&sid),
+        &answer(&first, json!({"destination": "Lisbon"})),
+    );
+    assert_eq!(reply.status, 202);
+
+    let mut stream = open_get_stream(&raw, &sid, Some(&position));
+    let (_, second) = Raw::messages_until(&mut stream, asked).pop().unwrap();
+    assert!(
+        second.to_string().contains("How many nights in Lisbon?"),
+        "{second}"
+    );
+    let reply = raw.post(Some(&sid), &answer(&second, json!({"nights": 3})));
+    assert_eq!(reply.status, 202);
+    let (_, result) = Raw::messages_until(&mut call_stream, |m| m["id"] == 5)
+        .pop()
+        .unwrap();
+    assert!(
+        result.to_string().contains("Trip to Lisbon for 3 nights"),
+        "{result}"
+    );
+}
+
+/// `Last-Event-ID` points into the upstream's store, which may be shared by sessions and
+/// have ids anyone can learn: the gateway forwards only positions it gave the same
+/// session, and answers any other with a JSON-RPC error, reaching no upstream.
+#[test]
+fn a_last_event_id_the_gateway_did_not_give_the_session_is_refused() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    // Bob talks to the server directly and learns his GET stream's event ids.
+    let bob = Raw::new(&url);
+    let bobs = bob.initialize(json!({}));
+    let mut bobs_stream = open_get_stream(&bob, &bobs, None);
+    announce(&bob, &bobs, "Bob's first");
+    let (bobs_position, _) = Raw::messages_until(&mut bobs_stream, logged("Bob's first"))
+        .pop()
+        .unwrap();
+    let bobs_position = bobs_position.expect("the server gives GET-stream events ids");
+    announce(&bob, &bobs, "Bob's second");
+    Raw::messages_until(&mut bobs_stream, logged("Bob's second"));
+
+    let (alice, carol) = (Raw::new(&gw.url), Raw::new(&gw.url));
+    let alices = alice.initialize(json!({}));
+    let carols = carol.initialize(json!({}));
+    let (alices_position, _) = announce(&alice, &alices, "Alice's").pop().unwrap();
+    let alices_position = alices_position.expect("the call's result has an event id");
+    let cases = [
+        (
+            "an upstream event id",
+            &alice,
+            &alices,
+            bobs_position.as_str(),
+        ),
+        ("an id made up", &alice, &alices, "0"),
+        (
+            "another session's id",
+            &carol,
+            &carols,
+            alices_position.as_str(),
+        ),
+    ];
+    for (case, raw, session, position) in cases {
+        let reply = raw.resume(session, position);
+        assert_eq!(reply.status, 400, "{case}");
+        let body = reply.json();
+        assert_eq!(body["error"]["code"], -32600, "{case}: {body}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("Last-Event-ID"),
+            "{case}: {body}"
+        );
+    }
+    // Alice's own position goes up (its replay is `last_event_id_resumption_*`'s).
+    assert_eq!(alice.resume(&alices, &alices_position).status, 200);
+}
+
 #[test]
 fn a_session_opened_on_one_replica_continues_on_another() {
     let (_upstream, url) = start_upstream(Upstream::Python);

@@ -14,7 +14,7 @@
 mod call;
 pub mod hold;
 pub mod one_shot;
-mod probe;
+pub(crate) mod probe;
 mod reply;
 mod session;
 mod streams;

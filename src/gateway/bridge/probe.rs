@@ -29,7 +29,7 @@ const FOREIGN_WATCH: Duration = Duration::from_millis(300);
 
 /// Whether `group`'s store keeps sessions apart, probing `endpoint` the first time with
 /// the credentials of `caller` (the request that needs to know).
-pub(super) async fn session_replay(
+pub(crate) async fn session_replay(
     upstreams: &UpstreamSide,
     group: &UpstreamGroup,
     endpoint: &Endpoint,
