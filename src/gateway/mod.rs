@@ -33,6 +33,7 @@ use crate::protocol::scheme::Scheme;
 use crate::upstream::Upstreams;
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
+use passthrough::Client;
 use pingora::apps::{HttpPersistentSettings, HttpServerApp, HttpServerOptions, ReusedHttpStream};
 use pingora::protocols::http::ServerSession;
 use pingora::protocols::Stream;
@@ -207,7 +208,8 @@ impl Gateway {
                 }
                 Era::Legacy => {
                     let body = Bytes::new();
-                    passthrough::serve(self, session, group, body, None, "legacy", &principal).await
+                    passthrough::serve(self, session, group, body, None, Client::Legacy, &principal)
+                        .await
                 }
             }
             return;
@@ -230,7 +232,16 @@ impl Gateway {
             Era::Legacy if arrival == Arrival::Peer => refuse_on_peer_listener(session).await,
             Era::Legacy => {
                 let parsed = Some(parsed);
-                passthrough::serve(self, session, group, body, parsed, "legacy", &principal).await
+                passthrough::serve(
+                    self,
+                    session,
+                    group,
+                    body,
+                    parsed,
+                    Client::Legacy,
+                    &principal,
+                )
+                .await
             }
         }
     }
@@ -257,7 +268,7 @@ impl Gateway {
         };
         let anonymous = self.admission.principal_source.digest(None);
         let body = Bytes::new();
-        passthrough::serve(self, session, group, body, None, "legacy", &anonymous).await
+        passthrough::serve(self, session, group, body, None, Client::Legacy, &anonymous).await
     }
 
     /// Reads and classifies a POST body within the configured limits; on failure the

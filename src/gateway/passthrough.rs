@@ -39,16 +39,36 @@ struct Route {
     client_token: Option<String>,
 }
 
-/// Serves one request unchanged (a legacy client, or a modern one relayed to an upstream
-/// that speaks 2026-07-28); `body` is the POST body already read and classified, and
-/// `era` labels the request in the metrics.
+/// Whose request pass-through serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Client {
+    /// A 2024-11-05 … 2025-11-25 client: its request ids go up wrapped and its event ids
+    /// come back sealed.
+    Legacy,
+    /// A 2026-07-28 client relayed to an upstream that speaks that revision, which keeps
+    /// no streams to resume: its messages pass as they are.
+    ModernRelayed,
+}
+
+impl Client {
+    /// The `era` label of its requests in the metrics.
+    fn era(self) -> &'static str {
+        match self {
+            Client::Legacy => "legacy",
+            Client::ModernRelayed => "modern_relayed",
+        }
+    }
+}
+
+/// Serves one request of `client` unchanged but for its session, ids and event ids;
+/// `body` is the POST body already read and classified.
 pub async fn serve(
     gw: &Gateway,
     session: &mut ServerSession,
     group: &UpstreamGroup,
     body: Bytes,
     parsed: Option<Body>,
-    era: &'static str,
+    client: Client,
     principal: &[u8; 32],
 ) {
     let started = std::time::Instant::now();
@@ -57,11 +77,9 @@ pub async fn serve(
         parsed.as_ref().and_then(Body::method),
         parsed.is_some(),
     );
-    // A legacy client's ids are rewritten; a 2026-07-28 upstream keeps no streams to
-    // resume.
-    let legacy = era == "legacy";
+    let legacy = client == Client::Legacy;
     let outcome = serve_inner(gw, session, group, body, parsed.as_ref(), principal, legacy);
-    gw.record(era, method, &outcome.await, started);
+    gw.record(client.era(), method, &outcome.await, started);
 }
 
 async fn serve_inner(

@@ -130,8 +130,9 @@ pub async fn serve(
                 principal,
                 ..
             } = incoming;
-            let era = "modern_relayed";
-            super::passthrough::serve(gw, session, group, body, Some(parsed), era, &principal).await
+            let client = super::passthrough::Client::ModernRelayed;
+            super::passthrough::serve(gw, session, group, body, Some(parsed), client, &principal)
+                .await
         }
         Served::Done(outcome) => span.in_scope(|| gw.record("modern", method, &outcome, started)),
     }
