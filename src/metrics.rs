@@ -22,6 +22,8 @@ pub struct Metrics {
     pub flow_duration: Histogram,
     pub session_rejections: IntCounterVec,
     pub state_rejections: IntCounterVec,
+    /// Legacy clients' `Last-Event-ID` values refused, by reason.
+    pub event_id_rejections: IntCounterVec,
     /// Upstream streams reopened with `Last-Event-ID`, by outcome (`ok`, `failed`).
     pub upstream_resumptions: IntCounterVec,
     /// Upstream sessions by event: `opened`, `reused` (a request in an existing one),
@@ -222,6 +224,12 @@ impl Metrics {
                 "Client Mcp-Session-Id tokens refused, by reason",
                 &["reason"],
             ),
+            event_id_rejections: counters(
+                &r,
+                "mrtr_gateway_last_event_id_rejections_total",
+                "Legacy clients' Last-Event-ID values refused (not sealed by the gateway for the request's principal and session), by reason",
+                &["reason"],
+            ),
             state_rejections: counters(
                 &r,
                 "mrtr_gateway_request_state_rejections_total",
@@ -394,6 +402,7 @@ impl Metrics {
         for reason in REJECTION_REASONS {
             self.state_rejections.with_label_values(&[reason]);
             self.session_rejections.with_label_values(&[reason]);
+            self.event_id_rejections.with_label_values(&[reason]);
         }
     }
 

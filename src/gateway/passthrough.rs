@@ -173,6 +173,8 @@ async fn resumption(
         Err(_) => Err("malformed"),
     };
     let (stream, upstream_id) = opened.map_err(|reason| {
+        let rejections = &gw.runtime.metrics.event_id_rejections;
+        rejections.with_label_values(&[reason]).inc();
         tracing::info!(group = %group.name, reason, "Last-Event-ID refused");
         let text = "Last-Event-ID is not an event id this gateway sent in this session; resume from one it sent, or reconnect without one";
         Refusal::new(Class::BadRequest, code::INVALID_REQUEST, text)

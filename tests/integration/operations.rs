@@ -77,6 +77,8 @@ fn metrics_after_a_flow_and_a_refused_state_hold_every_named_metric() {
     assert_eq!(value(a, state_rejections, "reason=\"expired\""), 0.0);
     let token_rejections = "mrtr_gateway_session_token_rejections_total";
     assert_eq!(value(a, token_rejections, "reason=\"principal\""), 0.0);
+    let event_id_rejections = "mrtr_gateway_last_event_id_rejections_total";
+    assert_eq!(value(a, event_id_rejections, "reason=\"tampered\""), 0.0);
     let resumptions = "mrtr_gateway_upstream_resumptions_total";
     assert!(
         value(a, resumptions, "outcome=\"ok\"") >= 1.0,

@@ -444,6 +444,16 @@ fn a_last_event_id_the_gateway_did_not_give_the_session_is_refused() {
             "{case}: {body}"
         );
     }
+    // Counted by reason: the first two do not decode as sealed, the third is not this
+    // session's.
+    let refused = |reason: &str| {
+        let name = "mrtr_gateway_last_event_id_rejections_total";
+        metric_with(&gw.admin, name, &format!("reason=\"{reason}\""))
+    };
+    assert_eq!(
+        (refused("malformed"), refused("tampered")),
+        (Some(2.0), Some(1.0))
+    );
     // Alice's own position goes up (its replay is `last_event_id_resumption_*`'s).
     assert_eq!(alice.resume(&alices, &alices_position).status, 200);
 }
