@@ -146,11 +146,12 @@ async fn serve_inner(
     outcome
 }
 
-/// Where a legacy client resumes: the stream and the upstream's own event id in its
-/// `Last-Event-ID`, which must be one the gateway sealed for the request's upstream
+/// Where a legacy client's GET resumes: the stream and the upstream's own event id in
+/// its `Last-Event-ID`, which must be one the gateway sealed for the request's upstream
 /// session. `None` without one, for a session GET stream whose upstream store may be
-/// shared by sessions (it is then reopened fresh), and when the client is not `legacy`
-/// (its header goes up as it is).
+/// shared by sessions (it is then reopened fresh), for other methods (where the header
+/// means nothing and is not forwarded), and when the client is not `legacy` (its header
+/// goes up as it is).
 async fn resumption(
     gw: &Gateway,
     session: &ServerSession,
@@ -159,7 +160,8 @@ async fn resumption(
     principal: &[u8; 32],
     legacy: bool,
 ) -> Result<Option<(Stream, http::HeaderValue)>, Refusal> {
-    let Some(client_position) = session.get_header(LAST_EVENT_ID).filter(|_| legacy) else {
+    let resumes = legacy && session.req_header().method == http::Method::GET;
+    let Some(client_position) = session.get_header(LAST_EVENT_ID).filter(|_| resumes) else {
         return Ok(None);
     };
     let binding = event_ids::binding(principal, route.upstream_session.as_deref());

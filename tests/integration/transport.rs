@@ -103,6 +103,36 @@ fn sse_lister() -> ScriptedUpstream {
     })
 }
 
+/// A legacy client's event ids come sealed, so the upstream's raw ids never reach it, and
+/// a `Last-Event-ID` on anything but a GET (where it means nothing) is not forwarded.
+#[test]
+fn legacy_event_ids_come_sealed_and_a_posts_last_event_id_goes_nowhere() {
+    let upstream = sse_lister();
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let session = raw.initialize(json!({}));
+    let headers = [
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+        ("mcp-protocol-version", "2025-11-25"),
+        ("mcp-session-id", session.as_str()),
+        ("last-event-id", "1"),
+    ];
+    let mut reply = raw.request("POST", &headers, Some(&list_body(2).to_string()));
+    assert_eq!(reply.status, 200);
+    let (id, message) = reply.next_message().expect("the list");
+    assert_eq!(message["id"], 2, "{message}");
+    let id = id.expect("an event id");
+    assert!(id != "1" && id.len() > 40, "not sealed: {id}");
+    let posts: Vec<Seen> = upstream
+        .requests()
+        .into_iter()
+        .filter(|s| s.jsonrpc_method().as_deref() == Some("tools/list"))
+        .collect();
+    assert_eq!(posts.len(), 1);
+    assert_eq!(posts[0].header("last-event-id"), None, "forwarded");
+}
+
 /// Bug 2: a request with both `Content-Length` and `Transfer-Encoding: chunked` ends its
 /// connection, so bytes after its chunked body never run as a second request.
 pub(crate) fn cl_te_smuggling_case() -> usize {
