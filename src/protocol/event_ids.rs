@@ -195,7 +195,10 @@ impl EventIds {
         let (taken, end) = until_line_end(input);
         let content = &input[..taken - usize::from(end.is_some())];
         if self.line == Line::Id {
-            self.held.extend_from_slice(content);
+            // Never more than one byte past the bound, however large the chunk.
+            let room = (MAX_ID_LINE + 1).saturating_sub(self.held.len());
+            self.held
+                .extend_from_slice(&content[..content.len().min(room)]);
             if self.held.len() > MAX_ID_LINE {
                 self.held.clear();
                 self.line = Line::SkipId;
@@ -436,6 +439,22 @@ mod tests {
         );
         let nul = through(sealing("s"), b"id: a\0b\ndata: x\n\n", &[]);
         assert_eq!(nul, b":\ndata: x\n\n");
+    }
+
+    #[test]
+    fn a_long_id_line_is_never_held_past_its_bound() {
+        let mut ids = sealing("s");
+        let line = format!("id: {}", "e".repeat(1 << 20));
+        assert!(ids.push(Bytes::from(line)).is_empty());
+        assert!(
+            ids.held.capacity() <= 2 * MAX_ID_LINE,
+            "{}",
+            ids.held.capacity()
+        );
+        assert_eq!(
+            &ids.push(Bytes::from_static(b"\ndata: x\n\n"))[..],
+            b":\ndata: x\n\n"
+        );
     }
 
     #[test]
