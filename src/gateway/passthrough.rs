@@ -211,17 +211,20 @@ impl BodyRewrite {
         response: &Response,
         stream: Stream,
     ) -> BodyRewrite {
-        let opened = response.header().headers.get(MCP_SESSION_ID);
-        let upstream_session = opened
-            .and_then(|v| v.to_str().ok())
-            .or(route.upstream_session.as_deref());
-        let rewrite = Rewrite {
-            ring: gw.sealing.keys.load(),
-            binding: event_ids::binding(principal, upstream_session),
-            stream,
-        };
+        // Only SSE carries event ids: a JSON response takes no key ring and no binding.
+        let event_ids = response.is_sse().then(|| {
+            let opened = response.header().headers.get(MCP_SESSION_ID);
+            let upstream_session = opened
+                .and_then(|v| v.to_str().ok())
+                .or(route.upstream_session.as_deref());
+            EventIds::new(Rewrite {
+                ring: gw.sealing.keys.load(),
+                binding: event_ids::binding(principal, upstream_session),
+                stream,
+            })
+        });
         BodyRewrite {
-            event_ids: response.is_sse().then(|| EventIds::new(rewrite)),
+            event_ids,
             request_ids: Unwrap::default(),
         }
     }
