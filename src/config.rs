@@ -351,16 +351,28 @@ impl Default for BridgeOptions {
 pub struct ServerOptions {
     /// Worker threads per listener.
     pub threads: usize,
+    /// Whether a listener's tasks may move between its threads. Unset: only with more
+    /// than one thread; one thread then runs a current-thread runtime, which serves the
+    /// same tasks without the multi-thread scheduler's parking and wakes.
+    pub work_stealing: Option<bool>,
     /// After SIGTERM, how long in-flight requests may run.
     pub grace_period_seconds: u64,
     /// Then, how long runtimes get to stop.
     pub graceful_shutdown_timeout_seconds: u64,
 }
 
+impl ServerOptions {
+    /// [`ServerOptions::work_stealing`] as set, or its default for the thread count.
+    pub fn steals_work(&self) -> bool {
+        self.work_stealing.unwrap_or(self.threads > 1)
+    }
+}
+
 impl Default for ServerOptions {
     fn default() -> Self {
         ServerOptions {
             threads: 2,
+            work_stealing: None,
             grace_period_seconds: 20,
             graceful_shutdown_timeout_seconds: 5,
         }
@@ -1121,6 +1133,18 @@ mod tests {
     fn the_example_config_is_valid() {
         let text = include_str!("../config/gateway.yaml");
         Config::from_yaml(text).unwrap();
+    }
+
+    #[test]
+    fn work_stealing_defaults_to_more_than_one_thread_and_can_be_set() {
+        let steals = |server: &str| {
+            let c = Config::from_yaml(&format!("server:\n{server}{MINIMAL}")).unwrap();
+            c.server.steals_work()
+        };
+        assert!(!steals("  threads: 1\n"));
+        assert!(steals("  threads: 2\n"));
+        assert!(steals("  threads: 1\n  work_stealing: true\n"));
+        assert!(!steals("  threads: 4\n  work_stealing: false\n"));
     }
 
     #[test]

@@ -35,6 +35,7 @@ pub type ExtraServices = Vec<Box<dyn pingora::services::ServiceWithDependents>>;
 fn server_conf(config: &Config) -> ServerConf {
     ServerConf {
         threads: config.server.threads,
+        work_stealing: config.server.steals_work(),
         grace_period_seconds: Some(config.server.grace_period_seconds),
         graceful_shutdown_timeout_seconds: Some(config.server.graceful_shutdown_timeout_seconds),
         ..ServerConf::default()

@@ -293,6 +293,13 @@ impl TestGateway {
             upstreams.iter().map(|s| s.to_string()).collect(),
         );
         config.server.threads = 1;
+        // Work stealing kept on: a one-thread gateway otherwise runs pingora's no-steal
+        // runtime, which finds its threads through a thread-local whose slots outlive
+        // the threads; after one in-process gateway stops, the next one's threads can
+        // find the stopped runtime and never accept (cloudflare/pingora#981). One gateway
+        // per process (the binary, run by the cli and operations tests and the
+        // benchmarks) is unaffected.
+        config.server.work_stealing = Some(true);
         config.server.grace_period_seconds = 1;
         config.server.graceful_shutdown_timeout_seconds = 1;
         config.upstreams[0].health_check_interval_ms = 0;
