@@ -116,8 +116,10 @@ async fn serve_inner(
     };
     let mut request = upstream_request(gw, session, &route, &body);
     if wraps_ids {
-        // A content-coded body could not be unwrapped on its way back.
-        request.remove_header(&http::header::ACCEPT_ENCODING);
+        // A content-coded body could not be unwrapped on its way back. Asking for
+        // `identity` by name: a request without `Accept-Encoding` accepts any coding.
+        let identity = http::HeaderValue::from_static("identity");
+        let _ = request.insert_header(http::header::ACCEPT_ENCODING, identity);
     }
     if legacy {
         request.remove_header(LAST_EVENT_ID);
@@ -137,6 +139,17 @@ async fn serve_inner(
             return refuse(session, id.as_ref(), upstream_refusal(group, &e)).await;
         }
     };
+    if wraps_ids && response.is_encoded() && response.is_jsonrpc() {
+        tracing::warn!(group = %group.name, "upstream content-coded a response asked for as identity");
+        gw.upstreams.client.finish(response).await;
+        let text = format!("upstream group '{}' content-coded its response although asked not to; the client's request ids cannot be restored in it", group.name);
+        return refuse(
+            session,
+            id.as_ref(),
+            Refusal::internal(Class::UpstreamError, text),
+        )
+        .await;
+    }
     count_session_event(gw, session, &route, response.header());
     let header = client_response_header(gw, session, group, &route, binding, response.header());
     let rewrite = (wraps_ids && !response.is_encoded())

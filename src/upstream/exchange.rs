@@ -534,11 +534,20 @@ impl Response {
 
     /// Whether the body is an SSE stream (the media type is case-insensitive).
     pub fn is_sse(&self) -> bool {
+        self.has_media_type(b"text/event-stream")
+    }
+
+    /// Whether the body carries JSON-RPC messages: a JSON body or an SSE stream.
+    pub fn is_jsonrpc(&self) -> bool {
+        self.is_sse() || self.has_media_type(b"application/json")
+    }
+
+    fn has_media_type(&self, media: &[u8]) -> bool {
         self.header()
             .headers
             .get(http::header::CONTENT_TYPE)
-            .and_then(|v| v.as_bytes().get(..b"text/event-stream".len()))
-            .is_some_and(|prefix| prefix.eq_ignore_ascii_case(b"text/event-stream"))
+            .and_then(|v| v.as_bytes().get(..media.len()))
+            .is_some_and(|prefix| prefix.eq_ignore_ascii_case(media))
     }
 
     /// Whether the body is content-coded (`Content-Encoding` other than `identity`): its

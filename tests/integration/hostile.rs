@@ -647,6 +647,11 @@ fn the_transport_corpus_gets_documented_answers() {
         "no terminal chunk, connection closed; a short JSON body not yet relayed: 502",
     );
     table.row(
+        "upstream codes a legacy client's JSON-RPC body against `identity`",
+        coded_against_identity_case(),
+        "502 with a JSON-RPC error naming it, sent once; no wrapped id relayed",
+    );
+    table.row(
         "upstream 101 Switching Protocols",
         upstream_switch_case(),
         "502 -32603 naming the group",

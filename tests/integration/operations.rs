@@ -226,8 +226,9 @@ fn idle_client_streams_get_keep_alive_comments() {
 }
 
 /// A content-coded SSE stream (gzip from a server's compression middleware, to a client
-/// that accepts it) is relayed byte for byte: its event boundaries cannot be seen, so no
-/// keep-alive comment goes into it, however long the upstream is silent.
+/// that accepts it: a 2026-07-28 client relayed to a server of that revision, whose
+/// messages pass unchanged) is relayed byte for byte: its event boundaries cannot be
+/// seen, so no keep-alive comment goes into it, however long the upstream is silent.
 #[test]
 fn a_content_coded_stream_gets_no_keep_alive_comments() {
     // A gzip stream's bytes, flushed in two pieces; the first ends in two newline bytes,
@@ -235,10 +236,7 @@ fn a_content_coded_stream_gets_no_keep_alive_comments() {
     let first = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03\xaa\x56\n\n".to_vec();
     let second = b"\xca\x4c\x51\xb2\x32\xd4\x01\x00\x00\x00\xff\xff".to_vec();
     let coded = [first.clone(), second.clone()].concat();
-    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
-        if let Some(answer) = legacy_basics(seen, "s1") {
-            return answer;
-        }
+    let upstream = ScriptedUpstream::start(move |_: &Seen| {
         let silence = Duration::from_millis(350);
         Answer::sse(&[("content-encoding", "gzip")])
             .pause(silence)
@@ -248,22 +246,22 @@ fn a_content_coded_stream_gets_no_keep_alive_comments() {
             .end()
     });
     let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
-        c.sse_keepalive_ms = 100
+        c.sse_keepalive_ms = 100;
+        c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Modern;
     });
     let raw = Raw::new(&gw.url);
-    let session = raw.initialize(json!({}));
-    let call = json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
-        "params": {"name": "slow", "arguments": {}}});
-    let mut reply = raw.request(
-        "POST",
-        &[
-            ("content-type", "application/json"),
-            ("accept", "application/json, text/event-stream"),
-            ("accept-encoding", "gzip"),
-            ("mcp-protocol-version", "2025-11-25"),
-            ("mcp-session-id", &session),
-        ],
-        Some(&call.to_string()),
+    let call = json!({"name": "slow", "arguments": {}});
+    let mut reply = raw.modern_with(
+        2,
+        "tools/call",
+        call,
+        json!({}),
+        &[("accept-encoding", "gzip")],
+    );
+    assert_eq!(
+        upstream.requests()[0].header("accept-encoding"),
+        Some("gzip"),
+        "the client's codings did not reach the upstream"
     );
     assert_eq!(reply.status, 200);
     let mut relayed = Vec::new();

@@ -103,11 +103,9 @@ fn sse_lister() -> ScriptedUpstream {
     })
 }
 
-/// A legacy client's event ids come sealed, so the upstream's raw ids never reach it, and
-/// a `Last-Event-ID` on anything but a GET (where it means nothing) is not forwarded.
-#[test]
-fn legacy_event_ids_come_sealed_and_a_posts_last_event_id_goes_nowhere() {
-    let upstream = sse_lister();
+/// Through a gateway in front of `upstream`: a legacy client's `tools/list` (id 2) in a
+/// session it has just initialized, with one `extra` header.
+fn list_in_a_session(upstream: &ScriptedUpstream, extra: (&str, &str)) -> (TestGateway, Reply) {
     let gw = TestGateway::start(&[&upstream.url()], &test_keys());
     let raw = Raw::new(&gw.url);
     let session = raw.initialize(json!({}));
@@ -116,9 +114,18 @@ fn legacy_event_ids_come_sealed_and_a_posts_last_event_id_goes_nowhere() {
         ("accept", "application/json, text/event-stream"),
         ("mcp-protocol-version", "2025-11-25"),
         ("mcp-session-id", session.as_str()),
-        ("last-event-id", "1"),
+        extra,
     ];
-    let mut reply = raw.request("POST", &headers, Some(&list_body(2).to_string()));
+    let reply = raw.request("POST", &headers, Some(&list_body(2).to_string()));
+    (gw, reply)
+}
+
+/// A legacy client's event ids come sealed, so the upstream's raw ids never reach it, and
+/// a `Last-Event-ID` on anything but a GET (where it means nothing) is not forwarded.
+#[test]
+fn legacy_event_ids_come_sealed_and_a_posts_last_event_id_goes_nowhere() {
+    let upstream = sse_lister();
+    let (_gw, mut reply) = list_in_a_session(&upstream, ("last-event-id", "1"));
     assert_eq!(reply.status, 200);
     let (id, message) = reply.next_message().expect("the list");
     assert_eq!(message["id"], 2, "{message}");
@@ -131,6 +138,44 @@ fn legacy_event_ids_come_sealed_and_a_posts_last_event_id_goes_nowhere() {
         .collect();
     assert_eq!(posts.len(), 1);
     assert_eq!(posts[0].header("last-event-id"), None, "forwarded");
+}
+
+/// A legacy client's request goes up asking for `identity` by name (a request without
+/// `Accept-Encoding` accepts any coding), whatever codings the client accepts: its ids
+/// come back in the body. An upstream that codes a JSON-RPC body anyway gets the client
+/// a 502 saying so, not a body holding ids the client never sent.
+pub(crate) fn coded_against_identity_case() -> usize {
+    // A gzip member's first bytes: opaque to the gateway, as any coded body is.
+    let coded = b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03\xaa\x56\xca\x4c\x51".to_vec();
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        if let Some(reply) = legacy_basics(seen, "s1") {
+            return reply;
+        }
+        let headers = [
+            ("content-type", "application/json"),
+            ("content-encoding", "gzip"),
+        ];
+        Answer::status(200, &headers, &coded)
+    });
+    let (_gw, reply) = list_in_a_session(&upstream, ("accept-encoding", "gzip, br"));
+    assert_eq!(reply.status, 502);
+    let body = reply.json();
+    assert_eq!(body["id"], 2, "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("content-coded"), "{body}");
+    let lists: Vec<Seen> = upstream
+        .requests()
+        .into_iter()
+        .filter(|s| s.jsonrpc_method().as_deref() == Some("tools/list"))
+        .collect();
+    assert_eq!(lists.len(), 1, "sent again");
+    assert_eq!(lists[0].header("accept-encoding"), Some("identity"));
+    1
+}
+
+#[test]
+fn a_legacy_response_coded_against_identity_gets_a_clear_502() {
+    coded_against_identity_case();
 }
 
 /// Bug 2: a request with both `Content-Length` and `Transfer-Encoding: chunked` ends its
