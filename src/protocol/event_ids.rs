@@ -44,11 +44,18 @@ pub enum Stream {
 }
 
 impl Stream {
+    /// The byte that marks the stream in a sealed id.
     fn mark(self) -> u8 {
         match self {
             Stream::Call => b'c',
             Stream::Session => b's',
         }
+    }
+
+    fn of_mark(mark: u8) -> Option<Stream> {
+        [Stream::Call, Stream::Session]
+            .into_iter()
+            .find(|s| s.mark() == mark)
     }
 }
 
@@ -71,11 +78,8 @@ pub fn binding(principal: &[u8; 32], upstream_session: Option<&str>) -> Vec<u8> 
 pub fn open(ring: &KeyRing, binding: &[u8], last_event_id: &str) -> Result<Position, OpenError> {
     let max = max_sealed_event_id();
     let mut plain = seal::open(ring, Purpose::EventId, binding, last_event_id, max)?;
-    let stream = match plain.first() {
-        Some(b'c') => Stream::Call,
-        Some(b's') => Stream::Session,
-        _ => return Err(OpenError::BadPayload),
-    };
+    let stream = plain.first().and_then(|m| Stream::of_mark(*m));
+    let stream = stream.ok_or(OpenError::BadPayload)?;
     plain.remove(0);
     Ok(Position {
         stream,
