@@ -4,14 +4,15 @@
 //! stream is live again), and whether the group's event store keeps sessions apart, so
 //! that a session's GET stream can be replayed without another session's events, and
 //! whether it lets go of a closed GET stream in time for a new one; and which of its
-//! tools ask several questions at once (their rounds wait the quiet window).
+//! tools ask several questions at once (their rounds wait the quiet window). A probe
+//! runs one at a time per group (`Learnt::probe_turn`).
 //! `resume: auto`, the retry path and the round's end decide by it; each verdict is
 //! logged once.
 
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 /// Most tools (and prompts, resources) remembered as asking several questions at once,
 /// over all groups: beyond it, others are not remembered, and their rounds keep ending as
@@ -45,6 +46,8 @@ pub struct GroupLearnt {
     /// resumption showed it.
     pub resumption_primes: Option<bool>,
     pub session_replay: SessionReplay,
+    /// How many probes of `session_replay` have ended (a failed one leaves it `Unknown`).
+    pub session_replay_probes: u32,
     /// The upstream keeps a session's GET stream after the gateway closed it (a new GET
     /// got 409 for as long as the gateway tried): a GET stream is then reopened with one
     /// attempt, since waiting for the server to let go of the old one never paid.
@@ -59,6 +62,8 @@ pub struct Learnt {
     /// method, target): 8 bytes each, and nothing allocated to look one up.
     asking_at_once: Mutex<HashSet<u64>>,
     call_hasher: RandomState,
+    /// Per group, the turn to probe it: held for the whole probe.
+    probe_turns: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 impl Learnt {
@@ -74,6 +79,13 @@ impl Learnt {
         let before = *facts;
         learn(facts);
         before
+    }
+
+    /// The lock a probe of `group` holds while it runs, so that requests arriving
+    /// together wait for one probe's verdict rather than each probing the upstream.
+    pub fn probe_turn(&self, group: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut turns = self.probe_turns.lock().expect("learnt lock");
+        turns.entry(group.to_string()).or_default().clone()
     }
 
     /// Whether `target` of `group` (a tool's name, a prompt's, a resource's URI, by

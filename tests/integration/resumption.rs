@@ -617,3 +617,101 @@ fn a_refusal_whose_body_never_ends_does_not_hold_the_retry() {
     assert_eq!(status, 200, "{done}");
     assert!(done["result"]["content"][0]["text"].is_string(), "{done}");
 }
+
+/// Whether a request is the gateway's own probe session opening (`initialize` from
+/// `mrtr-gateway-probe`).
+fn is_probe_initialize(seen: &Seen) -> bool {
+    seen.json().is_some_and(|body| {
+        body["method"] == "initialize"
+            && body["params"]["clientInfo"]["name"] == "mrtr-gateway-probe"
+    })
+}
+
+/// A crowd of legacy clients resuming their GET streams at once on a replica that has
+/// not yet probed the group's event store (after a deploy, say) waits for one probe: the
+/// upstream sees one probe's two throwaway sessions, not two per client, and every
+/// client is served by its verdict.
+#[test]
+fn a_crowd_of_first_get_stream_resumptions_probes_the_store_once() {
+    const CLIENTS: usize = 6;
+    let crowd_in = Gate::new();
+    let probe_waits = crowd_in.clone();
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        let event = |id: &str| {
+            Answer::sse(&[]).event(
+                Some(id),
+                &json!({"jsonrpc": "2.0",
+            "method": "notifications/message", "params": {"level": "info", "data": id}}),
+            )
+        };
+        match (seen.method.as_str(), seen.header("last-event-id")) {
+            // The probe's ping: its answer primes the stream with an id.
+            ("POST", _) => {
+                let result = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {}});
+                Answer::sse(&[]).event(Some("p1"), &result).end()
+            }
+            // The probe resuming the other throwaway session's id: once every client is
+            // in, an empty stream, as from a store keeping sessions apart.
+            ("GET", Some("p1")) => Answer::raw(b"")
+                .wait(&probe_waits)
+                .bytes(Answer::sse(&[]).end().pieces_bytes()),
+            // A client's GET stream, fresh or resumed.
+            ("GET", None) => event("g1").end(),
+            ("GET", Some(_)) => event("g2").end(),
+            _ => Answer::status(405, &[], b""),
+        }
+    });
+    let first = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&first.url);
+    let session = raw.initialize(json!({}));
+    let get = |raw: &Raw, position: Option<&str>| {
+        let mut headers = vec![
+            ("accept", "text/event-stream"),
+            ("mcp-session-id", session.as_str()),
+            ("mcp-protocol-version", "2025-11-25"),
+        ];
+        headers.extend(position.map(|p| ("last-event-id", p)));
+        raw.request("GET", &headers, None)
+    };
+    let mut stream = get(&raw, None);
+    let (position, _) = stream.next_message().expect("the GET stream's event");
+    let position = position.expect("an event id");
+    assert!(!upstream.requests().iter().any(is_probe_initialize));
+    // Another replica, with nothing learnt yet, takes every client's resumption at once.
+    let second = TestGateway::start(&[&upstream.url()], &test_keys());
+    let answers: Vec<(u16, Value)> = std::thread::scope(|scope| {
+        let clients: Vec<_> = (0..CLIENTS)
+            .map(|_| {
+                scope.spawn(|| {
+                    let mut reply = get(&Raw::new(&second.url), Some(&position));
+                    let status = reply.status;
+                    (
+                        status,
+                        reply.next_message().map(|(_, m)| m).unwrap_or_default(),
+                    )
+                })
+            })
+            .collect();
+        wait_until("every client connected", Duration::from_secs(10), || {
+            metric(&second.admin, "mrtr_gateway_client_connections") >= CLIENTS as f64
+        });
+        crowd_in.open();
+        clients.into_iter().map(|c| c.join().unwrap()).collect()
+    });
+    for (status, message) in &answers {
+        assert_eq!(*status, 200, "{message}");
+        assert_eq!(message["params"]["data"], "g2", "not resumed: {message}");
+    }
+    let probes = upstream
+        .requests()
+        .into_iter()
+        .filter(is_probe_initialize)
+        .count();
+    assert_eq!(
+        probes, 2,
+        "one probe opens two sessions; {CLIENTS} clients came"
+    );
+}

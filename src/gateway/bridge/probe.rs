@@ -28,22 +28,31 @@ const FIRST_ID_LIMIT: Duration = Duration::from_secs(1);
 const FOREIGN_WATCH: Duration = Duration::from_millis(300);
 
 /// Whether `group`'s store keeps sessions apart, probing `endpoint` the first time with
-/// the credentials of `caller` (the request that needs to know).
+/// the credentials of `caller` (the request that needs to know). One probe runs at a
+/// time per group; requests that waited for it take its verdict, `Unknown` included
+/// (the next request tries again), so a crowd of first resumptions probes once.
 pub(crate) async fn session_replay(
     upstreams: &UpstreamSide,
     group: &UpstreamGroup,
     endpoint: &Endpoint,
     caller: &Caller,
 ) -> SessionReplay {
-    let known = upstreams.learnt.get(&group.name).session_replay;
-    if known != SessionReplay::Unknown {
-        return known;
+    let before = upstreams.learnt.get(&group.name);
+    if before.session_replay != SessionReplay::Unknown {
+        return before.session_replay;
+    }
+    let turn = upstreams.learnt.probe_turn(&group.name);
+    let _turn = turn.lock().await;
+    let now = upstreams.learnt.get(&group.name);
+    if now.session_replay_probes != before.session_replay_probes {
+        return now.session_replay;
     }
     let verdict = probe(upstreams, group, endpoint, caller).await;
+    upstreams.learnt.update(&group.name, |facts| {
+        facts.session_replay = verdict;
+        facts.session_replay_probes = facts.session_replay_probes.wrapping_add(1);
+    });
     if verdict != SessionReplay::Unknown {
-        upstreams
-            .learnt
-            .update(&group.name, |facts| facts.session_replay = verdict);
         tracing::info!(group = %group.name, verdict = ?verdict, "probed whether the upstream's event store keeps sessions apart");
     }
     verdict
