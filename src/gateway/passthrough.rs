@@ -140,15 +140,8 @@ async fn serve_inner(
         }
     };
     if wraps_ids && response.is_encoded() && response.is_jsonrpc() {
-        tracing::warn!(group = %group.name, "upstream content-coded a response asked for as identity");
         gw.upstreams.client.finish(response).await;
-        let text = format!("upstream group '{}' content-coded its response although asked not to; the client's request ids cannot be restored in it", group.name);
-        return refuse(
-            session,
-            id.as_ref(),
-            Refusal::internal(Class::UpstreamError, text),
-        )
-        .await;
+        return refuse(session, id.as_ref(), coded_against_identity(group)).await;
     }
     count_session_event(gw, session, &route, response.header());
     let header = client_response_header(gw, session, group, &route, binding, response.header());
@@ -622,6 +615,14 @@ async fn pump(
 }
 
 /// What the client is told when its request's exchange with `group` failed.
+/// A JSON-RPC body the upstream content-coded although asked for `identity`: the
+/// client's request ids cannot be given back in it, so it is not relayed.
+fn coded_against_identity(group: &UpstreamGroup) -> Refusal {
+    tracing::warn!(group = %group.name, "upstream content-coded a response asked for as identity");
+    let text = format!("upstream group '{}' content-coded its response although asked not to; the client's request ids cannot be restored in it", group.name);
+    Refusal::internal(Class::UpstreamError, text)
+}
+
 fn upstream_refusal(group: &UpstreamGroup, e: &ExchangeError) -> Refusal {
     let class = match e.failure() {
         ExchangeFailure::Timeout => Class::UpstreamTimeout,
