@@ -139,14 +139,15 @@ async fn serve_inner(
             return refuse(session, id.as_ref(), upstream_refusal(group, &e)).await;
         }
     };
-    if wraps_ids && response.is_encoded() && response.is_jsonrpc() {
+    let coded = response.is_encoded();
+    if wraps_ids && coded && response.is_jsonrpc() {
         gw.upstreams.client.finish(response).await;
         return refuse(session, id.as_ref(), coded_against_identity(group)).await;
     }
     count_session_event(gw, session, &route, response.header());
     let header = client_response_header(gw, session, group, &route, binding, response.header());
-    let rewrite = (wraps_ids && !response.is_encoded())
-        .then(|| BodyRewrite::new(gw, &route, binding, &response, stream));
+    let rewrite =
+        (wraps_ids && !coded).then(|| BodyRewrite::new(gw, &route, binding, &response, stream));
     let outcome = relay(gw, session, header, &mut response, rewrite).await;
     gw.upstreams.client.finish(response).await;
     outcome
@@ -614,7 +615,6 @@ async fn pump(
     }
 }
 
-/// What the client is told when its request's exchange with `group` failed.
 /// A JSON-RPC body the upstream content-coded although asked for `identity`: the
 /// client's request ids cannot be given back in it, so it is not relayed.
 fn coded_against_identity(group: &UpstreamGroup) -> Refusal {
@@ -623,6 +623,7 @@ fn coded_against_identity(group: &UpstreamGroup) -> Refusal {
     Refusal::internal(Class::UpstreamError, text)
 }
 
+/// What the client is told when its request's exchange with `group` failed.
 fn upstream_refusal(group: &UpstreamGroup, e: &ExchangeError) -> Refusal {
     let class = match e.failure() {
         ExchangeFailure::Timeout => Class::UpstreamTimeout,
