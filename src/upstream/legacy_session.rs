@@ -182,16 +182,36 @@ impl<'a> LegacySession<'a> {
             .map(str::to_string);
         let message = read_single(&mut response).await;
         client.finish(response).await;
-        let result = message?.get("result").cloned().ok_or_else(|| {
-            SessionError::protocol(Some(session.endpoint.addr), "did not initialize")
+        match session.finish_handshake(message).await {
+            Ok(result) => Ok((session, result)),
+            Err(e) => {
+                // The upstream may hold a session nobody will use: end it, not leave it
+                // to the upstream's own expiry (many SDK servers keep sessions forever).
+                if session.session_id.is_some() {
+                    client.metrics.upstream_session("opened");
+                    session.delete().await;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Checks the answer to `initialize` and sends `notifications/initialized`; returns
+    /// the InitializeResult.
+    async fn finish_handshake(
+        &mut self,
+        answer: Result<Value, SessionError>,
+    ) -> Result<Value, SessionError> {
+        let result = answer?.get("result").cloned().ok_or_else(|| {
+            SessionError::protocol(Some(self.endpoint.addr), "did not initialize")
         })?;
         if let Some(v) = result["protocolVersion"].as_str() {
-            session.version = v.to_string();
+            self.version = v.to_string();
         }
-        client.metrics.upstream_session("opened");
         let initialized = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
-        session.post_and_expect_accepted(&initialized).await?;
-        Ok((session, result))
+        self.post_and_expect_accepted(&initialized).await?;
+        self.client.metrics.upstream_session("opened");
+        Ok(result)
     }
 
     /// A session opened earlier, possibly by another replica.

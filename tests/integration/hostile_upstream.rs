@@ -219,6 +219,35 @@ fn server_request_ids_the_gateway_cannot_carry_end_the_call_with_a_clear_error()
     uncarried_ids_case();
 }
 
+/// An upstream that opens a session but then fails the handshake (it refuses
+/// `notifications/initialized`) gets that session deleted: nobody will use it, and many
+/// SDK servers keep a session until it is.
+#[test]
+fn a_session_whose_handshake_failed_is_deleted() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| match seen.jsonrpc_method().as_deref() {
+        Some("notifications/initialized") => Answer::status(400, &[], b"no"),
+        _ => legacy_basics(seen, "half-open").unwrap_or_else(|| Answer::status(405, &[], b"")),
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
+    assert!(
+        status >= 400 || body.get("error").is_some(),
+        "{status} {body}"
+    );
+    let deleted =
+        |s: &Seen| s.method == "DELETE" && s.header("mcp-session-id") == Some("half-open");
+    let opened = |s: &Seen| s.jsonrpc_method().as_deref() == Some("initialize");
+    wait_until(
+        "every opened session deleted",
+        Duration::from_secs(5),
+        || {
+            let seen = upstream.requests();
+            let opened = seen.iter().filter(|s| opened(s)).count();
+            opened > 0 && seen.iter().filter(|s| deleted(s)).count() == opened
+        },
+    );
+}
+
 pub fn long_event_id_case() -> usize {
     let long_id = "e".repeat(6000);
     let upstream = ScriptedUpstream::start(serving_calls(move |_| {
