@@ -23,7 +23,7 @@ use crate::protocol::target::upstream_target;
 use crate::protocol::trace::TraceContext;
 use crate::protocol::{forwarded, oauth};
 use crate::upstream::exchange::{ExchangeError, ExchangeFailure, Response};
-use crate::upstream::legacy_session::Caller;
+use crate::upstream::legacy_session::{Caller, LegacySession};
 use crate::upstream::{Endpoint, UpstreamGroup};
 use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
@@ -141,7 +141,11 @@ async fn serve_inner(
     };
     let coded = response.is_encoded();
     if wraps_ids && coded && response.is_jsonrpc() {
+        let opened = session_opened(&route, response.header());
         gw.upstreams.client.finish(response).await;
+        if let Some(upstream_session) = opened {
+            end_unrelayed_session(gw, session, group, &route, upstream_session).await;
+        }
         return refuse(session, id.as_ref(), coded_against_identity(group)).await;
     }
     count_session_event(gw, session, &route, response.header());
@@ -613,6 +617,30 @@ async fn pump(
             }
         }
     }
+}
+
+/// The upstream session a response to a session-less request (an `initialize`) opened.
+fn session_opened(route: &Route, upstream: &ResponseHeader) -> Option<String> {
+    let sid = upstream.headers.get(MCP_SESSION_ID)?.to_str().ok()?;
+    let valid = SessionToken::validate_upstream_session(sid).is_ok();
+    (route.upstream_session.is_none() && valid).then(|| sid.to_string())
+}
+
+/// Ends an upstream session the client never learnt of, since its response was not
+/// relayed: nobody else would.
+async fn end_unrelayed_session(
+    gw: &Gateway,
+    session: &ServerSession,
+    group: &UpstreamGroup,
+    route: &Route,
+    upstream_session: String,
+) {
+    gw.runtime.metrics.upstream_session("opened");
+    let client = &gw.upstreams.client;
+    let endpoint = route.endpoint.clone();
+    let mut opened = LegacySession::resume(client, endpoint, &group.timeouts, upstream_session);
+    opened.caller.headers = gw.admission.end_to_end(session, group);
+    opened.delete().await;
 }
 
 /// A JSON-RPC body the upstream content-coded although asked for `identity`: the

@@ -178,6 +178,44 @@ fn a_legacy_response_coded_against_identity_gets_a_clear_502() {
     coded_against_identity_case();
 }
 
+/// An `initialize` answered content-coded is not relayed, so the client never learns the
+/// session the upstream opened: the gateway ends it, with the client's credentials.
+#[test]
+fn an_unrelayed_answer_to_initialize_ends_the_session_it_opened() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if seen.jsonrpc_method().as_deref() == Some("initialize") {
+            let headers = [
+                ("content-type", "application/json"),
+                ("content-encoding", "gzip"),
+                ("mcp-session-id", "opened-1"),
+            ];
+            return Answer::status(200, &headers, b"\x1f\x8b\x08\x00");
+        }
+        legacy_basics(seen, "opened-1").unwrap_or_else(|| Answer::status(405, &[], b""))
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let headers = [
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+        ("accept-encoding", "gzip"),
+        ("authorization", "Bearer user-token"),
+    ];
+    let reply = Raw::new(&gw.url).request("POST", &headers, Some(&initialize_body().to_string()));
+    assert_eq!(reply.status, 502);
+    assert_eq!(reply.session, None, "a session was handed out");
+    let deletes: Vec<Seen> = upstream
+        .requests()
+        .into_iter()
+        .filter(|s| s.method == "DELETE")
+        .collect();
+    assert_eq!(deletes.len(), 1, "the opened session was left: {deletes:?}");
+    assert_eq!(deletes[0].header("mcp-session-id"), Some("opened-1"));
+    assert_eq!(
+        deletes[0].header("authorization"),
+        Some("Bearer user-token")
+    );
+}
+
 /// Bug 2: a request with both `Content-Length` and `Transfer-Encoding: chunked` ends its
 /// connection, so bytes after its chunked body never run as a second request.
 pub(crate) fn cl_te_smuggling_case() -> usize {
