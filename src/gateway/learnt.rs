@@ -48,6 +48,9 @@ pub struct GroupLearnt {
     pub session_replay: SessionReplay,
     /// How many probes of `session_replay` have ended (a failed one leaves it `Unknown`).
     pub session_replay_probes: u32,
+    /// After a failed probe, when the next may run: until then the verdict stays
+    /// `Unknown` without asking the upstream again.
+    pub session_replay_retry_at: Option<tokio::time::Instant>,
     /// The upstream keeps a session's GET stream after the gateway closed it (a new GET
     /// got 409 for as long as the gateway tried): a GET stream is then reopened with one
     /// attempt, since waiting for the server to let go of the old one never paid.

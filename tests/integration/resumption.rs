@@ -715,3 +715,61 @@ fn a_crowd_of_first_get_stream_resumptions_probes_the_store_once() {
         "one probe opens two sessions; {CLIENTS} clients came"
     );
 }
+
+/// An upstream that cannot open the probe's throwaway sessions (at its session limit,
+/// here: every `initialize` after the client's is refused) leaves the store's verdict
+/// unknown, and GET streams reopen fresh; the resumptions that follow do not each try
+/// the probe again, which would cost the upstream a refused session per client request.
+#[test]
+fn a_failed_store_probe_is_not_retried_by_every_resumption() {
+    const RESUMPTIONS: usize = 4;
+    let sessions = AtomicUsize::new(0);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let initialize = seen.jsonrpc_method().as_deref() == Some("initialize");
+        if initialize && sessions.fetch_add(1, Ordering::SeqCst) > 0 {
+            return Answer::status(503, &[], b"too many sessions");
+        }
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        let event = |id: &str| {
+            let log = json!({"jsonrpc": "2.0", "method": "notifications/message",
+                "params": {"level": "info", "data": id}});
+            Answer::sse(&[]).event(Some(id), &log).end()
+        };
+        match (seen.method.as_str(), seen.header("last-event-id")) {
+            ("GET", None) => event("g1"),
+            ("GET", Some(_)) => event("g2"),
+            _ => Answer::status(405, &[], b""),
+        }
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let session = raw.initialize(json!({}));
+    let get = |position: Option<&str>| {
+        let mut headers = vec![
+            ("accept", "text/event-stream"),
+            ("mcp-session-id", session.as_str()),
+            ("mcp-protocol-version", "2025-11-25"),
+        ];
+        headers.extend(position.map(|p| ("last-event-id", p)));
+        let mut reply = raw.request("GET", &headers, None);
+        assert_eq!(reply.status, 200);
+        reply.next_message().expect("the GET stream's event")
+    };
+    let (position, _) = get(None);
+    let position = position.expect("an event id");
+    for _ in 0..RESUMPTIONS {
+        let (_, message) = get(Some(&position));
+        assert_eq!(
+            message["params"]["data"], "g1",
+            "not reopened fresh: {message}"
+        );
+    }
+    let probes = upstream
+        .requests()
+        .into_iter()
+        .filter(is_probe_initialize)
+        .count();
+    assert_eq!(probes, 1, "{RESUMPTIONS} resumptions each probed again");
+}

@@ -26,11 +26,16 @@ const FIRST_ID_LIMIT: Duration = Duration::from_secs(1);
 /// How long the foreign resumption is watched: a store that keeps sessions apart ends it
 /// (or refuses it) at once.
 const FOREIGN_WATCH: Duration = Duration::from_millis(300);
+/// How long after a failed probe (a throwaway session that did not open) the group's
+/// store is taken as unknown without probing again, so that a stream of resumptions
+/// does not cost the upstream two sessions each while it cannot open them.
+const RETRY_AFTER_FAILED_PROBE: Duration = Duration::from_secs(30);
 
 /// Whether `group`'s store keeps sessions apart, probing `endpoint` the first time with
 /// the credentials of `caller` (the request that needs to know). One probe runs at a
-/// time per group; requests that waited for it take its verdict, `Unknown` included
-/// (the next request tries again), so a crowd of first resumptions probes once.
+/// time per group; requests that waited for it take its verdict, `Unknown` included, so
+/// a crowd of first resumptions probes once. After a failed probe the next runs
+/// `RETRY_AFTER_FAILED_PROBE` later at the earliest.
 pub(crate) async fn session_replay(
     upstreams: &UpstreamSide,
     group: &UpstreamGroup,
@@ -40,6 +45,12 @@ pub(crate) async fn session_replay(
     let before = upstreams.learnt.get(&group.name);
     if before.session_replay != SessionReplay::Unknown {
         return before.session_replay;
+    }
+    if before
+        .session_replay_retry_at
+        .is_some_and(|at| Instant::now() < at)
+    {
+        return SessionReplay::Unknown;
     }
     let turn = upstreams.learnt.probe_turn(&group.name);
     let _turn = turn.lock().await;
@@ -51,8 +62,12 @@ pub(crate) async fn session_replay(
     upstreams.learnt.update(&group.name, |facts| {
         facts.session_replay = verdict;
         facts.session_replay_probes = facts.session_replay_probes.wrapping_add(1);
+        facts.session_replay_retry_at =
+            (verdict == SessionReplay::Unknown).then(|| Instant::now() + RETRY_AFTER_FAILED_PROBE);
     });
-    if verdict != SessionReplay::Unknown {
+    if verdict == SessionReplay::Unknown {
+        tracing::info!(group = %group.name, retry_in = ?RETRY_AFTER_FAILED_PROBE, "could not probe whether the upstream's event store keeps sessions apart; GET streams reopen fresh meanwhile");
+    } else {
         tracing::info!(group = %group.name, verdict = ?verdict, "probed whether the upstream's event store keeps sessions apart");
     }
     verdict
