@@ -640,7 +640,7 @@ async fn end_unrelayed_session(
     let endpoint = route.endpoint.clone();
     let mut opened = LegacySession::resume(client, endpoint, &group.timeouts, upstream_session);
     opened.caller.headers = gw.admission.end_to_end(session, group);
-    opened.delete().await;
+    opened.abandon().await;
 }
 
 /// A JSON-RPC body the upstream content-coded although asked for `identity`: the

@@ -19,6 +19,8 @@ use std::net::SocketAddr;
 pub const UPSTREAM_VERSION: &str = "2025-11-25";
 /// Largest upstream SSE event or JSON body the bridge reads.
 pub const MAX_UPSTREAM_MESSAGE: usize = 4 << 20;
+/// Longest wait for the DELETE of a session nobody will use (`LegacySession::abandon`).
+const ABANDON_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 pub struct LegacySession<'a> {
     pub client: &'a UpstreamClient,
@@ -189,7 +191,7 @@ impl<'a> LegacySession<'a> {
                 // to the upstream's own expiry (many SDK servers keep sessions forever).
                 if session.session_id.is_some() {
                     client.metrics.upstream_session("opened");
-                    session.delete().await;
+                    session.abandon().await;
                 }
                 Err(e)
             }
@@ -367,6 +369,18 @@ impl<'a> LegacySession<'a> {
     /// Ends the upstream session (best effort).
     pub async fn delete(&self) {
         self.delete_counting("deleted").await
+    }
+
+    /// Ends a session nobody will use, on the way to reporting a failure: best effort,
+    /// and within `ABANDON_LIMIT`, so that an upstream that stopped answering does not
+    /// hold the failure's report for another response timeout.
+    pub async fn abandon(&self) {
+        if tokio::time::timeout(ABANDON_LIMIT, self.delete())
+            .await
+            .is_err()
+        {
+            tracing::info!("the upstream did not answer the DELETE of an unused session in time");
+        }
     }
 
     /// Ends the session of a flow its client abandoned (best effort).

@@ -248,6 +248,46 @@ fn a_session_whose_handshake_failed_is_deleted() {
     );
 }
 
+/// The same, with an upstream that stops answering after `initialize`: the DELETE of the
+/// unusable session is tried, but the client's error does not wait another response
+/// timeout for it.
+#[test]
+fn a_silent_upstream_does_not_hold_the_handshake_error_for_the_delete() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        let initialize = seen.jsonrpc_method().as_deref() == Some("initialize");
+        match legacy_basics(seen, "half-open") {
+            Some(answer) if initialize => answer,
+            _ => Answer::silent(),
+        }
+    });
+    let timeout = Duration::from_secs(4);
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].response_timeout_ms = timeout.as_millis() as u64;
+        c.bridge.warm_sessions_per_shape = 0;
+    });
+    let started = Instant::now();
+    let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
+    let took = started.elapsed();
+    assert!(
+        status >= 400 || body.get("error").is_some(),
+        "{status} {body}"
+    );
+    let delete = |s: &Seen| s.method == "DELETE" && s.header("mcp-session-id") == Some("half-open");
+    assert!(
+        upstream.requests().iter().any(delete),
+        "no DELETE was tried"
+    );
+    // Per session opened: one response timeout for the notification, and at most 2 s
+    // for the DELETE (not another response timeout).
+    let opens = upstream
+        .requests()
+        .iter()
+        .filter(|s| s.jsonrpc_method().as_deref() == Some("initialize"))
+        .count() as u32;
+    let bound = (timeout + Duration::from_secs(2)) * opens + Duration::from_millis(2000);
+    assert!(took < bound, "the error took {took:?}, over {bound:?}");
+}
+
 pub fn long_event_id_case() -> usize {
     let long_id = "e".repeat(6000);
     let upstream = ScriptedUpstream::start(serving_calls(move |_| {
