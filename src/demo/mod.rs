@@ -131,8 +131,9 @@ impl DemoServer {
             ("POST", None) => self.post_without_session(http).await,
             ("POST", Some((_, Some(s)))) => self.post(http, &s).await,
             ("GET", Some((_, Some(s)))) => self.get(http, &s),
-            ("DELETE", Some((id, Some(_)))) => {
+            ("DELETE", Some((id, Some(s)))) => {
                 self.sessions.lock().expect("sessions lock").remove(id);
+                s.end();
                 Answer::Reply(Reply::status(200))
             }
             ("GET" | "DELETE", None) => Answer::Reply(Reply::error(

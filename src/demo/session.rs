@@ -69,6 +69,13 @@ impl DemoSession {
         stream
     }
 
+    /// Ends every stream of the session, as SDK servers do when a session is deleted.
+    pub fn end(&self) {
+        for stream in self.streams.lock().expect("streams lock").values() {
+            stream.close();
+        }
+    }
+
     pub fn stream(&self, id: u64) -> Option<Arc<EventStream>> {
         self.streams.lock().expect("streams lock").get(&id).cloned()
     }

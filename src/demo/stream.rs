@@ -68,6 +68,12 @@ impl EventStream {
         self.changed.notify_waiters();
     }
 
+    /// Ends the stream without a message (its session was deleted).
+    pub fn close(&self) {
+        self.log.lock().expect("event log lock").closed = true;
+        self.changed.notify_waiters();
+    }
+
     /// The events from index `from` on.
     pub fn since(&self, from: usize) -> Batch {
         let log = self.log.lock().expect("event log lock");
@@ -118,5 +124,14 @@ mod tests {
         s.send(&json!({"late": true}));
         assert_eq!(s.since(0).next, 3, "nothing is appended after the end");
         assert_eq!(parse_event_id("x"), None);
+    }
+
+    #[test]
+    fn a_stream_closed_with_its_session_ends_without_a_message() {
+        let s = EventStream::new(1);
+        s.close();
+        let all = s.since(0);
+        assert!(all.closed);
+        assert_eq!(all.next, 1, "only the priming event");
     }
 }
