@@ -267,6 +267,17 @@ impl UpstreamClient {
         self.finish(response).await;
     }
 
+    /// Returns a response's connection to the pool: at once when its body was read to
+    /// its end, else once the rest is read off in the background (`discard`), so that
+    /// the caller does not wait for a stream the server is about to end.
+    pub async fn release(self: &Arc<Self>, mut response: Response, limit: Duration) {
+        if response.http.is_body_done() {
+            return self.finish(response).await;
+        }
+        let client = Arc::clone(self);
+        tokio::spawn(async move { client.discard(response, limit).await });
+    }
+
     /// Returns a fully read response's connection to the pool, or closes it.
     pub async fn finish(&self, response: Response) {
         let Response {

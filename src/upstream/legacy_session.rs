@@ -14,6 +14,7 @@ use pingora::http::RequestHeader;
 use serde_json::{json, Value};
 use std::fmt;
 use std::net::SocketAddr;
+use std::sync::Arc;
 
 /// The legacy revision the gateway speaks upstream.
 pub const UPSTREAM_VERSION: &str = "2025-11-25";
@@ -157,7 +158,7 @@ impl<'a> LegacySession<'a> {
     /// Opens a session: initialize, then notifications/initialized. Returns the
     /// InitializeResult.
     pub async fn open(
-        client: &'a UpstreamClient,
+        client: &'a Arc<UpstreamClient>,
         endpoint: Endpoint,
         timeouts: &'a Timeouts,
         capabilities: &Value,
@@ -165,7 +166,7 @@ impl<'a> LegacySession<'a> {
         caller: &Caller,
     ) -> Result<(LegacySession<'a>, Value), SessionError> {
         let mut session = LegacySession {
-            client,
+            client: client.as_ref(),
             endpoint,
             timeouts,
             session_id: None,
@@ -183,7 +184,8 @@ impl<'a> LegacySession<'a> {
             .and_then(|v| v.to_str().ok())
             .map(str::to_string);
         let message = read_single(&mut response).await;
-        client.finish(response).await;
+        // An SSE answer's stream ends just after its message (SDK servers close it).
+        client.release(response, timeouts.response).await;
         match session.finish_handshake(message).await {
             Ok(result) => Ok((session, result)),
             Err(e) => {
@@ -504,7 +506,7 @@ mod tests {
             response: Duration::from_secs(2),
             stream_idle: None,
         };
-        let client = UpstreamClient::default();
+        let client = Arc::new(UpstreamClient::default());
         let nobody = Caller::default();
         let opened = LegacySession::open(
             &client,
