@@ -531,3 +531,49 @@ fn a_state_sealed_by_the_previous_release_completes_on_this_one() {
     let done = ask_name(&raw, 2, answer(&first, json!({"name": "Bo"})));
     assert_eq!(done["result"]["content"][0]["text"], "Hello, Bo!", "{done}");
 }
+
+/// A finished flow's upstream streams are read to their end once its session is
+/// deleted (the SDK servers end a session's streams with it), so their connections serve
+/// the next flows instead of being closed: per one-question flow, only the two streams
+/// held when the first round ended cost a new connection.
+#[test]
+fn a_finished_flows_streams_keep_their_connections() {
+    const FLOWS: usize = 8;
+    for kind in [Upstream::TypeScript, Upstream::Python] {
+        let (_upstream, url) = start_upstream(kind);
+        let port: u16 = url
+            .trim_start_matches("http://127.0.0.1:")
+            .split('/')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let relay = crate::pki::CountingRelay::start(port);
+        let gw = TestGateway::start(
+            &[&format!("http://127.0.0.1:{}/mcp", relay.port)],
+            &test_keys(),
+        );
+        let raw = Raw::new(&gw.url);
+        let flow = |id: u64| {
+            let first = ask_name(&raw, id, json!({}));
+            let done = ask_name(&raw, id + 1, answer(&first, json!({"name": "Lu"})));
+            assert_eq!(done["result"]["content"][0]["text"], "Hello, Lu!", "{done}");
+        };
+        flow(1);
+        wait_until(
+            "the first flow's session deleted",
+            Duration::from_secs(5),
+            || metric(&gw.admin, "mrtr_gateway_upstream_connections") == 0.0,
+        );
+        let before = relay.count();
+        for i in 0..FLOWS as u64 {
+            flow(10 + 2 * i);
+        }
+        let per_flow = (relay.count() - before) as f64 / FLOWS as f64;
+        // Two, and at most one more while the pool fills.
+        assert!(
+            per_flow <= 3.0,
+            "{kind:?}: {per_flow} new upstream connections per flow"
+        );
+    }
+}

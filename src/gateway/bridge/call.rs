@@ -421,14 +421,20 @@ async fn drive<'g>(
         while let Some(command) = flow.poll_command() {
             if let Command::Finish(ending) = command {
                 let outcome = finish(call, session, reply, &flow, ending).await;
-                if close_pending {
+                if close_pending && !delete_pending {
                     close_streams(call, &mut io).await;
                 }
                 if let Some(shape) = io.warm_after.take() {
                     warm::warm_up(call.gw, call.group, call.request, shape);
                 }
                 if let Some(upstream) = io.upstream.take().filter(|_| delete_pending) {
-                    end_session_later(call.gw, upstream).await;
+                    // The streams left open end with the session.
+                    let open = if close_pending {
+                        take_streams(&mut io)
+                    } else {
+                        Streams::new(None, None)
+                    };
+                    end_session_later(call.gw, upstream, open).await;
                 }
                 return outcome;
             }
@@ -506,13 +512,16 @@ async fn wait(call: &Call<'_>, session: &mut ServerSession, io: &mut Io<'_>, flo
             // An event over the size limit: the stream is of no further use.
             Err(e) => {
                 tracing::info!(error = %e, "upstream stream dropped");
-                io.streams.drop_stream(source);
+                io.streams.take_stream(source);
                 Woke::Input(Input::StreamEnded(stream_of(source)))
             }
         },
-        // Ended, or broken: either way the stream is over.
+        // Ended, or broken: either way the stream is over; one that ended keeps its
+        // connection for the next exchange.
         _ => {
-            io.streams.drop_stream(source);
+            if let Some(ended) = io.streams.take_stream(source) {
+                call.gw.upstreams.client.finish(ended).await;
+            }
             Woke::Input(Input::StreamEnded(stream_of(source)))
         }
     }
@@ -621,9 +630,11 @@ async fn execute<'g>(
 
 /// Closes the flow's upstream streams (never cancelling the call).
 async fn close_streams(call: &Call<'_>, io: &mut Io<'_>) {
+    take_streams(io).close(&call.gw.upstreams.client).await;
+}
+
+fn take_streams(io: &mut Io<'_>) -> Streams {
     std::mem::replace(&mut io.streams, Streams::new(None, None))
-        .close(&call.gw.upstreams.client)
-        .await;
 }
 
 /// Deletes the flow's upstream session (unless it is a data-layer session's).

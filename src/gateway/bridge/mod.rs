@@ -527,30 +527,32 @@ pub(crate) async fn end_session(reaper: &Reaper, upstream: &LegacySession<'_>) {
     }
 }
 
+/// How long a deleted session's streams are given to end once the DELETE is answered:
+/// servers end them before answering it, so only the last bytes are in flight.
+const STREAMS_END_WITH_SESSION: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// `end_session` in the background, for a request that has answered its client: its
-/// handler returns without waiting for the DELETE. At most `MAX_BACKGROUND_DELETES` run
-/// at once (an upstream that holds DELETEs cannot pile up tasks and connections); past
-/// that the handler waits for its own.
-pub(crate) async fn end_session_later(gw: &Gateway, upstream: LegacySession<'_>) {
-    let Ok(permit) = gw.upstreams.background_deletes.clone().try_acquire_owned() else {
+/// handler returns without waiting for the DELETE. The flow's `streams` still open are
+/// read off after it (servers end them with the session), so that their connections
+/// are pooled rather than closed. At most `MAX_BACKGROUND_DELETES` run at once (an
+/// upstream that holds DELETEs cannot pile up tasks and connections); past that the
+/// handler closes the streams and waits for its own.
+async fn end_session_later(gw: &Gateway, upstream: LegacySession<'_>, streams: streams::Streams) {
+    let client = gw.upstreams.client.clone();
+    let permit = gw.upstreams.background_deletes.clone().try_acquire_owned();
+    let session_id = upstream.session_id.clone().filter(|_| !upstream.persistent);
+    let (Ok(permit), Some(sid)) = (permit, session_id) else {
+        streams.close(&client).await;
         return end_session(&gw.flows.reaper, &upstream).await;
     };
-    if upstream.persistent {
-        return;
-    }
-    if let Some(sid) = &upstream.session_id {
-        gw.flows.reaper.forget(&upstream.endpoint, sid);
-    }
-    let Some(sid) = upstream.session_id else {
-        return;
-    };
-    let client = gw.upstreams.client.clone();
+    gw.flows.reaper.forget(&upstream.endpoint, &sid);
     let timeouts = *upstream.timeouts;
     let (endpoint, version, caller) = (upstream.endpoint, upstream.version, upstream.caller);
     tokio::spawn(async move {
         let mut session = LegacySession::resume(&client, endpoint, &timeouts, sid);
         (session.version, session.caller) = (version, caller);
         session.delete().await;
+        streams.drain(&client, STREAMS_END_WITH_SESSION).await;
         drop(permit);
     });
 }

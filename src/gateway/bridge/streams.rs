@@ -48,6 +48,15 @@ impl Streams {
         }
     }
 
+    /// Reads the streams off to their end, briefly (`UpstreamClient::discard`), once
+    /// their session is deleted: servers end a session's streams with it, and a stream
+    /// read to its end keeps its connection for the next exchange.
+    pub(super) async fn drain(self, client: &UpstreamClient, limit: Duration) {
+        for response in [self.call, self.session].into_iter().flatten() {
+            client.discard(response, limit).await;
+        }
+    }
+
     /// Bytes of events the parsers and the backlog hold.
     pub(super) fn buffered(&self) -> usize {
         let backlog: usize = self.backlog.iter().map(|(_, e)| e.data.len()).sum();
@@ -76,11 +85,12 @@ impl Streams {
         self.call_parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
     }
 
-    /// Drops a stream that ended (its connection is closed, never pooled half-read).
-    pub(super) fn drop_stream(&mut self, source: Source) {
+    /// Takes a stream that ended out of the flow: one read to its end goes back to the
+    /// pool (`UpstreamClient::finish`), any other is closed (never pooled half-read).
+    pub(super) fn take_stream(&mut self, source: Source) -> Option<Response> {
         match source {
-            Source::Call => self.call = None,
-            Source::Session => self.session = None,
+            Source::Call => self.call.take(),
+            Source::Session => self.session.take(),
         }
     }
 }
