@@ -53,11 +53,13 @@ const MAX_STREAM_ENDS: usize = 8;
 const MAX_RETRY: Duration = Duration::from_secs(10);
 /// The wait before reopening a stream the upstream ended, without a `retry` hint.
 const DEFAULT_RETRY: Duration = Duration::from_secs(1);
-/// How often an empty resumption is tried again, after how long at first (doubling),
-/// before the upstream is taken not to have the call's events: an upstream that still
-/// holds the previous connection of the stream can answer one with an empty stream.
-const EMPTY_RETRIES: u32 = 2;
-const EMPTY_BACKOFF: Duration = Duration::from_millis(100);
+/// How often an empty resumption is tried again, after how long at first (doubling:
+/// 5 ms to 160 ms, 315 ms in all), before the upstream is taken not to have the call's
+/// events: an upstream that has not yet let go of the stream's previous connection
+/// answers one with an empty stream, which a retry right after its round meets often,
+/// and for a moment only.
+const EMPTY_RETRIES: u32 = 6;
+const EMPTY_BACKOFF: Duration = Duration::from_millis(5);
 /// How long a retry waits for a resumed stream's priming event: from an upstream known
 /// to prime, and (once, to learn) from one not known yet.
 const SETTLE_PRIMED: Duration = Duration::from_secs(2);
@@ -1275,8 +1277,9 @@ impl Flow {
     }
 
     /// The call's stream ended: a resumption that ended without a single event means the
-    /// upstream no longer has the call's events (after two short retries); otherwise the
-    /// stream is reopened after the upstream's `retry` hint (SEP-1699 polling).
+    /// upstream no longer has the call's events (after `EMPTY_RETRIES` short retries);
+    /// otherwise the stream is reopened after the upstream's `retry` hint (SEP-1699
+    /// polling).
     fn call_ended(&mut self, mut r: Box<Reading>, now: Instant) -> Phase {
         r.call_open = false;
         if r.reopened && r.call_events == 0 {

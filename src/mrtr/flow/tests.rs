@@ -770,6 +770,44 @@ fn a_question_left_unanswered_is_replayed_from_the_rounds_start() {
     assert_eq!(state.round, 1, "the round is not over");
 }
 
+/// An upstream that has not yet let go of the call stream's previous connection answers a
+/// resumption with an empty stream; a retry that follows its round at once (an automated
+/// client, or loopback) meets that nearly every time. The flow tries again within a few
+/// milliseconds, doubling, and gives the call up only after as long as before (300 ms).
+#[test]
+fn an_empty_resumption_is_tried_again_within_milliseconds_and_given_up_after_300() {
+    let first = first_round();
+    let mut h = answered(&first, "Ada");
+    let opens = |h: &Harness| {
+        h.log
+            .iter()
+            .filter(|c| is_open(Stream::Call, Some("c2"))(c))
+            .count()
+    };
+    let given_up = |h: &Harness| {
+        h.log
+            .contains(&Command::Learn(Learnt::ReplayRefused { empty: true }))
+    };
+    let (mut waits, mut patience) = (Vec::new(), Duration::ZERO);
+    for _ in 0..=EMPTY_RETRIES {
+        let before = opens(&h);
+        h.feed(Input::StreamEnded(Stream::Call));
+        let mut waited = Duration::ZERO;
+        while opens(&h) == before && !given_up(&h) && waited < Duration::from_secs(1) {
+            h.advance(Duration::from_millis(1));
+            waited += Duration::from_millis(1);
+        }
+        if given_up(&h) {
+            break;
+        }
+        waits.push(waited);
+        patience += waited;
+    }
+    assert!(given_up(&h), "never gave up: {waits:?}");
+    assert!(waits[0] <= Duration::from_millis(5), "{waits:?}");
+    assert!(patience >= Duration::from_millis(300), "{waits:?}");
+}
+
 #[test]
 fn an_empty_resumption_is_tried_again_then_loses_the_call_and_holds_the_group() {
     let first = first_round();
