@@ -407,7 +407,9 @@ fn client_response_header(
         }
     }
     if let Some(sid) = upstream.headers.get(MCP_SESSION_ID) {
-        match client_session_token(gw, group, route, binding, sid.as_bytes()) {
+        let token = valid_session_id(sid)
+            .and_then(|sid| client_session_token(gw, group, route, binding, sid));
+        match token {
             Some(token) => {
                 let _ = out.insert_header(MCP_SESSION_ID, token);
             }
@@ -451,10 +453,8 @@ fn client_session_token(
     group: &UpstreamGroup,
     route: &Route,
     binding: &[u8],
-    upstream_sid: &[u8],
+    sid: &str,
 ) -> Option<String> {
-    let sid = std::str::from_utf8(upstream_sid).ok()?;
-    SessionToken::validate_upstream_session(sid).ok()?;
     if route.upstream_session.as_deref() == Some(sid) {
         return route.client_token.clone();
     }
@@ -619,11 +619,18 @@ async fn pump(
     }
 }
 
+/// An upstream's `Mcp-Session-Id` value, when it is one a session token can carry.
+fn valid_session_id(value: &http::HeaderValue) -> Option<&str> {
+    let sid = value.to_str().ok()?;
+    SessionToken::validate_upstream_session(sid)
+        .ok()
+        .map(|_| sid)
+}
+
 /// The upstream session a response to a session-less request (an `initialize`) opened.
 fn session_opened(route: &Route, upstream: &ResponseHeader) -> Option<String> {
-    let sid = upstream.headers.get(MCP_SESSION_ID)?.to_str().ok()?;
-    let valid = SessionToken::validate_upstream_session(sid).is_ok();
-    (route.upstream_session.is_none() && valid).then(|| sid.to_string())
+    let sid = valid_session_id(upstream.headers.get(MCP_SESSION_ID)?)?;
+    route.upstream_session.is_none().then(|| sid.to_string())
 }
 
 /// Ends an upstream session the client never learnt of, since its response was not
