@@ -157,6 +157,13 @@ pub fn sealed_len(kid_len: usize, plaintext_len: usize) -> usize {
     raw.div_ceil(3) * 4 - (3 - raw % 3) % 3
 }
 
+/// The longest plaintext whose sealed text, under a key id of `kid_len` bytes, is at most
+/// `limit` long: unpadded base64 of `raw` bytes is `ceil(4 raw / 3)` long, so `raw` may be
+/// `floor(3 limit / 4)`.
+pub fn max_plaintext_len(kid_len: usize, limit: usize) -> usize {
+    (limit / 4 * 3 + limit % 4 * 3 / 4).saturating_sub(2 + kid_len + NONCE_LEN + TAG_LEN)
+}
+
 /// Equality in time independent of where the inputs differ.
 pub fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
@@ -383,6 +390,17 @@ mod tests {
             let plain = vec![7u8; len];
             let text = seal(&r, Purpose::Session, b"", &plain);
             assert_eq!(sealed_len(2, len), text.len(), "{len}");
+        }
+    }
+
+    #[test]
+    fn max_plaintext_len_is_the_longest_that_fits() {
+        for kid_len in [0, 2, 40] {
+            for limit in 0..600 {
+                let longest = (0..=limit).rev().find(|&n| sealed_len(kid_len, n) <= limit);
+                let want = longest.unwrap_or(0);
+                assert_eq!(max_plaintext_len(kid_len, limit), want, "{kid_len} {limit}");
+            }
         }
     }
 }

@@ -243,7 +243,10 @@ fn config(call: &Call<'_>, session_replay_scoped: bool) -> FlowConfig {
             max_bytes: limits.max_input_requests_bytes,
         },
         max_rounds: limits.max_rounds,
-        max_state_plaintext: max_plaintext(limits.max_request_state_bytes, kid_len),
+        max_state_plaintext: crate::seal::max_plaintext_len(
+            kid_len,
+            limits.max_request_state_bytes,
+        ),
         max_state_bytes: limits.max_request_state_bytes,
         kid_len,
         quiet_window: Duration::from_millis(bridge.quiet_window_ms),
@@ -272,14 +275,6 @@ fn asks_at_once(gw: &Gateway, group: &UpstreamGroup, request: &ModernRequest) ->
     let target = request.target.as_deref().unwrap_or_default();
     gw.config.bridge.quiet_window_for == QuietWindowFor::All
         || (gw.upstreams.learnt).asks_at_once(&group.name, &request.method, target)
-}
-
-/// The longest plaintext whose sealed text stays within `limit`.
-fn max_plaintext(limit: usize, kid_len: usize) -> usize {
-    (0..=limit)
-        .rev()
-        .find(|&n| crate::seal::sealed_len(kid_len, n) <= limit)
-        .unwrap_or(0)
 }
 
 /// Whether the call is a `restartable` tool's (never in a data-layer session, whose
