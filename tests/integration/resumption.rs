@@ -560,8 +560,8 @@ fn an_upstream_that_keeps_a_closed_get_stream_is_not_waited_for_twice() {
         assert!(done["result"]["content"][0]["text"].is_string(), "{done}");
         after_each.push(fresh_gets());
     }
-    // Flow 1: the round's GET, then the retry's tried four times (three retries on 409).
-    assert_eq!(after_each[0], 1 + 4, "the first retry waits for the server");
+    // Flow 1: the round's GET, then the retry's tried eight times (seven retries on 409).
+    assert_eq!(after_each[0], 1 + 8, "the first retry waits for the server");
     // Flow 2: the round's GET, and the retry's once: waiting never paid.
     assert_eq!(
         after_each[1] - after_each[0],
@@ -577,7 +577,7 @@ fn an_upstream_that_keeps_a_closed_get_stream_is_not_waited_for_twice() {
         .filter(|s| is_fresh_get(s))
         .filter(|s| !sessions_with_get.insert(s.header("mcp-session-id")))
         .collect();
-    assert_eq!(refused.len(), 4 + 1, "the two retries' GETs");
+    assert_eq!(refused.len(), 8 + 1, "the two retries' GETs");
     let carried_more = |r: &&Seen| {
         (requests.iter()).any(|s| s.connection == r.connection && s.on_connection > r.on_connection)
     };
@@ -609,8 +609,8 @@ fn a_refusal_whose_body_never_ends_does_not_hold_the_retry() {
         let retry = accepting_the_question(&first);
         let _ = done_tx.send(call_hostile(&raw, 2, retry));
     });
-    // Four refused GETs (the first retry tries three times more) at a 120 s response
-    // timeout each would take eight minutes.
+    // Eight refused GETs (the first retry tries seven times more) at a 120 s response
+    // timeout each would take sixteen minutes.
     let (status, done) = done_rx
         .recv_timeout(Duration::from_secs(30))
         .expect("the retry is answered while the refusals' bodies are still owed");

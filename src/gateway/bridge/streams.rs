@@ -105,11 +105,19 @@ pub(super) async fn next_chunk(
     }
 }
 
-/// How often, and after how long at first (doubling), a GET the upstream answers with
-/// 409 is tried again: it still holds the previous connection of that stream, which the
-/// gateway has just closed.
-const CONFLICT_RETRIES: u32 = 3;
-const CONFLICT_BACKOFF: Duration = Duration::from_millis(20);
+/// How often, and after how long at first (doubling: 2 ms to 128 ms, 254 ms in all), a
+/// GET the upstream answers with 409 is tried again: it still holds the previous
+/// connection of that stream, which the gateway has just closed. A server lets go as soon
+/// as it reads that close, within a millisecond or two unless it is busy, which a client
+/// that retries at once meets on most rounds: the first waits are short.
+const CONFLICT_RETRIES: u32 = 7;
+const CONFLICT_BACKOFF: Duration = Duration::from_millis(2);
+
+/// The wait before the `attempt`-th retry (from 0) of a GET refused with 409, or `None`
+/// once patience is spent.
+fn conflict_backoff(attempt: u32) -> Option<Duration> {
+    (attempt < CONFLICT_RETRIES).then(|| CONFLICT_BACKOFF * 2u32.pow(attempt))
+}
 
 /// Whether the upstream refused a GET because it still holds the stream's previous one.
 fn is_conflict(e: &SessionError) -> bool {
@@ -124,12 +132,13 @@ pub(super) async fn resume_call(
     let mut attempt = 0;
     loop {
         match upstream.get(Some(after)).await {
-            Err(e) if is_conflict(&e) && attempt < CONFLICT_RETRIES => {
-                tokio::time::sleep(CONFLICT_BACKOFF * 2u32.pow(attempt)).await;
-                attempt += 1;
-            }
+            Err(e) if is_conflict(&e) => match conflict_backoff(attempt) {
+                Some(wait) => tokio::time::sleep(wait).await,
+                None => return Err(e),
+            },
             got => return got,
         }
+        attempt += 1;
     }
 }
 
@@ -143,15 +152,14 @@ pub(super) async fn open_session_stream(
     after: Option<&str>,
     patient: bool,
 ) -> (Option<Response>, bool) {
-    let retries = if patient { CONFLICT_RETRIES } else { 0 };
     let mut after = after;
-    for attempt in 0..=retries {
+    for attempt in 0..=CONFLICT_RETRIES {
         match upstream.get(after).await {
             Ok(response) => return (Some(response), false),
-            Err(e) if is_conflict(&e) && attempt < retries => {
-                tokio::time::sleep(CONFLICT_BACKOFF * 2u32.pow(attempt)).await;
-            }
-            Err(e) if is_conflict(&e) => return (None, true),
+            Err(e) if is_conflict(&e) => match conflict_backoff(attempt).filter(|_| patient) {
+                Some(wait) => tokio::time::sleep(wait).await,
+                None => return (None, true),
+            },
             Err(e) if matches!(e.failure(), SessionFailure::Refused(_)) && after.is_some() => {
                 after = None
             }
@@ -159,4 +167,19 @@ pub(super) async fn open_session_stream(
         }
     }
     (None, false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_conflict_is_tried_again_within_milliseconds_and_given_up_after_a_quarter_second() {
+        assert_eq!(conflict_backoff(0), Some(Duration::from_millis(2)));
+        let waits: Vec<Duration> = (0..).map_while(conflict_backoff).collect();
+        assert_eq!(waits.len(), CONFLICT_RETRIES as usize);
+        // No less patient than the 140 ms (20, 40, 80) a busy server was given before.
+        let patience: Duration = waits.iter().sum();
+        assert_eq!(patience, Duration::from_millis(254));
+    }
 }
