@@ -29,6 +29,11 @@ use std::sync::Arc;
 /// the client without its id (an empty comment in place of the line).
 pub const MAX_UPSTREAM_EVENT_ID: usize = 512;
 
+/// The searcher for `id` (a chunk without one passes as it is), built once:
+/// `memmem::find` builds one per call.
+static ID_FINDER: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"id"));
+
 /// The longest `Last-Event-ID` the gateway opens.
 pub fn max_sealed_event_id() -> usize {
     seal::sealed_len(MAX_KID_LEN, MAX_UPSTREAM_EVENT_ID)
@@ -132,7 +137,7 @@ impl EventIds {
     /// The bytes of `chunk` that can go to the client now.
     pub fn push(&mut self, chunk: Bytes) -> Bytes {
         let passes = matches!(self.line, Line::Start | Line::Other) && self.held.is_empty();
-        if passes && memchr::memmem::find(&chunk, b"id").is_none() && !chunk.ends_with(b"i") {
+        if passes && ID_FINDER.find(&chunk).is_none() && !chunk.ends_with(b"i") {
             self.line = line_after(self.line, &chunk);
             return chunk;
         }

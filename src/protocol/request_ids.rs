@@ -29,6 +29,9 @@ pub const MAX_CLIENT_ID: usize = 1024;
 
 /// What starts a wrapped id on the wire: its opening quote and prefix.
 const MARK: &[u8] = b"\"mrtr.";
+/// The searcher for `MARK`, built once: `memmem::find` builds one per call.
+static MARK_FINDER: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(MARK));
 /// Characters of a tag: 12 bytes of digest in base64url.
 const TAG_CHARS: usize = 16;
 /// The longest wrapped id as JSON text, quotes included.
@@ -203,7 +206,7 @@ impl Unwrap {
 
 /// Whether `chunk` holds a mark, or ends with the start of one.
 fn may_hold_mark(chunk: &[u8]) -> bool {
-    memchr::memmem::find(chunk, MARK).is_some() || mark_begun_at_end(chunk) > 0
+    MARK_FINDER.find(chunk).is_some() || mark_begun_at_end(chunk) > 0
 }
 
 /// How many bytes at the end of `bytes` may begin a mark.
@@ -218,7 +221,7 @@ fn mark_begun_at_end(bytes: &[u8]) -> usize {
 /// consumed (all of it at the end of the body, else up to a wrapped id not yet whole).
 fn unwrap_into(input: &[u8], out: &mut Vec<u8>, at_end: bool) -> usize {
     let mut at = 0;
-    while let Some(found) = memchr::memmem::find(&input[at..], MARK) {
+    while let Some(found) = MARK_FINDER.find(&input[at..]) {
         let start = at + found;
         out.extend_from_slice(&input[at..start]);
         match read_wrapped(&input[start..]) {
