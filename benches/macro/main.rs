@@ -96,6 +96,7 @@ const DEFAULT_GATEWAY: GatewayOptions = GatewayOptions {
     hold: false,
     max_watched_sessions: 100_000,
     request_state_ttl_seconds: 600,
+    warm_sessions_per_shape: 2,
 };
 
 fn main() {

@@ -184,17 +184,20 @@ pub struct GatewayOptions {
     pub max_watched_sessions: usize,
     /// `bridge.request_state_ttl_seconds`: how long a parked flow may wait.
     pub request_state_ttl_seconds: u64,
+    /// `bridge.warm_sessions_per_shape`: upstream sessions opened ahead of demand (0: none).
+    pub warm_sessions_per_shape: usize,
 }
 
 /// The gateway in front of `backend`, its config written to `dir`.
 pub fn gateway(dir: &Path, backend: &Proc, options: GatewayOptions) -> (Proc, String) {
     let (addr, admin) = (free_addr(), free_addr());
     let config = format!(
-        "listen: {addr}\nadmin_listen: {admin}\nserver:\n  threads: {}\nbridge:\n  quiet_window_ms: {}\n  max_used_states: 1000000\n  max_watched_sessions: {}\n  request_state_ttl_seconds: {}\nupstreams:\n  - name: demo\n    path: /mcp\n    endpoints: [http://{}/mcp]\n    health_check_interval_ms: 0\n    resume: {}\n",
+        "listen: {addr}\nadmin_listen: {admin}\nserver:\n  threads: {}\nbridge:\n  quiet_window_ms: {}\n  max_used_states: 1000000\n  max_watched_sessions: {}\n  request_state_ttl_seconds: {}\n  warm_sessions_per_shape: {}\nupstreams:\n  - name: demo\n    path: /mcp\n    endpoints: [http://{}/mcp]\n    health_check_interval_ms: 0\n    resume: {}\n",
         options.threads,
         options.quiet_window_ms,
         options.max_watched_sessions,
         options.request_state_ttl_seconds,
+        options.warm_sessions_per_shape,
         backend.addr,
         if options.hold { "hold" } else { "auto" }
     );

@@ -369,6 +369,7 @@ impl Report {
     pub fn stalls(
         &mut self,
         bridged: &[std::time::Duration],
+        bridged_cold: &[std::time::Duration],
         direct: &[std::time::Duration],
         backend: &crate::procs::Proc,
     ) {
@@ -385,10 +386,11 @@ impl Report {
         );
         let _ = writeln!(
             self.text,
-            "`ask_name` (one question, then the result), one client, default settings (quiet window 1 ms, resume poll 2 s); each bridged flow followed by the same flow driven directly by a legacy client (its stream held open), whose tail is the server's own.\n\n| flow | p50 | p90 | p99 | max | max / p50 |\n| --- | ---: | ---: | ---: | ---: | ---: |"
+            "`ask_name` (one question, then the result), one client retrying as soon as it has the question, default settings (quiet window 1 ms, resume poll 2 s); each bridged flow followed by the same flow through a gateway that opens no session ahead of demand (`warm_sessions_per_shape: 0`), then driven directly by a legacy client (its stream held open), whose tail is the server's own.\n\n| flow | p50 | p90 | p99 | max | max / p50 |\n| --- | ---: | ---: | ---: | ---: | ---: |"
         );
         for (label, times) in [
             ("2026-07-28 through the gateway", bridged),
+            ("the same, no sessions opened ahead of demand", bridged_cold),
             ("legacy, direct", direct),
         ] {
             let [p50, p90, p99, max] = figures(times);

@@ -2,7 +2,9 @@
 //! (`tests/fixtures/py_legacy_server.py`, `ask_name`: one question, then the result),
 //! each timed whole. A flow whose result lands between a resumption's replay and its
 //! live stream waits for the next poll (`resume_poll_ms`); the distribution's tail shows
-//! whether that still happens.
+//! whether that still happens. The same flows also go through a gateway that opens no
+//! upstream session ahead of demand: a client that retries at once meets the warm
+//! session's replacement opening at the server together with its retry.
 
 use crate::client::Conn;
 use crate::mcp::{legacy_call_flow, result_text, LegacyCall};
@@ -24,24 +26,35 @@ pub async fn measure(flows: usize, dir: &Path, report: &mut Report) {
         return;
     };
     let (gateway, _admin) = procs::gateway(dir, &python, crate::DEFAULT_GATEWAY);
+    let cold_options = procs::GatewayOptions {
+        warm_sessions_per_shape: 0,
+        ..crate::DEFAULT_GATEWAY
+    };
+    let (cold_gateway, _cold_admin) = procs::gateway(dir, &python, cold_options);
     let mut conn = Conn::new(&gateway.addr);
+    let mut cold = Conn::new(&cold_gateway.addr);
     // One flow first: the upstream's era and priming are learnt once per replica.
-    if let Err(e) = flow(&mut conn, "warm").await {
-        report.failed("stalls: the warm-up flow", &e);
-        return;
+    for conn in [&mut conn, &mut cold] {
+        if let Err(e) = flow(conn, "warm").await {
+            report.failed("stalls: the warm-up flow", &e);
+            return;
+        }
     }
     // The baseline: the same flows driven directly by a legacy client, which holds the
     // call's stream open; its tail is the server's own.
     let (mut stream, mut side) = (Conn::new(&python.addr), Conn::new(&python.addr));
     let mut bridged = Vec::with_capacity(flows);
+    let mut bridged_cold = Vec::with_capacity(flows);
     let mut direct = Vec::with_capacity(flows);
     for n in 0..flows {
         let tag = format!("s{n}");
-        let started = Instant::now();
-        if let Err(e) = flow(&mut conn, &tag).await {
-            return report.failed(&format!("stalls: bridged flow {n}"), &e);
+        for (conn, times) in [(&mut conn, &mut bridged), (&mut cold, &mut bridged_cold)] {
+            let started = Instant::now();
+            if let Err(e) = flow(conn, &tag).await {
+                return report.failed(&format!("stalls: bridged flow {n}"), &e);
+            }
+            times.push(started.elapsed());
         }
-        bridged.push(started.elapsed());
         let started = Instant::now();
         let expected = format!("Hello, {tag}!");
         let call = LegacyCall {
@@ -55,7 +68,7 @@ pub async fn measure(flows: usize, dir: &Path, report: &mut Report) {
         }
         direct.push(started.elapsed());
     }
-    report.stalls(&bridged, &direct, &python);
+    report.stalls(&bridged, &bridged_cold, &direct, &python);
 }
 
 /// One `ask_name` flow: the question, then the answer and the result.
