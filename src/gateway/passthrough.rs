@@ -22,7 +22,7 @@ use crate::protocol::sse::{self, BoundaryTracker};
 use crate::protocol::target::upstream_target;
 use crate::protocol::trace::TraceContext;
 use crate::protocol::{forwarded, oauth};
-use crate::upstream::exchange::{ExchangeError, ExchangeFailure, Response};
+use crate::upstream::exchange::{Connection, ExchangeError, ExchangeFailure, Response};
 use crate::upstream::legacy_session::{Caller, LegacySession};
 use crate::upstream::{Endpoint, UpstreamGroup};
 use bytes::Bytes;
@@ -127,10 +127,17 @@ async fn serve_inner(
     if let Some((_, upstream_id)) = resumption {
         let _ = request.insert_header(LAST_EVENT_ID, upstream_id);
     }
+    // A client's GET opens its session's stream or resumes one, often right after it
+    // left the previous one (a reconnection).
+    let connection = if request.method == http::Method::GET {
+        Connection::New
+    } else {
+        Connection::Pooled
+    };
     let mut response = match gw
         .upstreams
         .client
-        .send(&route.endpoint, &group.timeouts, request, body)
+        .send_on(connection, &route.endpoint, &group.timeouts, request, body)
         .await
     {
         Ok(response) => response,

@@ -32,6 +32,20 @@ const DISCARD_WAIT: Duration = Duration::from_millis(250);
 /// Most interim (1xx) responses skipped before an upstream's final response.
 pub const MAX_INTERIM_RESPONSES: usize = 8;
 
+/// Which connection an exchange goes out on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Connection {
+    /// An idle one when there is one, else a new one.
+    Pooled,
+    /// A new one: for a GET that replaces an SSE stream the session had moments before
+    /// (a retry's resumption, a client's reconnection). A server holds one GET stream
+    /// per session, and one connection per call's stream, and answers a second one 409
+    /// (or, resuming, an empty stream) until it has read the close of the first. Its
+    /// event loop reads that close before a connection opened after it; a request on a
+    /// pooled connection can be read first.
+    New,
+}
+
 /// What went wrong in an exchange. Its text names no endpoint: it is what a client may be
 /// told.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -192,16 +206,34 @@ impl UpstreamClient {
         request: RequestHeader,
         body: Bytes,
     ) -> Result<Response, ExchangeError> {
+        self.send_on(Connection::Pooled, endpoint, timeouts, request, body)
+            .await
+    }
+
+    /// `send`, on the `connection` asked for.
+    pub async fn send_on(
+        &self,
+        connection: Connection,
+        endpoint: &Endpoint,
+        timeouts: &Timeouts,
+        request: RequestHeader,
+        body: Bytes,
+    ) -> Result<Response, ExchangeError> {
         let peer = Self::peer(endpoint, timeouts);
         let started = Instant::now();
         let in_use = InUse::new(&self.metrics.upstream_connections);
         let idempotent = is_idempotent(&request.method);
         let at = Some(endpoint.addr);
-        let (http, reused) = self.connect(&peer).await.map_err(|f| f.at(at))?;
+        let (http, reused) = self
+            .connect(&peer, connection)
+            .await
+            .map_err(|f| f.at(at))?;
         let mut http = match Self::write_and_read_header(http, timeouts, &request, &body).await {
             Ok(http) => http,
             Err(failed) if failed.reached.may_retry(idempotent, reused) => {
-                let http = self.connect(&peer).await.map_err(|f| f.at(at))?.0;
+                let http = (self.connect(&peer, Connection::New).await)
+                    .map_err(|f| f.at(at))?
+                    .0;
                 Self::write_and_read_header(http, timeouts, &request, &body)
                     .await
                     .map_err(|failed| failed.into_fault().at(at))?
@@ -221,11 +253,18 @@ impl UpstreamClient {
         })
     }
 
-    /// An idle connection to the peer (one the upstream closed while it idled is not
-    /// used), or a new one; and whether it was idle. A failed connection is never tried
-    /// again: a handshake that failed would fail again.
-    async fn connect(&self, peer: &HttpPeer) -> Result<(HttpSession, bool), Fault> {
-        if let Some(stream) = self.idle.take(peer.reuse_hash()) {
+    /// An idle connection to the peer when `connection` allows one (one the upstream
+    /// closed while it idled is not used), or a new one; and whether it was idle. A failed
+    /// connection is never tried again: a handshake that failed would fail again.
+    async fn connect(
+        &self,
+        peer: &HttpPeer,
+        connection: Connection,
+    ) -> Result<(HttpSession, bool), Fault> {
+        let idle = (connection == Connection::Pooled)
+            .then(|| self.idle.take(peer.reuse_hash()))
+            .flatten();
+        if let Some(stream) = idle {
             return Ok((HttpSession::new(stream), true));
         }
         // Pingora's connect future holds a TLS handshake: on the heap, so that it does not

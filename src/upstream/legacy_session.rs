@@ -3,7 +3,7 @@
 //! `notifications/initialized`, then calls, answers to server requests, resumption GETs,
 //! and finally DELETE.
 
-use super::exchange::{ExchangeError, ExchangeFailure, Response, UpstreamClient};
+use super::exchange::{Connection, ExchangeError, ExchangeFailure, Response, UpstreamClient};
 use super::{Endpoint, Timeouts};
 use crate::protocol::headers::{EndToEnd, MCP_SESSION_ID};
 use crate::protocol::sse;
@@ -308,9 +308,14 @@ impl<'a> LegacySession<'a> {
     }
 
     /// GET on the session: the standalone stream, or a resumption after `last_event_id`
-    /// (counted in `upstream_resumptions_total`).
-    pub async fn get(&self, last_event_id: Option<&str>) -> Result<Response, SessionError> {
-        let got = self.get_stream(last_event_id).await;
+    /// (counted in `upstream_resumptions_total`), on `connection` (`New` when the GET
+    /// replaces a stream the session had).
+    pub async fn get(
+        &self,
+        last_event_id: Option<&str>,
+        connection: Connection,
+    ) -> Result<Response, SessionError> {
+        let got = self.get_stream(last_event_id, connection).await;
         if last_event_id.is_some() {
             let outcome = if got.is_ok() { "ok" } else { "failed" };
             self.client
@@ -326,11 +331,12 @@ impl<'a> LegacySession<'a> {
     pub(crate) async fn get_stream(
         &self,
         last_event_id: Option<&str>,
+        connection: Connection,
     ) -> Result<Response, SessionError> {
         let req = self.request("GET", 0, last_event_id);
         let response = self
             .client
-            .send(&self.endpoint, self.timeouts, req, Bytes::new())
+            .send_on(connection, &self.endpoint, self.timeouts, req, Bytes::new())
             .await?;
         let status = response.header().status.as_u16();
         if status != 200 {

@@ -634,7 +634,7 @@ fn the_transport_corpus_gets_documented_answers() {
     table.row(
         "duplicate POST (upstream closed unanswered, timed out)",
         no_duplicate_post_case(),
-        "502 / 504, sent once; an idempotent GET sent again",
+        "502 / 504, sent once; an idempotent DELETE sent again",
     );
     table.row(
         "pooled connection past the upstream's Keep-Alive timeout",

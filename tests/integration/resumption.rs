@@ -587,6 +587,75 @@ fn an_upstream_that_keeps_a_closed_get_stream_is_not_waited_for_twice() {
     );
 }
 
+/// A stream that replaces one closed moments before goes out on a new connection: a
+/// retry's resumed call stream and reopened session stream, and a legacy client's GET
+/// through pass-through. A server answers a second GET stream of a session 409 (or a
+/// resumption with an empty stream) until it has read the close of the first, which its
+/// event loop does before it reads a connection accepted after that close, but not
+/// always before a request on a connection it already had.
+#[test]
+fn streams_that_replace_a_closed_one_go_out_on_new_connections() {
+    // Every GET is served: which connection each came on is all that is looked at.
+    let upstream = keeps_its_first_get_stream(Answer::sse(&[]));
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.bridge.warm_sessions_per_shape = 0;
+    });
+    let raw = Raw::new(&gw.url);
+    const FLOWS: u64 = 3;
+    for flow in 0..FLOWS {
+        let (status, first) = call_hostile(&raw, 2 * flow + 1, json!({}));
+        assert_eq!(status, 200, "{first}");
+        let (status, done) = call_hostile(&raw, 2 * flow + 2, accepting_the_question(&first));
+        assert_eq!(status, 200, "{done}");
+        assert!(done["result"]["content"][0]["text"].is_string(), "{done}");
+    }
+    let requests = upstream.requests();
+    let mut sessions_with_get = HashSet::new();
+    let replacing: Vec<&Seen> = requests
+        .iter()
+        .filter(|s| s.method == "GET")
+        .filter(|s| {
+            let first_of_session = sessions_with_get.insert(s.header("mcp-session-id"));
+            s.header("last-event-id").is_some() || !first_of_session
+        })
+        .collect();
+    assert_eq!(
+        replacing.len(),
+        2 * FLOWS as usize,
+        "each retry resumes the call's stream and reopens the session's"
+    );
+    for get in &replacing {
+        assert_eq!(
+            get.on_connection, 0,
+            "a replacing GET on a used connection: {get:?}"
+        );
+    }
+    // The pool had connections to offer: the calls' sessions' POSTs shared them.
+    assert!(
+        requests
+            .iter()
+            .any(|s| s.method == "POST" && s.on_connection > 0),
+        "no connection was ever reused"
+    );
+    // A legacy client's GET through pass-through, after its session's POSTs.
+    let session = raw.initialize(json!({}));
+    let stream_headers = [
+        ("accept", "text/event-stream"),
+        ("mcp-session-id", session.as_str()),
+        ("mcp-protocol-version", "2025-11-25"),
+    ];
+    let reply = raw.request("GET", &stream_headers, None);
+    assert_eq!(reply.status, 200);
+    let requests = upstream.requests();
+    let get = requests.last().expect("the client's GET");
+    assert_eq!(get.method, "GET");
+    assert_eq!(
+        get.on_connection, 0,
+        "the client's GET on a used connection: {get:?}"
+    );
+}
+
 #[test]
 fn a_refusal_whose_body_never_ends_does_not_hold_the_retry() {
     // The server refuses a second GET stream with 409 and a body it never finishes (its

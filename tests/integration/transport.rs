@@ -474,10 +474,14 @@ fn call_body(id: u64, tool: &str) -> Value {
 
 /// Bug 4: a POST is never sent upstream twice. The upstream reads a `tools/call` on a
 /// pooled connection and closes it unanswered, or never answers it: the client gets an
-/// error and the call ran once. A GET (idempotent) whose pooled connection closed
-/// without a response byte is sent again on a fresh one.
+/// error and the call ran once. A DELETE (idempotent) whose pooled connection closed
+/// without a response byte is sent again on a fresh one. (A GET goes out on a new
+/// connection from the start.)
 pub(crate) fn no_duplicate_post_case() -> usize {
     let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if seen.method == "DELETE" && seen.on_connection > 0 {
+            return Answer::silent().then_close();
+        }
         if let Some(answer) = legacy_basics(seen, "s1") {
             return answer;
         }
@@ -485,7 +489,6 @@ pub(crate) fn no_duplicate_post_case() -> usize {
         match (seen.method.as_str(), tool.as_ref().and_then(Value::as_str)) {
             ("POST", Some("vanish")) => Answer::silent().then_close(),
             ("POST", Some("stall")) => Answer::silent(),
-            ("GET", _) if seen.on_connection > 0 => Answer::silent().then_close(),
             ("GET", _) => Answer::sse(&[])
                 .event(
                     Some("1"),
@@ -537,13 +540,18 @@ pub(crate) fn no_duplicate_post_case() -> usize {
     assert_eq!(stream.status, 200);
     let (_, event) = stream.next_message().expect("the GET stream's event");
     assert_eq!(event["method"], "notifications/tools/list_changed");
-    let gets = upstream
-        .requests()
-        .iter()
-        .filter(|s| s.method == "GET")
-        .count();
-    assert_eq!(gets, 2, "the idempotent GET was not sent again");
-    3
+
+    let list = raw.post(Some(&session), &list_body(6));
+    assert_eq!(list.status, 200);
+    let delete = raw.request("DELETE", &[("mcp-session-id", &session)], None);
+    assert_eq!(delete.status, 200, "the DELETE made again is answered");
+    let deletes: Vec<usize> = (upstream.requests().iter())
+        .filter(|s| s.method == "DELETE")
+        .map(|s| s.on_connection)
+        .collect();
+    assert_eq!(deletes.len(), 2, "the idempotent DELETE was not sent again");
+    assert!(deletes[0] > 0 && deletes[1] == 0, "{deletes:?}");
+    4
 }
 
 #[test]

@@ -25,7 +25,7 @@ use crate::mrtr::state::{binding, now_ms, now_secs, FlowState, HeldAt, Waiting};
 use crate::mrtr::translate::RoundLimits;
 use crate::outcome::{Class, Outcome, Refusal, Report};
 use crate::protocol::jsonrpc::code;
-use crate::upstream::exchange::{ExchangeFailure, Response};
+use crate::upstream::exchange::{Connection, ExchangeFailure, Response};
 use crate::upstream::legacy_session::{read_single, LegacySession, SessionError, SessionFailure};
 use crate::upstream::UpstreamGroup;
 use pingora::protocols::http::ServerSession;
@@ -707,7 +707,8 @@ async fn open_stream(
         )),
         (Stream::Session, after) => {
             io.streams.session = None;
-            io.streams.session = session_stream(call, upstream, after.as_deref()).await;
+            io.streams.session =
+                session_stream(call, upstream, after.as_deref(), Connection::Pooled).await;
             Ok(())
         }
     };
@@ -738,7 +739,7 @@ async fn reopen(
     let ((resumed, call_at), session) = Box::pin(async {
         tokio::join!(
             async { (resume_call(upstream, after).await, Instant::now()) },
-            session_stream(call, upstream, session_after)
+            session_stream(call, upstream, session_after, Connection::New)
         )
     })
     .await;
@@ -750,15 +751,17 @@ async fn reopen(
 }
 
 /// The session's GET stream, if the upstream opens one; a server found to keep a closed
-/// one (409 to a new GET) is asked once, others again briefly.
+/// one (409 to a new GET) is asked once, others again briefly. A retry's replaces the
+/// stream the round closed: on a `Connection::New`.
 async fn session_stream(
     call: &Call<'_>,
     upstream: &LegacySession<'_>,
     after: Option<&str>,
+    connection: Connection,
 ) -> Option<Response> {
     let (upstreams, group) = (&call.gw.upstreams, &call.group.name);
     let patient = !upstreams.learnt.get(group).session_stream_kept;
-    let (stream, kept) = open_session_stream(upstream, after, patient).await;
+    let (stream, kept) = open_session_stream(upstream, after, patient, connection).await;
     if kept && patient {
         upstreams.note_session_stream_kept(call.group);
     }

@@ -14,7 +14,7 @@ use crate::gateway::learnt::SessionReplay;
 use crate::gateway::UpstreamSide;
 use crate::protocol::sse;
 use crate::protocol::trace::TraceContext;
-use crate::upstream::exchange::Response;
+use crate::upstream::exchange::{Connection, Response};
 use crate::upstream::legacy_session::{Caller, LegacySession, MAX_UPSTREAM_MESSAGE};
 use crate::upstream::{Endpoint, UpstreamGroup};
 use serde_json::json;
@@ -151,7 +151,7 @@ async fn first_id(response: &mut Response) -> Option<String> {
 /// Resumes `session`'s GET stream after another session's event id: refused, or ended
 /// without an event, means sessions are kept apart; anything else, that they are not.
 async fn resumes_foreign(session: &LegacySession<'_>, foreign: &str) -> SessionReplay {
-    let Ok(mut response) = session.get_stream(Some(foreign)).await else {
+    let Ok(mut response) = session.get_stream(Some(foreign), Connection::Pooled).await else {
         return SessionReplay::Scoped;
     };
     let deadline = Instant::now() + FOREIGN_WATCH;

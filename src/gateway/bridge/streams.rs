@@ -4,7 +4,7 @@
 //! (re)opening a stream after an event id, a conflict tried again briefly.
 
 use crate::protocol::sse;
-use crate::upstream::exchange::{Response, UpstreamClient};
+use crate::upstream::exchange::{Connection, Response, UpstreamClient};
 use crate::upstream::legacy_session::{
     LegacySession, SessionError, SessionFailure, MAX_UPSTREAM_MESSAGE,
 };
@@ -124,14 +124,16 @@ fn is_conflict(e: &SessionError) -> bool {
     *e.failure() == SessionFailure::Refused(409)
 }
 
-/// Resumes the call's stream after `after`, trying a conflict again briefly.
+/// Resumes the call's stream after `after`, trying a conflict again briefly. On a new
+/// connection: the resumption replaces a stream whose connection was closed moments
+/// before (`Connection::New`).
 pub(super) async fn resume_call(
     upstream: &LegacySession<'_>,
     after: &str,
 ) -> Result<Response, SessionError> {
     let mut attempt = 0;
     loop {
-        match upstream.get(Some(after)).await {
+        match upstream.get(Some(after), Connection::New).await {
             Err(e) if is_conflict(&e) => match conflict_backoff(attempt) {
                 Some(wait) => tokio::time::sleep(wait).await,
                 None => return Err(e),
@@ -146,15 +148,17 @@ pub(super) async fn resume_call(
 /// resumed after `after` when given (falling back to a fresh one when the upstream
 /// refuses the resumption). A second GET in one session gets 409 while the server still
 /// holds the previous round's, so a conflict is tried again a few times, briefly, when
-/// `patient`. The stream, if one opened, and whether it stayed in conflict throughout.
+/// `patient`; a stream that replaces the previous round's goes on a new `connection`.
+/// The stream, if one opened, and whether it stayed in conflict throughout.
 pub(super) async fn open_session_stream(
     upstream: &LegacySession<'_>,
     after: Option<&str>,
     patient: bool,
+    connection: Connection,
 ) -> (Option<Response>, bool) {
     let mut after = after;
     for attempt in 0..=CONFLICT_RETRIES {
-        match upstream.get(after).await {
+        match upstream.get(after, connection).await {
             Ok(response) => return (Some(response), false),
             Err(e) if is_conflict(&e) => match conflict_backoff(attempt).filter(|_| patient) {
                 Some(wait) => tokio::time::sleep(wait).await,

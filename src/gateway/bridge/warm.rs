@@ -27,7 +27,7 @@ use super::streams::open_session_stream;
 use super::{caller, client_info};
 use crate::gateway::Gateway;
 use crate::mrtr::modern::ModernRequest;
-use crate::upstream::exchange::{Response, UpstreamClient};
+use crate::upstream::exchange::{Connection, Response, UpstreamClient};
 use crate::upstream::legacy_session::{Caller, LegacySession};
 use crate::upstream::{Endpoint, Timeouts, UpstreamGroup};
 use async_trait::async_trait;
@@ -114,7 +114,8 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
             Ok((session, _)) => match session.session_id.clone() {
                 Some(session_id) => {
                     // A fresh session has no earlier GET stream to conflict with: one try.
-                    let (stream, _) = open_session_stream(&session, None, false).await;
+                    let (stream, _) =
+                        open_session_stream(&session, None, false, Connection::Pooled).await;
                     let warm = Warm {
                         endpoint: session.endpoint.clone(),
                         timeouts,
