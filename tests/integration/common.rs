@@ -123,6 +123,9 @@ pub enum Upstream {
     Conformance,
     /// A 2026-07-28-only server on `@modelcontextprotocol/server` 2.4.0.
     TypeScriptModern,
+    /// The Rust SDK fixture, `rmcp` 0.16.0: every server request on the session's GET
+    /// stream, every stream opening with an event whose id is `0`.
+    Rust,
 }
 
 /// Starts `kind` on a free loopback port; returns the process and its MCP URL.
@@ -162,6 +165,12 @@ pub fn start_upstream_with(kind: Upstream, port: u16, flags: &[&str]) -> (Proc, 
             };
             let mut c = Command::new(node());
             c.arg(fixtures.join(script)).arg(port.to_string());
+            c
+        }
+        Upstream::Rust => {
+            let mut c =
+                Command::new(fixtures.join("rmcp_legacy_server/target/debug/rmcp_legacy_server"));
+            c.arg(port.to_string()).args(flags);
             c
         }
         Upstream::Everything => {

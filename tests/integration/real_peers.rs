@@ -102,6 +102,38 @@ fn legacy_clients_through_the_gateway_to_the_typescript_server() {
     clients_through_gateway(Upstream::TypeScript);
 }
 
+/// Both SDKs' legacy clients through pass-through to the Rust SDK server (`rmcp` 0.16.0),
+/// which negotiates 2025-03-26 and sends its questions on the session's GET stream. The
+/// Python client refuses `elicitation/create` under 2025-03-26 (talking to the server
+/// directly, too), so it runs the scenarios without elicitation.
+#[test]
+fn legacy_clients_through_the_gateway_to_the_rust_sdk_server() {
+    let (_upstream, url) = start_upstream(Upstream::Rust);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    for (client, scenarios) in [
+        (
+            Client::TypeScript,
+            &["basic", "elicit", "multi", "sample", "roots", "delete"][..],
+        ),
+        (Client::Python, &["basic", "sample", "roots", "delete"][..]),
+    ] {
+        for scenario in scenarios {
+            let needle = SCENARIOS
+                .iter()
+                .find(|(name, _)| name == scenario)
+                .map(|(_, needle)| *needle)
+                .expect("a known scenario");
+            let lines = run_scenario(client, &gw.url, scenario);
+            assert_saw(
+                &lines,
+                needle,
+                &format!("{client:?} client, {scenario}, rmcp server"),
+            );
+            println!("{client:?} client -> gateway -> rmcp server: {scenario} ok");
+        }
+    }
+}
+
 /// A server request sent on the session's GET stream reaches the client through the
 /// gateway, and the answer reaches the server. The GET stream is opened, and its response
 /// header awaited, before the call: a legacy server drops a GET-stream message sent while
