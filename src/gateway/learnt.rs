@@ -39,8 +39,9 @@ pub enum SessionReplay {
 /// What is known of one group.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GroupLearnt {
-    /// The upstream refused a `Last-Event-ID` resumption, or answered it with an empty
-    /// stream: with `resume: auto` its flows are held from then on.
+    /// The upstream refused a `Last-Event-ID` resumption, answered it with an empty
+    /// stream, or gave a call's stream and the session's GET stream the same event ids:
+    /// with `resume: auto` its flows are held from then on.
     pub replay_refused: bool,
     /// Whether its resumed streams end their replay with a priming event; `None` until a
     /// resumption showed it.

@@ -139,8 +139,9 @@ impl UpstreamSide {
         self.learnt.get(&group.name).replay_refused
     }
 
-    /// Records that a group's upstream refused a `Last-Event-ID` resumption, or answered
-    /// it with an empty stream (`how`): with `resume: auto`, its later flows are held.
+    /// Records that a group's upstream refused a `Last-Event-ID` resumption, answered it
+    /// with an empty stream, or gave its streams ids that name none (`how`): with
+    /// `resume: auto`, its later flows are held.
     pub fn note_replay_refused(&self, group: &UpstreamGroup, how: &str) {
         if group.resume != ResumeMode::Auto {
             return;

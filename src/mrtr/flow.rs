@@ -276,6 +276,10 @@ pub enum Learnt {
     /// The upstream refused a `Last-Event-ID` resumption (or, `empty`, answered it with an
     /// empty stream): with `resume: auto` its flows are held from then on.
     ReplayRefused { empty: bool },
+    /// The call's stream and the session's GET stream carried the same event id: the
+    /// upstream's ids do not name a stream, so its calls cannot be resumed by them. With
+    /// `resume: auto` its flows are held from then on.
+    EventIdsShared,
     /// Whether its resumed streams are primed once live.
     Primes(bool),
     /// The call asked a question before the previous round's answers went up (it was
@@ -1353,7 +1357,11 @@ impl Flow {
         match self.config.resume {
             ResumeMode::Resumable => true,
             ResumeMode::Hold => false,
-            ResumeMode::Auto => r.round.last_event_id().is_some() && !self.config.replay_refused,
+            ResumeMode::Auto => {
+                r.round.last_event_id().is_some()
+                    && !r.round.event_ids_shared()
+                    && !self.config.replay_refused
+            }
         }
     }
 
@@ -1409,12 +1417,17 @@ impl Flow {
                 })
             }
             RoundEnd::Questions { .. }
-                if r.round.last_event_id().is_none()
+                if (r.round.last_event_id().is_none() || r.round.event_ids_shared())
                     && self.config.resume == ResumeMode::Resumable =>
             {
                 self.commands.push_back(Command::CloseStreams);
                 self.delete_session(&r.call);
-                let text = format!("upstream group '{group}' is configured `resume: resumable`, but its SSE events carry no ids, so its calls cannot be resumed: configure `resume: auto` or `hold`");
+                let why = if r.round.last_event_id().is_none() {
+                    "its SSE events carry no ids"
+                } else {
+                    "a call's stream and the session's GET stream carry the same SSE event ids"
+                };
+                let text = format!("upstream group '{group}' is configured `resume: resumable`, but {why}, so its calls cannot be resumed: configure `resume: auto` or `hold`");
                 self.finish(Ending::Refused(Refusal::internal(
                     Class::UpstreamError,
                     text,
@@ -1423,6 +1436,9 @@ impl Flow {
             RoundEnd::Questions { draining } => {
                 if draining {
                     self.commands.push_back(Command::Note(Note::HandedOver));
+                }
+                if r.round.event_ids_shared() && !self.config.replay_refused {
+                    self.learn(Learnt::EventIdsShared);
                 }
                 let resumable = self.resumes(&r);
                 self.learn(Learnt::Resumable(resumable));
@@ -1669,7 +1685,9 @@ impl Flow {
 
     fn learn(&mut self, learnt: Learnt) {
         match learnt {
-            Learnt::ReplayRefused { .. } => self.config.replay_refused = true,
+            Learnt::ReplayRefused { .. } | Learnt::EventIdsShared => {
+                self.config.replay_refused = true
+            }
             Learnt::Primes(primes) => self.config.primes = Some(primes),
             Learnt::Resumable(_) | Learnt::AsksAtOnce => {}
         }

@@ -7,6 +7,7 @@
 use super::state::{fingerprint, Known, Pending, UpstreamId};
 use crate::protocol::jsonrpc::code;
 use serde_json::{json, Map, Value};
+use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 
 /// A legacy server may name an input key itself with this `_meta` hint on its request.
 pub const INPUT_KEY_HINT: &str = "io.modelcontextprotocol/inputKey";
@@ -104,6 +105,23 @@ pub struct Round {
     session_last_event_id: Option<String>,
     session_previous_event_id: Option<String>,
     session_round_start: Option<String>,
+    /// Digests of the event ids seen on each stream this round (the first
+    /// `MAX_IDS_COMPARED`), and whether the two streams shared one.
+    call_ids: Vec<u64>,
+    session_ids: Vec<u64>,
+    ids_shared: bool,
+}
+
+/// How many event ids of each stream a round compares with the other stream's.
+const MAX_IDS_COMPARED: usize = 64;
+
+/// Records `id`'s digest in `mine` (bounded); true if `theirs` holds it already.
+fn note_id(mine: &mut Vec<u64>, theirs: &[u64], id: &str) -> bool {
+    let digest = BuildHasherDefault::<DefaultHasher>::default().hash_one(id);
+    if mine.len() < MAX_IDS_COMPARED {
+        mine.push(digest);
+    }
+    theirs.contains(&digest)
 }
 
 impl Round {
@@ -130,6 +148,9 @@ impl Round {
             session_last_event_id: None,
             session_previous_event_id: None,
             session_round_start: None,
+            call_ids: Vec::new(),
+            session_ids: Vec::new(),
+            ids_shared: false,
         }
     }
 
@@ -142,6 +163,7 @@ impl Round {
 
     /// Records the id of an event read on the session's GET stream.
     pub fn saw_session_event(&mut self, id: &str) {
+        self.ids_shared |= note_id(&mut self.session_ids, &self.call_ids, id);
         self.session_previous_event_id = self.session_last_event_id.replace(id.to_string());
     }
 
@@ -194,6 +216,7 @@ impl Round {
 
     /// Records the id of an event read on the call's own stream (including priming events).
     pub fn saw_call_event(&mut self, id: &str) {
+        self.ids_shared |= note_id(&mut self.call_ids, &self.session_ids, id);
         self.previous_event_id = self.last_event_id.replace(id.to_string());
     }
 
@@ -205,6 +228,15 @@ impl Round {
 
     pub fn last_event_id(&self) -> Option<&str> {
         self.last_event_id.as_deref()
+    }
+
+    /// Whether the call's stream and the session's GET stream carried the same event id
+    /// this round. Such an id names neither stream: a `Last-Event-ID` resumption of the
+    /// call may replay the GET stream instead, and the call's result is never seen (rmcp
+    /// 0.16 gives every stream's opening event the id `0` and resolves it to the GET
+    /// stream).
+    pub fn event_ids_shared(&self) -> bool {
+        self.ids_shared
     }
 
     pub fn has_questions(&self) -> bool {
@@ -758,6 +790,33 @@ mod tests {
             1,
             "the question over the limit is not kept"
         );
+    }
+
+    #[test]
+    fn a_round_tells_when_its_two_streams_share_an_event_id() {
+        let mut r = round(json!({}));
+        r.saw_session_event("g-0");
+        r.saw_call_event("c-0");
+        r.saw_session_event("g-1");
+        assert!(!r.event_ids_shared(), "distinct ids");
+        r.saw_call_event("g-0");
+        assert!(
+            r.event_ids_shared(),
+            "the call's stream repeats a GET-stream id"
+        );
+
+        let mut later = round(json!({}));
+        later.saw_call_event("0");
+        later.saw_session_event("0");
+        assert!(later.event_ids_shared(), "whichever stream comes first");
+
+        let mut many = round(json!({}));
+        for n in 0..MAX_IDS_COMPARED + 10 {
+            many.saw_call_event(&format!("c-{n}"));
+        }
+        assert_eq!(many.call_ids.len(), MAX_IDS_COMPARED, "bounded");
+        many.saw_session_event("c-3");
+        assert!(many.event_ids_shared());
     }
 
     #[test]

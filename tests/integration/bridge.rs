@@ -31,6 +31,28 @@ fn the_typescript_modern_client_completes_flows_against_a_legacy_server() {
     }
 }
 
+/// The Rust SDK (`rmcp` 0.16.0) sends every server request on the session's GET stream
+/// and opens every stream with an event whose id is `0`, which it resolves to the GET
+/// stream: a call's stream cannot be resumed by its ids, and a resumed round would wait
+/// for a result that never comes. The gateway sees both streams carry the same id in the
+/// first round and, with the default `resume: auto`, holds the group's flows; both
+/// official modern clients complete every kind of question.
+#[test]
+fn modern_clients_complete_flows_against_the_rust_sdk_server() {
+    let (_upstream, url) = start_upstream(Upstream::Rust);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    for scenario in ["elicit", "multi", "two", "sample", "roots"] {
+        assert_modern_call(&python_modern(&[&gw.url, scenario]), scenario);
+        assert_modern_call(&ts_modern(&[&gw.url, scenario]), scenario);
+        println!("modern clients -> gateway -> rmcp legacy server: {scenario} ok");
+    }
+    assert_eq!(
+        metric_with(&gw.admin, "mrtr_gateway_upstream_resumable", "default"),
+        Some(0.0),
+        "the group's rounds are held"
+    );
+}
+
 #[test]
 fn server_everything_serves_modern_clients_through_the_gateway() {
     let (_upstream, url) = start_upstream(Upstream::Everything);

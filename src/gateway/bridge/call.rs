@@ -850,6 +850,10 @@ fn learn(upstreams: &UpstreamSide, group: &UpstreamGroup, request: &ModernReques
             };
             upstreams.note_replay_refused(group, how);
         }
+        Learnt::EventIdsShared => upstreams.note_replay_refused(
+            group,
+            "the same event ids on a call's stream and the session's GET stream",
+        ),
         Learnt::Primes(primes) => {
             upstreams
                 .learnt

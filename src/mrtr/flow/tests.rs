@@ -1062,6 +1062,51 @@ fn a_round_without_event_ids_is_held_and_its_retry_reads_on_the_held_streams() {
     let _ = id;
 }
 
+/// rmcp 0.16's shape: every stream opens with an event whose id is `0`, and the question
+/// comes on the session's GET stream, also as `0`.
+fn round_with_ids_on_both_streams_alike(config: FlowConfig) -> Harness {
+    let mut h = Harness::new_call(config, Upstream::default());
+    h.event(Stream::Session, Some("0"), &json!(""));
+    h.event(Stream::Call, Some("0"), &json!(""));
+    h.event(Stream::Session, Some("0"), &question(0, "Name?"));
+    h.advance(Duration::from_millis(10));
+    h
+}
+
+#[test]
+fn a_round_whose_streams_share_event_ids_is_held_and_teaches_the_group() {
+    let h = round_with_ids_on_both_streams_alike(config());
+    assert!(h.log.contains(&Command::Learn(Learnt::EventIdsShared)));
+    assert!(h.log.contains(&Command::Learn(Learnt::Resumable(false))));
+    assert!(h.log.iter().any(|c| matches!(c, Command::Hold { .. })));
+    assert!(
+        matches!(h.state().waiting, Waiting::Held { .. }),
+        "{:?}",
+        h.state()
+    );
+    // Ids that differ between the streams keep the round resumable.
+    let mut unique = Harness::new_call(config(), Upstream::default());
+    unique.event(Stream::Session, Some("g0"), &json!(""));
+    unique.event(Stream::Call, Some("c0"), &json!(""));
+    unique.event(Stream::Session, Some("g1"), &question(0, "Name?"));
+    unique.advance(Duration::from_millis(10));
+    assert!(matches!(unique.state().waiting, Waiting::Resumable { .. }));
+    assert!(!unique.log.contains(&Command::Learn(Learnt::EventIdsShared)));
+}
+
+#[test]
+fn a_group_forced_resumable_whose_streams_share_event_ids_gets_a_clear_error() {
+    let mut forced = config();
+    forced.resume = ResumeMode::Resumable;
+    let h = round_with_ids_on_both_streams_alike(forced);
+    let refusal = h.refusal();
+    assert!(
+        refusal.message.contains("carry the same SSE event ids"),
+        "{refusal:?}"
+    );
+    assert!(h.log.contains(&Command::DeleteSession));
+}
+
 #[test]
 fn a_held_retry_whose_holder_is_gone_loses_the_flow() {
     let first = held_round();
