@@ -14,7 +14,7 @@ bash tests/setup.sh
 ensure_cmake "$PWD"
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
-cargo fmt --manifest-path tests/fixtures/rmcp_legacy_server/Cargo.toml -- --check
+cargo fmt --all --manifest-path tests/fixtures/rmcp/Cargo.toml -- --check
 echo "== cargo clippy -D warnings"
 cargo clippy --all-targets --quiet -- -D warnings
 echo "== cargo check of the fuzz targets (a crate of its own, which clippy does not reach)"

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the tests need and a fresh Debian machine lacks: cmake
 # (scripts/build-deps.sh), curl and nginx-light (apt), the
-# pinned npm fixtures with Node 22 (tests/fixtures/node_modules), and a Python venv with
-# the pinned PyPI fixtures (tests/.venv), and the Rust SDK fixture server
-# (tests/fixtures/rmcp_legacy_server). Idempotent: a step whose inputs have not changed
+# pinned npm fixtures with Node 22 (tests/fixtures/node_modules), a Python venv with
+# the pinned PyPI fixtures (tests/.venv), and the Rust SDK fixture servers
+# (tests/fixtures/rmcp). Idempotent: a step whose inputs have not changed
 # since it last succeeded (hash stamps) is skipped. One line per step; the output of the
 # installers is shown only when one fails.
 set -euo pipefail
@@ -69,7 +69,7 @@ else
 fi
 .venv/bin/python -c 'import importlib.metadata as m; print("setup: python venv has mcp", m.version("mcp"))'
 
-# 4. The Rust SDK fixture server (rmcp 0.16.0, tests/fixtures/rmcp_legacy_server), a crate
-#    of its own built as locked; cargo rebuilds only what changed.
-echo "setup: cargo build of tests/fixtures/rmcp_legacy_server (rmcp 0.16.0)"
-quietly cargo build --locked --manifest-path fixtures/rmcp_legacy_server/Cargo.toml
+# 4. The Rust SDK fixture servers (rmcp 0.16.0 and 2.2.0, tests/fixtures/rmcp), a
+#    workspace of its own built as locked; cargo rebuilds only what changed.
+echo "setup: cargo build of tests/fixtures/rmcp (rmcp 0.16.0 and 2.2.0)"
+quietly cargo build --locked --workspace --manifest-path fixtures/rmcp/Cargo.toml

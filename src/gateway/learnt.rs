@@ -40,7 +40,7 @@ pub enum SessionReplay {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GroupLearnt {
     /// The upstream refused a `Last-Event-ID` resumption, answered it with an empty
-    /// stream, or gave a call's stream and the session's GET stream the same event ids:
+    /// stream, or sent one event id twice in a round (ids that name no one event):
     /// with `resume: auto` its flows are held from then on.
     pub replay_refused: bool,
     /// Whether its resumed streams end their replay with a priming event; `None` until a

@@ -140,7 +140,7 @@ impl UpstreamSide {
     }
 
     /// Records that a group's upstream refused a `Last-Event-ID` resumption, answered it
-    /// with an empty stream, or gave its streams ids that name none (`how`): with
+    /// with an empty stream, or sent one event id twice in a round (`how`): with
     /// `resume: auto`, its later flows are held.
     pub fn note_replay_refused(&self, group: &UpstreamGroup, how: &str) {
         if group.resume != ResumeMode::Auto {

@@ -276,10 +276,10 @@ pub enum Learnt {
     /// The upstream refused a `Last-Event-ID` resumption (or, `empty`, answered it with an
     /// empty stream): with `resume: auto` its flows are held from then on.
     ReplayRefused { empty: bool },
-    /// The call's stream and the session's GET stream carried the same event id: the
-    /// upstream's ids do not name a stream, so its calls cannot be resumed by them. With
+    /// An event id came twice in one round (on one stream or on both): the upstream's
+    /// ids do not name its events, so its calls cannot be resumed by them. With
     /// `resume: auto` its flows are held from then on.
-    EventIdsShared,
+    EventIdRepeated,
     /// Whether its resumed streams are primed once live.
     Primes(bool),
     /// The call asked a question before the previous round's answers went up (it was
@@ -1359,7 +1359,7 @@ impl Flow {
             ResumeMode::Hold => false,
             ResumeMode::Auto => {
                 r.round.last_event_id().is_some()
-                    && !r.round.event_ids_shared()
+                    && !r.round.event_ids_repeat()
                     && !self.config.replay_refused
             }
         }
@@ -1417,7 +1417,7 @@ impl Flow {
                 })
             }
             RoundEnd::Questions { .. }
-                if (r.round.last_event_id().is_none() || r.round.event_ids_shared())
+                if (r.round.last_event_id().is_none() || r.round.event_ids_repeat())
                     && self.config.resume == ResumeMode::Resumable =>
             {
                 self.commands.push_back(Command::CloseStreams);
@@ -1425,7 +1425,7 @@ impl Flow {
                 let why = if r.round.last_event_id().is_none() {
                     "its SSE events carry no ids"
                 } else {
-                    "a call's stream and the session's GET stream carry the same SSE event ids"
+                    "it sent the same SSE event id twice in one round"
                 };
                 let text = format!("upstream group '{group}' is configured `resume: resumable`, but {why}, so its calls cannot be resumed: configure `resume: auto` or `hold`");
                 self.finish(Ending::Refused(Refusal::internal(
@@ -1437,8 +1437,8 @@ impl Flow {
                 if draining {
                     self.commands.push_back(Command::Note(Note::HandedOver));
                 }
-                if r.round.event_ids_shared() && !self.config.replay_refused {
-                    self.learn(Learnt::EventIdsShared);
+                if r.round.event_ids_repeat() && !self.config.replay_refused {
+                    self.learn(Learnt::EventIdRepeated);
                 }
                 let resumable = self.resumes(&r);
                 self.learn(Learnt::Resumable(resumable));
@@ -1685,7 +1685,7 @@ impl Flow {
 
     fn learn(&mut self, learnt: Learnt) {
         match learnt {
-            Learnt::ReplayRefused { .. } | Learnt::EventIdsShared => {
+            Learnt::ReplayRefused { .. } | Learnt::EventIdRepeated => {
                 self.config.replay_refused = true
             }
             Learnt::Primes(primes) => self.config.primes = Some(primes),

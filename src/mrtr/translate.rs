@@ -105,24 +105,14 @@ pub struct Round {
     session_last_event_id: Option<String>,
     session_previous_event_id: Option<String>,
     session_round_start: Option<String>,
-    /// Digests of the event ids seen on each stream this round (the first
-    /// `MAX_IDS_COMPARED`), and whether the two streams shared one.
-    call_ids: Vec<u64>,
-    session_ids: Vec<u64>,
-    ids_shared: bool,
+    /// Digests of the event ids seen on either stream this round (the first
+    /// `MAX_IDS_COMPARED`), and whether one came twice.
+    seen_ids: Vec<u64>,
+    id_repeated: bool,
 }
 
-/// How many event ids of each stream a round compares with the other stream's.
-const MAX_IDS_COMPARED: usize = 64;
-
-/// Records `id`'s digest in `mine` (bounded); true if `theirs` holds it already.
-fn note_id(mine: &mut Vec<u64>, theirs: &[u64], id: &str) -> bool {
-    let digest = BuildHasherDefault::<DefaultHasher>::default().hash_one(id);
-    if mine.len() < MAX_IDS_COMPARED {
-        mine.push(digest);
-    }
-    theirs.contains(&digest)
-}
+/// How many event ids a round remembers to tell whether one comes twice.
+const MAX_IDS_COMPARED: usize = 128;
 
 impl Round {
     pub fn new(
@@ -148,9 +138,8 @@ impl Round {
             session_last_event_id: None,
             session_previous_event_id: None,
             session_round_start: None,
-            call_ids: Vec::new(),
-            session_ids: Vec::new(),
-            ids_shared: false,
+            seen_ids: Vec::new(),
+            id_repeated: false,
         }
     }
 
@@ -163,7 +152,7 @@ impl Round {
 
     /// Records the id of an event read on the session's GET stream.
     pub fn saw_session_event(&mut self, id: &str) {
-        self.ids_shared |= note_id(&mut self.session_ids, &self.call_ids, id);
+        self.note_id(id);
         self.session_previous_event_id = self.session_last_event_id.replace(id.to_string());
     }
 
@@ -216,7 +205,7 @@ impl Round {
 
     /// Records the id of an event read on the call's own stream (including priming events).
     pub fn saw_call_event(&mut self, id: &str) {
-        self.ids_shared |= note_id(&mut self.call_ids, &self.session_ids, id);
+        self.note_id(id);
         self.previous_event_id = self.last_event_id.replace(id.to_string());
     }
 
@@ -230,13 +219,22 @@ impl Round {
         self.last_event_id.as_deref()
     }
 
-    /// Whether the call's stream and the session's GET stream carried the same event id
-    /// this round. Such an id names neither stream: a `Last-Event-ID` resumption of the
-    /// call may replay the GET stream instead, and the call's result is never seen (rmcp
-    /// 0.16 gives every stream's opening event the id `0` and resolves it to the GET
-    /// stream).
-    pub fn event_ids_shared(&self) -> bool {
-        self.ids_shared
+    /// Records an event id of either stream (bounded), and whether it came before.
+    fn note_id(&mut self, id: &str) {
+        let digest = BuildHasherDefault::<DefaultHasher>::default().hash_one(id);
+        self.id_repeated |= self.seen_ids.contains(&digest);
+        if self.seen_ids.len() < MAX_IDS_COMPARED {
+            self.seen_ids.push(digest);
+        }
+    }
+
+    /// Whether an event id came twice this round, on one stream or on both. Such an id
+    /// names no one event: a `Last-Event-ID` resumption by it may replay another stream,
+    /// or events already answered, and the call's result may never be seen (rmcp, the
+    /// Rust SDK, opens every stream with an event whose id is `0`, numbers the GET
+    /// stream's messages from `0` too, and resolves `0` to the GET stream).
+    pub fn event_ids_repeat(&self) -> bool {
+        self.id_repeated
     }
 
     pub fn has_questions(&self) -> bool {
@@ -793,30 +791,31 @@ mod tests {
     }
 
     #[test]
-    fn a_round_tells_when_its_two_streams_share_an_event_id() {
+    fn a_round_tells_when_an_event_id_comes_twice() {
         let mut r = round(json!({}));
         r.saw_session_event("g-0");
         r.saw_call_event("c-0");
         r.saw_session_event("g-1");
-        assert!(!r.event_ids_shared(), "distinct ids");
+        assert!(!r.event_ids_repeat(), "distinct ids");
         r.saw_call_event("g-0");
         assert!(
-            r.event_ids_shared(),
+            r.event_ids_repeat(),
             "the call's stream repeats a GET-stream id"
         );
 
-        let mut later = round(json!({}));
-        later.saw_call_event("0");
-        later.saw_session_event("0");
-        assert!(later.event_ids_shared(), "whichever stream comes first");
+        let mut one_stream = round(json!({}));
+        one_stream.saw_session_event("0");
+        one_stream.saw_session_event("0");
+        assert!(one_stream.event_ids_repeat(), "twice on one stream");
 
         let mut many = round(json!({}));
         for n in 0..MAX_IDS_COMPARED + 10 {
             many.saw_call_event(&format!("c-{n}"));
         }
-        assert_eq!(many.call_ids.len(), MAX_IDS_COMPARED, "bounded");
+        assert_eq!(many.seen_ids.len(), MAX_IDS_COMPARED, "bounded");
+        assert!(!many.event_ids_repeat());
         many.saw_session_event("c-3");
-        assert!(many.event_ids_shared());
+        assert!(many.event_ids_repeat());
     }
 
     #[test]

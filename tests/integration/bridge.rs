@@ -31,26 +31,30 @@ fn the_typescript_modern_client_completes_flows_against_a_legacy_server() {
     }
 }
 
-/// The Rust SDK (`rmcp` 0.16.0) sends every server request on the session's GET stream
-/// and opens every stream with an event whose id is `0`, which it resolves to the GET
-/// stream: a call's stream cannot be resumed by its ids, and a resumed round would wait
-/// for a result that never comes. The gateway sees both streams carry the same id in the
-/// first round and, with the default `resume: auto`, holds the group's flows; both
-/// official modern clients complete every kind of question.
+/// The Rust SDK (`rmcp`) sends every server request on the session's GET stream, opens
+/// every stream with an event whose id is `0` (0.16: the call's stream too; 2.2: the GET
+/// stream, whose messages it also numbers from `0`), resolves `0` to the GET stream, and
+/// replays from the named event itself: resumed, a round would wait for a result that
+/// never comes (0.16) or ask answered questions again until the client gives up (2.2).
+/// The gateway sees an event id come twice in the first round and, with the default
+/// `resume: auto`, holds the group's flows; both official modern clients complete every
+/// kind of question against both releases.
 #[test]
-fn modern_clients_complete_flows_against_the_rust_sdk_server() {
-    let (_upstream, url) = start_upstream(Upstream::Rust);
-    let gw = TestGateway::start(&[&url], &test_keys());
-    for scenario in ["elicit", "multi", "two", "sample", "roots"] {
-        assert_modern_call(&python_modern(&[&gw.url, scenario]), scenario);
-        assert_modern_call(&ts_modern(&[&gw.url, scenario]), scenario);
-        println!("modern clients -> gateway -> rmcp legacy server: {scenario} ok");
+fn modern_clients_complete_flows_against_the_rust_sdk_servers() {
+    for server in [Upstream::Rust016, Upstream::Rust22] {
+        let (_upstream, url) = start_upstream(server);
+        let gw = TestGateway::start(&[&url], &test_keys());
+        for scenario in ["elicit", "multi", "two", "sample", "roots"] {
+            assert_modern_call(&python_modern(&[&gw.url, scenario]), scenario);
+            assert_modern_call(&ts_modern(&[&gw.url, scenario]), scenario);
+            println!("modern clients -> gateway -> {server:?}: {scenario} ok");
+        }
+        assert_eq!(
+            metric_with(&gw.admin, "mrtr_gateway_upstream_resumable", "default"),
+            Some(0.0),
+            "{server:?}: the group's rounds are held"
+        );
     }
-    assert_eq!(
-        metric_with(&gw.admin, "mrtr_gateway_upstream_resumable", "default"),
-        Some(0.0),
-        "the group's rounds are held"
-    );
 }
 
 #[test]

@@ -123,9 +123,12 @@ pub enum Upstream {
     Conformance,
     /// A 2026-07-28-only server on `@modelcontextprotocol/server` 2.4.0.
     TypeScriptModern,
-    /// The Rust SDK fixture, `rmcp` 0.16.0: every server request on the session's GET
+    /// The Rust SDK fixture on `rmcp` 0.16.0: every server request on the session's GET
     /// stream, every stream opening with an event whose id is `0`.
-    Rust,
+    Rust016,
+    /// The same fixture on `rmcp` 2.2.0: a call's stream has ids of its own (`0/N`), the
+    /// GET stream still opens with `0` and numbers its messages from `0`.
+    Rust22,
 }
 
 /// Starts `kind` on a free loopback port; returns the process and its MCP URL.
@@ -167,9 +170,12 @@ pub fn start_upstream_with(kind: Upstream, port: u16, flags: &[&str]) -> (Proc, 
             c.arg(fixtures.join(script)).arg(port.to_string());
             c
         }
-        Upstream::Rust => {
-            let mut c =
-                Command::new(fixtures.join("rmcp_legacy_server/target/debug/rmcp_legacy_server"));
+        Upstream::Rust016 | Upstream::Rust22 => {
+            let binary = match kind {
+                Upstream::Rust016 => "rmcp_legacy_server_0_16",
+                _ => "rmcp_legacy_server_2_2",
+            };
+            let mut c = Command::new(fixtures.join("rmcp/target/debug").join(binary));
             c.arg(port.to_string()).args(flags);
             c
         }

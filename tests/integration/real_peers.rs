@@ -102,21 +102,26 @@ fn legacy_clients_through_the_gateway_to_the_typescript_server() {
     clients_through_gateway(Upstream::TypeScript);
 }
 
-/// Both SDKs' legacy clients through pass-through to the Rust SDK server (`rmcp` 0.16.0),
-/// which negotiates 2025-03-26 and sends its questions on the session's GET stream. The
-/// Python client refuses `elicitation/create` under 2025-03-26 (talking to the server
-/// directly, too), so it runs the scenarios without elicitation.
+/// Both SDKs' legacy clients through pass-through to the Rust SDK servers (`rmcp` 0.16.0
+/// and 2.2.0), which send their questions on the session's GET stream. 0.16 negotiates
+/// 2025-03-26, under which the Python client refuses `elicitation/create` (talking to the
+/// server directly, too): against it, the Python client runs the scenarios without one.
 #[test]
-fn legacy_clients_through_the_gateway_to_the_rust_sdk_server() {
-    let (_upstream, url) = start_upstream(Upstream::Rust);
-    let gw = TestGateway::start(&[&url], &test_keys());
-    for (client, scenarios) in [
+fn legacy_clients_through_the_gateway_to_the_rust_sdk_servers() {
+    let every = &["basic", "elicit", "multi", "sample", "roots", "delete"][..];
+    let runs = [
+        (Upstream::Rust016, Client::TypeScript, every),
         (
-            Client::TypeScript,
-            &["basic", "elicit", "multi", "sample", "roots", "delete"][..],
+            Upstream::Rust016,
+            Client::Python,
+            &["basic", "sample", "roots", "delete"][..],
         ),
-        (Client::Python, &["basic", "sample", "roots", "delete"][..]),
-    ] {
+        (Upstream::Rust22, Client::TypeScript, every),
+        (Upstream::Rust22, Client::Python, every),
+    ];
+    for (server, client, scenarios) in runs {
+        let (_upstream, url) = start_upstream(server);
+        let gw = TestGateway::start(&[&url], &test_keys());
         for scenario in scenarios {
             let needle = SCENARIOS
                 .iter()
@@ -127,9 +132,9 @@ fn legacy_clients_through_the_gateway_to_the_rust_sdk_server() {
             assert_saw(
                 &lines,
                 needle,
-                &format!("{client:?} client, {scenario}, rmcp server"),
+                &format!("{client:?} client, {scenario}, {server:?}"),
             );
-            println!("{client:?} client -> gateway -> rmcp server: {scenario} ok");
+            println!("{client:?} client -> gateway -> {server:?}: {scenario} ok");
         }
     }
 }

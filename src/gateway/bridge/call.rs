@@ -850,9 +850,9 @@ fn learn(upstreams: &UpstreamSide, group: &UpstreamGroup, request: &ModernReques
             };
             upstreams.note_replay_refused(group, how);
         }
-        Learnt::EventIdsShared => upstreams.note_replay_refused(
+        Learnt::EventIdRepeated => upstreams.note_replay_refused(
             group,
-            "the same event ids on a call's stream and the session's GET stream",
+            "one event id twice in a round, so its ids do not name its events",
         ),
         Learnt::Primes(primes) => {
             upstreams

@@ -1063,7 +1063,8 @@ fn a_round_without_event_ids_is_held_and_its_retry_reads_on_the_held_streams() {
 }
 
 /// rmcp 0.16's shape: every stream opens with an event whose id is `0`, and the question
-/// comes on the session's GET stream, also as `0`.
+/// comes on the session's GET stream, also as `0`. (rmcp 1 and 2 number the call's
+/// stream `0/N`; the GET stream still repeats `0`.)
 fn round_with_ids_on_both_streams_alike(config: FlowConfig) -> Harness {
     let mut h = Harness::new_call(config, Upstream::default());
     h.event(Stream::Session, Some("0"), &json!(""));
@@ -1074,9 +1075,9 @@ fn round_with_ids_on_both_streams_alike(config: FlowConfig) -> Harness {
 }
 
 #[test]
-fn a_round_whose_streams_share_event_ids_is_held_and_teaches_the_group() {
+fn a_round_that_sees_an_event_id_twice_is_held_and_teaches_the_group() {
     let h = round_with_ids_on_both_streams_alike(config());
-    assert!(h.log.contains(&Command::Learn(Learnt::EventIdsShared)));
+    assert!(h.log.contains(&Command::Learn(Learnt::EventIdRepeated)));
     assert!(h.log.contains(&Command::Learn(Learnt::Resumable(false))));
     assert!(h.log.iter().any(|c| matches!(c, Command::Hold { .. })));
     assert!(
@@ -1084,14 +1085,23 @@ fn a_round_whose_streams_share_event_ids_is_held_and_teaches_the_group() {
         "{:?}",
         h.state()
     );
-    // Ids that differ between the streams keep the round resumable.
+    // rmcp 2: the call's stream has ids of its own, the GET stream repeats `0`.
+    let mut later = Harness::new_call(config(), Upstream::default());
+    later.event(Stream::Session, Some("0"), &json!(""));
+    later.event(Stream::Call, Some("0/0"), &json!(""));
+    later.event(Stream::Session, Some("0"), &question(0, "Where?"));
+    later.advance(Duration::from_millis(10));
+    assert!(matches!(later.state().waiting, Waiting::Held { .. }));
+    // Ids that differ keep the round resumable.
     let mut unique = Harness::new_call(config(), Upstream::default());
     unique.event(Stream::Session, Some("g0"), &json!(""));
     unique.event(Stream::Call, Some("c0"), &json!(""));
     unique.event(Stream::Session, Some("g1"), &question(0, "Name?"));
     unique.advance(Duration::from_millis(10));
     assert!(matches!(unique.state().waiting, Waiting::Resumable { .. }));
-    assert!(!unique.log.contains(&Command::Learn(Learnt::EventIdsShared)));
+    assert!(!unique
+        .log
+        .contains(&Command::Learn(Learnt::EventIdRepeated)));
 }
 
 #[test]
@@ -1101,7 +1111,7 @@ fn a_group_forced_resumable_whose_streams_share_event_ids_gets_a_clear_error() {
     let h = round_with_ids_on_both_streams_alike(forced);
     let refusal = h.refusal();
     assert!(
-        refusal.message.contains("carry the same SSE event ids"),
+        refusal.message.contains("the same SSE event id twice"),
         "{refusal:?}"
     );
     assert!(h.log.contains(&Command::DeleteSession));
