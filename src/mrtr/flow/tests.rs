@@ -1105,7 +1105,7 @@ fn a_round_that_sees_an_event_id_twice_is_held_and_teaches_the_group() {
 }
 
 #[test]
-fn a_group_forced_resumable_whose_streams_share_event_ids_gets_a_clear_error() {
+fn a_group_forced_resumable_whose_event_ids_repeat_gets_a_clear_error() {
     let mut forced = config();
     forced.resume = ResumeMode::Resumable;
     let h = round_with_ids_on_both_streams_alike(forced);
