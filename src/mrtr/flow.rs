@@ -90,7 +90,7 @@ pub enum FailureKind {
     NoEndpoint,
     /// The endpoint did not take the connection.
     Unreachable,
-    /// The upstream no longer has the session (HTTP 404).
+    /// The upstream no longer has the session (HTTP 404, or a 401 without a challenge).
     Gone,
     /// The upstream refused the request with this status.
     Refused(u16),

@@ -63,7 +63,7 @@ pub enum SessionFailure {
         status: u16,
         challenge: Option<String>,
     },
-    /// The upstream no longer has the session (HTTP 404).
+    /// The upstream no longer has the session (HTTP 404, or a 401 without a challenge).
     Gone,
 }
 
@@ -78,7 +78,7 @@ impl fmt::Display for SessionFailure {
                 write!(f, "requires authorization (HTTP 401)")
             }
             SessionFailure::Denied { status, .. } => write!(f, "denied access (HTTP {status})"),
-            SessionFailure::Gone => write!(f, "no longer has the session (HTTP 404)"),
+            SessionFailure::Gone => write!(f, "no longer has the session"),
         }
     }
 }
@@ -356,19 +356,22 @@ impl<'a> LegacySession<'a> {
 
     /// Why the upstream refused a request: a 404 in an established session means the
     /// session is gone; a 401 or 403 denies the caller, with the upstream's challenge.
+    /// A 401 without a challenge is no authentication challenge (RFC 9110 §15.5.2 requires
+    /// one): in an established session it is how rmcp 0.16 says it does not know the
+    /// session (`Unauthorized: Session not found`), so it too means the session is gone.
     fn refused(&self, response: &Response) -> SessionError {
         let status = response.header().status.as_u16();
+        let challenge = response
+            .header()
+            .headers
+            .get(http::header::WWW_AUTHENTICATE)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let in_session = self.session_id.is_some();
         let failure = match status {
-            404 if self.session_id.is_some() => SessionFailure::Gone,
-            401 | 403 => SessionFailure::Denied {
-                status,
-                challenge: response
-                    .header()
-                    .headers
-                    .get(http::header::WWW_AUTHENTICATE)
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::to_string),
-            },
+            404 if in_session => SessionFailure::Gone,
+            401 if in_session && challenge.is_none() => SessionFailure::Gone,
+            401 | 403 => SessionFailure::Denied { status, challenge },
             _ => SessionFailure::Refused(status),
         };
         SessionError::at(Some(self.endpoint.addr), failure)

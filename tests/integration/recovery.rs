@@ -31,11 +31,15 @@ fn questions(response: &Value) -> Vec<String> {
 
 /// Kills the upstream and starts a new one on the same port: every session is gone.
 fn restart(upstream: &mut Proc, port: u16) -> Proc {
+    restart_as(Upstream::Python, upstream, port)
+}
+
+fn restart_as(kind: Upstream, upstream: &mut Proc, port: u16) -> Proc {
     upstream.kill();
     wait_until("the upstream to stop", Duration::from_secs(10), || {
         !port_open(port)
     });
-    start_upstream_on(Upstream::Python, port).0
+    start_upstream_on(kind, port).0
 }
 
 #[test]
@@ -120,4 +124,47 @@ fn a_tool_not_marked_restartable_gets_flow_lost_and_a_fresh_call_works() {
         done["result"]["content"][0]["text"], "Hello, Ada!",
         "{done}"
     );
+}
+
+/// rmcp 0.16 answers a request in a session it does not know with a bare 401 (no
+/// `WWW-Authenticate`: "Unauthorized: Session not found"), 2.2 with 404. After the
+/// server restarts, the sessions the gateway keeps for one-shot methods and opens ahead
+/// of calls are gone: they are replaced, and clients see answers, not a demand for
+/// credentials the server never asked for.
+#[test]
+fn sessions_a_restarted_rust_sdk_server_forgot_are_replaced_not_taken_for_a_denial() {
+    for kind in [Upstream::Rust016, Upstream::Rust22] {
+        let port = free_port();
+        let (mut upstream, url) = start_upstream_on(kind, port);
+        let gw = TestGateway::start(&[&url], &test_keys());
+        let raw = Raw::new(&gw.url);
+        let list = |id| raw.modern(id, "tools/list", json!({}), json!({"elicitation": {}}));
+        let before = list(1);
+        assert_eq!(before.status, 200, "{kind:?}");
+        // Two calls, so that the call's shape recurs and sessions are opened ahead of it.
+        for id in [2, 3] {
+            let (_, asked) = call(&raw, id, "ask_name", json!({}));
+            let (_, done) = call(
+                &raw,
+                id + 10,
+                "ask_name",
+                answer(&asked, json!({"name": "Ada"})),
+            );
+            assert_eq!(
+                done["result"]["content"][0]["text"], "Hello, Ada!",
+                "{kind:?}: {done}"
+            );
+        }
+        let _upstream = restart_as(kind, &mut upstream, port);
+        let after = list(4);
+        assert_eq!(after.status, 200, "{kind:?}: tools/list after the restart");
+        let (status, asked) = call(&raw, 5, "ask_name", json!({}));
+        assert_eq!(status, 200, "{kind:?}: {asked}");
+        assert_eq!(questions(&asked), ["What is your name?"], "{kind:?}");
+        let (_, done) = call(&raw, 6, "ask_name", answer(&asked, json!({"name": "Ada"})));
+        assert_eq!(
+            done["result"]["content"][0]["text"], "Hello, Ada!",
+            "{kind:?}: {done}"
+        );
+    }
 }

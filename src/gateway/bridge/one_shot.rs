@@ -9,8 +9,9 @@
 //! (the group, the declared client capabilities, the client's identity, the principal,
 //! the credentials its requests carry upstream).
 //! Interactive calls never use these sessions, so no call's server-side state is seen by
-//! another. A kept session the upstream has forgotten (HTTP 404) is replaced, and the
-//! request sent again on the new one: a 404 means the request was not processed.
+//! another. A kept session the upstream has forgotten (HTTP 404, or a 401 without a
+//! challenge) is replaced, and the request sent again on the new one: either means the
+//! request was not processed.
 
 use crate::upstream::exchange::UpstreamClient;
 use crate::upstream::legacy_session::LegacySession;
