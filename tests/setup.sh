@@ -69,7 +69,7 @@ else
 fi
 .venv/bin/python -c 'import importlib.metadata as m; print("setup: python venv has mcp", m.version("mcp"))'
 
-# 4. The Rust SDK fixture servers (rmcp 0.16.0 and 2.2.0, tests/fixtures/rmcp), a
+# 4. The Rust SDK fixture servers (rmcp 0.16.0, 2.2.0, 3.11.0; tests/fixtures/rmcp), a
 #    workspace of its own built as locked; cargo rebuilds only what changed.
-echo "setup: cargo build of tests/fixtures/rmcp (rmcp 0.16.0 and 2.2.0)"
+echo "setup: cargo build of tests/fixtures/rmcp (rmcp 0.16.0, 2.2.0, 3.11.0)"
 quietly cargo build --locked --workspace --manifest-path fixtures/rmcp/Cargo.toml

@@ -37,11 +37,16 @@ fn the_typescript_modern_client_completes_flows_against_a_legacy_server() {
 /// replays from the named event itself: resumed, a round would wait for a result that
 /// never comes (0.16) or ask answered questions again until the client gives up (2.2).
 /// The gateway sees an event id come twice in the first round and, with the default
-/// `resume: auto`, holds the group's flows; both official modern clients complete every
-/// kind of question against both releases.
+/// `resume: auto`, holds the group's flows. 3.11 asks on the call's own stream with ids
+/// that do not repeat: its rounds are resumable. Both official modern clients complete
+/// every kind of question against all three releases.
 #[test]
 fn modern_clients_complete_flows_against_the_rust_sdk_servers() {
-    for server in [Upstream::Rust016, Upstream::Rust22] {
+    for (server, resumable) in [
+        (Upstream::Rust016, 0.0),
+        (Upstream::Rust22, 0.0),
+        (Upstream::Rust311, 1.0),
+    ] {
         let (_upstream, url) = start_upstream(server);
         let gw = TestGateway::start(&[&url], &test_keys());
         for scenario in ["elicit", "multi", "two", "sample", "roots"] {
@@ -51,8 +56,8 @@ fn modern_clients_complete_flows_against_the_rust_sdk_servers() {
         }
         assert_eq!(
             metric_with(&gw.admin, "mrtr_gateway_upstream_resumable", "default"),
-            Some(0.0),
-            "{server:?}: the group's rounds are held"
+            Some(resumable),
+            "{server:?}: whether the group's rounds are resumable (1) or held (0)"
         );
     }
 }

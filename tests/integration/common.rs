@@ -129,6 +129,9 @@ pub enum Upstream {
     /// The same fixture on `rmcp` 2.2.0: a call's stream has ids of its own (`0/N`), the
     /// GET stream still opens with `0` and numbers its messages from `0`.
     Rust22,
+    /// The same fixture on `rmcp` 3.11.0: a tool's server requests go on the call's own
+    /// stream, and no event id repeats.
+    Rust311,
 }
 
 /// Starts `kind` on a free loopback port; returns the process and its MCP URL.
@@ -170,10 +173,11 @@ pub fn start_upstream_with(kind: Upstream, port: u16, flags: &[&str]) -> (Proc, 
             c.arg(fixtures.join(script)).arg(port.to_string());
             c
         }
-        Upstream::Rust016 | Upstream::Rust22 => {
+        Upstream::Rust016 | Upstream::Rust22 | Upstream::Rust311 => {
             let binary = match kind {
                 Upstream::Rust016 => "rmcp_legacy_server_0_16",
-                _ => "rmcp_legacy_server_2_2",
+                Upstream::Rust22 => "rmcp_legacy_server_2_2",
+                _ => "rmcp_legacy_server_3_11",
             };
             let mut c = Command::new(fixtures.join("rmcp/target/debug").join(binary));
             c.arg(port.to_string()).args(flags);

@@ -102,8 +102,8 @@ fn legacy_clients_through_the_gateway_to_the_typescript_server() {
     clients_through_gateway(Upstream::TypeScript);
 }
 
-/// Both SDKs' legacy clients through pass-through to the Rust SDK servers (`rmcp` 0.16.0
-/// and 2.2.0), which send their questions on the session's GET stream. 0.16 negotiates
+/// Both SDKs' legacy clients through pass-through to the Rust SDK servers (`rmcp` 0.16.0,
+/// 2.2.0 and 3.11.0; the first two send their questions on the session's GET stream). 0.16 negotiates
 /// 2025-03-26, under which the Python client refuses `elicitation/create` (talking to the
 /// server directly, too): against it, the Python client runs the scenarios without one.
 #[test]
@@ -118,6 +118,8 @@ fn legacy_clients_through_the_gateway_to_the_rust_sdk_servers() {
         ),
         (Upstream::Rust22, Client::TypeScript, every),
         (Upstream::Rust22, Client::Python, every),
+        (Upstream::Rust311, Client::TypeScript, every),
+        (Upstream::Rust311, Client::Python, every),
     ];
     for (server, client, scenarios) in runs {
         let (_upstream, url) = start_upstream(server);

@@ -127,13 +127,13 @@ fn a_tool_not_marked_restartable_gets_flow_lost_and_a_fresh_call_works() {
 }
 
 /// rmcp 0.16 answers a request in a session it does not know with a bare 401 (no
-/// `WWW-Authenticate`: "Unauthorized: Session not found"), 2.2 with 404. After the
+/// `WWW-Authenticate`: "Unauthorized: Session not found"), 2.2 and 3.11 with 404. After the
 /// server restarts, the sessions the gateway keeps for one-shot methods and opens ahead
 /// of calls are gone: they are replaced, and clients see answers, not a demand for
 /// credentials the server never asked for.
 #[test]
 fn sessions_a_restarted_rust_sdk_server_forgot_are_replaced_not_taken_for_a_denial() {
-    for kind in [Upstream::Rust016, Upstream::Rust22] {
+    for kind in [Upstream::Rust016, Upstream::Rust22, Upstream::Rust311] {
         let port = free_port();
         let (mut upstream, url) = start_upstream_on(kind, port);
         let gw = TestGateway::start(&[&url], &test_keys());
