@@ -117,6 +117,10 @@ pub enum Upstream {
     PythonForgetfulEventStore,
     /// TypeScript `@modelcontextprotocol/sdk@1.32.2` fixture.
     TypeScript,
+    /// A server on TypeScript SDK 1.17.5: negotiates 2025-06-18 and refuses any other
+    /// `MCP-Protocol-Version`; no priming events; a POST stream's header goes out with
+    /// its first event.
+    TypeScriptSdk117,
     /// `@modelcontextprotocol/server-everything@2026.8.31`.
     Everything,
     /// The conformance suite's fixture tools, TypeScript SDK 1.32.2.
@@ -163,9 +167,13 @@ pub fn start_upstream_with(kind: Upstream, port: u16, flags: &[&str]) -> (Proc, 
             };
             c
         }
-        Upstream::TypeScript | Upstream::Conformance | Upstream::TypeScriptModern => {
+        Upstream::TypeScript
+        | Upstream::TypeScriptSdk117
+        | Upstream::Conformance
+        | Upstream::TypeScriptModern => {
             let script = match kind {
                 Upstream::TypeScript => "ts_legacy_server.mjs",
+                Upstream::TypeScriptSdk117 => "ts_sdk117_server.mjs",
                 Upstream::TypeScriptModern => "ts_modern_server.mjs",
                 _ => "conformance_server.mjs",
             };

@@ -141,6 +141,27 @@ fn legacy_clients_through_the_gateway_to_the_rust_sdk_servers() {
     }
 }
 
+/// Both SDKs' legacy clients through pass-through to a server on TypeScript SDK 1.17.5,
+/// which negotiates 2025-06-18 and refuses any other `MCP-Protocol-Version`: the clients'
+/// own headers pass unchanged.
+#[test]
+fn legacy_clients_through_the_gateway_to_a_server_on_an_older_sdk_release() {
+    let (_upstream, url) = start_upstream(Upstream::TypeScriptSdk117);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    for client in [Client::Python, Client::TypeScript] {
+        for scenario in ["basic", "elicit", "multi", "sample", "roots", "delete"] {
+            let needle = SCENARIOS
+                .iter()
+                .find(|(name, _)| *name == scenario)
+                .map(|(_, needle)| *needle)
+                .expect("a known scenario");
+            let lines = run_scenario(client, &gw.url, scenario);
+            assert_saw(&lines, needle, &format!("{client:?} client, {scenario}"));
+            println!("{client:?} client -> gateway -> TypeScript SDK 1.17.5: {scenario} ok");
+        }
+    }
+}
+
 /// A server request sent on the session's GET stream reaches the client through the
 /// gateway, and the answer reaches the server. The GET stream is opened, and its response
 /// header awaited, before the call: a legacy server drops a GET-stream message sent while
