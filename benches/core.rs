@@ -14,6 +14,7 @@ use mrtr_gateway::mrtr::state::{
 };
 use mrtr_gateway::mrtr::translate::{Action, Round};
 use mrtr_gateway::protocol::jsonrpc;
+use mrtr_gateway::protocol::revision::Revision;
 use mrtr_gateway::protocol::session_token::SessionToken;
 use mrtr_gateway::protocol::sse::Parser;
 use serde_json::json;
@@ -46,6 +47,7 @@ fn state(questions: usize) -> FlowState {
                 session: "5b0c3a1e4d2f4f8e9c1a7f6e5d4c3b2a".into(),
                 id: UpstreamId::Number(1),
                 data_session: false,
+                version: Revision::REQUESTED,
             },
             pending: (0..questions)
                 .map(|i| Pending {

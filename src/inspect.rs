@@ -72,6 +72,7 @@ fn state_report(kid: &str, bound: &[u8; 32], s: &FlowState, now: u64) -> String 
         ("waits", waits(&s.waiting)),
         ("endpoint", field(|c| c.endpoint.to_string())),
         ("upstream session", field(|c| c.session.clone())),
+        ("upstream revision", field(|c| c.version.to_string())),
         ("upstream call id", field(|c| c.id.to_json().to_string())),
         ("data session", s.waiting.data_session().to_string()),
         ("pending", pending.join(", ")),
@@ -132,6 +133,7 @@ fn cookie_report(kid: &str, bound: &[u8], s: &DataSession, now: u64) -> String {
         ("group", s.group.clone()),
         ("endpoint", s.endpoint.to_string()),
         ("upstream session", s.upstream_session.clone()),
+        ("upstream revision", s.version.to_string()),
         ("expires", expiry(s.expires_at, now)),
         ("principal tag", hex(bound)),
     ];
@@ -150,6 +152,7 @@ fn table(fields: &[(&str, String)]) -> String {
 mod tests {
     use super::*;
     use crate::mrtr::state::{binding, Pending, Positions, UpstreamCall, UpstreamId};
+    use crate::protocol::revision::Revision;
 
     fn ring(text: &str) -> KeyRing {
         KeyRing::parse(text).unwrap()
@@ -173,6 +176,7 @@ mod tests {
                     session: "sess-1".into(),
                     id: UpstreamId::Number(1),
                     data_session: false,
+                    version: Revision::parse("2025-06-18").unwrap(),
                 },
                 pending: vec![Pending {
                     key: "elicitation_0".into(),
@@ -194,6 +198,7 @@ mod tests {
             "key id            k1",
             "10.0.0.7:3001",
             "sess-1",
+            "upstream revision 2025-06-18",
             "elicitation_0=0",
             "round             2",
             "ev-3",

@@ -14,6 +14,13 @@
 //! layout of any sealed payload bumps `VERSION`, and the payload's owner decodes each
 //! version it opens. A blob of any other version is `Malformed`.
 //!
+//! A payload may be followed by extensions: values a later release seals after the
+//! layout, each read only when bytes remain ([`extension`]). A replica that does not
+//! know them ignores them (a layout is decoded from the front, and what follows is left),
+//! and one that finds none uses their default. A field that replicas of the release
+//! before may safely go without is therefore added as an extension, with no new version
+//! and no two-step upgrade; one they must not go without changes the layout.
+//!
 //! Every failure is an [`OpenError`] whose variant says why, for the logs; callers answer
 //! clients with one uniform error whatever the variant.
 
@@ -148,6 +155,32 @@ pub fn open_with_principal<T: DeserializeOwned>(
 ) -> Result<(Vec<u8>, T), OpenError> {
     let plain = open(ring, purpose, b"", sealed, max_len)?;
     postcard::from_bytes(&plain).map_err(|_| OpenError::BadPayload)
+}
+
+/// [`open_with_principal`], also returning the extension sealed after the value, if any
+/// (see [`extension`]).
+pub fn open_with_principal_extended<T: DeserializeOwned, E: DeserializeOwned>(
+    ring: &KeyRing,
+    purpose: Purpose,
+    sealed: &str,
+    max_len: usize,
+) -> Result<(Vec<u8>, T, Option<E>), OpenError> {
+    let plain = open(ring, purpose, b"", sealed, max_len)?;
+    let ((tag, value), rest): ((Vec<u8>, T), _) =
+        postcard::take_from_bytes(&plain).map_err(|_| OpenError::BadPayload)?;
+    Ok((tag, value, extension(rest)?))
+}
+
+/// The extension at the front of `rest`, what follows a payload's layout (later
+/// extensions after it are left): `None` when there is none, as in what a release before
+/// it sealed.
+pub fn extension<E: DeserializeOwned>(rest: &[u8]) -> Result<Option<E>, OpenError> {
+    if rest.is_empty() {
+        return Ok(None);
+    }
+    postcard::take_from_bytes(rest)
+        .map(|(value, _)| Some(value))
+        .map_err(|_| OpenError::BadPayload)
 }
 
 /// The length of the text `seal` makes of `plaintext_len` bytes under a key id of

@@ -17,6 +17,7 @@ use mrtr_gateway::mrtr::state::{
     FlowState, HeldAt, Pending, Positions, UpstreamCall, UpstreamId, Waiting,
 };
 use mrtr_gateway::mrtr::translate::RoundLimits;
+use mrtr_gateway::protocol::revision::Revision;
 use mrtr_gateway::protocol::sse::Event;
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
@@ -104,6 +105,7 @@ fn prior(kind: u8, data_session: bool) -> FlowState {
         session: "s1".into(),
         id: UpstreamId::Number(5),
         data_session,
+        version: Revision::default(),
     };
     let waiting = match kind {
         1 => Waiting::Resumable {
@@ -175,6 +177,7 @@ fn answer(command: &Command, b: &mut Bytes, seen: &mut Seen, config: &FlowConfig
             Input::SessionOpened {
                 endpoint: "10.0.0.7:3001".parse().unwrap(),
                 session: Some("s1".into()),
+                version: Revision::default(),
                 warm: b.next() % 2 == 0,
                 session_stream: b.next() % 2 == 0,
             }

@@ -9,6 +9,7 @@ use libfuzzer_sys::fuzz_target;
 use mrtr_gateway::keys::{KeyRing, Purpose};
 use mrtr_gateway::mrtr::data_session::DataSession;
 use mrtr_gateway::mrtr::state::{FlowState, Positions, UpstreamCall, UpstreamId, Waiting};
+use mrtr_gateway::protocol::revision::Revision;
 use mrtr_gateway::protocol::session_token::SessionToken;
 use mrtr_gateway::seal;
 use std::sync::OnceLock;
@@ -41,6 +42,7 @@ fn genuine() -> &'static Genuine {
                     session: "s-1".into(),
                     id: UpstreamId::Number(1),
                     data_session: false,
+                    version: Revision::default(),
                 },
                 pending: Vec::new(),
                 positions: Positions {
@@ -63,6 +65,7 @@ fn genuine() -> &'static Genuine {
             upstream_session: "s-1".into(),
             expires_at: u64::MAX,
             session_id: 1,
+            version: Revision::default(),
         }
         .seal(&ring, &BIND);
         Genuine {

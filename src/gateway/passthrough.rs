@@ -17,6 +17,7 @@ use crate::protocol::event_ids::{self, EventIds, Rewrite, Stream};
 use crate::protocol::headers::{self, LAST_EVENT_ID, MCP_SESSION_ID};
 use crate::protocol::jsonrpc::{code, Body};
 use crate::protocol::request_ids::{self, IdTag, Unwrap};
+use crate::protocol::revision::Revision;
 use crate::protocol::session_token::SessionToken;
 use crate::protocol::sse::{self, BoundaryTracker};
 use crate::protocol::target::upstream_target;
@@ -115,6 +116,11 @@ async fn serve_inner(
         }
     };
     let mut request = upstream_request(gw, session, &route, &body);
+    // An `initialize` whose answer cannot be relayed has its session ended, naming the
+    // revision asked for.
+    let initialize = parsed
+        .is_some_and(Body::is_initialize)
+        .then(|| body.clone());
     if wraps_ids {
         // A content-coded body could not be unwrapped on its way back. Asking for
         // `identity` by name: a request without `Accept-Encoding` accepts any coding.
@@ -151,7 +157,8 @@ async fn serve_inner(
         let opened = session_opened(&route, response.header());
         gw.upstreams.client.finish(response).await;
         if let Some(upstream_session) = opened {
-            end_unrelayed_session(gw, session, group, &route, upstream_session).await;
+            let version = initialize.map_or_else(Revision::default, |b| requested_revision(&b));
+            end_unrelayed_session(gw, session, group, &route, upstream_session, version).await;
         }
         return refuse(session, id.as_ref(), coded_against_identity(group)).await;
     }
@@ -640,19 +647,30 @@ fn session_opened(route: &Route, upstream: &ResponseHeader) -> Option<String> {
     route.upstream_session.is_none().then(|| sid.to_string())
 }
 
+/// The revision an `initialize` body asks for: what its session negotiated, unless the
+/// server does not support it (then the one the gateway asks for is the best guess).
+fn requested_revision(body: &[u8]) -> Revision {
+    serde_json::from_slice::<Value>(body)
+        .ok()
+        .and_then(|v| Revision::parse(v["params"]["protocolVersion"].as_str()?))
+        .unwrap_or_default()
+}
+
 /// Ends an upstream session the client never learnt of, since its response was not
-/// relayed: nobody else would.
+/// relayed: nobody else would. `version` is the revision the client asked for.
 async fn end_unrelayed_session(
     gw: &Gateway,
     session: &ServerSession,
     group: &UpstreamGroup,
     route: &Route,
     upstream_session: String,
+    version: Revision,
 ) {
     gw.runtime.metrics.upstream_session("opened");
     let client = &gw.upstreams.client;
     let endpoint = route.endpoint.clone();
-    let mut opened = LegacySession::resume(client, endpoint, &group.timeouts, upstream_session);
+    let timeouts = &group.timeouts;
+    let mut opened = LegacySession::resume(client, endpoint, timeouts, upstream_session, version);
     opened.caller.headers = gw.admission.end_to_end(session, group);
     opened.abandon().await;
 }

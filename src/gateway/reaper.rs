@@ -12,6 +12,7 @@
 
 use crate::mrtr::state::now_secs;
 use crate::protocol::headers::EndToEnd;
+use crate::protocol::revision::Revision;
 use crate::upstream::exchange::UpstreamClient;
 use crate::upstream::legacy_session::LegacySession;
 use crate::upstream::{Endpoint, Timeouts};
@@ -44,27 +45,30 @@ struct Watched {
     deadline: u32,
 }
 
-/// Whose watched sessions are: the endpoint they live on (an index into the targets) and
-/// the credentials their DELETE carries. Interned and counted, since one user's many
-/// flows on one endpoint share one, and dropped with the last.
+/// Whose watched sessions are: the endpoint they live on (an index into the targets), the
+/// credentials their DELETE carries and the revision it names (the sessions'). Interned
+/// and counted, since one user's many flows on one endpoint share one, and dropped with
+/// the last.
 struct Owner {
     target: u32,
     headers: EndToEnd,
     digest: [u8; 32],
+    version: Revision,
     watching: u32,
 }
 
 #[derive(Default)]
 struct Owners {
     slots: Slab<Owner>,
-    index: HashMap<(u32, [u8; 32]), u32>,
+    index: HashMap<(u32, [u8; 32], Revision), u32>,
 }
 
 impl Owners {
-    /// The owner of sessions on `target` deleted with `headers`, counted once more.
-    fn acquire(&mut self, target: u32, headers: &EndToEnd) -> u32 {
+    /// The owner of sessions on `target` of `version` deleted with `headers`, counted
+    /// once more.
+    fn acquire(&mut self, target: u32, headers: &EndToEnd, version: Revision) -> u32 {
         let digest = headers.digest();
-        if let Some(&index) = self.index.get(&(target, digest)) {
+        if let Some(&index) = self.index.get(&(target, digest, version)) {
             if let Some(owner) = self.slots.get_mut(index as usize) {
                 owner.watching += 1;
                 return index;
@@ -74,9 +78,10 @@ impl Owners {
             target,
             headers: headers.without_forwarding(),
             digest,
+            version,
             watching: 1,
         }) as u32;
-        self.index.insert((target, digest), index);
+        self.index.insert((target, digest, version), index);
         index
     }
 
@@ -88,7 +93,8 @@ impl Owners {
         owner.watching -= 1;
         if owner.watching == 0 {
             let owner = self.slots.remove(index as usize);
-            self.index.remove(&(owner.target, owner.digest));
+            self.index
+                .remove(&(owner.target, owner.digest, owner.version));
         }
     }
 
@@ -174,21 +180,22 @@ impl Reaper {
         }
     }
 
-    /// Watches an upstream session until `deadline` (seconds since the epoch), to be
-    /// deleted with `caller`'s headers (the latest round's: a refreshed token replaces
-    /// an expired one). Returns false when the table is full: the caller should not
-    /// leave the flow pending.
+    /// Watches an upstream session that negotiated `version` until `deadline` (seconds
+    /// since the epoch), to be deleted with `caller`'s headers (the latest round's: a
+    /// refreshed token replaces an expired one). Returns false when the table is full:
+    /// the caller should not leave the flow pending.
     pub fn watch(
         &self,
         endpoint: &Endpoint,
         timeouts: &Timeouts,
         session: &str,
         caller: &EndToEnd,
+        version: Revision,
         deadline: u64,
     ) -> bool {
         let mut table = self.table.lock().expect("reaper lock");
         let target = table.intern(endpoint, timeouts);
-        let owner = table.owners.acquire(target, caller);
+        let owner = table.owners.acquire(target, caller, version);
         let entry = Watched {
             session: session.into(),
             owner,
@@ -237,6 +244,7 @@ impl Reaper {
                     timeouts: target.timeouts,
                     session: w.session.into(),
                     headers: owner.headers.clone(),
+                    version: owner.version,
                 });
             }
             table.owners.release(w.owner);
@@ -253,9 +261,10 @@ impl Reaper {
             timeouts,
             session,
             headers,
+            version,
         } in due
         {
-            let mut upstream = LegacySession::resume(client, endpoint, &timeouts, session);
+            let mut upstream = LegacySession::resume(client, endpoint, &timeouts, session, version);
             upstream.caller.headers = headers;
             upstream.reap().await;
         }
@@ -269,6 +278,7 @@ struct Due {
     timeouts: Timeouts,
     session: String,
     headers: EndToEnd,
+    version: Revision,
 }
 
 /// Runs the sweeps until shutdown.
@@ -322,6 +332,10 @@ mod tests {
         EndToEnd::default()
     }
 
+    fn v() -> Revision {
+        Revision::REQUESTED
+    }
+
     fn bearer(token: &'static str) -> EndToEnd {
         let mut headers = EndToEnd::default();
         headers.push(
@@ -334,14 +348,14 @@ mod tests {
     #[test]
     fn only_due_sessions_are_taken_and_the_table_is_bounded() {
         let r = Reaper::new(2);
-        assert!(r.watch(&endpoint(1), &timeouts(), "a", &nobody(), 100));
-        assert!(r.watch(&endpoint(1), &timeouts(), "b", &nobody(), 200));
+        assert!(r.watch(&endpoint(1), &timeouts(), "a", &nobody(), v(), 100));
+        assert!(r.watch(&endpoint(1), &timeouts(), "b", &nobody(), v(), 200));
         assert!(
-            !r.watch(&endpoint(2), &timeouts(), "c", &nobody(), 100),
+            !r.watch(&endpoint(2), &timeouts(), "c", &nobody(), v(), 100),
             "full"
         );
         assert!(
-            r.watch(&endpoint(1), &timeouts(), "a", &nobody(), 150),
+            r.watch(&endpoint(1), &timeouts(), "a", &nobody(), v(), 150),
             "re-watching an entry is not growth"
         );
         r.forget(&endpoint(1), "b");
@@ -362,10 +376,24 @@ mod tests {
             http::HeaderName::from_static("x-forwarded-for"),
             http::HeaderValue::from_static("10.0.0.9"),
         );
-        assert!(r.watch(&endpoint(1), &timeouts(), "a", &first, 100));
-        assert!(r.watch(&endpoint(1), &timeouts(), "b", &bearer("Bearer other"), 100));
+        assert!(r.watch(&endpoint(1), &timeouts(), "a", &first, v(), 100));
+        assert!(r.watch(
+            &endpoint(1),
+            &timeouts(),
+            "b",
+            &bearer("Bearer other"),
+            v(),
+            100
+        ));
         // The next round of "a" came with a refreshed token.
-        assert!(r.watch(&endpoint(1), &timeouts(), "a", &bearer("Bearer new"), 100));
+        assert!(r.watch(
+            &endpoint(1),
+            &timeouts(),
+            "a",
+            &bearer("Bearer new"),
+            v(),
+            100
+        ));
         let mut due = r.take_due(100);
         due.sort_by(|x, y| x.session.cmp(&y.session));
         let credential = |d: &Due| {
@@ -378,10 +406,22 @@ mod tests {
     }
 
     #[test]
+    fn a_due_session_is_deleted_naming_the_revision_it_negotiated() {
+        let r = Reaper::new(10);
+        let older = Revision::parse("2025-06-18").unwrap();
+        assert!(r.watch(&endpoint(1), &timeouts(), "a", &nobody(), older, 100));
+        assert!(r.watch(&endpoint(1), &timeouts(), "b", &nobody(), v(), 100));
+        let mut due = r.take_due(100);
+        due.sort_by(|x, y| x.session.cmp(&y.session));
+        assert_eq!(due[0].version, older);
+        assert_eq!(due[1].version, Revision::REQUESTED);
+    }
+
+    #[test]
     fn one_id_on_two_endpoints_is_two_sessions() {
         let r = Reaper::new(10);
-        assert!(r.watch(&endpoint(1), &timeouts(), "1", &nobody(), 100));
-        assert!(r.watch(&endpoint(2), &timeouts(), "1", &nobody(), 100));
+        assert!(r.watch(&endpoint(1), &timeouts(), "1", &nobody(), v(), 100));
+        assert!(r.watch(&endpoint(2), &timeouts(), "1", &nobody(), v(), 100));
         assert_eq!(r.watched(), 2);
         r.forget(&endpoint(1), "1");
         let due = r.take_due(100);
@@ -398,7 +438,14 @@ mod tests {
     fn owners_are_shared_and_dropped_with_their_last_session() {
         let r = Reaper::new(10);
         for session in ["a", "b", "c"] {
-            assert!(r.watch(&endpoint(1), &timeouts(), session, &bearer("Bearer u"), 100));
+            assert!(r.watch(
+                &endpoint(1),
+                &timeouts(),
+                session,
+                &bearer("Bearer u"),
+                v(),
+                100
+            ));
         }
         let live = |r: &Reaper| {
             let table = r.table.lock().unwrap();
@@ -410,7 +457,14 @@ mod tests {
         assert_eq!(live(&r), 1);
         r.forget(&endpoint(1), "c");
         assert_eq!(live(&r), 0, "the last session released its caller");
-        assert!(r.watch(&endpoint(1), &timeouts(), "d", &bearer("Bearer v"), 100));
+        assert!(r.watch(
+            &endpoint(1),
+            &timeouts(),
+            "d",
+            &bearer("Bearer v"),
+            v(),
+            100
+        ));
         let indexes: Vec<u32> = r
             .table
             .lock()

@@ -10,6 +10,7 @@
 //! expires; each response carries a fresh one with a later expiry.
 
 use crate::keys::{KeyRing, Purpose};
+use crate::protocol::revision::Revision;
 use crate::protocol::session_token::SessionToken;
 use crate::seal::{self, OpenError};
 use serde::{Deserialize, Serialize};
@@ -39,6 +40,11 @@ pub struct DataSession {
     pub expires_at: u64,
     /// Random id that stays the same for the session's life, for logs.
     pub session_id: u64,
+    /// The revision the upstream session negotiated. Sealed after the layout, as an
+    /// extension (`seal`'s rule); a cookie without one (sealed by a release before it)
+    /// has the revision the gateway asks for, which those releases spoke.
+    #[serde(skip)]
+    pub version: Revision,
 }
 
 /// What a request's `_meta["mcp/session"]` holds.
@@ -69,7 +75,7 @@ impl DataSession {
     /// Seals the cookie bound to `principal` (a digest, of which the first 16 bytes are
     /// kept).
     pub fn seal(&self, ring: &KeyRing, principal: &[u8]) -> String {
-        seal::seal_for_principal(ring, Purpose::DataSession, principal, self)
+        seal::seal_for_principal(ring, Purpose::DataSession, principal, &(self, self.version))
     }
 
     /// Opens a cookie presented by `principal`; `now` is seconds since the Unix epoch.
@@ -90,8 +96,9 @@ impl DataSession {
     /// Opens a cookie without checking whom it is bound to or its expiry (for
     /// `inspect`); returns the principal digest it was sealed with.
     pub fn open_unbound(ring: &KeyRing, text: &str) -> Result<(Vec<u8>, DataSession), OpenError> {
-        let (bound, session): (Vec<u8>, DataSession) =
-            seal::open_with_principal(ring, Purpose::DataSession, text, MAX_COOKIE_LEN)?;
+        let (bound, mut session, version): (Vec<u8>, DataSession, Option<Revision>) =
+            seal::open_with_principal_extended(ring, Purpose::DataSession, text, MAX_COOKIE_LEN)?;
+        session.version = version.unwrap_or_default();
         SessionToken::validate_upstream_session(&session.upstream_session)
             .map_err(|_| OpenError::BadPayload)?;
         Ok((bound, session))
@@ -138,7 +145,23 @@ mod tests {
             upstream_session: "5b0c3a1e4d2f4f8e9c1a7f6e5d4c3b2a".into(),
             expires_at: 2_000_000_000,
             session_id: 0x0123_4567_89ab_cdef,
+            version: Revision::parse("2025-06-18").unwrap(),
         }
+    }
+
+    #[test]
+    fn a_cookie_sealed_without_the_revision_opens_with_the_one_asked_for() {
+        // What a release before the extension sealed: the layout alone.
+        let theirs = seal::seal_for_principal(&ring(), Purpose::DataSession, b"p", &sample());
+        let opened = DataSession::open(&ring(), b"p", &theirs, 0).unwrap();
+        assert_eq!(opened.version, Revision::REQUESTED);
+        assert_eq!(opened.upstream_session, sample().upstream_session);
+        // And what this one seals, that release reads as the layout, the rest left.
+        let ours = sample().seal(&ring(), b"p");
+        let (_, read): (Vec<u8>, DataSession) =
+            seal::open_with_principal(&ring(), Purpose::DataSession, &ours, MAX_COOKIE_LEN)
+                .unwrap();
+        assert_eq!(read.session_id, sample().session_id);
     }
 
     #[test]

@@ -41,6 +41,7 @@ use super::translate::{Action, Round, RoundLimits};
 use crate::config::ResumeMode;
 use crate::mrtr::modern::{code as mcode, gateway_code as gcode};
 use crate::outcome::{Class, Refusal};
+use crate::protocol::revision::Revision;
 use crate::protocol::sse::Event;
 use serde_json::{json, Map, Value};
 use std::collections::VecDeque;
@@ -173,10 +174,12 @@ pub enum CallReply {
 pub enum Input {
     /// `OpenSession`: the session is open (`session` is its id, if the server gave one);
     /// `warm`: it was initialized ahead of demand, and may have been forgotten upstream
-    /// since; `session_stream`: its GET stream is open already (opened with it).
+    /// since; `session_stream`: its GET stream is open already (opened with it);
+    /// `version`: the revision it negotiated.
     SessionOpened {
         endpoint: SocketAddr,
         session: Option<String>,
+        version: Revision,
         warm: bool,
         session_stream: bool,
     },
@@ -663,10 +666,14 @@ impl Flow {
                 Input::SessionOpened {
                     endpoint,
                     session,
+                    version,
                     warm,
                     session_stream,
                 },
-            ) => self.session_opened(endpoint, session, warm, session_stream),
+            ) => {
+                let call = self.upstream_call(endpoint, session, version);
+                self.session_opened(call, warm, session_stream)
+            }
             (Phase::Opening, Input::SessionFailed(failure)) => {
                 self.finish(Ending::Refused(self.refusal_for(&failure)))
             }
@@ -737,21 +744,26 @@ impl Flow {
         Phase::Opening
     }
 
-    fn session_opened(
-        &mut self,
+    /// The call about to go out in a session just opened (its id is given when it is
+    /// posted).
+    fn upstream_call(
+        &self,
         endpoint: SocketAddr,
         session: Option<String>,
-        warm: bool,
-        session_stream: bool,
-    ) -> Phase {
-        self.opened_session = !self.config.data_session;
-        self.warm_session = warm;
-        let call = UpstreamCall {
+        version: Revision,
+    ) -> UpstreamCall {
+        UpstreamCall {
             endpoint,
             session: session.unwrap_or_default(),
             id: UpstreamId::Number(0),
             data_session: self.config.data_session,
-        };
+            version,
+        }
+    }
+
+    fn session_opened(&mut self, call: UpstreamCall, warm: bool, session_stream: bool) -> Phase {
+        self.opened_session = !self.config.data_session;
+        self.warm_session = warm;
         // A data-layer session has no GET stream of the flow's: calls in it may run at
         // once, and only each call's own stream says which call a request belongs to. A
         // warm session's stream was opened with it.

@@ -5,7 +5,9 @@
 //!
 //! The payload's layout is versioned by the envelope (`seal::VERSION`, authenticated):
 //! this replica seals the current layout and opens the one before too (`v1`, the layout
-//! of the release before phases), so states in flight survive a rolling upgrade.
+//! of the release before phases), so states in flight survive a rolling upgrade. After
+//! the layout comes one extension (`seal`'s rule: ignored by the replicas before it): the
+//! revision the call's session negotiated.
 //!
 //! It is sealed with `Purpose::RequestState` together with its binding: a digest of the
 //! principal, and a digest of the method, the tool name or resource uri and the
@@ -15,6 +17,7 @@
 //! `inspect` a state without knowing the request it belongs to.
 
 use crate::keys::{KeyRing, Purpose};
+use crate::protocol::revision::Revision;
 use crate::seal::{self, same, OpenError};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -152,6 +155,11 @@ pub struct UpstreamCall {
     /// The call runs in a data-layer session: it reads only the call's own stream and
     /// never deletes the upstream session.
     pub data_session: bool,
+    /// The revision the session negotiated, which its every request names. Sealed after
+    /// the layout, as an extension; a state without one (sealed by a release before it)
+    /// has the revision the gateway asks for, which those releases spoke.
+    #[serde(skip)]
+    pub version: Revision,
 }
 
 /// Where a resumable flow's streams are resumed from.
@@ -169,6 +177,15 @@ pub struct Positions {
 impl Waiting {
     /// The upstream call, once there is one.
     pub fn call(&self) -> Option<&UpstreamCall> {
+        match self {
+            Waiting::Deferred { .. } => None,
+            Waiting::Resumable { call, .. } | Waiting::Held { call, .. } => Some(call),
+            Waiting::Reissue { call } => Some(call),
+        }
+    }
+
+    /// The upstream call, to change what it knows.
+    fn call_mut(&mut self) -> Option<&mut UpstreamCall> {
         match self {
             Waiting::Deferred { .. } => None,
             Waiting::Resumable { call, .. } | Waiting::Held { call, .. } => Some(call),
@@ -301,7 +318,7 @@ impl FlowState {
 
     /// The length of the plaintext sealed for this state (with its binding).
     pub fn plaintext_len(&self) -> usize {
-        postcard::to_allocvec(&([0u8; 32], self)).map_or(usize::MAX, |v| v.len())
+        postcard::to_allocvec(&([0u8; 32], self)).map_or(usize::MAX, |v| self.extended(v).len())
     }
 
     /// Why this state is too large for `limit`, sealed under a key id of `kid_len` bytes.
@@ -351,7 +368,27 @@ impl FlowState {
     pub fn seal(&self, ring: &KeyRing, binding: &[u8; 32]) -> String {
         let plain = postcard::to_extend(&(binding, self), Vec::with_capacity(256))
             .expect("a flow state always serializes");
-        seal::seal(ring, Purpose::RequestState, b"", &plain)
+        seal::seal(ring, Purpose::RequestState, b"", &self.extended(plain))
+    }
+
+    /// `plain`, a sealed layout of the state, followed by its extension: the call's
+    /// session revision, when there is a call.
+    fn extended(&self, plain: Vec<u8>) -> Vec<u8> {
+        match self.waiting.call() {
+            Some(call) => {
+                postcard::to_extend(&call.version, plain).expect("a revision always serializes")
+            }
+            None => plain,
+        }
+    }
+
+    /// Sets what the extension after a sealed layout (`rest`) says, if there is one.
+    fn extend_from(&mut self, rest: &[u8]) -> Result<(), OpenError> {
+        let version = seal::extension::<Revision>(rest)?;
+        if let (Some(version), Some(call)) = (version, self.waiting.call_mut()) {
+            call.version = version;
+        }
+        Ok(())
     }
 
     /// Seals the state in the previous layout (`v1`), which replicas of the release before
@@ -366,7 +403,7 @@ impl FlowState {
             Purpose::RequestState,
             seal::OLDEST_VERSION,
             b"",
-            &plain,
+            &self.extended(plain),
         )
     }
 
@@ -391,11 +428,16 @@ impl FlowState {
         let (version, plain) =
             seal::open_version(ring, Purpose::RequestState, b"", text, MAX_STATE_LEN)?;
         let bad = |_| OpenError::BadPayload;
-        if version == seal::VERSION {
-            return postcard::from_bytes(&plain).map_err(bad);
-        }
-        let (bound, old): ([u8; 32], v1::FlowState) = postcard::from_bytes(&plain).map_err(bad)?;
-        Ok((bound, old.into()))
+        let (bound, mut state, rest) = if version == seal::VERSION {
+            let ((bound, state), rest) = postcard::take_from_bytes(&plain).map_err(bad)?;
+            (bound, state, rest)
+        } else {
+            let ((bound, old), rest): (([u8; 32], v1::FlowState), _) =
+                postcard::take_from_bytes(&plain).map_err(bad)?;
+            (bound, FlowState::from(old), rest)
+        };
+        state.extend_from(rest)?;
+        Ok((bound, state))
     }
 }
 
@@ -403,6 +445,7 @@ impl FlowState {
 /// replicas of that release sealed, and what they open.
 pub mod v1 {
     use super::{HeldAt, Known, Pending, Positions, UpstreamCall, UpstreamId, Waiting};
+    use crate::protocol::revision::Revision;
     use serde::{Deserialize, Serialize};
     use std::net::SocketAddr;
 
@@ -436,6 +479,7 @@ pub mod v1 {
                 session: old.upstream_session,
                 id: old.call_id,
                 data_session: old.data_session,
+                version: Revision::default(),
             };
             let waiting = match (old.round, old.reissue, old.held) {
                 (DEFERRED, ..) => Waiting::Deferred {
@@ -477,6 +521,7 @@ pub mod v1 {
                 session: String::new(),
                 id: UpstreamId::Number(0),
                 data_session: new.waiting.data_session(),
+                version: Revision::default(),
             };
             let call = new.waiting.call().cloned().unwrap_or(unstarted);
             let (last_event_id, round_start) = match &new.waiting {
@@ -536,6 +581,7 @@ mod tests {
                     session: "5b0c3a1e-4d2f-4f8e-9c1a-7f6e5d4c3b2a".into(),
                     id: UpstreamId::Number(1),
                     data_session: false,
+                    version: Revision::default(),
                 },
                 pending: vec![Pending {
                     key: "elicitation_0".into(),
@@ -702,5 +748,50 @@ mod tests {
             FlowState::open(&ring(), &b, &old, 1_900_000_000).unwrap(),
             one_elicitation()
         );
+    }
+
+    /// A state whose session negotiated an older revision than the one asked for.
+    fn on_an_older_revision() -> FlowState {
+        let mut state = one_elicitation();
+        if let Waiting::Resumable { call, .. } = &mut state.waiting {
+            call.version = Revision::parse("2025-06-18").unwrap();
+        }
+        state
+    }
+
+    #[test]
+    fn the_sessions_revision_travels_after_either_layout() {
+        let b = binding(&[1; 32], "tools/call", Some("ask_name"), Some(&json!({})));
+        let state = on_an_older_revision();
+        for sealed in [state.seal(&ring(), &b), state.seal_previous(&ring(), &b)] {
+            assert_eq!(
+                FlowState::open(&ring(), &b, &sealed, 1_900_000_000).unwrap(),
+                state
+            );
+        }
+        // Four bytes more than without it.
+        let without = postcard::to_allocvec(&([0u8; 32], &state)).unwrap().len();
+        assert_eq!(state.plaintext_len(), without + 4);
+    }
+
+    #[test]
+    fn a_state_sealed_without_the_revision_opens_with_the_one_asked_for() {
+        // What a release before the extension sealed: the layout alone. Replicas of that
+        // release read what this one seals the same way: the layout, the rest left.
+        let b = binding(&[1; 32], "tools/call", Some("ask_name"), Some(&json!({})));
+        let state = on_an_older_revision();
+        let plain = postcard::to_allocvec(&(&b, &state)).unwrap();
+        let theirs = seal::seal(&ring(), Purpose::RequestState, b"", &plain);
+        let opened = FlowState::open(&ring(), &b, &theirs, 1_900_000_000).unwrap();
+        assert_eq!(opened, one_elicitation());
+        let ours = seal::open(
+            &ring(),
+            Purpose::RequestState,
+            b"",
+            &state.seal(&ring(), &b),
+            4096,
+        );
+        let (_, read): ([u8; 32], FlowState) = postcard::from_bytes(&ours.unwrap()).unwrap();
+        assert_eq!(read, one_elicitation(), "the layout reads alone");
     }
 }

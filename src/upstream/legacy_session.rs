@@ -6,6 +6,7 @@
 use super::exchange::{Connection, ExchangeError, ExchangeFailure, Response, UpstreamClient};
 use super::{Endpoint, Timeouts};
 use crate::protocol::headers::{EndToEnd, MCP_SESSION_ID};
+use crate::protocol::revision::Revision;
 use crate::protocol::sse;
 use crate::protocol::target::upstream_target;
 use crate::protocol::trace::TraceContext;
@@ -16,8 +17,6 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-/// The legacy revision the gateway speaks upstream.
-pub const UPSTREAM_VERSION: &str = "2025-11-25";
 /// Largest upstream SSE event or JSON body the bridge reads.
 pub const MAX_UPSTREAM_MESSAGE: usize = 4 << 20;
 /// Longest wait for the DELETE of a session nobody will use (`LegacySession::abandon`).
@@ -28,7 +27,8 @@ pub struct LegacySession<'a> {
     pub endpoint: Endpoint,
     pub timeouts: &'a Timeouts,
     pub session_id: Option<String>,
-    pub version: String,
+    /// The revision the session negotiated (what the gateway asked for until then).
+    pub version: Revision,
     /// The client request the session acts for now.
     pub caller: Caller,
     /// A data-layer session's: it outlives the flows run in it, which never delete it.
@@ -170,12 +170,12 @@ impl<'a> LegacySession<'a> {
             endpoint,
             timeouts,
             session_id: None,
-            version: UPSTREAM_VERSION.into(),
+            version: Revision::REQUESTED,
             caller: caller.clone(),
             persistent: false,
         };
         let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
-            "protocolVersion": UPSTREAM_VERSION, "capabilities": capabilities, "clientInfo": client_info}});
+            "protocolVersion": Revision::REQUESTED.to_string(), "capabilities": capabilities, "clientInfo": client_info}});
         let mut response = session.post(&init).await?;
         session.session_id = response
             .header()
@@ -209,8 +209,9 @@ impl<'a> LegacySession<'a> {
         let result = answer?.get("result").cloned().ok_or_else(|| {
             SessionError::protocol(Some(self.endpoint.addr), "did not initialize")
         })?;
-        if let Some(v) = result["protocolVersion"].as_str() {
-            self.version = v.to_string();
+        // Anything but a date is not a revision: the session keeps the one asked for.
+        if let Some(v) = result["protocolVersion"].as_str().and_then(Revision::parse) {
+            self.version = v;
         }
         let initialized = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
         self.post_and_expect_accepted(&initialized).await?;
@@ -218,19 +219,20 @@ impl<'a> LegacySession<'a> {
         Ok(result)
     }
 
-    /// A session opened earlier, possibly by another replica.
+    /// A session opened earlier, possibly by another replica, which negotiated `version`.
     pub fn resume(
         client: &'a UpstreamClient,
         endpoint: Endpoint,
         timeouts: &'a Timeouts,
         session_id: String,
+        version: Revision,
     ) -> LegacySession<'a> {
         LegacySession {
             client,
             endpoint,
             timeouts,
             session_id: Some(session_id),
-            version: UPSTREAM_VERSION.into(),
+            version,
             caller: Caller::default(),
             persistent: false,
         }
@@ -253,7 +255,7 @@ impl<'a> LegacySession<'a> {
         let _ = req.insert_header("accept", accept);
         // The bridge reads every body itself: uncoded (no header would allow any coding).
         let _ = req.insert_header("accept-encoding", "identity");
-        let _ = req.insert_header("mcp-protocol-version", self.version.as_str());
+        let _ = req.insert_header("mcp-protocol-version", self.version.header_value());
         if let Some(sid) = &self.session_id {
             let _ = req.insert_header(MCP_SESSION_ID, sid.as_str());
         }

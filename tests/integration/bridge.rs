@@ -62,6 +62,45 @@ fn modern_clients_complete_flows_against_the_rust_sdk_servers() {
     }
 }
 
+/// A server on an SDK release before 2025-11-25 (TypeScript SDK 1.17.5) negotiates
+/// 2025-06-18 and refuses a request naming any other revision with 400. Every later
+/// round resumes its session, on this replica or another, naming the revision the session
+/// negotiated (sealed in the state): both official modern clients complete every kind of
+/// question, and a flow whose rounds alternate replicas completes too.
+#[test]
+fn rounds_name_the_revision_their_session_negotiated() {
+    let (_upstream, url) = start_upstream(Upstream::TypeScriptSdk117);
+    let a = TestGateway::start(&[&url], &test_keys());
+    let b = TestGateway::start(&[&url], &test_keys());
+    for scenario in ["elicit", "multi", "sample", "roots"] {
+        assert_modern_call(&python_modern(&[&a.url, scenario]), scenario);
+        assert_modern_call(&ts_modern(&[&a.url, scenario]), scenario);
+        println!("modern clients -> gateway -> TypeScript SDK 1.17.5: {scenario} ok");
+    }
+    let lines = python_modern(&[&a.url, "alternate", &b.url]);
+    let replicas: Vec<&str> = lines.iter().filter_map(|l| l["replica"].as_str()).collect();
+    assert_eq!(replicas, ["A", "B"], "{lines:?}");
+    assert_eq!(lines.last().unwrap()["text"], "Trip to Lisbon for 3 nights");
+}
+
+/// The reaper's DELETE of an abandoned flow's session names the revision the session
+/// negotiated: a server that refuses any other (TypeScript SDK 1.17.5) would keep it.
+#[test]
+fn an_abandoned_flow_on_an_older_revision_is_deleted_at_its_deadline() {
+    let (_upstream, url) = start_upstream(Upstream::TypeScriptSdk117);
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.bridge.request_state_ttl_seconds = 1;
+        c.bridge.max_flow_seconds = 2;
+    });
+    let first = ask_name(&Raw::new(&gw.url), 1, json!({}));
+    assert_eq!(first["result"]["resultType"], "input_required", "{first}");
+    wait_until(
+        "the reaper to delete the abandoned session",
+        Duration::from_secs(15),
+        || metric_with(&gw.admin, "mrtr_gateway_upstream_sessions_total", "reaped") == Some(1.0),
+    );
+}
+
 #[test]
 fn server_everything_serves_modern_clients_through_the_gateway() {
     let (_upstream, url) = start_upstream(Upstream::Everything);

@@ -389,6 +389,7 @@ fn a_state_naming_an_owner_outside_the_peer_set_is_never_forwarded() {
                 session: "s".into(),
                 id: UpstreamId::Number(1),
                 data_session: false,
+                version: Default::default(),
             },
             pending: vec![Pending {
                 key: "elicitation_0".into(),

@@ -138,6 +138,7 @@ impl Fixture {
                     session: "upstream-session".into(),
                     id: UpstreamId::Number(1),
                     data_session: false,
+                    version: Default::default(),
                 },
                 pending: vec![Pending {
                     key: "user_name".into(),

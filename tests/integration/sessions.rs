@@ -164,6 +164,35 @@ fn a_session_keeps_upstream_state_across_calls_replicas_and_a_round() {
     );
 }
 
+/// Every request in a data-layer session names the revision the session negotiated,
+/// sealed in its cookie: a server that refuses any other (TypeScript SDK 1.17.5, which
+/// speaks 2025-06-18) serves calls, a round and the DELETE on any replica.
+#[test]
+fn a_session_names_the_revision_it_negotiated_on_every_replica() {
+    let (_upstream, url) = start_upstream(Upstream::TypeScriptSdk117);
+    let (a, b) = (legacy_gateway(&url), legacy_gateway(&url));
+    let (ra, rb) = (Raw::new(&a.url), Raw::new(&b.url));
+    let created = create(&ra, 1, json!({}));
+    let added = call(
+        &rb,
+        2,
+        "add",
+        json!({"a": 2, "b": 3}),
+        Some(&cookie_of(&created)),
+    );
+    assert_eq!(text(&added), "2+3=5");
+    let asked = call(&ra, 3, "ask_name", json!({}), Some(&cookie_of(&added)));
+    assert_eq!(question(&asked), "What is your name?");
+    let retry = answer(&asked, json!({"name": "Ada"}));
+    let cookie = cookie_of(&asked);
+    let (status, done) = call_status(&rb, 4, "ask_name", json!({}), Some(&cookie), retry);
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(text(&done), "Hello, Ada!");
+    let meta = json!({"_meta": {"mcp/session": {"id": cookie_of(&done)["id"]}}});
+    let deleted = ra.modern(5, "session/delete", meta, json!({})).json();
+    assert_eq!(deleted["result"]["deleted"], true, "{deleted}");
+}
+
 #[test]
 fn session_delete_ends_the_upstream_session_and_revokes_the_cookie() {
     let (_upstream, url) = start_upstream(Upstream::Python);
@@ -241,6 +270,7 @@ fn foreign_expired_and_tampered_cookies_get_one_error_and_reach_no_upstream() {
         upstream_session: "s1".into(),
         expires_at: now_secs() + 600,
         session_id: 1,
+        version: Default::default(),
     };
     let with = |change: &dyn Fn(&mut DataSession)| {
         let mut cookie = good.clone();

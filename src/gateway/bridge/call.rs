@@ -21,7 +21,7 @@ use crate::mrtr::flow::{
 };
 use crate::mrtr::modern::ModernRequest;
 use crate::mrtr::replay::{self, Claim, StateDigest};
-use crate::mrtr::state::{binding, now_ms, now_secs, FlowState, HeldAt, Waiting};
+use crate::mrtr::state::{binding, now_ms, now_secs, FlowState, HeldAt, UpstreamCall, Waiting};
 use crate::mrtr::translate::RoundLimits;
 use crate::outcome::{Class, Outcome, Refusal, Report};
 use crate::protocol::jsonrpc::code;
@@ -144,7 +144,7 @@ async fn continue_flow(
         Waiting::Held { at, .. } => match gw.flows.held.take(at.slot, state.flow_id) {
             Some(held) => {
                 gw.runtime.metrics.held_event("resumed");
-                let mut upstream = resume(call, held.endpoint.clone(), &upstream_call.session);
+                let mut upstream = resume(call, held.endpoint.clone(), &upstream_call);
                 upstream.persistent = upstream_call.data_session;
                 let io = Io {
                     streams: held.streams,
@@ -166,7 +166,7 @@ async fn continue_flow(
         // Checked when the state was opened; the group's answer changed since.
         return refuse_state(gw, session, reply, call.group, "unknown_endpoint").await;
     };
-    let mut upstream = resume(call, endpoint, &upstream_call.session);
+    let mut upstream = resume(call, endpoint, &upstream_call);
     upstream.persistent = upstream_call.data_session;
     gw.runtime.metrics.upstream_session("reused");
     let scoped = match &state.waiting {
@@ -196,14 +196,15 @@ async fn continue_flow(
 fn resume<'g>(
     call: &Call<'g>,
     endpoint: crate::upstream::Endpoint,
-    session: &str,
+    upstream_call: &UpstreamCall,
 ) -> LegacySession<'g> {
     let gw = call.gw;
     let mut upstream = LegacySession::resume(
         &gw.upstreams.client,
         endpoint,
         &call.group.timeouts,
-        session.to_string(),
+        upstream_call.session.clone(),
+        upstream_call.version,
     );
     upstream.caller = super::caller(call.request);
     upstream
@@ -580,6 +581,7 @@ async fn execute<'g>(
                 upstream.timeouts,
                 sid,
                 &upstream.caller.headers,
+                upstream.version,
                 until,
             );
             Some(Input::Watched(watched))
@@ -675,6 +677,7 @@ fn opened<'g>(
     let input = Input::SessionOpened {
         endpoint: upstream.endpoint.addr,
         session: upstream.session_id.clone(),
+        version: upstream.version,
         warm,
         session_stream: session_stream.is_some(),
     };
@@ -807,7 +810,11 @@ async fn hold(
         expires_at,
         upstream.endpoint.clone(),
         *upstream.timeouts,
-        upstream.session_id.clone().filter(|_| !upstream.persistent),
+        upstream
+            .session_id
+            .clone()
+            .filter(|_| !upstream.persistent)
+            .map(|sid| (sid, upstream.version)),
         streams,
         questions,
     );

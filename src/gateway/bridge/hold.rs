@@ -14,6 +14,7 @@
 use super::streams::Streams;
 use crate::gateway::Gateway;
 use crate::mrtr::state::now_secs;
+use crate::protocol::revision::Revision;
 use crate::upstream::legacy_session::LegacySession;
 use crate::upstream::{Endpoint, Timeouts};
 use async_trait::async_trait;
@@ -33,9 +34,9 @@ pub(super) struct Held {
     pub expires_at: u64,
     pub endpoint: Endpoint,
     pub timeouts: Timeouts,
-    /// The upstream session, unless it is a data-layer session's, which outlives its
-    /// flows and is never deleted with one.
-    pub session_id: Option<String>,
+    /// The upstream session and the revision it negotiated, unless it is a data-layer
+    /// session's, which outlives its flows and is never deleted with one.
+    pub session: Option<(String, Revision)>,
     pub streams: Streams,
     /// The round's questions by key, to ask again those the retry leaves unanswered.
     pub questions: Map<String, Value>,
@@ -50,7 +51,7 @@ impl Held {
         expires_at: u64,
         endpoint: Endpoint,
         timeouts: Timeouts,
-        session_id: Option<String>,
+        session: Option<(String, Revision)>,
         streams: Streams,
         questions: Map<String, Value>,
     ) -> Box<Held> {
@@ -61,7 +62,7 @@ impl Held {
             expires_at,
             endpoint,
             timeouts,
-            session_id,
+            session,
             streams,
             questions,
             bytes,
@@ -71,9 +72,10 @@ impl Held {
     /// Ends the flow: closes its streams and deletes its upstream session (one of its own).
     pub async fn abandon(self, gw: &Gateway) {
         self.streams.close(&gw.upstreams.client).await;
-        if let Some(sid) = self.session_id {
+        if let Some((sid, version)) = self.session {
             gw.flows.reaper.forget(&self.endpoint, &sid);
-            LegacySession::resume(&gw.upstreams.client, self.endpoint, &self.timeouts, sid)
+            let client = &gw.upstreams.client;
+            LegacySession::resume(client, self.endpoint, &self.timeouts, sid, version)
                 .reap()
                 .await;
         }

@@ -432,7 +432,7 @@ async fn one_shot(
     let answer = ask_once(gw, &upstream, request).await;
     match (&answer, upstream.session_id.clone()) {
         (Ok(_), Some(sid)) => {
-            let (addr, version) = (upstream.endpoint.addr, upstream.version.clone());
+            let (addr, version) = (upstream.endpoint.addr, upstream.version);
             let now = Instant::now();
             retired.extend(
                 gw.upstreams
@@ -549,8 +549,8 @@ async fn end_session_later(gw: &Gateway, upstream: LegacySession<'_>, streams: s
     let timeouts = *upstream.timeouts;
     let (endpoint, version, caller) = (upstream.endpoint, upstream.version, upstream.caller);
     tokio::spawn(async move {
-        let mut session = LegacySession::resume(&client, endpoint, &timeouts, sid);
-        (session.version, session.caller) = (version, caller);
+        let mut session = LegacySession::resume(&client, endpoint, &timeouts, sid, version);
+        session.caller = caller;
         session.delete().await;
         streams.drain(&client, STREAMS_END_WITH_SESSION).await;
         drop(permit);

@@ -13,6 +13,7 @@
 //! challenge) is replaced, and the request sent again on the new one: either means the
 //! request was not processed.
 
+use crate::protocol::revision::Revision;
 use crate::upstream::exchange::UpstreamClient;
 use crate::upstream::legacy_session::LegacySession;
 use crate::upstream::{Timeouts, UpstreamGroup};
@@ -30,8 +31,8 @@ pub type Shape = [u8; 32];
 pub struct Kept {
     pub endpoint: SocketAddr,
     pub session_id: String,
-    /// The protocol version the upstream negotiated for it.
-    pub version: String,
+    /// The revision the upstream negotiated for it.
+    pub version: Revision,
     last_used: Instant,
 }
 
@@ -95,7 +96,7 @@ impl KeptSessions {
         shape: Shape,
         endpoint: SocketAddr,
         session_id: String,
-        version: String,
+        version: Revision,
         now: Instant,
     ) -> Option<Kept> {
         let mut sessions = self.sessions.lock().expect("kept sessions lock");
@@ -148,9 +149,14 @@ pub fn resume<'g>(
     kept: &Kept,
 ) -> Option<LegacySession<'g>> {
     let endpoint = group.endpoint(kept.endpoint)?;
-    let mut session = LegacySession::resume(client, endpoint, timeouts, kept.session_id.clone());
-    session.version = kept.version.clone();
-    Some(session)
+    let id = kept.session_id.clone();
+    Some(LegacySession::resume(
+        client,
+        endpoint,
+        timeouts,
+        id,
+        kept.version,
+    ))
 }
 
 #[cfg(test)]
@@ -182,7 +188,7 @@ mod tests {
         let t0 = Instant::now();
         let kept = KeptSessions::new(2, Duration::from_secs(60));
         let keep = |shape: u8, sid: &str, at: Instant| {
-            kept.keep([shape; 32], addr(), sid.into(), "v".into(), at)
+            kept.keep([shape; 32], addr(), sid.into(), Revision::REQUESTED, at)
         };
         assert!(keep(1, "a", t0).is_none());
         assert!(keep(2, "b", t0).is_none());

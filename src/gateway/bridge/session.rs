@@ -34,6 +34,7 @@ impl Attached {
             self.endpoint.clone(),
             &group.timeouts,
             self.cookie.upstream_session.clone(),
+            self.cookie.version,
         );
         upstream.persistent = true;
         upstream
@@ -185,6 +186,7 @@ pub(super) async fn create(
             upstream_session: sid,
             expires_at: 0,
             session_id: rand::random(),
+            version: upstream.version,
         },
         endpoint: upstream.endpoint.clone(),
     };

@@ -27,6 +27,7 @@ use super::streams::open_session_stream;
 use super::{caller, client_info};
 use crate::gateway::Gateway;
 use crate::mrtr::modern::ModernRequest;
+use crate::protocol::revision::Revision;
 use crate::upstream::exchange::{Connection, Response, UpstreamClient};
 use crate::upstream::legacy_session::{Caller, LegacySession};
 use crate::upstream::{Endpoint, Timeouts, UpstreamGroup};
@@ -79,8 +80,9 @@ pub(super) fn take<'g>(
         endpoint,
         &group.timeouts,
         warm.session_id,
+        warm.version,
     );
-    (session.version, session.caller) = (warm.version, caller(request));
+    session.caller = caller(request);
     Some((session, warm.stream))
 }
 
@@ -120,7 +122,7 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
                         endpoint: session.endpoint.clone(),
                         timeouts,
                         session_id,
-                        version: session.version.clone(),
+                        version: session.version,
                         caller,
                         opened: Instant::now(),
                         stream,
@@ -141,8 +143,9 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
 
 /// Deletes `warm` upstream (best effort).
 async fn delete(client: &UpstreamClient, warm: Warm) {
-    let mut session = LegacySession::resume(client, warm.endpoint, &warm.timeouts, warm.session_id);
-    (session.version, session.caller) = (warm.version, warm.caller);
+    let (endpoint, timeouts, id) = (warm.endpoint, &warm.timeouts, warm.session_id);
+    let mut session = LegacySession::resume(client, endpoint, timeouts, id, warm.version);
+    session.caller = warm.caller;
     session.delete().await;
 }
 
@@ -186,8 +189,8 @@ pub struct Warm {
     pub endpoint: Endpoint,
     pub timeouts: Timeouts,
     pub session_id: String,
-    /// The protocol version the upstream negotiated for it.
-    pub version: String,
+    /// The revision the upstream negotiated for it.
+    pub version: Revision,
     /// The headers it was opened with, for its DELETE when it idles out.
     pub caller: Caller,
     pub opened: Instant,
@@ -354,7 +357,7 @@ mod tests {
                 stream_idle: None,
             },
             session_id: id.into(),
-            version: "2025-11-25".into(),
+            version: Revision::REQUESTED,
             caller: Caller::default(),
             opened,
             stream: None,

@@ -45,6 +45,8 @@ fn config() -> FlowConfig {
 /// How the scripted upstream answers the commands that wait for an answer.
 struct Upstream {
     session: Option<String>,
+    /// The revision the sessions negotiate.
+    version: Revision,
     /// How `OpenSession` fails, if it does.
     open_failure: Option<Failure>,
     /// Whether each `OpenSession` in turn hands a warm session (then a fresh one).
@@ -69,6 +71,7 @@ impl Default for Upstream {
     fn default() -> Self {
         Upstream {
             session: Some("s1".into()),
+            version: Revision::REQUESTED,
             open_failure: None,
             warm: VecDeque::new(),
             session_stream: false,
@@ -94,6 +97,7 @@ impl Upstream {
                 None => Input::SessionOpened {
                     endpoint: ENDPOINT.parse().unwrap(),
                     session: self.session.clone(),
+                    version: self.version,
                     warm: self.warm.pop_front().unwrap_or(false),
                     session_stream: self.session_stream,
                 },
@@ -334,6 +338,27 @@ fn a_new_call_opens_the_session_stream_before_posting_and_asks_after_the_quiet_w
     assert_eq!(state.round, 1);
     assert_eq!(state.expires_at, 1_000_600);
     assert!(!h.log.contains(&Command::DeleteSession));
+}
+
+#[test]
+fn every_round_names_the_revision_the_session_negotiated() {
+    let older = Revision::parse("2025-06-18").unwrap();
+    let upstream = Upstream {
+        version: older,
+        ..Upstream::default()
+    };
+    let mut first = Harness::new_call(config(), upstream);
+    first.event(Stream::Call, Some("c1"), &json!(""));
+    first.event(Stream::Call, Some("c2"), &question(0, "Name?"));
+    first.advance(Duration::from_millis(10));
+    let version = |h: &Harness| h.state().waiting.call().map(|c| c.version);
+    assert_eq!(version(&first), Some(older));
+    // The retry's round asks again: its state still names the session's revision.
+    let mut second = answered(&first, "Ada");
+    second.event(Stream::Call, Some("c3"), &json!(""));
+    second.event(Stream::Call, Some("c4"), &question(1, "Age?"));
+    second.advance(Duration::from_millis(10));
+    assert_eq!(version(&second), Some(older));
 }
 
 #[test]
