@@ -65,6 +65,7 @@ fn config(b: &mut Bytes) -> FlowConfig {
         quiet_window: Duration::from_millis(10),
         asks_at_once: b.next() % 2 == 0,
         poll: Duration::from_millis(500),
+        answer_timeout: Duration::from_secs(60),
         silence: Duration::from_secs(5),
         silence_seconds: 5,
         keepalive: (flags & 8 != 0).then(|| Duration::from_millis(300)),
@@ -167,6 +168,8 @@ struct Seen {
     last_call_id: Option<i64>,
     answers: HashMap<String, usize>,
     ending: Option<Ending>,
+    /// The call's answer is withheld, to come at a later step.
+    withheld: bool,
 }
 
 fn answer(command: &Command, b: &mut Bytes, seen: &mut Seen, config: &FlowConfig) -> Option<Input> {
@@ -192,11 +195,12 @@ fn answer(command: &Command, b: &mut Bytes, seen: &mut Seen, config: &FlowConfig
         }),
         Command::PostCall { id } => {
             seen.last_call_id = Some(*id);
-            Some(Input::CallPosted(match b.next() % 6 {
-                0 => Err(failure(b)),
-                1 => Ok(CallReply::Message(result(*id))),
-                _ => Ok(CallReply::Stream),
-            }))
+            // Some servers withhold the call's answer until its stream's first event.
+            if b.next() % 5 == 0 {
+                seen.withheld = true;
+                return None;
+            }
+            Some(call_reply(b, *id))
         }
         Command::Post(message) => {
             // Answers to the client's questions; a ping (id 9) is answered each time.
@@ -230,6 +234,14 @@ fn answer(command: &Command, b: &mut Bytes, seen: &mut Seen, config: &FlowConfig
         }
         _ => None,
     }
+}
+
+fn call_reply(b: &mut Bytes, id: i64) -> Input {
+    Input::CallPosted(match b.next() % 6 {
+        0 => Err(failure(b)),
+        1 => Ok(CallReply::Message(result(id))),
+        _ => Ok(CallReply::Stream),
+    })
 }
 
 fn result(id: i64) -> Value {
@@ -312,6 +324,17 @@ fuzz_target!(|input: &[u8]| {
             0..=4 if flow.is_reading() => {
                 let input = event(&mut b, &seen);
                 flow.handle(input, now);
+            }
+            // While the call's answer is awaited, only the session's stream is read.
+            0..=3 if flow.is_posting() => {
+                if let Input::Event { event, .. } = event(&mut b, &seen) {
+                    flow.handle(Input::Event { stream: Stream::Session, event }, now);
+                }
+            }
+            4 if std::mem::take(&mut seen.withheld) => {
+                let id = seen.last_call_id.unwrap_or(5);
+                let reply = call_reply(&mut b, id);
+                flow.handle(reply, now);
             }
             5 => flow.handle(Input::StreamEnded(Stream::Call), now),
             6 => flow.handle(Input::StreamEnded(Stream::Session), now),

@@ -29,6 +29,12 @@
 //! missed its round is replayed before the next round's answers go up, and teaches the
 //! shell that the call asks at once.
 //!
+//! While the call's POST awaits its answer, the session's GET stream is read: some
+//! servers send a POST stream's header only with its first event, and ask on the GET
+//! stream meanwhile. A message there whose call answer has not come `WITHHELD_AFTER`
+//! later starts the round without it (such a round has no call-stream position, so it is
+//! held); the answer, when it comes, opens the call's stream in the round it finds.
+//!
 //! Nothing here reads a clock, a socket or a key: times are inputs, the state is sealed by
 //! the shell (the flow checks that it fits), and the tables (reaper, held flows) are the
 //! shell's, asked through commands whose answers come back as inputs. A command that
@@ -65,6 +71,11 @@ const EMPTY_BACKOFF: Duration = Duration::from_millis(5);
 /// to prime, and (once, to learn) from one not known yet.
 const SETTLE_PRIMED: Duration = Duration::from_secs(2);
 const SETTLE_UNKNOWN: Duration = Duration::from_millis(300);
+/// How long after the session's stream spoke the call's answer may still come before the
+/// round reads on without it: a server that sends a POST stream's header only with its
+/// first event withholds it until the question is answered, while one that sends it at
+/// once takes a few milliseconds even when busy.
+const WITHHELD_AFTER: Duration = Duration::from_millis(100);
 
 /// Which upstream stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -353,6 +364,9 @@ pub struct FlowConfig {
     /// The call is known to ask several questions at once (or every round waits).
     pub asks_at_once: bool,
     pub poll: Duration,
+    /// How long the call's POST may go unanswered (no response header) while the
+    /// upstream sends nothing else: the group's response timeout.
+    pub answer_timeout: Duration,
     pub silence: Duration,
     pub silence_seconds: u64,
     pub keepalive: Option<Duration>,
@@ -414,9 +428,14 @@ enum Phase {
     OpeningSessionStream {
         call: UpstreamCall,
     },
-    /// `PostCall` sent.
+    /// `PostCall` sent; its answer (the response header) is due by `until`. Some servers
+    /// send a POST stream's header only with its first event: a message on the session's
+    /// stream meanwhile (`early`, at its time) starts the round if the answer has not come
+    /// `WITHHELD_AFTER` later, the call's answer then coming when it comes.
     Posting {
         call: UpstreamCall,
+        until: Instant,
+        early: Option<Box<(Input, Instant)>>,
     },
     /// A retry reopens the call's stream.
     Reopening(Box<Retry>),
@@ -616,6 +635,12 @@ impl Flow {
         self.commands.pop_front()
     }
 
+    /// Whether the call's answer is awaited and the session's stream is read meanwhile,
+    /// until it sends a message.
+    pub fn is_posting(&self) -> bool {
+        matches!(self.phase, Phase::Posting { early: None, .. })
+    }
+
     /// Whether the flow takes upstream events now. The shell feeds them one at a time,
     /// and keeps those the flow does not take (a round that filled up) for a later round.
     pub fn is_reading(&self) -> bool {
@@ -635,6 +660,10 @@ impl Flow {
     pub fn poll_timeout(&self) -> Option<Instant> {
         match &self.phase {
             Phase::Settling { until, .. } | Phase::Backoff { until, .. } => Some(*until),
+            Phase::Posting { until, early, .. } => match early {
+                Some(early) => Some((early.1 + WITHHELD_AFTER).min(*until)),
+                None => Some(*until),
+            },
             Phase::Reading(r) if r.posting.is_none() && !r.reopening => [
                 r.quiet_until,
                 r.reopen_at,
@@ -672,16 +701,31 @@ impl Flow {
                 },
             ) => {
                 let call = self.upstream_call(endpoint, session, version);
-                self.session_opened(call, warm, session_stream)
+                self.session_opened(call, warm, session_stream, now)
             }
             (Phase::Opening, Input::SessionFailed(failure)) => {
                 self.finish(Ending::Refused(self.refusal_for(&failure)))
             }
             (Phase::OpeningSessionStream { call }, Input::StreamOpened { .. }) => {
-                self.post_call(call)
+                self.post_call(call, now)
             }
-            (Phase::Posting { call }, Input::CallPosted(reply)) => {
-                self.call_posted(call, reply, now)
+            (Phase::Posting { call, early, .. }, Input::CallPosted(reply)) => {
+                self.call_posted(call, reply, early.map(|e| e.0), now)
+            }
+            (
+                Phase::Posting {
+                    call,
+                    until,
+                    early: None,
+                },
+                input @ Input::Event { .. },
+            ) => {
+                let early = Some(Box::new((input, now)));
+                Phase::Posting { call, until, early }
+            }
+            (Phase::Posting { call, .. }, Input::ClientGone) => {
+                let reading = self.reading_for(call, None, false, false, now);
+                self.reading(reading, Input::ClientGone, now)
             }
             (Phase::Reopening(retry), Input::Reopened { result, call_at }) => {
                 self.call_reopened(retry, result, call_at.min(now), now)
@@ -721,6 +765,18 @@ impl Flow {
                 self.answer(*retry, now)
             }
             Phase::Backoff { retry, until } if now >= until => self.reopen_call(retry, now),
+            Phase::Posting {
+                call,
+                early: Some(early),
+                ..
+            } if now >= early.1 + WITHHELD_AFTER => {
+                // The upstream spoke on the session's stream, and the call's answer is
+                // still withheld: the round reads on without it.
+                let mut reading = self.reading_for(call, None, false, false, now);
+                reading.replayed.push_back(early.0);
+                self.take_replayed(reading, now)
+            }
+            Phase::Posting { call, until, .. } if now >= until => self.call_unanswered(call),
             Phase::Reading(reading) => self.reading_timeout(reading, now),
             other => other,
         };
@@ -761,14 +817,20 @@ impl Flow {
         }
     }
 
-    fn session_opened(&mut self, call: UpstreamCall, warm: bool, session_stream: bool) -> Phase {
+    fn session_opened(
+        &mut self,
+        call: UpstreamCall,
+        warm: bool,
+        session_stream: bool,
+        now: Instant,
+    ) -> Phase {
         self.opened_session = !self.config.data_session;
         self.warm_session = warm;
         // A data-layer session has no GET stream of the flow's: calls in it may run at
         // once, and only each call's own stream says which call a request belongs to. A
         // warm session's stream was opened with it.
         if call.data_session || session_stream {
-            return self.post_call(call);
+            return self.post_call(call, now);
         }
         self.commands.push_back(Command::OpenStream {
             stream: Stream::Session,
@@ -777,17 +839,56 @@ impl Flow {
         Phase::OpeningSessionStream { call }
     }
 
-    fn post_call(&mut self, mut call: UpstreamCall) -> Phase {
+    fn post_call(&mut self, mut call: UpstreamCall, now: Instant) -> Phase {
         let id = fresh_call_id();
         call.id = UpstreamId::Number(id);
         self.commands.push_back(Command::PostCall { id });
-        Phase::Posting { call }
+        let until = now + self.config.answer_timeout;
+        Phase::Posting {
+            call,
+            until,
+            early: None,
+        }
     }
 
+    /// The call's POST went unanswered for the answer timeout, and nothing else came.
+    fn call_unanswered(&mut self, call: UpstreamCall) -> Phase {
+        self.commands.push_back(Command::CloseStreams);
+        self.delete_session(&call);
+        let why = "did not answer the call in time";
+        let failure = Failure::new(FailureKind::Timeout, format!("upstream {why}"));
+        self.finish(Ending::Refused(self.refusal_for(&failure)))
+    }
+
+    /// The answer to a call whose round began before it (its header was withheld): its
+    /// stream opens now, or its one message is read; a failure ends the round.
+    fn call_answered_late(
+        &mut self,
+        mut r: Box<Reading>,
+        reply: Result<CallReply, Failure>,
+        now: Instant,
+    ) -> Phase {
+        self.warm_session = false;
+        match reply {
+            Ok(CallReply::Stream) => {
+                r.call_open = true;
+                r.last_activity = now;
+                Phase::Reading(r)
+            }
+            Ok(CallReply::Message(message)) => {
+                let event = Event::message(None, message.to_string());
+                self.on_event(r, Stream::Call, event, now)
+            }
+            Err(failure) => self.end_round(r, RoundEnd::Failed(failure.message)),
+        }
+    }
+
+    /// The call's answer; `early`, what the session's stream sent before it, is read first.
     fn call_posted(
         &mut self,
         call: UpstreamCall,
         reply: Result<CallReply, Failure>,
+        early: Option<Input>,
         now: Instant,
     ) -> Phase {
         let warm = std::mem::take(&mut self.warm_session);
@@ -808,6 +909,7 @@ impl Flow {
         };
         let call_open = reply == CallReply::Stream;
         let mut reading = self.reading_for(call, None, call_open, false, now);
+        reading.replayed.extend(early);
         if let CallReply::Message(message) = reply {
             let event = Event::message(None, message.to_string());
             return self.reading(
@@ -820,7 +922,7 @@ impl Flow {
             );
         }
         reading.last_activity = now;
-        Phase::Reading(reading)
+        self.take_replayed(reading, now)
     }
 
     // ----- a retry -----
@@ -1057,7 +1159,7 @@ impl Flow {
         match then {
             AfterAnswers::Reissue => {
                 self.common.round += 1;
-                self.post_call(call)
+                self.post_call(call, now)
             }
             AfterAnswers::ReadHeld { questions } => {
                 let mut reading = self.reading_for(call, None, true, false, now);
@@ -1195,6 +1297,7 @@ impl Flow {
                 (_, Ok(())) => self.take_replayed(r, now),
             },
             Input::ClientGone => self.end_round(r, RoundEnd::ClientGone),
+            Input::CallPosted(reply) => self.call_answered_late(r, reply, now),
             // Only a resumable round can be handed over; others finish here. One that
             // cannot be resumed yet is handed over once it can.
             Input::Draining if self.resumes(&r) => {

@@ -289,6 +289,35 @@ impl<'a> LegacySession<'a> {
         Ok(response)
     }
 
+    /// `post`, as a future that owns what it needs, so that it can outlive this session
+    /// value (a held flow keeps it), and waits for the response header up to `patience`
+    /// rather than the response timeout.
+    pub fn post_detached(
+        &self,
+        client: Arc<UpstreamClient>,
+        message: Value,
+        patience: std::time::Duration,
+    ) -> impl std::future::Future<Output = Result<Response, SessionError>> + Send + 'static {
+        let timeouts = Timeouts {
+            response: patience,
+            ..*self.timeouts
+        };
+        let (endpoint, session_id) = (self.endpoint.clone(), self.session_id.clone());
+        let (version, caller, persistent) = (self.version, self.caller.clone(), self.persistent);
+        async move {
+            let session = LegacySession {
+                client: &client,
+                endpoint,
+                timeouts: &timeouts,
+                session_id,
+                version,
+                caller,
+                persistent,
+            };
+            session.post(&message).await
+        }
+    }
+
     /// Reads off a response's unwanted body within the response timeout, keeping its
     /// connection for the next exchange.
     async fn discard(&self, response: Response) {

@@ -83,6 +83,19 @@ fn rounds_name_the_revision_their_session_negotiated() {
     assert_eq!(lines.last().unwrap()["text"], "Trip to Lisbon for 3 nights");
 }
 
+/// TypeScript SDK 1.17.5 sends a POST stream's header only with its first event, and
+/// `elicitInput` without `relatedRequestId` (its default) asks on the session's GET
+/// stream: the question comes while the call's answer is still awaited. The round reads
+/// the GET stream meanwhile, is held with the call's POST, and the retry's answer lets
+/// the tool finish.
+#[test]
+fn a_question_asked_while_the_calls_answer_is_withheld_reaches_the_client() {
+    let (_upstream, url) = start_upstream(Upstream::TypeScriptSdk117);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    assert_modern_call(&python_modern(&[&gw.url, "getstream"]), "getstream");
+    assert_modern_call(&ts_modern(&[&gw.url, "getstream"]), "getstream");
+}
+
 /// The reaper's DELETE of an abandoned flow's session names the revision the session
 /// negotiated: a server that refuses any other (TypeScript SDK 1.17.5) would keep it.
 #[test]

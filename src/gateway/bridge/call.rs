@@ -9,7 +9,7 @@ use super::hold::{Held, NotHeld};
 use super::one_shot::Shape;
 use super::reply::{decorate, ClientReply};
 use super::session::{self, Attached};
-use super::streams::{next_chunk, open_session_stream, resume_call, Source, Streams};
+use super::streams::{answer_of, next_chunk, open_session_stream, resume_call, Source, Streams};
 use super::warm;
 use super::{end_session, end_session_later, finish_with, upstream_for, upstream_params, Incoming};
 use crate::config::{Limits, QuietWindowFor};
@@ -253,6 +253,7 @@ fn config(call: &Call<'_>, session_replay_scoped: bool) -> FlowConfig {
         quiet_window: Duration::from_millis(bridge.quiet_window_ms),
         asks_at_once: asks_at_once(gw, group, request),
         poll: Duration::from_millis(bridge.resume_poll_ms),
+        answer_timeout: group.timeouts.response,
         silence: Duration::from_secs(bridge.round_silence_seconds),
         silence_seconds: bridge.round_silence_seconds,
         keepalive: (gw.config.sse_keepalive_ms > 0)
@@ -449,13 +450,15 @@ async fn drive<'g>(
                 close_streams(call, &mut io).await;
             }
             if std::mem::take(&mut delete_pending) {
-                delete_session(call, &io).await;
+                delete_session(call, &mut io).await;
             }
             if let Some(input) = execute(call, session, &mut reply, &mut io, &flow, command).await {
                 flow.handle(input, Instant::now());
             }
         }
-        if flow.is_reading() {
+        // While the call's answer is awaited, only the session's stream is read.
+        let from_session = || io.streams.backlog.front().map(|(s, _)| *s) == Some(Source::Session);
+        if flow.is_reading() || (flow.is_posting() && from_session()) {
             if let Some((source, event)) = io.streams.backlog.pop_front() {
                 let stream = stream_of(source);
                 flow.handle(Input::Event { stream, event }, Instant::now());
@@ -491,6 +494,7 @@ async fn wait(call: &Call<'_>, session: &mut ServerSession, io: &mut Io<'_>, flo
         tokio::task::yield_now().await;
     }
     let drain = !io.drain_told;
+    let session_stream = reading || flow.is_posting();
     let (source, chunk) = tokio::select! {
         biased;
         _ = call.gw.runtime.drain.wait(), if drain => {
@@ -498,8 +502,12 @@ async fn wait(call: &Call<'_>, session: &mut ServerSession, io: &mut Io<'_>, flo
             return Woke::Input(Input::Draining);
         }
         _ = session.read_body_or_idle(true) => return Woke::Input(Input::ClientGone),
+        answer = answer_of(&mut io.streams.posted) => {
+            io.streams.posted = None;
+            return Woke::Input(call_answered(call, io, answer).await);
+        }
         c = next_chunk(&mut io.streams.call), if reading => (Source::Call, c),
-        c = next_chunk(&mut io.streams.session), if reading => (Source::Session, c),
+        c = next_chunk(&mut io.streams.session), if session_stream => (Source::Session, c),
         _ = sleep_until_or_never(timeout) => return Woke::Time,
     };
     match chunk {
@@ -557,7 +565,7 @@ async fn execute<'g>(
             after,
             session_after,
         } => Some(reopen(call, io, &after, session_after.as_deref()).await),
-        Command::PostCall { id } => Some(post_call(call, io, id).await),
+        Command::PostCall { id } => post_call(call, io, id),
         Command::Post(message) => {
             let upstream = io.upstream.as_ref()?;
             let posted = upstream.post_and_expect_accepted(&message).await;
@@ -635,7 +643,7 @@ fn take_streams(io: &mut Io<'_>) -> Streams {
 }
 
 /// Deletes the flow's upstream session (unless it is a data-layer session's).
-async fn delete_session(call: &Call<'_>, io: &Io<'_>) {
+async fn delete_session(call: &Call<'_>, io: &mut Io<'_>) {
     if let Some(upstream) = &io.upstream {
         end_session(&call.gw.flows.reaper, upstream).await;
     }
@@ -771,14 +779,31 @@ async fn session_stream(
     stream
 }
 
-async fn post_call(call: &Call<'_>, io: &mut Io<'_>, id: i64) -> Input {
+/// Sends the call; its answer is awaited beside the session's stream (`wait`), since some
+/// servers send a POST stream's header only with its first event. The POST owns what it
+/// needs, so a round that ends before the answer can hold it with the flow's streams; its
+/// header may take the flow's whole life (the flow bounds the wait while nothing else
+/// comes: `FlowConfig::answer_timeout`).
+fn post_call(call: &Call<'_>, io: &mut Io<'_>, id: i64) -> Option<Input> {
     let Some(upstream) = io.upstream.as_ref() else {
         let failure = Failure::new(FailureKind::Broken, "no upstream session");
-        return Input::CallPosted(Err(failure));
+        return Some(Input::CallPosted(Err(failure)));
     };
     let request = call.request;
     let message = json!({"jsonrpc": "2.0", "id": id, "method": request.method, "params": upstream_params(request)});
-    let mut response = match upstream.post(&message).await {
+    let client = call.gw.upstreams.client.clone();
+    let patience = Duration::from_secs(call.gw.config.bridge.max_flow_seconds);
+    io.streams.posted = Some(Box::pin(upstream.post_detached(client, message, patience)));
+    None
+}
+
+/// What the flow is told of the call's answer: its stream, its one message, or a failure.
+async fn call_answered(
+    call: &Call<'_>,
+    io: &mut Io<'_>,
+    answer: Result<Response, SessionError>,
+) -> Input {
+    let mut response = match answer {
         Ok(response) => response,
         Err(e) => return Input::CallPosted(Err(failure(&e))),
     };

@@ -10,6 +10,8 @@ use crate::upstream::legacy_session::{
 };
 use bytes::Bytes;
 use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
 use std::time::Duration;
 
 /// Which upstream stream an event came from.
@@ -21,8 +23,14 @@ pub(super) enum Source {
     Session,
 }
 
+/// The call's POST, its answer not yet come: owned, so it can be held with the flow.
+pub(super) type PostedCall = Pin<Box<dyn Future<Output = Result<Response, SessionError>> + Send>>;
+
 pub(super) struct Streams {
     pub(super) call: Option<Response>,
+    /// The call's POST while its answer (the response header) has not come; `call` is
+    /// its stream once it has. Dropped, it closes the connection.
+    pub(super) posted: Option<PostedCall>,
     call_parser: sse::Parser,
     pub(super) session: Option<Response>,
     session_parser: sse::Parser,
@@ -35,6 +43,7 @@ impl Streams {
     pub(super) fn new(call: Option<Response>, session: Option<Response>) -> Streams {
         Streams {
             call,
+            posted: None,
             call_parser: sse::Parser::new(MAX_UPSTREAM_MESSAGE),
             session,
             session_parser: sse::Parser::new(MAX_UPSTREAM_MESSAGE),
@@ -92,6 +101,14 @@ impl Streams {
             Source::Call => self.call.take(),
             Source::Session => self.session.take(),
         }
+    }
+}
+
+/// The answer to the call's POST, or never while there is none awaited.
+pub(super) async fn answer_of(posted: &mut Option<PostedCall>) -> Result<Response, SessionError> {
+    match posted {
+        Some(answer) => answer.await,
+        None => std::future::pending().await,
     }
 }
 

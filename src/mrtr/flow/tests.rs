@@ -26,6 +26,7 @@ fn config() -> FlowConfig {
         quiet_window: Duration::from_millis(10),
         asks_at_once: true,
         poll: Duration::from_secs(2),
+        answer_timeout: Duration::from_secs(60),
         silence: Duration::from_secs(45),
         silence_seconds: 45,
         keepalive: None,
@@ -47,6 +48,8 @@ struct Upstream {
     session: Option<String>,
     /// The revision the sessions negotiate.
     version: Revision,
+    /// The call's POST is not answered (its header withheld) until the test says so.
+    answer_withheld: bool,
     /// How `OpenSession` fails, if it does.
     open_failure: Option<Failure>,
     /// Whether each `OpenSession` in turn hands a warm session (then a fresh one).
@@ -72,6 +75,7 @@ impl Default for Upstream {
         Upstream {
             session: Some("s1".into()),
             version: Revision::REQUESTED,
+            answer_withheld: false,
             open_failure: None,
             warm: VecDeque::new(),
             session_stream: false,
@@ -116,6 +120,7 @@ impl Upstream {
                 result: self.call_opens.pop_front().unwrap_or(Ok(())),
                 call_at: now.checked_sub(self.session_stream_lag).unwrap_or(now),
             }),
+            Command::PostCall { .. } if self.answer_withheld => None,
             Command::PostCall { id } => {
                 Some(Input::CallPosted(match self.call_failures.pop_front() {
                     Some(failure) => Err(failure),
@@ -1272,6 +1277,115 @@ fn draining_hands_a_resumable_round_over_and_lets_a_held_one_run() {
 #[test]
 fn a_client_that_leaves_cancels_the_call() {
     let mut h = Harness::new_call(config(), Upstream::default());
+    h.feed(Input::ClientGone);
+    assert_eq!(h.ending(), &Ending::ClientGone);
+    assert!(h.log.contains(&Command::DeleteSession) && h.log.contains(&Command::CloseStreams));
+}
+
+/// A server that sends a POST stream's header only with its first event (TypeScript SDK
+/// releases that do not flush it) and asks on the session's GET stream: the question
+/// comes while the call's answer is still awaited.
+fn withheld() -> Upstream {
+    Upstream {
+        answer_withheld: true,
+        ..Upstream::default()
+    }
+}
+
+fn session_question(h: &mut Harness) {
+    h.feed(Input::Event {
+        stream: Stream::Session,
+        event: Event::message(Some("g1".into()), question(0, "Name?").to_string()),
+    });
+}
+
+#[test]
+fn a_question_while_the_calls_answer_is_withheld_starts_the_round() {
+    let mut first = Harness::new_call(config(), withheld());
+    assert!(first.flow.is_posting(), "the call's answer is awaited");
+    session_question(&mut first);
+    first.advance(Duration::from_millis(50));
+    assert!(!first.flow.is_reading(), "the answer may still come");
+    first.advance(Duration::from_millis(100));
+    // No event id on the call's stream: the round cannot be resumed, and is held with
+    // the call's POST still awaiting its answer.
+    let state = first.state();
+    assert!(matches!(state.waiting, Waiting::Held { .. }), "{state:?}");
+    let id = first.call_id();
+    let Ending::InputRequired { input_requests, .. } = first.ending() else {
+        unreachable!()
+    };
+    assert_eq!(input_requests.keys().collect::<Vec<_>>(), ["elicitation_0"]);
+    let mut h = Harness::retry(
+        config(),
+        Upstream::default(),
+        state,
+        json!({"elicitation_0": accept("Ada")}),
+        Some(input_requests.clone()),
+    );
+    assert_eq!(h.posted().len(), 1, "the answer goes up");
+    // The call's answer comes once the tool writes to its stream: its header, its result.
+    h.feed(Input::CallPosted(Ok(CallReply::Stream)));
+    h.event(Stream::Call, Some("c1"), &result(id, "Hello, Ada!"));
+    assert!(
+        matches!(h.ending(), Ending::Complete { .. }),
+        "{:?}",
+        h.ending()
+    );
+}
+
+#[test]
+fn a_question_just_before_a_prompt_answer_is_read_after_it_and_the_round_resumes() {
+    let mut h = Harness::new_call(config(), withheld());
+    session_question(&mut h);
+    h.now += Duration::from_millis(3);
+    h.feed(Input::CallPosted(Ok(CallReply::Stream)));
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.advance(Duration::from_millis(10));
+    let state = h.state();
+    let Waiting::Resumable { positions, .. } = &state.waiting else {
+        panic!("{state:?}");
+    };
+    assert_eq!(positions.last_event_id.as_deref(), Some("c1"));
+}
+
+#[test]
+fn a_call_answered_with_one_message_after_the_session_spoke_completes() {
+    let mut first = Harness::new_call(config(), withheld());
+    let note = json!({"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "info", "data": "x"}});
+    first.feed(Input::Event {
+        stream: Stream::Session,
+        event: Event::message(None, note.to_string()),
+    });
+    let id = first.call_id();
+    first.feed(Input::CallPosted(Ok(CallReply::Message(result(
+        id, "done",
+    )))));
+    assert!(
+        matches!(first.ending(), Ending::Complete { .. }),
+        "{:?}",
+        first.ending()
+    );
+}
+
+#[test]
+fn a_call_unanswered_with_nothing_else_coming_times_out() {
+    let mut h = Harness::new_call(config(), withheld());
+    h.advance(Duration::from_secs(59));
+    assert!(h.ending.is_none(), "within the answer timeout");
+    h.advance(Duration::from_secs(2));
+    assert_eq!(
+        h.refusal().class,
+        Class::UpstreamTimeout,
+        "{:?}",
+        h.refusal()
+    );
+    assert!(h.log.contains(&Command::DeleteSession) && h.log.contains(&Command::CloseStreams));
+}
+
+#[test]
+fn a_client_that_leaves_while_the_call_is_unanswered_cancels_it() {
+    let mut h = Harness::new_call(config(), withheld());
     h.feed(Input::ClientGone);
     assert_eq!(h.ending(), &Ending::ClientGone);
     assert!(h.log.contains(&Command::DeleteSession) && h.log.contains(&Command::CloseStreams));
