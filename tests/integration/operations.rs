@@ -4,7 +4,7 @@
 //! and deletes the upstream sessions it opened ahead of demand.
 
 use crate::common::*;
-use crate::scripted::{legacy_basics, Answer, ScriptedUpstream, Seen};
+use crate::scripted::{legacy_basics, Answer, Gate, ScriptedUpstream, Seen};
 use mrtr_gateway::config::UpstreamEra;
 use serde_json::{json, Value};
 use std::process::{Command, Stdio};
@@ -450,6 +450,51 @@ fn a_round_cut_by_sigterm_is_handed_to_another_replica() {
     );
     assert_eq!(done["result"]["resultType"], "complete", "{done}");
     assert_eq!(done["result"]["content"][0]["text"], "echo: moved");
+}
+
+/// A drain that begins while the call's answer is still awaited is acted on once the
+/// round reads: the call's header comes after the drain began, and the round is handed
+/// over as soon as its stream shows an event id, not run to its end.
+#[test]
+fn a_drain_while_the_calls_answer_is_awaited_hands_the_round_over() {
+    let drained = Gate::new();
+    let header_after_drain = drained.clone();
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        if seen.method == "GET" {
+            return Answer::sse(&[]);
+        }
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        // The header only once the test saw the drain begin; a priming event; then
+        // nothing until the round's retry would resume it.
+        let stream = Answer::sse(&[]).event(Some("c1"), &json!(""));
+        Answer::silent()
+            .wait(&header_after_drain)
+            .bytes(stream.pieces_bytes())
+    });
+    let mut a = GatewayProcess::start(&upstream.url());
+    let params = json!({"name": "slow", "arguments": {}});
+    let raw = Raw::new(&a.url);
+    let first = std::thread::spawn(move || {
+        final_message(raw.modern(1, "tools/call", params, json!({})), 1)
+    });
+    let is_call = |s: &Seen| s.jsonrpc_method().as_deref() == Some("tools/call");
+    wait_until("the call posted", Duration::from_secs(10), || {
+        upstream.requests().iter().any(is_call)
+    });
+    a.sigterm();
+    wait_until("draining", Duration::from_secs(5), || {
+        metric(&a.admin, "mrtr_gateway_draining") == 1.0
+    });
+    drained.open();
+    let handed = first.join().expect("the first round");
+    let result = &handed["result"];
+    assert_eq!(result["resultType"], "input_required", "{handed}");
+    assert!(result["requestState"].is_string(), "{handed}");
+    wait_until("the drained gateway exits", Duration::from_secs(15), || {
+        a.proc.exited()
+    });
 }
 
 #[test]

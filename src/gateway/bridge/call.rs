@@ -493,7 +493,9 @@ async fn wait(call: &Call<'_>, session: &mut ServerSession, io: &mut Io<'_>, flo
     if reading && timeout.is_some_and(|t| t <= tokio::time::Instant::now()) {
         tokio::task::yield_now().await;
     }
-    let drain = !io.drain_told;
+    // Told once, when the flow can act on it: a drain that begins while the call's answer
+    // is awaited (or a resumption backs off) waits for the round to read.
+    let drain = !io.drain_told && reading;
     let session_stream = reading || flow.is_posting();
     let (source, chunk) = tokio::select! {
         biased;
