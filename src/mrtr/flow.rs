@@ -35,6 +35,11 @@
 //! later starts the round without it (such a round has no call-stream position, so it is
 //! held); the answer, when it comes, opens the call's stream in the round it finds.
 //!
+//! When the gateway drains, a round that can be resumed elsewhere ends at once with what
+//! it has (its questions, or none: the state alone), and one that cannot yet is handed
+//! over as soon as it can; a retry whose resumed stream settles posts its answers first.
+//! A round that can only be held runs to its end here.
+//!
 //! Nothing here reads a clock, a socket or a key: times are inputs, the state is sealed by
 //! the shell (the flow checks that it fits), and the tables (reaper, held flows) are the
 //! shell's, asked through commands whose answers come back as inputs. A command that
@@ -484,6 +489,9 @@ struct Retry {
     to_post: VecDeque<(Pending, Value)>,
     answered: Vec<UpstreamId>,
     then: AfterAnswers,
+    /// The gateway began draining while the resumed stream settled: the answers go up
+    /// first, then the round is handed over as soon as it can be.
+    drain_pending: bool,
 }
 
 enum AfterAnswers {
@@ -738,6 +746,10 @@ impl Flow {
             }
             (Phase::Settling { retry, .. }, Input::StreamEnded(Stream::Call)) => {
                 self.settling_ended(retry, now)
+            }
+            (Phase::Settling { mut retry, until }, Input::Draining) => {
+                retry.drain_pending = true;
+                Phase::Settling { retry, until }
             }
             (Phase::Answering(retry), Input::Posted(result)) => {
                 self.answer_posted(retry, result, now)
@@ -1154,6 +1166,7 @@ impl Flow {
             answered,
             then,
             session_from,
+            drain_pending,
             ..
         } = *retry;
         match then {
@@ -1163,6 +1176,7 @@ impl Flow {
             }
             AfterAnswers::ReadHeld { questions } => {
                 let mut reading = self.reading_for(call, None, true, false, now);
+                reading.drain_pending = drain_pending;
                 reading.round.skip(answered.iter().cloned());
                 let mut unanswered = 0;
                 for p in pending
@@ -1187,6 +1201,7 @@ impl Flow {
                 }
                 let positions = (from, session_from);
                 let mut reading = self.reading_for(call, Some(positions), true, true, now);
+                reading.drain_pending = drain_pending;
                 reading.round.skip(answered);
                 reading.replayed = replayed
                     .into_iter()
@@ -1247,7 +1262,7 @@ impl Flow {
 
     /// Takes what the round read before it began, in order, until a `Post` is awaited
     /// (the rest follows its answer) or the round ends (the rest is replayed again from
-    /// the state's positions).
+    /// the state's positions); a drain pending then hands the round over.
     fn take_replayed(&mut self, mut r: Box<Reading>, now: Instant) -> Phase {
         while r.posting.is_none() {
             let Some(input) = r.replayed.pop_front() else {
@@ -1260,7 +1275,7 @@ impl Flow {
             };
             r.taking_replayed = false;
         }
-        Phase::Reading(r)
+        self.read_on(r)
     }
 
     fn reading(&mut self, mut r: Box<Reading>, input: Input, now: Instant) -> Phase {
@@ -1837,6 +1852,7 @@ impl Retry {
             from: None,
             session_from: None,
             all_answered,
+            drain_pending: false,
             empties: 0,
             session_reopened: false,
             replayed: Vec::new(),

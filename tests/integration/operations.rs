@@ -4,10 +4,11 @@
 //! and deletes the upstream sessions it opened ahead of demand.
 
 use crate::common::*;
-use crate::scripted::{legacy_basics, Answer, Gate, ScriptedUpstream, Seen};
+use crate::scripted::{legacy_basics, Answer, Gate, OneQuestionCalls, ScriptedUpstream, Seen};
 use mrtr_gateway::config::UpstreamEra;
 use serde_json::{json, Value};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 fn metrics_text(admin: &str) -> String {
@@ -495,6 +496,120 @@ fn a_drain_while_the_calls_answer_is_awaited_hands_the_round_over() {
     wait_until("the drained gateway exits", Duration::from_secs(15), || {
         a.proc.exited()
     });
+}
+
+/// A scripted server whose calls ask one question on their stream, resumptions scoped to
+/// their session: one after the question primes (`-c3`), and sends the result once the
+/// answer is in; the second call's primes only once `primes` opens. One after `-c3`
+/// replays the result.
+fn drain_script(primes: Gate) -> ScriptedUpstream {
+    let calls = OneQuestionCalls::default();
+    let resumptions = AtomicUsize::new(0);
+    ScriptedUpstream::start(move |seen: &Seen| {
+        let sid = seen.header("mcp-session-id").unwrap_or_default();
+        if seen.method != "GET" {
+            return calls.post(seen);
+        }
+        let result = calls.result(sid, "done");
+        match seen.header("last-event-id") {
+            None => Answer::sse(&[]),
+            Some(after) if !after.starts_with(&format!("{sid}-")) => {
+                Answer::status(400, &[], b"unknown event id")
+            }
+            Some(after) if after.ends_with("-c3") => Answer::sse(&[]).event(None, &result).end(),
+            Some(_) => {
+                let stream = match resumptions.fetch_add(1, Ordering::SeqCst) {
+                    0 => Answer::sse(&[]),
+                    _ => Answer::sse(&[]).wait(&primes),
+                };
+                stream
+                    .event(Some(&format!("{sid}-c3")), &json!(""))
+                    .wait(&calls.answered(sid))
+                    .event(None, &result)
+                    .end()
+            }
+        }
+    })
+}
+
+/// A drain that begins while a retry's resumed stream settles: the retry's answer goes up
+/// once the stream is live, and the round is then handed over (the client gets a state
+/// to take to another replica, which finishes the call), not run to its end here. The
+/// answer goes upstream once.
+#[test]
+fn a_drain_while_a_retry_settles_posts_its_answers_then_hands_the_round_over() {
+    let primes = Gate::new();
+    let upstream = drain_script(primes.clone());
+    let mut a = GatewayProcess::start(&upstream.url());
+    let b = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+    });
+    let call = |raw: &Raw, id: u64, extra: Value| {
+        let mut params = json!({"name": "ask", "arguments": {}});
+        params
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        final_message(
+            raw.modern(id, "tools/call", params, json!({"elicitation": {}})),
+            id,
+        )
+    };
+    let raw = Raw::new(&a.url);
+    // One flow to its end first: the replica learns that the server primes a resumed
+    // stream, so the next retry waits for that priming event.
+    let first = call(&raw, 1, json!({}));
+    let done = call(&raw, 2, answer(&first, json!({"name": "x"})));
+    assert_eq!(done["result"]["content"][0]["text"], "done", "{done}");
+    let first = call(&raw, 3, json!({}));
+    let retry = answer(&first, json!({"name": "y"}));
+    let settling = std::thread::spawn({
+        let retry = retry.clone();
+        move || call(&raw, 4, retry)
+    });
+    let resumptions = |u: &ScriptedUpstream| {
+        u.requests()
+            .iter()
+            .filter(|s| {
+                s.header("last-event-id")
+                    .is_some_and(|e| e.ends_with("-c2"))
+            })
+            .count()
+    };
+    wait_until(
+        "the retry resumed the call's stream",
+        Duration::from_secs(10),
+        || resumptions(&upstream) == 2,
+    );
+    a.sigterm();
+    wait_until("draining", Duration::from_secs(5), || {
+        metric(&a.admin, "mrtr_gateway_draining") == 1.0
+    });
+    primes.open();
+    let handed = settling.join().expect("the settling round");
+    let result = &handed["result"];
+    assert_eq!(result["resultType"], "input_required", "{handed}");
+    assert!(result.get("inputRequests").is_none(), "{handed}");
+    let state = result["requestState"].as_str().expect("a requestState");
+    wait_until("the drained gateway exits", Duration::from_secs(15), || {
+        a.proc.exited()
+    });
+    let moved = json!({"name": "ask", "arguments": {}, "requestState": state});
+    let done = final_message(
+        Raw::new(&b.url).modern(5, "tools/call", moved, json!({"elicitation": {}})),
+        5,
+    );
+    assert_eq!(done["result"]["resultType"], "complete", "{done}");
+    assert_eq!(done["result"]["content"][0]["text"], "done", "{done}");
+    let answers = upstream
+        .requests()
+        .iter()
+        .filter(|s| {
+            s.json()
+                .is_some_and(|m| m.get("method").is_none() && m.get("result").is_some())
+        })
+        .count();
+    assert_eq!(answers, 2, "each flow's answer went upstream once");
 }
 
 #[test]

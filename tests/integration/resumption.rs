@@ -6,10 +6,10 @@
 //! the other one, driven by the official Python and TypeScript clients.
 
 use crate::common::*;
-use crate::scripted::{legacy_basics, Answer, Gate, ScriptedUpstream, Seen};
+use crate::scripted::{legacy_basics, Answer, Gate, OneQuestionCalls, ScriptedUpstream, Seen};
 use mrtr_gateway::config::UpstreamEra;
 use serde_json::{json, Value};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -454,64 +454,23 @@ fn the_client_has_its_result_before_the_upstream_session_is_deleted() {
 /// sends the result once the answer is in.
 fn keeps_its_first_get_stream(refusal: Answer) -> ScriptedUpstream {
     let with_get: Mutex<HashSet<String>> = Mutex::default();
-    let gates: Mutex<HashMap<String, Gate>> = Mutex::default();
-    let call_ids: Mutex<HashMap<String, Value>> = Mutex::default();
-    let sessions = AtomicUsize::new(0);
+    let calls = OneQuestionCalls::default();
     ScriptedUpstream::start(move |seen: &Seen| {
-        let sid = seen
-            .header("mcp-session-id")
-            .unwrap_or_default()
-            .to_string();
-        let gate = gates
-            .lock()
-            .unwrap()
-            .entry(sid.clone())
-            .or_default()
-            .clone();
-        if seen.method == "GET" {
-            let Some(after) = seen.header("last-event-id") else {
-                return match with_get.lock().unwrap().insert(sid) {
-                    true => Answer::sse(&[]),
-                    false => refusal.clone(),
-                };
+        let sid = seen.header("mcp-session-id").unwrap_or_default();
+        if seen.method != "GET" {
+            return calls.post(seen);
+        }
+        let Some(after) = seen.header("last-event-id") else {
+            return match with_get.lock().unwrap().insert(sid.to_string()) {
+                true => Answer::sse(&[]),
+                false => refusal.clone(),
             };
-            let id = call_ids
-                .lock()
-                .unwrap()
-                .get(&sid)
-                .cloned()
-                .unwrap_or_default();
-            let result = json!({"jsonrpc": "2.0", "id": id, "result": {
-                "content": [{"type": "text", "text": format!("done after {after}")}]}});
-            return Answer::sse(&[])
-                .event(Some(&format!("{sid}-c3")), &json!(""))
-                .wait(&gate)
-                .event(None, &result)
-                .end();
-        }
-        let body = seen.json().unwrap_or_default();
-        if body.get("method").is_none() && body.get("result").is_some() {
-            gate.open();
-            return Answer::status(202, &[], b"");
-        }
-        match body["method"].as_str() {
-            Some("initialize") => {
-                let n = sessions.fetch_add(1, Ordering::SeqCst);
-                legacy_basics(seen, &format!("s{n}")).expect("initialize")
-            }
-            Some("tools/call") => {
-                call_ids
-                    .lock()
-                    .unwrap()
-                    .insert(sid.clone(), body["id"].clone());
-                let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
-                    "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
-                Answer::sse(&[])
-                    .event(Some(&format!("{sid}-c1")), &json!(""))
-                    .event(Some(&format!("{sid}-c2")), &question)
-            }
-            _ => legacy_basics(seen, "unused").unwrap_or_else(|| Answer::status(405, &[], b"")),
-        }
+        };
+        Answer::sse(&[])
+            .event(Some(&format!("{sid}-c3")), &json!(""))
+            .wait(&calls.answered(sid))
+            .event(None, &calls.result(sid, &format!("done after {after}")))
+            .end()
     })
 }
 

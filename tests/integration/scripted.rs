@@ -30,7 +30,8 @@
 
 #![allow(dead_code)]
 
-use serde_json::Value;
+use serde_json::{json, Value};
+use std::collections::HashMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -336,6 +337,58 @@ pub fn legacy_basics(seen: &Seen, session: &str) -> Option<Answer> {
             Some(Answer::status(202, &[], b""))
         }
         _ => None,
+    }
+}
+
+/// The POST side of a scripted server whose calls ask one question each: `initialize`
+/// opens sessions `s0`, `s1`, …; a `tools/call` is remembered and streams `{session}-c1`
+/// (a priming event) and `{session}-c2` (an `elicitation/create`), and stays open; an
+/// answer opens its session's `answered` gate (202); the rest as `legacy_basics`, else
+/// 405. The script answers GETs (resumptions) itself, with `result` once `answered`.
+#[derive(Default)]
+pub struct OneQuestionCalls {
+    sessions: AtomicUsize,
+    answered: Mutex<HashMap<String, Gate>>,
+    call_ids: Mutex<HashMap<String, Value>>,
+}
+
+impl OneQuestionCalls {
+    pub fn post(&self, seen: &Seen) -> Answer {
+        let sid = seen.header("mcp-session-id").unwrap_or_default();
+        let body = seen.json().unwrap_or_default();
+        if body.get("method").is_none() && body.get("result").is_some() {
+            self.answered(sid).open();
+            return Answer::status(202, &[], b"");
+        }
+        match body["method"].as_str() {
+            Some("initialize") => {
+                let n = self.sessions.fetch_add(1, Ordering::SeqCst);
+                legacy_basics(seen, &format!("s{n}")).expect("initialize")
+            }
+            Some("tools/call") => {
+                let mut ids = self.call_ids.lock().expect("call ids");
+                ids.insert(sid.to_string(), body["id"].clone());
+                let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
+                    "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
+                Answer::sse(&[])
+                    .event(Some(&format!("{sid}-c1")), &json!(""))
+                    .event(Some(&format!("{sid}-c2")), &question)
+            }
+            _ => legacy_basics(seen, "unused").unwrap_or_else(|| Answer::status(405, &[], b"")),
+        }
+    }
+
+    /// Opens once session `sid`'s answer came.
+    pub fn answered(&self, sid: &str) -> Gate {
+        let mut gates = self.answered.lock().expect("gates");
+        gates.entry(sid.to_string()).or_default().clone()
+    }
+
+    /// Session `sid`'s call result, its content `text`.
+    pub fn result(&self, sid: &str, text: &str) -> Value {
+        let id = self.call_ids.lock().expect("call ids").get(sid).cloned();
+        json!({"jsonrpc": "2.0", "id": id.unwrap_or_default(), "result": {
+            "content": [{"type": "text", "text": text}]}})
     }
 }
 

@@ -1238,11 +1238,8 @@ fn a_round_that_hears_nothing_ends_at_the_silence_limit() {
     assert!(polls >= 20, "a silent resumable stream is polled: {polls}");
 }
 
-#[test]
-fn draining_hands_a_resumable_round_over_and_lets_a_held_one_run() {
-    let mut h = Harness::new_call(config(), Upstream::default());
-    h.event(Stream::Call, Some("c1"), &json!(""));
-    h.feed(Input::Draining);
+/// The state of a round handed over by a drain: the client got it alone, no questions.
+fn handed_over(h: &Harness) -> &FlowState {
     assert!(h.log.contains(&Command::Note(Note::HandedOver)));
     let Ending::InputRequired {
         input_requests,
@@ -1253,7 +1250,15 @@ fn draining_hands_a_resumable_round_over_and_lets_a_held_one_run() {
         panic!("{:?}", h.ending());
     };
     assert!(input_requests.is_empty(), "a state-only result");
-    assert!(matches!(state.waiting, Waiting::Resumable { .. }));
+    state
+}
+
+#[test]
+fn draining_hands_a_resumable_round_over_and_lets_a_held_one_run() {
+    let mut h = Harness::new_call(config(), Upstream::default());
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.feed(Input::Draining);
+    assert!(matches!(handed_over(&h).waiting, Waiting::Resumable { .. }));
     // Draining before the call's stream showed an event id: handed over once it does.
     let mut early = Harness::new_call(config(), Upstream::default());
     early.feed(Input::Draining);
@@ -1272,6 +1277,27 @@ fn draining_hands_a_resumable_round_over_and_lets_a_held_one_run() {
         held.ending.is_none(),
         "a round that cannot resume finishes here"
     );
+}
+
+/// A drain that begins while a retry's resumed stream settles: the answers go up once
+/// the stream is live, and the round is then handed over, not run to its end.
+#[test]
+fn draining_while_a_retry_settles_posts_the_answers_then_hands_the_round_over() {
+    let first = first_round();
+    let mut h = answered(&first, "Ada");
+    h.feed(Input::Draining);
+    assert!(h.ending.is_none(), "the answers have not gone up yet");
+    assert!(h.posted().is_empty());
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    assert_eq!(
+        h.posted(),
+        [json!({"jsonrpc": "2.0", "id": 0, "result": accept("Ada")})]
+    );
+    let state = handed_over(&h);
+    let Waiting::Resumable { pending, .. } = &state.waiting else {
+        panic!("{:?}", state.waiting);
+    };
+    assert!(pending.is_empty(), "the answer went up: {pending:?}");
 }
 
 #[test]
