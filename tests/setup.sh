@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs what the tests need and a fresh Debian machine lacks: cmake
 # (scripts/build-deps.sh), curl and nginx-light (apt), the
-# pinned npm fixtures with Node 22 (tests/fixtures/node_modules), a Python venv with
-# the pinned PyPI fixtures (tests/.venv), and the Rust SDK fixture servers
-# (tests/fixtures/rmcp). Idempotent: a step whose inputs have not changed
+# pinned npm fixtures with Node 22 (tests/fixtures/node_modules), Python venvs with
+# the pinned PyPI fixtures (tests/.venv; tests/.venv-mcp1 for the SDK's 1.x line), and
+# the Rust SDK fixture servers (tests/fixtures/rmcp). Idempotent: a step whose inputs have not changed
 # since it last succeeded (hash stamps) is skipped. One line per step; the output of the
 # installers is shown only when one fails.
 set -euo pipefail
@@ -68,6 +68,18 @@ else
   echo "setup: python venv up to date"
 fi
 .venv/bin/python -c 'import importlib.metadata as m; print("setup: python venv has mcp", m.version("mcp"))'
+
+# 3b. A second venv for the FastMCP server on the Python SDK's 1.x line (mcp==1.30.0),
+#     which cannot share tests/.venv with mcp 2.3.0.
+mcp1_stamp=$(stamp fixtures/requirements-mcp1.txt)
+if [ "$(cat .venv-mcp1/.setup-stamp 2>/dev/null)" != "$mcp1_stamp" ]; then
+  echo "setup: python venv at tests/.venv-mcp1 (pip install -r fixtures/requirements-mcp1.txt)"
+  quietly python3 -m venv --clear .venv-mcp1
+  quietly .venv-mcp1/bin/pip install --disable-pip-version-check -r fixtures/requirements-mcp1.txt
+  echo "$mcp1_stamp" >.venv-mcp1/.setup-stamp
+else
+  echo "setup: python venv for mcp 1.x up to date"
+fi
 
 # 4. The Rust SDK fixture servers (rmcp 0.16.0, 2.2.0, 3.11.0; tests/fixtures/rmcp), a
 #    workspace of its own built as locked; cargo rebuilds only what changed.

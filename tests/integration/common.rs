@@ -115,6 +115,9 @@ pub enum Upstream {
     /// The same Python fixture with a store that forgets a call's events once its final
     /// response is stored (a later resumption gets 200 and an empty stream).
     PythonForgetfulEventStore,
+    /// A `FastMCP` server on the Python SDK's 1.x line (`mcp==1.30.0`), run as it runs by
+    /// default: no event store, so its streams cannot be resumed (flows are held).
+    PythonMcp1,
     /// TypeScript `@modelcontextprotocol/sdk@1.32.2` fixture.
     TypeScript,
     /// A server on TypeScript SDK 1.17.5: negotiates 2025-06-18 and refuses any other
@@ -165,6 +168,13 @@ pub fn start_upstream_with(kind: Upstream, port: u16, flags: &[&str]) -> (Proc, 
                 Upstream::PythonForgetfulEventStore => c.arg("--forgetful-event-store"),
                 _ => &mut c,
             };
+            c
+        }
+        Upstream::PythonMcp1 => {
+            let mut c = Command::new(root().join("tests/.venv-mcp1/bin/python"));
+            c.arg(fixtures.join("py_fastmcp1_server.py"))
+                .arg(port.to_string())
+                .args(flags);
             c
         }
         Upstream::TypeScript

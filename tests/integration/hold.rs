@@ -108,6 +108,27 @@ fn official_clients_complete_held_flows_with_rounds_on_alternating_replicas() {
     }
 }
 
+/// A `FastMCP` server on the Python SDK's 1.x line, run as it runs by default (no event
+/// store; `list_roots()` on the session's GET stream): both official clients complete
+/// every interactive scenario with each request on the other replica, every round held.
+#[test]
+fn official_clients_complete_held_flows_against_a_fastmcp_server_on_the_1x_line() {
+    let (_upstream, url) = start_upstream(Upstream::PythonMcp1);
+    let replicas = peered(&url, 2, |_| {});
+    let (a, b) = (&replicas[0].url, &replicas[1].url);
+    for scenario in ["elicit", "multi", "two", "sample", "roots"] {
+        assert_modern_call(&python_modern(&[a, scenario, b]), scenario);
+        assert_modern_call(&ts_modern(&[a, scenario, b]), scenario);
+        println!(
+            "modern clients, requests alternating over two replicas, FastMCP 1.30: {scenario} ok"
+        );
+    }
+    let held = sum(&replicas, |g| held_event(g, "held"));
+    assert!(held >= 12.0, "every round was held: {held}");
+    assert_eq!(sum(&replicas, |g| held_event(g, "resumed")), held);
+    assert_eq!(sum(&replicas, |g| held_event(g, "lost")), 0.0);
+}
+
 #[test]
 fn a_dead_owner_gives_the_documented_error_promptly_and_a_fresh_call_succeeds() {
     let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);
