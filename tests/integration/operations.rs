@@ -356,6 +356,33 @@ impl GatewayProcess {
         let rc = unsafe { libc::kill(self.pid, libc::SIGTERM) };
         assert_eq!(rc, 0, "SIGTERM delivered");
     }
+
+    /// SIGTERM, then waits until the replica says it is draining.
+    fn begin_drain(&self) {
+        self.sigterm();
+        wait_until("draining", Duration::from_secs(5), || {
+            metric(&self.admin, "mrtr_gateway_draining") == 1.0
+        });
+    }
+
+    fn wait_for_exit(&mut self) {
+        wait_until("the drained gateway exits", Duration::from_secs(15), || {
+            self.proc.exited()
+        });
+    }
+}
+
+/// The `requestState` of a round handed over at a drain: an `InputRequiredResult` that
+/// asks nothing.
+fn handed_over_state(reply: &Value) -> String {
+    let result = &reply["result"];
+    assert_eq!(result["resultType"], "input_required", "{reply}");
+    assert!(
+        result.get("inputRequests").is_none(),
+        "nothing was asked: {reply}"
+    );
+    let state = result["requestState"].as_str();
+    state.expect("a requestState").to_string()
 }
 
 /// Waits until the gateway has `n` upstream exchanges in progress.
@@ -411,9 +438,7 @@ fn sigterm_finishes_the_request_in_flight_and_refuses_new_connections() {
         answer["result"]["content"][0]["text"], "echo: still here",
         "{answer}"
     );
-    wait_until("the drained gateway exits", Duration::from_secs(15), || {
-        gw.proc.exited()
-    });
+    gw.wait_for_exit();
 }
 
 #[test]
@@ -432,17 +457,8 @@ fn a_round_cut_by_sigterm_is_handed_to_another_replica() {
     // The session's GET stream and the call's stream.
     wait_for_upstream_exchanges(&a, 2.0);
     a.sigterm();
-    let handed = first.join().expect("the first round");
-    let result = &handed["result"];
-    assert_eq!(result["resultType"], "input_required", "{handed}");
-    assert!(
-        result.get("inputRequests").is_none(),
-        "nothing was asked: {handed}"
-    );
-    let state = result["requestState"].as_str().expect("a requestState");
-    wait_until("the drained gateway exits", Duration::from_secs(15), || {
-        a.proc.exited()
-    });
+    let state = handed_over_state(&first.join().expect("the first round"));
+    a.wait_for_exit();
     let mut retry = params;
     retry["requestState"] = json!(state);
     let done = final_message(
@@ -484,18 +500,10 @@ fn a_drain_while_the_calls_answer_is_awaited_hands_the_round_over() {
     wait_until("the call posted", Duration::from_secs(10), || {
         upstream.requests().iter().any(is_call)
     });
-    a.sigterm();
-    wait_until("draining", Duration::from_secs(5), || {
-        metric(&a.admin, "mrtr_gateway_draining") == 1.0
-    });
+    a.begin_drain();
     drained.open();
-    let handed = first.join().expect("the first round");
-    let result = &handed["result"];
-    assert_eq!(result["resultType"], "input_required", "{handed}");
-    assert!(result["requestState"].is_string(), "{handed}");
-    wait_until("the drained gateway exits", Duration::from_secs(15), || {
-        a.proc.exited()
-    });
+    handed_over_state(&first.join().expect("the first round"));
+    a.wait_for_exit();
 }
 
 /// A scripted server whose calls ask one question on their stream, resumptions scoped to
@@ -581,19 +589,10 @@ fn a_drain_while_a_retry_settles_posts_its_answers_then_hands_the_round_over() {
         Duration::from_secs(10),
         || resumptions(&upstream) == 2,
     );
-    a.sigterm();
-    wait_until("draining", Duration::from_secs(5), || {
-        metric(&a.admin, "mrtr_gateway_draining") == 1.0
-    });
+    a.begin_drain();
     primes.open();
-    let handed = settling.join().expect("the settling round");
-    let result = &handed["result"];
-    assert_eq!(result["resultType"], "input_required", "{handed}");
-    assert!(result.get("inputRequests").is_none(), "{handed}");
-    let state = result["requestState"].as_str().expect("a requestState");
-    wait_until("the drained gateway exits", Duration::from_secs(15), || {
-        a.proc.exited()
-    });
+    let state = handed_over_state(&settling.join().expect("the settling round"));
+    a.wait_for_exit();
     let moved = json!({"name": "ask", "arguments": {}, "requestState": state});
     let done = final_message(
         Raw::new(&b.url).modern(5, "tools/call", moved, json!({"elicitation": {}})),
