@@ -40,6 +40,11 @@
 //! over as soon as it can; a retry whose resumed stream settles posts its answers first.
 //! A round that can only be held runs to its end here.
 //!
+//! A client that closes its response cancels the request, in whichever phase it is told
+//! (the call's answer awaited, a retry settling or backing off, a round read): the
+//! round's streams close and the session is deleted, before or after the answers went up
+//! alike.
+//!
 //! Nothing here reads a clock, a socket or a key: times are inputs, the state is sealed by
 //! the shell (the flow checks that it fits), and the tables (reaper, held flows) are the
 //! shell's, asked through commands whose answers come back as inputs. A command that
@@ -751,6 +756,9 @@ impl Flow {
                 retry.drain_pending = true;
                 Phase::Settling { retry, until }
             }
+            (Phase::Settling { retry, .. } | Phase::Backoff { retry, .. }, Input::ClientGone) => {
+                self.left_before_answering(&retry)
+            }
             (Phase::Answering(retry), Input::Posted(result)) => {
                 self.answer_posted(retry, result, now)
             }
@@ -1091,6 +1099,15 @@ impl Flow {
                 self.lost(Lost::Unresumable, &retry.pending, &retry.responses, now)
             }
         }
+    }
+
+    /// The client left before the retry's answers went up. A 2026-07-28 client closing
+    /// its response cancels the request, as it does once they are up: the call is
+    /// cancelled with its session, whatever moment the client chose.
+    fn left_before_answering(&mut self, retry: &Retry) -> Phase {
+        self.commands.push_back(Command::CloseStreams);
+        self.delete_session(&retry.call);
+        self.finish(Ending::ClientGone)
     }
 
     /// Posts the retry's answers, in the order of the questions, then goes on.

@@ -706,6 +706,23 @@ pub fn modern_request(
     (headers, body)
 }
 
+/// Sends a whole 2026-07-28 request to the gateway on `port` and closes the connection
+/// at once, as a client that goes away before its answer does.
+pub fn send_and_leave(port: u16, id: u64, params: Value, capabilities: Value) {
+    use std::io::Write;
+    let (headers, body) = modern_request(id, "tools/call", params, capabilities);
+    let body = body.to_string();
+    let mut request = format!("POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n");
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    request.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    stream
+        .write_all(request.as_bytes())
+        .expect("send the request");
+}
+
 /// A metric's value from the admin listener's `/metrics`: the first series of `name`
 /// whose labels contain `labels` (give "" for an unlabelled metric).
 pub fn metric_with(admin: &str, name: &str, labels: &str) -> Option<f64> {

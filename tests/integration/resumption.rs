@@ -474,6 +474,96 @@ fn keeps_its_first_get_stream(refusal: Answer) -> ScriptedUpstream {
     })
 }
 
+/// A client that sends its retry and leaves before the answers went up, here while the
+/// resumed stream has not primed yet, cancels the call as a client that leaves later
+/// does: its round ends at once (it used to wait on, woken by the closed connection
+/// without end), no answer goes up, the session is deleted, and the state is spent.
+#[test]
+fn a_client_that_leaves_its_retry_before_the_answers_went_up_cancels_the_call() {
+    let primes = Gate::new();
+    let calls = OneQuestionCalls::default();
+    let upstream = ScriptedUpstream::start({
+        let primes = primes.clone();
+        move |seen: &Seen| {
+            let sid = seen.header("mcp-session-id").unwrap_or_default();
+            if seen.method != "GET" {
+                return calls.post(seen);
+            }
+            if seen.header("last-event-id").is_none() {
+                return Answer::sse(&[]);
+            }
+            Answer::sse(&[])
+                .wait(&primes)
+                .event(Some(&format!("{sid}-c3")), &json!(""))
+                .wait(&calls.answered(sid))
+                .event(None, &calls.result(sid, "done"))
+                .end()
+        }
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+    });
+    let raw = Raw::new(&gw.url);
+    let (_, first) = call_hostile(&raw, 1, json!({}));
+    let retry = accepting_the_question(&first);
+    let mut params = json!({"name": "hostile", "arguments": {}});
+    params
+        .as_object_mut()
+        .unwrap()
+        .extend(retry.as_object().unwrap().clone());
+    send_and_leave(gw.port, 2, params, json!({"elicitation": {}}));
+    let session = call_session(&upstream);
+    let deleted = |s: &Seen| s.method == "DELETE" && s.header("mcp-session-id") == Some(&session);
+    wait_until(
+        "the call's session deleted",
+        Duration::from_secs(10),
+        || upstream.requests().iter().any(deleted),
+    );
+    wait_until("the left round ended", Duration::from_secs(10), || {
+        metric(&gw.admin, "mrtr_gateway_active_rounds") == 0.0
+    });
+    primes.open();
+    let (status, again) = call_hostile(&raw, 3, retry);
+    assert_eq!(status, 400, "the state is spent: {again}");
+    assert_eq!(again["error"]["code"], -32602, "{again}");
+    let answers = upstream.requests().iter().filter(|s| is_answer(s)).count();
+    assert_eq!(answers, 0, "no answer went up");
+}
+
+/// The same against the Python SDK's server, the client closing as soon as its retry is
+/// sent: the call's session is deleted, the round ends, and the next call is served.
+#[test]
+fn a_client_that_leaves_its_retry_at_once_frees_its_round() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let first = ask_name(&raw, 1, json!({}));
+    let retry = answer(&first, json!({"name": "Alice"}));
+    let mut params = json!({"name": "ask_name", "arguments": {}});
+    params
+        .as_object_mut()
+        .unwrap()
+        .extend(retry.as_object().unwrap().clone());
+    let deleted =
+        || metric_with(&gw.admin, "mrtr_gateway_upstream_sessions_total", "deleted").unwrap();
+    let before = deleted();
+    send_and_leave(gw.port, 2, params, json!({"elicitation": {}}));
+    wait_until(
+        "the call's session deleted",
+        Duration::from_secs(10),
+        || deleted() > before,
+    );
+    wait_until("the left round ended", Duration::from_secs(10), || {
+        metric(&gw.admin, "mrtr_gateway_active_rounds") == 0.0
+    });
+    let first = ask_name(&raw, 3, json!({}));
+    let done = ask_name(&raw, 4, answer(&first, json!({"name": "Bob"})));
+    assert_eq!(
+        done["result"]["content"][0]["text"], "Hello, Bob!",
+        "{done}"
+    );
+}
+
 /// A GET that opens a session's stream afresh (no `Last-Event-ID`).
 fn is_fresh_get(seen: &Seen) -> bool {
     seen.method == "GET" && seen.header("last-event-id").is_none()

@@ -55,6 +55,9 @@ struct Io<'g> {
     claim: Option<StateDigest>,
     /// The drain signal was passed to the flow (it fires for good once set).
     drain_told: bool,
+    /// The client's leaving was passed to the flow (its connection stays readable-at-end,
+    /// so the flow is told once and never woken by it again).
+    client_gone_told: bool,
     /// A session of this shape opens ahead of demand once the client has its answer:
     /// the upstream is busy with this call until then.
     warm_after: Option<Shape>,
@@ -217,6 +220,7 @@ impl Io<'_> {
             streams: Streams::new(None, None),
             claim,
             drain_told: false,
+            client_gone_told: false,
             warm_after: None,
         }
     }
@@ -503,7 +507,10 @@ async fn wait(call: &Call<'_>, session: &mut ServerSession, io: &mut Io<'_>, flo
             io.drain_told = true;
             return Woke::Input(Input::Draining);
         }
-        _ = session.read_body_or_idle(true) => return Woke::Input(Input::ClientGone),
+        _ = session.read_body_or_idle(true), if !io.client_gone_told => {
+            io.client_gone_told = true;
+            return Woke::Input(Input::ClientGone);
+        }
         answer = answer_of(&mut io.streams.posted) => {
             io.streams.posted = None;
             return Woke::Input(call_answered(call, io, answer).await);

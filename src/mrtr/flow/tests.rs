@@ -1300,6 +1300,33 @@ fn draining_while_a_retry_settles_posts_the_answers_then_hands_the_round_over() 
     assert!(pending.is_empty(), "the answer went up: {pending:?}");
 }
 
+/// A client that leaves before its retry's answers went up cancels the call, as it does
+/// once they are up: nothing is posted, and the session is deleted.
+#[test]
+fn a_client_that_leaves_while_its_retry_settles_cancels_the_call() {
+    let first = first_round();
+    let mut h = answered(&first, "Ada");
+    h.feed(Input::ClientGone);
+    assert_cancelled_before_answering(&h);
+}
+
+#[test]
+fn a_client_that_leaves_while_an_empty_resumption_backs_off_cancels_the_call() {
+    let first = first_round();
+    let mut h = answered(&first, "Ada");
+    h.feed(Input::StreamEnded(Stream::Call));
+    assert!(h.ending.is_none(), "an empty resumption is tried again");
+    h.feed(Input::ClientGone);
+    assert_cancelled_before_answering(&h);
+}
+
+fn assert_cancelled_before_answering(h: &Harness) {
+    assert_eq!(h.ending(), &Ending::ClientGone);
+    assert!(h.posted().is_empty(), "no answer went up");
+    assert!(h.log.contains(&Command::CloseStreams) && h.log.contains(&Command::DeleteSession));
+    assert!(!h.log.contains(&Command::ReleaseClaim), "{:?}", h.log);
+}
+
 #[test]
 fn a_client_that_leaves_cancels_the_call() {
     let mut h = Harness::new_call(config(), Upstream::default());
