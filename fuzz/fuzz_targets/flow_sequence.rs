@@ -338,7 +338,13 @@ fuzz_target!(|input: &[u8]| {
             }
             5 => flow.handle(Input::StreamEnded(Stream::Call), now),
             6 => flow.handle(Input::StreamEnded(Stream::Session), now),
-            7 if b.next() % 16 == 0 => flow.handle(Input::ClientGone, now),
+            7 if b.next() % 16 == 0 => {
+                // The flow waits for the upstream or the clock: a client that leaves
+                // now cancels it, whatever it waits for (told once, as the shell does).
+                flow.handle(Input::ClientGone, now);
+                drain(&mut flow, &mut b, &mut seen, &config, now);
+                assert!(flow.is_done(), "a client that left did not end the flow");
+            }
             8 if b.next() % 8 == 0 => flow.handle(Input::Draining, now),
             _ => {
                 now += Duration::from_millis(u64::from(b.next()) * 20);
