@@ -757,7 +757,7 @@ impl Flow {
                 Phase::Settling { retry, until }
             }
             (Phase::Settling { retry, .. } | Phase::Backoff { retry, .. }, Input::ClientGone) => {
-                self.left_before_answering(&retry)
+                self.cancelled(&retry.call)
             }
             (Phase::Answering(retry), Input::Posted(result)) => {
                 self.answer_posted(retry, result, now)
@@ -1101,12 +1101,11 @@ impl Flow {
         }
     }
 
-    /// The client left before the retry's answers went up. A 2026-07-28 client closing
-    /// its response cancels the request, as it does once they are up: the call is
-    /// cancelled with its session, whatever moment the client chose.
-    fn left_before_answering(&mut self, retry: &Retry) -> Phase {
+    /// The client left: a 2026-07-28 client closing its response cancels the request, so
+    /// the call ends with its session, before or after a retry's answers went up alike.
+    fn cancelled(&mut self, call: &UpstreamCall) -> Phase {
         self.commands.push_back(Command::CloseStreams);
-        self.delete_session(&retry.call);
+        self.delete_session(call);
         self.finish(Ending::ClientGone)
     }
 
@@ -1643,12 +1642,7 @@ impl Flow {
                     text,
                 )))
             }
-            RoundEnd::ClientGone => {
-                // A 2026-07-28 client closing its response cancels the request.
-                self.commands.push_back(Command::CloseStreams);
-                self.delete_session(&r.call);
-                self.finish(Ending::ClientGone)
-            }
+            RoundEnd::ClientGone => self.cancelled(&r.call),
         }
     }
 }
