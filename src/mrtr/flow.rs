@@ -43,7 +43,8 @@
 //! A client that closes its response cancels the request, in whichever phase it is told
 //! (the call's answer awaited, a retry settling or backing off, a round read): the
 //! round's streams close and the session is deleted, before or after the answers went up
-//! alike.
+//! alike. In a data-layer session, which outlives its calls, a call the flow gives up on
+//! (the client left, or a limit ended it) is cancelled by id instead (`Command::Cancel`).
 //!
 //! Nothing here reads a clock, a socket or a key: times are inputs, the state is sealed by
 //! the shell (the flow checks that it fits), and the tables (reaper, held flows) are the
@@ -282,6 +283,10 @@ pub enum Command {
     CloseStreams,
     /// Delete the upstream session: the flow opened it and is done with it.
     DeleteSession,
+    /// Post this `notifications/cancelled` in the call's data-layer session once the
+    /// client has its answer (best effort; no answer): the flow gave up on a call the
+    /// session, which outlives its calls, may still be running.
+    Cancel(Value),
     /// Release the retry's replay claim: the upstream got none of its answers.
     ReleaseClaim,
     /// Something learnt about the group's upstream.
@@ -874,7 +879,7 @@ impl Flow {
     /// The call's POST went unanswered for the answer timeout, and nothing else came.
     fn call_unanswered(&mut self, call: UpstreamCall) -> Phase {
         self.commands.push_back(Command::CloseStreams);
-        self.delete_session(&call);
+        self.give_up(&call, "the call was not answered in time");
         let why = "did not answer the call in time";
         let failure = Failure::new(FailureKind::Timeout, format!("upstream {why}"));
         self.finish(Ending::Refused(self.refusal_for(&failure)))
@@ -923,7 +928,11 @@ impl Flow {
             }
             Err(failure) => {
                 self.commands.push_back(Command::CloseStreams);
-                self.delete_session(&call);
+                if failure.never_delivered() {
+                    self.delete_session(&call);
+                } else {
+                    self.give_up(&call, "the call's response failed");
+                }
                 return self.finish(Ending::Refused(self.refusal_for(&failure)));
             }
         };
@@ -1095,17 +1104,17 @@ impl Flow {
             }
             Ok(()) => {
                 // The call waits for answers it will never get: end its session.
-                self.delete_session(&retry.call);
+                self.give_up(&retry.call, "the call's events are gone");
                 self.lost(Lost::Unresumable, &retry.pending, &retry.responses, now)
             }
         }
     }
 
     /// The client left: a 2026-07-28 client closing its response cancels the request, so
-    /// the call ends with its session, before or after a retry's answers went up alike.
+    /// the call ends (`give_up`), before or after a retry's answers went up alike.
     fn cancelled(&mut self, call: &UpstreamCall) -> Phase {
         self.commands.push_back(Command::CloseStreams);
-        self.delete_session(call);
+        self.give_up(call, "the client cancelled the request");
         self.finish(Ending::ClientGone)
     }
 
@@ -1158,7 +1167,7 @@ impl Flow {
         self.commands.push_back(Command::CloseStreams);
         if held {
             // The held flow ends here: its session with it.
-            self.delete_session(&retry.call);
+            self.give_up(&retry.call, "an answer could not be delivered");
         } else if nothing_posted && failure.never_delivered() {
             // The upstream has no answer of this state's: the same state may be retried.
             self.commands.push_back(Command::ReleaseClaim);
@@ -1567,7 +1576,7 @@ impl Flow {
                     && self.config.resume == ResumeMode::Resumable =>
             {
                 self.commands.push_back(Command::CloseStreams);
-                self.delete_session(&r.call);
+                self.give_up(&r.call, "the call cannot be resumed");
                 let why = if r.round.last_event_id().is_none() {
                     "its SSE events carry no ids"
                 } else {
@@ -1611,7 +1620,7 @@ impl Flow {
             }
             RoundEnd::MissingCapability(required) => {
                 self.commands.push_back(Command::CloseStreams);
-                self.delete_session(&r.call);
+                self.give_up(&r.call, "the client lacks a capability the call needs");
                 let data = json!({"requiredCapabilities": required});
                 let refusal = Refusal::new(
                     Class::MissingCapability,
@@ -1623,7 +1632,7 @@ impl Flow {
             }
             RoundEnd::Failed(why) => {
                 self.commands.push_back(Command::CloseStreams);
-                self.delete_session(&r.call);
+                self.give_up(&r.call, "the call's stream failed");
                 let text = format!("upstream group '{group}' failed during the call: {why}");
                 self.finish(Ending::Refused(Refusal::internal(
                     Class::UpstreamError,
@@ -1632,7 +1641,7 @@ impl Flow {
             }
             RoundEnd::Silent => {
                 self.commands.push_back(Command::CloseStreams);
-                self.delete_session(&r.call);
+                self.give_up(&r.call, "the call was silent for too long");
                 let text = format!(
                     "upstream group '{group}' sent nothing for {} s (bridge.round_silence_seconds) while the gateway waited for {} '{}' to answer or ask (round {})",
                     self.config.silence_seconds, self.config.method, self.config.target, self.common.round
@@ -1652,7 +1661,7 @@ impl Flow {
     /// limits (rounds, or a state too large to come back): then the call ends in error.
     fn ask(&mut self, r: &Reading, state: FlowState, input_requests: Map<String, Value>) -> Phase {
         if let Some(refusal) = self.over_limits(&r.round, &state) {
-            self.delete_session(&r.call);
+            self.give_up(&r.call, "the call went over the gateway's limits");
             return self.finish(Ending::Refused(refusal));
         }
         self.finish(Ending::InputRequired {
@@ -1703,7 +1712,7 @@ impl Flow {
         });
         if let Some(refusal) = self.over_limits(&r.round, &state) {
             self.commands.push_back(Command::CloseStreams);
-            self.delete_session(&r.call);
+            self.give_up(&r.call, "the call went over the gateway's limits");
             return self.finish(Ending::Refused(refusal));
         }
         self.commands.push_back(Command::Hold {
@@ -1741,7 +1750,7 @@ impl Flow {
 
     fn overloaded(&mut self, r: &Reading) -> Phase {
         self.commands.push_back(Command::CloseStreams);
-        self.delete_session(&r.call);
+        self.give_up(&r.call, "too many flows wait on the gateway");
         let text = "too many flows are waiting for input on this replica; retry later";
         self.finish(Ending::Refused(Refusal::internal(Class::Overloaded, text)))
     }
@@ -1822,6 +1831,19 @@ impl Flow {
         if !call.data_session {
             self.commands.push_back(Command::DeleteSession);
         }
+    }
+
+    /// Ends a call the flow gives up on while the upstream may still be running it: its
+    /// session deleted, or, in a data-layer session, the call cancelled by id as a legacy
+    /// client cancels one (closing its stream does not: 2025-11-25, Cancellation), so
+    /// that the tool stops instead of waiting on until the server's own timeout.
+    fn give_up(&mut self, call: &UpstreamCall, reason: &str) {
+        if !call.data_session {
+            return self.commands.push_back(Command::DeleteSession);
+        }
+        let cancelled = json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+            "params": {"requestId": call.id.to_json(), "reason": reason}});
+        self.commands.push_back(Command::Cancel(cancelled));
     }
 
     fn learn(&mut self, learnt: Learnt) {

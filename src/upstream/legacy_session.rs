@@ -19,7 +19,8 @@ use std::sync::Arc;
 
 /// Largest upstream SSE event or JSON body the bridge reads.
 pub const MAX_UPSTREAM_MESSAGE: usize = 4 << 20;
-/// Longest wait for the DELETE of a session nobody will use (`LegacySession::abandon`).
+/// Longest wait for the DELETE of a session nobody will use (`LegacySession::abandon`),
+/// and for the upstream to take a notification nobody waits on (`notify_best_effort`).
 const ABANDON_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 pub struct LegacySession<'a> {
@@ -422,6 +423,18 @@ impl<'a> LegacySession<'a> {
             .is_err()
         {
             tracing::info!("the upstream did not answer the DELETE of an unused session in time");
+        }
+    }
+
+    /// POSTs a notification nobody waits on (a call's cancellation): best effort, within
+    /// `ABANDON_LIMIT`, whatever the upstream answers.
+    pub async fn notify_best_effort(&self, message: &Value) {
+        match tokio::time::timeout(ABANDON_LIMIT, self.post_and_expect_accepted(message)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::info!(error = %crate::outcome::Report(&e), "the upstream did not take a notification")
+            }
+            Err(_) => tracing::info!("the upstream did not answer a notification in time"),
         }
     }
 

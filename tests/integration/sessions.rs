@@ -3,9 +3,10 @@
 //! modern call is independent; with `session/create` the notebook persists across calls,
 //! replicas and an MRTR round; `session/delete` ends the upstream session; bad cookies and
 //! missing ones get the documented errors and reach no upstream; two calls at once in one
-//! session each keep their own questions.
+//! session each keep their own questions; a call whose client leaves is cancelled by id.
 
 use crate::common::*;
+use crate::scripted::{legacy_basics, Answer, ScriptedUpstream, Seen};
 use mrtr_gateway::config::{SessionPolicy, ToolPolicy, UpstreamEra};
 use mrtr_gateway::keys::KeyRing;
 use mrtr_gateway::mrtr::data_session::{DataSession, INVALID_COOKIE};
@@ -13,6 +14,7 @@ use mrtr_gateway::mrtr::state::now_secs;
 use mrtr_gateway::principal::PrincipalSource;
 use mrtr_gateway::protocol::session_token::SessionToken;
 use serde_json::{json, Value};
+use std::time::Duration;
 
 /// A `tools/call` with the session `cookie` (as a result's `_meta["mcp/session"]` gave
 /// it) and `extra` params (a retry's answers and state); returns status and body.
@@ -425,4 +427,46 @@ fn two_calls_at_once_in_one_session_keep_their_own_questions() {
     }
     let (pages, _) = notebook(&raw, 20, Some(&cookie));
     assert_eq!(pages, ["right: right-text", "left: left-text"]);
+}
+
+/// A call in a data-layer session whose client leaves is cancelled upstream by its id, as
+/// a legacy client cancels one: the session outlives its calls, so it is not deleted, and
+/// closing the call's stream alone leaves the tool running in the server.
+#[test]
+fn a_call_whose_client_leaves_is_cancelled_by_id_in_its_session() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        // The tool runs on: its stream is primed and stays open.
+        Answer::sse(&[]).event(Some("c1"), &json!(""))
+    });
+    let gw = legacy_gateway(&upstream.url());
+    let raw = Raw::new(&gw.url);
+    let cookie = cookie_of(&create(&raw, 1, json!({})));
+    let params = json!({"name": "slow", "arguments": {},
+        "_meta": {"mcp/session": {"id": cookie["id"]}}});
+    send_and_leave(gw.port, 2, params, json!({"elicitation": {}}));
+    let is_call = |s: &Seen| s.jsonrpc_method().as_deref() == Some("tools/call");
+    wait_until("the call posted", Duration::from_secs(10), || {
+        upstream.requests().iter().any(is_call)
+    });
+    let call_id = upstream
+        .requests()
+        .iter()
+        .find(|s| is_call(s))
+        .unwrap()
+        .jsonrpc_id();
+    let is_cancel = |s: &Seen| s.jsonrpc_method().as_deref() == Some("notifications/cancelled");
+    wait_until("the call cancelled", Duration::from_secs(10), || {
+        upstream.requests().iter().any(is_cancel)
+    });
+    let requests = upstream.requests();
+    let cancel = requests.iter().find(|s| is_cancel(s)).unwrap();
+    assert_eq!(cancel.json().unwrap()["params"]["requestId"], call_id);
+    assert_eq!(cancel.header("mcp-session-id"), Some("s1"));
+    assert!(
+        !requests.iter().any(|s| s.method == "DELETE"),
+        "the session outlives the call"
+    );
 }

@@ -417,13 +417,19 @@ async fn drive<'g>(
     // Closing the streams and deleting the session, when they come right before the
     // finish, follow it: the client has its answer first, and neither it nor the next
     // request on its connection waits for them (the DELETE goes out in the background).
+    // A cancellation follows the finish too, awaited (bounded): only calls the flow gave
+    // up on have one.
     let (mut close_pending, mut delete_pending) = (false, false);
+    let mut cancel_pending = None;
     loop {
         while let Some(command) = flow.poll_command() {
             if let Command::Finish(ending) = command {
                 let outcome = finish(call, session, reply, &flow, ending).await;
                 if close_pending && !delete_pending {
                     close_streams(call, &mut io).await;
+                }
+                if let (Some(cancelled), Some(upstream)) = (cancel_pending, &io.upstream) {
+                    upstream.notify_best_effort(&cancelled).await;
                 }
                 if let Some(shape) = io.warm_after.take() {
                     warm::warm_up(call.gw, call.group, call.request, shape);
@@ -446,6 +452,10 @@ async fn drive<'g>(
                 }
                 Command::DeleteSession => {
                     delete_pending = true;
+                    continue;
+                }
+                Command::Cancel(cancelled) => {
+                    cancel_pending = Some(cancelled);
                     continue;
                 }
                 _ => {}
@@ -613,6 +623,10 @@ async fn execute<'g>(
         }
         Command::DeleteSession => {
             delete_session(call, io).await;
+            None
+        }
+        Command::Cancel(cancelled) => {
+            io.upstream.as_ref()?.notify_best_effort(&cancelled).await;
             None
         }
         Command::ReleaseClaim => {

@@ -1638,3 +1638,68 @@ fn the_previous_layout_flows_complete_on_this_one() {
     h.event(Stream::Call, Some("c4"), &result(id, "done"));
     assert!(matches!(h.ending(), Ending::Complete { .. }));
 }
+
+fn in_data_session() -> FlowConfig {
+    FlowConfig {
+        data_session: true,
+        ..config()
+    }
+}
+
+/// The cancellations a flow left for the shell to post.
+fn cancellations(h: &Harness) -> Vec<&Value> {
+    h.log
+        .iter()
+        .filter_map(|c| match c {
+            Command::Cancel(message) => Some(message),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A call in a data-layer session that its client leaves is cancelled upstream by id (the
+/// session outlives it, so deleting it is not how it ends); closing its stream alone would
+/// leave the tool running in the server.
+#[test]
+fn a_data_session_call_its_client_leaves_is_cancelled_by_id() {
+    let mut h = Harness::new_call(in_data_session(), Upstream::default());
+    let id = h.call_id();
+    h.feed(Input::ClientGone);
+    assert_eq!(h.ending(), &Ending::ClientGone);
+    assert!(!h.log.contains(&Command::DeleteSession));
+    assert_eq!(
+        cancellations(&h),
+        [
+            &json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+            "params": {"requestId": id, "reason": "the client cancelled the request"}})
+        ]
+    );
+    let closed = h.position(|c| *c == Command::CloseStreams).expect("closed");
+    let cancelled = h.position(|c| matches!(c, Command::Cancel(_)));
+    assert!(Some(closed) < cancelled, "{:?}", h.log);
+}
+
+/// A data-session call the gateway stops waiting for (here, silent past the limit) is
+/// cancelled too; one that completes is not, and outside a data session the session's
+/// DELETE ends the call instead.
+#[test]
+fn a_data_session_call_the_gateway_gives_up_on_is_cancelled_and_a_complete_one_is_not() {
+    let mut h = Harness::new_call(in_data_session(), Upstream::default());
+    let id = h.call_id();
+    h.advance(Duration::from_secs(46));
+    assert_eq!(h.refusal().class, Class::UpstreamTimeout);
+    let cancelled = cancellations(&h);
+    assert_eq!(cancelled.len(), 1, "{:?}", h.log);
+    assert_eq!(cancelled[0]["params"]["requestId"], id);
+
+    let mut h = Harness::new_call(in_data_session(), Upstream::default());
+    let id = h.call_id();
+    h.event(Stream::Call, Some("c1"), &result(id, "done"));
+    assert!(matches!(h.ending(), Ending::Complete { .. }));
+    assert!(cancellations(&h).is_empty(), "{:?}", h.log);
+
+    let mut h = Harness::new_call(config(), Upstream::default());
+    h.advance(Duration::from_secs(46));
+    assert!(cancellations(&h).is_empty(), "{:?}", h.log);
+    assert!(h.log.contains(&Command::DeleteSession));
+}
