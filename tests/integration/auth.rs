@@ -267,11 +267,7 @@ fn every_upstream_exchange_of_a_flow_carries_the_query_of_the_request_behind_it(
     let flow = |key: &str, id: u64| {
         let raw = Raw::new(&format!("{}?apiKey={key}&tenant=b", gw.url));
         let call = |id: u64, extra: Value| {
-            let mut params = json!({"name": "hostile", "arguments": {}});
-            params
-                .as_object_mut()
-                .unwrap()
-                .extend(extra.as_object().unwrap().clone());
+            let params = tool_params("hostile", extra);
             raw.modern_with(id, "tools/call", params, json!({"elicitation": {}}), &[])
                 .json()
         };
@@ -321,11 +317,7 @@ fn every_upstream_exchange_of_a_flow_carries_the_headers_of_the_request_behind_i
     let gw = TestGateway::start(&[&upstream.url()], &test_keys());
     let raw = Raw::new(&gw.url);
     let call = |id: u64, tag: &str, extra: Value| {
-        let mut params = json!({"name": "hostile", "arguments": {}});
-        params
-            .as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
+        let params = tool_params("hostile", extra);
         let headers = [
             ("authorization", "Bearer t-1"),
             ("x-tag", tag),

@@ -756,19 +756,22 @@ pub fn answer(first: &Value, content: Value) -> Value {
     serde_json::json!({"inputResponses": {key: {"action": "accept", "content": content}}, "requestState": result["requestState"]})
 }
 
+/// A `tools/call`'s params: tool `name` without arguments, and `extra` (a retry's
+/// `inputResponses` and `requestState`, or other params) merged in.
+pub fn tool_params(name: &str, extra: Value) -> Value {
+    let mut params = serde_json::json!({"name": name, "arguments": {}});
+    let extra = extra.as_object().expect("extra params are an object");
+    params
+        .as_object_mut()
+        .expect("an object")
+        .extend(extra.clone());
+    params
+}
+
 /// Calls the Python and TypeScript fixtures' `ask_name` tool as a 2026-07-28 client, with
 /// `extra` params (a retry's `inputResponses` and `requestState`); returns the JSON body.
 pub fn ask_name(raw: &Raw, id: u64, extra: Value) -> Value {
-    let mut params = serde_json::json!({"name": "ask_name", "arguments": {}});
-    params
-        .as_object_mut()
-        .expect("params are an object")
-        .extend(
-            extra
-                .as_object()
-                .expect("extra params are an object")
-                .clone(),
-        );
+    let params = tool_params("ask_name", extra);
     raw.modern(
         id,
         "tools/call",

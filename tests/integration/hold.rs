@@ -61,11 +61,7 @@ fn answer_all(first: &Value, answers: &[(&str, Value)]) -> Value {
 }
 
 fn call(raw: &Raw, id: u64, tool: &str, extra: Value) -> Value {
-    let mut params = json!({"name": tool, "arguments": {}});
-    params
-        .as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
+    let params = tool_params(tool, extra);
     raw.modern(id, "tools/call", params, json!({"elicitation": {}}))
         .json()
 }

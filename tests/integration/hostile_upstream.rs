@@ -32,11 +32,7 @@ fn serving_calls(
 }
 
 fn call_tool(raw: &Raw, extra: Value) -> (u16, Value) {
-    let mut params = json!({"name": "hostile", "arguments": {}});
-    params
-        .as_object_mut()
-        .expect("an object")
-        .extend(extra.as_object().expect("an object").clone());
+    let params = tool_params("hostile", extra);
     let reply = raw.modern(1, "tools/call", params, json!({"elicitation": {}}));
     (reply.status, reply.json())
 }
@@ -322,11 +318,7 @@ pub fn restartable_long_answer_case() -> usize {
     });
     let raw = Raw::new(&gw.url);
     let trip = |id: u64, extra: Value| {
-        let mut params = json!({"name": "plan_trip", "arguments": {}});
-        params
-            .as_object_mut()
-            .expect("an object")
-            .extend(extra.as_object().expect("an object").clone());
+        let params = tool_params("plan_trip", extra);
         let reply = raw.modern(id, "tools/call", params, json!({"elicitation": {}}));
         (reply.status, reply.json())
     };

@@ -9,11 +9,7 @@ use serde_json::{json, Value};
 
 /// `ask_name` as `who` (their own `Authorization`), with `extra` retry params.
 fn ask_name_as(raw: &Raw, who: &str, id: u64, extra: Value) -> Value {
-    let mut params = json!({"name": "ask_name", "arguments": {}});
-    params
-        .as_object_mut()
-        .expect("an object")
-        .extend(extra.as_object().expect("an object").clone());
+    let params = tool_params("ask_name", extra);
     let bearer = format!("Bearer {who}");
     raw.modern_with(
         id,

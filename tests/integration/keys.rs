@@ -41,11 +41,7 @@ impl Drop for Scratch {
 
 /// `tool` called as a 2026-07-28 client with `extra` params (answers, state).
 fn call(raw: &Raw, id: u64, tool: &str, extra: Value, headers_auth: Option<&str>) -> Value {
-    let mut params = json!({"name": tool, "arguments": {}});
-    params
-        .as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
+    let params = tool_params(tool, extra);
     let reply = match headers_auth {
         None => raw.modern(id, "tools/call", params, json!({"elicitation": {}})),
         Some(auth) => raw.modern_with(

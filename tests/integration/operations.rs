@@ -553,11 +553,7 @@ fn a_drain_while_a_retry_settles_posts_its_answers_then_hands_the_round_over() {
         c.upstreams[0].era = UpstreamEra::Legacy;
     });
     let call = |raw: &Raw, id: u64, extra: Value| {
-        let mut params = json!({"name": "ask", "arguments": {}});
-        params
-            .as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
+        let params = tool_params("ask", extra);
         final_message(
             raw.modern(id, "tools/call", params, json!({"elicitation": {}})),
             id,
@@ -621,11 +617,7 @@ fn json_access_lines_carry_one_flow_id_across_replicas_and_no_secrets() {
     let b = GatewayProcess::start_logging(&url, Some(&log_b));
     let bearer = "Bearer s3cr3t-token-value";
     let ask = |gw: &GatewayProcess, id: u64, extra: Value| {
-        let mut params = json!({"name": "ask_name", "arguments": {}});
-        params
-            .as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
+        let params = tool_params("ask_name", extra);
         let caps = json!({"elicitation": {}});
         let reply = Raw::new(&gw.url).modern_with(
             id,

@@ -9,11 +9,7 @@ use serde_json::{json, Value};
 use std::time::Duration;
 
 fn call(raw: &Raw, id: u64, tool: &str, extra: Value) -> (u16, Value) {
-    let mut params = json!({"name": tool, "arguments": {}});
-    params
-        .as_object_mut()
-        .unwrap()
-        .extend(extra.as_object().unwrap().clone());
+    let params = tool_params(tool, extra);
     let reply = raw.modern(id, "tools/call", params, json!({"elicitation": {}}));
     (reply.status, reply.json())
 }

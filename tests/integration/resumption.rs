@@ -186,11 +186,7 @@ pub(crate) fn resumable_server(
 }
 
 fn call_hostile(raw: &Raw, id: u64, extra: Value) -> (u16, Value) {
-    let mut params = json!({"name": "hostile", "arguments": {}});
-    params
-        .as_object_mut()
-        .expect("an object")
-        .extend(extra.as_object().expect("an object").clone());
+    let params = tool_params("hostile", extra);
     let reply = raw.modern(id, "tools/call", params, json!({"elicitation": {}}));
     (reply.status, reply.json())
 }
@@ -506,11 +502,7 @@ fn a_client_that_leaves_its_retry_before_the_answers_went_up_cancels_the_call() 
     let raw = Raw::new(&gw.url);
     let (_, first) = call_hostile(&raw, 1, json!({}));
     let retry = accepting_the_question(&first);
-    let mut params = json!({"name": "hostile", "arguments": {}});
-    params
-        .as_object_mut()
-        .unwrap()
-        .extend(retry.as_object().unwrap().clone());
+    let params = tool_params("hostile", retry.clone());
     send_and_leave(gw.port, 2, params, json!({"elicitation": {}}));
     let session = call_session(&upstream);
     let deleted = |s: &Seen| s.method == "DELETE" && s.header("mcp-session-id") == Some(&session);
@@ -539,11 +531,7 @@ fn a_client_that_leaves_its_retry_at_once_frees_its_round() {
     let raw = Raw::new(&gw.url);
     let first = ask_name(&raw, 1, json!({}));
     let retry = answer(&first, json!({"name": "Alice"}));
-    let mut params = json!({"name": "ask_name", "arguments": {}});
-    params
-        .as_object_mut()
-        .unwrap()
-        .extend(retry.as_object().unwrap().clone());
+    let params = tool_params("ask_name", retry);
     let deleted =
         || metric_with(&gw.admin, "mrtr_gateway_upstream_sessions_total", "deleted").unwrap();
     let before = deleted();
