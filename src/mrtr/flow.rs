@@ -560,10 +560,17 @@ enum AfterPost {
 enum RoundEnd {
     Complete(Value),
     Questions { draining: bool },
-    Failed(String),
+    Failed(Failure),
     MissingCapability(Value),
     Silent,
     ClientGone,
+}
+
+impl RoundEnd {
+    /// The upstream broke the protocol or the round's limits: `why`.
+    fn broken(why: impl Into<String>) -> RoundEnd {
+        RoundEnd::Failed(Failure::new(FailureKind::Broken, why))
+    }
 }
 
 /// A round that ended, with what it read.
@@ -904,7 +911,7 @@ impl Flow {
                 let event = Event::message(None, message.to_string());
                 self.on_event(r, Stream::Call, event, now)
             }
-            Err(failure) => self.end_round(r, RoundEnd::Failed(failure.message)),
+            Err(failure) => self.end_round(r, RoundEnd::Failed(failure)),
         }
     }
 
@@ -1325,12 +1332,12 @@ impl Flow {
                         r.last_activity = now;
                         Phase::Reading(r)
                     }
-                    Err(failure) => self.end_round(r, RoundEnd::Failed(failure.message)),
+                    Err(failure) => self.end_round(r, RoundEnd::Failed(failure)),
                 }
             }
             Input::Posted(result) => match (r.posting.take(), result) {
                 (Some(AfterPost::End(end)), _) => self.end_round(r, *end),
-                (_, Err(failure)) => self.end_round(r, RoundEnd::Failed(failure.message)),
+                (_, Err(failure)) => self.end_round(r, RoundEnd::Failed(failure)),
                 (_, Ok(())) if r.round.is_full() => {
                     self.end_round(r, RoundEnd::Questions { draining: false })
                 }
@@ -1379,7 +1386,7 @@ impl Flow {
         }
         let Ok(message) = serde_json::from_str::<Value>(&event.data) else {
             let why = "the upstream sent an event that is not JSON".to_string();
-            return self.end_round(r, RoundEnd::Failed(why));
+            return self.end_round(r, RoundEnd::broken(why));
         };
         let asked = r.round.question_count();
         let actions = match stream {
@@ -1398,7 +1405,7 @@ impl Flow {
                 Action::MissingCapability { required, .. } => {
                     end = Some(RoundEnd::MissingCapability(required))
                 }
-                Action::Fail(why) => end = Some(RoundEnd::Failed(why)),
+                Action::Fail(why) => end = Some(RoundEnd::broken(why)),
             }
             if end.is_some() {
                 break;
@@ -1445,7 +1452,7 @@ impl Flow {
             if r.empty_resumptions >= EMPTY_RETRIES {
                 self.learn(Learnt::ReplayRefused { empty: true });
                 let why = "a Last-Event-ID resumption of the call's stream came back empty: the upstream no longer has the call's events";
-                return self.end_round(r, RoundEnd::Failed(why.into()));
+                return self.end_round(r, RoundEnd::broken(why));
             }
             r.reopen_at = Some(now + EMPTY_BACKOFF * 2u32.pow(r.empty_resumptions));
             r.empty_resumptions += 1;
@@ -1454,11 +1461,11 @@ impl Flow {
         r.stream_ends += 1;
         if r.stream_ends > MAX_STREAM_ENDS {
             let why = "the upstream kept closing the call's stream".to_string();
-            return self.end_round(r, RoundEnd::Failed(why));
+            return self.end_round(r, RoundEnd::broken(why));
         }
         if r.round.last_event_id().is_none() {
             let why = "the call's stream ended without a result".to_string();
-            return self.end_round(r, RoundEnd::Failed(why));
+            return self.end_round(r, RoundEnd::broken(why));
         }
         r.reopen_at = Some(now + r.retry);
         Phase::Reading(r)
@@ -1483,7 +1490,7 @@ impl Flow {
         if reopen {
             let Some(after) = r.round.last_event_id().map(str::to_string) else {
                 let why = "the call's stream ended without a result".to_string();
-                return self.end_round(r, RoundEnd::Failed(why));
+                return self.end_round(r, RoundEnd::broken(why));
             };
             r.reopen_at = None;
             r.reopening = true;
@@ -1630,9 +1637,24 @@ impl Flow {
                 .with_data(data);
                 self.finish(Ending::Refused(refusal))
             }
-            RoundEnd::Failed(why) => {
+            RoundEnd::Failed(failure) if failure.kind == FailureKind::Gone => {
+                // The upstream no longer has the session: nothing runs there to cancel, and
+                // a data-layer session has ended (its client is told so, and to create one).
+                self.commands.push_back(Command::CloseStreams);
+                self.delete_session(&r.call);
+                let refusal = if r.call.data_session {
+                    self.refusal_for(&failure)
+                } else {
+                    let why = failure.message;
+                    let text = format!("upstream group '{group}' failed during the call: {why}");
+                    Refusal::internal(Class::UpstreamError, text)
+                };
+                self.finish(Ending::Refused(refusal))
+            }
+            RoundEnd::Failed(failure) => {
                 self.commands.push_back(Command::CloseStreams);
                 self.give_up(&r.call, "the call's stream failed");
+                let why = failure.message;
                 let text = format!("upstream group '{group}' failed during the call: {why}");
                 self.finish(Ending::Refused(Refusal::internal(
                     Class::UpstreamError,

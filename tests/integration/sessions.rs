@@ -77,6 +77,17 @@ fn notebook(raw: &Raw, id: u64, cookie: Option<&Value>) -> (Vec<String>, Option<
     (pages, cookie.map(|_| cookie_of(&response)))
 }
 
+/// A request's answer in a session the upstream no longer has: `Session ended` (404),
+/// the cookie revoked.
+fn assert_session_ended(status: u16, response: &Value) {
+    assert_eq!(status, 404, "{response}");
+    assert_eq!(response["error"]["code"], -32011, "{response}");
+    let message = response["error"]["message"].as_str().unwrap();
+    assert!(message.starts_with("Session ended"), "{response}");
+    let revoked = json!({"mcp/session": null});
+    assert_eq!(response["error"]["data"]["_meta"], revoked, "{response}");
+}
+
 /// The message of the one question an InputRequiredResult asks.
 fn question(response: &Value) -> String {
     let asked = response["result"]["inputRequests"]
@@ -229,14 +240,7 @@ fn session_delete_ends_the_upstream_session_and_revokes_the_cookie() {
 
     // The cookie still opens, but the upstream answers 404: the DELETE reached it.
     let (status, after) = call_status(&ra, 4, "notebook_read", json!({}), Some(&cookie), json!({}));
-    assert_eq!(status, 404, "{after}");
-    assert_eq!(after["error"]["code"], -32011, "{after}");
-    let message = after["error"]["message"].as_str().unwrap();
-    assert!(message.starts_with("Session ended"), "{after}");
-    assert_eq!(
-        after["error"]["data"]["_meta"],
-        json!({"mcp/session": null})
-    );
+    assert_session_ended(status, &after);
     assert_eq!(
         metric_with(&a.admin, "mrtr_gateway_data_sessions_total", "ended"),
         Some(1.0)
@@ -469,4 +473,30 @@ fn a_call_whose_client_leaves_is_cancelled_by_id_in_its_session() {
         !requests.iter().any(|s| s.method == "DELETE"),
         "the session outlives the call"
     );
+}
+
+/// A session deleted while a call runs in it (by its client on another connection or
+/// replica) ends that call as any request in an ended session ends: `Session ended`
+/// (404) with the cookie revoked, not as an upstream failure.
+#[test]
+fn a_call_whose_session_is_deleted_meanwhile_is_told_the_session_ended() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = legacy_gateway(&url);
+    let raw = Raw::new(&gw.url);
+    let cookie = cookie_of(&create(&raw, 1, json!({})));
+    let running = std::thread::spawn({
+        let (raw, cookie) = (Raw::new(&gw.url), cookie.clone());
+        move || {
+            let args = json!({"text": "x", "ms": 5000});
+            call_status(&raw, 2, "slow_echo", args, Some(&cookie), json!({}))
+        }
+    });
+    wait_until("the call running", Duration::from_secs(10), || {
+        metric(&gw.admin, "mrtr_gateway_active_rounds") == 1.0
+    });
+    let meta = json!({"_meta": {"mcp/session": {"id": cookie["id"]}}});
+    let deleted = raw.modern(3, "session/delete", meta, json!({})).json();
+    assert_eq!(deleted["result"]["deleted"], true, "{deleted}");
+    let (status, ended) = running.join().expect("the call's thread");
+    assert_session_ended(status, &ended);
 }

@@ -1703,3 +1703,32 @@ fn a_data_session_call_the_gateway_gives_up_on_is_cancelled_and_a_complete_one_i
     assert!(cancellations(&h).is_empty(), "{:?}", h.log);
     assert!(h.log.contains(&Command::DeleteSession));
 }
+
+/// A data-layer session the upstream ends while a call runs in it (the client deleted it
+/// from elsewhere, the server restarted) ends for the client as the README says, with
+/// `Session ended` and the cookie revoked, and nothing is cancelled in a session that is
+/// gone. Outside a data session the call fails as the upstream's error.
+#[test]
+fn a_data_session_the_upstream_ends_mid_call_ends_for_its_client() {
+    let gone = || Upstream {
+        call_opens: [Err(Failure::new(
+            FailureKind::Gone,
+            "no longer has the session",
+        ))]
+        .into(),
+        ..Upstream::default()
+    };
+    let mut h = Harness::new_call(in_data_session(), gone());
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.feed(Input::StreamEnded(Stream::Call));
+    h.advance(DEFAULT_RETRY);
+    assert_eq!(h.refusal().class, Class::SessionEnded);
+    assert_eq!(h.refusal().code, gcode::SESSION_ENDED);
+    assert!(cancellations(&h).is_empty(), "{:?}", h.log);
+
+    let mut h = Harness::new_call(config(), gone());
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.feed(Input::StreamEnded(Stream::Call));
+    h.advance(DEFAULT_RETRY);
+    assert_eq!(h.refusal().class, Class::UpstreamError);
+}
