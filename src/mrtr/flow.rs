@@ -1664,10 +1664,13 @@ impl Flow {
             RoundEnd::Silent => {
                 self.commands.push_back(Command::CloseStreams);
                 self.give_up(&r.call, "the call was silent for too long");
-                let text = format!(
+                let mut text = format!(
                     "upstream group '{group}' sent nothing for {} s (bridge.round_silence_seconds) while the gateway waited for {} '{}' to answer or ask (round {})",
                     self.config.silence_seconds, self.config.method, self.config.target, self.common.round
                 );
+                if r.call.data_session {
+                    text.push_str("; in a data-layer session only the call's own stream is read, so a question the server sends on the session's GET stream instead (not tied to the call) is not delivered: call such a tool outside the session");
+                }
                 self.finish(Ending::Refused(Refusal::internal(
                     Class::UpstreamTimeout,
                     text,

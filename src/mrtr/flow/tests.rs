@@ -1688,6 +1688,8 @@ fn a_data_session_call_the_gateway_gives_up_on_is_cancelled_and_a_complete_one_i
     let id = h.call_id();
     h.advance(Duration::from_secs(46));
     assert_eq!(h.refusal().class, Class::UpstreamTimeout);
+    // Its client learns why a question may never have come.
+    assert!(h.refusal().message.contains("the session's GET stream"));
     let cancelled = cancellations(&h);
     assert_eq!(cancelled.len(), 1, "{:?}", h.log);
     assert_eq!(cancelled[0]["params"]["requestId"], id);
