@@ -5,7 +5,7 @@
 
 use crate::common::*;
 use crate::pki::*;
-use crate::scripted::{legacy_basics, Answer, ScriptedUpstream};
+use crate::scripted::{legacy_basics, Answer, ScriptedUpstream, Seen};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use mrtr_gateway::config::{Config, ListenerTls, UpstreamEra, UpstreamGroupConfig};
@@ -338,6 +338,14 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("a runtime")
 }
 
+/// `wait_until` (10 s) from async code, on a blocking thread, so that the runtime's
+/// connections go on meanwhile.
+async fn wait_off_runtime(what: &'static str, cond: impl FnMut() -> bool + Send + 'static) {
+    tokio::task::spawn_blocking(move || wait_until(what, Duration::from_secs(10), cond))
+        .await
+        .expect("the wait");
+}
+
 type H2 = hyper::client::conn::http2::SendRequest<Full<Bytes>>;
 
 /// An HTTP/2 connection over TLS (ALPN `h2`).
@@ -477,15 +485,91 @@ fn http2_over_tls_serves_pass_through_and_the_bridge() {
         let (headers, body) = modern_request(3, "tools/call", call.clone(), caps.clone());
         let (status, _, first) = h2_post(&mut h2, &url, &headers, &body).await;
         assert_eq!(status, 200, "{first:?}");
-        let mut retry = call;
         let answered = answer(&first[0], json!({"name": "Alice"}));
-        retry.as_object_mut().expect("params").extend(answered.as_object().expect("an object").clone());
+        let retry = tool_params("ask_name", answered);
         let (headers, body) = modern_request(4, "tools/call", retry, caps);
         let (status, _, last) = h2_post(&mut h2, &url, &headers, &body).await;
         assert_eq!(status, 200, "{last:?}");
         assert_eq!(last[0]["result"]["content"][0]["text"], "Hello, Alice!", "{last:?}");
         println!("HTTP/2 over TLS: a bridged call with an elicitation ok");
     });
+}
+
+/// An HTTP/2 client that resets its stream before its answer (RST_STREAM, as an aborted
+/// fetch does) cancels the bridged call as closing an HTTP/1.1 connection does: the
+/// round ends and the call's upstream session is deleted, which ends the tool; the
+/// connection serves on.
+#[test]
+fn an_http2_client_that_resets_its_stream_cancels_the_call() {
+    let sessions = std::sync::atomic::AtomicUsize::new(0);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let body = seen.json().unwrap_or_default();
+        if body["method"] == "initialize" {
+            let n = sessions.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            return legacy_basics(seen, &format!("s{n}")).expect("initialize");
+        }
+        if let Some(answer) = legacy_basics(seen, "unused") {
+            return answer;
+        }
+        match body["params"]["name"].as_str() {
+            Some("add") => Answer::json(
+                200,
+                &json!({"jsonrpc": "2.0", "id": body["id"],
+                "result": {"content": [{"type": "text", "text": "5"}]}}),
+            ),
+            // The tool runs on: its stream is primed and stays open.
+            _ => Answer::sse(&[]).event(Some("c1"), &json!("")),
+        }
+    });
+    let tls = TlsGateway::start(&upstream.url(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+    });
+    let connector = tls.client(&["h2", "http/1.1"]);
+    let (url, admin) = (tls.url.clone(), tls.gw.admin.clone());
+    let rounds = move || metric(&admin, "mrtr_gateway_active_rounds");
+    let seen = || upstream.requests();
+    let call_session = || {
+        let calls = seen();
+        let call = calls
+            .iter()
+            .find(|s| s.jsonrpc_method().as_deref() == Some("tools/call"));
+        call.and_then(|s| s.header("mcp-session-id").map(str::to_string))
+    };
+    runtime().block_on(async {
+        let mut h2 = h2_connect(&connector, tls.gw.port).await;
+        let slow = json!({"name": "slow", "arguments": {}});
+        let (headers, body) = modern_request(1, "tools/call", slow, json!({}));
+        let mut request = http::Request::post(&url);
+        for (name, value) in &headers {
+            request = request.header(*name, value);
+        }
+        let request = request
+            .body(Full::new(Bytes::from(body.to_string())))
+            .expect("a request");
+        let pending = tokio::spawn(h2.send_request(request));
+        let running = rounds.clone();
+        wait_off_runtime("the call running", move || running() == 1.0).await;
+        pending.abort();
+        wait_off_runtime("the round ended", move || rounds() == 0.0).await;
+        let add = json!({"name": "add", "arguments": {"a": 2, "b": 3}});
+        let (headers, body) = modern_request(2, "tools/call", add, json!({}));
+        let (status, _, messages) = h2_post(&mut h2, &url, &headers, &body).await;
+        assert_eq!(status, 200, "{messages:?}");
+        assert_eq!(
+            messages[0]["result"]["content"][0]["text"], "5",
+            "{messages:?}"
+        );
+    });
+    let session = call_session().expect("the call went up in a session");
+    wait_until(
+        "the call's session deleted",
+        Duration::from_secs(10),
+        || {
+            let deleted =
+                |s: &Seen| s.method == "DELETE" && s.header("mcp-session-id") == Some(&session);
+            seen().iter().any(deleted)
+        },
+    );
 }
 
 #[test]
