@@ -314,6 +314,10 @@ pub struct BridgeOptions {
     /// Most flows one replica holds in hold mode (their upstream streams open between
     /// rounds); beyond it a round that would be held ends with an error (503).
     pub max_held_flows: usize,
+    /// Most of those flows one principal holds (requests without one count only against
+    /// `max_held_flows`); beyond it the principal's round that would be held ends with an
+    /// error (503), so that a client that abandons its flows cannot take every slot.
+    pub max_held_flows_per_principal: usize,
     /// Most bytes a held flow may keep buffered on the gateway (its round's questions and
     /// any partial upstream event); a round above it ends with an error.
     pub max_held_bytes_per_flow: usize,
@@ -340,6 +344,7 @@ impl Default for BridgeOptions {
             shed_above_active_rounds: 0,
             shed_above_held_flows: 0,
             max_held_flows: 10_000,
+            max_held_flows_per_principal: 1_000,
             max_held_bytes_per_flow: 1 << 20,
         }
     }
@@ -954,6 +959,12 @@ impl Config {
         if let Some(resolver) = &self.dns_resolver {
             check_addr("dns_resolver", resolver)?;
         }
+        if b.max_held_flows_per_principal == 0 {
+            return Err(ConfigError::at(
+                "bridge.max_held_flows_per_principal",
+                "must be above 0",
+            ));
+        }
         if b.max_held_flows == 0 || b.max_held_bytes_per_flow < 1024 {
             return Err(ConfigError::at(
                 "bridge.max_held_flows",
@@ -1161,6 +1172,9 @@ mod tests {
         assert_eq!(e.path, "limits.max_body_bytes");
         let e = Config::from_yaml("").unwrap_err();
         assert_eq!(e.path, "upstreams");
+        let unbounded = format!("{MINIMAL}bridge:\n  max_held_flows_per_principal: 0\n");
+        let e = Config::from_yaml(&unbounded).unwrap_err();
+        assert_eq!(e.path, "bridge.max_held_flows_per_principal");
         let two = format!("{MINIMAL}{}", MINIMAL.trim_start_matches("upstreams:\n"));
         assert_eq!(
             Config::from_yaml(&two).unwrap_err().path,

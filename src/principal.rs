@@ -95,6 +95,16 @@ impl Authenticator {
         })
     }
 
+    /// The principal of requests without a credential, if they have one (a verified JWT
+    /// is required where one is configured): shared by every such request, so no bound
+    /// per principal applies to it.
+    pub fn anonymous(&self) -> Option<[u8; 32]> {
+        match &self.jwt {
+            Some(_) => None,
+            None => Some(self.source.digest(None)),
+        }
+    }
+
     /// The principal of a request whose principal header (see
     /// [`PrincipalSource::header_name`]) holds `value`.
     pub fn principal(&self, value: Option<&[u8]>) -> Result<[u8; 32], Unauthenticated> {

@@ -96,6 +96,7 @@ impl Gateway {
         let flows = FlowTables {
             held: Arc::new(bridge::hold::HeldFlows::new(
                 bridge.max_held_flows,
+                bridge.max_held_flows_per_principal,
                 bridge.max_held_bytes_per_flow,
             )),
             peers: peers::Peers::build(&config.peers, resolver)?,

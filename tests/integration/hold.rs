@@ -433,3 +433,46 @@ fn a_state_naming_an_owner_outside_the_peer_set_is_never_forwarded() {
     );
     assert_eq!(upstream.count(), 0, "nothing went upstream");
 }
+
+/// One caller holds at most `bridge.max_held_flows_per_principal` flows on a replica, so
+/// a client that abandons its flows cannot take every slot from the others; requests
+/// without a credential share only the table's bound; a flow that ends gives its
+/// caller's slot back.
+#[test]
+fn one_caller_holds_at_most_its_share_of_the_held_flows() {
+    let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);
+    let replicas = peered(&url, 1, |c| c.bridge.max_held_flows_per_principal = 1);
+    let gw = &replicas[0];
+    let raw = Raw::new(&gw.url);
+    let ask_as = |id: u64, who: &str, extra: Value| {
+        let credential = format!("Bearer {who}");
+        let params = tool_params("ask_name", extra);
+        let caps = json!({"elicitation": {}});
+        let headers = [("authorization", credential.as_str())];
+        raw.modern_with(id, "tools/call", params, caps, &headers)
+            .json()
+    };
+    let asked = |reply: &Value| reply["result"]["resultType"] == "input_required";
+    let alice = ask_as(1, "alice", json!({}));
+    assert!(asked(&alice), "{alice}");
+    let refused = ask_as(2, "alice", json!({}));
+    let message = refused["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("bridge.max_held_flows_per_principal"),
+        "{refused}"
+    );
+    let bob = ask_as(3, "bob", json!({}));
+    assert!(asked(&bob), "another caller is held: {bob}");
+    for id in [4, 5] {
+        let anonymous = ask_name(&raw, id, json!({}));
+        assert!(asked(&anonymous), "{anonymous}");
+    }
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 4.0);
+    let done = ask_as(6, "alice", answer(&alice, json!({"name": "Ann"})));
+    assert_eq!(
+        done["result"]["content"][0]["text"], "Hello, Ann!",
+        "{done}"
+    );
+    let again = ask_as(7, "alice", json!({}));
+    assert!(asked(&again), "her slot came back: {again}");
+}

@@ -866,7 +866,9 @@ async fn hold(
         streams,
         questions,
     );
-    match gw.flows.held.hold(held) {
+    let principal = call.incoming.principal;
+    let anonymous = gw.admission.authenticator.load().anonymous() == Some(principal);
+    match gw.flows.held.hold(held, (!anonymous).then_some(principal)) {
         Ok(slot) => {
             gw.runtime.metrics.held_event("held");
             Input::Held(Ok(HeldAt {
@@ -880,6 +882,13 @@ async fn hold(
                 NotHeld::Full => Refusal::internal(
                     Class::Overloaded,
                     "too many flows are held on this replica; retry later",
+                ),
+                NotHeld::PrincipalFull => Refusal::internal(
+                    Class::Overloaded,
+                    format!(
+                        "this caller already has {} flows held on this replica waiting for its answers (bridge.max_held_flows_per_principal): answer them, or retry once abandoned ones expire",
+                        gw.config.bridge.max_held_flows_per_principal
+                    ),
                 ),
                 NotHeld::TooLarge(bytes) => Refusal::internal(
                     Class::OverLimit,

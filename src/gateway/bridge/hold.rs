@@ -8,8 +8,11 @@
 //! session's GET stream) and what the gateway keeps buffered for it, its round's
 //! questions (to ask again any the client leaves unanswered) and any partial upstream
 //! event; the latter is bounded by `bridge.max_held_bytes_per_flow`, the table by
-//! `bridge.max_held_flows`, and both are exported. An entry lives until its state expires;
-//! the sweeper then closes its streams and deletes its upstream session.
+//! `bridge.max_held_flows`, and both are exported. One principal holds at most
+//! `bridge.max_held_flows_per_principal` of them, so that a client that abandons its flows
+//! cannot take every slot from the others (requests without a principal share only the
+//! table's bound). An entry lives until its state expires; the sweeper then closes its
+//! streams and deletes its upstream session.
 
 use super::streams::Streams;
 use crate::gateway::Gateway;
@@ -42,6 +45,8 @@ pub(super) struct Held {
     pub questions: Map<String, Value>,
     /// What the gateway buffers for the flow, as accounted against the limit.
     bytes: usize,
+    /// The principal whose flow it is (counted against its bound), unless anonymous.
+    principal: Option<[u8; 32]>,
 }
 
 impl Held {
@@ -66,6 +71,7 @@ impl Held {
             streams,
             questions,
             bytes,
+            principal: None,
         })
     }
 
@@ -87,6 +93,8 @@ impl Held {
 pub(super) enum NotHeld {
     /// The table is at `bridge.max_held_flows`.
     Full,
+    /// The principal holds `bridge.max_held_flows_per_principal` flows already.
+    PrincipalFull,
     /// The flow buffers this many bytes, above `bridge.max_held_bytes_per_flow`.
     TooLarge(usize),
 }
@@ -95,6 +103,7 @@ pub(super) enum NotHeld {
 pub struct HeldFlows {
     table: Mutex<Table>,
     capacity: usize,
+    per_principal: usize,
     max_bytes: usize,
 }
 
@@ -102,21 +111,34 @@ pub struct HeldFlows {
 struct Table {
     flows: HashMap<u64, Box<Held>>,
     bytes: usize,
+    /// How many flows each principal holds (those holding any).
+    by_principal: HashMap<[u8; 32], usize>,
 }
 
 impl Table {
     fn remove(&mut self, slot: &u64) -> Option<Box<Held>> {
         let held = self.flows.remove(slot)?;
         self.bytes -= held.bytes;
+        if let Some(principal) = &held.principal {
+            if let Some(count) = self.by_principal.get_mut(principal) {
+                *count -= 1;
+                if *count == 0 {
+                    self.by_principal.remove(principal);
+                }
+            }
+        }
         Some(held)
     }
 }
 
 impl HeldFlows {
-    pub fn new(capacity: usize, max_bytes: usize) -> HeldFlows {
+    /// A table of at most `capacity` flows, `per_principal` of one principal, each
+    /// buffering at most `max_bytes`.
+    pub fn new(capacity: usize, per_principal: usize, max_bytes: usize) -> HeldFlows {
         HeldFlows {
             table: Mutex::new(Table::default()),
             capacity,
+            per_principal,
             max_bytes,
         }
     }
@@ -125,8 +147,13 @@ impl HeldFlows {
         self.table.lock().expect("held-flows lock")
     }
 
-    /// Holds a flow; returns its slot. On refusal the entry comes back, to be abandoned.
-    pub(super) fn hold(&self, held: Box<Held>) -> Result<u64, (NotHeld, Box<Held>)> {
+    /// Holds a flow of `principal` (`None`: anonymous); returns its slot. On refusal the
+    /// entry comes back, to be abandoned.
+    pub(super) fn hold(
+        &self,
+        mut held: Box<Held>,
+        principal: Option<[u8; 32]>,
+    ) -> Result<u64, (NotHeld, Box<Held>)> {
         if held.bytes > self.max_bytes {
             return Err((NotHeld::TooLarge(held.bytes), held));
         }
@@ -134,6 +161,14 @@ impl HeldFlows {
         if table.flows.len() >= self.capacity {
             return Err((NotHeld::Full, held));
         }
+        if let Some(principal) = principal {
+            let count = table.by_principal.entry(principal).or_default();
+            if *count >= self.per_principal {
+                return Err((NotHeld::PrincipalFull, held));
+            }
+            *count += 1;
+        }
+        held.principal = principal;
         let mut slot: u64 = rand::random();
         while table.flows.contains_key(&slot) {
             slot = rand::random();
@@ -226,8 +261,8 @@ mod tests {
 
     #[test]
     fn a_slot_gives_its_flow_once_and_only_to_that_flow() {
-        let flows = HeldFlows::new(8, 1 << 20);
-        let slot = flows.hold(held(7, 100, 10)).ok().unwrap();
+        let flows = HeldFlows::new(8, 8, 1 << 20);
+        let slot = flows.hold(held(7, 100, 10), None).ok().unwrap();
         assert!(flows.take(slot, 8).is_none(), "another flow's state");
         assert_eq!(flows.usage().0, 1);
         assert_eq!(flows.take(slot, 7).unwrap().flow_id, 7);
@@ -237,23 +272,45 @@ mod tests {
 
     #[test]
     fn the_table_and_each_flow_are_bounded() {
-        let flows = HeldFlows::new(2, 2048);
-        let (refused, _) = flows.hold(held(1, 100, 4096)).err().unwrap();
+        let flows = HeldFlows::new(2, 2, 2048);
+        let (refused, _) = flows.hold(held(1, 100, 4096), None).err().unwrap();
         assert!(matches!(refused, NotHeld::TooLarge(n) if n > 4096));
-        flows.hold(held(1, 100, 10)).ok().unwrap();
-        flows.hold(held(2, 100, 10)).ok().unwrap();
-        let (refused, back) = flows.hold(held(3, 100, 10)).err().unwrap();
+        flows.hold(held(1, 100, 10), None).ok().unwrap();
+        flows.hold(held(2, 100, 10), None).ok().unwrap();
+        let (refused, back) = flows.hold(held(3, 100, 10), None).err().unwrap();
         assert_eq!((refused, back.flow_id), (NotHeld::Full, 3));
         assert!(flows.usage().1 > 20);
     }
 
     #[test]
     fn expired_flows_are_taken_by_the_sweep() {
-        let flows = HeldFlows::new(8, 1 << 20);
-        flows.hold(held(1, 100, 1)).ok().unwrap();
-        let live = flows.hold(held(2, 200, 1)).ok().unwrap();
+        let flows = HeldFlows::new(8, 8, 1 << 20);
+        flows.hold(held(1, 100, 1), None).ok().unwrap();
+        let live = flows.hold(held(2, 200, 1), None).ok().unwrap();
         let expired = flows.take_expired(150);
         assert_eq!(expired.iter().map(|h| h.flow_id).collect::<Vec<_>>(), [1]);
         assert!(flows.take(live, 2).is_some());
+    }
+
+    #[test]
+    fn one_principal_holds_its_share_and_gets_slots_back_as_its_flows_end() {
+        let flows = HeldFlows::new(8, 2, 1 << 20);
+        let (alice, bob) = (Some([1; 32]), Some([2; 32]));
+        let first = flows.hold(held(1, 100, 1), alice).ok().unwrap();
+        flows.hold(held(2, 200, 1), alice).ok().unwrap();
+        let (refused, back) = flows.hold(held(3, 100, 1), alice).err().unwrap();
+        assert_eq!((refused, back.flow_id), (NotHeld::PrincipalFull, 3));
+        // Others, and requests without a principal, are not held back by Alice's share.
+        flows.hold(held(4, 100, 1), bob).ok().unwrap();
+        for flow in 5..8 {
+            flows.hold(held(flow, 100, 1), None).ok().unwrap();
+        }
+        // A flow taken, or expired, gives its principal's slot back.
+        flows.take(first, 1).unwrap();
+        let third = flows.hold(held(3, 300, 1), alice).ok().unwrap();
+        assert_eq!(flows.take_expired(250).len(), 5);
+        flows.hold(held(8, 300, 1), alice).ok().unwrap();
+        assert!(flows.hold(held(9, 300, 1), alice).is_err());
+        assert!(flows.take(third, 3).is_some());
     }
 }
