@@ -278,6 +278,9 @@ pub enum Command {
         questions: Map<String, Value>,
         /// When the held entry expires with the state.
         expires_at: u64,
+        /// In a data-layer session, the `notifications/cancelled` that ends the call if
+        /// the entry expires unclaimed (the session, which outlives it, is not deleted).
+        cancel_on_expiry: Option<Value>,
     },
     /// Close the flow's upstream streams (never cancelling the call).
     CloseStreams,
@@ -1743,6 +1746,10 @@ impl Flow {
         self.commands.push_back(Command::Hold {
             questions: questions.clone(),
             expires_at: state.expires_at,
+            cancel_on_expiry: r
+                .call
+                .data_session
+                .then(|| cancellation(&r.call, "the client did not continue the call in time")),
         });
         Phase::Holding {
             state: Box::new(state),
@@ -1866,9 +1873,8 @@ impl Flow {
         if !call.data_session {
             return self.commands.push_back(Command::DeleteSession);
         }
-        let cancelled = json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
-            "params": {"requestId": call.id.to_json(), "reason": reason}});
-        self.commands.push_back(Command::Cancel(cancelled));
+        self.commands
+            .push_back(Command::Cancel(cancellation(call, reason)));
     }
 
     fn learn(&mut self, learnt: Learnt) {
@@ -1920,6 +1926,12 @@ impl Retry {
             then,
         }
     }
+}
+
+/// The notification that cancels `call` upstream, as a legacy client cancels a request.
+fn cancellation(call: &UpstreamCall, reason: &str) -> Value {
+    json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+        "params": {"requestId": call.id.to_json(), "reason": reason}})
 }
 
 /// Whether the call's response is a 2025-11-25 URL-elicitation-required error.

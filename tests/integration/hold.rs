@@ -5,6 +5,7 @@
 //! left unanswered, single use across replicas, and load shedding by held flows.
 
 use crate::common::*;
+use crate::scripted::{legacy_basics, Answer, ScriptedUpstream, Seen};
 use mrtr_gateway::config::{Config, UpstreamEra};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -356,16 +357,25 @@ fn a_held_round_inside_a_data_layer_session_keeps_the_session() {
     );
 }
 
+/// One replica in front of `url` whose states expire after a second, and the cookie of
+/// a data-layer session created through it.
+fn expiring_replica_and_session(url: &str) -> (Vec<TestGateway>, Value) {
+    let replicas = peered(url, 1, |c| c.bridge.request_state_ttl_seconds = 1);
+    let raw = Raw::new(&replicas[0].url);
+    let caps = json!({"elicitation": {}});
+    let created = raw
+        .modern(1, "session/create", json!({"hints": {}}), caps)
+        .json();
+    let cookie = created["result"]["_meta"]["mcp/session"]["id"].clone();
+    (replicas, cookie)
+}
+
 #[test]
 fn an_expired_held_flow_ends_but_its_data_layer_session_lives_on() {
     let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);
-    let replicas = peered(&url, 1, |c| c.bridge.request_state_ttl_seconds = 1);
+    let (replicas, cookie) = expiring_replica_and_session(&url);
     let (gw, raw) = (&replicas[0], Raw::new(&replicas[0].url));
     let caps = json!({"elicitation": {}});
-    let created = raw
-        .modern(1, "session/create", json!({"hints": {}}), caps.clone())
-        .json();
-    let cookie = created["result"]["_meta"]["mcp/session"]["id"].clone();
     let meta = json!({"mcp/session": {"id": cookie}});
     let ask = json!({"name": "notebook_ask", "arguments": {"label": "never"}, "_meta": meta});
     let asked = raw.modern(2, "tools/call", ask, caps.clone()).json();
@@ -475,4 +485,54 @@ fn one_caller_holds_at_most_its_share_of_the_held_flows() {
     );
     let again = ask_as(7, "alice", json!({}));
     assert!(asked(&again), "her slot came back: {again}");
+}
+
+/// A held call in a data-layer session whose client never continues it is cancelled by
+/// id when its flow expires, in its session, which lives on: the tool stops waiting for
+/// an answer that cannot come any more.
+#[test]
+fn an_expired_held_call_in_a_data_layer_session_is_cancelled_upstream() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        if seen.method == "GET" {
+            return Answer::sse(&[]);
+        }
+        // A question without an event id: the call cannot be resumed, so it is held.
+        if seen.jsonrpc_method().as_deref() != Some("tools/call") {
+            return Answer::status(405, &[], b"");
+        }
+        let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
+            "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
+        Answer::sse(&[]).event(None, &question)
+    });
+    let (replicas, cookie) = expiring_replica_and_session(&upstream.url());
+    let (gw, raw) = (&replicas[0], Raw::new(&replicas[0].url));
+    let caps = json!({"elicitation": {}});
+    let ask = json!({"name": "ask", "arguments": {}, "_meta": {"mcp/session": {"id": cookie}}});
+    let asked = raw.modern(2, "tools/call", ask, caps).json();
+    assert_eq!(asked["result"]["resultType"], "input_required", "{asked}");
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 1.0);
+    let is_cancel = |s: &Seen| s.jsonrpc_method().as_deref() == Some("notifications/cancelled");
+    wait_until(
+        "the expired call cancelled",
+        Duration::from_secs(10),
+        || upstream.requests().iter().any(is_cancel),
+    );
+    let requests = upstream.requests();
+    let call = requests
+        .iter()
+        .find(|s| s.jsonrpc_method().as_deref() == Some("tools/call"))
+        .expect("the call went up");
+    let cancel = requests.iter().find(|s| is_cancel(s)).unwrap();
+    assert_eq!(
+        cancel.json().unwrap()["params"]["requestId"],
+        call.jsonrpc_id()
+    );
+    assert_eq!(cancel.header("mcp-session-id"), Some("s1"));
+    assert!(
+        !requests.iter().any(|s| s.method == "DELETE"),
+        "the session lives on"
+    );
 }

@@ -5,7 +5,7 @@
 //! response, and feeds back what happened, until the flow finishes. The decisions are the
 //! flow's (`mrtr::flow`); this is the only async code of a bridged call.
 
-use super::hold::{Held, NotHeld};
+use super::hold::{Held, HeldSession, NotHeld};
 use super::one_shot::Shape;
 use super::reply::{decorate, ClientReply};
 use super::session::{self, Attached};
@@ -616,7 +616,8 @@ async fn execute<'g>(
         Command::Hold {
             questions,
             expires_at,
-        } => Some(hold(call, io, flow, questions, expires_at).await),
+            cancel_on_expiry,
+        } => Some(hold(call, io, flow, questions, expires_at, cancel_on_expiry).await),
         Command::CloseStreams => {
             close_streams(call, io).await;
             None
@@ -846,6 +847,7 @@ async fn hold(
     flow: &Flow,
     questions: Map<String, Value>,
     expires_at: u64,
+    cancel: Option<Value>,
 ) -> Input {
     let gw = call.gw;
     let Some(upstream) = io.upstream.as_ref() else {
@@ -853,16 +855,22 @@ async fn hold(
         return Input::Held(Err(refusal));
     };
     let streams = std::mem::replace(&mut io.streams, Streams::new(None, None));
+    // A data-layer session is never deleted with a flow: without its call's cancellation
+    // it is left alone.
+    let session = upstream.session_id.clone();
+    let session = session
+        .filter(|_| !upstream.persistent || cancel.is_some())
+        .map(|id| HeldSession {
+            id,
+            version: upstream.version,
+            cancel,
+        });
     let held = Held::new(
         flow.flow_id(),
         expires_at,
         upstream.endpoint.clone(),
         *upstream.timeouts,
-        upstream
-            .session_id
-            .clone()
-            .filter(|_| !upstream.persistent)
-            .map(|sid| (sid, upstream.version)),
+        session,
         streams,
         questions,
     );

@@ -37,9 +37,8 @@ pub(super) struct Held {
     pub expires_at: u64,
     pub endpoint: Endpoint,
     pub timeouts: Timeouts,
-    /// The upstream session and the revision it negotiated, unless it is a data-layer
-    /// session's, which outlives its flows and is never deleted with one.
-    pub session: Option<(String, Revision)>,
+    /// The upstream session the flow runs in, if the server gave one.
+    pub session: Option<HeldSession>,
     pub streams: Streams,
     /// The round's questions by key, to ask again those the retry leaves unanswered.
     pub questions: Map<String, Value>,
@@ -56,7 +55,7 @@ impl Held {
         expires_at: u64,
         endpoint: Endpoint,
         timeouts: Timeouts,
-        session: Option<(String, Revision)>,
+        session: Option<HeldSession>,
         streams: Streams,
         questions: Map<String, Value>,
     ) -> Box<Held> {
@@ -75,17 +74,39 @@ impl Held {
         })
     }
 
-    /// Ends the flow: closes its streams and deletes its upstream session (one of its own).
+    /// Ends the flow: closes its streams and ends its call upstream, deleting its session
+    /// (one of its own) or cancelling the call (in a data-layer session).
     pub async fn abandon(self, gw: &Gateway) {
-        self.streams.close(&gw.upstreams.client).await;
-        if let Some((sid, version)) = self.session {
-            gw.flows.reaper.forget(&self.endpoint, &sid);
-            let client = &gw.upstreams.client;
-            LegacySession::resume(client, self.endpoint, &self.timeouts, sid, version)
-                .reap()
-                .await;
+        let client = &gw.upstreams.client;
+        self.streams.close(client).await;
+        let Some(HeldSession {
+            id,
+            version,
+            cancel,
+        }) = self.session
+        else {
+            return;
+        };
+        if cancel.is_none() {
+            gw.flows.reaper.forget(&self.endpoint, &id);
+        }
+        let upstream = LegacySession::resume(client, self.endpoint, &self.timeouts, id, version);
+        match cancel {
+            Some(cancel) => upstream.notify_best_effort(&cancel).await,
+            None => upstream.reap().await,
         }
     }
+}
+
+/// The upstream session a held flow runs in, and how its call ends if the flow does
+/// without its client.
+pub(super) struct HeldSession {
+    pub id: String,
+    /// The revision it negotiated.
+    pub version: Revision,
+    /// A data-layer session's call is cancelled with this notification (the session
+    /// outlives its flows); a session of the flow's own is deleted.
+    pub cancel: Option<Value>,
 }
 
 /// Why a flow could not be held; its round ends with an error.

@@ -1734,3 +1734,32 @@ fn a_data_session_the_upstream_ends_mid_call_ends_for_its_client() {
     h.advance(DEFAULT_RETRY);
     assert_eq!(h.refusal().class, Class::UpstreamError);
 }
+
+/// A held round says what ends its call if its client never continues it: in a data-layer
+/// session (not deleted with the flow) the call's cancellation, otherwise nothing (the
+/// session is deleted).
+#[test]
+fn a_held_data_session_round_says_how_its_call_ends_on_expiry() {
+    let hold = |data_session: bool| {
+        let config = FlowConfig {
+            resume: ResumeMode::Hold,
+            data_session,
+            ..config()
+        };
+        let mut h = Harness::new_call(config, Upstream::default());
+        h.event(Stream::Call, Some("c1"), &question(0, "Name?"));
+        h.advance(Duration::from_millis(10));
+        let cancel = h.log.iter().find_map(|c| match c {
+            Command::Hold {
+                cancel_on_expiry, ..
+            } => Some(cancel_on_expiry.clone()),
+            _ => None,
+        });
+        (h.call_id(), cancel.expect("the round is held"))
+    };
+    let (id, cancel) = hold(true);
+    let cancel = cancel.expect("a cancellation");
+    assert_eq!(cancel["method"], "notifications/cancelled");
+    assert_eq!(cancel["params"]["requestId"], id);
+    assert_eq!(hold(false).1, None);
+}
