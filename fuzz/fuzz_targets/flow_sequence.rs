@@ -170,6 +170,8 @@ struct Seen {
     ending: Option<Ending>,
     /// The call's answer is withheld, to come at a later step.
     withheld: bool,
+    /// The flow cancelled a call upstream.
+    cancelled: bool,
 }
 
 fn answer(command: &Command, b: &mut Bytes, seen: &mut Seen, config: &FlowConfig) -> Option<Input> {
@@ -209,6 +211,18 @@ fn answer(command: &Command, b: &mut Bytes, seen: &mut Seen, config: &FlowConfig
             }
             Some(Input::Posted(ok_or_fail(b)))
         }
+        // A data-layer session outlives its calls: a call given up on there is cancelled
+        // by id, and only there; a flow's own session is deleted instead.
+        Command::DeleteSession => {
+            assert!(!config.data_session, "a data-layer session was deleted");
+            None
+        }
+        Command::Cancel(message) => {
+            assert!(config.data_session, "a cancellation outside a data-layer session");
+            assert_eq!(message["method"], "notifications/cancelled");
+            seen.cancelled = true;
+            None
+        }
         Command::Watch { .. } => Some(Input::Watched(b.next() % 8 != 0)),
         Command::Hold { .. } => Some(Input::Held(Ok(HeldAt {
             owner: None,
@@ -217,6 +231,7 @@ fn answer(command: &Command, b: &mut Bytes, seen: &mut Seen, config: &FlowConfig
         Command::Finish(ending) => {
             seen.finishes += 1;
             if let Ending::Complete { message, .. } = ending {
+                assert!(!seen.cancelled, "a call completed after it was cancelled");
                 assert_eq!(
                     message["id"].as_i64(),
                     seen.last_call_id,
