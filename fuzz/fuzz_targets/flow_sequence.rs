@@ -218,7 +218,10 @@ fn answer(command: &Command, b: &mut Bytes, seen: &mut Seen, config: &FlowConfig
             None
         }
         Command::Cancel(message) => {
-            assert!(config.data_session, "a cancellation outside a data-layer session");
+            assert!(
+                config.data_session,
+                "a cancellation outside a data-layer session"
+            );
             assert_eq!(message["method"], "notifications/cancelled");
             seen.cancelled = true;
             None
@@ -280,7 +283,9 @@ fn event(b: &mut Bytes, seen: &Seen) -> Input {
         .to_string(),
         3 => result(seen.last_call_id.unwrap_or(5)).to_string(),
         4 => result(i64::from(b.next())).to_string(),
-        5 => json!({"jsonrpc": "2.0", "method": "notifications/progress", "params": {}}).to_string(),
+        5 => {
+            json!({"jsonrpc": "2.0", "method": "notifications/progress", "params": {}}).to_string()
+        }
         6 => json!({"jsonrpc": "2.0", "id": 9, "method": "ping"}).to_string(),
         _ => "not json".into(),
     };
@@ -305,19 +310,40 @@ fuzz_target!(|input: &[u8]| {
     let kind = b.next() % 5;
     let mask = b.next();
     let mut responses = Map::new();
-    for p in pending().iter().filter(|p| mask & (1 << p.upstream_id.to_json().as_i64().unwrap_or(0)) != 0) {
-        responses.insert(p.key.clone(), json!({"action": "accept", "content": {"n": p.key}}));
+    for p in pending()
+        .iter()
+        .filter(|p| mask & (1 << p.upstream_id.to_json().as_i64().unwrap_or(0)) != 0)
+    {
+        responses.insert(
+            p.key.clone(),
+            json!({"action": "accept", "content": {"n": p.key}}),
+        );
     }
     let held_questions: Map<String, Value> = pending()
         .iter()
-        .map(|p| (p.key.clone(), json!({"method": "elicitation/create", "params": {"message": "q"}})))
+        .map(|p| {
+            (
+                p.key.clone(),
+                json!({"method": "elicitation/create", "params": {"message": "q"}}),
+            )
+        })
         .collect();
     let mut flow = match kind {
         0 => Flow::new_call(config.clone(), now),
-        2 if mask & 0x80 != 0 => {
-            Flow::retry(config.clone(), prior(2, config.data_session), responses.clone(), Some(held_questions.clone()), now)
-        }
-        k => Flow::retry(config.clone(), prior(k, config.data_session), responses.clone(), None, now),
+        2 if mask & 0x80 != 0 => Flow::retry(
+            config.clone(),
+            prior(2, config.data_session),
+            responses.clone(),
+            Some(held_questions.clone()),
+            now,
+        ),
+        k => Flow::retry(
+            config.clone(),
+            prior(k, config.data_session),
+            responses.clone(),
+            None,
+            now,
+        ),
     };
     // A retry goes on with the call an earlier request posted (id 5).
     let mut seen = Seen {
@@ -343,7 +369,13 @@ fuzz_target!(|input: &[u8]| {
             // While the call's answer is awaited, only the session's stream is read.
             0..=3 if flow.is_posting() => {
                 if let Input::Event { event, .. } = event(&mut b, &seen) {
-                    flow.handle(Input::Event { stream: Stream::Session, event }, now);
+                    flow.handle(
+                        Input::Event {
+                            stream: Stream::Session,
+                            event,
+                        },
+                        now,
+                    );
                 }
             }
             4 if std::mem::take(&mut seen.withheld) => {
@@ -369,7 +401,10 @@ fuzz_target!(|input: &[u8]| {
     }
     drain(&mut flow, &mut b, &mut seen, &config, now);
     assert!(seen.finishes <= 1, "a flow finished twice");
-    assert!(flow.is_done() || seen.finishes == 0, "finished but not done");
+    assert!(
+        flow.is_done() || seen.finishes == 0,
+        "finished but not done"
+    );
     for (id, times) in &seen.answers {
         assert_eq!(*times, 1, "the answer to {id} went up {times} times");
     }
@@ -385,14 +420,21 @@ fuzz_target!(|input: &[u8]| {
             _ => Vec::new(),
         };
         for id in seen.answers.keys() {
-            assert!(given.contains(id), "answered {id}, which the client did not answer");
+            assert!(
+                given.contains(id),
+                "answered {id}, which the client did not answer"
+            );
         }
     }
     // A held round's retry asks again every question it left unanswered.
     if let (2, Some(Ending::InputRequired { input_requests, .. })) = (kind, &seen.ending) {
         if mask & 0x80 != 0 && !config.restartable {
             for p in pending().iter().filter(|p| !responses.contains_key(&p.key)) {
-                assert!(input_requests.contains_key(&p.key), "{} was not asked again", p.key);
+                assert!(
+                    input_requests.contains_key(&p.key),
+                    "{} was not asked again",
+                    p.key
+                );
             }
         }
     }

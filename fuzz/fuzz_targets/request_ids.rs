@@ -25,7 +25,11 @@ fuzz_target!(|input: &[u8]| {
         return;
     };
     let whole = unwrap(body, body.len().max(1));
-    assert_eq!(whole, unwrap(body, usize::from(split % 23) + 1), "chunking changed the bytes");
+    assert_eq!(
+        whole,
+        unwrap(body, usize::from(split % 23) + 1),
+        "chunking changed the bytes"
+    );
 
     let tag = IdTag::of_session("fuzz");
     let Ok(Some(wrapped)) = wrap_body(body, &tag) else {
