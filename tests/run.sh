@@ -15,6 +15,7 @@ ensure_cmake "$PWD"
 echo "== cargo fmt --check"
 cargo fmt --all -- --check
 cargo fmt --all --manifest-path tests/fixtures/rmcp/Cargo.toml -- --check
+cargo fmt --all --manifest-path fuzz/Cargo.toml -- --check
 echo "== cargo clippy -D warnings"
 cargo clippy --all-targets --quiet -- -D warnings
 echo "== cargo check of the fuzz targets (a crate of its own, which clippy does not reach)"
