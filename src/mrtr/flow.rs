@@ -1640,12 +1640,17 @@ impl Flow {
                 .with_data(data);
                 self.finish(Ending::Refused(refusal))
             }
-            RoundEnd::Failed(failure) if failure.kind == FailureKind::Gone => {
-                // The upstream no longer has the session: nothing runs there to cancel, and
-                // a data-layer session has ended (its client is told so, and to create one).
+            RoundEnd::Failed(failure) => {
                 self.commands.push_back(Command::CloseStreams);
-                self.delete_session(&r.call);
-                let refusal = if r.call.data_session {
+                // A session the upstream no longer has runs nothing to cancel, and a
+                // data-layer one has ended: its client is told so, and to create one.
+                let gone = failure.kind == FailureKind::Gone;
+                if gone {
+                    self.delete_session(&r.call);
+                } else {
+                    self.give_up(&r.call, "the call's stream failed");
+                }
+                let refusal = if gone && r.call.data_session {
                     self.refusal_for(&failure)
                 } else {
                     let why = failure.message;
@@ -1653,16 +1658,6 @@ impl Flow {
                     Refusal::internal(Class::UpstreamError, text)
                 };
                 self.finish(Ending::Refused(refusal))
-            }
-            RoundEnd::Failed(failure) => {
-                self.commands.push_back(Command::CloseStreams);
-                self.give_up(&r.call, "the call's stream failed");
-                let why = failure.message;
-                let text = format!("upstream group '{group}' failed during the call: {why}");
-                self.finish(Ending::Refused(Refusal::internal(
-                    Class::UpstreamError,
-                    text,
-                )))
             }
             RoundEnd::Silent => {
                 self.commands.push_back(Command::CloseStreams);
