@@ -226,7 +226,25 @@ fn answer(command: &Command, b: &mut Bytes, seen: &mut Seen, config: &FlowConfig
             seen.cancelled = true;
             None
         }
-        Command::Watch { .. } => Some(Input::Watched(b.next() % 8 != 0)),
+        // The reaper watches a flow's own session, or in a data-layer session the call
+        // this request posted, never another.
+        Command::Watch { call, .. } => {
+            match call {
+                Some(id) => {
+                    assert!(config.data_session, "a call watched outside a data session");
+                    assert_eq!(id.as_i64(), seen.last_call_id, "another call watched");
+                }
+                None => assert!(!config.data_session, "a data-layer session watched"),
+            }
+            Some(Input::Watched(b.next() % 8 != 0))
+        }
+        Command::Unwatch { .. } => {
+            assert!(
+                config.data_session,
+                "a call unwatched outside a data session"
+            );
+            None
+        }
         Command::Hold { .. } => Some(Input::Held(Ok(HeldAt {
             owner: None,
             slot: 3,

@@ -1,5 +1,7 @@
 //! The reaper: upstream sessions of flows the client abandoned are deleted by the replica
-//! that opened them, at the flow's deadline.
+//! that opened them, at the flow's deadline; in a data-layer session, which outlives its
+//! calls, an abandoned call is cancelled by id instead (`notifications/cancelled`), by the
+//! replica that posted it.
 //!
 //! What it guarantees: a flow's `requestState` never outlives its deadline (every round's
 //! expiry is capped by it), so a session still watched at the deadline can serve no one
@@ -8,8 +10,10 @@
 //! without them and keeps the session). The table is per replica and bounded; a replica
 //! that dies takes its table with it, and the upstream's own session expiry is then the
 //! backstop. A flow that completes on another replica has its session deleted there, and
-//! the reaper's later DELETE gets a harmless 404.
+//! the reaper's later DELETE gets a harmless 404 (a call's later cancellation names an id
+//! the server no longer runs, which receivers ignore).
 
+use crate::mrtr::flow::{cancellation, NOT_CONTINUED};
 use crate::mrtr::state::now_secs;
 use crate::protocol::headers::EndToEnd;
 use crate::protocol::revision::Revision;
@@ -20,6 +24,7 @@ use async_trait::async_trait;
 use hashbrown::HashTable;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
+use serde_json::Value;
 use slab::Slab;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
@@ -35,11 +40,42 @@ struct Target {
     timeouts: Timeouts,
 }
 
-/// A watched session: whose it is, its id, and its deadline. 24 bytes in the table, plus
-/// the id on the heap, since a replica may watch a million of them (benches/RESULTS.md,
-/// "Parked flows at scale"); found by (endpoint, id).
+/// What the reaper ends at a flow's deadline.
+#[derive(Clone, Copy, Debug)]
+pub enum Abandoned<'a> {
+    /// A session the flow opened: deleted.
+    Session(&'a str),
+    /// A call waiting for answers in a data-layer session, which outlives it: cancelled
+    /// by its upstream id.
+    Call { session: &'a str, id: &'a Value },
+}
+
+impl<'a> From<&'a str> for Abandoned<'a> {
+    fn from(session: &'a str) -> Abandoned<'a> {
+        Abandoned::Session(session)
+    }
+}
+
+/// Between a session id and a call's id in a call's key: a header value, which a session
+/// id is, never holds a line feed.
+const CALL_SEPARATOR: char = '\n';
+
+impl Abandoned<'_> {
+    /// The key it is watched under: the session id, or for a call the session id and the
+    /// call's id (as JSON).
+    fn key(&self) -> String {
+        match self {
+            Abandoned::Session(session) => (*session).to_owned(),
+            Abandoned::Call { session, id } => format!("{session}{CALL_SEPARATOR}{id}"),
+        }
+    }
+}
+
+/// A watched session or call: whose it is, its key (`Abandoned::key`), and its deadline.
+/// 24 bytes in the table, plus the key on the heap, since a replica may watch a million of
+/// them (benches/RESULTS.md, "Parked flows at scale"); found by (endpoint, key).
 struct Watched {
-    session: Box<str>,
+    key: Box<str>,
     owner: u32,
     /// Seconds since the epoch (fits until 2106).
     deadline: u32,
@@ -138,12 +174,11 @@ impl Table {
         }
     }
 
-    /// Removes and returns the entry of `session` on `target`, if watched.
-    fn take(&mut self, target: u32, session: &str) -> Option<Watched> {
+    /// Removes and returns the entry of `key` on `target`, if watched.
+    fn take(&mut self, target: u32, key: &str) -> Option<Watched> {
         let owners = &self.owners;
-        let same =
-            |w: &Watched| &*w.session == session && owners.target_of(w.owner) == Some(target);
-        let hash = slot_hash(&self.hasher, Some(target), session);
+        let same = |w: &Watched| &*w.key == key && owners.target_of(w.owner) == Some(target);
+        let hash = slot_hash(&self.hasher, Some(target), key);
         let found = self.watched.find_entry(hash, same).ok()?;
         Some(found.remove().0)
     }
@@ -156,15 +191,15 @@ impl Table {
             hasher,
             ..
         } = self;
-        let hash = slot_hash(hasher, Some(target), &entry.session);
-        let rehash = |w: &Watched| slot_hash(hasher, owners.target_of(w.owner), &w.session);
+        let hash = slot_hash(hasher, Some(target), &entry.key);
+        let rehash = |w: &Watched| slot_hash(hasher, owners.target_of(w.owner), &w.key);
         watched.insert_unique(hash, entry, rehash);
     }
 }
 
-/// The hash a watched session is found by: its endpoint and its id.
-fn slot_hash(hasher: &RandomState, target: Option<u32>, session: &str) -> u64 {
-    hasher.hash_one((target, session))
+/// The hash a watched entry is found by: its endpoint and its key.
+fn slot_hash(hasher: &RandomState, target: Option<u32>, key: &str) -> u64 {
+    hasher.hash_one((target, key))
 }
 
 pub struct Reaper {
@@ -180,28 +215,29 @@ impl Reaper {
         }
     }
 
-    /// Watches an upstream session that negotiated `version` until `deadline` (seconds
-    /// since the epoch), to be deleted with `caller`'s headers (the latest round's: a
-    /// refreshed token replaces an expired one). Returns false when the table is full:
-    /// the caller should not leave the flow pending.
-    pub fn watch(
+    /// Watches an upstream session that negotiated `version` (or a call in it) until
+    /// `deadline` (seconds since the epoch), to be ended with `caller`'s headers (the
+    /// latest round's: a refreshed token replaces an expired one). Returns false when the
+    /// table is full: the caller should not leave the flow pending.
+    pub fn watch<'w>(
         &self,
         endpoint: &Endpoint,
         timeouts: &Timeouts,
-        session: &str,
+        what: impl Into<Abandoned<'w>>,
         caller: &EndToEnd,
         version: Revision,
         deadline: u64,
     ) -> bool {
+        let key = what.into().key();
         let mut table = self.table.lock().expect("reaper lock");
         let target = table.intern(endpoint, timeouts);
         let owner = table.owners.acquire(target, caller, version);
         let entry = Watched {
-            session: session.into(),
+            key: key.as_str().into(),
             owner,
             deadline: u32::try_from(deadline).unwrap_or(u32::MAX),
         };
-        if let Some(replaced) = table.take(target, session) {
+        if let Some(replaced) = table.take(target, &key) {
             table.owners.release(replaced.owner);
         } else if table.watched.len() >= self.capacity {
             table.owners.release(owner);
@@ -211,13 +247,14 @@ impl Reaper {
         true
     }
 
-    /// Stops watching a session this replica has deleted itself.
-    pub fn forget(&self, endpoint: &Endpoint, session: &str) {
+    /// Stops watching a session this replica has deleted itself, or a call that ended.
+    pub fn forget<'w>(&self, endpoint: &Endpoint, what: impl Into<Abandoned<'w>>) {
+        let key = what.into().key();
         let mut table = self.table.lock().expect("reaper lock");
         let Some(target) = table.find(endpoint) else {
             return;
         };
-        if let Some(removed) = table.take(target, session) {
+        if let Some(removed) = table.take(target, &key) {
             table.owners.release(removed.owner);
         }
     }
@@ -242,7 +279,7 @@ impl Reaper {
                 out.push(Due {
                     endpoint: target.endpoint.clone(),
                     timeouts: target.timeouts,
-                    session: w.session.into(),
+                    key: w.key.into(),
                     headers: owner.headers.clone(),
                     version: owner.version,
                 });
@@ -252,31 +289,44 @@ impl Reaper {
         out
     }
 
-    /// Deletes every session due at `now`; returns how many.
+    /// Ends every session and call due at `now`; returns how many.
     pub async fn sweep(&self, client: &UpstreamClient, now: u64) -> usize {
         let due = self.take_due(now);
         let reaped = due.len();
         for Due {
             endpoint,
             timeouts,
-            session,
+            key,
             headers,
             version,
         } in due
         {
+            let (session, call) = match key.split_once(CALL_SEPARATOR) {
+                Some((session, call)) => (session.to_owned(), Some(call)),
+                None => (key.clone(), None),
+            };
             let mut upstream = LegacySession::resume(client, endpoint, &timeouts, session, version);
             upstream.caller.headers = headers;
-            upstream.reap().await;
+            match call.map(serde_json::from_str::<Value>) {
+                None => upstream.reap().await,
+                Some(Ok(id)) => {
+                    let cancelled = cancellation(id, NOT_CONTINUED);
+                    upstream.notify_best_effort(&cancelled).await
+                }
+                // Written by `Abandoned::key` from a JSON value, so never.
+                Some(Err(_)) => {}
+            }
         }
         reaped
     }
 }
 
-/// A session due for its DELETE.
+/// A session due for its DELETE, or a call for its cancellation.
 struct Due {
     endpoint: Endpoint,
     timeouts: Timeouts,
-    session: String,
+    /// `Abandoned::key`.
+    key: String,
     headers: EndToEnd,
     version: Revision,
 }
@@ -298,7 +348,7 @@ impl BackgroundService for ReaperService {
                 _ = tick.tick() => {
                     let reaped = self.reaper.sweep(&client, now_secs()).await;
                     if reaped > 0 {
-                        tracing::info!(reaped, "deleted the upstream sessions of abandoned flows");
+                        tracing::info!(reaped, "ended the upstream sessions and calls of abandoned flows");
                     }
                 }
                 _ = shutdown.changed() => return,
@@ -363,9 +413,35 @@ mod tests {
         assert!(r.take_due(149).is_empty());
         let due = r.take_due(150);
         assert_eq!(due.len(), 1);
-        assert_eq!(due[0].session, "a");
+        assert_eq!(due[0].key, "a");
         assert_eq!(due[0].endpoint.addr, endpoint(1).addr);
         assert_eq!(r.watched(), 0);
+    }
+
+    /// A data-layer session's call is watched apart from the session (which a flow of its
+    /// own may watch) and from the session's other calls, and forgotten by its id.
+    #[test]
+    fn a_call_is_watched_apart_from_its_session_and_forgotten_by_its_id() {
+        let r = Reaper::new(10);
+        let (id, other) = (serde_json::json!(4294967296u64), serde_json::json!(7));
+        let call = Abandoned::Call {
+            session: "s",
+            id: &id,
+        };
+        let other = Abandoned::Call {
+            session: "s",
+            id: &other,
+        };
+        assert!(r.watch(&endpoint(1), &timeouts(), "s", &nobody(), v(), 100));
+        assert!(r.watch(&endpoint(1), &timeouts(), call, &nobody(), v(), 100));
+        assert!(r.watch(&endpoint(1), &timeouts(), other, &nobody(), v(), 200));
+        assert_eq!(r.watched(), 3);
+        r.forget(&endpoint(1), other);
+        assert_eq!(r.watched(), 2);
+        let mut due = r.take_due(100);
+        due.sort_by(|x, y| x.key.cmp(&y.key));
+        let keys: Vec<&str> = due.iter().map(|d| d.key.as_str()).collect();
+        assert_eq!(keys, ["s", "s\n4294967296"]);
     }
 
     #[test]
@@ -395,7 +471,7 @@ mod tests {
             100
         ));
         let mut due = r.take_due(100);
-        due.sort_by(|x, y| x.session.cmp(&y.session));
+        due.sort_by(|x, y| x.key.cmp(&y.key));
         let credential = |d: &Due| {
             let names: Vec<_> = d.headers.iter().map(|(n, _)| n.as_str()).collect();
             assert_eq!(names, ["authorization"], "only the credentials");
@@ -412,7 +488,7 @@ mod tests {
         assert!(r.watch(&endpoint(1), &timeouts(), "a", &nobody(), older, 100));
         assert!(r.watch(&endpoint(1), &timeouts(), "b", &nobody(), v(), 100));
         let mut due = r.take_due(100);
-        due.sort_by(|x, y| x.session.cmp(&y.session));
+        due.sort_by(|x, y| x.key.cmp(&y.key));
         assert_eq!(due[0].version, older);
         assert_eq!(due[1].version, Revision::REQUESTED);
     }

@@ -270,8 +270,12 @@ pub enum Command {
     /// Write a keep-alive comment to the client, if its response streams.
     KeepAlive,
     /// Have the reaper watch the session until the flow's deadline (`until`, seconds
-    /// since the Unix epoch); answer `Watched`.
-    Watch { until: u64 },
+    /// since the Unix epoch), to delete it then; or, in a data-layer session, which
+    /// outlives the call, the call (its upstream id, `call`), to cancel it then. Answer
+    /// `Watched`.
+    Watch { until: u64, call: Option<Value> },
+    /// Stop watching the data-layer session's call `call` (its upstream id): it has ended.
+    Unwatch { call: Value },
     /// Keep the flow's streams (and their unread events) in this replica's table, with
     /// the round's questions; answer `Held`.
     Hold {
@@ -423,8 +427,13 @@ pub struct Flow {
     common: Common,
     phase: Phase,
     commands: VecDeque<Command>,
-    /// This request opened the flow's upstream session (a new call, or a re-run).
-    opened_session: bool,
+    /// This request started upstream work that a client who never continues would leave
+    /// behind, for its replica's reaper to end: it opened the flow's session (a new call,
+    /// or a re-run), or posted the call in a data-layer session.
+    started: bool,
+    /// The upstream id of the data-layer session's call this retry resumed, which the
+    /// replica that posted it may watch: unwatched when the call ends here.
+    resumed_data_call: Option<Value>,
     /// The session was initialized ahead of demand and no call has gone out on it yet.
     warm_session: bool,
 }
@@ -613,7 +622,10 @@ impl Flow {
                 call,
                 pending,
                 positions,
-            } => flow.resume(call, pending, positions, responses, now),
+            } => {
+                flow.resumed_data_call = call.data_session.then(|| call.id.to_json());
+                flow.resume(call, pending, positions, responses, now)
+            }
             Waiting::Held { call, pending, .. } => match held_questions {
                 Some(questions) => {
                     let then = AfterAnswers::ReadHeld { questions };
@@ -648,7 +660,8 @@ impl Flow {
             common,
             phase: Phase::Done,
             commands: VecDeque::new(),
-            opened_session: false,
+            started: false,
+            resumed_data_call: None,
             warm_session: false,
         }
     }
@@ -859,7 +872,7 @@ impl Flow {
         session_stream: bool,
         now: Instant,
     ) -> Phase {
-        self.opened_session = !self.config.data_session;
+        self.started = !self.config.data_session;
         self.warm_session = warm;
         // A data-layer session has no GET stream of the flow's: calls in it may run at
         // once, and only each call's own stream says which call a request belongs to. A
@@ -877,6 +890,7 @@ impl Flow {
     fn post_call(&mut self, mut call: UpstreamCall, now: Instant) -> Phase {
         let id = fresh_call_id();
         call.id = UpstreamId::Number(id);
+        self.started |= call.data_session;
         self.commands.push_back(Command::PostCall { id });
         let until = now + self.config.answer_timeout;
         Phase::Posting {
@@ -1534,12 +1548,24 @@ impl Flow {
         let asks = matches!(end, RoundEnd::Questions { .. })
             || matches!(&end, RoundEnd::Complete(m) if is_url_required(m));
         let ended = Ended { reading: r, end };
-        // The reaper watches a session this request opened before the flow waits for its
-        // client (a resumed flow's session is watched by the replica that opened it).
+        // Before the flow waits for its client, the reaper watches what this request
+        // started (a resumed flow's, by the replica that started it): the session it
+        // opened, or, in a data-layer session, the call waiting for answers. A held call
+        // is ended by the held table instead, and a call that ended asking for URLs first
+        // has nothing left running.
         let call = &ended.reading.call;
-        if asks && self.opened_session && !call.data_session && !call.session.is_empty() {
+        let watch = if call.data_session {
+            let waits = matches!(ended.end, RoundEnd::Questions { .. });
+            (waits && self.resumes(&ended.reading)).then(|| Some(call.id.to_json()))
+        } else {
+            asks.then_some(None)
+        };
+        if let Some(call_id) = watch.filter(|_| self.started && !call.session.is_empty()) {
             let until = self.common.flow_deadline;
-            self.commands.push_back(Command::Watch { until });
+            self.commands.push_back(Command::Watch {
+                until,
+                call: call_id,
+            });
             return Phase::Watching(Box::new(ended));
         }
         self.round_over(ended)
@@ -1744,7 +1770,7 @@ impl Flow {
             cancel_on_expiry: r
                 .call
                 .data_session
-                .then(|| cancellation(&r.call, "the client did not continue the call in time")),
+                .then(|| cancellation(r.call.id.to_json(), NOT_CONTINUED)),
         });
         Phase::Holding {
             state: Box::new(state),
@@ -1832,6 +1858,11 @@ impl Flow {
     }
 
     fn finish(&mut self, ending: Ending) -> Phase {
+        if !matches!(ending, Ending::InputRequired { .. }) {
+            if let Some(call) = self.resumed_data_call.take() {
+                self.commands.push_back(Command::Unwatch { call });
+            }
+        }
         self.commands.push_back(Command::Finish(ending));
         Phase::Done
     }
@@ -1869,7 +1900,7 @@ impl Flow {
             return self.commands.push_back(Command::DeleteSession);
         }
         self.commands
-            .push_back(Command::Cancel(cancellation(call, reason)));
+            .push_back(Command::Cancel(cancellation(call.id.to_json(), reason)));
     }
 
     fn learn(&mut self, learnt: Learnt) {
@@ -1923,10 +1954,15 @@ impl Retry {
     }
 }
 
-/// The notification that cancels `call` upstream, as a legacy client cancels a request.
-fn cancellation(call: &UpstreamCall, reason: &str) -> Value {
+/// Why a call whose client never continued it is cancelled: its held entry or its
+/// reaper entry expired.
+pub const NOT_CONTINUED: &str = "the client did not continue the call in time";
+
+/// The notification that cancels the upstream request `request_id`, as a legacy client
+/// cancels a request.
+pub fn cancellation(request_id: Value, reason: &str) -> Value {
     json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
-        "params": {"requestId": call.id.to_json(), "reason": reason}})
+        "params": {"requestId": request_id, "reason": reason}})
 }
 
 /// Whether the call's response is a 2025-11-25 URL-elicitation-required error.

@@ -475,6 +475,82 @@ fn a_call_whose_client_leaves_is_cancelled_by_id_in_its_session() {
     );
 }
 
+/// A call in a data-layer session that asks, and whose client never continues it, is
+/// cancelled by id at the flow's deadline by the replica that posted it: the session
+/// outlives the call, so without it the tool would wait in the server for answers until
+/// the session ends.
+#[test]
+fn a_call_its_client_never_continues_is_cancelled_at_the_flows_deadline() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        // The call asks under event ids, so its round waits resumable.
+        let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
+            "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
+        Answer::sse(&[])
+            .event(Some("c1"), &json!(""))
+            .event(Some("c2"), &question)
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.bridge.request_state_ttl_seconds = 1;
+        c.bridge.max_flow_seconds = 2;
+    });
+    let raw = Raw::new(&gw.url);
+    let cookie = cookie_of(&create(&raw, 1, json!({})));
+    let asked = call(&raw, 2, "ask", json!({}), Some(&cookie));
+    assert_eq!(question(&asked), "Name?");
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_pending_flows"), 1.0);
+    let is_cancel = |s: &Seen| s.jsonrpc_method().as_deref() == Some("notifications/cancelled");
+    wait_until("the call cancelled", Duration::from_secs(15), || {
+        upstream.requests().iter().any(is_cancel)
+    });
+    let requests = upstream.requests();
+    let posted = requests
+        .iter()
+        .find(|s| s.jsonrpc_method().as_deref() == Some("tools/call"))
+        .expect("the call went up");
+    let cancel = requests
+        .iter()
+        .find(|s| is_cancel(s))
+        .unwrap()
+        .json()
+        .unwrap();
+    assert_eq!(cancel["params"]["requestId"], posted.jsonrpc_id());
+    assert_eq!(
+        requests
+            .iter()
+            .find(|s| is_cancel(s))
+            .unwrap()
+            .header("mcp-session-id"),
+        Some("s1")
+    );
+    assert!(
+        !requests.iter().any(|s| s.method == "DELETE"),
+        "the session outlives the call"
+    );
+}
+
+/// A waiting call that its retry completes on the replica that posted it is no longer
+/// watched: nothing is left to cancel, and the reaper's table does not fill with calls
+/// that ended.
+#[test]
+fn a_call_its_retry_completes_is_no_longer_watched() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = legacy_gateway(&url);
+    let raw = Raw::new(&gw.url);
+    let cookie = cookie_of(&create(&raw, 1, json!({})));
+    let asked = call(&raw, 2, "ask_name", json!({}), Some(&cookie));
+    assert_eq!(question(&asked), "What is your name?");
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_pending_flows"), 1.0);
+    let retry = answer(&asked, json!({"name": "Ada"}));
+    let (status, done) = call_status(&raw, 3, "ask_name", json!({}), Some(&cookie), retry);
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(text(&done), "Hello, Ada!");
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_pending_flows"), 0.0);
+}
+
 /// A session deleted while a call runs in it (by its client on another connection or
 /// replica) ends that call as any request in an ended session ends: `Session ended`
 /// (404) with the cookie revoked, not as an upstream failure.

@@ -14,6 +14,7 @@ use super::warm;
 use super::{end_session, end_session_later, finish_with, upstream_for, upstream_params, Incoming};
 use crate::config::{Limits, QuietWindowFor};
 use crate::gateway::learnt::SessionReplay;
+use crate::gateway::reaper::Abandoned;
 use crate::gateway::{peers, Arrival, Gateway, UpstreamSide};
 use crate::metrics::InUse;
 use crate::mrtr::flow::{
@@ -600,18 +601,29 @@ async fn execute<'g>(
             }
             None
         }
-        Command::Watch { until } => {
+        Command::Watch { until, call } => {
             let upstream = io.upstream.as_ref()?;
-            let sid = upstream.session_id.as_ref()?;
+            let session = upstream.session_id.as_deref()?;
+            let what = match &call {
+                Some(id) => Abandoned::Call { session, id },
+                None => Abandoned::Session(session),
+            };
             let watched = gw.flows.reaper.watch(
                 &upstream.endpoint,
                 upstream.timeouts,
-                sid,
+                what,
                 &upstream.caller.headers,
                 upstream.version,
                 until,
             );
             Some(Input::Watched(watched))
+        }
+        Command::Unwatch { call } => {
+            let upstream = io.upstream.as_ref()?;
+            let session = upstream.session_id.as_deref()?;
+            let what = Abandoned::Call { session, id: &call };
+            gw.flows.reaper.forget(&upstream.endpoint, what);
+            None
         }
         Command::Hold {
             questions,

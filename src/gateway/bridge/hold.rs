@@ -88,7 +88,7 @@ impl Held {
             return;
         };
         if cancel.is_none() {
-            gw.flows.reaper.forget(&self.endpoint, &id);
+            gw.flows.reaper.forget(&self.endpoint, id.as_str());
         }
         let upstream = LegacySession::resume(client, self.endpoint, &self.timeouts, id, version);
         match cancel {

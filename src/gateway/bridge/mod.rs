@@ -523,7 +523,7 @@ pub(crate) async fn end_session(reaper: &Reaper, upstream: &LegacySession<'_>) {
     }
     upstream.delete().await;
     if let Some(sid) = &upstream.session_id {
-        reaper.forget(&upstream.endpoint, sid);
+        reaper.forget(&upstream.endpoint, sid.as_str());
     }
 }
 
@@ -545,7 +545,7 @@ async fn end_session_later(gw: &Gateway, upstream: LegacySession<'_>, streams: s
         streams.close(&client).await;
         return end_session(&gw.flows.reaper, &upstream).await;
     };
-    gw.flows.reaper.forget(&upstream.endpoint, &sid);
+    gw.flows.reaper.forget(&upstream.endpoint, sid.as_str());
     let timeouts = *upstream.timeouts;
     let (endpoint, version, caller) = (upstream.endpoint, upstream.version, upstream.caller);
     tokio::spawn(async move {

@@ -314,7 +314,9 @@ fn a_new_call_opens_the_session_stream_before_posting_and_asks_after_the_quiet_w
         .position(|c| matches!(c, Command::PostCall { .. }))
         .unwrap();
     assert!(open_session < get && get < post, "{:?}", h.log);
-    let watch = h.position(|c| matches!(c, Command::Watch { .. })).unwrap();
+    let watch = h
+        .position(|c| matches!(c, Command::Watch { call: None, .. }))
+        .unwrap();
     let close = h.position(|c| matches!(c, Command::CloseStreams)).unwrap();
     assert!(watch < close, "the reaper watches before the flow waits");
     let Ending::InputRequired {
@@ -1762,4 +1764,47 @@ fn a_held_data_session_round_says_how_its_call_ends_on_expiry() {
     assert_eq!(cancel["method"], "notifications/cancelled");
     assert_eq!(cancel["params"]["requestId"], id);
     assert_eq!(hold(false).1, None);
+}
+
+/// A data-layer session's call that waits for answers resumably is left to the reaper of
+/// the replica that posted it, under its upstream id: a client that never continues it
+/// would otherwise leave it running in the server until the session ends. The retry that
+/// ends it stops the watch; a held round leaves it to the held table instead.
+#[test]
+fn a_waiting_data_session_call_is_watched_by_id_until_its_retry_ends_it() {
+    let mut first = Harness::new_call(in_data_session(), Upstream::default());
+    let id = first.call_id();
+    first.event(Stream::Call, Some("c1"), &json!(""));
+    first.event(Stream::Call, Some("c2"), &question(0, "Name?"));
+    first.advance(Duration::from_millis(10));
+    let watch = first.log.iter().find_map(|c| match c {
+        Command::Watch { call, .. } => Some(call.clone()),
+        _ => None,
+    });
+    assert_eq!(watch, Some(Some(json!(id))), "{:?}", first.log);
+    assert!(matches!(first.ending(), Ending::InputRequired { .. }));
+    assert!(!first
+        .log
+        .iter()
+        .any(|c| matches!(c, Command::Unwatch { .. })));
+
+    let responses = json!({"elicitation_0": accept("Ada")});
+    let mut h = retry_of(&first, in_data_session(), Upstream::default(), responses);
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    h.event(Stream::Call, Some("c4"), &result(id, "Hello, Ada!"));
+    assert!(matches!(h.ending(), Ending::Complete { .. }));
+    let unwatch = h.position(|c| *c == Command::Unwatch { call: json!(id) });
+    let finish = h.position(|c| matches!(c, Command::Finish(_)));
+    assert!(unwatch.is_some() && unwatch < finish, "{:?}", h.log);
+    assert!(!h.log.iter().any(|c| matches!(c, Command::Watch { .. })));
+
+    let held = FlowConfig {
+        resume: ResumeMode::Hold,
+        ..in_data_session()
+    };
+    let mut h = Harness::new_call(held, Upstream::default());
+    h.event(Stream::Call, Some("c1"), &question(0, "Name?"));
+    h.advance(Duration::from_millis(10));
+    assert!(h.log.iter().any(|c| matches!(c, Command::Hold { .. })));
+    assert!(!h.log.iter().any(|c| matches!(c, Command::Watch { .. })));
 }
