@@ -11,7 +11,8 @@
 //!     │
 //!     ▼
 //!  Opening ─▶ OpeningSessionStream ─▶ Posting ─▶ Reading ─┬─▶ Finish(result | error)
-//!     ▲                                             ▲       ├─▶ Watching ─▶ Finish(questions)
+//!     ▲                                             ▲       ├─▶ Cancelling ─▶ Finish(error)
+//!     │                                             │       ├─▶ Watching ─▶ Finish(questions)
 //!     │ restartable, lost                           │       └─▶ Holding ──▶ Finish(questions)
 //!  retry of Resumable ─▶ Reopening ─▶ Settling ──────────────────────▶ Answering ─┤
 //!  retry of Held (taken) ───────────────────────────────────────────▶ Answering ─┤
@@ -487,6 +488,9 @@ enum Phase {
         state: Box<FlowState>,
         questions: Map<String, Value>,
     },
+    /// A data-layer session's call failed (`Failure`); its cancellation is posted, and
+    /// its answer says whether the session itself ended.
+    Cancelling(Failure),
     Done,
 }
 
@@ -795,6 +799,9 @@ impl Flow {
             (Phase::Watching(ended), Input::Watched(false)) => self.overloaded(&ended.reading),
             (Phase::Holding { state, questions }, Input::Held(held)) => {
                 self.held(state, questions, held)
+            }
+            (Phase::Cancelling(failed), Input::Posted(cancelled)) => {
+                self.cancelled_after_failure(failed, cancelled)
             }
             // An input the phase does not wait for (a stream ending while a post is
             // answered, a draining signal while a session opens) changes nothing.
@@ -1668,22 +1675,21 @@ impl Flow {
             }
             RoundEnd::Failed(failure) => {
                 self.commands.push_back(Command::CloseStreams);
-                // A session the upstream no longer has runs nothing to cancel, and a
-                // data-layer one has ended: its client is told so, and to create one.
-                let gone = failure.kind == FailureKind::Gone;
-                if gone {
+                // A session the upstream no longer has runs nothing to cancel.
+                if failure.kind == FailureKind::Gone {
                     self.delete_session(&r.call);
-                } else {
-                    self.give_up(&r.call, "the call's stream failed");
+                    return self.failed_during_call(failure);
                 }
-                let refusal = if gone && r.call.data_session {
-                    self.refusal_for(&failure)
-                } else {
-                    let why = failure.message;
-                    let text = format!("upstream group '{group}' failed during the call: {why}");
-                    Refusal::internal(Class::UpstreamError, text)
-                };
-                self.finish(Ending::Refused(refusal))
+                if r.call.data_session {
+                    // The call's stream may have ended with its session (deleted by its
+                    // client elsewhere): the cancellation goes up before the client is
+                    // answered, and a 404 to it says the session ended.
+                    let cancel = cancellation(r.call.id.to_json(), "the call's stream failed");
+                    self.commands.push_back(Command::Post(cancel));
+                    return Phase::Cancelling(failure);
+                }
+                self.give_up(&r.call, "the call's stream failed");
+                self.failed_during_call(failure)
             }
             RoundEnd::Silent => {
                 self.commands.push_back(Command::CloseStreams);
@@ -1849,6 +1855,32 @@ impl Flow {
 
     /// The client's error for an upstream failure; in a data-layer session the upstream's
     /// losing the session ends that session.
+    /// The call failed upstream during a round: a data-layer session that has ended is
+    /// told as such (its client creates another), anything else as the upstream's error.
+    fn failed_during_call(&mut self, failure: Failure) -> Phase {
+        let refusal = if failure.kind == FailureKind::Gone && self.config.data_session {
+            self.refusal_for(&failure)
+        } else {
+            let (group, why) = (&self.config.group, failure.message);
+            let text = format!("upstream group '{group}' failed during the call: {why}");
+            Refusal::internal(Class::UpstreamError, text)
+        };
+        self.finish(Ending::Refused(refusal))
+    }
+
+    /// The answer to the cancellation of a data-layer session's call that `failed`: a
+    /// session the upstream no longer has is what ended the call.
+    fn cancelled_after_failure(
+        &mut self,
+        failed: Failure,
+        cancelled: Result<(), Failure>,
+    ) -> Phase {
+        match cancelled {
+            Err(gone) if gone.kind == FailureKind::Gone => self.failed_during_call(gone),
+            _ => self.failed_during_call(failed),
+        }
+    }
+
     fn refusal_for(&self, failure: &Failure) -> Refusal {
         if failure.kind == FailureKind::Gone && self.config.data_session {
             let text = "Session ended: the upstream no longer has it; call session/create again";

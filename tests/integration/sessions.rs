@@ -556,7 +556,18 @@ fn a_call_its_retry_completes_is_no_longer_watched() {
 /// (404) with the cookie revoked, not as an upstream failure.
 #[test]
 fn a_call_whose_session_is_deleted_meanwhile_is_told_the_session_ended() {
-    let (_upstream, url) = start_upstream(Upstream::Python);
+    session_deleted_during_a_call(Upstream::Python);
+}
+
+/// The same on a server without an event store, whose call stream cannot be resumed: the
+/// stream that ends with the session does not make the call look broken upstream.
+#[test]
+fn a_call_whose_unresumable_session_is_deleted_meanwhile_is_told_the_session_ended() {
+    session_deleted_during_a_call(Upstream::PythonWithoutEventStore);
+}
+
+fn session_deleted_during_a_call(server: Upstream) {
+    let (_upstream, url) = start_upstream(server);
     let gw = legacy_gateway(&url);
     let raw = Raw::new(&gw.url);
     let cookie = cookie_of(&create(&raw, 1, json!({})));

@@ -1808,3 +1808,39 @@ fn a_waiting_data_session_call_is_watched_by_id_until_its_retry_ends_it() {
     assert!(h.log.iter().any(|c| matches!(c, Command::Hold { .. })));
     assert!(!h.log.iter().any(|c| matches!(c, Command::Watch { .. })));
 }
+
+/// A data-layer session's call whose stream ends without a result and cannot be resumed
+/// may have ended with its session (deleted by its client elsewhere): its cancellation
+/// goes up before the client is answered, and a 404 to it tells the client the session
+/// ended; an accepted one leaves the upstream's failure as the answer.
+#[test]
+fn a_data_session_call_whose_stream_breaks_asks_whether_its_session_ended() {
+    let broken = |cancelled: Result<(), Failure>| {
+        let upstream = Upstream {
+            posts: [cancelled].into(),
+            ..Upstream::default()
+        };
+        let mut h = Harness::new_call(in_data_session(), upstream);
+        let id = h.call_id();
+        h.feed(Input::StreamEnded(Stream::Call));
+        let posted = h.posted();
+        assert_eq!(posted.len(), 1, "{:?}", h.log);
+        assert_eq!(posted[0]["method"], "notifications/cancelled");
+        assert_eq!(posted[0]["params"]["requestId"], id);
+        let cancel = h.position(|c| matches!(c, Command::Post(_)));
+        let finish = h.position(|c| matches!(c, Command::Finish(_)));
+        assert!(cancel < finish, "the client waits for it: {:?}", h.log);
+        assert!(cancellations(&h).is_empty(), "cancelled once: {:?}", h.log);
+        h.refusal().clone()
+    };
+    let gone = Failure::new(FailureKind::Gone, "no longer has the session");
+    let ended = broken(Err(gone));
+    assert_eq!(ended.class, Class::SessionEnded);
+    assert_eq!(ended.code, gcode::SESSION_ENDED);
+    let failed = broken(Ok(()));
+    assert_eq!(failed.class, Class::UpstreamError);
+    assert!(
+        failed.message.contains("ended without a result"),
+        "{failed:?}"
+    );
+}
