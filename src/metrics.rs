@@ -33,6 +33,10 @@ pub struct Metrics {
     /// Data-layer sessions by event: `created`, `deleted`, `ended` (the upstream no
     /// longer had it), `rejected` (a cookie that did not open; the reason is logged).
     pub data_sessions: IntCounterVec,
+    /// Calls in data-layer sessions (which outlive their calls) cancelled upstream with
+    /// `notifications/cancelled` and accepted, by why: `gave_up` (the client left, or the
+    /// gateway stopped waiting), `abandoned` (the client never continued the call).
+    pub upstream_cancellations: IntCounterVec,
     /// Time from sending a request upstream to its response header, by upstream.
     pub upstream_duration: HistogramVec,
     pub active_client_streams: IntGauge,
@@ -254,6 +258,12 @@ impl Metrics {
                 "Data-layer sessions created, deleted, ended upstream, and cookies rejected",
                 &["event"],
             ),
+            upstream_cancellations: counters(
+                &r,
+                "mrtr_gateway_upstream_calls_cancelled_total",
+                "Calls in data-layer sessions cancelled upstream (accepted), by why: gave_up, abandoned",
+                &["why"],
+            ),
             upstream_duration: register(&r, upstream_duration),
             active_client_streams: gauge(
                 &r,
@@ -382,6 +392,9 @@ impl Metrics {
         for event in ["created", "deleted", "ended", "rejected"] {
             self.data_sessions.with_label_values(&[event]);
         }
+        for why in ["gave_up", "abandoned"] {
+            self.upstream_cancellations.with_label_values(&[why]);
+        }
         for outcome in ["ok", "failed"] {
             self.upstream_resumptions.with_label_values(&[outcome]);
         }
@@ -409,6 +422,11 @@ impl Metrics {
     /// Counts an upstream session event (`opened`, `reused`, `deleted`, `reaped`).
     pub fn upstream_session(&self, event: &'static str) {
         self.upstream_sessions.with_label_values(&[event]).inc();
+    }
+
+    /// Counts a call cancelled upstream (`gave_up`, `abandoned`).
+    pub fn upstream_cancelled(&self, why: &'static str) {
+        self.upstream_cancellations.with_label_values(&[why]).inc();
     }
 
     /// Counts a held-flow event (`held`, `resumed`, `expired`, `lost`).

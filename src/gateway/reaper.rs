@@ -311,7 +311,7 @@ impl Reaper {
                 None => upstream.reap().await,
                 Some(Ok(id)) => {
                     let cancelled = cancellation(id, NOT_CONTINUED);
-                    upstream.notify_best_effort(&cancelled).await
+                    upstream.cancel_best_effort(&cancelled, "abandoned").await
                 }
                 // Written by `Abandoned::key` from a JSON value, so never.
                 Some(Err(_)) => {}

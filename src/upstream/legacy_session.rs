@@ -20,7 +20,7 @@ use std::sync::Arc;
 /// Largest upstream SSE event or JSON body the bridge reads.
 pub const MAX_UPSTREAM_MESSAGE: usize = 4 << 20;
 /// Longest wait for the DELETE of a session nobody will use (`LegacySession::abandon`),
-/// and for the upstream to take a notification nobody waits on (`notify_best_effort`).
+/// and for the upstream to take a cancellation nobody waits on (`cancel_best_effort`).
 const ABANDON_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 pub struct LegacySession<'a> {
@@ -426,15 +426,16 @@ impl<'a> LegacySession<'a> {
         }
     }
 
-    /// POSTs a notification nobody waits on (a call's cancellation): best effort, within
-    /// `ABANDON_LIMIT`, whatever the upstream answers.
-    pub async fn notify_best_effort(&self, message: &Value) {
-        match tokio::time::timeout(ABANDON_LIMIT, self.post_and_expect_accepted(message)).await {
-            Ok(Ok(())) => {}
+    /// POSTs a call's cancellation (`notifications/cancelled`) nobody waits on: best
+    /// effort, within `ABANDON_LIMIT`, whatever the upstream answers; one it takes is
+    /// counted under `why` (`gave_up`, `abandoned`).
+    pub async fn cancel_best_effort(&self, cancelled: &Value, why: &'static str) {
+        match tokio::time::timeout(ABANDON_LIMIT, self.post_and_expect_accepted(cancelled)).await {
+            Ok(Ok(())) => self.client.metrics.upstream_cancelled(why),
             Ok(Err(e)) => {
-                tracing::info!(error = %crate::outcome::Report(&e), "the upstream did not take a notification")
+                tracing::info!(error = %crate::outcome::Report(&e), "the upstream did not take a call's cancellation")
             }
-            Err(_) => tracing::info!("the upstream did not answer a notification in time"),
+            Err(_) => tracing::info!("the upstream did not answer a call's cancellation in time"),
         }
     }
 

@@ -535,4 +535,8 @@ fn an_expired_held_call_in_a_data_layer_session_is_cancelled_upstream() {
         !requests.iter().any(|s| s.method == "DELETE"),
         "the session lives on"
     );
+    let cancelled = "mrtr_gateway_upstream_calls_cancelled_total";
+    wait_until("the cancellation counted", Duration::from_secs(5), || {
+        metric_with(&gw.admin, cancelled, "abandoned") == Some(1.0)
+    });
 }

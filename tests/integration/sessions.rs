@@ -473,6 +473,10 @@ fn a_call_whose_client_leaves_is_cancelled_by_id_in_its_session() {
         !requests.iter().any(|s| s.method == "DELETE"),
         "the session outlives the call"
     );
+    let cancelled = "mrtr_gateway_upstream_calls_cancelled_total";
+    wait_until("the cancellation counted", Duration::from_secs(5), || {
+        metric_with(&gw.admin, cancelled, "gave_up") == Some(1.0)
+    });
 }
 
 /// A call in a data-layer session that asks, and whose client never continues it, is
@@ -530,6 +534,11 @@ fn a_call_its_client_never_continues_is_cancelled_at_the_flows_deadline() {
         !requests.iter().any(|s| s.method == "DELETE"),
         "the session outlives the call"
     );
+    let cancelled = "mrtr_gateway_upstream_calls_cancelled_total";
+    wait_until("the cancellation counted", Duration::from_secs(5), || {
+        metric_with(&gw.admin, cancelled, "abandoned") == Some(1.0)
+    });
+    assert_eq!(metric_with(&gw.admin, cancelled, "gave_up"), Some(0.0));
 }
 
 /// A waiting call that its retry completes on the replica that posted it is no longer

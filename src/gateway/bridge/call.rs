@@ -430,7 +430,7 @@ async fn drive<'g>(
                     close_streams(call, &mut io).await;
                 }
                 if let (Some(cancelled), Some(upstream)) = (cancel_pending, &io.upstream) {
-                    upstream.notify_best_effort(&cancelled).await;
+                    upstream.cancel_best_effort(&cancelled, "gave_up").await;
                 }
                 if let Some(shape) = io.warm_after.take() {
                     warm::warm_up(call.gw, call.group, call.request, shape);
@@ -589,6 +589,9 @@ async fn execute<'g>(
         Command::Post(message) => {
             let upstream = io.upstream.as_ref()?;
             let posted = upstream.post_and_expect_accepted(&message).await;
+            if posted.is_ok() && message["method"] == "notifications/cancelled" {
+                gw.runtime.metrics.upstream_cancelled("gave_up");
+            }
             Some(Input::Posted(posted.map_err(|e| failure(&e))))
         }
         Command::Notify(message) => {
@@ -639,7 +642,10 @@ async fn execute<'g>(
             None
         }
         Command::Cancel(cancelled) => {
-            io.upstream.as_ref()?.notify_best_effort(&cancelled).await;
+            io.upstream
+                .as_ref()?
+                .cancel_best_effort(&cancelled, "gave_up")
+                .await;
             None
         }
         Command::ReleaseClaim => {

@@ -92,7 +92,7 @@ impl Held {
         }
         let upstream = LegacySession::resume(client, self.endpoint, &self.timeouts, id, version);
         match cancel {
-            Some(cancel) => upstream.notify_best_effort(&cancel).await,
+            Some(cancel) => upstream.cancel_best_effort(&cancel, "abandoned").await,
             None => upstream.reap().await,
         }
     }
