@@ -709,6 +709,16 @@ pub fn modern_request(
 /// Sends a whole 2026-07-28 request to the gateway on `port` and closes the connection
 /// at once, as a client that goes away before its answer does.
 pub fn send_and_leave(port: u16, id: u64, params: Value, capabilities: Value) {
+    drop(send_and_stay(port, id, params, capabilities));
+}
+
+/// `send_and_leave` whose client stays until the returned connection is dropped.
+pub fn send_and_stay(
+    port: u16,
+    id: u64,
+    params: Value,
+    capabilities: Value,
+) -> std::net::TcpStream {
     use std::io::Write;
     let (headers, body) = modern_request(id, "tools/call", params, capabilities);
     let body = body.to_string();
@@ -721,6 +731,7 @@ pub fn send_and_leave(port: u16, id: u64, params: Value, capabilities: Value) {
     stream
         .write_all(request.as_bytes())
         .expect("send the request");
+    stream
 }
 
 /// A metric's value from the admin listener's `/metrics`: the first series of `name`

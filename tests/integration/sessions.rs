@@ -450,11 +450,13 @@ fn a_call_whose_client_leaves_is_cancelled_by_id_in_its_session() {
     let cookie = cookie_of(&create(&raw, 1, json!({})));
     let params = json!({"name": "slow", "arguments": {},
         "_meta": {"mcp/session": {"id": cookie["id"]}}});
-    send_and_leave(gw.port, 2, params, json!({"elicitation": {}}));
+    // The client leaves once the call is upstream (before, nothing would be cancelled).
+    let client = send_and_stay(gw.port, 2, params, json!({"elicitation": {}}));
     let is_call = |s: &Seen| s.jsonrpc_method().as_deref() == Some("tools/call");
     wait_until("the call posted", Duration::from_secs(10), || {
         upstream.requests().iter().any(is_call)
     });
+    drop(client);
     let call_id = upstream
         .requests()
         .iter()
