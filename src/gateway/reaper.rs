@@ -228,22 +228,25 @@ impl Reaper {
         version: Revision,
         deadline: u64,
     ) -> bool {
-        let key = what.into().key();
+        let key = what.into().key().into_boxed_str();
         let mut table = self.table.lock().expect("reaper lock");
         let target = table.intern(endpoint, timeouts);
         let owner = table.owners.acquire(target, caller, version);
-        let entry = Watched {
-            key: key.as_str().into(),
-            owner,
-            deadline: u32::try_from(deadline).unwrap_or(u32::MAX),
-        };
         if let Some(replaced) = table.take(target, &key) {
             table.owners.release(replaced.owner);
         } else if table.watched.len() >= self.capacity {
             table.owners.release(owner);
             return false;
         }
-        table.insert(target, entry);
+        let deadline = u32::try_from(deadline).unwrap_or(u32::MAX);
+        table.insert(
+            target,
+            Watched {
+                key,
+                owner,
+                deadline,
+            },
+        );
         true
     }
 
