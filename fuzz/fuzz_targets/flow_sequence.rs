@@ -204,13 +204,15 @@ fn answer(command: &Command, b: &mut Bytes, seen: &mut Seen, config: &FlowConfig
             }
             Some(call_reply(b, *id))
         }
+        // A failed data-layer session call's cancellation, posted before the client is
+        // answered.
+        Command::CancelFirst(message) => {
+            assert!(config.data_session, "a cancellation outside a data session");
+            assert_eq!(message["method"], "notifications/cancelled");
+            seen.cancelled = true;
+            Some(Input::Posted(ok_or_fail(b)))
+        }
         Command::Post(message) => {
-            // A failed data-layer session call's cancellation, posted before the client is
-            // answered.
-            if message["method"] == "notifications/cancelled" {
-                assert!(config.data_session, "a cancellation outside a data session");
-                seen.cancelled = true;
-            }
             // Answers to the client's questions; a ping (id 9) is answered each time.
             if message.get("result").is_some() && message["id"] != 9 {
                 *seen.answers.entry(message["id"].to_string()).or_default() += 1;

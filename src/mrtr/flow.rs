@@ -295,6 +295,10 @@ pub enum Command {
     /// client has its answer (best effort; no answer): the flow gave up on a call the
     /// session, which outlives its calls, may still be running.
     Cancel(Value),
+    /// Post this `notifications/cancelled` in the call's data-layer session now, within
+    /// a short bound, and answer `Posted`: whether the session is still there decides the
+    /// client's answer.
+    CancelFirst(Value),
     /// Release the retry's replay claim: the upstream got none of its answers.
     ReleaseClaim,
     /// Something learnt about the group's upstream.
@@ -1685,7 +1689,7 @@ impl Flow {
                     // client elsewhere): the cancellation goes up before the client is
                     // answered, and a 404 to it says the session ended.
                     let cancel = cancellation(r.call.id.to_json(), "the call's stream failed");
-                    self.commands.push_back(Command::Post(cancel));
+                    self.commands.push_back(Command::CancelFirst(cancel));
                     return Phase::Cancelling(failure);
                 }
                 self.give_up(&r.call, "the call's stream failed");

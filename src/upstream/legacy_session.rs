@@ -20,7 +20,7 @@ use std::sync::Arc;
 /// Largest upstream SSE event or JSON body the bridge reads.
 pub const MAX_UPSTREAM_MESSAGE: usize = 4 << 20;
 /// Longest wait for the DELETE of a session nobody will use (`LegacySession::abandon`),
-/// and for the upstream to take a cancellation nobody waits on (`cancel_best_effort`).
+/// and for the upstream to take a call's cancellation (`cancel`).
 const ABANDON_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 pub struct LegacySession<'a> {
@@ -426,16 +426,27 @@ impl<'a> LegacySession<'a> {
         }
     }
 
-    /// POSTs a call's cancellation (`notifications/cancelled`) nobody waits on: best
-    /// effort, within `ABANDON_LIMIT`, whatever the upstream answers; one it takes is
-    /// counted under `why` (`gave_up`, `abandoned`).
-    pub async fn cancel_best_effort(&self, cancelled: &Value, why: &'static str) {
-        match tokio::time::timeout(ABANDON_LIMIT, self.post_and_expect_accepted(cancelled)).await {
-            Ok(Ok(())) => self.client.metrics.upstream_cancelled(why),
-            Ok(Err(e)) => {
-                tracing::info!(error = %crate::outcome::Report(&e), "the upstream did not take a call's cancellation")
+    /// POSTs a call's cancellation (`notifications/cancelled`), within `ABANDON_LIMIT`;
+    /// one the upstream takes is counted under `why` (`gave_up`, `abandoned`).
+    pub async fn cancel(&self, cancelled: &Value, why: &'static str) -> Result<(), SessionError> {
+        let posting = self.post_and_expect_accepted(cancelled);
+        let posted = match tokio::time::timeout(ABANDON_LIMIT, posting).await {
+            Ok(posted) => posted,
+            Err(_) => {
+                let late = SessionFailure::Exchange(ExchangeFailure::Timeout);
+                Err(SessionError::at(Some(self.endpoint.addr), late))
             }
-            Err(_) => tracing::info!("the upstream did not answer a call's cancellation in time"),
+        };
+        if posted.is_ok() {
+            self.client.metrics.upstream_cancelled(why);
+        }
+        posted
+    }
+
+    /// `cancel`, nobody waiting on it: whatever the upstream answers is only logged.
+    pub async fn cancel_best_effort(&self, cancelled: &Value, why: &'static str) {
+        if let Err(e) = self.cancel(cancelled, why).await {
+            tracing::info!(error = %crate::outcome::Report(&e), "the upstream did not take a call's cancellation");
         }
     }
 

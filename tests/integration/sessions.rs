@@ -577,6 +577,44 @@ fn a_call_whose_unresumable_session_is_deleted_meanwhile_is_told_the_session_end
     session_deleted_during_a_call(Upstream::PythonWithoutEventStore);
 }
 
+/// The cancellation that asks whether a failed call's session ended is bounded: an
+/// upstream that never answers it does not hold the client's error for the response
+/// timeout (60 s here).
+#[test]
+fn a_failed_call_is_answered_though_its_cancellation_goes_unanswered() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if seen.jsonrpc_method().as_deref() == Some("notifications/cancelled") {
+            return Answer::silent();
+        }
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        // The call's stream ends at once, without a result and without event ids.
+        Answer::sse(&[]).end()
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.upstreams[0].response_timeout_ms = 60_000;
+    });
+    let raw = Raw::new(&gw.url);
+    let cookie = cookie_of(&create(&raw, 1, json!({})));
+    let answered = std::thread::spawn({
+        let raw = Raw::new(&gw.url);
+        move || call_status(&raw, 2, "broken", json!({}), Some(&cookie), json!({}))
+    });
+    wait_until("the client answered", Duration::from_secs(15), || {
+        answered.is_finished()
+    });
+    let (status, failed) = answered.join().expect("the call's thread");
+    assert_eq!(status, 200, "{failed}");
+    assert_eq!(failed["error"]["code"], -32603, "{failed}");
+    let is_cancel = |s: &Seen| s.jsonrpc_method().as_deref() == Some("notifications/cancelled");
+    assert_eq!(
+        upstream.requests().iter().filter(|s| is_cancel(s)).count(),
+        1
+    );
+}
+
 fn session_deleted_during_a_call(server: Upstream) {
     let (_upstream, url) = start_upstream(server);
     let gw = legacy_gateway(&url);

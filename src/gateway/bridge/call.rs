@@ -589,9 +589,10 @@ async fn execute<'g>(
         Command::Post(message) => {
             let upstream = io.upstream.as_ref()?;
             let posted = upstream.post_and_expect_accepted(&message).await;
-            if posted.is_ok() && message["method"] == "notifications/cancelled" {
-                gw.runtime.metrics.upstream_cancelled("gave_up");
-            }
+            Some(Input::Posted(posted.map_err(|e| failure(&e))))
+        }
+        Command::CancelFirst(cancelled) => {
+            let posted = io.upstream.as_ref()?.cancel(&cancelled, "gave_up").await;
             Some(Input::Posted(posted.map_err(|e| failure(&e))))
         }
         Command::Notify(message) => {
