@@ -2,7 +2,9 @@
 //! JWT principal's JWKS, and the MCP listener's certificate and key (watched as one). Each
 //! is re-read when its contents change (polled, which also catches a Kubernetes Secret's
 //! symlink swap) and on SIGHUP. A file that does not parse is logged and counted, and what
-//! is in use is kept.
+//! is in use is kept. A poll that finds new contents failing tries them again at the next
+//! poll before it reports them: a writer that replaces files one after another (the
+//! certificate, then its key; certbot's per-file symlinks) is caught between the two.
 
 use crate::metrics::Metrics;
 use async_trait::async_trait;
@@ -24,8 +26,16 @@ pub struct WatchedFile {
     /// The files; `apply` gets the first.
     pub paths: Vec<PathBuf>,
     pub apply: Apply,
-    /// A digest of the contents last seen, so unchanged files cost no parse.
-    seen: Mutex<Option<[u8; 32]>>,
+    seen: Mutex<Seen>,
+}
+
+/// What a watched file's polls have found, by digest of its contents.
+#[derive(Default)]
+struct Seen {
+    /// The contents last applied or reported, so unchanged files cost no parse.
+    settled: Option<[u8; 32]>,
+    /// New contents that failed once, to be tried again before they are reported.
+    failed_once: Option<[u8; 32]>,
 }
 
 impl WatchedFile {
@@ -36,7 +46,10 @@ impl WatchedFile {
     /// Files put in use together (a certificate and its key): a change to any of them
     /// applies them all.
     pub fn together(name: &'static str, paths: Vec<PathBuf>, apply: Apply) -> WatchedFile {
-        let seen = digest_of(&paths).ok();
+        let seen = Seen {
+            settled: digest_of(&paths).ok(),
+            failed_once: None,
+        };
         WatchedFile {
             name,
             paths,
@@ -45,20 +58,28 @@ impl WatchedFile {
         }
     }
 
-    /// Re-reads the files if they changed (or always, when `forced`); `None` if unchanged.
+    /// Re-reads the files if they changed (or always, when `forced`); `None` if unchanged,
+    /// or if new contents failed for the first time (polled, not forced).
     fn reload(&self, forced: bool) -> Option<Result<String, String>> {
         let digest = match digest_of(&self.paths) {
             Ok(digest) => digest,
             Err(e) => return Some(Err(e)),
         };
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        if !forced && *seen == Some(digest) {
+        if !forced && seen.settled == Some(digest) {
+            return None;
+        }
+        let outcome = (self.apply)(self.paths.first()?);
+        if outcome.is_err() && !forced && seen.failed_once != Some(digest) {
+            seen.failed_once = Some(digest);
             return None;
         }
         // Remember even contents that fail, so an error is logged once, not every poll.
-        *seen = Some(digest);
-        let first = self.paths.first()?;
-        Some((self.apply)(first))
+        *seen = Seen {
+            settled: Some(digest),
+            failed_once: None,
+        };
+        Some(outcome)
     }
 }
 
@@ -141,5 +162,51 @@ impl BackgroundService for Reloader {
                 _ = shutdown.changed() => return,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A watched file in a fresh directory whose contents apply when they read "good".
+    fn watched(name: &str) -> (WatchedFile, PathBuf) {
+        let dir = std::env::temp_dir().join(format!("mrtr-reload-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("file");
+        std::fs::write(&path, "good").unwrap();
+        let apply: Apply = Box::new(|p: &Path| match std::fs::read_to_string(p) {
+            Ok(text) if text.starts_with("good") => Ok(text),
+            _ => Err("not good".into()),
+        });
+        (WatchedFile::new("keys", path.clone(), apply), path)
+    }
+
+    /// A renewal caught half-written (the certificate replaced, its key not yet) is not
+    /// an error when the next poll finds it whole.
+    #[test]
+    fn contents_caught_mid_write_are_not_reported_if_the_next_poll_applies() {
+        let (file, path) = watched("mid-write");
+        assert_eq!(file.reload(false), None, "unchanged");
+        std::fs::write(&path, "half").unwrap();
+        assert_eq!(file.reload(false), None, "failed once: tried again first");
+        std::fs::write(&path, "good, renewed").unwrap();
+        assert_eq!(file.reload(false), Some(Ok("good, renewed".into())));
+        assert_eq!(file.reload(false), None);
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
+
+    /// Contents that still fail at the next poll are reported once, and a forced reload
+    /// (SIGHUP) reports at once.
+    #[test]
+    fn contents_that_keep_failing_are_reported_once_and_a_forced_reload_at_once() {
+        let (file, path) = watched("failing");
+        std::fs::write(&path, "bad").unwrap();
+        assert_eq!(file.reload(false), None);
+        assert_eq!(file.reload(false), Some(Err("not good".into())));
+        assert_eq!(file.reload(false), None, "reported once");
+        std::fs::write(&path, "worse").unwrap();
+        assert_eq!(file.reload(true), Some(Err("not good".into())));
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
     }
 }
