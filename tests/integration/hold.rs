@@ -5,7 +5,9 @@
 //! left unanswered, single use across replicas, and load shedding by held flows.
 
 use crate::common::*;
-use crate::scripted::{legacy_basics, Answer, ScriptedUpstream, Seen};
+use crate::scripted::{
+    assert_call_cancelled_in_its_session, legacy_basics, Answer, ScriptedUpstream, Seen,
+};
 use mrtr_gateway::config::{Config, UpstreamEra};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -514,29 +516,5 @@ fn an_expired_held_call_in_a_data_layer_session_is_cancelled_upstream() {
     let asked = raw.modern(2, "tools/call", ask, caps).json();
     assert_eq!(asked["result"]["resultType"], "input_required", "{asked}");
     assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 1.0);
-    let is_cancel = |s: &Seen| s.jsonrpc_method().as_deref() == Some("notifications/cancelled");
-    wait_until(
-        "the expired call cancelled",
-        Duration::from_secs(10),
-        || upstream.requests().iter().any(is_cancel),
-    );
-    let requests = upstream.requests();
-    let call = requests
-        .iter()
-        .find(|s| s.jsonrpc_method().as_deref() == Some("tools/call"))
-        .expect("the call went up");
-    let cancel = requests.iter().find(|s| is_cancel(s)).unwrap();
-    assert_eq!(
-        cancel.json().unwrap()["params"]["requestId"],
-        call.jsonrpc_id()
-    );
-    assert_eq!(cancel.header("mcp-session-id"), Some("s1"));
-    assert!(
-        !requests.iter().any(|s| s.method == "DELETE"),
-        "the session lives on"
-    );
-    let cancelled = "mrtr_gateway_upstream_calls_cancelled_total";
-    wait_until("the cancellation counted", Duration::from_secs(5), || {
-        metric_with(&gw.admin, cancelled, "abandoned") == Some(1.0)
-    });
+    assert_call_cancelled_in_its_session(&upstream, &gw.admin, "abandoned");
 }

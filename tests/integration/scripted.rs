@@ -668,6 +668,36 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
 
+/// Waits until `upstream` (legacy session `s1`) got a `notifications/cancelled`, and
+/// checks it names the call's upstream id, in its session, which is not deleted (a
+/// data-layer session outlives its calls); and that `admin` counted it under `why`.
+pub fn assert_call_cancelled_in_its_session(upstream: &ScriptedUpstream, admin: &str, why: &str) {
+    use crate::common::{metric_with, wait_until};
+    let is_cancel = |s: &Seen| s.jsonrpc_method().as_deref() == Some("notifications/cancelled");
+    wait_until("the call cancelled", Duration::from_secs(15), || {
+        upstream.requests().iter().any(is_cancel)
+    });
+    let requests = upstream.requests();
+    let call = requests
+        .iter()
+        .find(|s| s.jsonrpc_method().as_deref() == Some("tools/call"))
+        .expect("the call went up");
+    let cancel = requests.iter().find(|s| is_cancel(s)).unwrap();
+    assert_eq!(
+        cancel.json().unwrap()["params"]["requestId"],
+        call.jsonrpc_id()
+    );
+    assert_eq!(cancel.header("mcp-session-id"), Some("s1"));
+    assert!(
+        !requests.iter().any(|s| s.method == "DELETE"),
+        "the session outlives the call"
+    );
+    let cancelled = "mrtr_gateway_upstream_calls_cancelled_total";
+    wait_until("the cancellation counted", Duration::from_secs(5), || {
+        metric_with(admin, cancelled, &format!("why=\"{why}\"")) == Some(1.0)
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

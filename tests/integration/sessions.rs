@@ -6,7 +6,9 @@
 //! session each keep their own questions; a call whose client leaves is cancelled by id.
 
 use crate::common::*;
-use crate::scripted::{legacy_basics, Answer, ScriptedUpstream, Seen};
+use crate::scripted::{
+    assert_call_cancelled_in_its_session, legacy_basics, Answer, ScriptedUpstream, Seen,
+};
 use mrtr_gateway::config::{SessionPolicy, ToolPolicy, UpstreamEra};
 use mrtr_gateway::keys::KeyRing;
 use mrtr_gateway::mrtr::data_session::{DataSession, INVALID_COOKIE};
@@ -457,28 +459,7 @@ fn a_call_whose_client_leaves_is_cancelled_by_id_in_its_session() {
         upstream.requests().iter().any(is_call)
     });
     drop(client);
-    let call_id = upstream
-        .requests()
-        .iter()
-        .find(|s| is_call(s))
-        .unwrap()
-        .jsonrpc_id();
-    let is_cancel = |s: &Seen| s.jsonrpc_method().as_deref() == Some("notifications/cancelled");
-    wait_until("the call cancelled", Duration::from_secs(10), || {
-        upstream.requests().iter().any(is_cancel)
-    });
-    let requests = upstream.requests();
-    let cancel = requests.iter().find(|s| is_cancel(s)).unwrap();
-    assert_eq!(cancel.json().unwrap()["params"]["requestId"], call_id);
-    assert_eq!(cancel.header("mcp-session-id"), Some("s1"));
-    assert!(
-        !requests.iter().any(|s| s.method == "DELETE"),
-        "the session outlives the call"
-    );
-    let cancelled = "mrtr_gateway_upstream_calls_cancelled_total";
-    wait_until("the cancellation counted", Duration::from_secs(5), || {
-        metric_with(&gw.admin, cancelled, "gave_up") == Some(1.0)
-    });
+    assert_call_cancelled_in_its_session(&upstream, &gw.admin, "gave_up");
 }
 
 /// A call in a data-layer session that asks, and whose client never continues it, is
@@ -508,38 +489,8 @@ fn a_call_its_client_never_continues_is_cancelled_at_the_flows_deadline() {
     let asked = call(&raw, 2, "ask", json!({}), Some(&cookie));
     assert_eq!(question(&asked), "Name?");
     assert_eq!(metric(&gw.admin, "mrtr_gateway_pending_flows"), 1.0);
-    let is_cancel = |s: &Seen| s.jsonrpc_method().as_deref() == Some("notifications/cancelled");
-    wait_until("the call cancelled", Duration::from_secs(15), || {
-        upstream.requests().iter().any(is_cancel)
-    });
-    let requests = upstream.requests();
-    let posted = requests
-        .iter()
-        .find(|s| s.jsonrpc_method().as_deref() == Some("tools/call"))
-        .expect("the call went up");
-    let cancel = requests
-        .iter()
-        .find(|s| is_cancel(s))
-        .unwrap()
-        .json()
-        .unwrap();
-    assert_eq!(cancel["params"]["requestId"], posted.jsonrpc_id());
-    assert_eq!(
-        requests
-            .iter()
-            .find(|s| is_cancel(s))
-            .unwrap()
-            .header("mcp-session-id"),
-        Some("s1")
-    );
-    assert!(
-        !requests.iter().any(|s| s.method == "DELETE"),
-        "the session outlives the call"
-    );
+    assert_call_cancelled_in_its_session(&upstream, &gw.admin, "abandoned");
     let cancelled = "mrtr_gateway_upstream_calls_cancelled_total";
-    wait_until("the cancellation counted", Duration::from_secs(5), || {
-        metric_with(&gw.admin, cancelled, "abandoned") == Some(1.0)
-    });
     assert_eq!(metric_with(&gw.admin, cancelled, "gave_up"), Some(0.0));
 }
 
