@@ -2,7 +2,8 @@
 # Installs what the tests need and a fresh Debian machine lacks: cmake
 # (scripts/build-deps.sh), curl and nginx-light (apt), the
 # pinned npm fixtures with Node 22 (tests/fixtures/node_modules), Python venvs with
-# the pinned PyPI fixtures (tests/.venv; tests/.venv-mcp1 for the SDK's 1.x line), and
+# the pinned PyPI fixtures (tests/.venv; tests/.venv-mcp1 for the SDK's 1.x line;
+# tests/.venv-fastmcp for FastMCP), and
 # the Rust SDK fixture servers (tests/fixtures/rmcp). Idempotent: a step whose inputs have not changed
 # since it last succeeded (hash stamps) is skipped. One line per step; the output of the
 # installers is shown only when one fails.
@@ -57,29 +58,28 @@ case "$version" in
   *) echo "setup: tests/$node22 is $version, not Node 22" >&2; exit 1 ;;
 esac
 
-# 3. Python venv with the pinned PyPI fixtures (recreated when the pins change).
-py_stamp=$(stamp fixtures/requirements.txt)
-if [ "$(cat .venv/.setup-stamp 2>/dev/null)" != "$py_stamp" ]; then
-  echo "setup: python venv at tests/.venv (pip install -r fixtures/requirements.txt)"
-  quietly python3 -m venv --clear .venv
-  quietly .venv/bin/pip install --disable-pip-version-check -r fixtures/requirements.txt
-  echo "$py_stamp" >.venv/.setup-stamp
-else
-  echo "setup: python venv up to date"
-fi
+# 3. Python venvs with the pinned PyPI fixtures, each recreated when its pins change:
+#    tests/.venv (mcp 2.3.0, its servers and clients); tests/.venv-mcp1 for the FastMCP
+#    server on the SDK's 1.x line (mcp==1.30.0), which cannot share a venv with 2.3.0;
+#    tests/.venv-fastmcp for the server on FastMCP (fastmcp==4.2.3), whose dependencies
+#    are many more than the SDK's own.
+# python_venv DIR REQUIREMENTS
+python_venv() {
+  local venv_stamp
+  venv_stamp=$(stamp "fixtures/$2")
+  if [ "$(cat "$1/.setup-stamp" 2>/dev/null)" != "$venv_stamp" ]; then
+    echo "setup: python venv at tests/$1 (pip install -r fixtures/$2)"
+    quietly python3 -m venv --clear "$1"
+    quietly "$1/bin/pip" install --disable-pip-version-check -r "fixtures/$2"
+    echo "$venv_stamp" >"$1/.setup-stamp"
+  else
+    echo "setup: python venv at tests/$1 up to date"
+  fi
+}
+python_venv .venv requirements.txt
 .venv/bin/python -c 'import importlib.metadata as m; print("setup: python venv has mcp", m.version("mcp"))'
-
-# 3b. A second venv for the FastMCP server on the Python SDK's 1.x line (mcp==1.30.0),
-#     which cannot share tests/.venv with mcp 2.3.0.
-mcp1_stamp=$(stamp fixtures/requirements-mcp1.txt)
-if [ "$(cat .venv-mcp1/.setup-stamp 2>/dev/null)" != "$mcp1_stamp" ]; then
-  echo "setup: python venv at tests/.venv-mcp1 (pip install -r fixtures/requirements-mcp1.txt)"
-  quietly python3 -m venv --clear .venv-mcp1
-  quietly .venv-mcp1/bin/pip install --disable-pip-version-check -r fixtures/requirements-mcp1.txt
-  echo "$mcp1_stamp" >.venv-mcp1/.setup-stamp
-else
-  echo "setup: python venv for mcp 1.x up to date"
-fi
+python_venv .venv-mcp1 requirements-mcp1.txt
+python_venv .venv-fastmcp requirements-fastmcp.txt
 
 # 4. The Rust SDK fixture servers (rmcp 0.16.0, 2.2.0, 3.11.0; tests/fixtures/rmcp), a
 #    workspace of its own built as locked; cargo rebuilds only what changed.

@@ -3,7 +3,8 @@
 
     tests/.venv/bin/python tests/clients/py_legacy_client.py URL SCENARIO
 
-Scenarios: basic, elicit, multi, sample, roots, progress, delete (the session ends with
+Scenarios: basic, elicit, multi, reconnect (a question after the server closed the
+call's stream: the transport resumes it), sample, roots, progress, delete (the session ends with
 an HTTP DELETE when the client closes), everything (against server-everything).
 Exits non-zero, with the reason on stderr, when a step fails or 30 s pass.
 """
@@ -81,6 +82,8 @@ async def scenario(client: Client, name: str) -> None:
         expect(await call(client, "ask_name") == "Hello, Alice!", "wrong greeting")
     elif name == "multi":
         expect(await call(client, "plan_trip") == "Trip to Lisbon for 3 nights", "wrong trip")
+    elif name == "reconnect":
+        expect(await call(client, "ask_name_after_reconnect") == "Hello, Alice!", "wrong greeting")
     elif name == "sample":
         expect(await call(client, "summarize", {"text": "a long text"}) == "summary: short", "wrong summary")
     elif name == "roots":

@@ -4,7 +4,8 @@
     tests/.venv/bin/python tests/clients/py_modern_client.py URL SCENARIO [URL2]
 
 Scenarios: elicit, multi, two, sample, roots, getstream and getstream-multi (the
-TypeScript fixture's questions on the session's GET stream), everything and everything-url-roots
+TypeScript fixture's questions on the session's GET stream), reconnect (the FastMCP
+fixture's question after it closed the call's stream), everything and everything-url-roots
 (server-everything's tools: URL elicitation, including its -32042 error path, and roots); the
 client fulfils input requests itself. With URL2 (a second gateway replica) the client's
 HTTP transport sends each request to the other of URL and URL2 in turn, as a balancer
@@ -203,6 +204,8 @@ async def main(url: str, scenario: str, url2: str | None) -> None:
         await automatic(url, "plan_trip_get_stream", {}, "Trip to Lisbon for 3 nights", url2)
     elif scenario == "two":
         await automatic(url, "ask_two", {}, "color=red size=M", url2)
+    elif scenario == "reconnect":
+        await automatic(url, "ask_name_after_reconnect", {}, "Hello, Alice!", url2)
     elif scenario == "sample":
         await automatic(url, "summarize", {"text": "a long text"}, "summary: short", url2)
     elif scenario == "roots":

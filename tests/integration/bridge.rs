@@ -62,6 +62,36 @@ fn modern_clients_complete_flows_against_the_rust_sdk_servers() {
     }
 }
 
+/// FastMCP (`fastmcp==4.2.3`) with its own event store, which it scopes to each session:
+/// its rounds resume, so requests alternating over two replicas that share only their
+/// keys complete every flow, one asking after the server closed the call's stream
+/// (SEP-1699) among them: the round follows the stream's `retry` and finds the question
+/// on the stream it resumed. FastMCP speaks 2026-07-28 itself, where its tools cannot
+/// ask; `era: auto` bridges it all the same.
+#[test]
+fn modern_clients_complete_flows_across_replicas_against_a_fastmcp_server() {
+    let (_upstream, url) = start_upstream(Upstream::FastMcpWithEventStore);
+    let a = TestGateway::start(&[&url], &test_keys());
+    let b = TestGateway::start(&[&url], &test_keys());
+    for scenario in ["elicit", "multi", "two", "reconnect"] {
+        assert_modern_call(&python_modern(&[&a.url, scenario, &b.url]), scenario);
+        assert_modern_call(&ts_modern(&[&a.url, scenario, &b.url]), scenario);
+        println!("modern clients, requests alternating over two replicas, FastMCP with its event store: {scenario} ok");
+    }
+    for gw in [&a, &b] {
+        assert_eq!(
+            metric_with(&gw.admin, "mrtr_gateway_upstream_resumable", "default"),
+            Some(1.0),
+            "the group's rounds are resumable"
+        );
+    }
+    let rounds: f64 = [&a, &b]
+        .iter()
+        .map(|g| metric_with(&g.admin, "mrtr_gateway_input_required_total", "tools/call").unwrap())
+        .sum();
+    assert!(rounds >= 10.0, "every flow asked: {rounds} rounds");
+}
+
 /// A server on an SDK release before 2025-11-25 (TypeScript SDK 1.17.5) negotiates
 /// 2025-06-18 and refuses a request naming any other revision with 400. Every later
 /// round resumes its session, on this replica or another, naming the revision the session

@@ -118,6 +118,10 @@ pub enum Upstream {
     /// A `FastMCP` server on the Python SDK's 1.x line (`mcp==1.30.0`), run as it runs by
     /// default: no event store, so its streams cannot be resumed (flows are held).
     PythonMcp1,
+    /// A server on FastMCP (`fastmcp==4.2.3`), run as it runs by default: no event store.
+    FastMcp,
+    /// The same with FastMCP's own event store, which it scopes to each session.
+    FastMcpWithEventStore,
     /// TypeScript `@modelcontextprotocol/sdk@1.32.2` fixture.
     TypeScript,
     /// A server on TypeScript SDK 1.17.5: negotiates 2025-06-18 and refuses any other
@@ -175,6 +179,16 @@ pub fn start_upstream_with(kind: Upstream, port: u16, flags: &[&str]) -> (Proc, 
             c.arg(fixtures.join("py_fastmcp1_server.py"))
                 .arg(port.to_string())
                 .args(flags);
+            c
+        }
+        Upstream::FastMcp | Upstream::FastMcpWithEventStore => {
+            let mut c = Command::new(root().join("tests/.venv-fastmcp/bin/python"));
+            c.arg(fixtures.join("py_fastmcp_server.py"))
+                .arg(port.to_string())
+                .args(flags);
+            if matches!(kind, Upstream::FastMcpWithEventStore) {
+                c.arg("--event-store");
+            }
             c
         }
         Upstream::TypeScript

@@ -128,6 +128,26 @@ fn official_clients_complete_held_flows_against_a_fastmcp_server_on_the_1x_line(
     assert_eq!(sum(&replicas, |g| held_event(g, "lost")), 0.0);
 }
 
+/// A server on FastMCP (`fastmcp==4.2.3`) run as it runs by default, without an event
+/// store: both official clients complete every interactive scenario it has tools for with
+/// each request on the other replica, every round held (closing the call's stream is a
+/// no-op there, so the question after it comes on the held stream).
+#[test]
+fn official_clients_complete_held_flows_against_a_fastmcp_server() {
+    let (_upstream, url) = start_upstream(Upstream::FastMcp);
+    let replicas = peered(&url, 2, |_| {});
+    let (a, b) = (&replicas[0].url, &replicas[1].url);
+    for scenario in ["elicit", "multi", "two", "reconnect"] {
+        assert_modern_call(&python_modern(&[a, scenario, b]), scenario);
+        assert_modern_call(&ts_modern(&[a, scenario, b]), scenario);
+        println!("modern clients, requests alternating over two replicas, FastMCP: {scenario} ok");
+    }
+    let held = sum(&replicas, |g| held_event(g, "held"));
+    assert!(held >= 10.0, "every round was held: {held}");
+    assert_eq!(sum(&replicas, |g| held_event(g, "resumed")), held);
+    assert_eq!(sum(&replicas, |g| held_event(g, "lost")), 0.0);
+}
+
 #[test]
 fn a_dead_owner_gives_the_documented_error_promptly_and_a_fresh_call_succeeds() {
     let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);

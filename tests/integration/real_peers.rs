@@ -182,6 +182,29 @@ fn legacy_clients_through_the_gateway_to_a_fastmcp_server_on_the_1x_line() {
     }
 }
 
+/// A server on FastMCP (`fastmcp==4.2.3`), with and without its own event store: every
+/// scenario it has tools for (FastMCP 4 has no sampling or roots), and a question asked
+/// after the server closed the call's stream, which the client's transport resumes
+/// through the gateway (with the store) or which comes on the open stream (without).
+#[test]
+fn legacy_clients_through_the_gateway_to_a_fastmcp_server() {
+    for server in [Upstream::FastMcpWithEventStore, Upstream::FastMcp] {
+        let (_upstream, url) = start_upstream(server);
+        let gw = TestGateway::start(&[&url], &test_keys());
+        let scenarios = SCENARIOS
+            .iter()
+            .filter(|(s, _)| !["sample", "roots"].contains(s))
+            .chain(&[("reconnect", "Hello, Alice!")]);
+        for client in [Client::Python, Client::TypeScript] {
+            for (scenario, needle) in scenarios.clone() {
+                let lines = run_scenario(client, &gw.url, scenario);
+                assert_saw(&lines, needle, &format!("{client:?} client, {scenario}"));
+                println!("{client:?} client -> gateway -> {server:?}: {scenario} ok");
+            }
+        }
+    }
+}
+
 /// A server request sent on the session's GET stream reaches the client through the
 /// gateway, and the answer reaches the server. The GET stream is opened, and its response
 /// header awaited, before the call: a legacy server drops a GET-stream message sent while
