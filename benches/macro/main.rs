@@ -226,7 +226,7 @@ pub async fn flows(
         |(mut a, mut b), n| async move {
             let tag = format!("f{n}");
             let outcome = if modern {
-                mcp::modern_flow(&mut a, interview, &tag).await
+                mcp::modern_flow(&mut a, interview, &tag).await.map(drop)
             } else {
                 mcp::legacy_flow(&mut a, &mut b, interview, &tag).await
             };

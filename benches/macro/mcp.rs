@@ -5,6 +5,7 @@
 
 use crate::client::{Conn, Reply};
 use serde_json::{json, Map, Value};
+use std::time::Instant;
 
 pub const PATH: &str = "/mcp";
 const LEGACY: &str = "2025-11-25";
@@ -270,13 +271,20 @@ pub async fn modern_call(
 }
 
 /// A whole 2026-07-28 flow through the gateway: rounds until the result, which must list
-/// exactly this flow's answers.
-pub async fn modern_flow(conn: &mut Conn, interview: Interview, tag: &str) -> Result<(), String> {
+/// exactly this flow's answers. Returns when the first round's answer came.
+pub async fn modern_flow(
+    conn: &mut Conn,
+    interview: Interview,
+    tag: &str,
+) -> Result<Instant, String> {
     let mut retry = Map::new();
+    let mut first_round = None;
     for id in 1..=interview.rounds + 1 {
-        match modern_round(conn, id, interview, retry, tag).await? {
+        let step = modern_round(conn, id, interview, retry, tag).await?;
+        let ended = *first_round.get_or_insert_with(Instant::now);
+        match step {
             Step::Input { retry: next } => retry = next,
-            Step::Done(text) => return check(&text, &interview.expected(tag)),
+            Step::Done(text) => return check(&text, &interview.expected(tag)).map(|()| ended),
         }
     }
     Err("more rounds than the tool asks".into())

@@ -33,12 +33,16 @@ fn machine() -> String {
     format!("{cores} cores, {model}")
 }
 
-/// Flow times (ms) of each variant of the delayed-link section at one RTT.
+/// Flow times (ms) of each variant of the delayed-link section at one RTT; for the kept
+/// session's flow and the bridged flow, also until the client had the question.
+#[derive(Default)]
 pub struct Times {
     pub rtt_ms: u64,
     pub full: Vec<f64>,
     pub kept: Vec<f64>,
+    pub kept_asked: Vec<f64>,
     pub bridged: Vec<f64>,
+    pub bridged_asked: Vec<f64>,
 }
 
 /// The median and p90 of `times` (ms), nearest rank.
@@ -446,6 +450,33 @@ impl Report {
                     bridged <= 1.5 * kept,
                 );
             }
+        }
+        self.wan_split(runs);
+    }
+
+    /// The kept session's flow and the bridged flow, split where the client has the
+    /// question: p50s of the time until then and of the time after.
+    fn wan_split(&mut self, runs: &[Times]) {
+        let _ = writeln!(
+            self.text,
+            "\nWhere the time goes (p50 until the client has the question / after it):\n\n| RTT | legacy, session kept | 2026-07-28 through the gateway |\n| ---: | ---: | ---: |"
+        );
+        let after = |whole: &[f64], asked: &[f64]| -> Vec<f64> {
+            whole.iter().zip(asked).map(|(w, a)| w - a).collect()
+        };
+        for run in runs {
+            let kept_after = after(&run.kept, &run.kept_asked);
+            let bridged_after = after(&run.bridged, &run.bridged_asked);
+            let p50 = |t: &[f64]| quantiles(t)[0];
+            let _ = writeln!(
+                self.text,
+                "| {} ms | {:.1} / {:.1} ms | {:.1} / {:.1} ms |",
+                run.rtt_ms,
+                p50(&run.kept_asked),
+                p50(&kept_after),
+                p50(&run.bridged_asked),
+                p50(&bridged_after)
+            );
         }
         let _ = writeln!(self.text);
     }

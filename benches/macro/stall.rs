@@ -71,9 +71,11 @@ pub async fn measure(flows: usize, dir: &Path, report: &mut Report) {
     report.stalls(&bridged, &bridged_cold, &direct, &python);
 }
 
-/// One `ask_name` flow: the question, then the answer and the result.
-pub async fn flow(conn: &mut Conn, tag: &str) -> Result<(), String> {
+/// One `ask_name` flow: the question, then the answer and the result. Returns when the
+/// question came.
+pub async fn flow(conn: &mut Conn, tag: &str) -> Result<Instant, String> {
     let first = call(conn, 1, Map::new()).await?;
+    let asked = Instant::now();
     let result = &first["result"];
     let requests = result["inputRequests"]
         .as_object()
@@ -89,7 +91,7 @@ pub async fn flow(conn: &mut Conn, tag: &str) -> Result<(), String> {
     let text = result_text(&done)?;
     let want = format!("Hello, {tag}!");
     (text == want)
-        .then_some(())
+        .then_some(asked)
         .ok_or_else(|| format!("got {text:?}, wanted {want:?}"))
 }
 

@@ -9,7 +9,8 @@
 //!
 //! Against the demo backend (`interview`, one question) and, when installed, the Python
 //! SDK server (`ask_name`). Reported as medians and p90s with the bridged flow's ratio to
-//! each legacy flow.
+//! each legacy flow, and where the time goes: the kept session's flow and the bridged
+//! flow each split where the client has the question.
 
 use crate::client::Conn;
 use crate::mcp::{self, Interview, LegacyCall};
@@ -134,7 +135,8 @@ impl Tool {
         }
     }
 
-    async fn bridged(self, conn: &mut Conn, tag: &str) -> Result<(), String> {
+    /// One bridged flow; returns when the client had the question.
+    async fn bridged(self, conn: &mut Conn, tag: &str) -> Result<std::time::Instant, String> {
         match self {
             Tool::Interview => mcp::modern_flow(conn, ONE_QUESTION, tag).await,
             Tool::AskName => stall::flow(conn, tag).await,
@@ -218,9 +220,7 @@ async fn at_rtt(
     let session = mcp::initialize(&mut side).await?;
     let mut times = Times {
         rtt_ms,
-        full: Vec::new(),
-        kept: Vec::new(),
-        bridged: Vec::new(),
+        ..Times::default()
     };
     // One untimed flow of each first: connections open, the gateway learns its upstream
     // (era, resumption) and opens a session ahead of demand, as after any first call.
@@ -231,23 +231,31 @@ async fn at_rtt(
         let started = Instant::now();
         mcp::legacy_call_flow(&mut stream, &mut side, tool.legacy_call(&expected), answer).await?;
         let full = started.elapsed();
+        let asked = std::cell::Cell::new(None);
         let started = Instant::now();
         mcp::legacy_call_in(
             &mut stream,
             &mut side,
             &session,
             tool.legacy_call(&expected),
-            answer,
+            |q: &Value| {
+                asked.set(Some(Instant::now()));
+                answer(q)
+            },
         )
         .await?;
         let kept = started.elapsed();
+        let kept_asked = asked.get().ok_or("the kept session's call asked nothing")? - started;
         let started = Instant::now();
-        tool.bridged(&mut modern, &tag).await?;
+        let bridged_asked = Instant::from_std(tool.bridged(&mut modern, &tag).await?) - started;
         let bridged = started.elapsed();
         if n > 0 {
-            times.full.push(full.as_secs_f64() * 1000.0);
-            times.kept.push(kept.as_secs_f64() * 1000.0);
-            times.bridged.push(bridged.as_secs_f64() * 1000.0);
+            let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+            times.full.push(ms(full));
+            times.kept.push(ms(kept));
+            times.kept_asked.push(ms(kept_asked));
+            times.bridged.push(ms(bridged));
+            times.bridged_asked.push(ms(bridged_asked));
         }
     }
     mcp::delete(&mut side, &session).await?;
