@@ -19,13 +19,12 @@ use crate::report::{Report, Times};
 use crate::{stall, Scale, DEFAULT_GATEWAY};
 use serde_json::{json, Value};
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use tokio::time::Instant;
 
 /// A TCP proxy on loopback that delays every byte by `one_way` in each direction.
 pub struct DelayProxy {
@@ -84,7 +83,7 @@ async fn delayed(mut from: OwnedReadHalf, mut to: OwnedWriteHalf, delay: Duratio
     };
     let writer = async move {
         while let Some((at, bytes)) = due.recv().await {
-            tokio::time::sleep_until(at).await;
+            tokio::time::sleep_until(at.into()).await;
             if to.write_all(&bytes).await.is_err() {
                 return;
             }
@@ -136,7 +135,7 @@ impl Tool {
     }
 
     /// One bridged flow; returns when the client had the question.
-    async fn bridged(self, conn: &mut Conn, tag: &str) -> Result<std::time::Instant, String> {
+    async fn bridged(self, conn: &mut Conn, tag: &str) -> Result<Instant, String> {
         match self {
             Tool::Interview => mcp::modern_flow(conn, ONE_QUESTION, tag).await,
             Tool::AskName => stall::flow(conn, tag).await,
@@ -247,7 +246,7 @@ async fn at_rtt(
         let kept = started.elapsed();
         let kept_asked = asked.get().ok_or("the kept session's call asked nothing")? - started;
         let started = Instant::now();
-        let bridged_asked = Instant::from_std(tool.bridged(&mut modern, &tag).await?) - started;
+        let bridged_asked = tool.bridged(&mut modern, &tag).await? - started;
         let bridged = started.elapsed();
         if n > 0 {
             let ms = |d: Duration| d.as_secs_f64() * 1000.0;

@@ -43,9 +43,9 @@ fn the_typescript_modern_client_completes_flows_against_a_legacy_server() {
 #[test]
 fn modern_clients_complete_flows_against_the_rust_sdk_servers() {
     for (server, resumable) in [
-        (Upstream::Rust016, 0.0),
-        (Upstream::Rust22, 0.0),
-        (Upstream::Rust311, 1.0),
+        (Upstream::Rust016, false),
+        (Upstream::Rust22, false),
+        (Upstream::Rust311, true),
     ] {
         let (_upstream, url) = start_upstream(server);
         let gw = TestGateway::start(&[&url], &test_keys());
@@ -54,11 +54,7 @@ fn modern_clients_complete_flows_against_the_rust_sdk_servers() {
             assert_modern_call(&ts_modern(&[&gw.url, scenario]), scenario);
             println!("modern clients -> gateway -> {server:?}: {scenario} ok");
         }
-        assert_eq!(
-            metric_with(&gw.admin, "mrtr_gateway_upstream_resumable", "default"),
-            Some(resumable),
-            "{server:?}: whether the group's rounds are resumable (1) or held (0)"
-        );
+        assert_resumable(&gw, resumable, &format!("{server:?}"));
     }
 }
 
@@ -79,16 +75,9 @@ fn modern_clients_complete_flows_across_replicas_against_a_fastmcp_server() {
         println!("modern clients, requests alternating over two replicas, FastMCP with its event store: {scenario} ok");
     }
     for gw in [&a, &b] {
-        assert_eq!(
-            metric_with(&gw.admin, "mrtr_gateway_upstream_resumable", "default"),
-            Some(1.0),
-            "the group's rounds are resumable"
-        );
+        assert_resumable(gw, true, "FastMCP with its event store");
     }
-    let rounds: f64 = [&a, &b]
-        .iter()
-        .map(|g| metric_with(&g.admin, "mrtr_gateway_input_required_total", "tools/call").unwrap())
-        .sum();
+    let rounds = sum([&a, &b], input_required_calls);
     assert!(rounds >= 10.0, "every flow asked: {rounds} rounds");
 }
 

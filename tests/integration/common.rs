@@ -767,6 +767,28 @@ pub fn metric(admin: &str, name: &str) -> f64 {
     metric_with(admin, name, "").unwrap_or_else(|| panic!("no {name} in /metrics"))
 }
 
+/// `f` summed over `replicas`.
+pub fn sum<'a>(
+    replicas: impl IntoIterator<Item = &'a TestGateway>,
+    f: impl Fn(&TestGateway) -> f64,
+) -> f64 {
+    replicas.into_iter().map(f).sum()
+}
+
+/// The `tools/call` rounds a replica ended with an `InputRequiredResult`.
+pub fn input_required_calls(gw: &TestGateway) -> f64 {
+    metric_with(&gw.admin, "mrtr_gateway_input_required_total", "tools/call").unwrap_or(0.0)
+}
+
+/// Asserts whether the default group's rounds are resumable (`true`) or held (`false`).
+pub fn assert_resumable(gw: &TestGateway, resumable: bool, context: &str) {
+    assert_eq!(
+        metric_with(&gw.admin, "mrtr_gateway_upstream_resumable", "default"),
+        Some(if resumable { 1.0 } else { 0.0 }),
+        "{context}: whether the group's rounds are resumable (1) or held (0)"
+    );
+}
+
 /// The retry params answering the one question of `first` with `content`.
 pub fn answer(first: &Value, content: Value) -> Value {
     let result = &first["result"];

@@ -37,13 +37,19 @@ fn held_event(gw: &TestGateway, event: &str) -> f64 {
     metric_with(&gw.admin, "mrtr_gateway_held_flow_events_total", &label).unwrap()
 }
 
+/// Every round the replicas ended was held, taken up by its retry, and none was lost.
+fn assert_every_round_held_and_resumed(replicas: &[TestGateway]) {
+    let rounds = sum(replicas, input_required_calls);
+    let held = sum(replicas, |g| held_event(g, "held"));
+    assert!(rounds > 0.0, "the flows asked");
+    assert_eq!(held, rounds, "every round of every flow was held");
+    assert_eq!(sum(replicas, |g| held_event(g, "resumed")), held);
+    assert_eq!(sum(replicas, |g| held_event(g, "lost")), 0.0);
+}
+
 fn forwards(gw: &TestGateway, outcome: &str) -> f64 {
     let label = format!("outcome=\"{outcome}\"");
     metric_with(&gw.admin, "mrtr_gateway_peer_forwards_total", &label).unwrap()
-}
-
-fn sum(replicas: &[TestGateway], f: impl Fn(&TestGateway) -> f64) -> f64 {
-    replicas.iter().map(f).sum()
 }
 
 /// The retry answering every question of `first` from `answers` (by question text).
@@ -85,25 +91,18 @@ fn official_clients_complete_held_flows_with_rounds_on_alternating_replicas() {
     let replicas_asked: Vec<&str> = lines.iter().filter_map(|l| l["replica"].as_str()).collect();
     assert_eq!(replicas_asked, ["A", "B"], "{lines:?}");
     assert_eq!(lines.last().unwrap()["text"], "Trip to Lisbon for 3 nights");
-    let held = sum(&replicas, |g| held_event(g, "held"));
-    let resumed = sum(&replicas, |g| held_event(g, "resumed"));
     let forwarded = sum(&replicas, |g| forwards(g, "ok"));
-    println!("held rounds {held}, resumed {resumed}, retries forwarded to their owner {forwarded}");
+    println!("retries forwarded to their owner {forwarded}");
     // Ten rounds in all, or one more when the Python server's second parallel question
     // (`two`) came after the quiet window and was asked in a round of its own.
-    let rounds = sum(&replicas, |g| {
-        metric_with(&g.admin, "mrtr_gateway_input_required_total", "tools/call").unwrap()
-    });
+    let rounds = sum(&replicas, input_required_calls);
     assert!((10.0..=11.0).contains(&rounds), "{rounds} rounds");
-    assert_eq!(held, rounds, "every round of every flow was held");
-    assert_eq!(resumed, held, "every held round was taken up by its retry");
+    assert_every_round_held_and_resumed(&replicas);
     assert!(forwarded >= 4.0, "retries crossed replicas: {forwarded}");
-    assert_eq!(sum(&replicas, |g| held_event(g, "lost")), 0.0);
     assert_eq!(sum(&replicas, |g| forwards(g, "owner_gone")), 0.0);
     for gw in &replicas {
         assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 0.0);
-        let mode = metric_with(&gw.admin, "mrtr_gateway_upstream_resumable", "default");
-        assert_eq!(mode, Some(0.0), "the group's rounds are held");
+        assert_resumable(gw, false, "the Python SDK server without an event store");
     }
 }
 
@@ -122,10 +121,7 @@ fn official_clients_complete_held_flows_against_a_fastmcp_server_on_the_1x_line(
             "modern clients, requests alternating over two replicas, FastMCP 1.30: {scenario} ok"
         );
     }
-    let held = sum(&replicas, |g| held_event(g, "held"));
-    assert!(held >= 12.0, "every round was held: {held}");
-    assert_eq!(sum(&replicas, |g| held_event(g, "resumed")), held);
-    assert_eq!(sum(&replicas, |g| held_event(g, "lost")), 0.0);
+    assert_every_round_held_and_resumed(&replicas);
 }
 
 /// A server on FastMCP (`fastmcp==4.2.3`) run as it runs by default, without an event
@@ -142,10 +138,7 @@ fn official_clients_complete_held_flows_against_a_fastmcp_server() {
         assert_modern_call(&ts_modern(&[a, scenario, b]), scenario);
         println!("modern clients, requests alternating over two replicas, FastMCP: {scenario} ok");
     }
-    let held = sum(&replicas, |g| held_event(g, "held"));
-    assert!(held >= 10.0, "every round was held: {held}");
-    assert_eq!(sum(&replicas, |g| held_event(g, "resumed")), held);
-    assert_eq!(sum(&replicas, |g| held_event(g, "lost")), 0.0);
+    assert_every_round_held_and_resumed(&replicas);
 }
 
 #[test]
