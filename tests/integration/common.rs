@@ -156,7 +156,8 @@ pub fn start_upstream_on(kind: Upstream, port: u16) -> (Proc, String) {
 }
 
 /// Starts `kind` on `port` with the fixture's own `flags` (the Python fixture's
-/// `--introspect`, `--api-key`, ...); returns the process and its MCP URL.
+/// `--introspect`, `--api-key`, ..., the TypeScript one's `--json-response`); returns
+/// the process and its MCP URL.
 pub fn start_upstream_with(kind: Upstream, port: u16, flags: &[&str]) -> (Proc, String) {
     let fixtures = root().join("tests/fixtures");
     let cmd = match kind {
@@ -202,7 +203,9 @@ pub fn start_upstream_with(kind: Upstream, port: u16, flags: &[&str]) -> (Proc, 
                 _ => "conformance_server.mjs",
             };
             let mut c = Command::new(node());
-            c.arg(fixtures.join(script)).arg(port.to_string());
+            c.arg(fixtures.join(script))
+                .arg(port.to_string())
+                .args(flags);
             c
         }
         Upstream::Rust016 | Upstream::Rust22 | Upstream::Rust311 => {

@@ -141,6 +141,43 @@ fn official_clients_complete_held_flows_against_a_fastmcp_server() {
     assert_every_round_held_and_resumed(&replicas);
 }
 
+/// A TypeScript SDK server with `enableJsonResponse` answers a POST with one JSON body
+/// once its result is ready, so a call's answer comes only with its result. Questions it
+/// asks on the session's GET stream come while that answer is awaited: each round is
+/// held with the call's POST, and both official modern clients complete them with each
+/// request on the other replica. A call that asks nothing gets its JSON result. A
+/// question tied to the call has no stream to go on there (the SDK drops it, as it does
+/// for a client connected directly): the call ends with the gateway's error once the
+/// group's `response_timeout_ms` has passed, instead of never.
+#[test]
+fn flows_against_a_typescript_server_answering_in_json() {
+    let (_upstream, url) =
+        start_upstream_with(Upstream::TypeScript, free_port(), &["--json-response"]);
+    let replicas = peered(&url, 2, |c| c.upstreams[0].response_timeout_ms = 2_000);
+    let (a, b) = (&replicas[0].url, &replicas[1].url);
+    for scenario in ["getstream", "getstream-multi"] {
+        assert_modern_call(&python_modern(&[a, scenario, b]), scenario);
+        assert_modern_call(&ts_modern(&[a, scenario, b]), scenario);
+        println!("modern clients, requests alternating over two replicas, TypeScript server answering in JSON: {scenario} ok");
+    }
+    assert_every_round_held_and_resumed(&replicas);
+    let raw = Raw::new(a);
+    let sum = call(&raw, 1, "add", json!({"arguments": {"a": 2, "b": 3}}));
+    assert_eq!(sum["result"]["content"][0]["text"], "2+3=5", "{sum}");
+    let started = Instant::now();
+    let dropped = call(&raw, 2, "ask_name", json!({}));
+    assert_eq!(dropped["error"]["code"], -32603, "{dropped}");
+    let message = dropped["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("did not answer the call in time"),
+        "{dropped}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the call was not ended at the response timeout"
+    );
+}
+
 #[test]
 fn a_dead_owner_gives_the_documented_error_promptly_and_a_fresh_call_succeeds() {
     let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);

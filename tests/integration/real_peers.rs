@@ -205,6 +205,31 @@ fn legacy_clients_through_the_gateway_to_a_fastmcp_server() {
     }
 }
 
+/// A TypeScript SDK server with `enableJsonResponse` answers a POST with one JSON body
+/// once its result is ready: both legacy clients' calls and session ends pass through,
+/// and a question it asks on the session's GET stream while the call's answer is awaited
+/// reaches the TypeScript client, whose answer lets the call end.
+#[test]
+fn legacy_clients_through_the_gateway_to_a_typescript_server_answering_in_json() {
+    let (_upstream, url) =
+        start_upstream_with(Upstream::TypeScript, free_port(), &["--json-response"]);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let runs = [
+        (Client::Python, "basic", "5"),
+        (Client::Python, "delete", "delete"),
+        (Client::TypeScript, "basic", "5"),
+        (Client::TypeScript, "delete", "delete"),
+        (Client::TypeScript, "getstream", "Hello, Bob!"),
+    ];
+    for (client, scenario, needle) in runs {
+        let lines = run_scenario(client, &gw.url, scenario);
+        assert_saw(&lines, needle, &format!("{client:?} client, {scenario}"));
+        println!(
+            "{client:?} client -> gateway -> TypeScript server answering in JSON: {scenario} ok"
+        );
+    }
+}
+
 /// A server request sent on the session's GET stream reaches the client through the
 /// gateway, and the answer reaches the server. The GET stream is opened, and its response
 /// header awaited, before the call: a legacy server drops a GET-stream message sent while
