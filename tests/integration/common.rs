@@ -818,10 +818,10 @@ pub fn tool_params(name: &str, extra: Value) -> Value {
     params
 }
 
-/// Calls the Python and TypeScript fixtures' `ask_name` tool as a 2026-07-28 client, with
-/// `extra` params (a retry's `inputResponses` and `requestState`); returns the JSON body.
-pub fn ask_name(raw: &Raw, id: u64, extra: Value) -> Value {
-    let params = tool_params("ask_name", extra);
+/// Calls `tool` as a 2026-07-28 client that can answer elicitations, with `extra` params
+/// (`arguments`, a retry's `inputResponses` and `requestState`); returns the JSON body.
+pub fn call_tool(raw: &Raw, id: u64, tool: &str, extra: Value) -> Value {
+    let params = tool_params(tool, extra);
     raw.modern(
         id,
         "tools/call",
@@ -829,6 +829,11 @@ pub fn ask_name(raw: &Raw, id: u64, extra: Value) -> Value {
         serde_json::json!({"elicitation": {}}),
     )
     .json()
+}
+
+/// Calls the Python and TypeScript fixtures' `ask_name` tool: [`call_tool`].
+pub fn ask_name(raw: &Raw, id: u64, extra: Value) -> Value {
+    call_tool(raw, id, "ask_name", extra)
 }
 
 /// Runs the Python SDK's modern client driver (`tests/clients/py_modern_client.py`).

@@ -69,12 +69,6 @@ fn answer_all(first: &Value, answers: &[(&str, Value)]) -> Value {
     json!({"inputResponses": responses, "requestState": result["requestState"]})
 }
 
-fn call(raw: &Raw, id: u64, tool: &str, extra: Value) -> Value {
-    let params = tool_params(tool, extra);
-    raw.modern(id, "tools/call", params, json!({"elicitation": {}}))
-        .json()
-}
-
 #[test]
 fn official_clients_complete_held_flows_with_rounds_on_alternating_replicas() {
     let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);
@@ -162,10 +156,10 @@ fn flows_against_a_typescript_server_answering_in_json() {
     }
     assert_every_round_held_and_resumed(&replicas);
     let raw = Raw::new(a);
-    let sum = call(&raw, 1, "add", json!({"arguments": {"a": 2, "b": 3}}));
+    let sum = call_tool(&raw, 1, "add", json!({"arguments": {"a": 2, "b": 3}}));
     assert_eq!(sum["result"]["content"][0]["text"], "2+3=5", "{sum}");
     let started = Instant::now();
-    let dropped = call(&raw, 2, "ask_name", json!({}));
+    let dropped = call_tool(&raw, 2, "ask_name", json!({}));
     assert_eq!(dropped["error"]["code"], -32603, "{dropped}");
     let message = dropped["error"]["message"].as_str().unwrap_or_default();
     assert!(
@@ -210,7 +204,7 @@ fn a_retry_that_leaves_a_question_unanswered_is_asked_it_again() {
     // Both parallel questions must land in round 1: a window they always fit in.
     let replicas = peered(&url, 2, |c| c.bridge.quiet_window_ms = 10);
     let (ra, rb) = (Raw::new(&replicas[0].url), Raw::new(&replicas[1].url));
-    let first = call(&ra, 1, "ask_two", json!({}));
+    let first = call_tool(&ra, 1, "ask_two", json!({}));
     let questions = first["result"]["inputRequests"]
         .as_object()
         .unwrap()
@@ -227,11 +221,11 @@ fn a_retry_that_leaves_a_question_unanswered_is_asked_it_again() {
     let only_color = json!({
         "inputResponses": {color_key: {"action": "accept", "content": {"color": "red"}}},
         "requestState": first["result"]["requestState"]});
-    let second = call(&rb, 2, "ask_two", only_color);
+    let second = call_tool(&rb, 2, "ask_two", only_color);
     let again = second["result"]["inputRequests"].as_object().unwrap();
     assert_eq!(again.keys().collect::<Vec<_>>(), [size_key], "{second}");
     assert_eq!(&again[size_key], size_question);
-    let third = call(
+    let third = call_tool(
         &ra,
         3,
         "ask_two",

@@ -230,6 +230,32 @@ fn legacy_clients_through_the_gateway_to_a_typescript_server_answering_in_json()
     }
 }
 
+/// A stateless server (the Python SDK's `stateless_http=True`: no `Mcp-Session-Id`, a
+/// fresh transport per request) serves both eras through the gateway: legacy clients'
+/// calls and a modern call that asks nothing complete, and a tool that asks gets the
+/// server's own error, as a client connected directly does (a stateless transport has no
+/// channel for server requests), not a hang or a gateway error of its own.
+#[test]
+fn a_stateless_server_serves_both_eras_and_gives_its_own_errors_through_the_gateway() {
+    let (_upstream, url) = start_upstream_with(Upstream::Python, free_port(), &["--stateless"]);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    for client in [Client::Python, Client::TypeScript] {
+        let lines = run_scenario(client, &gw.url, "basic");
+        assert_saw(&lines, "2+3=5", &format!("{client:?} client, basic"));
+    }
+    let (direct_raw, gw_raw) = (Raw::new(&url), Raw::new(&gw.url));
+    let sum = call_tool(&gw_raw, 1, "add", json!({"arguments": {"a": 2, "b": 3}}));
+    assert_eq!(sum["result"]["content"][0]["text"], "2+3=5", "{sum}");
+    let direct = ask_name(&direct_raw, 2, json!({}));
+    let through = ask_name(&gw_raw, 2, json!({}));
+    let message = direct["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("no back-channel"), "{direct}");
+    assert_eq!(
+        through["error"], direct["error"],
+        "through the gateway: {through}"
+    );
+}
+
 /// A server request sent on the session's GET stream reaches the client through the
 /// gateway, and the answer reaches the server. The GET stream is opened, and its response
 /// header awaited, before the call: a legacy server drops a GET-stream message sent while
