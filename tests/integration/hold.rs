@@ -156,8 +156,8 @@ fn flows_against_a_typescript_server_answering_in_json() {
     }
     assert_every_round_held_and_resumed(&replicas);
     let raw = Raw::new(a);
-    let sum = call_tool(&raw, 1, "add", json!({"arguments": {"a": 2, "b": 3}}));
-    assert_eq!(sum["result"]["content"][0]["text"], "2+3=5", "{sum}");
+    let added = call_tool(&raw, 1, "add", json!({"arguments": {"a": 2, "b": 3}}));
+    assert_eq!(added["result"]["content"][0]["text"], "2+3=5", "{added}");
     let started = Instant::now();
     let dropped = call_tool(&raw, 2, "ask_name", json!({}));
     assert_eq!(dropped["error"]["code"], -32603, "{dropped}");

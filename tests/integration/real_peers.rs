@@ -214,10 +214,21 @@ fn legacy_clients_through_the_gateway_to_a_typescript_server_answering_in_json()
     let (_upstream, url) =
         start_upstream_with(Upstream::TypeScript, free_port(), &["--json-response"]);
     let gw = TestGateway::start(&[&url], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let session = raw.initialize(json!({}));
+    let call = json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+        "params": {"name": "add", "arguments": {"a": 2, "b": 3}}});
+    let reply = raw.post(Some(&session), &call);
+    assert!(
+        reply.content_type.starts_with("application/json"),
+        "the call's answer comes as JSON: {}",
+        reply.content_type
+    );
+    assert_eq!(reply.json()["result"]["content"][0]["text"], "2+3=5");
     let runs = [
-        (Client::Python, "basic", "5"),
+        (Client::Python, "basic", "2+3=5"),
         (Client::Python, "delete", "delete"),
-        (Client::TypeScript, "basic", "5"),
+        (Client::TypeScript, "basic", "2+3=5"),
         (Client::TypeScript, "delete", "delete"),
         (Client::TypeScript, "getstream", "Hello, Bob!"),
     ];
@@ -244,8 +255,8 @@ fn a_stateless_server_serves_both_eras_and_gives_its_own_errors_through_the_gate
         assert_saw(&lines, "2+3=5", &format!("{client:?} client, basic"));
     }
     let (direct_raw, gw_raw) = (Raw::new(&url), Raw::new(&gw.url));
-    let sum = call_tool(&gw_raw, 1, "add", json!({"arguments": {"a": 2, "b": 3}}));
-    assert_eq!(sum["result"]["content"][0]["text"], "2+3=5", "{sum}");
+    let added = call_tool(&gw_raw, 1, "add", json!({"arguments": {"a": 2, "b": 3}}));
+    assert_eq!(added["result"]["content"][0]["text"], "2+3=5", "{added}");
     let direct = ask_name(&direct_raw, 2, json!({}));
     let through = ask_name(&gw_raw, 2, json!({}));
     let message = direct["error"]["message"].as_str().unwrap_or_default();
