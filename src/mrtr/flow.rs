@@ -1832,7 +1832,7 @@ impl Flow {
         let group = self.config.group.clone();
         if !self.config.restartable || self.config.data_session {
             let what = match cause {
-                Lost::Upstream => format!("upstream group '{group}' lost this call between rounds (its session is gone or its endpoint is down)"),
+                Lost::Upstream => format!("upstream group '{group}' lost this call between rounds (its session is gone or its endpoint is down; a call that an earlier retry of this requestState completed on another replica looks the same)"),
                 Lost::Unresumable => format!("upstream group '{group}' no longer has this call's events (a Last-Event-ID resumption came back empty; the group's later calls are held)"),
                 Lost::Holder => format!("the gateway replica holding this call's upstream streams is gone or no longer holds them (upstream group '{group}' cannot resume streams, so its calls are held)"),
             };

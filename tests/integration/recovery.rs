@@ -164,3 +164,68 @@ fn sessions_a_restarted_rust_sdk_server_forgot_are_replaced_not_taken_for_a_deni
         );
     }
 }
+
+/// Replicas share no store of used states, so a retry sent a second time to another
+/// replica after the first one completed the call finds the call's session deleted, as if
+/// the upstream had lost it. A tool not marked restartable is not run again: the second
+/// retry gets `FLOW_LOST`, whose message says an earlier retry may have completed the call.
+/// A restartable tool, declared safe to run twice, runs again (README, "Replays").
+#[test]
+fn a_retry_replayed_to_another_replica_after_the_call_completed_reruns_only_a_restartable_tool() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let legacy_with_plan_trip_restartable = |c: &mut mrtr_gateway::config::Config| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        let restartable = ToolPolicy {
+            restartable: true,
+            ..ToolPolicy::default()
+        };
+        c.upstreams[0].tools.insert("plan_trip".into(), restartable);
+    };
+    let a = TestGateway::start_with(&[&url], &test_keys(), legacy_with_plan_trip_restartable);
+    let b = TestGateway::start_with(&[&url], &test_keys(), legacy_with_plan_trip_restartable);
+    let (on_a, on_b) = (Raw::new(&a.url), Raw::new(&b.url));
+    // Completes a call on `a` with its last retry, and waits for its session's DELETE.
+    let complete_on_a = |id: u64, tool: &str, retry: &Value, text: &str, calls: f64| {
+        let (_, done) = call(&on_a, id, tool, retry.clone());
+        assert_eq!(done["result"]["content"][0]["text"], text, "{done}");
+        wait_until(
+            "the call's session deleted",
+            Duration::from_secs(10),
+            || {
+                let deleted =
+                    metric_with(&a.admin, "mrtr_gateway_upstream_sessions_total", "deleted");
+                deleted.unwrap_or(0.0) >= calls
+            },
+        );
+    };
+
+    let (_, first) = call(&on_a, 1, "ask_name", json!({}));
+    let retry = answer(&first, json!({"name": "Ada"}));
+    complete_on_a(2, "ask_name", &retry, "Hello, Ada!", 1.0);
+    let (status, again) = call(&on_b, 3, "ask_name", retry);
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["error"]["code"], -32012, "{again}");
+    let message = again["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("an earlier retry of this requestState completed on another replica")
+            && message.contains("not run again"),
+        "{message}"
+    );
+
+    let (_, first) = call(&on_a, 4, "plan_trip", json!({}));
+    let (_, second) = call(
+        &on_a,
+        5,
+        "plan_trip",
+        answer(&first, json!({"destination": "Lisbon"})),
+    );
+    let last = answer(&second, json!({"nights": 3}));
+    complete_on_a(6, "plan_trip", &last, "Trip to Lisbon for 3 nights", 2.0);
+    let (_, rerun) = call(&on_b, 7, "plan_trip", last);
+    assert_eq!(
+        rerun["result"]["content"][0]["text"], "Trip to Lisbon for 3 nights",
+        "the restartable tool ran again, its questions answered from the state: {rerun}"
+    );
+    assert_eq!(metric(&b.admin, "mrtr_gateway_call_restarts_total"), 1.0);
+    assert_eq!(metric(&a.admin, "mrtr_gateway_call_restarts_total"), 0.0);
+}
