@@ -2,7 +2,7 @@
 //! each group's InitializeResult is, which era an `era: auto` group speaks, what was
 //! learnt of each group's resumption, and the sessions one-shot methods are served on.
 
-use super::bridge::one_shot::KeptSessions;
+use super::bridge::one_shot::{self, KeptSessions, Shape};
 use super::bridge::warm::WarmSessions;
 use super::learnt::Learnt;
 use crate::config::{Config, ResumeMode, UpstreamEra};
@@ -37,6 +37,15 @@ enum Probe {
     Unreachable,
     /// The upstream denied the request the probe was made for: no verdict yet.
     Denied,
+}
+
+/// Who a request that needs an upstream session asks as: its declared capabilities,
+/// client and credentials, and the one-shot shape they make.
+pub struct Asker {
+    pub capabilities: Value,
+    pub client_info: Value,
+    pub caller: Caller,
+    pub shape: Shape,
 }
 
 pub struct UpstreamSide {
@@ -195,12 +204,13 @@ impl UpstreamSide {
         }
     }
 
-    /// The group's InitializeResult, opening (and closing) a session to learn it once.
+    /// The group's InitializeResult, opening a session as `asker` to learn it once. That
+    /// session has run nothing: it is kept for the asker's one-shot requests (a server
+    /// slow to open sessions then pays once, not twice), or deleted if none are kept.
     pub async fn initialize_result(
         &self,
         group: &UpstreamGroup,
-        client_info: &Value,
-        caller: &Caller,
+        asker: &Asker,
     ) -> Result<Value, SessionError> {
         if let Some(known) = self
             .initialize_results
@@ -211,20 +221,30 @@ impl UpstreamSide {
             return Ok(known.clone());
         }
         let (session, result) = self
-            .open_upstream(group, &json!({}), client_info, caller)
+            .open_upstream(
+                group,
+                &asker.capabilities,
+                &asker.client_info,
+                &asker.caller,
+            )
             .await?;
-        session.delete().await;
+        match session.session_id.clone() {
+            Some(sid) if self.kept_sessions.enabled() => {
+                let (addr, version) = (session.endpoint.addr, session.version);
+                let now = Instant::now();
+                let older = self
+                    .kept_sessions
+                    .keep(asker.shape, addr, sid, version, now);
+                one_shot::retire(&self.client, group, older.into_iter().collect()).await;
+            }
+            _ => session.delete().await,
+        }
         Ok(result)
     }
 
     /// Whether 2026-07-28 requests to `group` are relayed unchanged rather than bridged
-    /// (`caller` is the request asking; an `era: auto` group is probed on its behalf).
-    pub async fn relays(
-        &self,
-        group: &UpstreamGroup,
-        client_info: &Value,
-        caller: &Caller,
-    ) -> bool {
+    /// (an `era: auto` group is probed on behalf of the request asking, made by `asker`).
+    pub async fn relays(&self, group: &UpstreamGroup, asker: impl FnOnce() -> Asker) -> bool {
         match group.era {
             UpstreamEra::Legacy => false,
             UpstreamEra::Modern => true,
@@ -240,7 +260,7 @@ impl UpstreamSide {
                     Some(Probed::RetryAfter(at)) if Instant::now() < at => return false,
                     _ => {}
                 }
-                let probed = match self.probe_modern_only(group, client_info, caller).await {
+                let probed = match self.probe_modern_only(group, &asker()).await {
                     Probe::Verdict(verdict) => Probed::Verdict(verdict),
                     Probe::Unreachable => Probed::RetryAfter(Instant::now() + PROBE_RETRY),
                     // The caller was denied: bridged, it gets the upstream's challenge,
@@ -258,13 +278,8 @@ impl UpstreamSide {
 
     /// An upstream that refuses `initialize` but answers `server/discover` speaks only
     /// 2026-07-28.
-    async fn probe_modern_only(
-        &self,
-        group: &UpstreamGroup,
-        client_info: &Value,
-        caller: &Caller,
-    ) -> Probe {
-        let denied = match self.initialize_result(group, client_info, caller).await {
+    async fn probe_modern_only(&self, group: &UpstreamGroup, asker: &Asker) -> Probe {
+        let denied = match self.initialize_result(group, asker).await {
             Ok(_) => return Probe::Verdict(false),
             Err(e) => match e.failure() {
                 SessionFailure::Protocol(_) | SessionFailure::Refused(_) => false,
@@ -276,7 +291,7 @@ impl UpstreamSide {
             return Probe::Unreachable;
         };
         let discovered =
-            answers_modern_discover(&self.client, &endpoint, &group.timeouts, caller).await;
+            answers_modern_discover(&self.client, &endpoint, &group.timeouts, &asker.caller).await;
         match discovered {
             Some(true) => Probe::Verdict(true),
             Some(false) if !denied => Probe::Verdict(false),

@@ -21,6 +21,7 @@ mod streams;
 pub mod warm;
 
 use super::respond;
+use super::upstream_side::Asker;
 use super::{Arrival, Gateway};
 use crate::gateway::reaper::Reaper;
 use crate::metrics::method_label;
@@ -32,13 +33,13 @@ use crate::outcome::Report;
 use crate::outcome::{Class, Outcome, Refusal};
 use crate::protocol::jsonrpc::{code, Body};
 use crate::protocol::oauth;
-use crate::upstream::exchange::{ExchangeFailure, UpstreamClient};
+use crate::upstream::exchange::ExchangeFailure;
 use crate::upstream::legacy_session::{
     read_single, Caller, LegacySession, SessionError, SessionFailure,
 };
 use crate::upstream::UpstreamGroup;
 use bytes::Bytes;
-use one_shot::KeptSessions;
+use one_shot::{KeptSessions, Shape};
 use pingora::protocols::http::ServerSession;
 use reply::{decorate, ClientReply};
 use serde_json::{json, Value};
@@ -213,11 +214,8 @@ async fn serve_inner(
         return Served::Done(Outcome::Refused(refusal));
     }
     // Only a request that passed validation may make the gateway probe the upstream.
-    if gw
-        .upstreams
-        .relays(group, &client_info(&request), &caller(&request))
-        .await
-    {
+    let asking = || asker(group, &request, principal);
+    if gw.upstreams.relays(group, asking).await {
         return Served::Relay;
     }
     let reply = ClientReply {
@@ -244,7 +242,7 @@ async fn serve_inner(
     let reply = ClientReply { cookie, ..reply };
     let attached = attached.as_ref();
     Served::Done(match kind {
-        Kind::Discover => discover(gw, session, group, &request, reply).await,
+        Kind::Discover => discover(gw, session, group, &request, reply, principal).await,
         Kind::Interactive => {
             call::interactive(gw, session, group, request, reply, incoming, attached).await
         }
@@ -267,6 +265,28 @@ pub(crate) fn caller(request: &ModernRequest) -> Caller {
         trace: request.trace.clone(),
         headers: request.headers.clone(),
     }
+}
+
+/// Who `request` asks the upstream as, for `principal`: its declared capabilities,
+/// client and credentials, and the one-shot shape they make.
+fn asker(group: &UpstreamGroup, request: &ModernRequest, principal: &[u8; 32]) -> Asker {
+    Asker {
+        capabilities: Value::Object(request.client_capabilities.clone()),
+        client_info: client_info(request),
+        caller: caller(request),
+        shape: one_shot_shape(group, request, principal),
+    }
+}
+
+/// The shape of the upstream session `request`'s one-shot methods run on.
+fn one_shot_shape(group: &UpstreamGroup, request: &ModernRequest, principal: &[u8; 32]) -> Shape {
+    KeptSessions::shape(
+        &group.name,
+        &Value::Object(request.client_capabilities.clone()),
+        &client_info(request),
+        principal,
+        &request.headers.digest(),
+    )
 }
 
 pub(crate) fn client_info(request: &ModernRequest) -> Value {
@@ -352,12 +372,10 @@ async fn discover(
     group: &UpstreamGroup,
     request: &ModernRequest,
     reply: ClientReply,
+    principal: &[u8; 32],
 ) -> Outcome {
-    let init = match gw
-        .upstreams
-        .initialize_result(group, &client_info(request), &caller(request))
-        .await
-    {
+    let asker = asker(group, request, principal);
+    let init = match gw.upstreams.initialize_result(group, &asker).await {
         Ok(init) => init,
         Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
     };
@@ -382,7 +400,7 @@ async fn one_shot(
     attached: Option<&session::Attached>,
     principal: &[u8; 32],
 ) -> Outcome {
-    if attached.is_some() || gw.config.bridge.one_shot_session_idle_seconds == 0 {
+    if attached.is_some() || !gw.upstreams.kept_sessions.enabled() {
         let upstream = match upstream_for(gw, group, request, attached).await {
             Ok(upstream) => upstream,
             Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
@@ -391,15 +409,7 @@ async fn one_shot(
         end_session(&gw.flows.reaper, &upstream).await;
         return answered(gw, session, group, reply, answer).await;
     }
-    let caps = Value::Object(request.client_capabilities.clone());
-    let credentials = request.headers.digest();
-    let shape = KeptSessions::shape(
-        &group.name,
-        &caps,
-        &client_info(request),
-        principal,
-        &credentials,
-    );
+    let shape = one_shot_shape(group, request, principal);
     let mut retired = Vec::new();
     let kept = gw.upstreams.kept_sessions.take_live(&shape, Instant::now());
     let kept = kept.unwrap_or_else(|idle| {
@@ -419,7 +429,7 @@ async fn one_shot(
                 answer => {
                     gw.runtime.metrics.upstream_session("reused");
                     let outcome = answered(gw, session, group, reply, answer).await;
-                    retire(&gw.upstreams.client, group, retired).await;
+                    one_shot::retire(&gw.upstreams.client, group, retired).await;
                     return outcome;
                 }
             }
@@ -443,7 +453,7 @@ async fn one_shot(
         _ => end_session(&gw.flows.reaper, &upstream).await,
     }
     let outcome = answered(gw, session, group, reply, answer).await;
-    retire(&gw.upstreams.client, group, retired).await;
+    one_shot::retire(&gw.upstreams.client, group, retired).await;
     outcome
 }
 
@@ -480,16 +490,6 @@ async fn answered(
             .await
         }
         Err(e) => upstream_failed(gw, reply, session, group, &e).await,
-    }
-}
-
-/// Deletes kept sessions that idled too long or no longer fit (after the client has its
-/// answer).
-async fn retire(client: &UpstreamClient, group: &UpstreamGroup, retired: Vec<one_shot::Kept>) {
-    for kept in retired {
-        if let Some(upstream) = one_shot::resume(client, group, &group.timeouts, &kept) {
-            upstream.delete().await;
-        }
     }
 }
 

@@ -131,6 +131,11 @@ impl KeptSessions {
         }
     }
 
+    /// Whether sessions are kept at all (`bridge.one_shot_session_idle_seconds` above 0).
+    pub fn enabled(&self) -> bool {
+        !self.idle.is_zero()
+    }
+
     /// How many sessions are kept now.
     pub fn len(&self) -> usize {
         self.sessions.lock().expect("kept sessions lock").len()
@@ -157,6 +162,15 @@ pub fn resume<'g>(
         id,
         kept.version,
     ))
+}
+
+/// Deletes kept sessions that were let go (idle, replaced, or over the bound).
+pub async fn retire(client: &UpstreamClient, group: &UpstreamGroup, retired: Vec<Kept>) {
+    for kept in retired {
+        if let Some(upstream) = resume(client, group, &group.timeouts, &kept) {
+            upstream.delete().await;
+        }
+    }
 }
 
 #[cfg(test)]
