@@ -128,6 +128,9 @@ pub enum Upstream {
     /// `MCP-Protocol-Version`; no priming events; a POST stream's header goes out with
     /// its first event.
     TypeScriptSdk117,
+    /// A server on FastMCP for TypeScript (`fastmcp` 4.20.16): a second's wait on every
+    /// `initialize`, every question on the session's GET stream.
+    TypeScriptFastMcp,
     /// `@modelcontextprotocol/server-everything@2026.8.31`.
     Everything,
     /// The conformance suite's fixture tools, TypeScript SDK 1.32.2.
@@ -195,9 +198,11 @@ pub fn start_upstream_with(kind: Upstream, port: u16, flags: &[&str]) -> (Proc, 
         Upstream::TypeScript
         | Upstream::TypeScriptSdk117
         | Upstream::Conformance
-        | Upstream::TypeScriptModern => {
+        | Upstream::TypeScriptModern
+        | Upstream::TypeScriptFastMcp => {
             let script = match kind {
                 Upstream::TypeScript => "ts_legacy_server.mjs",
+                Upstream::TypeScriptFastMcp => "ts_fastmcp_server.mjs",
                 Upstream::TypeScriptSdk117 => "ts_sdk117_server.mjs",
                 Upstream::TypeScriptModern => "ts_modern_server.mjs",
                 _ => "conformance_server.mjs",

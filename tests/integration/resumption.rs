@@ -47,6 +47,39 @@ fn a_server_that_forgets_a_calls_events_at_its_result_loses_no_flow() {
     println!("a store that drops a call's events at its result: 18 flows, none lost");
 }
 
+/// FastMCP for TypeScript asks every question on the session's GET stream, never on the
+/// call's, and waits a second on every `initialize`: both official clients complete one
+/// question, two in turn and two at once (`Promise.all`), every request on the other of
+/// two replicas, every round resumable (none held) and every resumption answered.
+#[test]
+fn a_typescript_fastmcp_server_asking_on_the_get_stream_completes_every_flow_across_replicas() {
+    let (_upstream, url) = start_upstream(Upstream::TypeScriptFastMcp);
+    let a = TestGateway::start(&[&url], &test_keys());
+    let b = TestGateway::start(&[&url], &test_keys());
+    both_clients_alternating(&a, &b, "elicit", 2);
+    both_clients_alternating(&a, &b, "multi", 1);
+    both_clients_alternating(&a, &b, "two", 1);
+    let replicas = [&a, &b];
+    // Per client: two one-question flows, two rounds of one, and the pair in one round
+    // (or two, when one question misses the first).
+    let rounds = sum(replicas, input_required_calls);
+    assert!((10.0..=12.0).contains(&rounds), "{rounds} rounds asked");
+    let held = |g: &TestGateway| {
+        metric_with(&g.admin, "mrtr_gateway_held_flow_events_total", "\"held\"").unwrap_or(0.0)
+    };
+    assert_eq!(sum(replicas, held), 0.0, "a round was held");
+    let failed = |g: &TestGateway| {
+        metric_with(
+            &g.admin,
+            "mrtr_gateway_upstream_resumptions_total",
+            "failed",
+        )
+        .unwrap_or(0.0)
+    };
+    assert_eq!(sum(replicas, failed), 0.0, "a resumption failed");
+    assert_resumable(&a, true, "FastMCP for TypeScript");
+}
+
 #[test]
 fn the_python_sdk_store_under_load_completes_every_flow_across_replicas() {
     let (_upstream, url) = start_upstream(Upstream::Python);
