@@ -43,6 +43,9 @@ pub struct Times {
     pub kept_asked: Vec<f64>,
     pub bridged: Vec<f64>,
     pub bridged_asked: Vec<f64>,
+    /// The bridged flow through a gateway with `resume: hold`.
+    pub held: Vec<f64>,
+    pub held_asked: Vec<f64>,
 }
 
 /// The median and p90 of `times` (ms), nearest rank.
@@ -459,7 +462,7 @@ impl Report {
     fn wan_split(&mut self, runs: &[Times]) {
         let _ = writeln!(
             self.text,
-            "\nWhere the time goes (p50 until the client has the question / after it):\n\n| RTT | legacy, session kept | 2026-07-28 through the gateway |\n| ---: | ---: | ---: |"
+            "\nWhere the time goes (p50 until the client has the question / after it):\n\n| RTT | legacy, session kept | 2026-07-28 through the gateway | the same, `resume: hold` |\n| ---: | ---: | ---: | ---: |"
         );
         let after = |whole: &[f64], asked: &[f64]| -> Vec<f64> {
             whole.iter().zip(asked).map(|(w, a)| w - a).collect()
@@ -467,15 +470,18 @@ impl Report {
         for run in runs {
             let kept_after = after(&run.kept, &run.kept_asked);
             let bridged_after = after(&run.bridged, &run.bridged_asked);
+            let held_after = after(&run.held, &run.held_asked);
             let p50 = |t: &[f64]| quantiles(t)[0];
             let _ = writeln!(
                 self.text,
-                "| {} ms | {:.1} / {:.1} ms | {:.1} / {:.1} ms |",
+                "| {} ms | {:.1} / {:.1} ms | {:.1} / {:.1} ms | {:.1} / {:.1} ms |",
                 run.rtt_ms,
                 p50(&run.kept_asked),
                 p50(&kept_after),
                 p50(&run.bridged_asked),
-                p50(&bridged_after)
+                p50(&bridged_after),
+                p50(&run.held_asked),
+                p50(&held_after)
             );
         }
         let _ = writeln!(self.text);

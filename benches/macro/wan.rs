@@ -5,7 +5,10 @@
 //! - the full legacy flow: initialize, `notifications/initialized`, the call's stream,
 //!   the answer POST, DELETE;
 //! - a legacy client that keeps its session: per flow, the call's stream and the answer;
-//! - a 2026-07-28 client through the gateway (default settings): two requests.
+//! - a 2026-07-28 client through the gateway (default settings): two requests;
+//! - the same through a gateway with `resume: hold`, which keeps the round's upstream
+//!   streams for the retry instead of reopening them (what a retry reaching the replica
+//!   that ran its round could save).
 //!
 //! Against the demo backend (`interview`, one question) and, when installed, the Python
 //! SDK server (`ask_name`). Reported as medians and p90s with the bridged flow's ratio to
@@ -14,6 +17,7 @@
 
 use crate::client::Conn;
 use crate::mcp::{self, Interview, LegacyCall};
+use crate::procs::GatewayOptions;
 use crate::procs::{self, Proc};
 use crate::report::{Report, Times};
 use crate::{stall, Scale, DEFAULT_GATEWAY};
@@ -147,24 +151,13 @@ pub async fn measure(scale: &Scale, dir: &Path, report: &mut Report) {
     let flows = if scale.full { 40 } else { 3 };
     let rtts: &[u64] = if scale.full { &[0, 10, 40] } else { &[0, 10] };
     let backend = procs::backend();
-    let (gateway, _admin) = procs::gateway(dir, &backend, DEFAULT_GATEWAY);
     let name = "demo backend (`interview`, one question)";
-    backend_run(
-        name,
-        &backend,
-        &gateway,
-        Tool::Interview,
-        flows,
-        rtts,
-        report,
-    )
-    .await;
-    drop((backend, gateway));
+    backend_run(name, dir, &backend, Tool::Interview, flows, rtts, report).await;
+    drop(backend);
     match procs::python_backend() {
         Some(python) => {
-            let (gateway, _admin) = procs::gateway(dir, &python, DEFAULT_GATEWAY);
             let name = "Python SDK server (`ask_name`)";
-            backend_run(name, &python, &gateway, Tool::AskName, flows, rtts, report).await;
+            backend_run(name, dir, &python, Tool::AskName, flows, rtts, report).await;
         }
         None => report.skipped(
             "WAN latency, Python SDK server",
@@ -173,18 +166,32 @@ pub async fn measure(scale: &Scale, dir: &Path, report: &mut Report) {
     }
 }
 
+/// The gateways a backend's bridged flows go through: default settings, and hold mode.
+struct Gateways {
+    default: Proc,
+    hold: Proc,
+}
+
 async fn backend_run(
     name: &str,
+    dir: &Path,
     backend: &Proc,
-    gateway: &Proc,
     tool: Tool,
     flows: usize,
     rtts: &[u64],
     report: &mut Report,
 ) {
+    let hold = GatewayOptions {
+        hold: true,
+        ..DEFAULT_GATEWAY
+    };
+    let gateways = Gateways {
+        default: procs::gateway(dir, backend, DEFAULT_GATEWAY).0,
+        hold: procs::gateway(dir, backend, hold).0,
+    };
     let mut all = Vec::new();
     for &rtt_ms in rtts {
-        match at_rtt(backend, gateway, tool, flows, rtt_ms).await {
+        match at_rtt(backend, &gateways, tool, flows, rtt_ms).await {
             Ok(times) => all.push(times),
             Err(e) => return report.failed(&format!("WAN latency, {name}, RTT {rtt_ms} ms"), &e),
         }
@@ -194,7 +201,7 @@ async fn backend_run(
 
 async fn at_rtt(
     backend: &Proc,
-    gateway: &Proc,
+    gateways: &Gateways,
     tool: Tool,
     flows: usize,
     rtt_ms: u64,
@@ -212,10 +219,12 @@ async fn at_rtt(
         }
     };
     let (to_backend, p1) = via(&backend.addr).await;
-    let (to_gateway, p2) = via(&gateway.addr).await;
-    let _proxies = (p1, p2);
+    let (to_gateway, p2) = via(&gateways.default.addr).await;
+    let (to_hold, p3) = via(&gateways.hold.addr).await;
+    let _proxies = (p1, p2, p3);
     let (mut stream, mut side) = (Conn::new(&to_backend), Conn::new(&to_backend));
     let mut modern = Conn::new(&to_gateway);
+    let mut modern_hold = Conn::new(&to_hold);
     let session = mcp::initialize(&mut side).await?;
     let mut times = Times {
         rtt_ms,
@@ -248,6 +257,9 @@ async fn at_rtt(
         let started = Instant::now();
         let bridged_asked = tool.bridged(&mut modern, &tag).await? - started;
         let bridged = started.elapsed();
+        let started = Instant::now();
+        let held_asked = tool.bridged(&mut modern_hold, &tag).await? - started;
+        let held = started.elapsed();
         if n > 0 {
             let ms = |d: Duration| d.as_secs_f64() * 1000.0;
             times.full.push(ms(full));
@@ -255,6 +267,8 @@ async fn at_rtt(
             times.kept_asked.push(ms(kept_asked));
             times.bridged.push(ms(bridged));
             times.bridged_asked.push(ms(bridged_asked));
+            times.held.push(ms(held));
+            times.held_asked.push(ms(held_asked));
         }
     }
     mcp::delete(&mut side, &session).await?;
