@@ -1004,11 +1004,36 @@ impl Flow {
         // round from its start so the unanswered questions are asked again.
         retry.from = if retry.all_answered {
             positions.last_event_id.clone()
+        } else if positions.round_start.is_some() {
+            positions.round_start
         } else {
-            positions.round_start.or(positions.last_event_id)
+            return self.unanswerable(&retry);
         };
         retry.session_from = positions.session_from;
         self.reopen_call(Box::new(retry), now)
+    }
+
+    /// A retry that leaves questions unanswered, of a round whose first question was the
+    /// first event on the call's stream (a server that sends no priming event): no
+    /// position replays it, so the upstream cannot ask it again, and resuming after it
+    /// would wait for an answer that never goes up. Nothing is sent upstream and the state
+    /// stays usable (its claim released, a data-layer call still watched): the client is
+    /// told which answers are missing.
+    fn unanswerable(&mut self, retry: &Retry) -> Phase {
+        let missing: Vec<String> = retry
+            .pending
+            .iter()
+            .filter(|p| !retry.responses.contains_key(&p.key))
+            .map(|p| Value::from(p.key.as_str()).to_string())
+            .collect();
+        let text = format!(
+            "inputResponses has no answer for {}: the upstream sent this round's questions once and cannot send them again; retry with the same requestState and an answer to each of its inputRequests",
+            missing.join(", ")
+        );
+        self.commands.push_back(Command::ReleaseClaim);
+        self.resumed_data_call = None;
+        let code = crate::protocol::jsonrpc::code::INVALID_PARAMS;
+        self.finish(Ending::Refused(Refusal::new(Class::BadRequest, code, text)))
     }
 
     /// Resumes the call's stream, with the session's GET stream beside it the first time

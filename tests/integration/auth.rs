@@ -260,8 +260,8 @@ fn an_api_key_header_reaches_the_server_in_both_eras_and_the_group_can_withhold_
 /// with another (warm sessions are kept per key).
 #[test]
 fn every_upstream_exchange_of_a_flow_carries_the_query_of_the_request_behind_it() {
-    use crate::resumption::{resumable_server, Resumes};
-    let upstream = resumable_server(Resumes::Primed, true, false);
+    use crate::resumption::{resumable_server, Asks, Resumes};
+    let upstream = resumable_server(Resumes::Primed, true, Asks::AfterPriming);
     let endpoint = format!("{}?tenant=a", upstream.url());
     let gw = TestGateway::start(&[&endpoint], &test_keys());
     let flow = |key: &str, id: u64| {
@@ -312,8 +312,8 @@ fn every_upstream_exchange_of_a_flow_carries_the_query_of_the_request_behind_it(
 
 #[test]
 fn every_upstream_exchange_of_a_flow_carries_the_headers_of_the_request_behind_it() {
-    use crate::resumption::{resumable_server, Resumes};
-    let upstream = resumable_server(Resumes::Primed, true, false);
+    use crate::resumption::{resumable_server, Asks, Resumes};
+    let upstream = resumable_server(Resumes::Primed, true, Asks::AfterPriming);
     let gw = TestGateway::start(&[&upstream.url()], &test_keys());
     let raw = Raw::new(&gw.url);
     let call = |id: u64, tag: &str, extra: Value| {

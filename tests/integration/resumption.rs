@@ -140,16 +140,23 @@ pub(crate) enum Resumes {
     Silent,
 }
 
+/// Where the scripted server's call asks its question.
+#[derive(Clone, Copy, PartialEq)]
+pub(crate) enum Asks {
+    /// On the call's stream, after its priming event.
+    AfterPriming,
+    /// On the call's stream, as its first event (a server that sends no priming event).
+    FirstEvent,
+    /// On the session's GET stream.
+    OnGetStream,
+}
+
 /// A scripted legacy server with sessions `s0`, `s1`, …: the call asks one question on
-/// its stream (event ids `{session}-c1` priming, `{session}-c2` the question), or on the
-/// session's GET stream (`{session}-g1`) with `on_get_stream`; a `ping` is primed with
-/// `{session}-p`. A resumption after another session's event id is refused when `scoped`,
+/// its stream (event ids `{session}-c1` priming, unless `Asks::FirstEvent`, and
+/// `{session}-c2` the question), or on the session's GET stream (`{session}-g1`); a
+/// `ping` is primed with `{session}-p`. A resumption after another session's event id is refused when `scoped`,
 /// and resolved (a live, primed stream) when not, as a shared store does.
-pub(crate) fn resumable_server(
-    resumes: Resumes,
-    scoped: bool,
-    on_get_stream: bool,
-) -> ScriptedUpstream {
+pub(crate) fn resumable_server(resumes: Resumes, scoped: bool, asks: Asks) -> ScriptedUpstream {
     let sessions = AtomicUsize::new(0);
     let answered = Gate::new();
     let call_id = Mutex::new(Value::Null);
@@ -165,9 +172,9 @@ pub(crate) fn resumable_server(
         if seen.method == "GET" {
             let Some(after) = seen.header("last-event-id") else {
                 let stream = Answer::sse(&[]);
-                return match on_get_stream {
-                    true => stream.event(Some(&format!("{sid}-g1")), &question(1)),
-                    false => stream,
+                return match asks {
+                    Asks::OnGetStream => stream.event(Some(&format!("{sid}-g1")), &question(1)),
+                    _ => stream,
                 };
             };
             if !after.starts_with(&format!("{sid}-")) {
@@ -207,10 +214,12 @@ pub(crate) fn resumable_server(
                 .end(),
             Some("tools/call") => {
                 *call_id.lock().unwrap() = body["id"].clone();
-                let stream = Answer::sse(&[]).event(Some(&format!("{sid}-c1")), &json!(""));
-                match on_get_stream {
-                    true => stream,
-                    false => stream.event(Some(&format!("{sid}-c2")), &question(0)),
+                let primed = Answer::sse(&[]).event(Some(&format!("{sid}-c1")), &json!(""));
+                let asked = |stream: Answer| stream.event(Some(&format!("{sid}-c2")), &question(0));
+                match asks {
+                    Asks::AfterPriming => asked(primed),
+                    Asks::FirstEvent => asked(Answer::sse(&[])),
+                    Asks::OnGetStream => primed,
                 }
             }
             _ => legacy_basics(seen, "unused").unwrap_or_else(|| Answer::status(405, &[], b"")),
@@ -246,7 +255,7 @@ fn is_answer(seen: &Seen) -> bool {
 
 #[test]
 fn a_retry_reopens_the_call_stream_before_it_posts_the_answers() {
-    let upstream = resumable_server(Resumes::Primed, true, false);
+    let upstream = resumable_server(Resumes::Primed, true, Asks::AfterPriming);
     let gw = TestGateway::start(&[&upstream.url()], &test_keys());
     let raw = Raw::new(&gw.url);
     let (_, first) = call_hostile(&raw, 1, json!({}));
@@ -269,9 +278,47 @@ fn a_retry_reopens_the_call_stream_before_it_posts_the_answers() {
     );
 }
 
+/// The question that opened the call's stream cannot be replayed: a retry without its
+/// answer is told at once which answer is missing (not left waiting for a question that
+/// never comes again), nothing goes upstream, and the same state with the answer
+/// completes the call.
+#[test]
+fn a_retry_missing_the_answer_to_an_unreplayable_question_is_told_and_may_retry() {
+    let upstream = resumable_server(Resumes::Primed, true, Asks::FirstEvent);
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let (_, first) = call_hostile(&raw, 1, json!({}));
+    let state = first["result"]["requestState"].clone();
+    let before = upstream.requests().len();
+    let (status, refused) = call_hostile(
+        &raw,
+        2,
+        json!({"inputResponses": {}, "requestState": state}),
+    );
+    assert_eq!(
+        (status, &refused["error"]["code"]),
+        (400, &json!(-32602)),
+        "{refused}"
+    );
+    let message = refused["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("no answer for \"elicitation_0\""),
+        "{refused}"
+    );
+    assert_eq!(upstream.requests().len(), before, "nothing went upstream");
+    let (status, done) = call_hostile(&raw, 3, answer(&first, json!({"name": "x"})));
+    assert_eq!(
+        (status, &done["result"]["content"][0]["text"]),
+        (200, &json!("done")),
+        "{done}"
+    );
+    let answers = upstream.requests().iter().filter(|s| is_answer(s)).count();
+    assert_eq!(answers, 1, "one answer upstream");
+}
+
 #[test]
 fn an_empty_resumption_loses_the_flow_clearly_and_holds_the_groups_later_flows() {
-    let upstream = resumable_server(Resumes::Empty, true, false);
+    let upstream = resumable_server(Resumes::Empty, true, Asks::AfterPriming);
     let gw = TestGateway::start(&[&upstream.url()], &test_keys());
     let raw = Raw::new(&gw.url);
     let (_, first) = call_hostile(&raw, 1, json!({}));
@@ -299,7 +346,7 @@ fn an_empty_resumption_loses_the_flow_clearly_and_holds_the_groups_later_flows()
 
 #[test]
 fn a_round_the_upstream_leaves_silent_ends_with_a_clear_error() {
-    let upstream = resumable_server(Resumes::Silent, true, false);
+    let upstream = resumable_server(Resumes::Silent, true, Asks::AfterPriming);
     let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
         c.bridge.round_silence_seconds = 1;
         c.bridge.resume_poll_ms = 200;
@@ -334,7 +381,7 @@ fn a_round_the_upstream_leaves_silent_ends_with_a_clear_error() {
 #[test]
 fn the_get_stream_is_resumed_only_where_the_store_keeps_sessions_apart() {
     for scoped in [true, false] {
-        let upstream = resumable_server(Resumes::Primed, scoped, true);
+        let upstream = resumable_server(Resumes::Primed, scoped, Asks::OnGetStream);
         let gw = TestGateway::start(&[&upstream.url()], &test_keys());
         let raw = Raw::new(&gw.url);
         let (_, first) = call_hostile(&raw, 1, json!({}));

@@ -804,6 +804,49 @@ fn a_question_left_unanswered_is_replayed_from_the_rounds_start() {
     assert_eq!(state.round, 1, "the round is not over");
 }
 
+/// A server that sends no priming event puts the round's first question first on the
+/// call's stream: no position replays it. A retry that leaves it unanswered is told so at
+/// once, nothing goes upstream, and the same state with the answer goes on.
+#[test]
+fn an_unanswered_question_that_opened_the_call_stream_is_named_and_the_state_kept() {
+    let mut h = Harness::new_call(config(), Upstream::default());
+    h.event(Stream::Call, Some("c1"), &question(0, "Color?"));
+    h.event(Stream::Call, Some("c2"), &question(1, "Size?"));
+    h.advance(Duration::from_millis(10));
+    let first = h;
+    let partial = json!({"elicitation_1": accept("L")});
+    let h = retry_of(&first, config(), Upstream::default(), partial);
+    let refusal = h.refusal();
+    assert_eq!(refusal.code, -32602);
+    assert!(
+        refusal.message.contains("\"elicitation_0\"")
+            && !refusal.message.contains("elicitation_1\""),
+        "names the missing answer only: {}",
+        refusal.message
+    );
+    assert!(
+        h.log.contains(&Command::ReleaseClaim),
+        "the state stays usable"
+    );
+    assert!(
+        !h.log
+            .iter()
+            .any(|c| matches!(c, Command::Reopen { .. } | Command::OpenStream { .. })),
+        "nothing upstream: {:?}",
+        h.log
+    );
+    let both = json!({"elicitation_0": accept("red"), "elicitation_1": accept("L")});
+    let h = retry_of(&first, config(), Upstream::default(), both);
+    assert!(
+        h.log.contains(&Command::Reopen {
+            after: "c2".into(),
+            session_after: None,
+        }),
+        "every answer given: after the last event, {:?}",
+        h.log
+    );
+}
+
 /// An upstream that has not yet let go of the call stream's previous connection answers a
 /// resumption with an empty stream; a retry that follows its round at once (an automated
 /// client, or loopback) meets that nearly every time. The flow tries again within a few
