@@ -331,12 +331,17 @@ impl UpstreamClient {
                 // byte past it, keep-alive on both sides; and for less than the upstream
                 // keeps it.
                 http.respect_keepalive();
-                let life = idle_life(
-                    http.resp_header()
-                        .into_iter()
-                        .flat_map(|header| header.headers.get_all("keep-alive"))
-                        .map(|value| value.as_bytes()),
-                );
+                let header = http.resp_header();
+                // pingora drops the `Content-Length` of a header framed both ways: the
+                // header as received tells.
+                let life = match header.is_some() && framed_twice(&http.get_headers_raw_bytes()) {
+                    true => Duration::ZERO,
+                    false => idle_life(
+                        (header.into_iter())
+                            .flat_map(|header| header.headers.get_all("keep-alive"))
+                            .map(|value| value.as_bytes()),
+                    ),
+                };
                 if life.is_zero() {
                     http.shutdown().await;
                 } else if let Some(stream) = http.reuse().await {
@@ -346,6 +351,23 @@ impl UpstreamClient {
             _ => http.shutdown().await,
         }
     }
+}
+
+/// Whether a response says its length both ways, `Content-Length` and
+/// `Transfer-Encoding`: it was read by the latter, but RFC 9112 (6.3) counts it a sign of
+/// response splitting, so its connection is closed rather than given to the next request
+/// (which may be another caller's).
+fn framed_twice(raw_header: &[u8]) -> bool {
+    let has = |wanted: &str| {
+        raw_header.split(|&b| b == b'\n').any(|line| {
+            let name = line
+                .iter()
+                .position(|&b| b == b':')
+                .map(|colon| &line[..colon]);
+            name.is_some_and(|name| name.trim_ascii().eq_ignore_ascii_case(wanted.as_bytes()))
+        })
+    };
+    has("content-length") && has("transfer-encoding")
 }
 
 /// What a response header read from an upstream is.
@@ -637,6 +659,18 @@ impl Response {
 mod tests {
     use super::*;
     use tokio::io::AsyncWriteExt;
+
+    #[test]
+    fn a_response_framed_both_ways_is_told_from_its_header_as_received() {
+        let both = b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\ntransfer-encoding: chunked\r\n\r\n";
+        assert!(framed_twice(both));
+        let length =
+            b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-note: transfer-encoding: no\r\n\r\n";
+        assert!(!framed_twice(length));
+        assert!(!framed_twice(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        ));
+    }
 
     /// Reads `wire` as an upstream's response: the status and the body, or the error.
     async fn read(wire: &[u8]) -> Result<(u16, Vec<u8>), ExchangeError> {

@@ -606,6 +606,43 @@ fn a_pooled_connection_idles_less_than_its_upstream_keeps_it() {
     keep_alive_hint_case();
 }
 
+/// A response that says its length both ways (`Content-Length` and chunked
+/// `Transfer-Encoding`) is read by the chunks and relayed with one framing, and its
+/// connection is closed: the next request, which may be another caller's, goes on a new
+/// one (RFC 9112, 6.3: a sign of response splitting).
+#[test]
+fn a_response_framed_both_ways_does_not_keep_its_connection() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        let result = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}});
+        let body = result.to_string();
+        let mut wire = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n".to_vec();
+        wire.extend(chunk(body.as_bytes()));
+        wire.extend(b"0\r\n\r\n");
+        Answer::raw(wire)
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    for id in [1, 2] {
+        let reply = raw.post(None, &list_body(id));
+        assert_eq!(reply.status, 200);
+        let framings = ["content-length", "transfer-encoding"]
+            .map(|name| reply.headers.iter().any(|(n, _)| n == name));
+        assert_ne!(
+            framings,
+            [true, true],
+            "relayed with both: {:?}",
+            reply.headers
+        );
+        let relayed = reply.json();
+        assert_eq!(relayed["id"], id, "{relayed}");
+    }
+    let second = &upstream.requests()[1];
+    assert_eq!(
+        second.on_connection, 0,
+        "the connection of a response framed both ways was reused"
+    );
+}
+
 /// A legacy client's query string (a per-user key in its URL) reaches the upstream after
 /// the endpoint's own query, whose parameters it cannot override.
 pub(crate) fn client_query_case() -> usize {
