@@ -325,10 +325,19 @@ impl Round {
                 return vec![refuse(code::INVALID_REQUEST, &reason), Action::Fail(reason)];
             }
         };
-        if self.answered.contains(&upstream_id)
-            || self.pending.iter().any(|p| p.upstream_id == upstream_id)
-        {
+        if self.answered.contains(&upstream_id) {
             return Vec::new();
+        }
+        if let Some(asked) = self.pending.iter().find(|p| p.upstream_id == upstream_id) {
+            // The same request delivered again (a replay, or both streams) is ignored; a
+            // different one under an id still unanswered could not be answered apart.
+            if self.is_asked_as(&asked.key, method, &params) {
+                return Vec::new();
+            }
+            let reason = format!(
+                "the server sent {method} with id {id} while its request of that id was unanswered"
+            );
+            return vec![refuse(code::INVALID_REQUEST, &reason), Action::Fail(reason)];
         }
         if !declared(&self.capabilities, method, &params) {
             return vec![
@@ -367,6 +376,19 @@ impl Round {
             fingerprint,
         });
         Vec::new()
+    }
+
+    /// Whether the request asked under `key` is `method` with `params`, told as a
+    /// restartable tool's questions are (`_meta` and the per-run `elicitationId` aside);
+    /// one no longer in the round's requests is taken to be.
+    fn is_asked_as(&self, key: &str, method: &str, params: &Value) -> bool {
+        let Some(asked) = self.input_requests.get(key) else {
+            return true;
+        };
+        let mut params = params.clone();
+        strip_legacy_fields(&mut params);
+        let asked_method = asked["method"].as_str().unwrap_or_default();
+        fingerprint(asked_method, &asked["params"]) == fingerprint(method, &params)
     }
 
     /// The first known answer to a request with this fingerprint not yet given in this
@@ -788,6 +810,25 @@ mod tests {
             1,
             "the question over the limit is not kept"
         );
+    }
+
+    #[test]
+    fn a_request_again_under_an_unanswered_id_is_ignored_and_another_fails_the_round() {
+        let mut r = round(json!({"elicitation": {}}));
+        assert!(r
+            .on_message(elicit(5, json!({"progressToken": 1})))
+            .is_empty());
+        assert_eq!(r.question_count(), 1);
+        let again = r.on_message(elicit(5, json!({"progressToken": 2})));
+        assert!(again.is_empty(), "the same request again: {again:?}");
+        assert_eq!(r.question_count(), 1);
+        let mut other = elicit(5, json!({}));
+        other["params"]["message"] = json!("Age?");
+        let actions = r.on_message(other);
+        let refused =
+            matches!(&actions[0], Action::AnswerUpstream(m) if m["error"]["code"] == -32600);
+        let failed = matches!(&actions[1], Action::Fail(why) if why.contains("id 5 while"));
+        assert!(refused && failed, "{actions:?}");
     }
 
     #[test]

@@ -215,6 +215,36 @@ fn server_request_ids_the_gateway_cannot_carry_end_the_call_with_a_clear_error()
     uncarried_ids_case();
 }
 
+/// A server that asks a second question under the id of one still unanswered (two
+/// counters, one per stream, both from 0) could not be answered apart: the call ends at
+/// once with an error naming the id, and the upstream is told; the same question
+/// delivered twice is asked once.
+#[test]
+fn a_second_question_under_an_unanswered_id_ends_the_call_clearly() {
+    let upstream = ScriptedUpstream::start(serving_calls(|_| {
+        Answer::sse(&[])
+            .event(Some("e1"), &question(json!(5), "Name?"))
+            .event(Some("e2"), &question(json!(5), "Name?"))
+            .event(Some("e3"), &question(json!(5), "Age?"))
+    }));
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let started = Instant::now();
+    let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        error_message(&body).contains("elicitation/create with id 5 while"),
+        "{body}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(5), "slow");
+    let refusals = upstream
+        .requests()
+        .iter()
+        .filter_map(Seen::json)
+        .filter(|m| m["id"] == 5 && m["error"]["code"] == -32600)
+        .count();
+    assert_eq!(refusals, 1, "the upstream is told once");
+}
+
 /// An upstream that opens a session but then fails the handshake (it refuses
 /// `notifications/initialized`) gets that session deleted: nobody will use it, and many
 /// SDK servers keep a session until it is.
