@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 
-/// Longest wait for each read of a client's request body.
+/// Shortest wait for each read of a client's request body (at least `body_timeout_ms`).
 const CLIENT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Room for the first read of a kept-alive connection's next request.
 const NEXT_REQUEST_BUFFER: usize = 4096;
@@ -295,11 +295,19 @@ impl Gateway {
                 }
                 Ok(Ok(Some(chunk))) => body.extend_from_slice(&chunk),
                 Ok(Ok(None)) => break,
-                Ok(Err(e)) => {
+                // A body that cannot be read leaves its connection without framing: it is
+                // answered and closed, so no byte after it runs as a request.
+                Ok(Err(e)) if e.etype() != &pingora::ErrorType::ReadTimedout => {
                     tracing::info!(error = %e, "client request body not read");
+                    let message = format!(
+                        "the request body could not be read ({}): its framing is invalid or it ended early",
+                        e.etype().as_str()
+                    );
+                    session.set_keepalive(None);
+                    respond::error(session, 400, None, code::INVALID_REQUEST, &message).await;
                     return Err(());
                 }
-                Err(_) => {
+                Ok(Err(_)) | Err(_) => {
                     let message = format!(
                         "the request body did not arrive within {} ms",
                         limits.body_timeout_ms
@@ -542,7 +550,10 @@ impl HttpServerApp for Listener {
             }
             _ => return None,
         }
-        session.set_read_timeout(Some(CLIENT_BODY_READ_TIMEOUT));
+        // Each read of the body waits at least as long as the whole body may take, so a
+        // stalled body meets `body_timeout_ms` and its 408.
+        let body_timeout = Duration::from_millis(self.gw.config.limits.body_timeout_ms);
+        session.set_read_timeout(Some(CLIENT_BODY_READ_TIMEOUT.max(body_timeout)));
         // Pingora decided per request whether the connection may be reused: not after a
         // request with both Content-Length and Transfer-Encoding (RFC 9112 §6.1: bytes
         // after its body must never run as a request), nor for HTTP/1.0 without

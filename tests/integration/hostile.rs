@@ -623,6 +623,11 @@ fn the_transport_corpus_gets_documented_answers() {
         "answered, then the connection closes; the smuggled request never runs",
     );
     table.row(
+        "request body with broken chunked framing, a request after it",
+        broken_body_framing_case(),
+        "400 with a JSON-RPC error, closed; the request after it never runs",
+    );
+    table.row(
         "HTTP/1.0 framing",
         http10_framing_case(),
         "close-delimited body (never chunked); closed unless keep-alive",

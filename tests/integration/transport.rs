@@ -246,6 +246,49 @@ fn a_request_with_content_length_and_chunked_closes_its_connection() {
     cl_te_smuggling_case();
 }
 
+/// A chunked body whose framing is broken (a size with a sign, a prefix, or past 64
+/// bits; a line end inside a quoted extension; bare LF lines; data not followed by CRLF)
+/// cannot be read to its end: it is answered 400 with a JSON-RPC error and the
+/// connection closes, so the well-formed request written after it never runs.
+pub(crate) fn broken_body_framing_case() -> usize {
+    let upstream = sse_lister();
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let next = post("HTTP/1.1", "x-forwarded-user: admin\r\n", &list_body(2));
+    let bodies = [
+        "+5\r\nhello\r\n0\r\n\r\n",
+        "0x5\r\nhello\r\n0\r\n\r\n",
+        "ffffffffffffffffff1\r\nhello\r\n0\r\n\r\n",
+        "5;a=\"b\r\nc\"\r\nhello\r\n0\r\n\r\n",
+        "5\nhello\n0\n\n",
+        "5\r\nhelloXX0\r\n\r\n",
+    ];
+    for body in bodies {
+        let request = format!(
+            "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+             accept: application/json, text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n\
+             {body}{next}"
+        );
+        let mut stream = connect(gw.port);
+        stream.write_all(request.as_bytes()).unwrap();
+        let (answer, closed) = read_to_close(&mut stream);
+        assert!(answer.starts_with("HTTP/1.1 400"), "{body:?}: {answer}");
+        assert!(answer.contains("could not be read"), "{body:?}: {answer}");
+        assert_eq!(answer.matches("HTTP/1.1 ").count(), 1, "{body:?}: {answer}");
+        assert!(closed, "{body:?}: the connection stayed open: {answer}");
+    }
+    assert!(
+        upstream.requests().is_empty(),
+        "a request ran: {:?}",
+        upstream.requests()
+    );
+    bodies.len()
+}
+
+#[test]
+fn a_request_body_with_broken_framing_is_answered_and_closes_its_connection() {
+    broken_body_framing_case();
+}
+
 /// HTTP/1.0 clients: a body of unknown length is close-delimited (never chunked), and
 /// the connection closes after the response unless the client asked for keep-alive.
 pub(crate) fn http10_framing_case() -> usize {
