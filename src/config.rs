@@ -298,6 +298,11 @@ pub struct BridgeOptions {
     /// Most abandoned-flow sessions one replica watches; beyond it new interactive flows
     /// are refused rather than left unwatched.
     pub max_watched_sessions: usize,
+    /// Most of those one principal's flows take (requests without one count only against
+    /// `max_watched_sessions`); beyond it the principal's new flow that would wait ends
+    /// with an error naming this limit, so that a client that abandons its flows cannot
+    /// take every slot.
+    pub max_watched_sessions_per_principal: usize,
     /// Most used `requestState`s one replica remembers (each until its expiry) to refuse
     /// replays; beyond it, retries are refused (503) rather than let through unguarded.
     pub max_used_states: usize,
@@ -339,6 +344,7 @@ impl Default for BridgeOptions {
             warm_session_idle_seconds: 30,
             seal_previous_version: false,
             max_watched_sessions: 100_000,
+            max_watched_sessions_per_principal: 10_000,
             max_used_states: 200_000,
             data_session_ttl_seconds: 3600,
             shed_above_active_rounds: 0,
@@ -958,6 +964,12 @@ impl Config {
         }
         if let Some(resolver) = &self.dns_resolver {
             check_addr("dns_resolver", resolver)?;
+        }
+        if b.max_watched_sessions_per_principal == 0 {
+            return Err(ConfigError::at(
+                "bridge.max_watched_sessions_per_principal",
+                "must be above 0",
+            ));
         }
         if b.max_held_flows_per_principal == 0 {
             return Err(ConfigError::at(

@@ -17,6 +17,7 @@ use mrtr_gateway::mrtr::state::{
     FlowState, HeldAt, Pending, Positions, UpstreamCall, UpstreamId, Waiting,
 };
 use mrtr_gateway::mrtr::translate::RoundLimits;
+use mrtr_gateway::outcome::{Class, Refusal};
 use mrtr_gateway::protocol::revision::Revision;
 use mrtr_gateway::protocol::sse::Event;
 use serde_json::{json, Map, Value};
@@ -244,7 +245,10 @@ fn answer(command: &Command, b: &mut Bytes, seen: &mut Seen, config: &FlowConfig
                 }
                 None => assert!(!config.data_session, "a data-layer session watched"),
             }
-            Some(Input::Watched(b.next() % 8 != 0))
+            Some(Input::Watched(match b.next() % 8 {
+                0 => Err(Refusal::internal(Class::Overloaded, "the table is full")),
+                _ => Ok(()),
+            }))
         }
         Command::Unwatch { .. } => {
             assert!(

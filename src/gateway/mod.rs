@@ -100,7 +100,10 @@ impl Gateway {
                 bridge.max_held_bytes_per_flow,
             )),
             peers: peers::Peers::build(&config.peers, resolver)?,
-            reaper: Arc::new(reaper::Reaper::new(bridge.max_watched_sessions)),
+            reaper: Arc::new(reaper::Reaper::new(
+                bridge.max_watched_sessions,
+                bridge.max_watched_sessions_per_principal,
+            )),
         };
         let used_states = crate::mrtr::replay::UsedStates::new(bridge.max_used_states);
         let metrics = Arc::new(Metrics::new());

@@ -89,8 +89,34 @@ struct Owner {
     target: u32,
     headers: EndToEnd,
     digest: [u8; 32],
+    /// The principal its flows count against (`None`: anonymous, counted only in all).
+    principal: Option<[u8; 32]>,
     version: Revision,
     watching: u32,
+}
+
+/// Who a watched session is for: the headers its DELETE carries, and the principal whose
+/// share of the table it takes (`None`: only the whole table bounds it).
+#[derive(Clone, Copy)]
+pub struct Whose<'a> {
+    pub headers: &'a EndToEnd,
+    pub principal: Option<[u8; 32]>,
+}
+
+impl<'a> From<&'a EndToEnd> for Whose<'a> {
+    fn from(headers: &'a EndToEnd) -> Whose<'a> {
+        Whose {
+            headers,
+            principal: None,
+        }
+    }
+}
+
+/// Why a session is not watched: the whole table is full, or the principal's share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NotWatched {
+    Full,
+    PrincipalFull,
 }
 
 #[derive(Default)]
@@ -102,8 +128,8 @@ struct Owners {
 impl Owners {
     /// The owner of sessions on `target` of `version` deleted with `headers`, counted
     /// once more.
-    fn acquire(&mut self, target: u32, headers: &EndToEnd, version: Revision) -> u32 {
-        let digest = headers.digest();
+    fn acquire(&mut self, target: u32, whose: Whose<'_>, version: Revision) -> u32 {
+        let digest = whose.headers.digest();
         if let Some(&index) = self.index.get(&(target, digest, version)) {
             if let Some(owner) = self.slots.get_mut(index as usize) {
                 owner.watching += 1;
@@ -112,8 +138,9 @@ impl Owners {
         }
         let index = self.slots.insert(Owner {
             target,
-            headers: headers.without_forwarding(),
+            headers: whose.headers.without_forwarding(),
             digest,
+            principal: whose.principal,
             version,
             watching: 1,
         }) as u32;
@@ -149,6 +176,8 @@ struct Table {
     targets: Vec<Target>,
     owners: Owners,
     watched: HashTable<Watched>,
+    /// How many watched entries each principal's owners have.
+    by_principal: HashMap<[u8; 32], usize>,
     hasher: RandomState,
 }
 
@@ -174,17 +203,43 @@ impl Table {
         }
     }
 
-    /// Removes and returns the entry of `key` on `target`, if watched.
-    fn take(&mut self, target: u32, key: &str) -> Option<Watched> {
+    /// Removes the entry of `key` on `target`, if watched, and releases its owner.
+    fn remove(&mut self, target: u32, key: &str) -> bool {
         let owners = &self.owners;
         let same = |w: &Watched| &*w.key == key && owners.target_of(w.owner) == Some(target);
         let hash = slot_hash(&self.hasher, Some(target), key);
-        let found = self.watched.find_entry(hash, same).ok()?;
-        Some(found.remove().0)
+        let Ok(found) = self.watched.find_entry(hash, same) else {
+            return false;
+        };
+        let owner = found.remove().0.owner;
+        self.release(owner);
+        true
+    }
+
+    /// Counts a removed entry's owner, and its principal, once less.
+    fn release(&mut self, owner: u32) {
+        let principal = self.owners.get(owner).and_then(|o| o.principal);
+        if let Some(principal) = principal {
+            if let Some(count) = self.by_principal.get_mut(&principal) {
+                *count -= 1;
+                if *count == 0 {
+                    self.by_principal.remove(&principal);
+                }
+            }
+        }
+        self.owners.release(owner);
+    }
+
+    /// How many entries `principal` has.
+    fn count_of(&self, principal: Option<[u8; 32]>) -> usize {
+        principal.map_or(0, |p| self.by_principal.get(&p).copied().unwrap_or(0))
     }
 
     /// Adds an entry known to be absent, for a session on `target`.
     fn insert(&mut self, target: u32, entry: Watched) {
+        if let Some(principal) = self.owners.get(entry.owner).and_then(|o| o.principal) {
+            *self.by_principal.entry(principal).or_default() += 1;
+        }
         let Table {
             owners,
             watched,
@@ -205,39 +260,45 @@ fn slot_hash(hasher: &RandomState, target: Option<u32>, key: &str) -> u64 {
 pub struct Reaper {
     table: Mutex<Table>,
     capacity: usize,
+    per_principal: usize,
 }
 
 impl Reaper {
-    pub fn new(capacity: usize) -> Reaper {
+    /// A table of at most `capacity` entries, `per_principal` of them one principal's.
+    pub fn new(capacity: usize, per_principal: usize) -> Reaper {
         Reaper {
             table: Mutex::new(Table::default()),
             capacity,
+            per_principal,
         }
     }
 
     /// Watches an upstream session that negotiated `version` (or a call in it) until
-    /// `deadline` (seconds since the epoch), to be ended with `caller`'s headers (the
-    /// latest round's: a refreshed token replaces an expired one). Returns false when the
-    /// table is full: the caller should not leave the flow pending.
-    pub fn watch<'w>(
+    /// `deadline` (seconds since the epoch), to be ended with the caller's headers (the
+    /// latest round's: a refreshed token replaces an expired one). Refused when the table
+    /// is full, or the principal's share of it: the caller should not leave the flow
+    /// pending. Watching an entry again is not growth.
+    pub fn watch<'w, 'c>(
         &self,
         endpoint: &Endpoint,
         timeouts: &Timeouts,
         what: impl Into<Abandoned<'w>>,
-        caller: &EndToEnd,
+        whose: impl Into<Whose<'c>>,
         version: Revision,
         deadline: u64,
-    ) -> bool {
-        let key = what.into().key().into_boxed_str();
+    ) -> Result<(), NotWatched> {
+        let (key, whose) = (what.into().key().into_boxed_str(), whose.into());
         let mut table = self.table.lock().expect("reaper lock");
         let target = table.intern(endpoint, timeouts);
-        let owner = table.owners.acquire(target, caller, version);
-        if let Some(replaced) = table.take(target, &key) {
-            table.owners.release(replaced.owner);
-        } else if table.watched.len() >= self.capacity {
-            table.owners.release(owner);
-            return false;
+        if !table.remove(target, &key) {
+            if table.watched.len() >= self.capacity {
+                return Err(NotWatched::Full);
+            }
+            if table.count_of(whose.principal) >= self.per_principal {
+                return Err(NotWatched::PrincipalFull);
+            }
         }
+        let owner = table.owners.acquire(target, whose, version);
         let deadline = u32::try_from(deadline).unwrap_or(u32::MAX);
         table.insert(
             target,
@@ -247,18 +308,15 @@ impl Reaper {
                 deadline,
             },
         );
-        true
+        Ok(())
     }
 
     /// Stops watching a session this replica has deleted itself, or a call that ended.
     pub fn forget<'w>(&self, endpoint: &Endpoint, what: impl Into<Abandoned<'w>>) {
         let key = what.into().key();
         let mut table = self.table.lock().expect("reaper lock");
-        let Some(target) = table.find(endpoint) else {
-            return;
-        };
-        if let Some(removed) = table.take(target, &key) {
-            table.owners.release(removed.owner);
+        if let Some(target) = table.find(endpoint) {
+            table.remove(target, &key);
         }
     }
 
@@ -287,7 +345,7 @@ impl Reaper {
                     version: owner.version,
                 });
             }
-            table.owners.release(w.owner);
+            table.release(w.owner);
         }
         out
     }
@@ -400,15 +458,21 @@ mod tests {
 
     #[test]
     fn only_due_sessions_are_taken_and_the_table_is_bounded() {
-        let r = Reaper::new(2);
-        assert!(r.watch(&endpoint(1), &timeouts(), "a", &nobody(), v(), 100));
-        assert!(r.watch(&endpoint(1), &timeouts(), "b", &nobody(), v(), 200));
-        assert!(
-            !r.watch(&endpoint(2), &timeouts(), "c", &nobody(), v(), 100),
+        let r = Reaper::new(2, 10);
+        assert!(r
+            .watch(&endpoint(1), &timeouts(), "a", &nobody(), v(), 100)
+            .is_ok());
+        assert!(r
+            .watch(&endpoint(1), &timeouts(), "b", &nobody(), v(), 200)
+            .is_ok());
+        assert_eq!(
+            r.watch(&endpoint(2), &timeouts(), "c", &nobody(), v(), 100),
+            Err(NotWatched::Full),
             "full"
         );
         assert!(
-            r.watch(&endpoint(1), &timeouts(), "a", &nobody(), v(), 150),
+            r.watch(&endpoint(1), &timeouts(), "a", &nobody(), v(), 150)
+                .is_ok(),
             "re-watching an entry is not growth"
         );
         r.forget(&endpoint(1), "b");
@@ -425,7 +489,7 @@ mod tests {
     /// own may watch) and from the session's other calls, and forgotten by its id.
     #[test]
     fn a_call_is_watched_apart_from_its_session_and_forgotten_by_its_id() {
-        let r = Reaper::new(10);
+        let r = Reaper::new(10, 10);
         let (id, other) = (serde_json::json!(4294967296u64), serde_json::json!(7));
         let call = Abandoned::Call {
             session: "s",
@@ -435,9 +499,15 @@ mod tests {
             session: "s",
             id: &other,
         };
-        assert!(r.watch(&endpoint(1), &timeouts(), "s", &nobody(), v(), 100));
-        assert!(r.watch(&endpoint(1), &timeouts(), call, &nobody(), v(), 100));
-        assert!(r.watch(&endpoint(1), &timeouts(), other, &nobody(), v(), 200));
+        assert!(r
+            .watch(&endpoint(1), &timeouts(), "s", &nobody(), v(), 100)
+            .is_ok());
+        assert!(r
+            .watch(&endpoint(1), &timeouts(), call, &nobody(), v(), 100)
+            .is_ok());
+        assert!(r
+            .watch(&endpoint(1), &timeouts(), other, &nobody(), v(), 200)
+            .is_ok());
         assert_eq!(r.watched(), 3);
         r.forget(&endpoint(1), other);
         assert_eq!(r.watched(), 2);
@@ -449,30 +519,36 @@ mod tests {
 
     #[test]
     fn a_due_session_carries_the_credentials_of_its_latest_round_and_no_forwarding() {
-        let r = Reaper::new(10);
+        let r = Reaper::new(10, 10);
         let mut first = bearer("Bearer old");
         first.push(
             http::HeaderName::from_static("x-forwarded-for"),
             http::HeaderValue::from_static("10.0.0.9"),
         );
-        assert!(r.watch(&endpoint(1), &timeouts(), "a", &first, v(), 100));
-        assert!(r.watch(
-            &endpoint(1),
-            &timeouts(),
-            "b",
-            &bearer("Bearer other"),
-            v(),
-            100
-        ));
+        assert!(r
+            .watch(&endpoint(1), &timeouts(), "a", &first, v(), 100)
+            .is_ok());
+        assert!(r
+            .watch(
+                &endpoint(1),
+                &timeouts(),
+                "b",
+                &bearer("Bearer other"),
+                v(),
+                100
+            )
+            .is_ok());
         // The next round of "a" came with a refreshed token.
-        assert!(r.watch(
-            &endpoint(1),
-            &timeouts(),
-            "a",
-            &bearer("Bearer new"),
-            v(),
-            100
-        ));
+        assert!(r
+            .watch(
+                &endpoint(1),
+                &timeouts(),
+                "a",
+                &bearer("Bearer new"),
+                v(),
+                100
+            )
+            .is_ok());
         let mut due = r.take_due(100);
         due.sort_by(|x, y| x.key.cmp(&y.key));
         let credential = |d: &Due| {
@@ -486,10 +562,14 @@ mod tests {
 
     #[test]
     fn a_due_session_is_deleted_naming_the_revision_it_negotiated() {
-        let r = Reaper::new(10);
+        let r = Reaper::new(10, 10);
         let older = Revision::parse("2025-06-18").unwrap();
-        assert!(r.watch(&endpoint(1), &timeouts(), "a", &nobody(), older, 100));
-        assert!(r.watch(&endpoint(1), &timeouts(), "b", &nobody(), v(), 100));
+        assert!(r
+            .watch(&endpoint(1), &timeouts(), "a", &nobody(), older, 100)
+            .is_ok());
+        assert!(r
+            .watch(&endpoint(1), &timeouts(), "b", &nobody(), v(), 100)
+            .is_ok());
         let mut due = r.take_due(100);
         due.sort_by(|x, y| x.key.cmp(&y.key));
         assert_eq!(due[0].version, older);
@@ -498,14 +578,59 @@ mod tests {
 
     #[test]
     fn one_id_on_two_endpoints_is_two_sessions() {
-        let r = Reaper::new(10);
-        assert!(r.watch(&endpoint(1), &timeouts(), "1", &nobody(), v(), 100));
-        assert!(r.watch(&endpoint(2), &timeouts(), "1", &nobody(), v(), 100));
+        let r = Reaper::new(10, 10);
+        assert!(r
+            .watch(&endpoint(1), &timeouts(), "1", &nobody(), v(), 100)
+            .is_ok());
+        assert!(r
+            .watch(&endpoint(2), &timeouts(), "1", &nobody(), v(), 100)
+            .is_ok());
         assert_eq!(r.watched(), 2);
         r.forget(&endpoint(1), "1");
         let due = r.take_due(100);
         assert_eq!(due.len(), 1);
         assert_eq!(due[0].endpoint.addr, endpoint(2).addr);
+    }
+
+    #[test]
+    fn one_principal_takes_only_its_share_and_anonymous_flows_only_the_whole() {
+        let r = Reaper::new(4, 2);
+        let (alice, bob, nobody) = (bearer("Bearer alice"), bearer("Bearer bob"), nobody());
+        let whose = |headers, principal: u8| Whose {
+            headers,
+            principal: Some([principal; 32]),
+        };
+        let watch =
+            |key: &str, who: Whose<'_>| r.watch(&endpoint(1), &timeouts(), key, who, v(), 100);
+        assert!(watch("a", whose(&alice, 1)).is_ok());
+        assert!(watch("b", whose(&alice, 1)).is_ok());
+        assert_eq!(watch("c", whose(&alice, 1)), Err(NotWatched::PrincipalFull));
+        assert!(
+            watch("a", whose(&alice, 1)).is_ok(),
+            "watching an entry again is not growth"
+        );
+        assert!(
+            watch("d", whose(&bob, 2)).is_ok(),
+            "another principal has its own share"
+        );
+        r.forget(&endpoint(1), "b");
+        assert!(
+            watch("c", whose(&alice, 1)).is_ok(),
+            "a forgotten entry frees its slot"
+        );
+        assert!(watch("e", (&nobody).into()).is_ok());
+        assert_eq!(watch("f", (&nobody).into()), Err(NotWatched::Full));
+        assert_eq!(r.take_due(100).len(), 4);
+        assert!(
+            r.table.lock().unwrap().by_principal.is_empty(),
+            "counts drop with entries"
+        );
+        for key in ["e", "f", "g"] {
+            assert!(
+                watch(key, (&nobody).into()).is_ok(),
+                "anonymous: only the whole table bounds"
+            );
+        }
     }
 
     #[test]
@@ -515,16 +640,18 @@ mod tests {
 
     #[test]
     fn owners_are_shared_and_dropped_with_their_last_session() {
-        let r = Reaper::new(10);
+        let r = Reaper::new(10, 10);
         for session in ["a", "b", "c"] {
-            assert!(r.watch(
-                &endpoint(1),
-                &timeouts(),
-                session,
-                &bearer("Bearer u"),
-                v(),
-                100
-            ));
+            assert!(r
+                .watch(
+                    &endpoint(1),
+                    &timeouts(),
+                    session,
+                    &bearer("Bearer u"),
+                    v(),
+                    100
+                )
+                .is_ok());
         }
         let live = |r: &Reaper| {
             let table = r.table.lock().unwrap();
@@ -536,14 +663,16 @@ mod tests {
         assert_eq!(live(&r), 1);
         r.forget(&endpoint(1), "c");
         assert_eq!(live(&r), 0, "the last session released its caller");
-        assert!(r.watch(
-            &endpoint(1),
-            &timeouts(),
-            "d",
-            &bearer("Bearer v"),
-            v(),
-            100
-        ));
+        assert!(r
+            .watch(
+                &endpoint(1),
+                &timeouts(),
+                "d",
+                &bearer("Bearer v"),
+                v(),
+                100
+            )
+            .is_ok());
         let indexes: Vec<u32> = r
             .table
             .lock()

@@ -229,8 +229,9 @@ pub enum Input {
     },
     /// An open stream ended (cleanly or broken).
     StreamEnded(Stream),
-    /// `Watch`: whether the reaper took the session.
-    Watched(bool),
+    /// `Watch`: the reaper took the session, or why it would not (its table is full, or
+    /// the caller's share of it).
+    Watched(Result<(), Refusal>),
     /// `Hold`: the slot that holds the flow, or why none does.
     Held(Result<HeldAt, Refusal>),
     /// The client closed its response: the request is cancelled.
@@ -799,8 +800,10 @@ impl Flow {
                 self.answer_posted(retry, result, now)
             }
             (Phase::Reading(reading), input) => self.reading(reading, input, now),
-            (Phase::Watching(ended), Input::Watched(true)) => self.round_over(*ended),
-            (Phase::Watching(ended), Input::Watched(false)) => self.overloaded(&ended.reading),
+            (Phase::Watching(ended), Input::Watched(Ok(()))) => self.round_over(*ended),
+            (Phase::Watching(ended), Input::Watched(Err(refusal))) => {
+                self.overloaded(&ended.reading, refusal)
+            }
             (Phase::Holding { state, questions }, Input::Held(held)) => {
                 self.held(state, questions, held)
             }
@@ -1836,11 +1839,10 @@ impl Flow {
         }
     }
 
-    fn overloaded(&mut self, r: &Reading) -> Phase {
+    fn overloaded(&mut self, r: &Reading, refusal: Refusal) -> Phase {
         self.commands.push_back(Command::CloseStreams);
         self.give_up(&r.call, "too many flows wait on the gateway");
-        let text = "too many flows are waiting for input on this replica; retry later";
-        self.finish(Ending::Refused(Refusal::internal(Class::Overloaded, text)))
+        self.finish(Ending::Refused(refusal))
     }
 
     /// The call was lost between rounds (before any answer of this retry reached it): a

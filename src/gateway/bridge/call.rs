@@ -14,7 +14,7 @@ use super::warm;
 use super::{end_session, end_session_later, finish_with, upstream_for, upstream_params, Incoming};
 use crate::config::{Limits, QuietWindowFor};
 use crate::gateway::learnt::SessionReplay;
-use crate::gateway::reaper::Abandoned;
+use crate::gateway::reaper::{Abandoned, NotWatched, Whose};
 use crate::gateway::{peers, Arrival, Gateway, UpstreamSide};
 use crate::metrics::InUse;
 use crate::mrtr::flow::{
@@ -605,22 +605,32 @@ async fn execute<'g>(
             }
             None
         }
-        Command::Watch { until, call } => {
+        Command::Watch {
+            until,
+            call: call_id,
+        } => {
             let upstream = io.upstream.as_ref()?;
             let session = upstream.session_id.as_deref()?;
-            let what = match &call {
+            let what = match &call_id {
                 Some(id) => Abandoned::Call { session, id },
                 None => Abandoned::Session(session),
             };
-            let watched = gw.flows.reaper.watch(
+            let whose = Whose {
+                headers: &upstream.caller.headers,
+                principal: counted_principal(gw, &call.incoming.principal),
+            };
+            let reaper = &gw.flows.reaper;
+            let watched = reaper.watch(
                 &upstream.endpoint,
                 upstream.timeouts,
                 what,
-                &upstream.caller.headers,
+                whose,
                 upstream.version,
                 until,
             );
-            Some(Input::Watched(watched))
+            Some(Input::Watched(
+                watched.map_err(|refused| not_watched(gw, refused)),
+            ))
         }
         Command::Unwatch { call } => {
             let upstream = io.upstream.as_ref()?;
@@ -859,6 +869,27 @@ async fn call_answered(
     Input::CallPosted(message.map(CallReply::Message).map_err(|e| failure(&e)))
 }
 
+/// The principal whose share of a per-replica table a flow takes: `None` for anonymous
+/// requests, which share one principal and count only against the whole table.
+fn counted_principal(gw: &Gateway, principal: &[u8; 32]) -> Option<[u8; 32]> {
+    let anonymous = gw.admission.authenticator.load().anonymous() == Some(*principal);
+    (!anonymous).then_some(*principal)
+}
+
+/// The client's answer when the reaper would not watch its flow.
+fn not_watched(gw: &Gateway, refused: NotWatched) -> Refusal {
+    let text = match refused {
+        NotWatched::Full => {
+            "too many flows are waiting for input on this replica; retry later".to_string()
+        }
+        NotWatched::PrincipalFull => format!(
+            "this caller already has {} flows on this replica waiting for its answers (bridge.max_watched_sessions_per_principal): answer them, or retry once abandoned ones expire",
+            gw.config.bridge.max_watched_sessions_per_principal
+        ),
+    };
+    Refusal::internal(Class::Overloaded, text)
+}
+
 /// Puts the flow's streams (with their unread events) in this replica's table.
 async fn hold(
     call: &Call<'_>,
@@ -893,9 +924,11 @@ async fn hold(
         streams,
         questions,
     );
-    let principal = call.incoming.principal;
-    let anonymous = gw.admission.authenticator.load().anonymous() == Some(principal);
-    match gw.flows.held.hold(held, (!anonymous).then_some(principal)) {
+    match gw
+        .flows
+        .held
+        .hold(held, counted_principal(gw, &call.incoming.principal))
+    {
         Ok(slot) => {
             gw.runtime.metrics.held_event("held");
             Input::Held(Ok(HeldAt {

@@ -130,7 +130,10 @@ impl Upstream {
             Command::Post(_) | Command::CancelFirst(_) => {
                 Some(Input::Posted(self.posts.pop_front().unwrap_or(Ok(()))))
             }
-            Command::Watch { .. } => Some(Input::Watched(self.watched)),
+            Command::Watch { .. } => Some(Input::Watched(match self.watched {
+                true => Ok(()),
+                false => Err(Refusal::internal(Class::Overloaded, "the table is full")),
+            })),
             Command::Hold { .. } => Some(Input::Held(self.held.clone())),
             _ => None,
         }
