@@ -45,6 +45,9 @@ use tokio::sync::watch;
 
 /// Shortest wait for each read of a client's request body (at least `body_timeout_ms`).
 const CLIENT_BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// The methods an MCP endpoint serves, for a 405's `Allow` (GET and DELETE for 2025-era
+/// clients; OPTIONS for browsers' preflights).
+const ENDPOINT_METHODS: &str = "POST, GET, DELETE, OPTIONS";
 /// Room for the first read of a kept-alive connection's next request.
 const NEXT_REQUEST_BUFFER: usize = 4096;
 
@@ -149,6 +152,17 @@ impl Gateway {
         if let Err(message) = check_header_limits(session, &self.config.limits) {
             return refuse_and_close(session, 431, code::INVALID_REQUEST, &message).await;
         }
+        if let Some(message) = unsupported_coding(session) {
+            return refuse_and_close(session, 501, code::INVALID_REQUEST, &message).await;
+        }
+        let http11 = session.req_header().version == http::Version::HTTP_11;
+        let host = request_host(session);
+        if let Some(message) = (arrival == Arrival::Client)
+            .then(|| crate::protocol::host_check::malformed_host(host, http11))
+            .flatten()
+        {
+            return refuse_and_close(session, 400, code::INVALID_REQUEST, &message).await;
+        }
         // A forwarded retry's Host and Origin were checked by the replica it reached (and
         // its CORS headers are that replica's to add).
         let host_checked = match arrival {
@@ -187,8 +201,7 @@ impl Gateway {
         };
         if !matches!(method.as_str(), "POST" | "GET" | "DELETE") {
             let message = format!("method {method} is not allowed; use POST, GET or DELETE");
-            respond::error(session, 405, None, code::INVALID_REQUEST, &message).await;
-            return;
+            return respond::method_not_allowed(session, ENDPOINT_METHODS, &message).await;
         }
         let principal = match self.admission.principal(session) {
             Ok(p) => p,
@@ -208,7 +221,7 @@ impl Gateway {
                     let message = format!(
                         "{method} is not supported in protocol version 2026-07-28; use POST"
                     );
-                    respond::error(session, 405, None, code::INVALID_REQUEST, &message).await;
+                    respond::method_not_allowed(session, ENDPOINT_METHODS, &message).await;
                 }
                 Era::Legacy => {
                     let body = Bytes::new();
@@ -438,6 +451,26 @@ const LINGER: Duration = Duration::from_secs(1);
 /// Answers with an error and closes the connection. The unread body is drained for a
 /// moment first (a lingering close): closing on unread data would reset the connection,
 /// and the client could lose the answer before reading it.
+/// Why a request's transfer coding is refused (RFC 9112 §6.1: 501), if it is: the only
+/// one the gateway reads is `chunked`, once.
+fn unsupported_coding(session: &ServerSession) -> Option<String> {
+    let values = session
+        .req_header()
+        .headers
+        .get_all(http::header::TRANSFER_ENCODING);
+    let codings: Vec<String> = (values.iter())
+        .flat_map(|value| value.to_str().unwrap_or("?").split(','))
+        .map(|coding| coding.trim().to_ascii_lowercase())
+        .filter(|coding| !coding.is_empty())
+        .collect();
+    (!codings.is_empty() && codings != ["chunked"]).then(|| {
+        format!(
+            "the request's Transfer-Encoding '{}' is not supported: send the body chunked or with a Content-Length",
+            codings.join(", ")
+        )
+    })
+}
+
 async fn refuse_and_close(session: &mut ServerSession, status: u16, code: i64, message: &str) {
     session.set_keepalive(None);
     respond::error(session, status, None, code, message).await;

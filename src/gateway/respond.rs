@@ -75,3 +75,14 @@ pub async fn error(
     let body = jsonrpc::error_body(id, code, message, None);
     write(session, status, "application/json", body.into()).await;
 }
+
+/// A 405 with the methods the endpoint serves in `Allow` (RFC 9110 §15.5.6) and a
+/// JSON-RPC error saying what to use.
+pub async fn method_not_allowed(session: &mut ServerSession, allow: &str, message: &str) {
+    let Ok(mut header) = ResponseHeader::build(405, Some(4)) else {
+        return;
+    };
+    let _ = header.insert_header("allow", allow);
+    let body = jsonrpc::error_body(None, jsonrpc::code::INVALID_REQUEST, message, None);
+    write_with(session, header, "application/json", body.into()).await;
+}

@@ -58,6 +58,19 @@ impl HostPolicy {
     }
 }
 
+/// Why a request's `Host` is malformed, if it is (RFC 9112 §3.2: answered 400, whatever
+/// the policy): missing from an HTTP/1.1 request (`host` is `None` also for a value that
+/// is not visible ASCII), or holding a character no `uri-host[:port]` has (a space, a
+/// comma-separated list's `, `, userinfo's `@`).
+pub fn malformed_host(host: Option<&str>, http11: bool) -> Option<String> {
+    let Some(host) = host else {
+        return http11.then(|| "an HTTP/1.1 request needs one readable Host header".into());
+    };
+    let allowed = |c: char| c.is_ascii_alphanumeric() || "-._~%!$&'()*+,;=:[]".contains(c);
+    let odd = host.chars().find(|c| !allowed(*c));
+    odd.map(|c| format!("the Host header holds {c:?}, which no host name has"))
+}
+
 /// The host name of an authority `host[:port]` or `[v6][:port]`, with any path cut off.
 fn authority_host(authority: &str) -> Option<&str> {
     let authority = authority.split('/').next()?;
@@ -71,6 +84,25 @@ fn authority_host(authority: &str) -> Option<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_missing_or_malformed_host_is_told_apart_from_a_foreign_one() {
+        assert!(malformed_host(None, true).is_some());
+        assert!(
+            malformed_host(None, false).is_none(),
+            "HTTP/1.0 may omit it"
+        );
+        for bad in [
+            "127.0.0.1, evil.example",
+            "127.0.0.1 evil.example",
+            "u@127.0.0.1",
+        ] {
+            assert!(malformed_host(Some(bad), true).is_some(), "{bad}");
+        }
+        for good in ["127.0.0.1:8080", "[::1]:80", "evil.example", ""] {
+            assert!(malformed_host(Some(good), true).is_none(), "{good}");
+        }
+    }
 
     fn loopback() -> HostPolicy {
         HostPolicy::for_listener("127.0.0.1:8080".parse().unwrap(), &[])

@@ -143,6 +143,12 @@ fn oversized_and_malformed_bodies_get_clear_4xx() {
     }
     let reply = raw.request("PUT", &headers, Some("{}"));
     assert_eq!(reply.status, 405);
+    let allow = reply.headers.iter().find(|(name, _)| name == "allow");
+    assert_eq!(
+        allow.map(|(_, v)| v.as_str()),
+        Some("POST, GET, DELETE, OPTIONS"),
+        "a 405 names what the endpoint serves (RFC 9110 §15.5.6)"
+    );
     assert_eq!(tripwire.count(), 0, "a refused body reached the upstream");
 }
 

@@ -282,6 +282,10 @@ fn the_modern_surface_refuses_bad_requests_in_the_spec_form() {
         None,
     );
     assert_eq!(get.status, 405);
+    assert!(get
+        .headers
+        .iter()
+        .any(|(n, v)| n == "allow" && v.starts_with("POST")));
     assert_eq!(
         tripwire.count(),
         0,

@@ -628,6 +628,11 @@ fn the_transport_corpus_gets_documented_answers() {
         "400 with a JSON-RPC error, closed; the request after it never runs",
     );
     table.row(
+        "transfer coding other than chunked; HTTP/1.1 without a Host or with a malformed one",
+        unframed_or_unplaced_request_case(),
+        "501 / 400 with a JSON-RPC error, closed, nothing forwarded",
+    );
+    table.row(
         "HTTP/1.0 framing",
         http10_framing_case(),
         "close-delimited body (never chunked); closed unless keep-alive",

@@ -289,6 +289,70 @@ fn a_request_body_with_broken_framing_is_answered_and_closes_its_connection() {
     broken_body_framing_case();
 }
 
+/// A request line the gateway cannot frame or place: a transfer coding other than one
+/// `chunked` (RFC 9112 §6.1: 501), an HTTP/1.1 request without a Host or with one no host
+/// name has (§3.2: 400). Each is answered with a JSON-RPC error, its connection closed,
+/// and nothing reaches the upstream.
+pub(crate) fn unframed_or_unplaced_request_case() -> usize {
+    let upstream = sse_lister();
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let body = list_body(2).to_string();
+    let chunked = format!("{:x}\r\n{body}\r\n0\r\n\r\n", body.len());
+    let cases = [
+        (
+            "host: 127.0.0.1\r\ntransfer-encoding: gzip, chunked\r\n",
+            &chunked,
+            "501",
+        ),
+        (
+            "host: 127.0.0.1\r\ntransfer-encoding: chunked, chunked\r\n",
+            &chunked,
+            "501",
+        ),
+        (
+            "host: 127.0.0.1\r\ntransfer-encoding: identity\r\ntransfer-encoding: chunked\r\n",
+            &chunked,
+            "501",
+        ),
+        ("content-length: 0\r\n", &String::new(), "400"),
+        (
+            "host: 127.0.0.1, evil.example\r\ncontent-length: 0\r\n",
+            &String::new(),
+            "400",
+        ),
+        (
+            "host: 127.0.0.1 evil.example\r\ncontent-length: 0\r\n",
+            &String::new(),
+            "400",
+        ),
+    ];
+    for (headers, body, status) in cases {
+        let request = format!(
+            "POST /mcp HTTP/1.1\r\n{headers}content-type: application/json\r\n\
+             accept: application/json, text/event-stream\r\n\r\n{body}"
+        );
+        let mut stream = connect(gw.port);
+        stream.write_all(request.as_bytes()).unwrap();
+        let (answer, closed) = read_to_close(&mut stream);
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {status}")),
+            "{headers:?}: {answer}"
+        );
+        assert!(
+            answer.contains("\"jsonrpc\":\"2.0\""),
+            "{headers:?}: {answer}"
+        );
+        assert!(closed, "{headers:?}: the connection stayed open");
+    }
+    assert!(upstream.requests().is_empty(), "{:?}", upstream.requests());
+    cases.len()
+}
+
+#[test]
+fn a_request_with_an_unsupported_coding_or_a_malformed_host_is_refused_and_closed() {
+    unframed_or_unplaced_request_case();
+}
+
 /// HTTP/1.0 clients: a body of unknown length is close-delimited (never chunked), and
 /// the connection closes after the response unless the client asked for keep-alive.
 pub(crate) fn http10_framing_case() -> usize {
