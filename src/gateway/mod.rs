@@ -448,9 +448,6 @@ async fn too_large(session: &mut ServerSession, limit: usize) {
 /// How long a refused request's unread body is drained before the connection closes.
 const LINGER: Duration = Duration::from_secs(1);
 
-/// Answers with an error and closes the connection. The unread body is drained for a
-/// moment first (a lingering close): closing on unread data would reset the connection,
-/// and the client could lose the answer before reading it.
 /// Why a request's transfer coding is refused (RFC 9112 §6.1: 501), if it is: the only
 /// one the gateway reads is `chunked`, once.
 fn unsupported_coding(session: &ServerSession) -> Option<String> {
@@ -471,6 +468,9 @@ fn unsupported_coding(session: &ServerSession) -> Option<String> {
     })
 }
 
+/// Answers with an error and closes the connection. The unread body is drained for a
+/// moment first (a lingering close): closing on unread data would reset the connection,
+/// and the client could lose the answer before reading it.
 async fn refuse_and_close(session: &mut ServerSession, status: u16, code: i64, message: &str) {
     session.set_keepalive(None);
     respond::error(session, status, None, code, message).await;
