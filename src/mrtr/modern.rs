@@ -200,8 +200,10 @@ impl ModernRequest {
             None => return Err(header_mismatch("the Mcp-Method header is required")),
         }
         let target = check_name(method, &params, headers.name)?;
-        if params.get("inputResponses").is_some_and(|v| !v.is_object()) {
-            return Err(invalid_params("inputResponses must be an object"));
+        match params.get("inputResponses") {
+            Some(Value::Object(responses)) => check_input_responses(responses)?,
+            Some(_) => return Err(invalid_params("inputResponses must be an object")),
+            None => {}
         }
         if params.get("requestState").is_some_and(|v| !v.is_string()) {
             return Err(invalid_params("requestState must be a string"));
@@ -221,6 +223,19 @@ impl ModernRequest {
             params,
         })
     }
+}
+
+/// Every answer is a result object (`ElicitResult`, `CreateMessageResult` or
+/// `ListRootsResult`): anything else is refused before it could be posted upstream.
+fn check_input_responses(responses: &Map<String, Value>) -> Result<(), Refusal> {
+    let Some((key, _)) = responses.iter().find(|(_, answer)| !answer.is_object()) else {
+        return Ok(());
+    };
+    let key: String = key.chars().take(64).collect();
+    Err(invalid_params(format!(
+        "inputResponses[{}] must be an object: an ElicitResult, CreateMessageResult or ListRootsResult",
+        Value::from(key)
+    )))
 }
 
 fn check_name(
@@ -369,5 +384,23 @@ mod tests {
             v(&bad_state, headers("tools/call", Some("ask"))).code,
             -32602
         );
+        let answers = |answer: Value| {
+            params(json!({"name": "ask", "inputResponses": {"elicitation_1": answer}}))
+        };
+        let bare = v(&answers(json!("Ann")), headers("tools/call", Some("ask")));
+        assert_eq!(bare.code, -32602);
+        assert!(
+            bare.message.contains("inputResponses[\"elicitation_1\"]"),
+            "{}",
+            bare.message
+        );
+        let accepted = answers(json!({"action": "accept", "content": {"name": "Ann"}}));
+        let ok = ModernRequest::validate(
+            json!(1),
+            "tools/call",
+            Some(&accepted),
+            headers("tools/call", Some("ask")),
+        );
+        assert!(ok.is_ok());
     }
 }
