@@ -332,9 +332,10 @@ impl UpstreamClient {
                 // keeps it.
                 http.respect_keepalive();
                 let header = http.resp_header();
-                // pingora drops the `Content-Length` of a header framed both ways: the
-                // header as received tells.
-                let life = match header.is_some() && framed_twice(&http.get_headers_raw_bytes()) {
+                // pingora drops the `Content-Length` of a header framed both ways and
+                // keeps its `Transfer-Encoding`: only then is the header as received read.
+                let chunked = header.is_some_and(|h| h.headers.contains_key("transfer-encoding"));
+                let life = match chunked && framed_twice(&http.get_headers_raw_bytes()) {
                     true => Duration::ZERO,
                     false => idle_life(
                         (header.into_iter())

@@ -841,6 +841,16 @@ pub fn ask_name(raw: &Raw, id: u64, extra: Value) -> Value {
     call_tool(raw, id, "ask_name", extra)
 }
 
+/// [`ask_name`] as the principal `Bearer {who}`.
+pub fn ask_name_as(raw: &Raw, id: u64, who: &str, extra: Value) -> Value {
+    let credential = format!("Bearer {who}");
+    let params = tool_params("ask_name", extra);
+    let headers = [("authorization", credential.as_str())];
+    let caps = serde_json::json!({"elicitation": {}});
+    raw.modern_with(id, "tools/call", params, caps, &headers)
+        .json()
+}
+
 /// Runs the Python SDK's modern client driver (`tests/clients/py_modern_client.py`).
 pub fn python_modern(args: &[&str]) -> Vec<Value> {
     python_client("py_modern_client.py", args, &[])

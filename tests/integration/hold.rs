@@ -500,14 +500,7 @@ fn one_caller_holds_at_most_its_share_of_the_held_flows() {
     let replicas = peered(&url, 1, |c| c.bridge.max_held_flows_per_principal = 1);
     let gw = &replicas[0];
     let raw = Raw::new(&gw.url);
-    let ask_as = |id: u64, who: &str, extra: Value| {
-        let credential = format!("Bearer {who}");
-        let params = tool_params("ask_name", extra);
-        let caps = json!({"elicitation": {}});
-        let headers = [("authorization", credential.as_str())];
-        raw.modern_with(id, "tools/call", params, caps, &headers)
-            .json()
-    };
+    let ask_as = |id: u64, who: &str, extra: Value| ask_name_as(&raw, id, who, extra);
     let asked = |reply: &Value| reply["result"]["resultType"] == "input_required";
     let alice = ask_as(1, "alice", json!({}));
     assert!(asked(&alice), "{alice}");

@@ -419,42 +419,30 @@ fn one_caller_parks_at_most_its_share_of_the_waiting_flows() {
         c.bridge.max_watched_sessions_per_principal = 2
     });
     let raw = Raw::new(&gw.url);
-    let ask_as = |id: u64, who: &str, extra: Value| {
-        let credential = format!("Bearer {who}");
-        let params = tool_params("ask_name", extra);
-        let headers = [("authorization", credential.as_str())];
-        let reply = raw.modern_with(
-            id,
-            "tools/call",
-            params,
-            json!({"elicitation": {}}),
-            &headers,
-        );
-        (reply.status, reply.json())
-    };
+    let ask_as = |id: u64, who: &str, extra: Value| ask_name_as(&raw, id, who, extra);
     let asked = |reply: &Value| reply["result"]["resultType"] == "input_required";
-    let (_, first) = ask_as(1, "mallory", json!({}));
-    let (_, second) = ask_as(2, "mallory", json!({}));
+    let first = ask_as(1, "mallory", json!({}));
+    let second = ask_as(2, "mallory", json!({}));
     assert!(asked(&first) && asked(&second), "{first} {second}");
-    let (_, refused) = ask_as(3, "mallory", json!({}));
+    let refused = ask_as(3, "mallory", json!({}));
     let message = refused["error"]["message"].as_str().unwrap_or_default();
     assert!(
         message.contains("bridge.max_watched_sessions_per_principal"),
         "{refused}"
     );
-    let (_, alice) = ask_as(4, "alice", json!({}));
+    let alice = ask_as(4, "alice", json!({}));
     assert!(asked(&alice), "another caller's flow waits: {alice}");
     for id in [5, 6, 7] {
         let anonymous = ask_name(&raw, id, json!({}));
         assert!(asked(&anonymous), "{anonymous}");
     }
     assert_eq!(metric(&gw.admin, "mrtr_gateway_pending_flows"), 6.0);
-    let (_, done) = ask_as(8, "mallory", answer(&first, json!({"name": "Ann"})));
+    let done = ask_as(8, "mallory", answer(&first, json!({"name": "Ann"})));
     assert_eq!(
         done["result"]["content"][0]["text"], "Hello, Ann!",
         "{done}"
     );
-    let (_, again) = ask_as(9, "mallory", json!({}));
+    let again = ask_as(9, "mallory", json!({}));
     assert!(asked(&again), "the slot came back: {again}");
 }
 

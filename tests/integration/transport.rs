@@ -38,6 +38,19 @@ fn read_to_close(stream: &mut TcpStream) -> (String, bool) {
     (String::from_utf8_lossy(&got).into_owned(), false)
 }
 
+/// Writes a POST to `/mcp` with `headers` (each line ending in CRLF, after the JSON
+/// content type and accept lines) and the raw `body` on a new connection; returns what
+/// came back until the close, and whether it closed.
+fn post_raw_to_close(port: u16, headers: &str, body: &str) -> (String, bool) {
+    let request = format!(
+        "POST /mcp HTTP/1.1\r\ncontent-type: application/json\r\n\
+         accept: application/json, text/event-stream\r\n{headers}\r\n{body}"
+    );
+    let mut stream = connect(port);
+    stream.write_all(request.as_bytes()).unwrap();
+    read_to_close(&mut stream)
+}
+
 /// Reads one response framed by `Content-Length`: its head (lower-cased) and body.
 fn read_response(stream: &mut TcpStream) -> (String, String) {
     let mut got = Vec::new();
@@ -223,15 +236,9 @@ pub(crate) fn cl_te_smuggling_case() -> usize {
     let gw = TestGateway::start(&[&upstream.url()], &test_keys());
     let body = initialize_body().to_string();
     let smuggled = post("HTTP/1.1", "x-forwarded-user: admin\r\n", &list_body(2));
-    let request = format!(
-        "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
-         accept: application/json, text/event-stream\r\ncontent-length: 4\r\n\
-         transfer-encoding: chunked\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n{smuggled}",
-        body.len()
-    );
-    let mut stream = connect(gw.port);
-    stream.write_all(request.as_bytes()).unwrap();
-    let (answer, closed) = read_to_close(&mut stream);
+    let headers = "host: 127.0.0.1\r\ncontent-length: 4\r\ntransfer-encoding: chunked\r\n";
+    let chunked = format!("{:x}\r\n{body}\r\n0\r\n\r\n{smuggled}", body.len());
+    let (answer, closed) = post_raw_to_close(gw.port, headers, &chunked);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     assert_eq!(answer.matches("HTTP/1.1 ").count(), 1, "{answer}");
     assert!(closed, "the connection stayed open after CL+TE: {answer}");
@@ -263,14 +270,8 @@ pub(crate) fn broken_body_framing_case() -> usize {
         "5\r\nhelloXX0\r\n\r\n",
     ];
     for body in bodies {
-        let request = format!(
-            "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
-             accept: application/json, text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n\
-             {body}{next}"
-        );
-        let mut stream = connect(gw.port);
-        stream.write_all(request.as_bytes()).unwrap();
-        let (answer, closed) = read_to_close(&mut stream);
+        let headers = "host: 127.0.0.1\r\ntransfer-encoding: chunked\r\n";
+        let (answer, closed) = post_raw_to_close(gw.port, headers, &format!("{body}{next}"));
         assert!(answer.starts_with("HTTP/1.1 400"), "{body:?}: {answer}");
         assert!(answer.contains("could not be read"), "{body:?}: {answer}");
         assert_eq!(answer.matches("HTTP/1.1 ").count(), 1, "{body:?}: {answer}");
@@ -327,13 +328,7 @@ pub(crate) fn unframed_or_unplaced_request_case() -> usize {
         ),
     ];
     for (headers, body, status) in cases {
-        let request = format!(
-            "POST /mcp HTTP/1.1\r\n{headers}content-type: application/json\r\n\
-             accept: application/json, text/event-stream\r\n\r\n{body}"
-        );
-        let mut stream = connect(gw.port);
-        stream.write_all(request.as_bytes()).unwrap();
-        let (answer, closed) = read_to_close(&mut stream);
+        let (answer, closed) = post_raw_to_close(gw.port, headers, body);
         assert!(
             answer.starts_with(&format!("HTTP/1.1 {status}")),
             "{headers:?}: {answer}"
