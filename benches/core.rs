@@ -59,7 +59,7 @@ fn state(questions: usize) -> FlowState {
             positions: Positions {
                 last_event_id: Some("1:3".into()),
                 round_start: Some("1:2".into()),
-                session_from: None,
+                ..Positions::default()
             },
         },
     }

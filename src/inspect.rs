@@ -186,7 +186,7 @@ mod tests {
                 positions: Positions {
                     last_event_id: Some("ev-3".into()),
                     round_start: Some("ev-2".into()),
-                    session_from: None,
+                    ..Positions::default()
                 },
             },
         };

@@ -175,11 +175,17 @@ pub fn open_with_principal_extended<T: DeserializeOwned, E: DeserializeOwned>(
 /// extensions after it are left): `None` when there is none, as in what a release before
 /// it sealed.
 pub fn extension<E: DeserializeOwned>(rest: &[u8]) -> Result<Option<E>, OpenError> {
+    next_extension(rest).map(|(value, _)| value)
+}
+
+/// The extension at the front of `rest`, as [`extension`], and what follows it (the
+/// extensions after it).
+pub fn next_extension<E: DeserializeOwned>(rest: &[u8]) -> Result<(Option<E>, &[u8]), OpenError> {
     if rest.is_empty() {
-        return Ok(None);
+        return Ok((None, rest));
     }
     postcard::take_from_bytes(rest)
-        .map(|(value, _)| Some(value))
+        .map(|(value, after)| (Some(value), after))
         .map_err(|_| OpenError::BadPayload)
 }
 

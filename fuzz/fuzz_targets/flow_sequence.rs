@@ -14,7 +14,7 @@ use mrtr_gateway::mrtr::flow::{
     CallReply, Command, Ending, Failure, FailureKind, Flow, FlowConfig, Input, Stream,
 };
 use mrtr_gateway::mrtr::state::{
-    FlowState, HeldAt, Pending, Positions, UpstreamCall, UpstreamId, Waiting,
+    FlowState, HeldAt, Pending, Positions, SessionQuestions, UpstreamCall, UpstreamId, Waiting,
 };
 use mrtr_gateway::mrtr::translate::RoundLimits;
 use mrtr_gateway::outcome::{Class, Refusal};
@@ -117,6 +117,11 @@ fn prior(kind: u8, data_session: bool) -> FlowState {
                 last_event_id: Some("c2".into()),
                 round_start: Some("c1".into()),
                 session_from: Some("g1".into()),
+                // The second question came on the session's GET stream.
+                session_questions: SessionQuestions {
+                    indices: vec![1],
+                    replayable: true,
+                },
             },
         },
         2 => Waiting::Held {

@@ -1003,25 +1003,42 @@ impl Flow {
         now: Instant,
     ) -> Phase {
         let mut retry = Retry::new(call, pending, responses, AfterAnswers::Read);
-        // With every answer given, continue after the last event; otherwise replay the
-        // round from its start so the unanswered questions are asked again.
-        retry.from = if retry.all_answered {
-            positions.last_event_id.clone()
-        } else if positions.round_start.is_some() {
-            positions.round_start
-        } else {
+        // Each stream that sent an unanswered question is replayed from before the
+        // round's first question on it, so the upstream asks it again; a stream that did
+        // not continues after its last event.
+        let asked = &positions.session_questions;
+        let (mut call_unanswered, mut session_unanswered) = (false, false);
+        for (index, pending) in retry.pending.iter().enumerate() {
+            if !retry.responses.contains_key(&pending.key) {
+                match asked.contains(index) {
+                    true => session_unanswered = true,
+                    false => call_unanswered = true,
+                }
+            }
+        }
+        let session_replays = asked.replayable
+            && positions.session_from.is_some()
+            && self.config.session_replay_scoped;
+        if (call_unanswered && positions.round_start.is_none())
+            || (session_unanswered && !session_replays)
+        {
             return self.unanswerable(&retry);
+        }
+        retry.from = match call_unanswered {
+            true => positions.round_start,
+            false => positions.last_event_id,
         };
         retry.session_from = positions.session_from;
         self.reopen_call(Box::new(retry), now)
     }
 
-    /// A retry that leaves questions unanswered, of a round whose first question was the
-    /// first event on the call's stream (a server that sends no priming event): no
-    /// position replays it, so the upstream cannot ask it again, and resuming after it
-    /// would wait for an answer that never goes up. Nothing is sent upstream and the state
-    /// stays usable (its claim released, a data-layer call still watched): the client is
-    /// told which answers are missing.
+    /// A retry that leaves unanswered a question no resumption sends again: the first
+    /// event of its stream this round (a server that sends no priming event, or the
+    /// session's GET stream), or one on the GET stream of a group whose event store does
+    /// not keep sessions apart (that stream reopens fresh). Resuming would wait for an
+    /// answer that never goes up, so nothing is sent upstream and the state stays usable
+    /// (its claim released, a data-layer call still watched): the client is told which
+    /// answers are missing.
     fn unanswerable(&mut self, retry: &Retry) -> Phase {
         let missing: Vec<String> = retry
             .pending
@@ -1684,6 +1701,7 @@ impl Flow {
                     last_event_id: r.round.last_event_id().map(str::to_string),
                     round_start: r.round.round_start().map(str::to_string),
                     session_from: r.round.session_resume_from().map(str::to_string),
+                    session_questions: r.round.session_questions(),
                 };
                 let state = self.state(Waiting::Resumable {
                     call: r.call.clone(),

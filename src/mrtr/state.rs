@@ -172,6 +172,30 @@ pub struct Positions {
     /// The session GET stream's position: before the round's first question on it (so an
     /// unanswered one is asked again), else its last event.
     pub session_from: Option<String>,
+    /// Which pending questions the session's GET stream sent. Sealed after the layout, as
+    /// the second extension; a state without one (sealed by a release before it) counts
+    /// every question as the call stream's.
+    #[serde(skip)]
+    pub session_questions: SessionQuestions,
+}
+
+/// The questions of a resumable round that came on the session's GET stream: a retry
+/// that leaves one unanswered can have it asked again only by resuming that stream from
+/// before it, which needs a position there and a store that keeps sessions apart.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionQuestions {
+    /// Their indices in the state's `pending`.
+    pub indices: Vec<u16>,
+    /// `session_from` is before the first of them, so a resumption from it sends them
+    /// again (the stream sent an event before them this round, or earlier).
+    pub replayable: bool,
+}
+
+impl SessionQuestions {
+    /// Whether `pending[index]` came on the session's GET stream.
+    pub fn contains(&self, index: usize) -> bool {
+        self.indices.iter().any(|&i| usize::from(i) == index)
+    }
 }
 
 impl Waiting {
@@ -371,22 +395,34 @@ impl FlowState {
         seal::seal(ring, Purpose::RequestState, b"", &self.extended(plain))
     }
 
-    /// `plain`, a sealed layout of the state, followed by its extension: the call's
-    /// session revision, when there is a call.
+    /// `plain`, a sealed layout of the state, followed by its extensions: the call's
+    /// session revision, when there is a call; then, for a resumable round, which of its
+    /// questions the session's GET stream sent.
     fn extended(&self, plain: Vec<u8>) -> Vec<u8> {
-        match self.waiting.call() {
-            Some(call) => {
-                postcard::to_extend(&call.version, plain).expect("a revision always serializes")
+        let serialized = "an extension always serializes";
+        match &self.waiting {
+            Waiting::Resumable {
+                call, positions, ..
+            } => {
+                let plain = postcard::to_extend(&call.version, plain).expect(serialized);
+                postcard::to_extend(&positions.session_questions, plain).expect(serialized)
             }
-            None => plain,
+            waiting => match waiting.call() {
+                Some(call) => postcard::to_extend(&call.version, plain).expect(serialized),
+                None => plain,
+            },
         }
     }
 
-    /// Sets what the extension after a sealed layout (`rest`) says, if there is one.
+    /// Sets what the extensions after a sealed layout (`rest`) say, where there are some.
     fn extend_from(&mut self, rest: &[u8]) -> Result<(), OpenError> {
-        let version = seal::extension::<Revision>(rest)?;
+        let (version, rest) = seal::next_extension::<Revision>(rest)?;
         if let (Some(version), Some(call)) = (version, self.waiting.call_mut()) {
             call.version = version;
+        }
+        if let Waiting::Resumable { positions, .. } = &mut self.waiting {
+            let asked = seal::extension::<SessionQuestions>(rest)?;
+            positions.session_questions = asked.unwrap_or_default();
         }
         Ok(())
     }
@@ -497,7 +533,7 @@ pub mod v1 {
                     positions: Positions {
                         last_event_id: old.last_event_id,
                         round_start: old.round_start,
-                        session_from: None,
+                        ..Positions::default()
                     },
                 },
             };
@@ -591,7 +627,7 @@ mod tests {
                 positions: Positions {
                     last_event_id: Some("7a655773-cec9-4f18-9782-81d58bb08a83_3".into()),
                     round_start: Some("7a655773-cec9-4f18-9782-81d58bb08a83_2".into()),
-                    session_from: None,
+                    ..Positions::default()
                 },
             },
         }
@@ -769,9 +805,39 @@ mod tests {
                 state
             );
         }
-        // Four bytes more than without it.
+        // Six bytes more than without the extensions: the revision's four, and two for a
+        // resumable round's questions on the session stream (none).
         let without = postcard::to_allocvec(&([0u8; 32], &state)).unwrap().len();
-        assert_eq!(state.plaintext_len(), without + 4);
+        assert_eq!(state.plaintext_len(), without + 6);
+    }
+
+    #[test]
+    fn the_session_streams_questions_travel_after_the_revision() {
+        let b = binding(&[1; 32], "tools/call", Some("ask_name"), Some(&json!({})));
+        let mut state = on_an_older_revision();
+        if let Waiting::Resumable { positions, .. } = &mut state.waiting {
+            positions.session_from = Some("g-1".into());
+            positions.session_questions = SessionQuestions {
+                indices: vec![0],
+                replayable: true,
+            };
+        }
+        let sealed = state.seal(&ring(), &b);
+        assert_eq!(
+            FlowState::open(&ring(), &b, &sealed, 1_900_000_000).unwrap(),
+            state
+        );
+        // A release that seals the revision alone: its states count every question as
+        // the call stream's.
+        let plain = postcard::to_allocvec(&(&b, &state)).unwrap();
+        let revision_only = postcard::to_extend(&Revision::parse("2025-06-18").unwrap(), plain);
+        let theirs = seal::seal(&ring(), Purpose::RequestState, b"", &revision_only.unwrap());
+        let opened = FlowState::open(&ring(), &b, &theirs, 1_900_000_000).unwrap();
+        let Waiting::Resumable { positions, .. } = &opened.waiting else {
+            panic!("{opened:?}");
+        };
+        assert_eq!(positions.session_questions, SessionQuestions::default());
+        assert_eq!(positions.session_from.as_deref(), Some("g-1"));
     }
 
     #[test]

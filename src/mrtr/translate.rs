@@ -4,7 +4,7 @@
 //! and requests the client cannot take are answered upstream; the call's response ends
 //! the flow.
 
-use super::state::{fingerprint, Known, Pending, UpstreamId};
+use super::state::{fingerprint, Known, Pending, SessionQuestions, UpstreamId};
 use crate::protocol::jsonrpc::code;
 use serde_json::{json, Map, Value};
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
@@ -79,6 +79,15 @@ fn short_kind(method: &str) -> &'static str {
     }
 }
 
+/// The stream a server message came on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Origin {
+    /// The call's own stream (or its response).
+    Call,
+    /// The session's GET stream.
+    Session,
+}
+
 /// The state of one round.
 #[derive(Debug)]
 pub struct Round {
@@ -105,6 +114,10 @@ pub struct Round {
     session_last_event_id: Option<String>,
     session_previous_event_id: Option<String>,
     session_round_start: Option<String>,
+    /// Whether the call's stream has asked a question this round.
+    call_asked: bool,
+    /// Indices in `pending` of the questions the session's GET stream sent this round.
+    session_questions: Vec<u16>,
     /// Digests of the event ids seen on either stream this round (the first
     /// `MAX_IDS_COMPARED`), and whether one came twice.
     seen_ids: Vec<u64>,
@@ -138,6 +151,8 @@ impl Round {
             session_last_event_id: None,
             session_previous_event_id: None,
             session_round_start: None,
+            call_asked: false,
+            session_questions: Vec::new(),
             seen_ids: Vec::new(),
             id_repeated: false,
         }
@@ -166,12 +181,16 @@ impl Round {
 
     /// Feeds one message read on the session's GET stream (after `saw_session_event`).
     pub fn on_session_message(&mut self, message: Value) -> Vec<Action> {
-        let had = self.question_count();
-        let actions = self.on_message(message);
-        if self.question_count() > had && self.session_round_start.is_none() {
-            self.session_round_start = self.session_previous_event_id.clone();
+        self.on_message_from(message, Origin::Session)
+    }
+
+    /// Which of the round's pending questions the session's GET stream sent, and whether
+    /// resuming it from `session_resume_from` sends them again.
+    pub fn session_questions(&self) -> SessionQuestions {
+        SessionQuestions {
+            indices: self.session_questions.clone(),
+            replayable: self.session_round_start.is_some(),
         }
-        actions
     }
 
     /// Bounds this round by `limits` rather than the defaults.
@@ -270,8 +289,13 @@ impl Round {
         self.pending.push(pending);
     }
 
-    /// Feeds one upstream JSON-RPC message.
+    /// Feeds one upstream JSON-RPC message read on the call's stream (after
+    /// `saw_call_event`), or the call's response.
     pub fn on_message(&mut self, message: Value) -> Vec<Action> {
+        self.on_message_from(message, Origin::Call)
+    }
+
+    fn on_message_from(&mut self, message: Value, origin: Origin) -> Vec<Action> {
         let method = message
             .get("method")
             .and_then(Value::as_str)
@@ -281,12 +305,32 @@ impl Round {
                 &method,
                 id,
                 message.get("params").cloned().unwrap_or(json!({})),
+                origin,
             ),
             (Some(method), None) => self.on_notification(&method, message),
             (None, Some(id)) if UpstreamId::from_json(&id).as_ref() == Some(&self.call_id) => {
                 vec![Action::Complete(message)]
             }
             _ => Vec::new(),
+        }
+    }
+
+    /// Records a question about to join `pending`: the first on each stream fixes the
+    /// position a retry replays that stream from to ask the round's questions again.
+    fn mark_round_start(&mut self, origin: Origin) {
+        match origin {
+            Origin::Call if !self.call_asked => {
+                self.call_asked = true;
+                self.round_start = self.previous_event_id.clone();
+            }
+            Origin::Call => {}
+            Origin::Session => {
+                if self.session_questions.is_empty() {
+                    self.session_round_start = self.session_previous_event_id.clone();
+                }
+                let index = u16::try_from(self.pending.len()).unwrap_or(u16::MAX);
+                self.session_questions.push(index);
+            }
         }
     }
 
@@ -298,7 +342,13 @@ impl Round {
         }
     }
 
-    fn on_request(&mut self, method: &str, id: Value, mut params: Value) -> Vec<Action> {
+    fn on_request(
+        &mut self,
+        method: &str,
+        id: Value,
+        mut params: Value,
+        origin: Origin,
+    ) -> Vec<Action> {
         let refuse = |code: i64, text: &str| {
             Action::AnswerUpstream(
                 json!({"jsonrpc": "2.0", "id": id, "error": {"code": code, "message": text}}),
@@ -355,9 +405,6 @@ impl Round {
                 json!({"jsonrpc": "2.0", "id": id, "result": answer}),
             )];
         }
-        if self.pending.is_empty() {
-            self.round_start = self.previous_event_id.clone();
-        }
         let key = self.key_for(method, &upstream_id, &mut params);
         strip_legacy_fields(&mut params);
         let request = json!({"method": method, "params": params});
@@ -370,6 +417,7 @@ impl Round {
         }
         self.question_bytes += bytes;
         self.input_requests.insert(key.clone(), request);
+        self.mark_round_start(origin);
         self.pending.push(Pending {
             key,
             upstream_id,
@@ -877,5 +925,30 @@ mod tests {
             Some("g-2"),
             "before the round's first question on it, so an unanswered one comes again"
         );
+        let asked = r.session_questions();
+        assert_eq!((asked.indices, asked.replayable), (vec![0, 1], true));
+    }
+
+    #[test]
+    fn each_stream_starts_its_round_at_its_own_first_question() {
+        let mut r = round(json!({"elicitation": {}}));
+        r.saw_call_event("c-1");
+        r.saw_session_event("g-1");
+        r.on_session_message(elicit(4, json!({})));
+        r.saw_call_event("c-2");
+        r.saw_call_event("c-3");
+        r.on_message(elicit(5, json!({})));
+        assert_eq!(
+            r.round_start(),
+            Some("c-2"),
+            "the call's, not the GET stream's"
+        );
+        let asked = r.session_questions();
+        assert_eq!(
+            (asked.indices, asked.replayable),
+            (vec![0], false),
+            "the GET stream's first event: no position before it"
+        );
+        assert_eq!(r.session_resume_from(), Some("g-1"), "after it");
     }
 }

@@ -148,7 +148,7 @@ impl Fixture {
                 positions: Positions {
                     last_event_id: Some("s_1".into()),
                     round_start: Some("s_0".into()),
-                    session_from: None,
+                    ..Positions::default()
                 },
             },
         }

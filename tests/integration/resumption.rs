@@ -147,13 +147,16 @@ pub(crate) enum Asks {
     AfterPriming,
     /// On the call's stream, as its first event (a server that sends no priming event).
     FirstEvent,
-    /// On the session's GET stream.
+    /// On the session's GET stream, as its first event.
     OnGetStream,
+    /// On the session's GET stream, after an event (`{session}-g0`) it replays from.
+    OnGetStreamAfterEvent,
 }
 
 /// A scripted legacy server with sessions `s0`, `s1`, …: the call asks one question on
 /// its stream (event ids `{session}-c1` priming, unless `Asks::FirstEvent`, and
-/// `{session}-c2` the question), or on the session's GET stream (`{session}-g1`); a
+/// `{session}-c2` the question), or on the session's GET stream (`{session}-g1`, after
+/// `{session}-g0` with `Asks::OnGetStreamAfterEvent`); a
 /// `ping` is primed with `{session}-p`. A resumption after another session's event id is refused when `scoped`,
 /// and resolved (a live, primed stream) when not, as a shared store does.
 pub(crate) fn resumable_server(resumes: Resumes, scoped: bool, asks: Asks) -> ScriptedUpstream {
@@ -174,6 +177,9 @@ pub(crate) fn resumable_server(resumes: Resumes, scoped: bool, asks: Asks) -> Sc
                 let stream = Answer::sse(&[]);
                 return match asks {
                     Asks::OnGetStream => stream.event(Some(&format!("{sid}-g1")), &question(1)),
+                    Asks::OnGetStreamAfterEvent => stream
+                        .event(Some(&format!("{sid}-g0")), &json!(""))
+                        .event(Some(&format!("{sid}-g1")), &question(1)),
                     _ => stream,
                 };
             };
@@ -182,6 +188,9 @@ pub(crate) fn resumable_server(resumes: Resumes, scoped: bool, asks: Asks) -> Sc
                     true => Answer::status(400, &[], b"unknown event id"),
                     false => Answer::sse(&[]).event(Some(&format!("{sid}-x")), &json!("")),
                 };
+            }
+            if after == format!("{sid}-g0") {
+                return Answer::sse(&[]).event(Some(&format!("{sid}-g1")), &question(1));
             }
             if after.starts_with(&format!("{sid}-g")) {
                 return Answer::sse(&[]);
@@ -219,7 +228,7 @@ pub(crate) fn resumable_server(resumes: Resumes, scoped: bool, asks: Asks) -> Sc
                 match asks {
                     Asks::AfterPriming => asked(primed),
                     Asks::FirstEvent => asked(Answer::sse(&[])),
-                    Asks::OnGetStream => primed,
+                    Asks::OnGetStream | Asks::OnGetStreamAfterEvent => primed,
                 }
             }
             _ => legacy_basics(seen, "unused").unwrap_or_else(|| Answer::status(405, &[], b"")),
@@ -246,6 +255,20 @@ fn call_session(upstream: &ScriptedUpstream) -> String {
         .find(|s| s.jsonrpc_method().as_deref() == Some("tools/call"))
         .and_then(|s| s.header("mcp-session-id").map(str::to_string))
         .expect("the call went upstream")
+}
+
+/// A retry refused with -32602 (HTTP 400) for want of the answer under `key`.
+fn assert_told_missing(status: u16, reply: &Value, key: &str) {
+    assert_eq!(
+        (status, &reply["error"]["code"]),
+        (400, &json!(-32602)),
+        "{reply}"
+    );
+    let message = reply["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(&format!("no answer for \"{key}\"")),
+        "{reply}"
+    );
 }
 
 fn is_answer(seen: &Seen) -> bool {
@@ -295,16 +318,7 @@ fn a_retry_missing_the_answer_to_an_unreplayable_question_is_told_and_may_retry(
         2,
         json!({"inputResponses": {}, "requestState": state}),
     );
-    assert_eq!(
-        (status, &refused["error"]["code"]),
-        (400, &json!(-32602)),
-        "{refused}"
-    );
-    let message = refused["error"]["message"].as_str().unwrap_or_default();
-    assert!(
-        message.contains("no answer for \"elicitation_0\""),
-        "{refused}"
-    );
+    assert_told_missing(status, &refused, "elicitation_0");
     assert_eq!(upstream.requests().len(), before, "nothing went upstream");
     let (status, done) = call_hostile(&raw, 3, answer(&first, json!({"name": "x"})));
     assert_eq!(
@@ -314,6 +328,61 @@ fn a_retry_missing_the_answer_to_an_unreplayable_question_is_told_and_may_retry(
     );
     let answers = upstream.requests().iter().filter(|s| is_answer(s)).count();
     assert_eq!(answers, 1, "one answer upstream");
+}
+
+/// A question the session's GET stream sent after another event there: a retry that
+/// leaves it unanswered resumes that stream from before it, where the group's store keeps
+/// sessions apart, and the client is asked it again; with a store shared across sessions
+/// (the stream reopens fresh) the client is told which answer is missing and nothing goes
+/// upstream. The answer then completes the call.
+#[test]
+fn an_unanswered_question_from_the_get_stream_is_asked_again_where_it_can_be() {
+    for scoped in [true, false] {
+        let upstream = resumable_server(Resumes::Primed, scoped, Asks::OnGetStreamAfterEvent);
+        let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+        let raw = Raw::new(&gw.url);
+        let (_, first) = call_hostile(&raw, 1, json!({}));
+        assert_eq!(first["result"]["resultType"], "input_required", "{first}");
+        let state = first["result"]["requestState"].clone();
+        let before = upstream.requests().len();
+        let (status, again) = call_hostile(
+            &raw,
+            2,
+            json!({"inputResponses": {}, "requestState": state}),
+        );
+        let next = match scoped {
+            true => {
+                assert_eq!(
+                    again["result"]["inputRequests"], first["result"]["inputRequests"],
+                    "asked again: {again}"
+                );
+                again
+            }
+            false => {
+                assert_told_missing(status, &again, "elicitation_1");
+                let after: Vec<_> = upstream.requests()[before..]
+                    .iter()
+                    .filter(|s| {
+                        s.header("mcp-session-id") == Some(call_session(&upstream).as_str())
+                    })
+                    .map(|s| s.method.clone())
+                    .collect();
+                assert!(
+                    after.is_empty(),
+                    "nothing went to the call's session: {after:?}"
+                );
+                first
+            }
+        };
+        let (status, done) = call_hostile(&raw, 3, answer(&next, json!({"name": "x"})));
+        assert_eq!(
+            (status, &done["result"]["content"][0]["text"]),
+            (200, &json!("done")),
+            "scoped store: {scoped}: {done}"
+        );
+        let answers = upstream.requests().iter().filter(|s| is_answer(s)).count();
+        assert_eq!(answers, 1, "one answer upstream");
+    }
 }
 
 #[test]

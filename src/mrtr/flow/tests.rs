@@ -850,6 +850,58 @@ fn an_unanswered_question_that_opened_the_call_stream_is_named_and_the_state_kep
     );
 }
 
+/// A question the session's GET stream sent is asked again only by resuming that stream
+/// from before it: where the stream sent an event before it this round and the group's
+/// store keeps sessions apart. There the call's stream, whose question was answered, goes
+/// on after its last event; elsewhere a retry that leaves it unanswered is told so at
+/// once and nothing goes upstream (it was resumed after the question, or fresh, and the
+/// upstream waited for an answer that never came).
+#[test]
+fn an_unanswered_question_from_the_get_stream_is_replayed_only_where_it_can_be() {
+    let log = json!({"jsonrpc": "2.0", "method": "notifications/message", "params": {}});
+    let round = |get_event_first: bool| {
+        let mut h = Harness::new_call(config(), Upstream::default());
+        h.event(Stream::Call, Some("c1"), &json!(""));
+        h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
+        if get_event_first {
+            h.event(Stream::Session, Some("g1"), &log);
+        }
+        h.event(Stream::Session, Some("g2"), &question(1, "Size?"));
+        h.advance(Duration::from_millis(10));
+        h
+    };
+    let partial = json!({"elicitation_0": accept("red")});
+    let refused = |h: &Harness| {
+        h.refusal().code == -32602
+            && h.refusal().message.contains("\"elicitation_1\"")
+            && h.log.contains(&Command::ReleaseClaim)
+            && !h
+                .log
+                .iter()
+                .any(|c| matches!(c, Command::Reopen { .. } | Command::OpenStream { .. }))
+    };
+
+    let first = round(true);
+    let h = retry_of(&first, config(), Upstream::default(), partial.clone());
+    let replayed = Command::Reopen {
+        after: "c2".into(),
+        session_after: Some("g1".into()),
+    };
+    assert!(h.log.contains(&replayed), "{:?}", h.log);
+    let mut shared = config();
+    shared.session_replay_scoped = false;
+    let h = retry_of(&first, shared, Upstream::default(), partial.clone());
+    assert!(
+        refused(&h),
+        "a shared store's GET stream reopens fresh: {:?}",
+        h.log
+    );
+
+    let first = round(false);
+    let h = retry_of(&first, config(), Upstream::default(), partial);
+    assert!(refused(&h), "the stream's first event: {:?}", h.log);
+}
+
 /// An upstream that has not yet let go of the call stream's previous connection answers a
 /// resumption with an empty stream; a retry that follows its round at once (an automated
 /// client, or loopback) meets that nearly every time. The flow tries again within a few
