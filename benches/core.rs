@@ -10,7 +10,7 @@ use chacha20poly1305::{XChaCha20Poly1305, XNonce};
 use criterion::{black_box, criterion_group, Criterion, Throughput};
 use mrtr_gateway::keys::KeyRing;
 use mrtr_gateway::mrtr::state::{
-    binding, FlowState, Pending, Positions, UpstreamCall, UpstreamId, Waiting,
+    binding, Asked, FlowState, Pending, Positions, QuestionKind, UpstreamCall, UpstreamId, Waiting,
 };
 use mrtr_gateway::mrtr::translate::{Action, Round};
 use mrtr_gateway::protocol::jsonrpc;
@@ -54,6 +54,10 @@ fn state(questions: usize) -> FlowState {
                     key: format!("elicitation_{i}"),
                     upstream_id: UpstreamId::Number(i as i64),
                     fingerprint: None,
+                    asked: Asked {
+                        kind: Some(QuestionKind::Elicitation),
+                        on_session: false,
+                    },
                 })
                 .collect(),
             positions: Positions {

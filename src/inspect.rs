@@ -182,6 +182,7 @@ mod tests {
                     key: "elicitation_0".into(),
                     upstream_id: UpstreamId::Number(0),
                     fingerprint: None,
+                    asked: Default::default(),
                 }],
                 positions: Positions {
                     last_event_id: Some("ev-3".into()),

@@ -14,7 +14,7 @@ use mrtr_gateway::mrtr::flow::{
     CallReply, Command, Ending, Failure, FailureKind, Flow, FlowConfig, Input, Stream,
 };
 use mrtr_gateway::mrtr::state::{
-    FlowState, HeldAt, Pending, Positions, SessionQuestions, UpstreamCall, UpstreamId, Waiting,
+    Asked, FlowState, HeldAt, Pending, Positions, QuestionKind, UpstreamCall, UpstreamId, Waiting,
 };
 use mrtr_gateway::mrtr::translate::RoundLimits;
 use mrtr_gateway::outcome::{Class, Refusal};
@@ -97,6 +97,11 @@ fn pending() -> Vec<Pending> {
             key: format!("elicitation_{i}"),
             upstream_id: UpstreamId::Number(i),
             fingerprint: Some(i as u64),
+            // The second question came on the session's GET stream.
+            asked: Asked {
+                kind: Some(QuestionKind::Elicitation),
+                on_session: i == 1,
+            },
         })
         .collect()
 }
@@ -117,11 +122,7 @@ fn prior(kind: u8, data_session: bool) -> FlowState {
                 last_event_id: Some("c2".into()),
                 round_start: Some("c1".into()),
                 session_from: Some("g1".into()),
-                // The second question came on the session's GET stream.
-                session_questions: SessionQuestions {
-                    indices: vec![1],
-                    replayable: true,
-                },
+                session_replayable: true,
             },
         },
         2 => Waiting::Held {

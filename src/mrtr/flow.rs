@@ -1003,20 +1003,22 @@ impl Flow {
         now: Instant,
     ) -> Phase {
         let mut retry = Retry::new(call, pending, responses, AfterAnswers::Read);
+        if let Err(refusal) = retry.check_answers() {
+            return self.refuse_retry(refusal);
+        }
         // Each stream that sent an unanswered question is replayed from before the
         // round's first question on it, so the upstream asks it again; a stream that did
         // not continues after its last event.
-        let asked = &positions.session_questions;
         let (mut call_unanswered, mut session_unanswered) = (false, false);
-        for (index, pending) in retry.pending.iter().enumerate() {
+        for pending in &retry.pending {
             if !retry.responses.contains_key(&pending.key) {
-                match asked.contains(index) {
+                match pending.asked.on_session {
                     true => session_unanswered = true,
                     false => call_unanswered = true,
                 }
             }
         }
-        let session_replays = asked.replayable
+        let session_replays = positions.session_replayable
             && positions.session_from.is_some()
             && self.config.session_replay_scoped;
         if (call_unanswered && positions.round_start.is_none())
@@ -1050,10 +1052,16 @@ impl Flow {
             "inputResponses has no answer for {}: the upstream sent this round's questions once and cannot send them again; retry with the same requestState and an answer to each of its inputRequests",
             missing.join(", ")
         );
+        let code = crate::protocol::jsonrpc::code::INVALID_PARAMS;
+        self.refuse_retry(Refusal::new(Class::BadRequest, code, text))
+    }
+
+    /// Refuses a retry before anything of it went upstream: the state stays usable (its
+    /// claim released, a data-layer call still watched).
+    fn refuse_retry(&mut self, refusal: Refusal) -> Phase {
         self.commands.push_back(Command::ReleaseClaim);
         self.resumed_data_call = None;
-        let code = crate::protocol::jsonrpc::code::INVALID_PARAMS;
-        self.finish(Ending::Refused(Refusal::new(Class::BadRequest, code, text)))
+        self.finish(Ending::Refused(refusal))
     }
 
     /// Resumes the call's stream, with the session's GET stream beside it the first time
@@ -1701,7 +1709,7 @@ impl Flow {
                     last_event_id: r.round.last_event_id().map(str::to_string),
                     round_start: r.round.round_start().map(str::to_string),
                     session_from: r.round.session_resume_from().map(str::to_string),
-                    session_questions: r.round.session_questions(),
+                    session_replayable: r.round.session_replayable(),
                 };
                 let state = self.state(Waiting::Resumable {
                     call: r.call.clone(),
@@ -2009,6 +2017,19 @@ impl Common {
 }
 
 impl Retry {
+    /// Each answer has the shape of the result its question asks for, where the state
+    /// says what the question was.
+    fn check_answers(&self) -> Result<(), Refusal> {
+        for pending in &self.pending {
+            if let (Some(kind), Some(answer)) =
+                (pending.asked.kind, self.responses.get(&pending.key))
+            {
+                crate::mrtr::modern::check_answer(&pending.key, kind, answer)?;
+            }
+        }
+        Ok(())
+    }
+
     fn new(
         call: UpstreamCall,
         pending: Vec<Pending>,

@@ -2,6 +2,7 @@
 //! `Mcp-Method` and `Mcp-Name` headers must match the body, and `_meta` must carry the
 //! protocol version and client capabilities. Every refusal is the spec's own error.
 
+use super::state::QuestionKind;
 use crate::outcome::{Class, Refusal};
 use crate::protocol::headers::EndToEnd;
 use crate::protocol::trace::TraceContext;
@@ -238,6 +239,55 @@ fn check_input_responses(responses: &Map<String, Value>) -> Result<(), Refusal> 
     )))
 }
 
+/// The answer under `key` has the shape of the result its question asks for (the
+/// schema's `ElicitResult`, `CreateMessageResult` or `ListRootsResult`, their required
+/// members): one that has not is refused, naming what is wrong, before it goes upstream.
+pub fn check_answer(key: &str, kind: QuestionKind, answer: &Value) -> Result<(), Refusal> {
+    let is_str = |name: &str, allowed: &[&str]| {
+        answer
+            .get(name)
+            .and_then(Value::as_str)
+            .is_some_and(|v| allowed.is_empty() || allowed.contains(&v))
+    };
+    let (fits, method, needs) = match kind {
+        QuestionKind::Elicitation => (
+            is_str("action", &["accept", "decline", "cancel"])
+                && answer.get("content").is_none_or(Value::is_object),
+            "elicitation/create",
+            "an action of \"accept\", \"decline\" or \"cancel\", and content, if any, an object",
+        ),
+        QuestionKind::Sampling => (
+            is_str("role", &["user", "assistant"])
+                && is_str("model", &[])
+                && answer
+                    .get("content")
+                    .is_some_and(|c| c.is_object() || c.is_array()),
+            "sampling/createMessage",
+            "a role of \"user\" or \"assistant\", content and a model",
+        ),
+        QuestionKind::Roots => (
+            answer
+                .get("roots")
+                .and_then(Value::as_array)
+                .is_some_and(|roots| {
+                    roots
+                        .iter()
+                        .all(|root| root.get("uri").is_some_and(Value::is_string))
+                }),
+            "roots/list",
+            "roots, an array of objects each with a uri",
+        ),
+    };
+    if fits {
+        return Ok(());
+    }
+    let key: String = key.chars().take(64).collect();
+    Err(invalid_params(format!(
+        "inputResponses[{}] answers {method}: its result needs {needs}",
+        Value::from(key)
+    )))
+}
+
 fn check_name(
     method: &str,
     params: &Map<String, Value>,
@@ -402,5 +452,49 @@ mod tests {
             headers("tools/call", Some("ask")),
         );
         assert!(ok.is_ok());
+    }
+
+    #[test]
+    fn an_answer_must_fit_the_question_it_answers() {
+        use QuestionKind::*;
+        let fits = |kind, answer: Value| check_answer("k", kind, &answer).is_ok();
+        let text = json!({"type": "text", "text": "hi"});
+        assert!(fits(Elicitation, json!({"action": "decline"})));
+        assert!(fits(
+            Elicitation,
+            json!({"action": "accept", "content": {"n": 1}})
+        ));
+        assert!(!fits(Elicitation, json!({"action": "yes"})));
+        assert!(!fits(
+            Elicitation,
+            json!({"action": "accept", "content": "Ann"})
+        ));
+        let sampled = json!({"role": "assistant", "content": text, "model": "m"});
+        assert!(fits(Sampling, sampled));
+        let several = json!({"role": "assistant", "content": [text], "model": "m"});
+        assert!(fits(Sampling, several));
+        assert!(!fits(
+            Sampling,
+            json!({"role": "assistant", "content": text})
+        ));
+        assert!(
+            !fits(Sampling, json!({"action": "accept"})),
+            "an elicitation's"
+        );
+        assert!(fits(
+            Roots,
+            json!({"roots": [{"uri": "file:///a", "name": "a"}]})
+        ));
+        assert!(fits(Roots, json!({"roots": []})));
+        assert!(!fits(Roots, json!({"roots": [{"name": "a"}]})));
+        let refused = check_answer("k", Roots, &json!({"action": "accept"})).unwrap_err();
+        assert_eq!(refused.code, -32602);
+        assert!(
+            refused
+                .message
+                .contains("inputResponses[\"k\"] answers roots/list"),
+            "{}",
+            refused.message
+        );
     }
 }

@@ -6,8 +6,9 @@
 //! The payload's layout is versioned by the envelope (`seal::VERSION`, authenticated):
 //! this replica seals the current layout and opens the one before too (`v1`, the layout
 //! of the release before phases), so states in flight survive a rolling upgrade. After
-//! the layout comes one extension (`seal`'s rule: ignored by the replicas before it): the
-//! revision the call's session negotiated.
+//! the layout come extensions (`seal`'s rule: ignored by the replicas before them): the
+//! revision the call's session negotiated, then, for a resumable round, each question's
+//! method and stream (`RoundExtension`).
 //!
 //! It is sealed with `Purpose::RequestState` together with its binding: a digest of the
 //! principal, and a digest of the method, the tool name or resource uri and the
@@ -73,6 +74,38 @@ pub struct Pending {
     /// For a `restartable` tool: the request's fingerprint, so that its answer can be
     /// given again if the call has to be run again.
     pub fingerprint: Option<u64>,
+    /// What the request was and which stream sent it. Sealed after the layout, in a
+    /// resumable round's extension; not known in a state sealed by a release before it.
+    #[serde(skip)]
+    pub asked: Asked,
+}
+
+/// A server request's method and the stream it came on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Asked {
+    /// Its method, `None` where the state does not say.
+    pub kind: Option<QuestionKind>,
+    /// It came on the session's GET stream, not the call's.
+    pub on_session: bool,
+}
+
+/// The methods a server may ask a client through the gateway.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum QuestionKind {
+    Elicitation,
+    Sampling,
+    Roots,
+}
+
+impl QuestionKind {
+    pub fn of(method: &str) -> Option<QuestionKind> {
+        match method {
+            "elicitation/create" => Some(QuestionKind::Elicitation),
+            "sampling/createMessage" => Some(QuestionKind::Sampling),
+            "roots/list" => Some(QuestionKind::Roots),
+            _ => None,
+        }
+    }
 }
 
 /// An answer the client gave in a `restartable` tool's flow, kept so that a re-run of the
@@ -172,30 +205,21 @@ pub struct Positions {
     /// The session GET stream's position: before the round's first question on it (so an
     /// unanswered one is asked again), else its last event.
     pub session_from: Option<String>,
-    /// Which pending questions the session's GET stream sent. Sealed after the layout, as
-    /// the second extension; a state without one (sealed by a release before it) counts
-    /// every question as the call stream's.
+    /// `session_from` is before the round's first question on the GET stream, so a
+    /// resumption from it sends the stream's questions again (it sent an event before
+    /// them). Sealed in the round's extension.
     #[serde(skip)]
-    pub session_questions: SessionQuestions,
+    pub session_replayable: bool,
 }
 
-/// The questions of a resumable round that came on the session's GET stream: a retry
-/// that leaves one unanswered can have it asked again only by resuming that stream from
-/// before it, which needs a position there and a store that keeps sessions apart.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SessionQuestions {
-    /// Their indices in the state's `pending`.
-    pub indices: Vec<u16>,
-    /// `session_from` is before the first of them, so a resumption from it sends them
-    /// again (the stream sent an event before them this round, or earlier).
-    pub replayable: bool,
-}
-
-impl SessionQuestions {
-    /// Whether `pending[index]` came on the session's GET stream.
-    pub fn contains(&self, index: usize) -> bool {
-        self.indices.iter().any(|&i| usize::from(i) == index)
-    }
+/// A resumable round's extension, sealed after the revision: what its state's layout
+/// does not say of its questions. A state without it (sealed by a release before it)
+/// leaves their kinds unknown and counts every question as the call stream's.
+#[derive(Default, Serialize, Deserialize)]
+struct RoundExtension {
+    /// Each pending question's, in order.
+    asked: Vec<Asked>,
+    session_replayable: bool,
 }
 
 impl Waiting {
@@ -396,16 +420,22 @@ impl FlowState {
     }
 
     /// `plain`, a sealed layout of the state, followed by its extensions: the call's
-    /// session revision, when there is a call; then, for a resumable round, which of its
-    /// questions the session's GET stream sent.
+    /// session revision, when there is a call; then, for a resumable round, what its
+    /// questions were and where they came from.
     fn extended(&self, plain: Vec<u8>) -> Vec<u8> {
         let serialized = "an extension always serializes";
         match &self.waiting {
             Waiting::Resumable {
-                call, positions, ..
+                call,
+                pending,
+                positions,
             } => {
+                let round = RoundExtension {
+                    asked: pending.iter().map(|p| p.asked).collect(),
+                    session_replayable: positions.session_replayable,
+                };
                 let plain = postcard::to_extend(&call.version, plain).expect(serialized);
-                postcard::to_extend(&positions.session_questions, plain).expect(serialized)
+                postcard::to_extend(&round, plain).expect(serialized)
             }
             waiting => match waiting.call() {
                 Some(call) => postcard::to_extend(&call.version, plain).expect(serialized),
@@ -420,9 +450,15 @@ impl FlowState {
         if let (Some(version), Some(call)) = (version, self.waiting.call_mut()) {
             call.version = version;
         }
-        if let Waiting::Resumable { positions, .. } = &mut self.waiting {
-            let asked = seal::extension::<SessionQuestions>(rest)?;
-            positions.session_questions = asked.unwrap_or_default();
+        if let Waiting::Resumable {
+            pending, positions, ..
+        } = &mut self.waiting
+        {
+            let round = seal::extension::<RoundExtension>(rest)?.unwrap_or_default();
+            for (pending, asked) in pending.iter_mut().zip(round.asked) {
+                pending.asked = asked;
+            }
+            positions.session_replayable = round.session_replayable;
         }
         Ok(())
     }
@@ -623,6 +659,7 @@ mod tests {
                     key: "elicitation_0".into(),
                     upstream_id: UpstreamId::Number(0),
                     fingerprint: None,
+                    asked: Asked::default(),
                 }],
                 positions: Positions {
                     last_event_id: Some("7a655773-cec9-4f18-9782-81d58bb08a83_3".into()),
@@ -805,21 +842,25 @@ mod tests {
                 state
             );
         }
-        // Six bytes more than without the extensions: the revision's four, and two for a
-        // resumable round's questions on the session stream (none).
+        // Eight bytes more than without the extensions: the revision's four, and the
+        // round's: one question (its kind and stream, two) and a flag, with a length.
         let without = postcard::to_allocvec(&([0u8; 32], &state)).unwrap().len();
-        assert_eq!(state.plaintext_len(), without + 6);
+        assert_eq!(state.plaintext_len(), without + 8);
     }
 
     #[test]
-    fn the_session_streams_questions_travel_after_the_revision() {
+    fn what_a_rounds_questions_were_travels_after_the_revision() {
         let b = binding(&[1; 32], "tools/call", Some("ask_name"), Some(&json!({})));
         let mut state = on_an_older_revision();
-        if let Waiting::Resumable { positions, .. } = &mut state.waiting {
+        if let Waiting::Resumable {
+            positions, pending, ..
+        } = &mut state.waiting
+        {
             positions.session_from = Some("g-1".into());
-            positions.session_questions = SessionQuestions {
-                indices: vec![0],
-                replayable: true,
+            positions.session_replayable = true;
+            pending[0].asked = Asked {
+                kind: Some(QuestionKind::Sampling),
+                on_session: true,
             };
         }
         let sealed = state.seal(&ring(), &b);
@@ -827,16 +868,20 @@ mod tests {
             FlowState::open(&ring(), &b, &sealed, 1_900_000_000).unwrap(),
             state
         );
-        // A release that seals the revision alone: its states count every question as
-        // the call stream's.
+        // A release that seals the revision alone: its states say nothing of the kinds,
+        // and count every question as the call stream's.
         let plain = postcard::to_allocvec(&(&b, &state)).unwrap();
         let revision_only = postcard::to_extend(&Revision::parse("2025-06-18").unwrap(), plain);
         let theirs = seal::seal(&ring(), Purpose::RequestState, b"", &revision_only.unwrap());
         let opened = FlowState::open(&ring(), &b, &theirs, 1_900_000_000).unwrap();
-        let Waiting::Resumable { positions, .. } = &opened.waiting else {
+        let Waiting::Resumable {
+            positions, pending, ..
+        } = &opened.waiting
+        else {
             panic!("{opened:?}");
         };
-        assert_eq!(positions.session_questions, SessionQuestions::default());
+        assert_eq!(pending[0].asked, Asked::default());
+        assert!(!positions.session_replayable);
         assert_eq!(positions.session_from.as_deref(), Some("g-1"));
     }
 

@@ -4,7 +4,7 @@
 //! and requests the client cannot take are answered upstream; the call's response ends
 //! the flow.
 
-use super::state::{fingerprint, Known, Pending, SessionQuestions, UpstreamId};
+use super::state::{fingerprint, Asked, Known, Pending, QuestionKind, UpstreamId};
 use crate::protocol::jsonrpc::code;
 use serde_json::{json, Map, Value};
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
@@ -116,8 +116,8 @@ pub struct Round {
     session_round_start: Option<String>,
     /// Whether the call's stream has asked a question this round.
     call_asked: bool,
-    /// Indices in `pending` of the questions the session's GET stream sent this round.
-    session_questions: Vec<u16>,
+    /// Whether the session's GET stream has asked a question this round.
+    session_asked: bool,
     /// Digests of the event ids seen on either stream this round (the first
     /// `MAX_IDS_COMPARED`), and whether one came twice.
     seen_ids: Vec<u64>,
@@ -152,7 +152,7 @@ impl Round {
             session_previous_event_id: None,
             session_round_start: None,
             call_asked: false,
-            session_questions: Vec::new(),
+            session_asked: false,
             seen_ids: Vec::new(),
             id_repeated: false,
         }
@@ -184,13 +184,10 @@ impl Round {
         self.on_message_from(message, Origin::Session)
     }
 
-    /// Which of the round's pending questions the session's GET stream sent, and whether
-    /// resuming it from `session_resume_from` sends them again.
-    pub fn session_questions(&self) -> SessionQuestions {
-        SessionQuestions {
-            indices: self.session_questions.clone(),
-            replayable: self.session_round_start.is_some(),
-        }
+    /// Whether resuming the session's GET stream from `session_resume_from` sends its
+    /// questions of this round again: it sent an event before the first.
+    pub fn session_replayable(&self) -> bool {
+        self.session_round_start.is_some()
     }
 
     /// Bounds this round by `limits` rather than the defaults.
@@ -324,13 +321,11 @@ impl Round {
                 self.round_start = self.previous_event_id.clone();
             }
             Origin::Call => {}
-            Origin::Session => {
-                if self.session_questions.is_empty() {
-                    self.session_round_start = self.session_previous_event_id.clone();
-                }
-                let index = u16::try_from(self.pending.len()).unwrap_or(u16::MAX);
-                self.session_questions.push(index);
+            Origin::Session if !self.session_asked => {
+                self.session_asked = true;
+                self.session_round_start = self.session_previous_event_id.clone();
             }
+            Origin::Session => {}
         }
     }
 
@@ -422,6 +417,10 @@ impl Round {
             key,
             upstream_id,
             fingerprint,
+            asked: Asked {
+                kind: QuestionKind::of(method),
+                on_session: origin == Origin::Session,
+            },
         });
         Vec::new()
     }
@@ -925,8 +924,9 @@ mod tests {
             Some("g-2"),
             "before the round's first question on it, so an unanswered one comes again"
         );
-        let asked = r.session_questions();
-        assert_eq!((asked.indices, asked.replayable), (vec![0, 1], true));
+        assert!(r.session_replayable());
+        let on_session = r.pending().iter().map(|p| p.asked.on_session);
+        assert_eq!(on_session.collect::<Vec<_>>(), [true, true]);
     }
 
     #[test]
@@ -943,11 +943,16 @@ mod tests {
             Some("c-2"),
             "the call's, not the GET stream's"
         );
-        let asked = r.session_questions();
-        assert_eq!(
-            (asked.indices, asked.replayable),
-            (vec![0], false),
+        assert!(
+            !r.session_replayable(),
             "the GET stream's first event: no position before it"
+        );
+        let asked: Vec<_> = r.pending().iter().map(|p| p.asked).collect();
+        let elicitation = Some(QuestionKind::Elicitation);
+        assert_eq!(
+            asked,
+            [(elicitation, true), (elicitation, false)]
+                .map(|(kind, on_session)| Asked { kind, on_session })
         );
         assert_eq!(r.session_resume_from(), Some("g-1"), "after it");
     }

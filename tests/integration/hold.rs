@@ -468,6 +468,7 @@ fn a_state_naming_an_owner_outside_the_peer_set_is_never_forwarded() {
                 key: "elicitation_0".into(),
                 upstream_id: UpstreamId::Number(0),
                 fingerprint: None,
+                asked: Default::default(),
             }],
             at: HeldAt {
                 owner: Some(format!("127.0.0.1:{}", outsider.port).parse().unwrap()),

@@ -144,6 +144,7 @@ impl Fixture {
                     key: "user_name".into(),
                     upstream_id: UpstreamId::Number(0),
                     fingerprint: None,
+                    asked: Default::default(),
                 }],
                 positions: Positions {
                     last_event_id: Some("s_1".into()),
