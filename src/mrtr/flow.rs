@@ -229,6 +229,12 @@ pub enum Input {
     },
     /// An open stream ended (cleanly or broken).
     StreamEnded(Stream),
+    /// An open stream broke in a way no resumption mends (it sent an event over the size
+    /// limit, which a resumption would send again): the call ends with `failure`.
+    StreamBroken {
+        stream: Stream,
+        failure: Failure,
+    },
     /// `Watch`: the reaper took the session, or why it would not (its table is full, or
     /// the caller's share of it).
     Watched(Result<(), Refusal>),
@@ -788,6 +794,18 @@ impl Flow {
             }
             (Phase::Settling { retry, .. }, Input::StreamEnded(Stream::Call)) => {
                 self.settling_ended(retry, now)
+            }
+            (
+                Phase::Settling { retry, .. } | Phase::Backoff { retry, .. },
+                Input::StreamBroken { failure, .. },
+            ) => {
+                self.commands.push_back(Command::CloseStreams);
+                self.give_up(&retry.call, "the call's stream failed");
+                self.finish(Ending::Refused(self.refusal_for(&failure)))
+            }
+            (Phase::Posting { call, .. }, input @ Input::StreamBroken { .. }) => {
+                let reading = self.reading_for(call, None, false, false, now);
+                self.reading(reading, input, now)
             }
             (Phase::Settling { mut retry, until }, Input::Draining) => {
                 retry.drain_pending = true;
@@ -1400,6 +1418,7 @@ impl Flow {
                 Phase::Reading(r)
             }
             Input::StreamEnded(Stream::Call) => self.call_ended(r, now),
+            Input::StreamBroken { failure, .. } => self.end_round(r, RoundEnd::Failed(failure)),
             Input::StreamOpened {
                 stream: Stream::Call,
                 result,

@@ -43,6 +43,39 @@ fn error_message(body: &Value) -> &str {
         .unwrap_or_else(|| panic!("not an error: {body}"))
 }
 
+/// An upstream event over the 4 MiB limit ends the call with an error naming the limit:
+/// the stream is not resumed (a resumption would send the event again) and the group's
+/// later flows are not held for it.
+#[test]
+fn an_upstream_event_over_the_limit_ends_the_call_and_teaches_nothing() {
+    let upstream = ScriptedUpstream::start(serving_calls(|_| {
+        let log = json!({"jsonrpc": "2.0", "method": "notifications/message",
+            "params": {"level": "info", "data": "x".repeat(5 << 20)}});
+        Answer::sse(&[])
+            .event(Some("e1"), &json!(""))
+            .event(Some("e2"), &log)
+    }));
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let (_, body) = call_tool(&raw, json!({}));
+    let message = error_message(&body);
+    assert!(
+        message.contains("an SSE event exceeds 4194304 bytes") && message.contains("call's stream"),
+        "{message}"
+    );
+    let resumed = upstream
+        .requests()
+        .iter()
+        .any(|s| s.method == "GET" && s.header("last-event-id").is_some());
+    assert!(!resumed, "the call's stream was resumed");
+    let resumable = metric_with(&gw.admin, "mrtr_gateway_upstream_resumable", "default");
+    assert_ne!(
+        resumable,
+        Some(0.0),
+        "the group's flows are held from now on"
+    );
+}
+
 pub fn question_flood_case() -> usize {
     // 200 questions of 16 KB each, sent without pause, then the stream stays open.
     let upstream = ScriptedUpstream::start(serving_calls(|_| {

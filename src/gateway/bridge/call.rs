@@ -533,11 +533,20 @@ async fn wait(call: &Call<'_>, session: &mut ServerSession, io: &mut Io<'_>, flo
     match chunk {
         Some(Ok(Some(bytes))) => match io.streams.push(source, &bytes) {
             Ok(_) => Woke::Read,
-            // An event over the size limit: the stream is of no further use.
-            Err(e) => {
-                tracing::info!(error = %e, "upstream stream dropped");
+            // An event over the size limit, which a resumption would send again: the
+            // stream is of no further use, and neither is the call.
+            Err(too_large) => {
                 io.streams.take_stream(source);
-                Woke::Input(Input::StreamEnded(stream_of(source)))
+                let stream = stream_of(source);
+                let which = match stream {
+                    Stream::Call => "the call's stream",
+                    Stream::Session => "the session's GET stream",
+                };
+                let message = format!(
+                    "{too_large} (the gateway's limit for one upstream message) on {which}"
+                );
+                let failure = Failure::new(FailureKind::Broken, message);
+                Woke::Input(Input::StreamBroken { stream, failure })
             }
         },
         // Ended, or broken: either way the stream is over; one that ended keeps its

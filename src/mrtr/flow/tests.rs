@@ -932,6 +932,54 @@ fn an_unanswered_question_from_the_get_stream_is_replayed_only_where_it_can_be()
     assert!(refused(&h), "the stream's first event: {:?}", h.log);
 }
 
+/// A stream that sends an event over the size limit would send it again to every
+/// resumption: the call ends at once with the failure, its session deleted, and nothing is
+/// learnt of the group's resumptions, whether the round was being read or a retry's
+/// resumed stream was settling.
+#[test]
+fn an_event_over_the_limit_ends_the_call_without_a_resumption() {
+    let broken = |stream| Input::StreamBroken {
+        stream,
+        failure: Failure::new(FailureKind::Broken, "an SSE event exceeds 4194304 bytes"),
+    };
+    let assert_ended = |h: &Harness| {
+        assert!(
+            h.refusal().message.contains("exceeds 4194304 bytes"),
+            "{:?}",
+            h.refusal()
+        );
+        assert!(h.log.contains(&Command::DeleteSession), "{:?}", h.log);
+        let resumed = h.log.iter().any(|c| {
+            matches!(
+                c,
+                Command::Learn(_)
+                    | Command::OpenStream {
+                        stream: Stream::Call,
+                        ..
+                    }
+            )
+        });
+        assert!(!resumed, "{:?}", h.log);
+    };
+    let mut h = Harness::new_call(config(), Upstream::default());
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.feed(broken(Stream::Call));
+    assert_ended(&h);
+
+    let mut h = Harness::new_call(config(), Upstream::default());
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.feed(broken(Stream::Session));
+    assert_ended(&h);
+
+    let first = first_round();
+    let mut settling = answered(&first, "Ada");
+    let reopened = settling.log.len();
+    settling.feed(broken(Stream::Call));
+    assert!(settling.posted().is_empty(), "no answer went up");
+    settling.log.drain(..reopened);
+    assert_ended(&settling);
+}
+
 /// An upstream that has not yet let go of the call stream's previous connection answers a
 /// resumption with an empty stream; a retry that follows its round at once (an automated
 /// client, or loopback) meets that nearly every time. The flow tries again within a few
