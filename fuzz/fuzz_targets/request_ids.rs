@@ -9,9 +9,14 @@ use libfuzzer_sys::fuzz_target;
 use mrtr_gateway::protocol::request_ids::{wrap_body, IdTag, Unwrap};
 use serde_json::Value;
 
-/// Unwraps `body` fed in chunks of `size` bytes.
+/// The tag the target's ids are wrapped under.
+fn tag() -> IdTag {
+    IdTag::of_session("fuzz")
+}
+
+/// Unwraps `body`'s ids wrapped under `tag()`, fed in chunks of `size` bytes.
 fn unwrap(body: &[u8], size: usize) -> Vec<u8> {
-    let mut unwrap = Unwrap::default();
+    let mut unwrap = Unwrap::new(tag());
     let mut out = Vec::new();
     for chunk in body.chunks(size) {
         out.extend_from_slice(&unwrap.push(Bytes::copy_from_slice(chunk)));
@@ -31,8 +36,7 @@ fuzz_target!(|input: &[u8]| {
         "chunking changed the bytes"
     );
 
-    let tag = IdTag::of_session("fuzz");
-    let Ok(Some(wrapped)) = wrap_body(body, &tag) else {
+    let Ok(Some(wrapped)) = wrap_body(body, &tag()) else {
         return;
     };
     let wrapped: Value = serde_json::from_slice(&wrapped).expect("wrapped bodies are JSON");

@@ -108,7 +108,12 @@ async fn serve_inner(
         (None, false) => Stream::Call,
     };
     let wraps_ids = legacy && (method == http::Method::POST || method == http::Method::GET);
-    let body = match wrap_ids(&route, body, wraps_ids) {
+    // The upstream session's tag (a random one before the upstream gave a session).
+    let id_tag = wraps_ids.then(|| match &route.upstream_session {
+        Some(upstream) => IdTag::of_session(upstream),
+        None => IdTag::random(),
+    });
+    let body = match wrap_ids(body, id_tag.as_ref()) {
         Ok(body) => body,
         Err(e) => {
             let refusal = Refusal::new(Class::BadRequest, code::INVALID_REQUEST, e.to_string());
@@ -164,8 +169,9 @@ async fn serve_inner(
     }
     count_session_event(gw, session, &route, response.header());
     let header = client_response_header(gw, session, group, &route, binding, response.header());
-    let rewrite =
-        (wraps_ids && !coded).then(|| BodyRewrite::new(gw, &route, binding, &response, stream));
+    let rewrite = id_tag
+        .filter(|_| !coded)
+        .map(|tag| BodyRewrite::new(gw, &route, binding, &response, stream, tag));
     let outcome = relay(gw, session, header, &mut response, rewrite).await;
     gw.upstreams.client.finish(response).await;
     outcome
@@ -235,6 +241,7 @@ impl BodyRewrite {
         principal: &[u8; 32],
         response: &Response,
         stream: Stream,
+        id_tag: IdTag,
     ) -> BodyRewrite {
         // Only SSE carries event ids: a JSON response takes no key ring and no binding.
         let event_ids = response.is_sse().then(|| {
@@ -250,7 +257,7 @@ impl BodyRewrite {
         });
         BodyRewrite {
             event_ids,
-            request_ids: Unwrap::default(),
+            request_ids: Unwrap::new(id_tag),
         }
     }
 
@@ -280,17 +287,13 @@ fn concat(head: Bytes, tail: Bytes) -> Bytes {
     }
 }
 
-/// The POST body with its request ids wrapped under the upstream session's tag (a random
-/// one before the upstream gave a session), if `wraps`; the same body when it has none.
-fn wrap_ids(route: &Route, body: Bytes, wraps: bool) -> Result<Bytes, request_ids::WrapError> {
-    if !wraps || body.is_empty() {
+/// The POST body with its request ids wrapped under `tag`, if there is one; the same body
+/// when it has none.
+fn wrap_ids(body: Bytes, tag: Option<&IdTag>) -> Result<Bytes, request_ids::WrapError> {
+    let Some(tag) = tag.filter(|_| !body.is_empty()) else {
         return Ok(body);
-    }
-    let tag = match &route.upstream_session {
-        Some(upstream) => IdTag::of_session(upstream),
-        None => IdTag::random(),
     };
-    Ok(request_ids::wrap_body(&body, &tag)?.map_or(body, Bytes::from))
+    Ok(request_ids::wrap_body(&body, tag)?.map_or(body, Bytes::from))
 }
 
 /// Counts a request in an existing upstream session, and a session the client deleted.

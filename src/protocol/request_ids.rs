@@ -11,8 +11,9 @@
 //! where the tag is a digest of the upstream session id (`IdTag`; a
 //! request outside any session, `initialize`, gets a random one). `notifications/cancelled`
 //! names the wrapped id too. What the upstream sends back is unwrapped as it streams
-//! (`Unwrap`): each such JSON string becomes the client's id again. Nothing is kept: any
-//! replica unwraps what another wrapped.
+//! (`Unwrap`): each such JSON string under the exchange's own tag becomes the client's id
+//! again; one under another tag is content (text a user stored upstream, say) and passes
+//! as it is. Nothing is kept: any replica unwraps what another wrapped.
 
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use base64::Engine;
@@ -169,14 +170,24 @@ fn span(text: &str, raw: &RawValue) -> std::ops::Range<usize> {
 
 /// Unwraps the ids in a body as it streams, chunk by chunk: a wrapped id split between
 /// chunks is held back until it is whole (at most `MAX_WRAPPED` bytes). Anything that is
-/// not a well-formed wrapped id passes unchanged, so an escaped one inside a string
-/// (`\"mrtr.…\"`, which cannot end in a bare quote) is left alone.
-#[derive(Default)]
+/// not a well-formed wrapped id under the exchange's tag passes unchanged, so an escaped
+/// one inside a string (`\"mrtr.…\"`, which cannot end in a bare quote), or one under
+/// another session's tag, is left alone.
 pub struct Unwrap {
+    tag: IdTag,
     held: Vec<u8>,
 }
 
 impl Unwrap {
+    /// Unwraps the ids wrapped under `tag`: the upstream session's, or the one the
+    /// exchange's request was wrapped under.
+    pub fn new(tag: IdTag) -> Unwrap {
+        Unwrap {
+            tag,
+            held: Vec::new(),
+        }
+    }
+
     /// The bytes of `chunk` that can go to the client now.
     pub fn push(&mut self, chunk: Bytes) -> Bytes {
         if self.held.is_empty() && !may_hold_mark(&chunk) {
@@ -189,7 +200,7 @@ impl Unwrap {
             &self.held[..]
         };
         let mut out = Vec::with_capacity(input.len());
-        let kept = unwrap_into(input, &mut out, false);
+        let kept = unwrap_into(input, &self.tag, &mut out, false);
         let rest = input[kept..].to_vec();
         self.held = rest;
         out.into()
@@ -198,7 +209,7 @@ impl Unwrap {
     /// What was held back, at the end of the body.
     pub fn finish(&mut self) -> Bytes {
         let mut out = Vec::with_capacity(self.held.len());
-        unwrap_into(&self.held, &mut out, true);
+        unwrap_into(&self.held, &self.tag, &mut out, true);
         self.held.clear();
         out.into()
     }
@@ -217,14 +228,15 @@ fn mark_begun_at_end(bytes: &[u8]) -> usize {
         .unwrap_or(0)
 }
 
-/// Copies `input` to `out` with its wrapped ids unwrapped; returns how much of `input` it
-/// consumed (all of it at the end of the body, else up to a wrapped id not yet whole).
-fn unwrap_into(input: &[u8], out: &mut Vec<u8>, at_end: bool) -> usize {
+/// Copies `input` to `out` with its ids wrapped under `tag` unwrapped; returns how much of
+/// `input` it consumed (all of it at the end of the body, else up to a wrapped id not yet
+/// whole).
+fn unwrap_into(input: &[u8], tag: &IdTag, out: &mut Vec<u8>, at_end: bool) -> usize {
     let mut at = 0;
     while let Some(found) = MARK_FINDER.find(&input[at..]) {
         let start = at + found;
         out.extend_from_slice(&input[at..start]);
-        match read_wrapped(&input[start..]) {
+        match read_wrapped(&input[start..], tag) {
             Wrapped::Id(len, original) => {
                 out.extend_from_slice(original.as_bytes());
                 at = start + len;
@@ -253,8 +265,9 @@ enum Wrapped {
     Not,
 }
 
-/// Reads a wrapped id at the start of `input` (which begins with `MARK`).
-fn read_wrapped(input: &[u8]) -> Wrapped {
+/// Reads an id wrapped under `expected` at the start of `input` (which begins with
+/// `MARK`).
+fn read_wrapped(input: &[u8], expected: &IdTag) -> Wrapped {
     let body_start = MARK.len() + TAG_CHARS + 3;
     let Some(end) = input
         .iter()
@@ -273,7 +286,7 @@ fn read_wrapped(input: &[u8]) -> Wrapped {
     }
     let inner = &input[MARK.len()..end];
     let (tag, rest) = inner.split_at(TAG_CHARS);
-    if tag.contains(&b'.') {
+    if tag != expected.0.as_bytes() {
         return Wrapped::Not;
     }
     let original = match rest {
@@ -323,7 +336,7 @@ mod tests {
 
     /// Unwraps `text` pushed in pieces cut at `cuts`.
     fn unwrap_in_pieces(text: &[u8], cuts: &[usize]) -> Vec<u8> {
-        let mut unwrap = Unwrap::default();
+        let mut unwrap = Unwrap::new(tag());
         let mut out = Vec::new();
         let mut from = 0;
         for &cut in cuts.iter().chain([&text.len()]) {
@@ -426,8 +439,22 @@ mod tests {
     }
 
     #[test]
+    fn only_ids_under_the_exchanges_tag_are_unwrapped() {
+        let ours = wrapped(json!({"jsonrpc": "2.0", "id": 5, "method": "ping"}));
+        let theirs = IdTag::of_session("session-b").wrap(&json!(5)).unwrap();
+        let text = format!(r#"{{"id":{},"result":{{"text":{theirs}}}}}"#, ours["id"]);
+        let back: Value = serde_json::from_slice(&unwrap_in_pieces(text.as_bytes(), &[])).unwrap();
+        assert_eq!(back["id"], 5);
+        assert_eq!(
+            back["result"]["text"].to_string(),
+            theirs,
+            "another session's id is content, left as it is"
+        );
+    }
+
+    #[test]
     fn what_is_held_back_is_bounded() {
-        let mut unwrap = Unwrap::default();
+        let mut unwrap = Unwrap::new(tag());
         let mut out = Vec::new();
         out.extend_from_slice(&unwrap.push(Bytes::from_static(b"\"mrtr.")));
         for _ in 0..1000 {

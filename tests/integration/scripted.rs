@@ -104,11 +104,23 @@ impl Seen {
     /// wrapped per session (`protocol::request_ids`), and a script that answers by the
     /// client's request tells them apart by this.
     pub fn client_jsonrpc_id(&self) -> Value {
-        let mut unwrap = mrtr_gateway::protocol::request_ids::Unwrap::default();
-        let sent = self.jsonrpc_id().to_string();
-        let mut text = unwrap.push(sent.into()).to_vec();
-        text.extend_from_slice(&unwrap.finish());
-        serde_json::from_slice(&text).expect("an unwrapped id is JSON")
+        use base64::Engine;
+        let sent = self.jsonrpc_id();
+        let wrapped = sent.as_str().and_then(|id| id.strip_prefix("mrtr."));
+        let Some((_tag, id)) = wrapped.and_then(|w| w.split_once('.')) else {
+            return sent;
+        };
+        match id.split_once('.') {
+            Some(("n", n)) => serde_json::from_str(n).expect("a wrapped integer"),
+            Some(("s", encoded)) => {
+                let engine = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+                let text = engine
+                    .decode(encoded)
+                    .expect("a wrapped string's base64url");
+                Value::from(String::from_utf8(text).expect("a wrapped string's UTF-8"))
+            }
+            _ => sent,
+        }
     }
 }
 

@@ -133,6 +133,27 @@ fn list_in_a_session(upstream: &ScriptedUpstream, extra: (&str, &str)) -> (TestG
     (gw, reply)
 }
 
+/// Only the ids the gateway wrapped for the client's own exchange come back unwrapped: a
+/// string in a result that looks like a wrapped id under another tag (text another user
+/// stored upstream, say) reaches the client as it is, while the response's id is the
+/// client's again.
+#[test]
+fn a_string_that_looks_like_a_wrapped_id_of_another_session_is_content() {
+    let lookalike = "mrtr.AAAAAAAAAAAAAAAA.n.5";
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        if let Some(reply) = legacy_basics(seen, "s1") {
+            return reply;
+        }
+        let result = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(),
+            "result": {"tools": [], "_meta": {"note": lookalike}}});
+        Answer::sse(&[]).event(Some("1"), &result).end()
+    });
+    let (_gw, mut reply) = list_in_a_session(&upstream, ("x-unused", "1"));
+    let (_, message) = reply.next_message().expect("the list");
+    assert_eq!(message["id"], 2, "{message}");
+    assert_eq!(message["result"]["_meta"]["note"], lookalike, "{message}");
+}
+
 /// A legacy client's event ids come sealed, so the upstream's raw ids never reach it, and
 /// a `Last-Event-ID` on anything but a GET (where it means nothing) is not forwarded.
 #[test]
