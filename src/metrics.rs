@@ -143,6 +143,7 @@ const REJECTION_REASONS: &[&str] = &[
     "binding",
     "other_group",
     "unknown_endpoint",
+    "other_session",
     "replayed",
 ];
 

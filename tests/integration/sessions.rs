@@ -179,6 +179,56 @@ fn a_session_keeps_upstream_state_across_calls_replicas_and_a_round() {
     );
 }
 
+/// A retry runs in the data-layer session its call began in: one carrying another
+/// session's cookie is refused with the one error for a bad state, before it is claimed
+/// (the call would otherwise complete in its own session while the result carried the
+/// other's cookie), as is one carrying a cookie for a call begun outside any session;
+/// the same state completes the call with its own cookie.
+#[test]
+fn a_retry_with_another_sessions_cookie_is_refused() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = legacy_gateway(&url);
+    let raw = Raw::new(&gw.url);
+    let (a, b) = (create(&raw, 1, json!({})), create(&raw, 2, json!({})));
+    let b_cookie = Some(cookie_of(&b));
+    let ask = |id: u64, label: &str, cookie: Option<&Value>, extra: Value| {
+        call_status(
+            &raw,
+            id,
+            "notebook_ask",
+            json!({"label": label}),
+            cookie,
+            extra,
+        )
+    };
+    let refused = |(status, refused): (u16, Value)| {
+        let code = &refused["error"]["code"];
+        assert_eq!((status, code), (400, &json!(-32602)), "{refused}");
+        let message = &refused["error"]["message"];
+        assert_eq!(message, "Invalid or expired requestState");
+    };
+    let (_, asked) = ask(3, "mine", Some(&cookie_of(&a)), json!({}));
+    assert_eq!(question(&asked), "Text for mine?");
+    let retry = answer(&asked, json!({"text": "typed"}));
+    refused(ask(4, "mine", b_cookie.as_ref(), retry.clone()));
+    let (_, outside) = ask(5, "out", None, json!({}));
+    refused(ask(
+        6,
+        "out",
+        b_cookie.as_ref(),
+        answer(&outside, json!({"text": "x"})),
+    ));
+
+    let (status, done) = ask(7, "mine", Some(&cookie_of(&asked)), retry);
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(text(&done), "mine: typed");
+    let (in_b, _) = notebook(&raw, 8, b_cookie.as_ref());
+    assert!(in_b.is_empty(), "{in_b:?}");
+    let rejections = "mrtr_gateway_request_state_rejections_total";
+    let other_session = metric_with(&gw.admin, rejections, "other_session");
+    assert_eq!(other_session, Some(2.0));
+}
+
 /// Every request in a data-layer session names the revision the session negotiated,
 /// sealed in its cookie: a server that refuses any other (TypeScript SDK 1.17.5, which
 /// speaks 2025-06-18) serves calls, a round and the DELETE on any replica.

@@ -316,6 +316,15 @@ fn open_state(call: &Call<'_>, text: &str) -> Result<FlowState, &'static str> {
     if state.group != call.group.name {
         return Err("unknown_endpoint");
     }
+    // A call goes on in the session it began in, which its state names: a cookie the
+    // retry carries must name that one (the result carries the cookie it names), and a
+    // call begun outside any session takes none.
+    if let (Some(upstream), Some(attached)) = (state.waiting.call(), call.data_session) {
+        let began_in = upstream.data_session.then_some(upstream.session.as_str());
+        if began_in != Some(attached.cookie.upstream_session.as_str()) {
+            return Err("other_session");
+        }
+    }
     match state.waiting.call() {
         Some(upstream) if call.group.endpoint(upstream.endpoint).is_none() => {
             Err("unknown_endpoint")
