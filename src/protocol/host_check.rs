@@ -60,15 +60,31 @@ impl HostPolicy {
 
 /// Why a request's `Host` is malformed, if it is (RFC 9112 §3.2: answered 400, whatever
 /// the policy): missing from an HTTP/1.1 request (`host` is `None` also for a value that
-/// is not visible ASCII), or holding a character no `uri-host[:port]` has (a space, a
-/// comma-separated list's `, `, userinfo's `@`).
+/// is not visible ASCII), holding a character no `uri-host[:port]` has (a space, a
+/// comma-separated list's `, `, userinfo's `@`), or a port that is not one.
 pub fn malformed_host(host: Option<&str>, http11: bool) -> Option<String> {
     let Some(host) = host else {
         return http11.then(|| "an HTTP/1.1 request needs one readable Host header".into());
     };
     let allowed = |c: char| c.is_ascii_alphanumeric() || "-._~%!$&'()*+,;=:[]".contains(c);
-    let odd = host.chars().find(|c| !allowed(*c));
-    odd.map(|c| format!("the Host header holds {c:?}, which no host name has"))
+    if let Some(c) = host.chars().find(|c| !allowed(*c)) {
+        return Some(format!(
+            "the Host header holds {c:?}, which no host name has"
+        ));
+    }
+    let after_host = match host.strip_prefix('[') {
+        Some(v6) => v6.split_once(']').map(|(_, rest)| rest),
+        None => Some(host.find(':').map_or("", |at| &host[at..])),
+    };
+    let Some(after_host) = after_host else {
+        return Some("the Host header's IPv6 address has no closing ']'".into());
+    };
+    let port = after_host.strip_prefix(':').unwrap_or(after_host);
+    let is_port = after_host.is_empty()
+        || (after_host.starts_with(':')
+            && port.bytes().all(|b| b.is_ascii_digit())
+            && port.parse::<u32>().map_or(port.is_empty(), |n| n <= 65535));
+    (!is_port).then(|| format!("the Host header's port {after_host:?} is not a port number"))
 }
 
 /// The host name of an authority `host[:port]` or `[v6][:port]`, with any path cut off.
@@ -96,10 +112,24 @@ mod tests {
             "127.0.0.1, evil.example",
             "127.0.0.1 evil.example",
             "u@127.0.0.1",
+            "localhost:abc",
+            "localhost:99999",
+            "localhost:80:80",
+            "[::1",
+            "[::1]x",
+            "localhost:184467440737095516160",
         ] {
             assert!(malformed_host(Some(bad), true).is_some(), "{bad}");
         }
-        for good in ["127.0.0.1:8080", "[::1]:80", "evil.example", ""] {
+        for good in [
+            "127.0.0.1:8080",
+            "[::1]:80",
+            "[::1]",
+            "evil.example",
+            "",
+            "h:",
+            "h:65535",
+        ] {
             assert!(malformed_host(Some(good), true).is_none(), "{good}");
         }
     }

@@ -312,9 +312,9 @@ fn a_request_body_with_broken_framing_is_answered_and_closes_its_connection() {
 }
 
 /// A request line the gateway cannot frame or place: a transfer coding other than one
-/// `chunked` (RFC 9112 §6.1: 501), an HTTP/1.1 request without a Host or with one no host
-/// name has (§3.2: 400). Each is answered with a JSON-RPC error, its connection closed,
-/// and nothing reaches the upstream.
+/// `chunked` (RFC 9112 §6.1: 501), an HTTP/1.1 request without a Host, or with one no
+/// host name has or whose port is not one (§3.2: 400). Each is answered with a JSON-RPC
+/// error, its connection closed, and nothing reaches the upstream.
 pub(crate) fn unframed_or_unplaced_request_case() -> usize {
     let upstream = sse_lister();
     let gw = TestGateway::start(&[&upstream.url()], &test_keys());
@@ -344,6 +344,11 @@ pub(crate) fn unframed_or_unplaced_request_case() -> usize {
         ),
         (
             "host: 127.0.0.1 evil.example\r\ncontent-length: 0\r\n",
+            &String::new(),
+            "400",
+        ),
+        (
+            "host: 127.0.0.1:99999\r\ncontent-length: 0\r\n",
             &String::new(),
             "400",
         ),
