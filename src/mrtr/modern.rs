@@ -93,6 +93,9 @@ pub struct ModernHeaders<'a> {
     pub name: Option<&'a str>,
     pub traceparent: Option<&'a str>,
     pub tracestate: Option<&'a str>,
+    /// One of the three headers above that mirror the body, if the request carries it
+    /// more than once with different values (which one a reader takes is anyone's guess).
+    pub repeated: Option<&'static str>,
 }
 
 /// A validated 2026-07-28 request.
@@ -156,6 +159,11 @@ impl ModernRequest {
             .ok_or_else(|| {
                 invalid_params("params._meta is required in protocol version 2026-07-28")
             })?;
+        if let Some(name) = headers.repeated {
+            return Err(header_mismatch(format!(
+                "the {name} header appears more than once, with different values"
+            )));
+        }
         let version = meta
             .get(META_VERSION)
             .and_then(Value::as_str)
@@ -452,6 +460,21 @@ mod tests {
             headers("tools/call", Some("ask")),
         );
         assert!(ok.is_ok());
+    }
+
+    #[test]
+    fn a_mirrored_header_repeated_with_another_value_is_a_mismatch() {
+        let repeated = ModernHeaders {
+            repeated: Some("Mcp-Name"),
+            ..headers("tools/call", Some("ask"))
+        };
+        let params = params(json!({"name": "ask"}));
+        let refused =
+            ModernRequest::validate(json!(1), "tools/call", Some(&params), repeated).unwrap_err();
+        assert_eq!(refused.code, code::HEADER_MISMATCH);
+        assert!(refused
+            .message
+            .contains("the Mcp-Name header appears more than once"));
     }
 
     #[test]

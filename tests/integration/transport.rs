@@ -311,6 +311,36 @@ fn a_request_body_with_broken_framing_is_answered_and_closes_its_connection() {
     broken_body_framing_case();
 }
 
+/// A 2026-07-28 request carrying a header that mirrors its body twice, with different
+/// values, is refused -32020: which one a reader takes is anyone's guess, and the first
+/// matching the body must not carry a second, different one past the check.
+#[test]
+fn a_mirrored_header_sent_twice_with_different_values_is_refused() {
+    let tripwire = Tripwire::start();
+    let gw = TestGateway::start(&[&tripwire.url()], &test_keys());
+    let meta = json!({"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientCapabilities": {}});
+    let body = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+        "params": {"name": "t", "_meta": meta}})
+    .to_string();
+    let headers = format!(
+        "host: 127.0.0.1\r\nconnection: close\r\nmcp-protocol-version: 2026-07-28\r\n\
+         mcp-method: tools/call\r\nmcp-name: t\r\nmcp-name: u\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    let (answer, _) = post_raw_to_close(gw.port, &headers, &body);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(
+        answer.contains("-32020") && answer.contains("the Mcp-Name header appears more than once"),
+        "{answer}"
+    );
+    assert_eq!(
+        tripwire.count(),
+        0,
+        "a refused request reached the upstream"
+    );
+}
+
 /// A request line the gateway cannot frame or place: a transfer coding other than one
 /// `chunked` (RFC 9112 §6.1: 501), an HTTP/1.1 request without a Host, or with one no
 /// host name has or whose port is not one (§3.2: 400). Each is answered with a JSON-RPC

@@ -179,12 +179,20 @@ async fn serve_inner(
         return Served::Done(Outcome::Refused(refusal));
     };
     let header = |name: &str| session.get_header(name).and_then(|v| v.to_str().ok());
+    let differs = |name: &str| {
+        let mut values = session.req_header().headers.get_all(name).iter();
+        let first = values.next();
+        values.any(|v| Some(v) != first)
+    };
     let headers = ModernHeaders {
         protocol_version: header("mcp-protocol-version"),
         method: header("mcp-method"),
         name: header("mcp-name"),
         traceparent: header("traceparent"),
         tracestate: header("tracestate"),
+        repeated: ["MCP-Protocol-Version", "Mcp-Method", "Mcp-Name"]
+            .into_iter()
+            .find(|name| differs(name)),
     };
     let accepts_sse = header("accept").is_some_and(|a| a.contains("text/event-stream"));
     let reply = ClientReply {
