@@ -24,6 +24,7 @@ fuzz_target!(|input: &[u8]| {
         name,
         traceparent: fields.next(),
         tracestate: fields.next(),
+        repeated: fields.next().map(|_| "Mcp-Name"),
     };
     let Ok(parsed) = jsonrpc::classify(body, 64) else {
         return;

@@ -1021,9 +1021,6 @@ impl Flow {
         now: Instant,
     ) -> Phase {
         let mut retry = Retry::new(call, pending, responses, AfterAnswers::Read);
-        if let Err(refusal) = retry.check_answers() {
-            return self.refuse_retry(refusal);
-        }
         // Each stream that sent an unanswered question is replayed from before the
         // round's first question on it, so the upstream asks it again; a stream that did
         // not continues after its last event.
@@ -1070,16 +1067,10 @@ impl Flow {
             "inputResponses has no answer for {}: the upstream sent this round's questions once and cannot send them again; retry with the same requestState and an answer to each of its inputRequests",
             missing.join(", ")
         );
-        let code = crate::protocol::jsonrpc::code::INVALID_PARAMS;
-        self.refuse_retry(Refusal::new(Class::BadRequest, code, text))
-    }
-
-    /// Refuses a retry before anything of it went upstream: the state stays usable (its
-    /// claim released, a data-layer call still watched).
-    fn refuse_retry(&mut self, refusal: Refusal) -> Phase {
         self.commands.push_back(Command::ReleaseClaim);
         self.resumed_data_call = None;
-        self.finish(Ending::Refused(refusal))
+        let code = crate::protocol::jsonrpc::code::INVALID_PARAMS;
+        self.finish(Ending::Refused(Refusal::new(Class::BadRequest, code, text)))
     }
 
     /// Resumes the call's stream, with the session's GET stream beside it the first time
@@ -2036,19 +2027,6 @@ impl Common {
 }
 
 impl Retry {
-    /// Each answer has the shape of the result its question asks for, where the state
-    /// says what the question was.
-    fn check_answers(&self) -> Result<(), Refusal> {
-        for pending in &self.pending {
-            if let (Some(kind), Some(answer)) =
-                (pending.asked.kind, self.responses.get(&pending.key))
-            {
-                crate::mrtr::modern::check_answer(&pending.key, kind, answer)?;
-            }
-        }
-        Ok(())
-    }
-
     fn new(
         call: UpstreamCall,
         pending: Vec<Pending>,

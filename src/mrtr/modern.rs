@@ -2,7 +2,7 @@
 //! `Mcp-Method` and `Mcp-Name` headers must match the body, and `_meta` must carry the
 //! protocol version and client capabilities. Every refusal is the spec's own error.
 
-use super::state::QuestionKind;
+use super::state::{Pending, QuestionKind};
 use crate::outcome::{Class, Refusal};
 use crate::protocol::headers::EndToEnd;
 use crate::protocol::trace::TraceContext;
@@ -245,6 +245,17 @@ fn check_input_responses(responses: &Map<String, Value>) -> Result<(), Refusal> 
         "inputResponses[{}] must be an object: an ElicitResult, CreateMessageResult or ListRootsResult",
         Value::from(key)
     )))
+}
+
+/// Each answer a retry gives has the shape of the result its question asks for, where
+/// the state says what the question was (`check_answer`).
+pub fn check_answers(pending: &[Pending], responses: &Map<String, Value>) -> Result<(), Refusal> {
+    for pending in pending {
+        if let (Some(kind), Some(answer)) = (pending.asked.kind, responses.get(&pending.key)) {
+            check_answer(&pending.key, kind, answer)?;
+        }
+    }
+    Ok(())
 }
 
 /// The answer under `key` has the shape of the result its question asks for (the
@@ -510,6 +521,22 @@ mod tests {
         ));
         assert!(fits(Roots, json!({"roots": []})));
         assert!(!fits(Roots, json!({"roots": [{"name": "a"}]})));
+        let pending = |kind| Pending {
+            key: "k".into(),
+            upstream_id: crate::mrtr::state::UpstreamId::Number(0),
+            fingerprint: None,
+            asked: crate::mrtr::state::Asked {
+                kind,
+                on_session: false,
+            },
+        };
+        let answers = |answer: Value| json!({"k": answer}).as_object().unwrap().clone();
+        let wrong = answers(json!({"action": "accept"}));
+        assert!(check_answers(&[pending(Some(Roots))], &wrong).is_err());
+        assert!(
+            check_answers(&[pending(None)], &wrong).is_ok(),
+            "a state that does not say its kind"
+        );
         let refused = check_answer("k", Roots, &json!({"action": "accept"})).unwrap_err();
         assert_eq!(refused.code, -32602);
         assert!(

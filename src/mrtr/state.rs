@@ -7,7 +7,7 @@
 //! this replica seals the current layout and opens the one before too (`v1`, the layout
 //! of the release before phases), so states in flight survive a rolling upgrade. After
 //! the layout come extensions (`seal`'s rule: ignored by the replicas before them): the
-//! revision the call's session negotiated, then, for a resumable round, each question's
+//! revision the call's session negotiated, then, for a round with questions, each question's
 //! method and stream (`RoundExtension`).
 //!
 //! It is sealed with `Purpose::RequestState` together with its binding: a digest of the
@@ -74,8 +74,8 @@ pub struct Pending {
     /// For a `restartable` tool: the request's fingerprint, so that its answer can be
     /// given again if the call has to be run again.
     pub fingerprint: Option<u64>,
-    /// What the request was and which stream sent it. Sealed after the layout, in a
-    /// resumable round's extension; not known in a state sealed by a release before it.
+    /// What the request was and which stream sent it. Sealed after the layout, in the
+    /// round's extension; not known in a state sealed by a release before it.
     #[serde(skip)]
     pub asked: Asked,
 }
@@ -212,9 +212,10 @@ pub struct Positions {
     pub session_replayable: bool,
 }
 
-/// A resumable round's extension, sealed after the revision: what its state's layout
-/// does not say of its questions. A state without it (sealed by a release before it)
-/// leaves their kinds unknown and counts every question as the call stream's.
+/// A round's extension, sealed after the revision in a state with questions (resumable
+/// or held): what its layout does not say of them. A state without it (sealed by a
+/// release before it) leaves their kinds unknown and counts every question as the call
+/// stream's.
 #[derive(Default, Serialize, Deserialize)]
 struct RoundExtension {
     /// Each pending question's, in order.
@@ -420,8 +421,8 @@ impl FlowState {
     }
 
     /// `plain`, a sealed layout of the state, followed by its extensions: the call's
-    /// session revision, when there is a call; then, for a resumable round, what its
-    /// questions were and where they came from.
+    /// session revision, when there is a call; then, for a round with questions, what
+    /// they were and where they came from.
     fn extended(&self, plain: Vec<u8>) -> Vec<u8> {
         let serialized = "an extension always serializes";
         match &self.waiting {
@@ -433,6 +434,14 @@ impl FlowState {
                 let round = RoundExtension {
                     asked: pending.iter().map(|p| p.asked).collect(),
                     session_replayable: positions.session_replayable,
+                };
+                let plain = postcard::to_extend(&call.version, plain).expect(serialized);
+                postcard::to_extend(&round, plain).expect(serialized)
+            }
+            Waiting::Held { call, pending, .. } => {
+                let round = RoundExtension {
+                    asked: pending.iter().map(|p| p.asked).collect(),
+                    session_replayable: false,
                 };
                 let plain = postcard::to_extend(&call.version, plain).expect(serialized);
                 postcard::to_extend(&round, plain).expect(serialized)
@@ -450,14 +459,18 @@ impl FlowState {
         if let (Some(version), Some(call)) = (version, self.waiting.call_mut()) {
             call.version = version;
         }
-        if let Waiting::Resumable {
-            pending, positions, ..
-        } = &mut self.waiting
-        {
-            let round = seal::extension::<RoundExtension>(rest)?.unwrap_or_default();
-            for (pending, asked) in pending.iter_mut().zip(round.asked) {
-                pending.asked = asked;
-            }
+        let (pending, positions) = match &mut self.waiting {
+            Waiting::Resumable {
+                pending, positions, ..
+            } => (pending, Some(positions)),
+            Waiting::Held { pending, .. } => (pending, None),
+            Waiting::Deferred { .. } | Waiting::Reissue { .. } => return Ok(()),
+        };
+        let round = seal::extension::<RoundExtension>(rest)?.unwrap_or_default();
+        for (pending, asked) in pending.iter_mut().zip(round.asked) {
+            pending.asked = asked;
+        }
+        if let Some(positions) = positions {
             positions.session_replayable = round.session_replayable;
         }
         Ok(())

@@ -640,46 +640,48 @@ fn a_state_sealed_by_the_previous_release_completes_on_this_one() {
 
 /// An answer that is not the result its question asks for (an elicitation's answer to
 /// the Python SDK server's sampling request) is refused naming its key before it goes
-/// upstream, where the server would fail the tool on it; the same state with a sampling
-/// result completes the call.
+/// upstream, where the server would fail the tool on it, whether the flow waits
+/// resumable or held; the same state with a sampling result completes the call.
 #[test]
 fn an_answer_of_the_wrong_kind_is_refused_before_it_goes_upstream() {
-    let (_upstream, url) = start_upstream(Upstream::Python);
-    let gw = TestGateway::start(&[&url], &test_keys());
-    let raw = Raw::new(&gw.url);
-    let summarize = |id: u64, extra: Value| {
-        let mut params = tool_params("summarize", extra);
-        params["arguments"] = json!({"text": "a long text"});
-        raw.modern(id, "tools/call", params, json!({"sampling": {}}))
-            .json()
-    };
-    let first = summarize(1, json!({}));
-    let inputs = first["result"]["inputRequests"].as_object().expect("asked");
-    let (key, question) = inputs.iter().next().expect("one question");
-    assert_eq!(question["method"], "sampling/createMessage", "{first}");
-    let state = &first["result"]["requestState"];
-    let retry = |id: u64, answer: Value| {
-        summarize(
-            id,
-            json!({"inputResponses": {key: answer}, "requestState": state}),
-        )
-    };
-    let wrong = retry(2, json!({"action": "accept", "content": {"summary": "x"}}));
-    assert_eq!(wrong["error"]["code"], -32602, "{wrong}");
-    let message = wrong["error"]["message"].as_str().unwrap_or_default();
-    assert!(
-        message.contains(&format!(
-            "inputResponses[\"{key}\"] answers sampling/createMessage"
-        )),
-        "{wrong}"
-    );
-    let sampled = json!({"role": "assistant", "model": "m",
-        "content": {"type": "text", "text": "short"}});
-    let done = retry(3, sampled);
-    assert_eq!(
-        done["result"]["content"][0]["text"], "summary: short",
-        "{done}"
-    );
+    for backend in [Upstream::Python, Upstream::PythonWithoutEventStore] {
+        let (_upstream, url) = start_upstream(backend);
+        let gw = TestGateway::start(&[&url], &test_keys());
+        let raw = Raw::new(&gw.url);
+        let summarize = |id: u64, extra: Value| {
+            let mut params = tool_params("summarize", extra);
+            params["arguments"] = json!({"text": "a long text"});
+            raw.modern(id, "tools/call", params, json!({"sampling": {}}))
+                .json()
+        };
+        let first = summarize(1, json!({}));
+        let inputs = first["result"]["inputRequests"].as_object().expect("asked");
+        let (key, question) = inputs.iter().next().expect("one question");
+        assert_eq!(question["method"], "sampling/createMessage", "{first}");
+        let state = &first["result"]["requestState"];
+        let retry = |id: u64, answer: Value| {
+            summarize(
+                id,
+                json!({"inputResponses": {key: answer}, "requestState": state}),
+            )
+        };
+        let wrong = retry(2, json!({"action": "accept", "content": {"summary": "x"}}));
+        assert_eq!(wrong["error"]["code"], -32602, "{wrong}");
+        let message = wrong["error"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains(&format!(
+                "inputResponses[\"{key}\"] answers sampling/createMessage"
+            )),
+            "{wrong}"
+        );
+        let sampled = json!({"role": "assistant", "model": "m",
+            "content": {"type": "text", "text": "short"}});
+        let done = retry(3, sampled);
+        assert_eq!(
+            done["result"]["content"][0]["text"], "summary: short",
+            "{done}"
+        );
+    }
 }
 
 /// A finished flow's upstream streams are read to their end once its session is

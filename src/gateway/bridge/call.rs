@@ -20,7 +20,7 @@ use crate::metrics::InUse;
 use crate::mrtr::flow::{
     CallReply, Command, Ending, Failure, FailureKind, Flow, FlowConfig, Input, Learnt, Note, Stream,
 };
-use crate::mrtr::modern::ModernRequest;
+use crate::mrtr::modern::{check_answers, ModernRequest};
 use crate::mrtr::replay::{self, Claim, StateDigest};
 use crate::mrtr::state::{binding, now_ms, now_secs, FlowState, HeldAt, UpstreamCall, Waiting};
 use crate::mrtr::translate::RoundLimits;
@@ -103,6 +103,12 @@ pub(super) async fn interactive(
         Err(reason) => return refuse_state(gw, session, reply, group, reason).await,
     };
     name_flow(state.flow_id);
+    // An answer that does not fit its question is refused before the state is claimed
+    // or forwarded: the same state may be retried.
+    let answers = input_responses(&request);
+    if let Err(refusal) = check_answers(state.waiting.pending(), &answers) {
+        return refuse(session, reply, refusal).await;
+    }
     if let Waiting::Held { at, .. } = &state.waiting {
         if !gw.flows.peers.is_me(at.owner) {
             let owner = at.owner;
@@ -124,7 +130,7 @@ pub(super) async fn interactive(
             return refuse(session, reply, Refusal::internal(Class::Overloaded, text)).await;
         }
     }
-    continue_flow(&call, session, reply, state, used).await
+    continue_flow(&call, session, reply, state, answers, used).await
 }
 
 /// A claimed retry goes on: a held flow on the streams this replica holds (or lost, when
@@ -134,10 +140,10 @@ async fn continue_flow(
     session: &mut ServerSession,
     reply: ClientReply,
     state: FlowState,
+    responses: Map<String, Value>,
     used: StateDigest,
 ) -> Outcome {
     let gw = call.gw;
-    let responses = input_responses(call.request);
     let now = Instant::now();
     let Some(upstream_call) = state.waiting.call().cloned() else {
         // Deferred: the call starts now.

@@ -850,36 +850,6 @@ fn an_unanswered_question_that_opened_the_call_stream_is_named_and_the_state_kep
     );
 }
 
-/// An answer that is not the result its question asks for (a sampling result for an
-/// elicitation) is refused naming its key before anything goes upstream, and the same
-/// state with a fitting answer goes on.
-#[test]
-fn an_answer_of_the_wrong_kind_is_refused_and_the_state_kept() {
-    let first = first_round();
-    let sampled = json!({"elicitation_0": {"role": "assistant", "model": "m",
-        "content": {"type": "text", "text": "Ada"}}});
-    let h = retry_of(&first, config(), Upstream::default(), sampled);
-    let refusal = h.refusal();
-    assert_eq!(refusal.code, -32602);
-    assert!(
-        refusal
-            .message
-            .contains("inputResponses[\"elicitation_0\"] answers elicitation/create"),
-        "{}",
-        refusal.message
-    );
-    assert!(h.log.contains(&Command::ReleaseClaim));
-    assert!(
-        !h.log
-            .iter()
-            .any(|c| matches!(c, Command::Reopen { .. } | Command::Post(_))),
-        "nothing upstream: {:?}",
-        h.log
-    );
-    let h = answered(&first, "Ada");
-    assert!(h.log.iter().any(is_open(Stream::Call, Some("c2"))));
-}
-
 /// A question the session's GET stream sent is asked again only by resuming that stream
 /// from before it: where the stream sent an event before it this round and the group's
 /// store keeps sessions apart. There the call's stream, whose question was answered, goes
