@@ -18,7 +18,7 @@ use crate::protocol::headers::{self, LAST_EVENT_ID, MCP_SESSION_ID};
 use crate::protocol::jsonrpc::{code, Body};
 use crate::protocol::request_ids::{self, IdTag, Unwrap};
 use crate::protocol::revision::Revision;
-use crate::protocol::session_token::SessionToken;
+use crate::protocol::session_token::{SessionToken, MAX_UPSTREAM_SESSION_LEN};
 use crate::protocol::sse::{self, BoundaryTracker};
 use crate::protocol::target::upstream_target;
 use crate::protocol::trace::TraceContext;
@@ -167,12 +167,26 @@ async fn serve_inner(
         }
         return refuse(session, id.as_ref(), coded_against_identity(group)).await;
     }
+    if let Some(sid) = uncarried_session(&route, response.header()) {
+        gw.upstreams.client.finish(response).await;
+        if let Some(sid) = sid {
+            let version = initialize.map_or_else(Revision::default, |b| requested_revision(&b));
+            end_unrelayed_session(gw, session, group, &route, sid, version).await;
+        }
+        let text = format!(
+            "upstream group '{}' opened a session whose Mcp-Session-Id the gateway cannot carry (it must be 1 to {MAX_UPSTREAM_SESSION_LEN} visible ASCII characters); the session was ended",
+            group.name
+        );
+        tracing::warn!(group = %group.name, "upstream session id cannot be carried");
+        let refusal = Refusal::internal(Class::UpstreamError, text);
+        return refuse(session, id.as_ref(), refusal).await;
+    }
     count_session_event(gw, session, &route, response.header());
     let header = client_response_header(gw, session, group, &route, binding, response.header());
     let rewrite = id_tag
         .filter(|_| !coded)
         .map(|tag| BodyRewrite::new(gw, &route, binding, &response, stream, tag));
-    let outcome = relay(gw, session, header, &mut response, rewrite).await;
+    let outcome = relay(gw, session, header, &mut response, rewrite, id.as_ref()).await;
     gw.upstreams.client.finish(response).await;
     outcome
 }
@@ -490,13 +504,15 @@ fn client_session_token(
 const MAX_WHOLE_BODY: usize = 1 << 20;
 
 /// Streams the upstream body to the client as it arrives, until either side ends, with
-/// a legacy client's body rewritten as it goes (`BodyRewrite`).
+/// a legacy client's body rewritten as it goes (`BodyRewrite`); `id` is the client's
+/// request's, for an error answered instead of a body that did not come whole.
 pub(crate) async fn relay(
     gw: &Gateway,
     session: &mut ServerSession,
     mut header: ResponseHeader,
     upstream: &mut Response,
     mut rewrite: Option<BodyRewrite>,
+    id: Option<&Value>,
 ) -> Outcome {
     if gw.admission.cors.is_gateways() {
         cors::strip_upstreams(&mut header);
@@ -505,7 +521,7 @@ pub(crate) async fn relay(
     if let Some(rewriting) = rewrite.as_mut() {
         match content_length(&header) {
             Some(length) if length <= MAX_WHOLE_BODY => {
-                return relay_whole(session, header, upstream, length, rewriting).await
+                return relay_whole(session, header, upstream, length, rewriting, id).await
             }
             Some(_) => respond::frame_unknown_length(session, &mut header),
             None => {}
@@ -540,18 +556,20 @@ async fn relay_whole(
     upstream: &mut Response,
     length: usize,
     rewrite: &mut BodyRewrite,
+    id: Option<&Value>,
 ) -> Outcome {
     let body = match upstream.read_all(length).await {
         Ok(body) => body,
         Err(e) => {
             tracing::warn!(error = %Report(&e), "upstream body not read");
-            let message = "the upstream broke off the body";
-            return refuse(
-                session,
-                None,
-                Refusal::internal(Class::UpstreamError, message),
-            )
-            .await;
+            let refusal = match e.failure() {
+                ExchangeFailure::Timeout => Refusal::internal(
+                    Class::UpstreamTimeout,
+                    "the upstream did not send its whole answer within the group's response_timeout_ms",
+                ),
+                _ => Refusal::internal(Class::UpstreamError, "the upstream broke off the body"),
+            };
+            return refuse(session, id, refusal).await;
         }
     };
     let body = concat(rewrite.push(body), rewrite.finish());
@@ -642,6 +660,18 @@ fn valid_session_id(value: &http::HeaderValue) -> Option<&str> {
     SessionToken::validate_upstream_session(sid)
         .ok()
         .map(|_| sid)
+}
+
+/// The session id a response to a session-less request gave that no token can carry
+/// (too long, or not visible ASCII), as text when it is UTF-8 (to end the session with);
+/// `None` when it gave none, an empty one, or one the gateway carries.
+fn uncarried_session(route: &Route, upstream: &ResponseHeader) -> Option<Option<String>> {
+    let sid = upstream.headers.get(MCP_SESSION_ID)?;
+    let fine = sid.is_empty() || valid_session_id(sid).is_some();
+    if fine || route.upstream_session.is_some() {
+        return None;
+    }
+    Some(std::str::from_utf8(sid.as_bytes()).ok().map(str::to_string))
 }
 
 /// The upstream session a response to a session-less request (an `initialize`) opened.

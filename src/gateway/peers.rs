@@ -139,7 +139,7 @@ pub async fn forward(
         .await;
     let mut response = sent.map_err(|e| e.to_string())?;
     let header = passthrough::relayed_header(session, response.header());
-    let outcome = passthrough::relay(gw, session, header, &mut response, None).await;
+    let outcome = passthrough::relay(gw, session, header, &mut response, None, None).await;
     gw.upstreams.client.finish(response).await;
     Ok(outcome)
 }

@@ -1468,7 +1468,9 @@ impl Flow {
                 r.retry = Duration::from_millis(ms).min(MAX_RETRY);
             }
         }
-        if event.data.is_empty() {
+        // A priming event carries no data; an event of another type than `message` (a
+        // framework's keep-alive) carries no JSON-RPC message.
+        if event.data.is_empty() || !event.is_message() {
             return self.read_on(r);
         }
         r.last_message = now;

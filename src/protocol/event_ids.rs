@@ -102,6 +102,10 @@ pub struct Rewrite {
 /// Where the rewriter stands in the stream's lines.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Line {
+    /// At the start of the stream; `held` has its first bytes while they could be a byte
+    /// order mark, which is dropped (readers ignore it, and an `id:` line after it is
+    /// the first line's).
+    StreamStart,
     /// At the start of a line; `held` has its first bytes while they could begin `id:`.
     Start,
     /// At the start of a line just after a CR: a LF next ends the previous line.
@@ -122,6 +126,8 @@ pub struct EventIds {
 }
 
 const ID_FIELD: &[u8] = b"id:";
+/// UTF-8's byte order mark, which an SSE stream may begin with.
+const BOM: &[u8] = b"\xEF\xBB\xBF";
 /// The longest `id:` line kept: the field, one space and the longest id sealed.
 const MAX_ID_LINE: usize = ID_FIELD.len() + 1 + MAX_UPSTREAM_EVENT_ID;
 
@@ -129,13 +135,18 @@ impl EventIds {
     pub fn new(rewrite: Rewrite) -> EventIds {
         EventIds {
             rewrite,
-            line: Line::Start,
+            line: Line::StreamStart,
             held: Vec::new(),
         }
     }
 
     /// The bytes of `chunk` that can go to the client now.
     pub fn push(&mut self, chunk: Bytes) -> Bytes {
+        // A stream that does not begin with a byte order mark's first byte has none.
+        let plain_start = chunk.first().is_some_and(|&b| b != BOM[0]);
+        if self.line == Line::StreamStart && self.held.is_empty() && plain_start {
+            self.line = Line::Start;
+        }
         let passes = matches!(self.line, Line::Start | Line::Other) && self.held.is_empty();
         if passes && ID_FINDER.find(&chunk).is_none() && !chunk.ends_with(b"i") {
             self.line = line_after(self.line, &chunk);
@@ -153,7 +164,7 @@ impl EventIds {
     /// would act on, is given as it is unless it is an `id:` line.
     pub fn finish(&mut self) -> Bytes {
         let rest = match self.line {
-            Line::Start => std::mem::take(&mut self.held),
+            Line::Start | Line::StreamStart => std::mem::take(&mut self.held),
             _ => Vec::new(),
         };
         self.held.clear();
@@ -164,6 +175,7 @@ impl EventIds {
     /// Consumes the start of `input` from where the rewriter stands; returns how much.
     fn step(&mut self, input: &[u8], out: &mut Vec<u8>) -> usize {
         match self.line {
+            Line::StreamStart => self.stream_start(input[0], out),
             Line::AfterCr => {
                 self.line = Line::Start;
                 if input[0] != b'\n' {
@@ -181,6 +193,24 @@ impl EventIds {
             }
             Line::Id | Line::SkipId => self.id_line(input, out),
         }
+    }
+
+    /// Takes one byte at the start of the stream, dropping a byte order mark; bytes that
+    /// turn out not to be one are the first line's.
+    fn stream_start(&mut self, byte: u8, out: &mut Vec<u8>) -> usize {
+        self.held.push(byte);
+        if self.held == BOM {
+            self.held.clear();
+            self.line = Line::Start;
+        } else if !BOM.starts_with(&self.held) {
+            let first = std::mem::take(&mut self.held);
+            self.line = Line::Start;
+            let mut at = 0;
+            while at < first.len() {
+                at += self.step(&first[at..], out);
+            }
+        }
+        1
     }
 
     /// Takes one byte at the start of a line, deciding whether the line is `id:`.
@@ -417,6 +447,21 @@ mod tests {
         }
         let every: Vec<usize> = (1..body.len()).collect();
         assert_eq!(through(sealing("alice"), &body, &every), whole);
+    }
+
+    #[test]
+    fn a_byte_order_mark_opening_the_stream_is_dropped_and_the_id_after_it_sealed() {
+        let body = [BOM, b"id: ev-1\ndata: x\n\n"].concat();
+        for cut in 0..=body.len() {
+            let out = through(sealing("alice"), &body, &[cut]);
+            assert!(!out.starts_with(BOM), "cut at {cut}");
+            let ids: Vec<_> = ids_in(&out).iter().map(|i| opened("alice", i)).collect();
+            assert_eq!(ids, [&b"ev-1"[..]], "cut at {cut}");
+        }
+        // Bytes that only begin like one are the first line's.
+        let out = through(sealing("alice"), b"\xEF\xBBx\ndata: y\n\n", &[1]);
+        assert_eq!(out, b"\xEF\xBBx\ndata: y\n\n");
+        assert_eq!(through(sealing("alice"), b"\xEF", &[]), b"\xEF");
     }
 
     #[test]

@@ -17,6 +17,14 @@ pub struct Event {
 }
 
 impl Event {
+    /// Whether it is a `message` event (no `event:` field, or an empty one, names that
+    /// type), the only type MCP sends JSON-RPC messages in.
+    pub fn is_message(&self) -> bool {
+        self.event
+            .as_deref()
+            .is_none_or(|kind| kind.is_empty() || kind == "message")
+    }
+
     pub fn message(id: Option<String>, data: String) -> Event {
         Event {
             id,
@@ -67,11 +75,17 @@ impl fmt::Display for TooLarge {
 
 impl std::error::Error for TooLarge {}
 
+/// UTF-8's byte order mark, which a stream may begin with (and a reader ignores).
+const BOM: &[u8] = b"\xEF\xBB\xBF";
+
 /// Incremental SSE parser.
 #[derive(Debug)]
 pub struct Parser {
     line: Vec<u8>,
     after_cr: bool,
+    /// No line has ended yet: the first may begin with a byte order mark, which is not
+    /// part of it.
+    first_line: bool,
     current: Event,
     fields: usize,
     data_lines: usize,
@@ -84,6 +98,7 @@ impl Parser {
         Parser {
             line: Vec::new(),
             after_cr: false,
+            first_line: true,
             current: Event::default(),
             fields: 0,
             data_lines: 0,
@@ -130,6 +145,9 @@ impl Parser {
     }
 
     fn end_line(&mut self, out: &mut Vec<Event>) {
+        if std::mem::take(&mut self.first_line) && self.line.starts_with(BOM) {
+            self.line.drain(..BOM.len());
+        }
         if self.line.is_empty() {
             if self.fields > 0 {
                 out.push(std::mem::take(&mut self.current));
@@ -255,6 +273,29 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_byte_order_mark_opening_the_stream_is_dropped_wherever_it_is_split() {
+        let input = [BOM, STREAM.as_bytes()].concat();
+        for piece in 1..=8 {
+            assert_eq!(parse_in_pieces(&input, piece), expected(), "piece {piece}");
+        }
+        let blank_first = [BOM, b"\ndata: x\n\n"].concat();
+        assert_eq!(parse_in_pieces(&blank_first, 1)[0].data, "x");
+        let later = [&b"data: x\n\n"[..], BOM, b"data: y\n\n"].concat();
+        assert_eq!(parse_in_pieces(&later, 64).len(), 1, "only at the start");
+    }
+
+    #[test]
+    fn events_of_other_types_than_message_are_told_apart() {
+        assert!(Event::message(None, "{}".into()).is_message());
+        assert!(Event::default().is_message());
+        let ping = Event {
+            event: Some("ping".into()),
+            ..Event::default()
+        };
+        assert!(!ping.is_message());
     }
 
     #[test]

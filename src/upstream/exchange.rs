@@ -103,6 +103,11 @@ pub struct ExchangeError {
 }
 
 impl ExchangeError {
+    /// No (whole) answer from `endpoint` in time.
+    pub fn late(endpoint: Option<SocketAddr>) -> ExchangeError {
+        Fault::new(ExchangeFailure::Timeout).at(endpoint)
+    }
+
     pub fn failure(&self) -> ExchangeFailure {
         self.failure
     }
@@ -249,6 +254,7 @@ impl UpstreamClient {
             http: Box::new(http),
             endpoint: at,
             pool: Some(Box::new(peer)),
+            answer_within: timeouts.response,
             _in_use: Some(in_use),
         })
     }
@@ -288,7 +294,15 @@ impl UpstreamClient {
     ) -> Result<HttpSession, Failed> {
         let mut http = write_request(http, timeouts.response, request, body).await?;
         http.read_timeout = Some(timeouts.response);
-        match read_final_header(&mut http).await {
+        // Each read waits at most the response timeout, and so does the whole header: an
+        // upstream that trickles it a byte at a time is not waited for without end.
+        let header = tokio::time::timeout(timeouts.response, read_final_header(&mut http))
+            .await
+            .unwrap_or_else(|_| {
+                let late = Fault::new(ExchangeFailure::Timeout);
+                Err(Failed::at(Reached::Beyond, late))
+            });
+        match header {
             Ok(()) => Ok(http),
             Err(failed) => {
                 http.shutdown().await;
@@ -573,6 +587,7 @@ pub async fn read_response_from(stream: Stream) -> Result<Response, ExchangeErro
         http: Box::new(http),
         endpoint: None,
         pool: None,
+        answer_within: IN_MEMORY_LIMIT,
         _in_use: None,
     })
 }
@@ -589,6 +604,9 @@ pub struct Response {
     /// Where the connection goes back once the response is read whole; `None` for a
     /// stream that belongs to no pool.
     pool: Option<Box<HttpPeer>>,
+    /// The longest an answer may take after its header: a body read whole, or the one
+    /// message an SSE answer is read for (the exchange's response timeout).
+    pub(crate) answer_within: Duration,
     /// Counts this connection in use until the response is finished or dropped.
     _in_use: Option<InUse>,
 }
@@ -643,8 +661,22 @@ impl Response {
             .map_err(|e| read_error(e).at(endpoint))
     }
 
-    /// Reads the whole body, refusing more than `max` bytes.
+    /// The longest an answer may take after its header (`answer_within`).
+    pub fn answer_within(&self) -> Duration {
+        self.answer_within
+    }
+
+    /// Reads the whole body, refusing more than `max` bytes, within `answer_within`: a
+    /// body that stalls or trickles ends with `Timeout` (no byte-by-byte wait without end,
+    /// whatever the stream idle limit).
     pub async fn read_all(&mut self, max: usize) -> Result<Bytes, ExchangeError> {
+        let endpoint = self.endpoint;
+        tokio::time::timeout(self.answer_within, self.read_whole(max))
+            .await
+            .unwrap_or_else(|_| Err(ExchangeError::late(endpoint)))
+    }
+
+    async fn read_whole(&mut self, max: usize) -> Result<Bytes, ExchangeError> {
         let mut body = Vec::new();
         while let Some(chunk) = self.next_chunk().await? {
             if body.len() + chunk.len() > max {

@@ -303,6 +303,8 @@ impl<'a> LegacySession<'a> {
             response: patience,
             ..*self.timeouts
         };
+        // Only the header waits that long: the answer after it comes in the usual time.
+        let answer_within = self.timeouts.response;
         let (endpoint, session_id) = (self.endpoint.clone(), self.session_id.clone());
         let (version, caller, persistent) = (self.version, self.caller.clone(), self.persistent);
         async move {
@@ -315,7 +317,9 @@ impl<'a> LegacySession<'a> {
                 caller,
                 persistent,
             };
-            session.post(&message).await
+            let mut response = session.post(&message).await?;
+            response.answer_within = answer_within;
+            Ok(response)
         }
     }
 
@@ -479,8 +483,16 @@ impl<'a> LegacySession<'a> {
 }
 
 /// Reads the single JSON-RPC message of a response: a JSON body, or the first message
-/// event of an SSE body.
+/// event of an SSE body; within the exchange's answer time (`Response::answer_within`).
 pub async fn read_single(response: &mut Response) -> Result<Value, SessionError> {
+    let at = response.endpoint();
+    match tokio::time::timeout(response.answer_within(), read_single_now(response)).await {
+        Ok(read) => read,
+        Err(_) => Err(ExchangeError::late(at).into()),
+    }
+}
+
+async fn read_single_now(response: &mut Response) -> Result<Value, SessionError> {
     let at = response.endpoint();
     let invalid =
         |e: serde_json::Error| SessionError::protocol(at, format!("sent invalid JSON: {e}"));
@@ -494,8 +506,17 @@ pub async fn read_single(response: &mut Response) -> Result<Value, SessionError>
         parser
             .push(&chunk, &mut events)
             .map_err(|e| SessionError::protocol(at, format!("sent a malformed stream: {e}")))?;
-        if let Some(event) = events.iter().find(|e| !e.data.is_empty()) {
-            return serde_json::from_str(&event.data).map_err(invalid);
+        // The answer is the first response on the stream: a notification (a log line, a
+        // progress report) or a server request before it is not, and neither is an event
+        // of another type than `message` (a framework's keep-alive).
+        for event in events
+            .drain(..)
+            .filter(|e| e.is_message() && !e.data.is_empty())
+        {
+            let message: Value = serde_json::from_str(&event.data).map_err(invalid)?;
+            if message.get("method").is_none() {
+                return Ok(message);
+            }
         }
     }
     Err(SessionError::protocol(

@@ -76,6 +76,80 @@ fn an_upstream_event_over_the_limit_ends_the_call_and_teaches_nothing() {
     );
 }
 
+/// An answer whose header trickles in a byte at a time, or whose body stalls after part
+/// of it came: each is given up at the group's response timeout (here 300 ms), the legacy
+/// client told so under its own id, the modern client with a bounded error; neither
+/// waits without end (no stream idle limit is configured).
+#[test]
+fn an_answer_that_trickles_or_stalls_is_given_up_at_the_response_timeout() {
+    let header = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 101\r\n\r\n";
+    let trickled = move || {
+        header.bytes().fold(Answer::silent(), |answer, byte| {
+            answer.bytes([byte]).pause(Duration::from_millis(100))
+        })
+    };
+    let stalled = move || Answer::raw(header).bytes(b"{\"jsonrpc\": \"2.0\", \"id\"");
+    let within = |what: &str, started: Instant| {
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(5), "{what}: {took:?}");
+    };
+    for (what, answer) in [("trickled", trickled()), ("stalled", stalled())] {
+        let upstream = ScriptedUpstream::start(move |_: &Seen| answer.clone());
+        let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+            c.upstreams[0].response_timeout_ms = 300
+        });
+        let started = Instant::now();
+        let init = json!({"jsonrpc": "2.0", "id": 5, "method": "initialize", "params": {}});
+        let reply = Raw::new(&gw.url).post(None, &init);
+        let status = reply.status;
+        let body = reply.json();
+        assert_eq!((status, &body["id"]), (504, &json!(5)), "{what}: {body}");
+        within(what, started);
+    }
+    let upstream = ScriptedUpstream::start(serving_calls(move |_| stalled()));
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].response_timeout_ms = 300
+    });
+    let started = Instant::now();
+    let (_, body) = call_tool(&Raw::new(&gw.url), json!({}));
+    assert!(
+        error_message(&body).contains("did not answer in time"),
+        "{body}"
+    );
+    within("a bridged call's answer", started);
+}
+
+/// A 2026-07-28 request the gateway answers in one exchange (`tools/list`) over an SSE
+/// answer that first sends a log notification and a keep-alive event of its own type:
+/// the answer is the response, not the first message; and a bridged call's stream that
+/// sends such an event before its result completes.
+#[test]
+fn the_answer_is_the_response_after_notifications_and_other_event_types() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "session-1") {
+            return answer;
+        }
+        let log = json!({"jsonrpc": "2.0", "method": "notifications/message",
+            "params": {"level": "info", "data": "listing"}});
+        let result = match seen.jsonrpc_method().as_deref() {
+            Some("tools/list") => json!({"tools": []}),
+            _ => json!({"content": [{"type": "text", "text": "done"}]}),
+        };
+        let response = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": result});
+        Answer::sse(&[])
+            .event(None, &log)
+            .chunk("event: ping\ndata: 2026-11-27 02:40:00\n\n")
+            .event(None, &response)
+            .end()
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let listed = raw.modern(1, "tools/list", json!({}), json!({})).json();
+    assert_eq!(listed["result"]["tools"], json!([]), "{listed}");
+    let (_, called) = call_tool(&raw, json!({}));
+    assert_eq!(called["result"]["content"][0]["text"], "done", "{called}");
+}
+
 pub fn question_flood_case() -> usize {
     // 200 questions of 16 KB each, sent without pause, then the stream stays open.
     let upstream = ScriptedUpstream::start(serving_calls(|_| {

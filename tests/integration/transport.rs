@@ -250,6 +250,37 @@ fn an_unrelayed_answer_to_initialize_ends_the_session_it_opened() {
     );
 }
 
+/// An `initialize` answered with a session id no token can carry (over 256 characters,
+/// or holding a space) gets a 502 saying so rather than a session-less 200 whose client
+/// could never use the session, and the session it opened upstream is ended.
+#[test]
+fn a_session_id_the_gateway_cannot_carry_is_refused_and_its_session_ended() {
+    for sid in ["s".repeat(300), "has space".to_string()] {
+        let opened = sid.clone();
+        let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+            if seen.jsonrpc_method().as_deref() == Some("initialize") {
+                let result = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {
+                    "protocolVersion": "2025-11-25", "capabilities": {},
+                    "serverInfo": {"name": "s", "version": "1"}}});
+                return Answer::json_with(200, &[("mcp-session-id", &opened)], &result);
+            }
+            Answer::status(200, &[], b"")
+        });
+        let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+        let reply = Raw::new(&gw.url).post(None, &initialize_body());
+        let (status, session) = (reply.status, reply.session.clone());
+        let body = reply.json();
+        assert_eq!((status, session), (502, None), "{body}");
+        let message = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("cannot carry"), "{body}");
+        let deletes: Vec<Seen> = upstream.wait_for(2, Duration::from_secs(5));
+        let deleted = deletes
+            .iter()
+            .any(|s| s.method == "DELETE" && s.header("mcp-session-id") == Some(sid.as_str()));
+        assert!(deleted, "the opened session was left: {deletes:?}");
+    }
+}
+
 /// Bug 2: a request with both `Content-Length` and `Transfer-Encoding: chunked` ends its
 /// connection, so bytes after its chunked body never run as a second request.
 pub(crate) fn cl_te_smuggling_case() -> usize {

@@ -767,7 +767,7 @@ fn opened<'g>(
         session_stream: session_stream.is_some(),
     };
     io.upstream = Some(upstream);
-    io.streams.session = session_stream;
+    io.streams.replace_session(session_stream);
     input
 }
 
@@ -794,9 +794,9 @@ async fn open_stream(
             "a call's stream is resumed only after an event",
         )),
         (Stream::Session, after) => {
-            io.streams.session = None;
-            io.streams.session =
-                session_stream(call, upstream, after.as_deref(), Connection::Pooled).await;
+            io.streams.replace_session(None);
+            let opened = session_stream(call, upstream, after.as_deref(), Connection::Pooled);
+            io.streams.replace_session(opened.await);
             Ok(())
         }
     };
@@ -831,7 +831,7 @@ async fn reopen(
         )
     })
     .await;
-    streams.session = session;
+    streams.replace_session(session);
     let result = resumed
         .map(|response| streams.replace_call(response))
         .map_err(|e| failure(&e));

@@ -94,6 +94,13 @@ impl Streams {
         self.call_parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
     }
 
+    /// Puts a new session GET stream (or none) in place of the old one: what the old one
+    /// left of a line is not the new one's.
+    pub(super) fn replace_session(&mut self, response: Option<Response>) {
+        self.session = response;
+        self.session_parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
+    }
+
     /// Takes a stream that ended out of the flow: one read to its end goes back to the
     /// pool (`UpstreamClient::finish`), any other is closed (never pooled half-read).
     pub(super) fn take_stream(&mut self, source: Source) -> Option<Response> {
