@@ -469,10 +469,13 @@ pub(crate) fn relayed_header(
     } else {
         respond::frame_unknown_length(session, &mut out);
     }
+    // Media types ignore case.
+    let sse = b"text/event-stream";
     let is_sse = upstream
         .headers
         .get(http::header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+        .and_then(|v| v.as_bytes().get(..sse.len()))
+        .is_some_and(|prefix| prefix.eq_ignore_ascii_case(sse));
     if is_sse {
         let _ = out.insert_header("x-accel-buffering", "no");
     }

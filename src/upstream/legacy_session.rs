@@ -498,6 +498,11 @@ async fn read_single_now(response: &mut Response) -> Result<Value, SessionError>
         |e: serde_json::Error| SessionError::protocol(at, format!("sent invalid JSON: {e}"));
     if !response.is_sse() {
         let body = response.read_all(MAX_UPSTREAM_MESSAGE).await?;
+        if body.is_empty() {
+            let status = response.header().status.as_u16();
+            let what = format!("answered with HTTP {status} and no JSON-RPC message");
+            return Err(SessionError::protocol(at, what));
+        }
         return serde_json::from_slice(&body).map_err(invalid);
     }
     let mut parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
@@ -575,6 +580,38 @@ mod tests {
     use super::*;
     use crate::outcome::Report;
     use std::time::Duration;
+
+    /// `read_single` of an upstream's response given as `wire`.
+    async fn single(wire: &str) -> Result<Value, SessionError> {
+        use tokio::io::AsyncWriteExt;
+        let (client, mut upstream) = tokio::io::duplex(wire.len() + 4096);
+        upstream
+            .write_all(wire.as_bytes())
+            .await
+            .expect("in memory");
+        upstream.shutdown().await.expect("in memory");
+        let mut response = crate::upstream::exchange::read_response_from(Box::new(client))
+            .await
+            .expect("a response header");
+        read_single(&mut response).await
+    }
+
+    #[tokio::test]
+    async fn the_single_answer_is_the_first_response_of_its_stream() {
+        let stream = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n\
+            data: {\"jsonrpc\":\"2.0\",\"method\":\"notifications/message\"}\n\n\
+            event: ping\ndata: 02:40\n\n\
+            data: {\"jsonrpc\":\"2.0\",\"id\":3,\"method\":\"ping\"}\n\n\
+            data: {\"jsonrpc\":\"2.0\",\"id\":1,\"result\":{}}\n\n";
+        let answer = single(stream).await.expect("the response");
+        assert_eq!(answer["id"], 1);
+        let empty = single("HTTP/1.1 202 Accepted\r\ncontent-length: 0\r\n\r\n").await;
+        let text = empty.expect_err("no message").to_string();
+        assert!(
+            text.contains("answered with HTTP 202 and no JSON-RPC message"),
+            "{text}"
+        );
+    }
 
     #[tokio::test]
     async fn a_failure_names_its_endpoint_and_cause_in_logs_but_not_to_clients() {

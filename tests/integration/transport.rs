@@ -154,6 +154,27 @@ fn a_string_that_looks_like_a_wrapped_id_of_another_session_is_content() {
     assert_eq!(message["result"]["_meta"]["note"], lookalike, "{message}");
 }
 
+/// An SSE answer relayed through pass-through is marked unbuffered for proxies in front
+/// (`X-Accel-Buffering: no`), whatever the case its media type is written in.
+#[test]
+fn a_relayed_stream_is_marked_unbuffered_whatever_its_media_types_case() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(reply) = legacy_basics(seen, "s1") {
+            return reply;
+        }
+        let result = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}});
+        let head = "HTTP/1.1 200 OK\r\ncontent-type: Text/Event-Stream\r\ntransfer-encoding: chunked\r\n\r\n";
+        Answer::raw(head).event(Some("1"), &result).end()
+    });
+    let (_gw, reply) = list_in_a_session(&upstream, ("x-unused", "1"));
+    let buffering = reply
+        .headers
+        .iter()
+        .find(|(name, _)| name == "x-accel-buffering")
+        .map(|(_, value)| value.as_str());
+    assert_eq!(buffering, Some("no"), "{:?}", reply.headers);
+}
+
 /// A legacy client's event ids come sealed, so the upstream's raw ids never reach it, and
 /// a `Last-Event-ID` on anything but a GET (where it means nothing) is not forwarded.
 #[test]
