@@ -150,6 +150,41 @@ fn the_answer_is_the_response_after_notifications_and_other_event_types() {
     assert_eq!(called["result"]["content"][0]["text"], "done", "{called}");
 }
 
+/// A call's response against JSON-RPC (a result that is not an object, a result and an
+/// error both, an error that is not an object) reaches the client as an error saying what
+/// was wrong, not relayed as a result; an error object without a message says so.
+#[test]
+fn a_malformed_response_to_a_call_is_named_not_relayed() {
+    let cases = [
+        (json!({"result": 5}), "a result that is not an object"),
+        (json!({"result": null}), "a result that is not an object"),
+        (
+            json!({"result": {"content": []}, "error": {"code": 1, "message": "m"}}),
+            "both a result and an error",
+        ),
+        (json!({"error": "boom"}), "an error that is not an object"),
+        (
+            json!({"error": {"code": -32000}}),
+            "an error that has no message",
+        ),
+    ];
+    for (body, named) in cases {
+        let response = body.clone();
+        let upstream = ScriptedUpstream::start(serving_calls(move |seen| {
+            let mut message = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id()});
+            message
+                .as_object_mut()
+                .unwrap()
+                .extend(response.as_object().unwrap().clone());
+            Answer::json(200, &message)
+        }));
+        let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+        let (_, reply) = call_tool(&Raw::new(&gw.url), json!({}));
+        assert!(reply.get("result").is_none(), "{body}: {reply}");
+        assert!(error_message(&reply).contains(named), "{body}: {reply}");
+    }
+}
+
 pub fn question_flood_case() -> usize {
     // 200 questions of 16 KB each, sent without pause, then the stream stays open.
     let upstream = ScriptedUpstream::start(serving_calls(|_| {

@@ -573,21 +573,30 @@ pub(crate) async fn finish_with(
     server_info: &Value,
     cacheable: bool,
 ) -> Outcome {
-    match message.get("result") {
-        Some(result) => {
+    let malformed = match (message.get("result"), message.get("error")) {
+        (Some(result), None) if result.is_object() => {
             reply
                 .result(session, decorate(result.clone(), server_info, cacheable))
                 .await;
-            Outcome::Ok
+            return Outcome::Ok;
         }
-        None => {
+        (Some(_), Some(_)) => "carries both a result and an error",
+        (Some(_), None) => "carries a result that is not an object",
+        (None, Some(error)) if error.is_object() => {
             // The upstream's own JSON-RPC error, passed on as it is.
-            let error = &message["error"];
-            let text = error["message"].as_str().unwrap_or("upstream error");
+            let text = error["message"]
+                .as_str()
+                .unwrap_or("the upstream answered with an error that has no message");
             let code = error["code"].as_i64().unwrap_or(code::INTERNAL_ERROR);
             let mut refusal = Refusal::new(Class::UpstreamError, code, text);
             refusal.data = error.get("data").cloned();
-            reply.refuse(session, refusal).await
+            return reply.refuse(session, refusal).await;
         }
-    }
+        (None, Some(_)) => "carries an error that is not an object",
+        (None, None) => "carries neither a result nor an error",
+    };
+    let text = format!("the upstream's response {malformed}, against JSON-RPC");
+    reply
+        .refuse(session, Refusal::internal(Class::UpstreamError, text))
+        .await
 }
