@@ -425,32 +425,22 @@ impl FlowState {
     /// they were and where they came from.
     fn extended(&self, plain: Vec<u8>) -> Vec<u8> {
         let serialized = "an extension always serializes";
-        match &self.waiting {
+        let Some(call) = self.waiting.call() else {
+            return plain;
+        };
+        let plain = postcard::to_extend(&call.version, plain).expect(serialized);
+        let (pending, session_replayable) = match &self.waiting {
             Waiting::Resumable {
-                call,
-                pending,
-                positions,
-            } => {
-                let round = RoundExtension {
-                    asked: pending.iter().map(|p| p.asked).collect(),
-                    session_replayable: positions.session_replayable,
-                };
-                let plain = postcard::to_extend(&call.version, plain).expect(serialized);
-                postcard::to_extend(&round, plain).expect(serialized)
-            }
-            Waiting::Held { call, pending, .. } => {
-                let round = RoundExtension {
-                    asked: pending.iter().map(|p| p.asked).collect(),
-                    session_replayable: false,
-                };
-                let plain = postcard::to_extend(&call.version, plain).expect(serialized);
-                postcard::to_extend(&round, plain).expect(serialized)
-            }
-            waiting => match waiting.call() {
-                Some(call) => postcard::to_extend(&call.version, plain).expect(serialized),
-                None => plain,
-            },
-        }
+                pending, positions, ..
+            } => (pending, positions.session_replayable),
+            Waiting::Held { pending, .. } => (pending, false),
+            Waiting::Deferred { .. } | Waiting::Reissue { .. } => return plain,
+        };
+        let round = RoundExtension {
+            asked: pending.iter().map(|p| p.asked).collect(),
+            session_replayable,
+        };
+        postcard::to_extend(&round, plain).expect(serialized)
     }
 
     /// Sets what the extensions after a sealed layout (`rest`) say, where there are some.
