@@ -173,13 +173,7 @@ async fn serve_inner(
             let version = initialize.map_or_else(Revision::default, |b| requested_revision(&b));
             end_unrelayed_session(gw, session, group, &route, sid, version).await;
         }
-        let text = format!(
-            "upstream group '{}' opened a session whose Mcp-Session-Id the gateway cannot carry (it must be 1 to {MAX_UPSTREAM_SESSION_LEN} visible ASCII characters); the session was ended",
-            group.name
-        );
-        tracing::warn!(group = %group.name, "upstream session id cannot be carried");
-        let refusal = Refusal::internal(Class::UpstreamError, text);
-        return refuse(session, id.as_ref(), refusal).await;
+        return refuse(session, id.as_ref(), uncarried_session_refusal(group)).await;
     }
     count_session_event(gw, session, &route, response.header());
     let header = client_response_header(gw, session, group, &route, binding, response.header());
@@ -675,6 +669,16 @@ fn uncarried_session(route: &Route, upstream: &ResponseHeader) -> Option<Option<
         return None;
     }
     Some(std::str::from_utf8(sid.as_bytes()).ok().map(str::to_string))
+}
+
+/// What the client is told when the session its `initialize` opened cannot be carried.
+fn uncarried_session_refusal(group: &UpstreamGroup) -> Refusal {
+    tracing::warn!(group = %group.name, "upstream session id cannot be carried");
+    let text = format!(
+        "upstream group '{}' opened a session whose Mcp-Session-Id the gateway cannot carry (it must be 1 to {MAX_UPSTREAM_SESSION_LEN} visible ASCII characters); the session was ended",
+        group.name
+    );
+    Refusal::internal(Class::UpstreamError, text)
 }
 
 /// The upstream session a response to a session-less request (an `initialize`) opened.
