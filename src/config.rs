@@ -27,7 +27,9 @@ pub struct Config {
     /// How often the files the gateway reloads (the keys file, the JWKS, the listener's
     /// certificate and key) are checked for changes; all are also re-read on SIGHUP.
     pub keys_poll_ms: u64,
-    /// Whom sealed tokens are bound to.
+    /// Whom sealed tokens are bound to: `authorization`, `none`, `{header: NAME}` or
+    /// `{jwt: {...}}` (a variant with data as a one-key map, as the docs write it).
+    #[serde(with = "serde_yaml::with::singleton_map")]
     pub principal: PrincipalSource,
     /// Host names the MCP listener accepts in `Host` and `Origin` (DNS-rebinding
     /// protection). Empty: loopback names only on a loopback listener, any otherwise.
@@ -1150,6 +1152,34 @@ mod tests {
         assert_eq!(c.listen, "127.0.0.1:8080");
         assert_eq!(c.upstreams[0].path, "/mcp");
         assert_eq!(c.principal, PrincipalSource::Authorization);
+    }
+
+    #[test]
+    fn every_principal_form_the_docs_write_loads() {
+        let principal =
+            |yaml: &str| Config::from_yaml(&format!("{yaml}\n{MINIMAL}")).map(|c| c.principal);
+        assert_eq!(principal("principal: none").unwrap(), PrincipalSource::None);
+        assert_eq!(
+            principal("principal: authorization").unwrap(),
+            PrincipalSource::Authorization
+        );
+        let header = PrincipalSource::Header("X-Forwarded-User".into());
+        assert_eq!(
+            principal("principal: {header: X-Forwarded-User}").unwrap(),
+            header
+        );
+        assert_eq!(
+            principal("principal:\n  header: X-Forwarded-User").unwrap(),
+            header
+        );
+        let jwt = "principal:\n  jwt:\n    jwks_file: /etc/jwks.json\n    issuers: [https://idp]";
+        let Ok(PrincipalSource::Jwt(config)) = principal(jwt) else {
+            panic!("{:?}", principal(jwt));
+        };
+        assert_eq!(config.issuers, ["https://idp"]);
+        let flow = "principal: {jwt: {jwks_file: /etc/jwks.json}}";
+        assert!(matches!(principal(flow), Ok(PrincipalSource::Jwt(_))));
+        assert!(principal("principal: {cookie: x}").is_err());
     }
 
     #[test]
