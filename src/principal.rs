@@ -160,12 +160,13 @@ impl JwtVerifier {
 
     fn principal(&self, authorization: Option<&[u8]>) -> Result<[u8; 32], Unauthenticated> {
         let refuse = |why: &str| Unauthenticated(why.to_string());
+        // The scheme is case-insensitive, and one or more spaces follow it (RFC 9110
+        // §11.1, RFC 6750 §2.1).
         let token = authorization
             .and_then(|v| std::str::from_utf8(v).ok())
-            .and_then(|v| {
-                v.strip_prefix("Bearer ")
-                    .or_else(|| v.strip_prefix("bearer "))
-            })
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, token)| token.trim_start_matches(' '))
             .ok_or_else(|| refuse("a bearer token is required"))?;
         let header = jsonwebtoken::decode_header(token)
             .map_err(|_| refuse("the bearer token is not a JWT"))?;
@@ -295,7 +296,16 @@ mod tests {
         let bob = json!({"iss": "https://idp", "sub": "bob", "exp": exp});
         assert_ne!(first, auth.principal(Some(&token(Some("hs"), bob, SECRET))));
         // One key and no kid: that key.
-        assert_eq!(first, auth.principal(Some(&token(None, alice, SECRET))));
+        assert_eq!(
+            first,
+            auth.principal(Some(&token(None, alice.clone(), SECRET)))
+        );
+        // The scheme in any case, and more than one space after it.
+        let bearer = token(Some("hs"), alice, SECRET);
+        let jwt = std::str::from_utf8(&bearer["Bearer ".len()..]).unwrap();
+        for written in [format!("BEARER {jwt}"), format!("bEaReR   {jwt}")] {
+            assert_eq!(first, auth.principal(Some(written.as_bytes())), "{written}");
+        }
     }
 
     #[test]

@@ -55,6 +55,14 @@ impl Admission {
 
     /// The principal of a request; `Err` with a reason the client may see when its
     /// credentials do not verify (JWT principals).
+    /// The principal header, when the request carries it more than once: which value
+    /// names the caller would be anyone's guess (the upstream may read another).
+    pub fn repeated_principal_header(&self, session: &ServerSession) -> Option<&str> {
+        let name = self.principal_source.header_name()?;
+        let values = session.req_header().headers.get_all(name).iter().count();
+        (values > 1).then_some(name)
+    }
+
     pub fn principal(&self, session: &ServerSession) -> Result<[u8; 32], Unauthenticated> {
         let value = self
             .principal_source

@@ -203,6 +203,10 @@ impl Gateway {
             let message = format!("method {method} is not allowed; use POST, GET or DELETE");
             return respond::method_not_allowed(session, ENDPOINT_METHODS, &message).await;
         }
+        if let Some(name) = self.admission.repeated_principal_header(session) {
+            let message = format!("the {name} header appears more than once; send one");
+            return respond::error(session, 400, None, code::INVALID_REQUEST, &message).await;
+        }
         let principal = match self.admission.principal(session) {
             Ok(p) => p,
             Err(Unauthenticated(why)) => return unauthenticated(session, &why).await,

@@ -393,6 +393,31 @@ fn a_mirrored_header_sent_twice_with_different_values_is_refused() {
     );
 }
 
+/// Two `Authorization` headers name two callers: which one the request is bound to would
+/// be anyone's guess (an upstream may read the other), so it gets 400 and goes nowhere.
+#[test]
+fn a_request_with_two_authorization_headers_is_refused() {
+    let tripwire = Tripwire::start();
+    let gw = TestGateway::start(&[&tripwire.url()], &test_keys());
+    let body = initialize_body().to_string();
+    let headers = format!(
+        "host: 127.0.0.1\r\nconnection: close\r\nauthorization: Bearer alice\r\n\
+         authorization: Bearer bob\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    let (answer, _) = post_raw_to_close(gw.port, &headers, &body);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(
+        answer.contains("the authorization header appears more than once"),
+        "{answer}"
+    );
+    assert_eq!(
+        tripwire.count(),
+        0,
+        "a refused request reached the upstream"
+    );
+}
+
 /// A request line the gateway cannot frame or place: a transfer coding other than one
 /// `chunked` (RFC 9112 §6.1: 501), an HTTP/1.1 request without a Host, or with one no
 /// host name has or whose port is not one (§3.2: 400). Each is answered with a JSON-RPC
