@@ -15,6 +15,11 @@ use std::time::{Duration, Instant};
 /// Replicas in front of `url`, each with a peer listener, all knowing each other.
 fn peered(url: &str, count: usize, tweak: impl Fn(&mut Config)) -> Vec<TestGateway> {
     let peer_ports: Vec<u16> = (0..count).map(|_| free_port()).collect();
+    peered_on(url, &peer_ports, tweak)
+}
+
+/// [`peered`] with the replicas' peer listeners on `peer_ports`.
+fn peered_on(url: &str, peer_ports: &[u16], tweak: impl Fn(&mut Config)) -> Vec<TestGateway> {
     let members: Vec<String> = peer_ports
         .iter()
         .map(|p| format!("127.0.0.1:{p}"))
@@ -269,6 +274,40 @@ fn a_held_state_is_single_use_across_replicas() {
         "replayed",
     );
     assert_eq!(replays, Some(2.0), "the owner refused both replays");
+}
+
+#[test]
+fn a_held_state_runs_at_most_once_where_its_owner_is_not() {
+    let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);
+    let peer_ports = [free_port(), free_port()];
+    let mut replicas = peered_on(&url, &peer_ports, |_| {});
+    // A client reaching B's peer listener with a flow A holds: refused there, and the
+    // flow is still A's to finish.
+    let first = ask_name(&Raw::new(&replicas[0].url), 1, json!({}));
+    let retry = answer(&first, json!({"name": "Kim"}));
+    let b_peer = Raw::new(&format!("http://127.0.0.1:{}/mcp", peer_ports[1]));
+    let params = tool_params("ask_name", retry.clone());
+    let stray = b_peer.modern(2, "tools/call", params, json!({"elicitation": {}}));
+    assert_eq!(stray.status, 403);
+    assert_eq!(metric(&replicas[0].admin, "mrtr_gateway_held_flows"), 1.0);
+    let done = ask_name(&Raw::new(&replicas[0].url), 3, retry);
+    assert_eq!(
+        done["result"]["content"][0]["text"], "Hello, Kim!",
+        "{done}"
+    );
+
+    // The owner gone: B ends the flow once, and refuses the same state again.
+    let second = ask_name(&Raw::new(&replicas[0].url), 4, json!({}));
+    replicas[0].kill();
+    let b = Raw::new(&replicas[1].url);
+    let retry = answer(&second, json!({"name": "Kim"}));
+    let lost = ask_name(&b, 5, retry.clone());
+    assert_eq!(lost["error"]["code"], -32012, "{lost}");
+    let again = ask_name(&b, 6, retry);
+    assert_eq!(
+        again["error"]["message"], "Invalid or expired requestState",
+        "{again}"
+    );
 }
 
 #[test]

@@ -109,13 +109,48 @@ pub(super) async fn interactive(
     if let Err(refusal) = check_answers(state.waiting.pending(), &answers) {
         return refuse(session, reply, refusal).await;
     }
+    let used = replay::digest(text);
     if let Waiting::Held { at, .. } = &state.waiting {
         if !gw.flows.peers.is_me(at.owner) {
             let owner = at.owner;
-            return to_holder(&call, session, reply, state, owner).await;
+            return to_holder(&call, session, reply, state, used, owner).await;
         }
     }
-    let used = replay::digest(text);
+    if let Err(refused) = claim(gw, used, &state) {
+        return refused.answer(gw, session, reply, group).await;
+    }
+    continue_flow(&call, session, reply, state, answers, used).await
+}
+
+/// Why a state could not be claimed on this replica.
+enum NotClaimed {
+    /// It was used here already.
+    Replayed,
+    /// The table of used states is full.
+    Full,
+}
+
+impl NotClaimed {
+    async fn answer(
+        self,
+        gw: &Gateway,
+        session: &mut ServerSession,
+        reply: ClientReply,
+        group: &UpstreamGroup,
+    ) -> Outcome {
+        match self {
+            NotClaimed::Replayed => refuse_state(gw, session, reply, group, "replayed").await,
+            NotClaimed::Full => {
+                let text = "too many retries are in flight on this replica; retry later";
+                refuse(session, reply, Refusal::internal(Class::Overloaded, text)).await
+            }
+        }
+    }
+}
+
+/// Claims `state` (whose digest is `used`) on this replica: a state is used once per
+/// replica, whatever the retry then does with it.
+fn claim(gw: &Gateway, used: StateDigest, state: &FlowState) -> Result<(), NotClaimed> {
     let claim = gw
         .sealing
         .used_states
@@ -123,14 +158,10 @@ pub(super) async fn interactive(
         .expect("used-states lock")
         .claim(used, state.expires_at, now_secs());
     match claim {
-        Claim::Fresh => {}
-        Claim::Replayed => return refuse_state(gw, session, reply, group, "replayed").await,
-        Claim::Full => {
-            let text = "too many retries are in flight on this replica; retry later";
-            return refuse(session, reply, Refusal::internal(Class::Overloaded, text)).await;
-        }
+        Claim::Fresh => Ok(()),
+        Claim::Replayed => Err(NotClaimed::Replayed),
+        Claim::Full => Err(NotClaimed::Full),
     }
-    continue_flow(&call, session, reply, state, answers, used).await
 }
 
 /// A claimed retry goes on: a held flow on the streams this replica holds (or lost, when
@@ -389,13 +420,17 @@ async fn to_holder(
     session: &mut ServerSession,
     reply: ClientReply,
     state: FlowState,
+    used: StateDigest,
     owner: Option<std::net::SocketAddr>,
 ) -> Outcome {
     let gw = call.gw;
+    if call.incoming.arrival == Arrival::Peer {
+        // Peers forward a retry only to the owner its state names: this one came from
+        // elsewhere, and continuing (or re-running) the flow here would run it twice.
+        tracing::info!("a retry for another replica's flow on the peer listener");
+        return super::refused_on_peer_listener(session).await;
+    }
     let why = match owner {
-        _ if call.incoming.arrival == Arrival::Peer => {
-            "forwarded here, but held by another replica".to_string()
-        }
         None => "held by a replica without a peer listener".to_string(),
         Some(owner) => match peers::forward(gw, session, owner, &call.incoming.body).await {
             Ok(_) => {
@@ -416,9 +451,14 @@ async fn to_holder(
         .inc();
     let flow_id = format!("{:016x}", state.flow_id);
     tracing::info!(flow = flow_id, owner = ?owner, %why, "the replica holding the flow cannot continue it");
+    // The lost flow may run its tool again (a restartable one): once per state here, as
+    // any retry is.
+    if let Err(refused) = claim(gw, used, &state) {
+        return refused.answer(gw, session, reply, call.group).await;
+    }
     let responses = input_responses(call.request);
     let flow = Flow::holder_lost(config(call, false), state, responses, Instant::now());
-    drive(call, session, reply, flow, Io::new(None, None)).await
+    drive(call, session, reply, flow, Io::new(None, Some(used))).await
 }
 
 /// Runs `flow` to its end: carries out its commands, feeds it what the upstream streams,

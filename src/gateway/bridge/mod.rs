@@ -216,10 +216,7 @@ async fn serve_inner(
         };
     request.headers = gw.admission.end_to_end(session, group);
     if incoming.arrival == Arrival::Peer && !is_retry(&kind, &request) {
-        super::refuse_on_peer_listener(session).await;
-        let text = "the peer listener serves only retries of held flows";
-        let refusal = Refusal::new(Class::BadRequest, code::INVALID_REQUEST, text);
-        return Served::Done(Outcome::Refused(refusal));
+        return Served::Done(refused_on_peer_listener(session).await);
     }
     // Only a request that passed validation may make the gateway probe the upstream.
     let asking = || asker(group, &request, principal);
@@ -463,6 +460,14 @@ async fn one_shot(
     let outcome = answered(gw, session, group, reply, answer).await;
     one_shot::retire(&gw.upstreams.client, group, retired).await;
     outcome
+}
+
+/// Refuses what the peer listener does not serve (anything but a retry of a flow this
+/// replica holds), as the outcome of the request.
+pub(super) async fn refused_on_peer_listener(session: &mut ServerSession) -> Outcome {
+    super::refuse_on_peer_listener(session).await;
+    let text = "the peer listener serves only retries of flows this replica holds";
+    Outcome::Refused(Refusal::new(Class::BadRequest, code::INVALID_REQUEST, text))
 }
 
 /// Posts a one-shot request and reads its one answer.
