@@ -132,11 +132,13 @@ pub async fn forward(
         stream_idle: None,
     };
     let request = forwarded_request(session, &endpoint, body);
-    let sent = gw
-        .upstreams
-        .client
-        .send(&endpoint, &timeouts, request, body.clone())
-        .await;
+    // The owner answers when its round ends, which may be long: a client that leaves
+    // meanwhile drops the exchange, and the owner, seeing its connection close, cancels
+    // the call as it would for a client of its own.
+    let sent = tokio::select! {
+        sent = gw.upstreams.client.send(&endpoint, &timeouts, request, body.clone()) => sent,
+        _ = session.read_body_or_idle(true) => return Ok(Outcome::ClientGone),
+    };
     let mut response = sent.map_err(|e| e.to_string())?;
     let header = passthrough::relayed_header(session, response.header());
     let outcome = passthrough::relay(gw, session, header, &mut response, None, None).await;

@@ -310,6 +310,67 @@ fn a_held_state_runs_at_most_once_where_its_owner_is_not() {
     );
 }
 
+/// A client that leaves while its retry is forwarded to the owner cancels the call as a
+/// client of the owner's own would: the forwarding replica drops the exchange, and the
+/// owner, seeing its connection close, deletes the call's session, here while the
+/// upstream still works on the answer.
+#[test]
+fn a_client_that_leaves_a_forwarded_retry_cancels_the_call_at_the_owner() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        if seen.method == "GET" {
+            return Answer::sse(&[]);
+        }
+        let message = seen.json().unwrap_or_default();
+        if message.get("result").is_some() {
+            return Answer::status(202, &[], b"");
+        }
+        // A question without an event id: the call cannot be resumed, so it is held;
+        // after the answer the tool works on, sending nothing.
+        let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
+            "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
+        Answer::sse(&[]).event(None, &question)
+    });
+    let replicas = peered(&upstream.url(), 2, |_| {});
+    let caps = json!({"elicitation": {}});
+    let asked = Raw::new(&replicas[0].url)
+        .modern(
+            1,
+            "tools/call",
+            json!({"name": "ask", "arguments": {}}),
+            caps.clone(),
+        )
+        .json();
+    assert_eq!(
+        metric(&replicas[0].admin, "mrtr_gateway_held_flows"),
+        1.0,
+        "{asked}"
+    );
+    let retry = answer(&asked, json!({"name": "Kim"}));
+    let params = json!({"name": "ask", "arguments": {}})
+        .as_object()
+        .unwrap()
+        .clone();
+    let mut params = Value::Object(params);
+    params
+        .as_object_mut()
+        .unwrap()
+        .extend(retry.as_object().unwrap().clone());
+    let client = send_and_stay(replicas[1].port, 2, params, caps);
+    let answered = |s: &Seen| s.json().is_some_and(|m| m.get("result").is_some());
+    wait_until("the answer upstream", Duration::from_secs(10), || {
+        upstream.requests().iter().any(answered)
+    });
+    drop(client);
+    wait_until(
+        "the call's session deleted",
+        Duration::from_secs(10),
+        || upstream.requests().iter().any(|s| s.method == "DELETE"),
+    );
+}
+
 #[test]
 fn the_peer_listener_serves_only_retries_of_held_flows() {
     let tripwire = Tripwire::start();
