@@ -372,6 +372,51 @@ impl GatewayProcess {
     }
 }
 
+/// A flow held when SIGTERM comes stays held through the grace period (its retry may
+/// still come), and is ended before the process exits: its upstream session is deleted
+/// rather than left to the server's own idle timeout.
+#[test]
+fn flows_still_held_when_the_grace_period_ends_have_their_sessions_deleted() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "held-1") {
+            return answer;
+        }
+        if seen.method == "GET" {
+            return Answer::sse(&[]);
+        }
+        // A question without an event id: the call cannot be resumed, so it is held.
+        let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
+            "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
+        Answer::sse(&[]).event(None, &question)
+    });
+    let mut gw = GatewayProcess::start(&upstream.url());
+    let asked = Raw::new(&gw.url)
+        .modern(
+            1,
+            "tools/call",
+            json!({"name": "ask"}),
+            json!({"elicitation": {}}),
+        )
+        .json();
+    assert_eq!(asked["result"]["resultType"], "input_required", "{asked}");
+    gw.begin_drain();
+    let deleted = |u: &ScriptedUpstream| u.requests().iter().any(|s| s.method == "DELETE");
+    assert_eq!(
+        metric(&gw.admin, "mrtr_gateway_held_flows"),
+        1.0,
+        "held through the grace"
+    );
+    assert!(
+        !deleted(&upstream),
+        "ended at the start of the grace period"
+    );
+    gw.wait_for_exit();
+    assert!(
+        deleted(&upstream),
+        "the held flow's session was left open upstream"
+    );
+}
+
 /// The `requestState` of a round handed over at a drain: an `InputRequiredResult` that
 /// asks nothing.
 fn handed_over_state(reply: &Value) -> String {

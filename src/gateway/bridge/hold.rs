@@ -223,6 +223,17 @@ impl HeldFlows {
             .collect()
     }
 
+    /// Takes every flow (at shutdown: nobody can continue them after this process).
+    fn take_all(&self) -> Vec<Held> {
+        let mut table = self.lock();
+        let slots: Vec<u64> = table.flows.keys().copied().collect();
+        slots
+            .iter()
+            .filter_map(|slot| table.remove(slot))
+            .map(|held| *held)
+            .collect()
+    }
+
     /// How many flows are held, and the bytes they buffer.
     pub fn usage(&self) -> (usize, usize) {
         let table = self.lock();
@@ -230,7 +241,9 @@ impl HeldFlows {
     }
 }
 
-/// Ends held flows whose state expired: nobody can continue them any more.
+/// Ends held flows whose state expired, and at shutdown (after the grace period, in which
+/// they could still be continued) every one left: nobody can continue them any more, and
+/// their upstream sessions would otherwise wait for the server's own idle timeout.
 pub struct HeldSweeper {
     pub gw: Arc<Gateway>,
 }
@@ -239,10 +252,24 @@ pub struct HeldSweeper {
 impl BackgroundService for HeldSweeper {
     async fn start(&self, mut shutdown: ShutdownWatch) {
         let mut tick = tokio::time::interval(SWEEP_EVERY);
+        // The shutdown signal comes at SIGTERM, when the grace period begins: held flows
+        // can still be continued through it, so the last of them end near its end (four
+        // fifths in, leaving the rest for their DELETEs before the runtime stops).
+        let mut last_call: Option<tokio::time::Instant> = None;
         loop {
+            let ending = async {
+                match last_call {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 _ = tick.tick() => {}
-                _ = shutdown.changed() => return,
+                _ = shutdown.changed(), if last_call.is_none() => {
+                    let grace = Duration::from_secs(self.gw.config.server.grace_period_seconds);
+                    last_call = Some(tokio::time::Instant::now() + grace - grace / 5);
+                }
+                _ = ending => break,
             }
             for held in self.gw.flows.held.take_expired(now_secs()) {
                 tracing::info!(flow = format!("{:016x}", held.flow_id), "held flow expired");
@@ -250,6 +277,17 @@ impl BackgroundService for HeldSweeper {
                 held.abandon(&self.gw).await;
             }
         }
+        let left = self.gw.flows.held.take_all();
+        if !left.is_empty() {
+            tracing::info!(flows = left.len(), "held flows ended at shutdown");
+        }
+        let mut ending = tokio::task::JoinSet::new();
+        for held in left {
+            self.gw.runtime.metrics.held_event("shutdown");
+            let gw = self.gw.clone();
+            ending.spawn(async move { held.abandon(&gw).await });
+        }
+        while ending.join_next().await.is_some() {}
     }
 }
 
