@@ -137,14 +137,23 @@ async fn authorization_server(
         let text = format!("upstream group '{}' has no healthy endpoint", group.name);
         return refuse(session, Refusal::internal(Class::NoUpstream, text)).await;
     };
-    let upstream_path = if for_path.is_empty() {
-        path.to_string()
-    } else {
-        path.replacen(for_path, endpoint.path.trim_end_matches('/'), 1)
-    };
+    let upstream_path = upstream_document_path(path, for_path, &endpoint.path);
     match fetch(gw, group, &endpoint, &upstream_path).await {
         Ok(f) => relayed(session, f).await,
         Err(refusal) => refuse(session, refusal).await,
+    }
+}
+
+/// Where the upstream serves the document `path` asks for the group at `for_path`: the
+/// group's path is the document path's suffix (RFC 8414 §3.1), replaced by the
+/// endpoint's; it may also occur inside the well-known name (`/oauth` in
+/// `/.well-known/oauth-authorization-server/oauth`), which stays as it is.
+fn upstream_document_path(path: &str, for_path: &str, endpoint_path: &str) -> String {
+    match path.strip_suffix(for_path) {
+        Some(prefix) if !for_path.is_empty() => {
+            format!("{prefix}{}", endpoint_path.trim_end_matches('/'))
+        }
+        _ => path.to_string(),
     }
 }
 
@@ -235,4 +244,40 @@ async fn refuse(session: &mut ServerSession, refusal: Refusal) -> Outcome {
     let status = refusal.class.status();
     respond::error(session, status, None, refusal.code, &refusal.message).await;
     Outcome::Refused(refusal)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_document_path_keeps_its_name_and_takes_the_endpoints_path() {
+        let asked = [
+            (
+                "/.well-known/oauth-authorization-server/oauth",
+                "/oauth",
+                "/mcp",
+            ),
+            ("/.well-known/openid-configuration/open", "/open", "/tools/"),
+            (
+                "/.well-known/oauth-authorization-server/a/b",
+                "/a/b",
+                "/mcp",
+            ),
+            ("/.well-known/oauth-authorization-server", "", "/mcp"),
+        ];
+        let upstream: Vec<String> = asked
+            .iter()
+            .map(|(path, for_path, endpoint)| upstream_document_path(path, for_path, endpoint))
+            .collect();
+        assert_eq!(
+            upstream,
+            [
+                "/.well-known/oauth-authorization-server/mcp",
+                "/.well-known/openid-configuration/tools",
+                "/.well-known/oauth-authorization-server/mcp",
+                "/.well-known/oauth-authorization-server",
+            ]
+        );
+    }
 }
