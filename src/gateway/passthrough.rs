@@ -423,8 +423,9 @@ fn client_response_header(
             .headers
             .get_all(http::header::WWW_AUTHENTICATE)
             .iter()
-            .filter_map(|v| v.to_str().ok())
-            .map(|c| oauth::rewrite_challenge(c, &public))
+            // A value that is not ASCII (an error_description in UTF-8) is kept.
+            .map(|v| String::from_utf8_lossy(v.as_bytes()))
+            .map(|c| oauth::rewrite_challenge(&c, &public))
             .collect();
         out.remove_header(&http::header::WWW_AUTHENTICATE);
         for challenge in challenges {

@@ -69,27 +69,35 @@ impl PublicResource {
 /// public resource's metadata instead of whatever the upstream named; a challenge
 /// without one is returned unchanged.
 pub fn rewrite_challenge(challenge: &str, resource: &PublicResource) -> String {
-    let Some((start, end)) = param_value(challenge, "resource_metadata") else {
-        return challenge.to_string();
-    };
-    format!(
-        "{}\"{}\"{}",
-        &challenge[..start],
-        resource.metadata_url(),
-        &challenge[end..]
-    )
+    // Every challenge in the value (a field may list several) names its own.
+    let url = format!("\"{}\"", resource.metadata_url());
+    let mut out = String::with_capacity(challenge.len() + url.len());
+    let mut at = 0;
+    while let Some((start, end)) = param_value(challenge, at, "resource_metadata") {
+        out.push_str(&challenge[at..start]);
+        out.push_str(&url);
+        at = end;
+    }
+    out.push_str(&challenge[at..]);
+    out
 }
 
-/// The byte range of the value (quoted string or token) of auth-param `name`.
-fn param_value(challenge: &str, name: &str) -> Option<(usize, usize)> {
+/// Whitespace around an auth-param's `=` (RFC 9110's BWS: spaces and tabs).
+fn is_blank(byte: Option<&u8>) -> bool {
+    matches!(byte, Some(b' ' | b'\t'))
+}
+
+/// The byte range of the value (quoted string or token) of the first auth-param `name`
+/// at or after `from`.
+fn param_value(challenge: &str, from: usize, name: &str) -> Option<(usize, usize)> {
     let bytes = challenge.as_bytes();
-    let mut i = 0;
+    let mut i = from;
     while i < bytes.len() {
         match bytes[i] {
             b'"' => i = skip_quoted(bytes, i),
             _ if starts_param(bytes, i, name) => {
                 let mut v = i + name.len();
-                while bytes.get(v) == Some(&b' ') {
+                while is_blank(bytes.get(v)) {
                     v += 1;
                 }
                 if bytes.get(v) != Some(&b'=') {
@@ -97,7 +105,7 @@ fn param_value(challenge: &str, name: &str) -> Option<(usize, usize)> {
                     continue;
                 }
                 v += 1;
-                while bytes.get(v) == Some(&b' ') {
+                while is_blank(bytes.get(v)) {
                     v += 1;
                 }
                 let end = if bytes.get(v) == Some(&b'"') {
@@ -105,7 +113,7 @@ fn param_value(challenge: &str, name: &str) -> Option<(usize, usize)> {
                 } else {
                     v + bytes[v..]
                         .iter()
-                        .position(|b| *b == b',' || *b == b' ')
+                        .position(|b| matches!(b, b',' | b' ' | b'\t'))
                         .unwrap_or(bytes.len() - v)
                 };
                 return Some((v, end));
@@ -225,6 +233,17 @@ mod tests {
         );
         let none = r#"Bearer realm="mcp""#;
         assert_eq!(rewrite_challenge(none, &gateway()), none);
+        let public = "\"https://mcp.example.com/.well-known/oauth-protected-resource/tools\"";
+        let tabs = "Bearer resource_metadata\t=\t\"http://10.9.9.9/x\"";
+        assert_eq!(
+            rewrite_challenge(tabs, &gateway()),
+            format!("Bearer resource_metadata\t=\t{public}")
+        );
+        let two = r#"Bearer resource_metadata="http://10.9.9.9/a", DPoP resource_metadata="http://10.9.9.9/b""#;
+        assert_eq!(
+            rewrite_challenge(two, &gateway()),
+            format!("Bearer resource_metadata={public}, DPoP resource_metadata={public}")
+        );
     }
 
     #[test]

@@ -397,12 +397,16 @@ impl<'a> LegacySession<'a> {
     /// session (`Unauthorized: Session not found`), so it too means the session is gone.
     fn refused(&self, response: &Response) -> SessionError {
         let status = response.header().status.as_u16();
-        let challenge = response
+        // Every challenge, as one list (RFC 9110 §11.6.1 lets one field carry several);
+        // a value that is not ASCII (an error_description in UTF-8) is kept, not lost.
+        let challenges: Vec<String> = response
             .header()
             .headers
-            .get(http::header::WWW_AUTHENTICATE)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
+            .get_all(http::header::WWW_AUTHENTICATE)
+            .iter()
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+            .collect();
+        let challenge = (!challenges.is_empty()).then(|| challenges.join(", "));
         let in_session = self.session_id.is_some();
         let failure = match status {
             404 if in_session => SessionFailure::Gone,

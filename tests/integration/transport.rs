@@ -418,6 +418,61 @@ fn a_request_with_two_authorization_headers_is_refused() {
     );
 }
 
+/// An upstream's denial with two challenges, one with UTF-8 in its error_description,
+/// reaches both kinds of client with every challenge and that text kept (and the
+/// metadata URL made public): a legacy client as the two fields, a 2026-07-28 client as
+/// one list; neither is taken for a lost session.
+#[test]
+fn every_challenge_of_a_denial_reaches_the_client_whatever_its_bytes() {
+    let upstream = ScriptedUpstream::start(|_: &Seen| {
+        let head = "HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\
+            www-authenticate: Basic realm=\"x\"\r\n\
+            www-authenticate: Bearer error_description=\"Jeton expir\u{e9}\", \
+            resource_metadata=\"http://10.9.9.9/.well-known/oauth-protected-resource/mcp\"\r\n\r\n";
+        Answer::raw(head)
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let challenges = |answer: &str| -> Vec<String> {
+        answer
+            .lines()
+            .filter_map(|l| l.strip_prefix("www-authenticate: "))
+            .map(str::to_string)
+            .collect()
+    };
+    let body = initialize_body().to_string();
+    let legacy = format!(
+        "host: 127.0.0.1\r\nconnection: close\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    let (answer, _) = post_raw_to_close(gw.port, &legacy, &body);
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    let legacy = challenges(&answer);
+    assert_eq!(legacy.len(), 2, "{answer}");
+    assert!(legacy[1].contains("Jeton expir\u{e9}"), "{answer}");
+    assert!(!legacy[1].contains("10.9.9.9"), "{answer}");
+
+    let meta = json!({"io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientCapabilities": {}});
+    let body =
+        json!({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"_meta": meta}})
+            .to_string();
+    let modern = format!(
+        "host: 127.0.0.1\r\nconnection: close\r\nmcp-protocol-version: 2026-07-28\r\n\
+         mcp-method: tools/list\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    let (answer, _) = post_raw_to_close(gw.port, &modern, &body);
+    assert!(answer.starts_with("HTTP/1.1 401"), "{answer}");
+    let modern = challenges(&answer);
+    assert_eq!(modern.len(), 1, "{answer}");
+    assert!(
+        modern[0].starts_with("Basic realm=\"x\", Bearer")
+            && modern[0].contains("Jeton expir\u{e9}"),
+        "{answer}"
+    );
+    assert!(!modern[0].contains("10.9.9.9"), "{answer}");
+}
+
 /// A request line the gateway cannot frame or place: a transfer coding other than one
 /// `chunked` (RFC 9112 §6.1: 501), an HTTP/1.1 request without a Host, or with one no
 /// host name has or whose port is not one (§3.2: 400). Each is answered with a JSON-RPC

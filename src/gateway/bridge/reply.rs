@@ -113,8 +113,11 @@ impl ClientReply {
                 let body =
                     jsonrpc::error_body(Some(&self.id), refusal.code, &refusal.message, None);
                 if let Ok(mut header) = ResponseHeader::build(status, Some(4)) {
-                    let _ =
-                        header.insert_header(http::header::WWW_AUTHENTICATE, challenge.as_str());
+                    // Bytes, not text: a challenge may carry UTF-8 (HTTP's obs-text).
+                    let value = http::HeaderValue::from_bytes(challenge.as_bytes());
+                    if let Ok(value) = value {
+                        let _ = header.insert_header(http::header::WWW_AUTHENTICATE, value);
+                    }
                     respond::write_with(session, header, "application/json", body.into()).await;
                 }
             }
