@@ -12,6 +12,7 @@
 
 use crate::metrics::Metrics;
 use crate::protocol::jsonrpc::code;
+use crate::tls::handshakes::Handshakes;
 use async_trait::async_trait;
 use pingora::apps::ServerApp;
 use pingora::protocols::http::v2::{self, server::H2Accept};
@@ -91,6 +92,9 @@ impl Drop for Slot<'_> {
 pub struct Capped<A> {
     pub app: Arc<A>,
     pub cap: ConnectionCap,
+    /// A TLS listener's handshakes in progress: a connection that reaches the app has
+    /// finished its own.
+    pub handshakes: Option<Arc<Handshakes>>,
 }
 
 #[async_trait]
@@ -100,6 +104,9 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Capped<A> {
         stream: Stream,
         shutdown: &ShutdownWatch,
     ) -> Option<Stream> {
+        if let Some(handshakes) = &self.handshakes {
+            handshakes.done(stream.id());
+        }
         let Some(_slot) = self.cap.admit() else {
             self.cap.metrics.client_connections_refused.inc();
             refuse(stream).await;

@@ -17,6 +17,7 @@ use crate::config::{Config, ConfigError};
 use crate::keys::KeyRing;
 use crate::metrics::Metrics;
 use crate::principal::{Authenticator, PrincipalSource};
+use crate::tls::handshakes::{HandshakeGuard, Handshakes};
 use crate::tls::listener::ListenerCert;
 use crate::upstream::Upstreams;
 use async_trait::async_trait;
@@ -74,17 +75,26 @@ pub fn build(
     let max_connections = gateway.config.limits.max_client_connections;
     let cap = ConnectionCap::new(max_connections, metrics.clone());
     let listener = Listener::new(gateway.clone(), Arrival::Client, Some(cap.crowding()));
+    // TLS handshakes: at most as many in progress as connections, none past the header
+    // timeout (pingora's own bound is a minute).
+    let handshakes = listener_cert.as_ref().map(|_| {
+        let limit = Duration::from_millis(gateway.config.limits.header_timeout_ms);
+        Handshakes::new(max_connections, limit)
+    });
     let capped = Capped {
         app: Arc::new(listener),
         cap,
+        handshakes: handshakes.clone(),
     };
     let mut mcp = Service::new("mcp".to_string(), capped);
-    match &listener_cert {
-        Some(cert) => {
+    match (&listener_cert, handshakes) {
+        (Some(cert), Some(handshakes)) => {
             mcp.add_tls_with_settings(&listen, None, cert.settings()?);
+            mcp.endpoints()
+                .set_pre_tls_callback(Arc::new(HandshakeGuard(handshakes)));
             tracing::info!(%listen, certificate = %cert.describe(), "the MCP listener serves TLS");
         }
-        None => mcp.add_tcp(&listen),
+        _ => mcp.add_tcp(&listen),
     }
     let admin_app = AdminApp {
         metrics: metrics.clone(),

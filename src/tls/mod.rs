@@ -2,12 +2,14 @@
 //! bundles and private keys, each failure naming its file (never a key's bytes), and a
 //! chain with its key as rustls signs with it. `upstream` applies a group's settings to
 //! the connections to its `https://` endpoints; `listener` serves the MCP listener's
-//! certificate, swapped whole on reload.
+//! certificate, swapped whole on reload; `handshakes` bounds the listener's handshakes.
 //!
-//! Everything here runs at start or on a reload, never on a request path. Pingora's own
+//! Everything here but `handshakes` runs at start or on a reload, never on a request
+//! path. Pingora's own
 //! constructors of certificate types panic on DER they cannot parse, so every certificate
 //! is parsed here first with the same parser.
 
+pub mod handshakes;
 pub mod listener;
 pub mod upstream;
 

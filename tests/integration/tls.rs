@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_rustls::{rustls, TlsConnector};
 
@@ -420,6 +420,56 @@ fn official_clients_connect_to_the_tls_listener_trusting_a_test_ca() {
         assert_modern_call(&modern, &format!("{sdk:?} modern client over TLS"));
         println!("{sdk:?} client over TLS: a legacy session and a 2026-07-28 MRTR flow ok");
     }
+}
+
+/// Connections that stall in their TLS handshake (a ClientHello's first bytes, then
+/// nothing) are closed at the header timeout, not pingora's minute, and at most as many
+/// handshakes as connections run at once: a flood of them cannot hold the descriptors
+/// real clients need, and a real client is served beside them.
+#[test]
+fn a_stalled_tls_handshake_is_closed_at_the_header_timeout() {
+    use std::io::{Read, Write};
+    let tripwire = Tripwire::start();
+    let tls = TlsGateway::start(&tripwire.url(), |c| {
+        c.limits.header_timeout_ms = 300;
+        c.limits.max_client_connections = 4;
+    });
+    let started = Instant::now();
+    let stalled: Vec<std::net::TcpStream> = (0..8)
+        .map(|_| {
+            let mut stream = std::net::TcpStream::connect(("127.0.0.1", tls.gw.port)).unwrap();
+            // A TLS record header and the start of a ClientHello.
+            stream
+                .write_all(&[
+                    0x16, 0x03, 0x01, 0x02, 0x00, 0x01, 0x00, 0x01, 0xfc, 0x03, 0x03,
+                ])
+                .unwrap();
+            stream
+                .set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
+            stream
+        })
+        .collect();
+    for mut stream in stalled {
+        let mut byte = [0u8; 64];
+        // Closed (0 bytes, or a reset), not left to time out the read.
+        let read = stream.read(&mut byte);
+        assert!(
+            !matches!(&read, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut),
+            "still open after {:?}",
+            started.elapsed()
+        );
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let connector = tls.client(&["http/1.1"]);
+    assert!(
+        !presented(&connector, tls.gw.port).is_empty(),
+        "a real client is served"
+    );
 }
 
 #[test]

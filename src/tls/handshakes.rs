@@ -1,0 +1,165 @@
+//! The MCP listener's TLS handshakes, bounded: pingora gives each one 60 s, and counts a
+//! connection only once its handshake is done, so clients that open connections and
+//! stall in their handshake (a ClientHello's first bytes, then nothing) could hold a
+//! descriptor each for a minute, uncounted, until the process ran out of them.
+//!
+//! Before a handshake starts (`PreTlsProcess`) its socket is noted by its kernel cookie
+//! (`SO_COOKIE`, never reused while the system runs), at most `max` at once (a
+//! connection beyond that is closed at once); the listener's app marks it done when the
+//! connection reaches it. One still in its handshake after `limit` (the header timeout)
+//! is shut down, which ends the handshake's read. Linux only; elsewhere nothing is
+//! bounded beyond pingora's own.
+
+use async_trait::async_trait;
+use pingora::listeners::PreTlsProcess;
+use pingora::protocols::l4::stream::Stream as L4Stream;
+use std::collections::HashSet;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// The handshakes in progress on one listener.
+pub struct Handshakes {
+    pending: Mutex<HashSet<u64>>,
+    max: usize,
+    limit: Duration,
+}
+
+impl Handshakes {
+    pub fn new(max: usize, limit: Duration) -> Arc<Handshakes> {
+        Arc::new(Handshakes {
+            pending: Mutex::new(HashSet::new()),
+            max,
+            limit,
+        })
+    }
+
+    /// The connection on `fd` finished its handshake (the listener's app has it).
+    pub fn done(&self, fd: RawFd) {
+        if let Some(cookie) = socket_cookie(fd) {
+            self.lock().remove(&cookie);
+        }
+    }
+
+    /// How many handshakes are in progress.
+    pub fn in_progress(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<u64>> {
+        self.pending.lock().expect("handshakes lock")
+    }
+
+    /// Notes a handshake starting on `fd`; false when `max` are in progress already.
+    fn start(self: &Arc<Self>, fd: RawFd) -> bool {
+        let Some(cookie) = socket_cookie(fd) else {
+            return true;
+        };
+        {
+            let mut pending = self.lock();
+            if pending.len() >= self.max {
+                return false;
+            }
+            pending.insert(cookie);
+        }
+        let handshakes = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(handshakes.limit).await;
+            let stalled = handshakes.lock().remove(&cookie);
+            // The descriptor still names this connection (the cookie is the socket's),
+            // whose handshake has not finished: shutting it down ends its read.
+            if stalled && socket_cookie(fd) == Some(cookie) {
+                tracing::debug!("a TLS handshake took longer than the header timeout");
+                // SAFETY: shutdown(2) on a descriptor this process owns; it only ends the
+                // socket's traffic, the descriptor stays its owner's to close.
+                unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+            }
+        });
+        true
+    }
+}
+
+/// The `PreTlsProcess` that bounds a listener's handshakes.
+pub struct HandshakeGuard(pub Arc<Handshakes>);
+
+#[async_trait]
+impl PreTlsProcess for HandshakeGuard {
+    async fn process(&self, stream: &mut L4Stream) -> pingora::Result<()> {
+        if self.0.start(stream.as_raw_fd()) {
+            return Ok(());
+        }
+        Err(pingora::Error::explain(
+            pingora::ErrorType::AcceptError,
+            "too many TLS handshakes in progress",
+        ))
+    }
+}
+
+/// The kernel's cookie of the socket on `fd`: unique among the sockets since boot.
+#[cfg(target_os = "linux")]
+fn socket_cookie(fd: RawFd) -> Option<u64> {
+    let mut cookie: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: getsockopt(2) writes at most `len` bytes into `cookie`, which has them.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_COOKIE,
+            (&mut cookie as *mut u64).cast(),
+            &mut len,
+        )
+    };
+    (rc == 0).then_some(cookie)
+}
+
+#[cfg(not(target_os = "linux"))]
+fn socket_cookie(_fd: RawFd) -> Option<u64> {
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_stalled_handshake_is_shut_down_and_a_finished_one_is_left() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let handshakes = Handshakes::new(2, Duration::from_millis(50));
+        let _stalled_client = std::net::TcpStream::connect(addr).unwrap();
+        let (stalled, _) = listener.accept().unwrap();
+        let _done_client = std::net::TcpStream::connect(addr).unwrap();
+        let (done, _) = listener.accept().unwrap();
+        let _third_client = std::net::TcpStream::connect(addr).unwrap();
+        let (third, _) = listener.accept().unwrap();
+        assert!(handshakes.start(stalled.as_raw_fd()));
+        assert!(handshakes.start(done.as_raw_fd()));
+        assert!(!handshakes.start(third.as_raw_fd()), "over the bound");
+        handshakes.done(done.as_raw_fd());
+        assert_eq!(handshakes.in_progress(), 1);
+        let stalled = tokio::net::TcpStream::from_std({
+            stalled.set_nonblocking(true).unwrap();
+            stalled
+        })
+        .unwrap();
+        // A read on the stalled socket ends (0 bytes) once it is shut down.
+        let mut buf = [0u8; 1];
+        let read = tokio::time::timeout(Duration::from_secs(5), async {
+            stalled.readable().await.unwrap();
+            stalled.try_read(&mut buf)
+        })
+        .await;
+        assert!(matches!(read, Ok(Ok(0))), "{read:?}");
+        assert_eq!(handshakes.in_progress(), 0);
+        // The finished one is untouched: its peer can still write to it.
+        let mut done_client = _done_client;
+        use std::io::Write;
+        assert!(done_client.write_all(b"x").is_ok());
+        let mut byte = [0u8; 1];
+        use std::io::Read;
+        let mut done = done;
+        done.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        assert_eq!(done.read(&mut byte).unwrap(), 1);
+    }
+}
