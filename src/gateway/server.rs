@@ -75,11 +75,11 @@ pub fn build(
     let max_connections = gateway.config.limits.max_client_connections;
     let cap = ConnectionCap::new(max_connections, metrics.clone());
     let listener = Listener::new(gateway.clone(), Arrival::Client, Some(cap.crowding()));
-    // TLS handshakes: at most as many in progress as connections, none past the header
-    // timeout (pingora's own bound is a minute).
+    // TLS handshakes: at most as many in progress as connections (16 at least), none
+    // past the header timeout (pingora's own bound is a minute).
     let handshakes = listener_cert.as_ref().map(|_| {
         let limit = Duration::from_millis(gateway.config.limits.header_timeout_ms);
-        Handshakes::new(max_connections, limit)
+        Handshakes::new(max_connections.max(MIN_HANDSHAKES), limit)
     });
     let capped = Capped {
         app: Arc::new(listener),
@@ -212,6 +212,11 @@ impl ShutdownSignalWatch for ChannelShutdown {
         }
     }
 }
+
+/// The fewest TLS handshakes the MCP listener lets run at once, however small its
+/// connection cap: a client whose handshake failed is noted until its socket is seen
+/// closed, which a cap of one would make everyone else wait for.
+const MIN_HANDSHAKES: usize = 16;
 
 /// A server running on its own thread until told to stop.
 pub struct Running {

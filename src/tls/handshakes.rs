@@ -5,22 +5,24 @@
 //!
 //! Before a handshake starts (`PreTlsProcess`) its socket is noted by its kernel cookie
 //! (`SO_COOKIE`, never reused while the system runs), at most `max` at once (a
-//! connection beyond that is closed at once); the listener's app marks it done when the
-//! connection reaches it. One still in its handshake after `limit` (the header timeout)
-//! is shut down, which ends the handshake's read. Linux only; elsewhere nothing is
-//! bounded beyond pingora's own.
+//! connection beyond that is closed at once; before refusing one, the notes of sockets
+//! closed meanwhile, by handshakes that failed, are dropped); the listener's app marks
+//! it done when the connection reaches it. One still in its handshake after `limit` (the
+//! header timeout) is shut down, which ends the handshake's read. Linux only; elsewhere
+//! nothing is bounded beyond pingora's own.
 
 use async_trait::async_trait;
 use pingora::listeners::PreTlsProcess;
 use pingora::protocols::l4::stream::Stream as L4Stream;
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// The handshakes in progress on one listener.
 pub struct Handshakes {
-    pending: Mutex<HashSet<u64>>,
+    /// By socket cookie, the descriptor it was on.
+    pending: Mutex<HashMap<u64, RawFd>>,
     max: usize,
     limit: Duration,
 }
@@ -28,7 +30,7 @@ pub struct Handshakes {
 impl Handshakes {
     pub fn new(max: usize, limit: Duration) -> Arc<Handshakes> {
         Arc::new(Handshakes {
-            pending: Mutex::new(HashSet::new()),
+            pending: Mutex::new(HashMap::new()),
             max,
             limit,
         })
@@ -46,7 +48,7 @@ impl Handshakes {
         self.lock().len()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<u64>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, RawFd>> {
         self.pending.lock().expect("handshakes lock")
     }
 
@@ -58,14 +60,19 @@ impl Handshakes {
         {
             let mut pending = self.lock();
             if pending.len() >= self.max {
+                // A handshake that failed left its note: its socket is gone (or its
+                // descriptor is another socket's now).
+                pending.retain(|cookie, fd| socket_cookie(*fd) == Some(*cookie));
+            }
+            if pending.len() >= self.max {
                 return false;
             }
-            pending.insert(cookie);
+            pending.insert(cookie, fd);
         }
         let handshakes = self.clone();
         tokio::spawn(async move {
             tokio::time::sleep(handshakes.limit).await;
-            let stalled = handshakes.lock().remove(&cookie);
+            let stalled = handshakes.lock().remove(&cookie).is_some();
             // The descriptor still names this connection (the cookie is the socket's),
             // whose handshake has not finished: shutting it down ends its read.
             if stalled && socket_cookie(fd) == Some(cookie) {
@@ -161,5 +168,26 @@ mod tests {
         let mut done = done;
         done.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         assert_eq!(done.read(&mut byte).unwrap(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_handshake_whose_socket_closed_leaves_no_slot_taken() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let handshakes = Handshakes::new(1, Duration::from_secs(60));
+        let accept = || {
+            let client = std::net::TcpStream::connect(addr).unwrap();
+            (client, listener.accept().unwrap().0)
+        };
+        let (_client, failed) = accept();
+        assert!(handshakes.start(failed.as_raw_fd()));
+        drop(failed);
+        let (_client, next) = accept();
+        assert!(
+            handshakes.start(next.as_raw_fd()),
+            "the closed one's note is dropped"
+        );
+        let (_client, over) = accept();
+        assert!(!handshakes.start(over.as_raw_fd()), "a live one's is not");
     }
 }

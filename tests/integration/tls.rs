@@ -423,9 +423,9 @@ fn official_clients_connect_to_the_tls_listener_trusting_a_test_ca() {
 }
 
 /// Connections that stall in their TLS handshake (a ClientHello's first bytes, then
-/// nothing) are closed at the header timeout, not pingora's minute, and at most as many
-/// handshakes as connections run at once: a flood of them cannot hold the descriptors
-/// real clients need, and a real client is served beside them.
+/// nothing) are closed at the header timeout, not pingora's minute: a flood of them
+/// cannot hold the descriptors real clients need, and a real client is served beside
+/// them.
 #[test]
 fn a_stalled_tls_handshake_is_closed_at_the_header_timeout() {
     use std::io::{Read, Write};
