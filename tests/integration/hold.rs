@@ -5,9 +5,7 @@
 //! left unanswered, single use across replicas, and load shedding by held flows.
 
 use crate::common::*;
-use crate::scripted::{
-    assert_call_cancelled_in_its_session, legacy_basics, Answer, ScriptedUpstream, Seen,
-};
+use crate::scripted::{assert_call_cancelled_in_its_session, holding_server, Seen};
 use mrtr_gateway::config::{Config, UpstreamEra};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -316,23 +314,7 @@ fn a_held_state_runs_at_most_once_where_its_owner_is_not() {
 /// upstream still works on the answer.
 #[test]
 fn a_client_that_leaves_a_forwarded_retry_cancels_the_call_at_the_owner() {
-    let upstream = ScriptedUpstream::start(|seen: &Seen| {
-        if let Some(answer) = legacy_basics(seen, "s1") {
-            return answer;
-        }
-        if seen.method == "GET" {
-            return Answer::sse(&[]);
-        }
-        let message = seen.json().unwrap_or_default();
-        if message.get("result").is_some() {
-            return Answer::status(202, &[], b"");
-        }
-        // A question without an event id: the call cannot be resumed, so it is held;
-        // after the answer the tool works on, sending nothing.
-        let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
-            "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
-        Answer::sse(&[]).event(None, &question)
-    });
+    let upstream = holding_server();
     let replicas = peered(&upstream.url(), 2, |_| {});
     let caps = json!({"elicitation": {}});
     let asked = Raw::new(&replicas[0].url)
@@ -632,21 +614,7 @@ fn one_caller_holds_at_most_its_share_of_the_held_flows() {
 /// an answer that cannot come any more.
 #[test]
 fn an_expired_held_call_in_a_data_layer_session_is_cancelled_upstream() {
-    let upstream = ScriptedUpstream::start(|seen: &Seen| {
-        if let Some(answer) = legacy_basics(seen, "s1") {
-            return answer;
-        }
-        if seen.method == "GET" {
-            return Answer::sse(&[]);
-        }
-        // A question without an event id: the call cannot be resumed, so it is held.
-        if seen.jsonrpc_method().as_deref() != Some("tools/call") {
-            return Answer::status(405, &[], b"");
-        }
-        let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
-            "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
-        Answer::sse(&[]).event(None, &question)
-    });
+    let upstream = holding_server();
     let (replicas, cookie) = expiring_replica_and_session(&upstream.url());
     let (gw, raw) = (&replicas[0], Raw::new(&replicas[0].url));
     let caps = json!({"elicitation": {}});

@@ -4,7 +4,9 @@
 //! and deletes the upstream sessions it opened ahead of demand.
 
 use crate::common::*;
-use crate::scripted::{legacy_basics, Answer, Gate, OneQuestionCalls, ScriptedUpstream, Seen};
+use crate::scripted::{
+    holding_server, legacy_basics, Answer, Gate, OneQuestionCalls, ScriptedUpstream, Seen,
+};
 use mrtr_gateway::config::UpstreamEra;
 use serde_json::{json, Value};
 use std::process::{Command, Stdio};
@@ -377,18 +379,7 @@ impl GatewayProcess {
 /// rather than left to the server's own idle timeout.
 #[test]
 fn flows_still_held_when_the_grace_period_ends_have_their_sessions_deleted() {
-    let upstream = ScriptedUpstream::start(|seen: &Seen| {
-        if let Some(answer) = legacy_basics(seen, "held-1") {
-            return answer;
-        }
-        if seen.method == "GET" {
-            return Answer::sse(&[]);
-        }
-        // A question without an event id: the call cannot be resumed, so it is held.
-        let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
-            "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
-        Answer::sse(&[]).event(None, &question)
-    });
+    let upstream = holding_server();
     let mut gw = GatewayProcess::start(&upstream.url());
     let asked = Raw::new(&gw.url)
         .modern(

@@ -352,6 +352,29 @@ pub fn legacy_basics(seen: &Seen, session: &str) -> Option<Answer> {
     }
 }
 
+/// A legacy server in session `s1` whose `tools/call` asks one question without an event
+/// id (so the call cannot be resumed and the gateway holds it), then works on after the
+/// answer (202), sending nothing more; its GET stream is empty, other posts get 405.
+pub fn holding_server() -> ScriptedUpstream {
+    ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        if seen.method == "GET" {
+            return Answer::sse(&[]);
+        }
+        if seen.json().is_some_and(|m| m.get("result").is_some()) {
+            return Answer::status(202, &[], b"");
+        }
+        if seen.jsonrpc_method().as_deref() != Some("tools/call") {
+            return Answer::status(405, &[], b"");
+        }
+        let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
+            "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
+        Answer::sse(&[]).event(None, &question)
+    })
+}
+
 /// The POST side of a scripted server whose calls ask one question each: `initialize`
 /// opens sessions `s0`, `s1`, …; a `tools/call` is remembered and streams `{session}-c1`
 /// (a priming event) and `{session}-c2` (an `elicitation/create`), and stays open; an
