@@ -92,11 +92,11 @@ async fn serve_inner(
     binding: &[u8; 32],
     legacy: bool,
 ) -> Outcome {
+    let id = parsed.and_then(Body::id).cloned();
     let route = match route(gw, session, group, binding) {
         Ok(route) => route,
-        Err(refusal) => return refuse(session, None, refusal).await,
+        Err(refusal) => return refuse(session, id.as_ref(), refusal).await,
     };
-    let id = parsed.and_then(Body::id).cloned();
     let resumption = match resumption(gw, session, group, &route, binding, legacy).await {
         Ok(resumption) => resumption,
         Err(refusal) => return refuse(session, id.as_ref(), refusal).await,

@@ -43,8 +43,9 @@ pub enum Era {
     Modern,
 }
 
-/// Decides the era of one request. A session id, or a legacy (or absent) protocol version,
-/// means the legacy transport, and so does `initialize` unless the header explicitly names
+/// Decides the era of one request. A legacy (or absent) protocol version means the legacy
+/// transport, and so does a session id unless the header names a later version (2026-07-28
+/// servers ignore an incoming `Mcp-Session-Id`), and `initialize` unless the header names
 /// a later version (then the modern surface answers that `initialize` no longer exists).
 /// Any other declared version, in the header or in `_meta`, is answered by the modern
 /// surface, which refuses versions it lacks.
@@ -55,7 +56,7 @@ pub fn era(
     method: Option<&str>,
 ) -> Era {
     let declared_modern = |v: Option<&str>| v.is_some_and(|v| !LEGACY_VERSIONS.contains(&v));
-    if has_session {
+    if has_session && !declared_modern(header_version) {
         return Era::Legacy;
     }
     if method == Some("initialize") {
@@ -372,7 +373,17 @@ mod tests {
         assert_eq!(era(None, None, false, Some("tools/list")), Era::Legacy);
         assert_eq!(
             era(Some("2026-07-28"), None, true, Some("tools/call")),
+            Era::Modern,
+            "a 2026-07-28 request's stray session id is ignored"
+        );
+        assert_eq!(
+            era(Some("2025-11-25"), None, true, Some("tools/call")),
             Era::Legacy
+        );
+        assert_eq!(
+            era(None, Some("2026-07-28"), true, Some("tools/call")),
+            Era::Legacy,
+            "a session's requests declare their version in the header"
         );
         let init = |header, meta| era(header, meta, false, Some("initialize"));
         assert_eq!(

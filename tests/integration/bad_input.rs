@@ -29,10 +29,12 @@ fn flip_bit(token: &str, bit: usize) -> String {
     URL_SAFE_NO_PAD.encode(raw)
 }
 
-fn assert_session_not_found(reply: Reply, case: &str) {
+/// A 404 naming the lost session, in answer to the request with JSON-RPC id `id`.
+fn assert_session_not_found(reply: Reply, id: Value, case: &str) {
     assert_eq!(reply.status, 404, "{case}: status");
     let body = reply.json();
     assert_eq!(body["jsonrpc"], "2.0", "{case}: {body}");
+    assert_eq!(body["id"], id, "{case}: the request's own id: {body}");
     assert_eq!(body["error"]["code"], -32600, "{case}: {body}");
     let message = body["error"]["message"].as_str().unwrap_or_default();
     assert!(message.contains("Session not found"), "{case}: {message}");
@@ -78,15 +80,15 @@ fn forged_session_ids_get_404_and_reach_no_upstream() {
     let raw = Raw::new(&gw.url);
     let call = json!({"jsonrpc":"2.0","id":7,"method":"tools/list"});
     for (case, token) in &cases {
-        assert_session_not_found(raw.post(Some(token), &call), case);
+        assert_session_not_found(raw.post(Some(token), &call), json!(7), case);
         let get = raw.request(
             "GET",
             &[("accept", "text/event-stream"), ("mcp-session-id", token)],
             None,
         );
-        assert_session_not_found(get, &format!("GET {case}"));
+        assert_session_not_found(get, Value::Null, &format!("GET {case}"));
         let delete = raw.request("DELETE", &[("mcp-session-id", token)], None);
-        assert_session_not_found(delete, &format!("DELETE {case}"));
+        assert_session_not_found(delete, Value::Null, &format!("DELETE {case}"));
     }
     assert_eq!(tripwire.count(), 0, "a forged token reached the upstream");
     println!(

@@ -479,6 +479,22 @@ fn progress_streams_to_the_client_and_logs_only_when_asked() {
     assert_eq!(last["result"]["resultType"], "complete");
 }
 
+/// A 2026-07-28 server ignores an incoming `Mcp-Session-Id` (the revision removed it):
+/// a request that declares 2026-07-28 and carries a stale one is served like any other.
+#[test]
+fn a_stray_session_id_on_a_2026_request_is_ignored() {
+    let (_upstream, url) = start_upstream(Upstream::Conformance);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let call = json!({"name": "test_simple_text", "arguments": {}});
+    let stale = [("mcp-session-id", "stale-session-id")];
+    let reply = raw.modern_with(101, "tools/call", call, json!({}), &stale);
+    assert_eq!(reply.status, 200);
+    let body = reply.json();
+    assert_eq!(body["id"], 101, "{body}");
+    assert_eq!(body["result"]["resultType"], "complete", "{body}");
+}
+
 #[test]
 fn an_upstream_that_answers_mrtr_itself_is_relayed_unchanged_when_configured() {
     let (_upstream, url) = start_upstream(Upstream::Python);
