@@ -12,7 +12,7 @@ use mrtr_gateway::keys::KeyRing;
 use mrtr_gateway::mrtr::state::{
     binding, Asked, FlowState, Pending, Positions, QuestionKind, UpstreamCall, UpstreamId, Waiting,
 };
-use mrtr_gateway::mrtr::translate::{Action, Round};
+use mrtr_gateway::mrtr::translate::{Action, Relay, Round};
 use mrtr_gateway::protocol::jsonrpc;
 use mrtr_gateway::protocol::revision::Revision;
 use mrtr_gateway::protocol::session_token::SessionToken;
@@ -228,7 +228,14 @@ fn translate(c: &mut Criterion) {
         .as_object()
         .cloned()
         .unwrap_or_default();
-    let round = || Round::new(UpstreamId::Number(1), capabilities.clone(), false, None);
+    let round = || {
+        Round::new(
+            UpstreamId::Number(1),
+            capabilities.clone(),
+            Relay::default(),
+            None,
+        )
+    };
     let mut g = c.benchmark_group("translate_tools_call");
     g.bench_function("with_input_request", |b| {
         b.iter(|| {

@@ -16,7 +16,8 @@ use mrtr_gateway::mrtr::flow::{
 use mrtr_gateway::mrtr::state::{
     Asked, FlowState, HeldAt, Pending, Positions, QuestionKind, UpstreamCall, UpstreamId, Waiting,
 };
-use mrtr_gateway::mrtr::translate::RoundLimits;
+use mrtr_gateway::mrtr::modern::LogLevel;
+use mrtr_gateway::mrtr::translate::{Relay, RoundLimits};
 use mrtr_gateway::outcome::{Class, Refusal};
 use mrtr_gateway::protocol::revision::Revision;
 use mrtr_gateway::protocol::sse::Event;
@@ -52,7 +53,10 @@ fn config(b: &mut Bytes) -> FlowConfig {
         method: "tools/call".into(),
         target: "t".into(),
         capabilities,
-        forward_logs: flags & 1 != 0,
+        relay: Relay {
+            progress_token: (flags & 1 != 0).then(|| serde_json::json!("p")),
+            log_level: (flags & 1 != 0).then_some(LogLevel::Debug),
+        },
         restartable: flags & 2 != 0,
         data_session: flags & 4 != 0,
         round_limits: RoundLimits {

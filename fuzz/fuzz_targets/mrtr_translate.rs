@@ -8,8 +8,17 @@
 
 use libfuzzer_sys::fuzz_target;
 use mrtr_gateway::mrtr::state::UpstreamId;
-use mrtr_gateway::mrtr::translate::{Action, Round, RoundLimits};
+use mrtr_gateway::mrtr::modern::LogLevel;
+use mrtr_gateway::mrtr::translate::{Action, Relay, Round, RoundLimits};
 use serde_json::{json, Value};
+
+/// What the round's request asked for: progress under a token, logs from a level.
+fn relay(flags: u8) -> Relay {
+    Relay {
+        progress_token: (flags & 2 != 0).then(|| json!("p")),
+        log_level: (flags & 2 != 0).then_some(LogLevel::Debug),
+    }
+}
 
 fuzz_target!(|input: &[u8]| {
     let Some((&flags, rest)) = input.split_first() else {
@@ -25,7 +34,7 @@ fuzz_target!(|input: &[u8]| {
         max_bytes: 2048,
     };
     let mut round =
-        Round::new(UpstreamId::Number(1), capabilities, flags & 2 != 0, None).bounded(limits);
+        Round::new(UpstreamId::Number(1), capabilities, relay(flags), None).bounded(limits);
     for line in rest.split(|&b| b == b'\n') {
         if round.is_full() {
             break; // the shell ends the round here

@@ -55,7 +55,7 @@
 use super::state::{
     FlowState, HeldAt, Known, Pending, Positions, UpstreamCall, UpstreamId, Waiting,
 };
-use super::translate::{Action, Round, RoundLimits};
+use super::translate::{Action, Relay, Round, RoundLimits};
 use crate::config::ResumeMode;
 use crate::mrtr::modern::{code as mcode, gateway_code as gcode};
 use crate::outcome::{Class, Refusal};
@@ -375,8 +375,8 @@ pub struct FlowConfig {
     pub method: String,
     pub target: String,
     pub capabilities: Map<String, Value>,
-    /// The request asked for log notifications (`logLevel`).
-    pub forward_logs: bool,
+    /// What the request asked to be told while it runs: progress, log messages.
+    pub relay: Relay,
     /// The tool may be run again when its upstream loses it.
     pub restartable: bool,
     /// The request runs in a data-layer session.
@@ -1351,7 +1351,7 @@ impl Flow {
         let mut round = Round::new(
             call.id.clone(),
             config.capabilities.clone(),
-            config.forward_logs,
+            config.relay.clone(),
             from,
         )
         .bounded(config.round_limits)

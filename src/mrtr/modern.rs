@@ -36,6 +36,47 @@ pub mod gateway_code {
     pub const FLOW_LOST: i64 = -32012;
 }
 
+/// A log message's severity (the schema's `LoggingLevel`, RFC 5424's), least severe first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum LogLevel {
+    Debug,
+    Info,
+    Notice,
+    Warning,
+    Error,
+    Critical,
+    Alert,
+    Emergency,
+}
+
+impl LogLevel {
+    pub const NAMES: [&'static str; 8] = [
+        "debug",
+        "info",
+        "notice",
+        "warning",
+        "error",
+        "critical",
+        "alert",
+        "emergency",
+    ];
+    const ALL: [LogLevel; 8] = [
+        LogLevel::Debug,
+        LogLevel::Info,
+        LogLevel::Notice,
+        LogLevel::Warning,
+        LogLevel::Error,
+        LogLevel::Critical,
+        LogLevel::Alert,
+        LogLevel::Emergency,
+    ];
+
+    pub fn parse(name: &str) -> Option<LogLevel> {
+        let i = Self::NAMES.iter().position(|n| *n == name)?;
+        Some(Self::ALL[i])
+    }
+}
+
 /// Which protocol era a request speaks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Era {
@@ -70,6 +111,20 @@ pub fn era(
         Era::Modern
     } else {
         Era::Legacy
+    }
+}
+
+/// The request's `logLevel`, one of the schema's `LoggingLevel` names if present.
+fn check_log_level(level: Option<&Value>) -> Result<Option<LogLevel>, Refusal> {
+    let Some(level) = level else {
+        return Ok(None);
+    };
+    match level.as_str().and_then(LogLevel::parse) {
+        Some(level) => Ok(Some(level)),
+        None => Err(invalid_params(format!(
+            "_meta[\"{META_LOG_LEVEL}\"] must be one of {}",
+            LogLevel::NAMES.join(", ")
+        ))),
     }
 }
 
@@ -108,7 +163,8 @@ pub struct ModernRequest {
     pub client_capabilities: Map<String, Value>,
     /// The tool or prompt name, or the resource uri, for the methods that carry one.
     pub target: Option<String>,
-    pub log_level: Option<String>,
+    /// The least severe log messages the request wants (`_meta` `logLevel`); none without it.
+    pub log_level: Option<LogLevel>,
     pub progress_token: Option<Value>,
     /// The W3C trace context of the request's headers, for every upstream request.
     pub trace: TraceContext,
@@ -218,13 +274,11 @@ impl ModernRequest {
         if params.get("requestState").is_some_and(|v| !v.is_string()) {
             return Err(invalid_params("requestState must be a string"));
         }
+        let log_level = check_log_level(meta.get(META_LOG_LEVEL))?;
         Ok(ModernRequest {
             id,
             method: method.to_string(),
-            log_level: meta
-                .get(META_LOG_LEVEL)
-                .and_then(Value::as_str)
-                .map(str::to_string),
+            log_level,
             progress_token: meta.get("progressToken").cloned(),
             trace: TraceContext::from_headers(headers.traceparent, headers.tracestate),
             headers: EndToEnd::default(),
@@ -420,6 +474,36 @@ mod tests {
             headers("tools/call", Some(&b64))
         )
         .is_ok());
+    }
+
+    #[test]
+    fn the_log_level_is_a_schema_level() {
+        let with_level = |level: Value| {
+            let mut p = params(json!({"name": "ask"}));
+            p["_meta"][META_LOG_LEVEL] = level;
+            ModernRequest::validate(
+                json!(1),
+                "tools/call",
+                Some(&p),
+                headers("tools/call", Some("ask")),
+            )
+        };
+        let r = with_level(json!("warning")).unwrap();
+        assert_eq!(r.log_level, Some(LogLevel::Warning));
+        assert!(LogLevel::Debug < LogLevel::Info && LogLevel::Alert < LogLevel::Emergency);
+        for bad in [json!("verbose"), json!("WARNING"), json!(3)] {
+            let refusal = with_level(bad.clone()).unwrap_err();
+            assert_eq!(
+                refusal.code,
+                crate::protocol::jsonrpc::code::INVALID_PARAMS,
+                "{bad}"
+            );
+            assert!(
+                refusal.message.contains("debug, info, notice"),
+                "{}",
+                refusal.message
+            );
+        }
     }
 
     #[test]

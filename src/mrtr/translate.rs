@@ -4,6 +4,7 @@
 //! and requests the client cannot take are answered upstream; the call's response ends
 //! the flow.
 
+use super::modern::LogLevel;
 use super::state::{fingerprint, Asked, Known, Pending, QuestionKind, UpstreamId};
 use crate::protocol::jsonrpc::code;
 use serde_json::{json, Map, Value};
@@ -79,6 +80,34 @@ fn short_kind(method: &str) -> &'static str {
     }
 }
 
+/// What the client request a round answers asked to be told while it runs. Each round
+/// answers a request of its own (the call, then each retry), and each says this anew.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Relay {
+    /// The request's `progressToken`: the call's progress goes to it, under this token;
+    /// without one, nowhere.
+    pub progress_token: Option<Value>,
+    /// The least severe log messages the request wants; none without it.
+    pub log_level: Option<LogLevel>,
+}
+
+impl Relay {
+    /// A log message the request asked for: at or above its level (one whose level is
+    /// not a schema name is passed on).
+    fn wants_log(&self, message: &Value) -> bool {
+        let Some(least) = self.log_level else {
+            return false;
+        };
+        match message["params"]["level"]
+            .as_str()
+            .and_then(LogLevel::parse)
+        {
+            Some(level) => level >= least,
+            None => true,
+        }
+    }
+}
+
 /// The stream a server message came on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Origin {
@@ -93,7 +122,7 @@ enum Origin {
 pub struct Round {
     call_id: UpstreamId,
     capabilities: Map<String, Value>,
-    forward_logs: bool,
+    relay: Relay,
     input_requests: Map<String, Value>,
     pending: Vec<Pending>,
     last_event_id: Option<String>,
@@ -131,13 +160,13 @@ impl Round {
     pub fn new(
         call_id: UpstreamId,
         capabilities: Map<String, Value>,
-        forward_logs: bool,
+        relay: Relay,
         last_event_id: Option<String>,
     ) -> Round {
         Round {
             call_id,
             capabilities,
-            forward_logs,
+            relay,
             input_requests: Map::new(),
             pending: Vec::new(),
             previous_event_id: last_event_id.clone(),
@@ -331,10 +360,29 @@ impl Round {
 
     fn on_notification(&self, method: &str, message: Value) -> Vec<Action> {
         match method {
-            "notifications/progress" => vec![Action::Notify(message)],
-            "notifications/message" if self.forward_logs => vec![Action::Notify(message)],
+            "notifications/progress" => self.on_progress(message),
+            "notifications/message" if self.relay.wants_log(&message) => {
+                vec![Action::Notify(message)]
+            }
             _ => Vec::new(),
         }
+    }
+
+    /// The call's progress (the call went up with its own id as the progress token, so
+    /// that every round can ask for it) goes to the client under this round's token.
+    /// Progress on any other token is not the call's.
+    fn on_progress(&self, mut message: Value) -> Vec<Action> {
+        let Some(token) = &self.relay.progress_token else {
+            return Vec::new();
+        };
+        let Some(theirs) = message["params"].get_mut("progressToken") else {
+            return Vec::new();
+        };
+        if UpstreamId::from_json(theirs).as_ref() != Some(&self.call_id) {
+            return Vec::new();
+        }
+        *theirs = token.clone();
+        vec![Action::Notify(message)]
     }
 
     fn on_request(
@@ -572,7 +620,12 @@ mod tests {
     }
 
     fn round(capabilities: Value) -> Round {
-        Round::new(UpstreamId::Number(1), caps(capabilities), false, None)
+        Round::new(
+            UpstreamId::Number(1),
+            caps(capabilities),
+            Relay::default(),
+            None,
+        )
     }
 
     fn elicit(id: i64, extra_meta: Value) -> Value {
@@ -692,20 +745,77 @@ mod tests {
         assert!(!r.has_questions());
     }
 
+    fn relaying(relay: Relay) -> Round {
+        Round::new(UpstreamId::Number(1), Map::new(), relay, None)
+    }
+
+    #[test]
+    fn progress_goes_to_the_rounds_own_token() {
+        let progress = |token: Value| json!({"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": token, "progress": 2, "total": 3}});
+        let mut r = relaying(Relay {
+            progress_token: Some(json!("retry-7")),
+            ..Relay::default()
+        });
+        assert_eq!(
+            r.on_message(progress(json!(1))),
+            vec![Action::Notify(progress(json!("retry-7")))],
+            "the call's progress (its id is its token upstream), under this round's token"
+        );
+        assert!(
+            r.on_message(progress(json!("first-token"))).is_empty(),
+            "progress on another token is not the call's"
+        );
+        assert!(r.on_message(progress(json!(2))).is_empty());
+        let tokenless = json!({"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progress": 1}});
+        assert!(r.on_message(tokenless).is_empty());
+    }
+
+    #[test]
+    fn logs_at_or_above_the_requested_level() {
+        let log = |level: &str| json!({"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": level, "data": "x"}});
+        let mut r = relaying(Relay {
+            log_level: Some(LogLevel::Warning),
+            ..Relay::default()
+        });
+        for below in ["debug", "info", "notice"] {
+            assert!(
+                r.on_message(log(below)).is_empty(),
+                "{below} is below warning"
+            );
+        }
+        for at_or_above in [
+            "warning",
+            "error",
+            "critical",
+            "alert",
+            "emergency",
+            "verbose",
+        ] {
+            assert_eq!(
+                r.on_message(log(at_or_above)),
+                vec![Action::Notify(log(at_or_above))],
+                "{at_or_above}: at or above warning, or not a level to judge"
+            );
+        }
+    }
+
     #[test]
     fn notifications_and_the_final_response() {
         let mut quiet = round(json!({}));
-        let progress = json!({"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": 1, "progress": 1}});
-        assert_eq!(
-            quiet.on_message(progress.clone()),
-            vec![Action::Notify(progress)]
+        let progress = |token: Value| json!({"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progressToken": token, "progress": 1}});
+        assert!(
+            quiet.on_message(progress(json!(1))).is_empty(),
+            "progress needs the request's own token"
         );
         let log = json!({"jsonrpc": "2.0", "method": "notifications/message", "params": {"level": "info", "data": "x"}});
         assert!(
             quiet.on_message(log.clone()).is_empty(),
             "logs need the logLevel opt-in"
         );
-        let mut verbose = Round::new(UpstreamId::Number(1), Map::new(), true, None);
+        let mut verbose = relaying(Relay {
+            log_level: Some(LogLevel::Info),
+            ..Relay::default()
+        });
         assert_eq!(verbose.on_message(log.clone()), vec![Action::Notify(log)]);
         assert!(quiet
             .on_message(json!({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"}))

@@ -477,6 +477,15 @@ fn progress_streams_to_the_client_and_logs_only_when_asked() {
         ]
     );
     assert_eq!(last["result"]["resultType"], "complete");
+
+    // The tool logs at `info`: a request for `warning` and above gets none of it.
+    let above = json!({"name": "test_tool_with_logging", "arguments": {}, "_meta": {"io.modelcontextprotocol/logLevel": "warning"}});
+    let reply = raw.modern(4, "tools/call", above, json!({}));
+    assert!(
+        reply.content_type.starts_with("application/json"),
+        "nothing at warning or above, so nothing streams"
+    );
+    assert_eq!(reply.json()["result"]["resultType"], "complete");
 }
 
 /// A 2026-07-28 server ignores an incoming `Mcp-Session-Id` (the revision removed it):

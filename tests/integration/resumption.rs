@@ -9,7 +9,7 @@ use crate::common::*;
 use crate::scripted::{legacy_basics, Answer, Gate, OneQuestionCalls, ScriptedUpstream, Seen};
 use mrtr_gateway::config::UpstreamEra;
 use serde_json::{json, Value};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -655,6 +655,110 @@ fn keeps_its_first_get_stream(refusal: Answer) -> ScriptedUpstream {
             .event(None, &calls.result(sid, &format!("done after {after}")))
             .end()
     })
+}
+
+/// The messages of a bridged reply, in order: the events of an SSE answer, or the one
+/// JSON body.
+fn reply_messages(mut reply: Reply) -> Vec<Value> {
+    if !reply.content_type.starts_with("text/event-stream") {
+        return vec![reply.json()];
+    }
+    std::iter::from_fn(|| reply.next_message().map(|(_, m)| m)).collect()
+}
+
+/// Progress belongs to the request that is running when it comes, under that request's
+/// own token: a retry's stream carries the call's progress under the retry's
+/// `progressToken`, and none when the retry asked for none, whatever the first round's
+/// request asked. The server reports progress after the answer, on the resumed stream,
+/// echoing the token the call went up with (as SDK servers do).
+#[test]
+fn progress_after_a_question_goes_to_the_retry_under_its_own_token() {
+    let calls = OneQuestionCalls::default();
+    let tokens: Mutex<HashMap<String, Value>> = Mutex::default();
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let sid = seen
+            .header("mcp-session-id")
+            .unwrap_or_default()
+            .to_string();
+        if seen.method != "GET" {
+            if seen.jsonrpc_method().as_deref() == Some("tools/call") {
+                let body = seen.json().unwrap_or_default();
+                let token = body["params"]["_meta"]["progressToken"].clone();
+                tokens.lock().unwrap().insert(sid, token);
+            }
+            return calls.post(seen);
+        }
+        if seen.header("last-event-id").is_none() {
+            return Answer::sse(&[]);
+        }
+        let token = tokens
+            .lock()
+            .unwrap()
+            .get(&sid)
+            .cloned()
+            .unwrap_or_default();
+        let progress = json!({"jsonrpc": "2.0", "method": "notifications/progress",
+            "params": {"progressToken": token, "progress": 1, "total": 2}});
+        Answer::sse(&[])
+            .event(Some(&format!("{sid}-c3")), &json!(""))
+            .wait(&calls.answered(&sid))
+            .event(Some(&format!("{sid}-c4")), &progress)
+            .event(None, &calls.result(&sid, "done"))
+            .end()
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+    });
+    let raw = Raw::new(&gw.url);
+    let with_token = |token: Option<&str>, mut extra: Value| {
+        if let Some(token) = token {
+            extra["_meta"] = json!({"progressToken": token});
+        }
+        tool_params("hostile", extra)
+    };
+    let caps = json!({"elicitation": {}});
+    for (n, retry_token) in [(0u64, Some("retry-token")), (1, None)] {
+        let first = raw.modern(
+            10 * n + 1,
+            "tools/call",
+            with_token(Some("first-token"), json!({})),
+            caps.clone(),
+        );
+        let first = first.json();
+        let retry = with_token(retry_token, accepting_the_question(&first));
+        let messages = reply_messages(raw.modern(10 * n + 2, "tools/call", retry, caps.clone()));
+        let (last, notes) = messages.split_last().expect("an answer");
+        assert_eq!(last["result"]["content"][0]["text"], "done", "{last}");
+        let progress: Vec<&Value> = notes
+            .iter()
+            .filter(|m| m["method"] == "notifications/progress")
+            .collect();
+        match retry_token {
+            Some(token) => {
+                assert_eq!(progress.len(), 1, "{messages:?}");
+                assert_eq!(
+                    progress[0]["params"]["progressToken"], token,
+                    "{messages:?}"
+                );
+                assert_eq!(progress[0]["params"]["progress"], 1);
+            }
+            None => assert!(
+                progress.is_empty(),
+                "the retry asked for none: {messages:?}"
+            ),
+        }
+    }
+    for call in upstream
+        .requests()
+        .iter()
+        .filter(|s| s.jsonrpc_method().as_deref() == Some("tools/call"))
+    {
+        let body = call.json().unwrap_or_default();
+        assert_eq!(
+            body["params"]["_meta"]["progressToken"], body["id"],
+            "the call goes up with its own id as its progress token"
+        );
+    }
 }
 
 /// A client that sends its retry and leaves before the answers went up, here while the

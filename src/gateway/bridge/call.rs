@@ -11,7 +11,10 @@ use super::reply::{decorate, ClientReply};
 use super::session::{self, Attached};
 use super::streams::{answer_of, next_chunk, open_session_stream, resume_call, Source, Streams};
 use super::warm;
-use super::{end_session, end_session_later, finish_with, upstream_for, upstream_params, Incoming};
+use super::{
+    end_session, end_session_later, finish_with, upstream_for, upstream_params,
+    with_progress_token, Incoming,
+};
 use crate::config::{Limits, QuietWindowFor};
 use crate::gateway::learnt::SessionReplay;
 use crate::gateway::reaper::{Abandoned, NotWatched, Whose};
@@ -23,7 +26,7 @@ use crate::mrtr::flow::{
 use crate::mrtr::modern::{check_answers, ModernRequest};
 use crate::mrtr::replay::{self, Claim, StateDigest};
 use crate::mrtr::state::{binding, now_ms, now_secs, FlowState, HeldAt, UpstreamCall, Waiting};
-use crate::mrtr::translate::RoundLimits;
+use crate::mrtr::translate::{Relay, RoundLimits};
 use crate::outcome::{Class, Outcome, Refusal, Report};
 use crate::protocol::jsonrpc::code;
 use crate::upstream::exchange::{Connection, ExchangeFailure, Response};
@@ -278,7 +281,10 @@ fn config(call: &Call<'_>, session_replay_scoped: bool) -> FlowConfig {
         method: request.method.clone(),
         target: request.target.clone().unwrap_or_default(),
         capabilities: request.client_capabilities.clone(),
-        forward_logs: request.log_level.is_some(),
+        relay: Relay {
+            progress_token: request.progress_token.clone(),
+            log_level: request.log_level,
+        },
         restartable: restartable(call),
         data_session: call.data_session.is_some(),
         round_limits: RoundLimits {
@@ -907,7 +913,10 @@ fn post_call(call: &Call<'_>, io: &mut Io<'_>, id: i64) -> Option<Input> {
         return Some(Input::CallPosted(Err(failure)));
     };
     let request = call.request;
-    let message = json!({"jsonrpc": "2.0", "id": id, "method": request.method, "params": upstream_params(request)});
+    // The call's own id is its progress token upstream: whichever round is reading then,
+    // its request's token (if it gave one) is what the client sees (`Relay`).
+    let params = with_progress_token(upstream_params(request), id);
+    let message = json!({"jsonrpc": "2.0", "id": id, "method": request.method, "params": params});
     let client = call.gw.upstreams.client.clone();
     let patience = Duration::from_secs(call.gw.config.bridge.max_flow_seconds);
     io.streams.posted = Some(Box::pin(upstream.post_detached(client, message, patience)));

@@ -64,6 +64,18 @@ pub(crate) fn upstream_params(request: &ModernRequest) -> Value {
     Value::Object(p)
 }
 
+/// `params` (an object, as `upstream_params` gives them) with `token` as their progress
+/// token in place of the client's.
+pub(crate) fn with_progress_token(mut params: Value, token: i64) -> Value {
+    if let Some(p) = params.as_object_mut() {
+        let meta = p.entry("_meta").or_insert_with(|| json!({}));
+        if let Some(meta) = meta.as_object_mut() {
+            meta.insert("progressToken".into(), json!(token));
+        }
+    }
+    params
+}
+
 /// How the bridge serves each 2026-07-28 method it knows.
 enum Kind {
     Discover,

@@ -15,7 +15,7 @@ fn config() -> FlowConfig {
         method: "tools/call".into(),
         target: "ask".into(),
         capabilities,
-        forward_logs: false,
+        relay: Default::default(),
         restartable: false,
         data_session: false,
         round_limits: RoundLimits::default(),
