@@ -525,6 +525,14 @@ pub(crate) async fn relay(
             None => {}
         }
     }
+    // A content-coded stream (gzip from a server's middleware) is relayed as it is: its
+    // event boundaries cannot be seen, and a keep-alive comment would corrupt it.
+    let sse = upstream.is_sse() && !upstream.is_encoded();
+    // Keep-alive comments go between an SSE stream's events, so the upstream's length
+    // cannot frame what the client gets.
+    if sse && content_length(&header).is_some() {
+        respond::frame_unknown_length(session, &mut header);
+    }
     if session
         .write_response_header(Box::new(header))
         .await

@@ -281,6 +281,57 @@ fn a_content_coded_stream_gets_no_keep_alive_comments() {
     assert_eq!(metric(&gw.admin, "mrtr_gateway_sse_keepalives_total"), 0.0);
 }
 
+/// An SSE answer framed by `Content-Length` (a 2026-07-28 upstream, relayed) that falls
+/// silent gets keep-alive comments like any other stream, so it goes to the client under
+/// no length: the comments and every byte of the upstream's events arrive whole, and
+/// the result with them (the length used to frame the longer body, cutting the result).
+#[test]
+fn a_length_framed_stream_that_falls_silent_is_reframed_for_its_keep_alives() {
+    let progress = json!({"jsonrpc": "2.0", "method": "notifications/progress",
+        "params": {"progressToken": "p", "progress": 1}});
+    let result = json!({"jsonrpc": "2.0", "id": 2, "result": {"resultType": "complete",
+        "content": [{"type": "text", "text": "slow and whole"}]}});
+    let first = crate::scripted::sse_event(None, &progress.to_string());
+    let second = crate::scripted::sse_event(None, &result.to_string());
+    let silence = Gate::new();
+    let upstream = ScriptedUpstream::start({
+        let silence = silence.clone();
+        move |_: &Seen| {
+            let length = first.len() + second.len();
+            Answer::raw(format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {length}\r\n\r\n"
+            ))
+            .bytes(&first)
+            .wait(&silence)
+            .bytes(&second)
+        }
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.sse_keepalive_ms = 100;
+        c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Modern;
+    });
+    let raw = Raw::new(&gw.url);
+    let call = json!({"name": "slow", "arguments": {}, "_meta": {"progressToken": "p"}});
+    let mut reply = raw.modern(2, "tools/call", call, json!({}));
+    assert_eq!(reply.status, 200);
+    assert!(
+        !reply.headers.iter().any(|(n, _)| n == "content-length"),
+        "{:?}",
+        reply.headers
+    );
+    wait_until(
+        "a keep-alive in the silence",
+        Duration::from_secs(10),
+        || metric(&gw.admin, "mrtr_gateway_sse_keepalives_total") >= 1.0,
+    );
+    silence.open();
+    let mut messages = Vec::new();
+    while let Some((_, m)) = reply.next_message() {
+        messages.push(m);
+    }
+    assert_eq!(messages, [progress, result]);
+}
+
 /// A gateway process started from the binary, so that it can get a real SIGTERM.
 struct GatewayProcess {
     proc: Proc,
