@@ -459,8 +459,14 @@ pub(crate) fn relayed_header(
     for (name, value) in headers::forwardable(&upstream.headers) {
         let _ = out.append_header(name.clone(), value.clone());
     }
+    // A 1xx or 204 carries no Content-Length (RFC 9110 §8.6); a 304's is the
+    // representation's, and passes.
+    let status = upstream.status;
+    let no_length = status.is_informational() || status == http::StatusCode::NO_CONTENT;
     if let Some(length) = upstream.headers.get(http::header::CONTENT_LENGTH) {
-        let _ = out.insert_header(http::header::CONTENT_LENGTH, length.clone());
+        if !no_length {
+            let _ = out.insert_header(http::header::CONTENT_LENGTH, length.clone());
+        }
     } else {
         respond::frame_unknown_length(session, &mut out);
     }
@@ -541,9 +547,6 @@ pub(crate) async fn relay(
         return Outcome::ClientGone;
     }
     let _streaming = InUse::new(&gw.runtime.metrics.active_client_streams);
-    // A content-coded stream (gzip from a server's middleware) is relayed as it is: its
-    // event boundaries cannot be seen, and a keep-alive comment would corrupt it.
-    let sse = upstream.is_sse() && !upstream.is_encoded();
     // A session's GET stream never ends by itself; a POST's stream ends with its response.
     let endless = sse && session.req_header().method == http::Method::GET;
     pump(gw, session, upstream, sse, endless, rewrite).await

@@ -38,7 +38,13 @@ pub async fn write_with(
 /// Frames a response body of unknown length: chunked for HTTP/1.1 clients. HTTP/1.0 has
 /// no chunked coding, so an HTTP/1.0 client's body ends when the connection closes. An
 /// HTTP/2 body is framed by its DATA frames and ends with the stream.
+/// A 1xx, 204 or 304 response has no body (RFC 9112 §6.3) and gets no framing header:
+/// `Transfer-Encoding` on one makes a client wait for chunks that never come.
 pub fn frame_unknown_length(session: &mut ServerSession, header: &mut ResponseHeader) {
+    if has_no_body(header.status) {
+        header.remove_header(&http::header::TRANSFER_ENCODING);
+        return;
+    }
     header.remove_header(&http::header::CONTENT_LENGTH);
     match session.req_header().version {
         http::Version::HTTP_10 | http::Version::HTTP_09 => {
@@ -52,6 +58,13 @@ pub fn frame_unknown_length(session: &mut ServerSession, header: &mut ResponseHe
             let _ = header.insert_header(http::header::TRANSFER_ENCODING, "chunked");
         }
     }
+}
+
+/// Whether a response of `status` never has a body (RFC 9112 §6.3): 1xx, 204, 304.
+pub fn has_no_body(status: http::StatusCode) -> bool {
+    status.is_informational()
+        || status == http::StatusCode::NO_CONTENT
+        || status == http::StatusCode::NOT_MODIFIED
 }
 
 /// Ends a response that cannot be completed because its upstream aborted the body (a bad

@@ -669,6 +669,46 @@ fn expect_100_continue_with_a_large_body_reaches_the_python_server() {
     expect_continue_case();
 }
 
+/// A 204 has no body (RFC 9112 §6.3): relayed without `Transfer-Encoding` (on which a
+/// client such as Python's `http.client` waits for chunks that never come) or
+/// `Content-Length`, and the connection serves the next request.
+#[test]
+fn a_bodiless_answer_is_relayed_without_framing() {
+    let deletes = std::sync::atomic::AtomicUsize::new(0);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        if seen.method == "DELETE" {
+            // The first without framing, the second with a (forbidden) zero length.
+            let n = deletes.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let length = if n == 0 { "" } else { "content-length: 0\r\n" };
+            return Answer::raw(format!("HTTP/1.1 204 No Content\r\n{length}\r\n"));
+        }
+        if let Some(reply) = legacy_basics(seen, "s1") {
+            return reply;
+        }
+        Answer::json(
+            200,
+            &json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}}),
+        )
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let session = Raw::new(&gw.url).initialize(json!({}));
+    let mut stream = connect(gw.port);
+    let delete = format!(
+        "DELETE /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\nmcp-session-id: {session}\r\n\
+         mcp-protocol-version: 2025-11-25\r\n\r\n"
+    );
+    for _ in 0..2 {
+        stream.write_all(delete.as_bytes()).unwrap();
+        let head = read_until(&mut stream, "\r\n\r\n", READ_LIMIT);
+        assert!(head.starts_with("HTTP/1.1 204"), "{head}");
+        assert_eq!(header_value(&head, "transfer-encoding"), None, "{head}");
+        assert_eq!(header_value(&head, "content-length"), None, "{head}");
+    }
+    let (head, body) = ask(&mut stream, &list_body(2));
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(body.contains("\"tools\""), "{body}");
+}
+
 /// Bug 3: interim responses (100, 103) from an upstream are skipped, never relayed as
 /// final; an upstream that sends nothing but interim responses is cut off with 502.
 pub(crate) fn interim_responses_case() -> usize {
