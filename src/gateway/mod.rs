@@ -301,8 +301,15 @@ impl Gateway {
             too_large(session, limits.max_body_bytes).await;
             return Err(());
         }
-        if expects_continue(session) && session.write_continue_response().await.is_err() {
-            return Err(());
+        if expects_continue(session) {
+            // The interim 100 goes out before the body by design; pingora would take it
+            // for an answer given early and end the connection after this request.
+            session.set_close_on_response_before_downstream_finish(false);
+            let sent = session.write_continue_response().await;
+            session.set_close_on_response_before_downstream_finish(true);
+            if sent.is_err() {
+                return Err(());
+            }
         }
         let mut body = BytesMut::with_capacity(declared.unwrap_or(1024).min(limits.max_body_bytes));
         let deadline = Instant::now() + Duration::from_millis(limits.body_timeout_ms);

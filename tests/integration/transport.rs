@@ -646,6 +646,20 @@ pub(crate) fn expect_continue_case() -> usize {
         answer.contains("\"tools\""),
         "no tools/list result: {answer}"
     );
+    // The interim 100 is no early answer: the connection stays for the next request.
+    assert_eq!(
+        header_value(&answer, "connection"),
+        Some("keep-alive"),
+        "{answer}"
+    );
+    let next = post(
+        "HTTP/1.1",
+        &format!("mcp-session-id: {session}\r\nmcp-protocol-version: 2025-11-25\r\n"),
+        &list_body(3),
+    );
+    stream.write_all(next.as_bytes()).unwrap();
+    let again = read_until(&mut stream, "\r\n0\r\n\r\n", READ_LIMIT);
+    assert!(again.starts_with("HTTP/1.1 200"), "{again}");
 
     let mut refused = connect(gw.port);
     let over = format!(
