@@ -1,6 +1,7 @@
 //! The JSON-RPC classifier and the 2026-07-28 request validation on arbitrary bodies and
 //! headers: no panic; a classified request has the method the body names; a validated
-//! request's headers agree with its body.
+//! request's headers agree with its body; the lenient parse accepts all that the strict
+//! one does, as the same value.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -26,6 +27,10 @@ fuzz_target!(|input: &[u8]| {
         tracestate: fields.next(),
         repeated: fields.next().map(|_| "Mcp-Name"),
     };
+    let lenient = jsonrpc::from_slice_lenient::<Value>(body);
+    if let Ok(strict) = serde_json::from_slice::<Value>(body) {
+        assert_eq!(lenient.ok(), Some(strict));
+    }
     let Ok(parsed) = jsonrpc::classify(body, 64) else {
         return;
     };

@@ -59,6 +59,7 @@ use super::translate::{Action, Relay, Round, RoundLimits};
 use crate::config::ResumeMode;
 use crate::mrtr::modern::{code as mcode, gateway_code as gcode};
 use crate::outcome::{Class, Refusal};
+use crate::protocol::jsonrpc;
 use crate::protocol::revision::Revision;
 use crate::protocol::sse::Event;
 use serde_json::{json, Map, Value};
@@ -1477,7 +1478,7 @@ impl Flow {
         if stream == Stream::Call {
             r.stream_ends = 0;
         }
-        let Ok(message) = serde_json::from_str::<Value>(&event.data) else {
+        let Ok(message) = jsonrpc::from_slice_lenient::<Value>(event.data.as_bytes()) else {
             let why = "the upstream sent an event that is not JSON".to_string();
             return self.end_round(r, RoundEnd::broken(why));
         };

@@ -1,7 +1,8 @@
 //! JSON-RPC 2.0 as MCP uses it: classifying a POSTed body into requests, notifications
-//! and responses without materialising params or results, and building error bodies.
+//! and responses without materialising params or results, building error bodies, and
+//! reading JSON text as JavaScript writes it (`from_slice_lenient`).
 
-use serde::de::IgnoredAny;
+use serde::de::{DeserializeOwned, IgnoredAny};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -176,9 +177,89 @@ pub fn error_body(id: Option<&Value>, code: i64, message: &str, data: Option<Val
     serde_json::to_vec(&body).expect("a JSON value always serializes")
 }
 
+/// Parses JSON text as JavaScript writes it. `JSON.stringify` escapes a lone UTF-16
+/// surrogate (a string cut inside an emoji) as `\ud83d`, which JSON's grammar allows
+/// (RFC 8259 §8.2) but a Rust string cannot hold: text that does not parse is parsed
+/// again with each lone surrogate escape read as U+FFFD, the replacement character. Any
+/// other error stands.
+pub fn from_slice_lenient<T: DeserializeOwned>(text: &[u8]) -> serde_json::Result<T> {
+    serde_json::from_slice(text).or_else(|e| match replace_lone_surrogates(text) {
+        Some(mended) => serde_json::from_slice(&mended),
+        None => Err(e),
+    })
+}
+
+const REPLACEMENT_ESCAPE: &[u8; 6] = b"\\ufffd";
+
+/// `text` with every `\uXXXX` escape of a lone surrogate (one not in a high-low pair)
+/// replaced by `\ufffd`, the same length; `None` when it has none.
+fn replace_lone_surrogates(text: &[u8]) -> Option<Vec<u8>> {
+    let unit_at = |i: usize| -> Option<u16> {
+        let hex = text.get(i..i + 6)?.strip_prefix(b"\\u")?;
+        u16::from_str_radix(std::str::from_utf8(hex).ok()?, 16).ok()
+    };
+    let mut mended: Option<Vec<u8>> = None;
+    let mut in_string = false;
+    let mut i = 0;
+    while i < text.len() {
+        match (in_string, text[i]) {
+            (false, b'"') => in_string = true,
+            (false, _) => {}
+            (true, b'"') => in_string = false,
+            (true, b'\\') => {
+                let step = match unit_at(i) {
+                    Some(0xD800..=0xDBFF) if matches!(unit_at(i + 6), Some(0xDC00..=0xDFFF)) => 12,
+                    Some(0xD800..=0xDFFF) => {
+                        let out = mended.get_or_insert_with(|| text.to_vec());
+                        out[i..i + 6].copy_from_slice(REPLACEMENT_ESCAPE);
+                        6
+                    }
+                    Some(_) => 6,
+                    None => 2,
+                };
+                i += step;
+                continue;
+            }
+            (true, _) => {}
+        }
+        i += 1;
+    }
+    mended
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lone_surrogate_escapes_read_as_the_replacement_character() {
+        let parse = |text: &str| from_slice_lenient::<Value>(text.as_bytes()).unwrap();
+        assert_eq!(parse(r#"{"t":"cut \ud83d"}"#)["t"], "cut \u{fffd}");
+        assert_eq!(
+            parse(r#"{"t":"\udc00x"}"#)["t"],
+            "\u{fffd}x",
+            "a lone low one"
+        );
+        assert_eq!(parse(r#"{"t":"\ud83d\ud83d\ude00"}"#)["t"], "\u{fffd}😀");
+        assert_eq!(parse(r#"{"\ud800":1}"#)["\u{fffd}"], 1, "in a key");
+        assert_eq!(parse(r#"["\ud83d\ude00"]"#)[0], "😀", "a pair stands");
+        assert_eq!(
+            parse(r#"{"t":"\\ud83d"}"#)["t"],
+            "\\ud83d",
+            "an escaped backslash before `ud83d` is no escape"
+        );
+        assert_eq!(parse(r#"{"t":"\"\ud83d"}"#)["t"], "\"\u{fffd}");
+        assert!(replace_lone_surrogates(br#"{"t":"\ud83d\ude00","u":"\u00e9"}"#).is_none());
+        assert!(
+            from_slice_lenient::<Value>(br#"{"t":"\ud83d"#).is_err(),
+            "still unterminated"
+        );
+        assert!(from_slice_lenient::<Value>(br#"{"t":"\uzzzz"}"#).is_err());
+        assert!(
+            from_slice_lenient::<Value>(br#"{"t": \ud83d}"#).is_err(),
+            "outside a string"
+        );
+    }
 
     fn one(body: &str) -> Result<Message, Invalid> {
         match classify(body.as_bytes(), 16)? {

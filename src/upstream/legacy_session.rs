@@ -7,9 +7,9 @@ use super::exchange::{Connection, ExchangeError, ExchangeFailure, Response, Upst
 use super::{Endpoint, Timeouts};
 use crate::protocol::headers::{EndToEnd, MCP_SESSION_ID};
 use crate::protocol::revision::Revision;
-use crate::protocol::sse;
 use crate::protocol::target::upstream_target;
 use crate::protocol::trace::TraceContext;
+use crate::protocol::{jsonrpc, sse};
 use bytes::Bytes;
 use pingora::http::RequestHeader;
 use serde_json::{json, Value};
@@ -507,7 +507,7 @@ async fn read_single_now(response: &mut Response) -> Result<Value, SessionError>
             let what = format!("answered with HTTP {status} and no JSON-RPC message");
             return Err(SessionError::protocol(at, what));
         }
-        return serde_json::from_slice(&body).map_err(invalid);
+        return jsonrpc::from_slice_lenient(&body).map_err(invalid);
     }
     let mut parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
     let mut events = Vec::new();
@@ -522,7 +522,8 @@ async fn read_single_now(response: &mut Response) -> Result<Value, SessionError>
             .drain(..)
             .filter(|e| e.is_message() && !e.data.is_empty())
         {
-            let message: Value = serde_json::from_str(&event.data).map_err(invalid)?;
+            let message: Value =
+                jsonrpc::from_slice_lenient(event.data.as_bytes()).map_err(invalid)?;
             if message.get("method").is_none() {
                 return Ok(message);
             }

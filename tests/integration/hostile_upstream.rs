@@ -150,6 +150,55 @@ fn the_answer_is_the_response_after_notifications_and_other_event_types() {
     assert_eq!(called["result"]["content"][0]["text"], "done", "{called}");
 }
 
+/// JSON text as JavaScript writes it: `JSON.stringify` escapes a lone UTF-16 surrogate
+/// (a string cut inside an emoji) as `\ud83d`. A result carrying one, as a JSON body or
+/// in an SSE event, and a client's arguments carrying one, go through with the
+/// replacement character in its place; they used to fail the call as "invalid JSON".
+#[test]
+fn lone_surrogate_escapes_cross_the_bridge_as_the_replacement_character() {
+    let cut = r#""cut \ud83d""#;
+    let upstream = ScriptedUpstream::start(serving_calls(move |seen: &Seen| {
+        let response = format!(
+            r#"{{"jsonrpc":"2.0","id":{},"result":{{"content":[{{"type":"text","text":{cut}}}]}}}}"#,
+            seen.jsonrpc_id()
+        );
+        match seen.json().unwrap_or_default()["params"]["arguments"]["form"].as_str() {
+            Some("json") => Answer::status(
+                200,
+                &[("content-type", "application/json")],
+                response.as_bytes(),
+            ),
+            _ => Answer::sse(&[]).event(None, &json!(response)).end(),
+        }
+    }));
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    for form in ["json", "sse"] {
+        let params = json!({"name": "hostile", "arguments": {"form": form, "text": "CUT"}});
+        let (headers, body) = modern_request(1, "tools/call", params, json!({}));
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        let body = body.to_string().replace("CUT", "held \\udc00");
+        let reply = raw.request("POST", &headers, Some(&body)).json();
+        assert_eq!(
+            reply["result"]["content"][0]["text"], "cut \u{fffd}",
+            "{form}: {reply}"
+        );
+    }
+    let calls: Vec<Value> = upstream
+        .requests()
+        .iter()
+        .filter(|s| s.jsonrpc_method().as_deref() == Some("tools/call"))
+        .filter_map(|s| s.json())
+        .collect();
+    assert_eq!(calls.len(), 2);
+    for call in calls {
+        assert_eq!(
+            call["params"]["arguments"]["text"], "held \u{fffd}",
+            "{call}"
+        );
+    }
+}
+
 /// A call's response against JSON-RPC (a result that is not an object, a result and an
 /// error both, an error that is not an object) reaches the client as an error saying what
 /// was wrong, not relayed as a result; an error object without a message says so.

@@ -31,7 +31,7 @@ use crate::mrtr::flow::Failure;
 use crate::mrtr::modern::{ModernHeaders, ModernRequest, SUPPORTED_VERSIONS};
 use crate::outcome::Report;
 use crate::outcome::{Class, Outcome, Refusal};
-use crate::protocol::jsonrpc::{code, Body};
+use crate::protocol::jsonrpc::{self, code, Body};
 use crate::protocol::oauth;
 use crate::upstream::exchange::ExchangeFailure;
 use crate::upstream::legacy_session::{
@@ -160,7 +160,7 @@ fn parse_single(incoming: &Incoming) -> Result<Value, String> {
                 .into(),
         );
     }
-    serde_json::from_slice(&incoming.body).map_err(|e| {
+    jsonrpc::from_slice_lenient(&incoming.body).map_err(|e| {
         format!("the request body is not a JSON-RPC message the gateway can read: {e}")
     })
 }
