@@ -152,6 +152,10 @@ pub struct Limits {
     /// Most client connections the MCP listener serves at once; one more is answered
     /// 503 and closed.
     pub max_client_connections: usize,
+    /// Largest message a bridged call reads from its upstream (a JSON answer, one SSE
+    /// event): the bridge holds it whole to rewrite it, so it is bounded; a larger one
+    /// ends the call with an error naming this limit. Pass-through streams are not held.
+    pub max_upstream_message_bytes: usize,
 }
 
 impl Default for Limits {
@@ -170,6 +174,7 @@ impl Default for Limits {
             max_input_requests_bytes: 1 << 20,
             max_rounds: 32,
             max_client_connections: 10_000,
+            max_upstream_message_bytes: 16 << 20,
         }
     }
 }
@@ -191,6 +196,8 @@ impl Limits {
             }
         };
         at_least("max_body_bytes", self.max_body_bytes as u64, 1024)?;
+        let message_bytes = self.max_upstream_message_bytes as u64;
+        at_least("max_upstream_message_bytes", message_bytes, 64 << 10)?;
         at_least("max_batch", self.max_batch as u64, 1)?;
         at_least("max_header_count", self.max_header_count as u64, 8)?;
         at_least("max_header_bytes", self.max_header_bytes as u64, 1024)?;

@@ -80,7 +80,10 @@ impl UpstreamSide {
         }
         UpstreamSide {
             groups,
-            client: Arc::new(UpstreamClient::new(metrics)),
+            client: Arc::new(
+                UpstreamClient::new(metrics)
+                    .with_max_message(config.limits.max_upstream_message_bytes),
+            ),
             initialize_results: Mutex::default(),
             modern_only: Mutex::default(),
             learnt: Learnt::default(),

@@ -165,6 +165,8 @@ pub struct UpstreamClient {
     transport: TransportConnector,
     idle: IdleConnections,
     pub metrics: Arc<Metrics>,
+    /// Largest message read whole from a response (`Response::max_message`).
+    max_message: usize,
 }
 
 impl UpstreamClient {
@@ -173,7 +175,14 @@ impl UpstreamClient {
             transport: TransportConnector::new(None),
             idle: IdleConnections::new(metrics.upstream_idle_connections.clone()),
             metrics,
+            max_message: crate::config::Limits::default().max_upstream_message_bytes,
         }
+    }
+
+    /// With `bytes` the largest message read whole from its responses.
+    pub fn with_max_message(mut self, bytes: usize) -> UpstreamClient {
+        self.max_message = bytes;
+        self
     }
 }
 
@@ -255,6 +264,7 @@ impl UpstreamClient {
             endpoint: at,
             pool: Some(Box::new(peer)),
             answer_within: timeouts.response,
+            max_message: self.max_message,
             _in_use: Some(in_use),
         })
     }
@@ -588,6 +598,7 @@ pub async fn read_response_from(stream: Stream) -> Result<Response, ExchangeErro
         endpoint: None,
         pool: None,
         answer_within: IN_MEMORY_LIMIT,
+        max_message: crate::config::Limits::default().max_upstream_message_bytes,
         _in_use: None,
     })
 }
@@ -607,6 +618,9 @@ pub struct Response {
     /// The longest an answer may take after its header: a body read whole, or the one
     /// message an SSE answer is read for (the exchange's response timeout).
     pub(crate) answer_within: Duration,
+    /// The largest message read from it whole: a JSON body, one SSE event
+    /// (`limits.max_upstream_message_bytes`).
+    max_message: usize,
     /// Counts this connection in use until the response is finished or dropped.
     _in_use: Option<InUse>,
 }
@@ -659,6 +673,11 @@ impl Response {
             .read_body_bytes()
             .await
             .map_err(|e| read_error(e).at(endpoint))
+    }
+
+    /// The largest message read from it whole: a JSON body, one SSE event.
+    pub fn max_message(&self) -> usize {
+        self.max_message
     }
 
     /// The longest an answer may take after its header (`answer_within`).

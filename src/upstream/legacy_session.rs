@@ -17,8 +17,6 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-/// Largest upstream SSE event or JSON body the bridge reads.
-pub const MAX_UPSTREAM_MESSAGE: usize = 4 << 20;
 /// Longest wait for the DELETE of a session nobody will use (`LegacySession::abandon`),
 /// and for the upstream to take a call's cancellation (`cancel`).
 const ABANDON_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
@@ -501,7 +499,7 @@ async fn read_single_now(response: &mut Response) -> Result<Value, SessionError>
     let invalid =
         |e: serde_json::Error| SessionError::protocol(at, format!("sent invalid JSON: {e}"));
     if !response.is_sse() {
-        let body = response.read_all(MAX_UPSTREAM_MESSAGE).await?;
+        let body = response.read_all(response.max_message()).await?;
         if body.is_empty() {
             let status = response.header().status.as_u16();
             let what = format!("answered with HTTP {status} and no JSON-RPC message");
@@ -509,7 +507,7 @@ async fn read_single_now(response: &mut Response) -> Result<Value, SessionError>
         }
         return jsonrpc::from_slice_lenient(&body).map_err(invalid);
     }
-    let mut parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
+    let mut parser = sse::Parser::new(response.max_message());
     let mut events = Vec::new();
     while let Some(chunk) = response.next_chunk().await? {
         parser

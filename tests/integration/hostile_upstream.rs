@@ -43,24 +43,36 @@ fn error_message(body: &Value) -> &str {
         .unwrap_or_else(|| panic!("not an error: {body}"))
 }
 
-/// An upstream event over the 4 MiB limit ends the call with an error naming the limit:
-/// the stream is not resumed (a resumption would send the event again) and the group's
-/// later flows are not held for it.
+/// An upstream event over `limits.max_upstream_message_bytes` (here 1 MiB) ends the call
+/// with an error naming the limit: the stream is not resumed (a resumption would send the
+/// event again) and the group's later flows are not held for it. Under the default
+/// (16 MiB) a 5 MiB result, as a screenshot tool's may be, goes through, as it does for
+/// legacy clients.
 #[test]
 fn an_upstream_event_over_the_limit_ends_the_call_and_teaches_nothing() {
-    let upstream = ScriptedUpstream::start(serving_calls(|_| {
+    let upstream = ScriptedUpstream::start(serving_calls(|seen| {
+        let big = "x".repeat(5 << 20);
+        if seen.json().unwrap_or_default()["params"]["arguments"]["whole"] == true {
+            let result = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(),
+                "result": {"content": [{"type": "text", "text": big}]}});
+            return Answer::json(200, &result);
+        }
         let log = json!({"jsonrpc": "2.0", "method": "notifications/message",
-            "params": {"level": "info", "data": "x".repeat(5 << 20)}});
+            "params": {"level": "info", "data": big}});
         Answer::sse(&[])
             .event(Some("e1"), &json!(""))
             .event(Some("e2"), &log)
     }));
-    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.limits.max_upstream_message_bytes = 1 << 20;
+    });
     let raw = Raw::new(&gw.url);
     let (_, body) = call_tool(&raw, json!({}));
     let message = error_message(&body);
     assert!(
-        message.contains("an SSE event exceeds 4194304 bytes") && message.contains("call's stream"),
+        message.contains("an SSE event exceeds 1048576 bytes")
+            && message.contains("limits.max_upstream_message_bytes")
+            && message.contains("call's stream"),
         "{message}"
     );
     let resumed = upstream
@@ -73,6 +85,21 @@ fn an_upstream_event_over_the_limit_ends_the_call_and_teaches_nothing() {
         resumable,
         Some(0.0),
         "the group's flows are held from now on"
+    );
+
+    let defaults = TestGateway::start(&[&upstream.url()], &test_keys());
+    let (status, body) = call_tool(
+        &Raw::new(&defaults.url),
+        json!({"arguments": {"whole": true}}),
+    );
+    let text = body["result"]["content"][0]["text"]
+        .as_str()
+        .unwrap_or_default();
+    assert_eq!(
+        (status, text.len()),
+        (200, 5 << 20),
+        "{}",
+        &body.to_string()[..200.min(body.to_string().len())]
     );
 }
 

@@ -604,7 +604,7 @@ async fn wait(call: &Call<'_>, session: &mut ServerSession, io: &mut Io<'_>, flo
                     Stream::Session => "the session's GET stream",
                 };
                 let message = format!(
-                    "{too_large} (the gateway's limit for one upstream message) on {which}"
+                    "{too_large} (limits.max_upstream_message_bytes, the gateway's limit for one upstream message) on {which}"
                 );
                 let failure = Failure::new(FailureKind::Broken, message);
                 Woke::Input(Input::StreamBroken { stream, failure })

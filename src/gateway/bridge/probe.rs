@@ -15,7 +15,7 @@ use crate::gateway::UpstreamSide;
 use crate::protocol::sse;
 use crate::protocol::trace::TraceContext;
 use crate::upstream::exchange::{Connection, Response};
-use crate::upstream::legacy_session::{Caller, LegacySession, MAX_UPSTREAM_MESSAGE};
+use crate::upstream::legacy_session::{Caller, LegacySession};
 use crate::upstream::{Endpoint, UpstreamGroup};
 use serde_json::json;
 use std::time::Duration;
@@ -137,7 +137,7 @@ async fn first_event_id(session: &LegacySession<'_>) -> Option<String> {
 }
 
 async fn first_id(response: &mut Response) -> Option<String> {
-    let mut parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
+    let mut parser = sse::Parser::new(response.max_message());
     let mut events = Vec::new();
     while let Ok(Some(chunk)) = response.next_chunk().await {
         parser.push(&chunk, &mut events).ok()?;
@@ -155,7 +155,7 @@ async fn resumes_foreign(session: &LegacySession<'_>, foreign: &str) -> SessionR
         return SessionReplay::Scoped;
     };
     let deadline = Instant::now() + FOREIGN_WATCH;
-    let mut parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
+    let mut parser = sse::Parser::new(response.max_message());
     let mut events = Vec::new();
     let verdict = loop {
         match tokio::time::timeout_at(deadline, response.next_chunk()).await {

@@ -5,9 +5,7 @@
 
 use crate::protocol::sse;
 use crate::upstream::exchange::{Connection, Response, UpstreamClient};
-use crate::upstream::legacy_session::{
-    LegacySession, SessionError, SessionFailure, MAX_UPSTREAM_MESSAGE,
-};
+use crate::upstream::legacy_session::{LegacySession, SessionError, SessionFailure};
 use bytes::Bytes;
 use std::collections::VecDeque;
 use std::future::Future;
@@ -39,14 +37,21 @@ pub(super) struct Streams {
     pub(super) backlog: VecDeque<(Source, sse::Event)>,
 }
 
+/// A parser for a stream's events, bounded by the response's message limit (a stream not
+/// yet open gets the default's: it is replaced with the stream).
+fn parser_for(response: Option<&Response>) -> sse::Parser {
+    let default = crate::config::Limits::default().max_upstream_message_bytes;
+    sse::Parser::new(response.map_or(default, Response::max_message))
+}
+
 impl Streams {
     pub(super) fn new(call: Option<Response>, session: Option<Response>) -> Streams {
         Streams {
+            call_parser: parser_for(call.as_ref()),
             call,
             posted: None,
-            call_parser: sse::Parser::new(MAX_UPSTREAM_MESSAGE),
+            session_parser: parser_for(session.as_ref()),
             session,
-            session_parser: sse::Parser::new(MAX_UPSTREAM_MESSAGE),
             backlog: VecDeque::new(),
         }
     }
@@ -90,15 +95,15 @@ impl Streams {
     /// Puts a new call stream (the call's POST response, or a resumption) in place of
     /// the old one.
     pub(super) fn replace_call(&mut self, response: Response) {
+        self.call_parser = parser_for(Some(&response));
         self.call = Some(response);
-        self.call_parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
     }
 
     /// Puts a new session GET stream (or none) in place of the old one: what the old one
     /// left of a line is not the new one's.
     pub(super) fn replace_session(&mut self, response: Option<Response>) {
+        self.session_parser = parser_for(response.as_ref());
         self.session = response;
-        self.session_parser = sse::Parser::new(MAX_UPSTREAM_MESSAGE);
     }
 
     /// Takes a stream that ended out of the flow: one read to its end goes back to the
