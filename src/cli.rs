@@ -159,15 +159,24 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// The most verbose level logged, whatever `RUST_LOG` asks: at TRACE, pingora dumps
+/// request headers (`Authorization`) and every body chunk (`requestState`s, answers,
+/// upstream event ids), which must never reach the logs.
+pub const MOST_VERBOSE: tracing_subscriber::filter::LevelFilter =
+    tracing_subscriber::filter::LevelFilter::DEBUG;
+
 fn init_logging(format: LogFormat) {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+    let registry = tracing_subscriber::registry()
+        .with(MOST_VERBOSE)
+        .with(filter);
+    let lines = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => registry.with(lines).init(),
+        LogFormat::Json => registry.with(lines.json()).init(),
     }
 }
 

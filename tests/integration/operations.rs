@@ -355,8 +355,18 @@ impl GatewayProcess {
         Self::start_logging(upstream, None)
     }
 
-    /// Starts the binary; with `json_log`, its JSON log lines go to that file.
+    /// Starts the binary; with `json_log`, its JSON log lines (`RUST_LOG=info`) go to
+    /// that file.
     fn start_logging(upstream: &str, json_log: Option<&std::path::Path>) -> GatewayProcess {
+        Self::start_logging_at(upstream, json_log, "info")
+    }
+
+    /// [`GatewayProcess::start_logging`] with `rust_log` as `RUST_LOG`.
+    fn start_logging_at(
+        upstream: &str,
+        json_log: Option<&std::path::Path>,
+        rust_log: &str,
+    ) -> GatewayProcess {
         let (port, admin_port) = (free_port(), free_port());
         let dir = std::env::temp_dir().join(format!("mrtr-drain-{port}"));
         std::fs::create_dir_all(&dir).unwrap();
@@ -377,7 +387,7 @@ impl GatewayProcess {
             let file = std::fs::File::create(log).expect("log file");
             command
                 .arg("--log-format=json")
-                .env("RUST_LOG", "info")
+                .env("RUST_LOG", rust_log)
                 .stderr(file);
         } else if std::env::var_os("MRTR_TEST_GATEWAY_LOG").is_some() {
             command.stderr(Stdio::inherit());
@@ -747,6 +757,70 @@ fn json_access_lines_carry_one_flow_id_across_replicas_and_no_secrets() {
     let logs = std::fs::read_to_string(&log_a).unwrap() + &std::fs::read_to_string(&log_b).unwrap();
     for secret in [&state[..], "s3cr3t-token-value", &test_keys()[6..]] {
         assert!(!logs.contains(secret), "a secret reached the logs");
+    }
+}
+
+/// `RUST_LOG=trace` logs no more than DEBUG: at TRACE, pingora dumps request headers
+/// (the client's and a metrics scraper's `Authorization`) and every body chunk (states,
+/// answers, upstream event ids). A chunked request, a bearer token and a scrape with
+/// credentials leave no trace line and no secret.
+#[test]
+fn the_most_verbose_logs_carry_no_secrets() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let dir = TempDir(std::env::temp_dir().join(format!("mrtr-trace-{}", free_port())));
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let log = dir.0.join("trace.log");
+    let gw = GatewayProcess::start_logging_at(&url, Some(&log), "trace");
+    let body = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "trace-test", "version": "1"}}})
+    .to_string();
+    let chunked = format!(
+        "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+         accept: application/json, text/event-stream\r\nauthorization: Bearer tr4ce-t0ken\r\n\
+         transfer-encoding: chunked\r\nconnection: close\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n",
+        body.len()
+    );
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    std::io::Write::write_all(&mut stream, chunked.as_bytes()).unwrap();
+    let mut answer = String::new();
+    let _ = std::io::Read::read_to_string(&mut stream, &mut answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let session = answer
+        .lines()
+        .find_map(|l| l.strip_prefix("mcp-session-id: "))
+        .unwrap_or_else(|| panic!("no session: {answer}"))
+        .trim()
+        .to_string();
+    let scrape = ureq::get(&format!("{}/metrics", gw.admin))
+        .set("authorization", "Bearer scr4pe-t0ken")
+        .call();
+    assert!(scrape.is_ok(), "the scrape failed");
+    let mut text = String::new();
+    wait_until("the request's access line", Duration::from_secs(5), || {
+        text = std::fs::read_to_string(&log).unwrap_or_default();
+        text.contains("mrtr_gateway::access") && text.contains("initialize")
+    });
+    let levels: std::collections::BTreeSet<String> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter_map(|l| l["level"].as_str().map(str::to_string))
+        .collect();
+    assert!(
+        levels.contains("DEBUG"),
+        "debug lines are logged: {levels:?}"
+    );
+    assert!(!levels.contains("TRACE"), "no trace lines: {levels:?}");
+    for secret in [
+        "tr4ce-t0ken",
+        "scr4pe-t0ken",
+        &session[..],
+        &test_keys()[6..],
+    ] {
+        assert!(!text.contains(secret), "a secret reached the logs");
     }
 }
 
