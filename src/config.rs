@@ -911,6 +911,7 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<(), ConfigError> {
+        check_durations("", &serde_json::to_value(self).unwrap_or_default())?;
         check_addr("listen", &self.listen)?;
         check_addr("admin_listen", &self.admin_listen)?;
         if self.listen == self.admin_listen {
@@ -1027,6 +1028,44 @@ impl Config {
             }
         }
         Ok(())
+    }
+}
+
+/// The longest duration any setting may name: ten years. A time added to the clock must
+/// stay on it (`Instant + Duration` panics past its end), and nothing the gateway waits
+/// for is longer.
+const MAX_DURATION_SECONDS: u64 = 10 * 365 * 24 * 3600;
+
+/// Checks every `*_ms` and `*_seconds` setting in `tree` (the configuration as JSON, at
+/// key path `at`) against `MAX_DURATION_SECONDS`.
+fn check_durations(at: &str, tree: &serde_json::Value) -> Result<(), ConfigError> {
+    let child = |key: &str| match at {
+        "" => key.to_string(),
+        _ => format!("{at}.{key}"),
+    };
+    match tree {
+        serde_json::Value::Object(fields) => {
+            for (key, value) in fields {
+                let max = if key.ends_with("_ms") {
+                    MAX_DURATION_SECONDS * 1000
+                } else if key.ends_with("_seconds") {
+                    MAX_DURATION_SECONDS
+                } else {
+                    check_durations(&child(key), value)?;
+                    continue;
+                };
+                if value.as_u64().is_some_and(|v| v > max) {
+                    let problem = format!("must be at most {max} (ten years)");
+                    return Err(ConfigError::at(child(key), problem));
+                }
+            }
+            Ok(())
+        }
+        serde_json::Value::Array(items) => items
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, item)| check_durations(&format!("{at}[{i}]"), item)),
+        _ => Ok(()),
     }
 }
 
@@ -1190,9 +1229,30 @@ mod tests {
     }
 
     #[test]
+    fn durations_past_ten_years_are_refused_by_key_path() {
+        let e = Config::from_yaml(&format!(
+            "bridge:\n  round_silence_seconds: 18446744073709551615\n{MINIMAL}"
+        ))
+        .unwrap_err();
+        assert_eq!(e.path, "bridge.round_silence_seconds");
+        assert!(e.problem.contains("at most 315360000"), "{e}");
+        let e = Config::from_yaml(&format!(
+            "server:\n  grace_period_seconds: 315360001\n{MINIMAL}"
+        ))
+        .unwrap_err();
+        assert_eq!(e.path, "server.grace_period_seconds");
+        let group = "upstreams:\n  - name: a\n    endpoints: [\"http://127.0.0.1:1/mcp\"]\n    response_timeout_ms: 315360000001\n";
+        let e = Config::from_yaml(group).unwrap_err();
+        assert_eq!(e.path, "upstreams[0].response_timeout_ms");
+        let ten_years = format!("bridge:\n  max_flow_seconds: 315360000\n{MINIMAL}");
+        assert!(Config::from_yaml(&ten_years).is_ok());
+    }
+
+    #[test]
     fn the_example_config_is_valid() {
         let text = include_str!("../config/gateway.yaml");
-        Config::from_yaml(text).unwrap();
+        let config = Config::from_yaml(text).unwrap();
+        assert!(serde_json::to_value(&config).is_ok(), "its durations are checked");
     }
 
     #[test]
