@@ -29,13 +29,18 @@ pub struct WatchedFile {
     seen: Mutex<Seen>,
 }
 
+/// What a poll finds: a digest of the files' contents, or why they could not be read.
+type Found = Result<[u8; 32], String>;
+
 /// What a watched file's polls have found, by digest of its contents.
 #[derive(Default)]
 struct Seen {
-    /// The contents last applied or reported, so unchanged files cost no parse.
-    settled: Option<[u8; 32]>,
-    /// New contents that failed once, to be tried again before they are reported.
-    failed_once: Option<[u8; 32]>,
+    /// What was last applied or reported (unreadable files too), so unchanged files cost
+    /// no parse and a failure is reported once.
+    settled: Option<Found>,
+    /// What failed once (new contents, or files gone), to be tried again before it is
+    /// reported.
+    failed_once: Option<Found>,
 }
 
 impl WatchedFile {
@@ -47,7 +52,7 @@ impl WatchedFile {
     /// applies them all.
     pub fn together(name: &'static str, paths: Vec<PathBuf>, apply: Apply) -> WatchedFile {
         let seen = Seen {
-            settled: digest_of(&paths).ok(),
+            settled: Some(digest_of(&paths)),
             failed_once: None,
         };
         WatchedFile {
@@ -61,22 +66,22 @@ impl WatchedFile {
     /// Re-reads the files if they changed (or always, when `forced`); `None` if unchanged,
     /// or if new contents failed for the first time (polled, not forced).
     fn reload(&self, forced: bool) -> Option<Result<String, String>> {
-        let digest = match digest_of(&self.paths) {
-            Ok(digest) => digest,
-            Err(e) => return Some(Err(e)),
-        };
+        let found = digest_of(&self.paths);
         let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        if !forced && seen.settled == Some(digest) {
+        if !forced && seen.settled.as_ref() == Some(&found) {
             return None;
         }
-        let outcome = (self.apply)(self.paths.first()?);
-        if outcome.is_err() && !forced && seen.failed_once != Some(digest) {
-            seen.failed_once = Some(digest);
+        let outcome = match &found {
+            Ok(_) => (self.apply)(self.paths.first()?),
+            Err(unreadable) => Err(unreadable.clone()),
+        };
+        if outcome.is_err() && !forced && seen.failed_once.as_ref() != Some(&found) {
+            seen.failed_once = Some(found);
             return None;
         }
-        // Remember even contents that fail, so an error is logged once, not every poll.
+        // Remember even what fails, so an error is logged once, not every poll.
         *seen = Seen {
-            settled: Some(digest),
+            settled: Some(found),
             failed_once: None,
         };
         Some(outcome)
@@ -193,6 +198,23 @@ mod tests {
         std::fs::write(&path, "good, renewed").unwrap();
         assert_eq!(file.reload(false), Some(Ok("good, renewed".into())));
         assert_eq!(file.reload(false), None);
+        let _ = std::fs::remove_dir_all(path.parent().unwrap());
+    }
+
+    /// A file that cannot be read (a Secret unmounted) is reported once, after a second
+    /// poll finds it still gone, not at every poll; back, it applies again.
+    #[test]
+    fn a_file_that_cannot_be_read_is_reported_once() {
+        let (file, path) = watched("gone");
+        std::fs::remove_file(&path).unwrap();
+        assert_eq!(file.reload(false), None, "gone once: tried again first");
+        assert!(matches!(file.reload(false), Some(Err(e)) if e.contains("file")));
+        for _ in 0..3 {
+            assert_eq!(file.reload(false), None, "reported once");
+        }
+        assert!(file.reload(true).is_some_and(|r| r.is_err()), "a forced reload says");
+        std::fs::write(&path, "good, back").unwrap();
+        assert_eq!(file.reload(false), Some(Ok("good, back".into())));
         let _ = std::fs::remove_dir_all(path.parent().unwrap());
     }
 
