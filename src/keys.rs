@@ -119,6 +119,11 @@ impl fmt::Display for KeyError {
 
 impl std::error::Error for KeyError {}
 
+/// Whether `kid` is a key id a ring can hold: 1 to 16 letters, digits, `-` or `_`.
+pub fn is_valid_kid(kid: &str) -> bool {
+    validate_kid(kid).is_ok()
+}
+
 fn validate_kid(kid: &str) -> Result<(), KeyError> {
     if kid.is_empty() || kid.len() > MAX_KID_LEN {
         return Err(KeyError::BadKid(format!(

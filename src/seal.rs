@@ -286,11 +286,14 @@ fn split_header(raw: &[u8]) -> Result<(u8, &[u8], &[u8]), OpenError> {
     Ok((*version, kid, rest))
 }
 
-/// The key id a sealed blob names, without opening it (for `inspect` and logs).
+/// The key id a sealed blob names, without opening it (for `inspect` and logs); `None`
+/// when it is not one a key ring can hold (letters, digits, `-`, `_`), so that what an
+/// untrusted token carries there (terminal escapes, say) is never printed.
 pub fn peek_kid(sealed: &str) -> Option<String> {
     let raw = URL_SAFE_NO_PAD.decode(sealed).ok()?;
     let (_, kid, _) = split_header(&raw).ok()?;
-    String::from_utf8(kid.to_vec()).ok()
+    let kid = String::from_utf8(kid.to_vec()).ok()?;
+    crate::keys::is_valid_kid(&kid).then_some(kid)
 }
 
 #[cfg(test)]
@@ -314,6 +317,13 @@ mod tests {
             b"payload"
         );
         assert_eq!(peek_kid(&s).as_deref(), Some("k1"));
+        // The same envelope naming a key id no ring can hold: an escape sequence.
+        let mut raw = URL_SAFE_NO_PAD.decode(&s).unwrap();
+        raw[1] = 4;
+        raw.splice(2..4, *b"\x1b[2J");
+        let hostile = URL_SAFE_NO_PAD.encode(&raw);
+        assert!(split_header(&raw).is_ok(), "the envelope itself parses");
+        assert_eq!(peek_kid(&hostile), None);
         assert!(!s.contains("payload"));
     }
 
