@@ -1252,7 +1252,10 @@ mod tests {
     fn the_example_config_is_valid() {
         let text = include_str!("../config/gateway.yaml");
         let config = Config::from_yaml(text).unwrap();
-        assert!(serde_json::to_value(&config).is_ok(), "its durations are checked");
+        assert!(
+            serde_json::to_value(&config).is_ok(),
+            "its durations are checked"
+        );
     }
 
     #[test]

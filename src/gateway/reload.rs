@@ -212,7 +212,10 @@ mod tests {
         for _ in 0..3 {
             assert_eq!(file.reload(false), None, "reported once");
         }
-        assert!(file.reload(true).is_some_and(|r| r.is_err()), "a forced reload says");
+        assert!(
+            file.reload(true).is_some_and(|r| r.is_err()),
+            "a forced reload says"
+        );
         std::fs::write(&path, "good, back").unwrap();
         assert_eq!(file.reload(false), Some(Ok("good, back".into())));
         let _ = std::fs::remove_dir_all(path.parent().unwrap());
