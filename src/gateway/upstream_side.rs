@@ -53,8 +53,8 @@ pub struct UpstreamSide {
     /// The pooled client; it counts into the gateway's metrics. Shared with the work a
     /// request leaves behind (deleting its session, warming the next).
     pub client: Arc<UpstreamClient>,
-    /// Each group's InitializeResult, learnt from the first session opened there; it
-    /// answers `server/discover` and names the server in every modern result.
+    /// Each group's InitializeResult, from the latest session opened there: it names the
+    /// server in every modern result.
     initialize_results: Mutex<HashMap<String, Value>>,
     /// For `era: auto` groups, what the probe found.
     modern_only: Mutex<HashMap<String, Probed>>,
@@ -105,9 +105,7 @@ impl UpstreamSide {
             .initialize_results
             .lock()
             .expect("initialize cache lock");
-        cache
-            .entry(group.name.clone())
-            .or_insert_with(|| result.clone());
+        cache.insert(group.name.clone(), result.clone());
     }
 
     /// Opens an upstream session on a healthy endpoint of `group` with the client's
@@ -207,22 +205,16 @@ impl UpstreamSide {
         }
     }
 
-    /// The group's InitializeResult, opening a session as `asker` to learn it once. That
-    /// session has run nothing: it is kept for the asker's one-shot requests (a server
-    /// slow to open sessions then pays once, not twice), or deleted if none are kept.
+    /// The group's InitializeResult as the upstream gives it to `asker` now: a session
+    /// opened as `asker` (so a caller the upstream denies is denied, and an upstream
+    /// restarted as another server says so). That session has run nothing: it is kept
+    /// for the asker's one-shot requests (a server slow to open sessions then pays once,
+    /// not twice), or deleted if none are kept.
     pub async fn initialize_result(
         &self,
         group: &UpstreamGroup,
         asker: &Asker,
     ) -> Result<Value, SessionError> {
-        if let Some(known) = self
-            .initialize_results
-            .lock()
-            .expect("initialize cache lock")
-            .get(&group.name)
-        {
-            return Ok(known.clone());
-        }
         let (session, result) = self
             .open_upstream(
                 group,

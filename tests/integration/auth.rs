@@ -246,6 +246,21 @@ fn an_api_key_header_reaches_the_server_in_both_eras_and_the_group_can_withhold_
     let with = ask_name_call(&raw, &[("x-api-key", "k-3141")]);
     assert_eq!(with.status, 200, "the key went upstream");
 
+    // server/discover asks the upstream as its caller: one without the key is denied,
+    // even right after one with it learnt the capabilities.
+    let discover = |id: u64, headers: &[(&str, &str)]| {
+        raw.modern_with(id, "server/discover", json!({}), json!({}), headers)
+    };
+    let known = discover(7, &[("x-api-key", "k-3141")]);
+    assert_eq!(known.status, 200);
+    assert!(known.json()["result"]["capabilities"]["tools"].is_object());
+    let denied = discover(8, &[]);
+    assert_eq!(
+        denied.status, 401,
+        "discover is no way around the upstream's denial"
+    );
+    assert_eq!(denied.www_authenticate.as_deref(), Some("ApiKey"));
+
     // A group that forwards only Authorization keeps the key to itself.
     let narrow = TestGateway::start_with(&[&url], &test_keys(), |config| {
         config.upstreams[0].forward_headers = vec!["authorization".into()];

@@ -143,6 +143,40 @@ fn server_everything_serves_modern_clients_through_the_gateway() {
     assert_eq!(texts[0], "Echo: hi");
     assert!(texts[1].contains("declined"), "{}", texts[1]);
     assert!(texts[2].contains("\"text\": \"short\""), "{}", texts[2]);
+
+}
+
+/// `server/discover` and every result's `serverInfo` describe the upstream as it is now:
+/// an upstream restarted as another server (a deploy) is described as that one, without
+/// restarting the gateway.
+#[test]
+fn discovery_follows_an_upstream_restarted_as_another_server() {
+    let port = free_port();
+    let (mut first, url) = start_upstream_on(Upstream::Conformance, port);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let name = |id: u64| {
+        let discover = raw
+            .modern(id, "server/discover", json!({}), json!({}))
+            .json();
+        discover["result"]["_meta"]["io.modelcontextprotocol/serverInfo"]["name"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no serverInfo: {discover}"))
+            .to_string()
+    };
+    let before = name(1);
+    first.kill();
+    let (_second, _) = start_upstream_on(Upstream::Python, port);
+    let after = name(2);
+    assert_ne!(
+        before, after,
+        "still described as the server before the restart"
+    );
+    let listed = raw.modern(3, "tools/list", json!({}), json!({})).json();
+    assert_eq!(
+        listed["result"]["_meta"]["io.modelcontextprotocol/serverInfo"]["name"], after,
+        "{listed}"
+    );
 }
 
 #[test]
