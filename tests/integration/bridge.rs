@@ -144,6 +144,14 @@ fn server_everything_serves_modern_clients_through_the_gateway() {
     assert!(texts[1].contains("declined"), "{}", texts[1]);
     assert!(texts[2].contains("\"text\": \"short\""), "{}", texts[2]);
 
+    // Its 2025-11-25 tasks capability is not advertised: the wire form is not 2026-07-28's.
+    let raw = Raw::new(&gw.url);
+    let discover = raw
+        .modern(1, "server/discover", json!({}), json!({}))
+        .json();
+    let capabilities = &discover["result"]["capabilities"];
+    assert!(capabilities["tools"].is_object(), "{discover}");
+    assert!(capabilities.get("tasks").is_none(), "{discover}");
 }
 
 /// `server/discover` and every result's `serverInfo` describe the upstream as it is now:

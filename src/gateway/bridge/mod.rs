@@ -358,13 +358,15 @@ pub(crate) fn public_challenge(
 
 /// The upstream's capabilities as the bridge can honour them: list-changed notifications
 /// and resource subscriptions need `subscriptions/listen`, which the bridge does not serve
-/// yet, so they are not advertised. Data-layer sessions are the gateway's own, under
-/// `experimental.session`.
+/// yet, so they are not advertised; nor are 2025-11-25 tasks, whose wire form 2026-07-28
+/// does not share (the bridge answers `tasks/*` -32601). Data-layer sessions are the
+/// gateway's own, under `experimental.session`.
 fn modern_capabilities(upstream: &Value) -> Value {
     let mut caps = upstream.clone();
     let Some(map) = caps.as_object_mut() else {
         return json!({"experimental": {"session": session_capability()}});
     };
+    map.remove("tasks");
     for (_, cap) in map.iter_mut() {
         if let Some(cap) = cap.as_object_mut() {
             cap.remove("listChanged");
@@ -582,6 +584,9 @@ async fn end_session_later(gw: &Gateway, upstream: LegacySession<'_>, streams: s
     });
 }
 
+/// Resource not found, up to 2025-11-25; reserved, never reused, from 2026-07-28.
+const LEGACY_RESOURCE_NOT_FOUND: i64 = -32002;
+
 /// Answers the client with the upstream's final response to the call.
 pub(crate) async fn finish_with(
     reply: ClientReply,
@@ -600,11 +605,17 @@ pub(crate) async fn finish_with(
         (Some(_), Some(_)) => "carries both a result and an error",
         (Some(_), None) => "carries a result that is not an object",
         (None, Some(error)) if error.is_object() => {
-            // The upstream's own JSON-RPC error, passed on as it is.
+            // The upstream's own JSON-RPC error, passed on as it is, but for -32002
+            // (resource not found up to 2025-11-25), which 2026-07-28 reserves and says
+            // with -32602.
             let text = error["message"]
                 .as_str()
                 .unwrap_or("the upstream answered with an error that has no message");
-            let code = error["code"].as_i64().unwrap_or(code::INTERNAL_ERROR);
+            let code = match error["code"].as_i64() {
+                Some(LEGACY_RESOURCE_NOT_FOUND) => code::INVALID_PARAMS,
+                Some(code) => code,
+                None => code::INTERNAL_ERROR,
+            };
             let mut refusal = Refusal::new(Class::UpstreamError, code, text);
             refusal.data = error.get("data").cloned();
             return reply.refuse(session, refusal).await;
