@@ -226,6 +226,30 @@ fn lone_surrogate_escapes_cross_the_bridge_as_the_replacement_character() {
     }
 }
 
+/// An upstream's -32002 (resource not found up to 2025-11-25) reaches a 2026-07-28 client
+/// as -32602, which that revision says it with (it reserves -32002), message and data
+/// kept; other codes pass unchanged.
+#[test]
+fn a_legacy_resource_not_found_is_said_as_2026_07_28_says_it() {
+    let upstream = ScriptedUpstream::start(serving_calls(|seen: &Seen| {
+        let code = seen.json().unwrap_or_default()["params"]["arguments"]["code"].clone();
+        let error =
+            json!({"code": code, "message": "Resource not found", "data": {"uri": "file:///x"}});
+        Answer::json(
+            200,
+            &json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "error": error}),
+        )
+    }));
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    for (sent, seen) in [(-32002, -32602), (-32001, -32001)] {
+        let (_, body) = call_tool(&raw, json!({"arguments": {"code": sent}}));
+        assert_eq!(body["error"]["code"], seen, "{body}");
+        assert_eq!(body["error"]["message"], "Resource not found", "{body}");
+        assert_eq!(body["error"]["data"], json!({"uri": "file:///x"}), "{body}");
+    }
+}
+
 /// A call's response against JSON-RPC (a result that is not an object, a result and an
 /// error both, an error that is not an object) reaches the client as an error saying what
 /// was wrong, not relayed as a result; an error object without a message says so.
