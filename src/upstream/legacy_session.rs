@@ -417,7 +417,20 @@ impl<'a> LegacySession<'a> {
 
     /// Ends the upstream session (best effort).
     pub async fn delete(&self) {
-        self.delete_counting("deleted").await
+        let _ = self.delete_counting("deleted").await;
+    }
+
+    /// Ends the upstream session: `Ok(true)` once it has ended (one the upstream no longer
+    /// knows has), `Ok(false)` from a server that does not let clients end sessions (405,
+    /// as the transport allows: it ends them itself); a denied or otherwise refused
+    /// DELETE, or one not answered, is the error.
+    pub async fn end(&self) -> Result<bool, SessionError> {
+        match self.delete_counting("deleted").await {
+            Ok(()) => Ok(true),
+            Err(e) if *e.failure() == SessionFailure::Gone => Ok(true),
+            Err(e) if *e.failure() == SessionFailure::Refused(405) => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     /// Ends a session nobody will use, on the way to reporting a failure: best effort,
@@ -458,27 +471,31 @@ impl<'a> LegacySession<'a> {
 
     /// Ends the session of a flow its client abandoned (best effort).
     pub async fn reap(&self) {
-        self.delete_counting("reaped").await
+        let _ = self.delete_counting("reaped").await;
     }
 
-    async fn delete_counting(&self, event: &'static str) {
+    async fn delete_counting(&self, event: &'static str) -> Result<(), SessionError> {
         if self.session_id.is_none() {
-            return;
+            return Ok(());
         }
         let req = self.request("DELETE", 0, None);
-        if let Ok(response) = self
+        let response = self
             .client
             .send(&self.endpoint, self.timeouts, req, Bytes::new())
-            .await
-        {
-            let status = response.header().status;
-            self.discard(response).await;
-            // A refused DELETE (401 without credentials, 404 for a session already
-            // gone) ended nothing.
-            if status.is_success() {
+            .await?;
+        let status = response.header().status;
+        let refused = (!status.is_success()).then(|| self.refused(&response));
+        self.discard(response).await;
+        // A refused DELETE (401 without credentials, 404 for a session already gone)
+        // ended nothing.
+        match refused {
+            None => {
                 self.client.metrics.upstream_session(event);
-            } else {
+                Ok(())
+            }
+            Some(refused) => {
                 tracing::info!(%status, event, "the upstream did not delete a session");
+                Err(refused)
             }
         }
     }

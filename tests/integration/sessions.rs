@@ -258,6 +258,58 @@ fn a_session_names_the_revision_it_negotiated_on_every_replica() {
     assert_eq!(deleted["result"]["deleted"], true, "{deleted}");
 }
 
+/// `session/delete` says what the upstream did: a DELETE it denies (401, with its
+/// challenge) is the request's error, and the session, still open upstream, keeps
+/// serving its cookie; a server that does not let clients end sessions (405) is answered
+/// `deleted: false`. It used to answer `deleted: true` whatever the upstream said.
+#[test]
+fn session_delete_says_what_the_upstream_did() {
+    let delete_answer = std::sync::Arc::new(std::sync::Mutex::new(401u16));
+    let upstream = ScriptedUpstream::start({
+        let delete_answer = delete_answer.clone();
+        move |seen: &Seen| {
+            if seen.method == "DELETE" {
+                return match *delete_answer.lock().unwrap() {
+                    401 => Answer::status(401, &[("www-authenticate", "Bearer realm=\"x\"")], b""),
+                    status => Answer::status(status, &[], b""),
+                };
+            }
+            if let Some(answer) = legacy_basics(seen, "s1") {
+                return answer;
+            }
+            let result = json!({"content": [{"type": "text", "text": "still here"}]});
+            Answer::json(
+                200,
+                &json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": result}),
+            )
+        }
+    });
+    let gw = legacy_gateway(&upstream.url());
+    let raw = Raw::new(&gw.url);
+    let created = create(&raw, 1, json!({}));
+    let meta = json!({"_meta": {"mcp/session": {"id": cookie_of(&created)["id"]}}});
+
+    let denied = raw.modern(2, "session/delete", meta.clone(), json!({}));
+    assert_eq!(denied.status, 401);
+    assert!(
+        denied.www_authenticate.is_some(),
+        "the upstream's challenge"
+    );
+    let denied = denied.json();
+    assert!(denied.get("result").is_none(), "{denied}");
+    let alive = call(&raw, 3, "anything", json!({}), Some(&cookie_of(&created)));
+    assert_eq!(text(&alive), "still here");
+
+    *delete_answer.lock().unwrap() = 405;
+    let kept = raw.modern(4, "session/delete", meta, json!({})).json();
+    assert_eq!(kept["result"]["deleted"], false, "{kept}");
+    assert_eq!(
+        kept["result"]["_meta"]["mcp/session"],
+        Value::Null,
+        "{kept}"
+    );
+}
+
 #[test]
 fn session_delete_ends_the_upstream_session_and_revokes_the_cookie() {
     let (_upstream, url) = start_upstream(Upstream::Python);

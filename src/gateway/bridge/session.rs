@@ -222,17 +222,28 @@ pub(super) async fn delete(
         let refusal = Refusal::new(Class::BadRequest, code::INVALID_PARAMS, text);
         return reply.refuse(session, refusal).await;
     };
-    attached.upstream(gw, group).delete().await;
-    gw.runtime
-        .metrics
-        .data_sessions
-        .with_label_values(&["deleted"])
-        .inc();
-    tracing::info!(
-        session = attached.cookie.log_id(),
-        "data-layer session deleted"
-    );
-    let result = json!({"deleted": true, "_meta": revocation()});
+    // A session the upstream did not end (a denied DELETE, an upstream down) lives on,
+    // and so does its cookie: the client is told why.
+    let deleted = match attached.upstream(gw, group).end().await {
+        Ok(deleted) => deleted,
+        Err(e) => return super::upstream_failed(gw, reply, session, group, &e).await,
+    };
+    let log_id = attached.cookie.log_id();
+    if deleted {
+        let counter = gw
+            .runtime
+            .metrics
+            .data_sessions
+            .with_label_values(&["deleted"]);
+        counter.inc();
+        tracing::info!(session = log_id, "data-layer session deleted");
+    } else {
+        tracing::info!(
+            session = log_id,
+            "data-layer session left to the upstream, which ends sessions itself (DELETE 405)"
+        );
+    }
+    let result = json!({"deleted": deleted, "_meta": revocation()});
     reply
         .result(
             session,
