@@ -20,13 +20,18 @@ use std::time::{Duration, Instant};
 use tokio::sync::Semaphore;
 
 /// After a probe of an `era: auto` group got no verdict (the upstream was unreachable),
-/// how long until the next one; until then the group is bridged.
+/// how long until the next one; until then the group is bridged. Also the least time a
+/// verdict stands before what the upstream answers can call it into doubt.
 const PROBE_RETRY: Duration = Duration::from_secs(10);
 
 /// What is known of an `era: auto` group's era.
 #[derive(Clone, Copy)]
 enum Probed {
-    Verdict(bool),
+    /// Whether the upstream speaks only 2026-07-28, and since when that is known.
+    Verdict {
+        modern_only: bool,
+        since: Instant,
+    },
     RetryAfter(Instant),
 }
 
@@ -128,9 +133,13 @@ impl UpstreamSide {
             client_info,
             caller,
         )
-        .await?;
-        self.remember_initialize(group, &opened.1);
-        Ok(opened)
+        .await;
+        match &opened {
+            Ok((_, result)) => self.remember_initialize(group, result),
+            Err(e) if e.failure().doubts_legacy_era() => self.doubt_era(group, false),
+            Err(_) => {}
+        }
+        opened
     }
 
     /// Whether a round that ended with questions waits resumable (its state resumes the
@@ -251,12 +260,15 @@ impl UpstreamSide {
                     .get(&group.name)
                     .copied();
                 match probed {
-                    Some(Probed::Verdict(modern_only)) => return modern_only,
+                    Some(Probed::Verdict { modern_only, .. }) => return modern_only,
                     Some(Probed::RetryAfter(at)) if Instant::now() < at => return false,
                     _ => {}
                 }
                 let probed = match self.probe_modern_only(group, &asker()).await {
-                    Probe::Verdict(verdict) => Probed::Verdict(verdict),
+                    Probe::Verdict(modern_only) => Probed::Verdict {
+                        modern_only,
+                        since: Instant::now(),
+                    },
                     Probe::Unreachable => Probed::RetryAfter(Instant::now() + PROBE_RETRY),
                     // The caller was denied: bridged, it gets the upstream's challenge,
                     // and its authenticated retry probes again.
@@ -266,8 +278,42 @@ impl UpstreamSide {
                     .lock()
                     .expect("era cache lock")
                     .insert(group.name.clone(), probed);
-                matches!(probed, Probed::Verdict(true))
+                matches!(
+                    probed,
+                    Probed::Verdict {
+                        modern_only: true,
+                        ..
+                    }
+                )
             }
+        }
+    }
+
+    /// What an `era: auto` group's upstream just answered does not fit its era's verdict
+    /// (a bridged `initialize` refused, a relayed request refused as one without a
+    /// session): an upstream redeployed as a server of the other era. A verdict older than
+    /// `PROBE_RETRY` is dropped, and the next request probes again; a younger one stands,
+    /// so that refusals a client can provoke probe the upstream at most that often.
+    pub fn doubt_era(&self, group: &UpstreamGroup, modern_only: bool) {
+        if group.era != UpstreamEra::Auto {
+            return;
+        }
+        let mut known = self.modern_only.lock().expect("era cache lock");
+        let stale = |since: Instant| since.elapsed() >= PROBE_RETRY;
+        match known.get(&group.name) {
+            Some(&Probed::Verdict {
+                modern_only: was,
+                since,
+            }) if was == modern_only && stale(since) => {
+                known.remove(&group.name);
+                let era = if modern_only {
+                    "2026-07-28 only"
+                } else {
+                    "the 2025 transport"
+                };
+                tracing::info!(group = %group.name, era, "the upstream no longer answers as its era was found to be; probing it again");
+            }
+            _ => {}
         }
     }
 

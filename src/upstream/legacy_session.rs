@@ -143,6 +143,18 @@ impl std::error::Error for SessionError {
     }
 }
 
+impl SessionFailure {
+    /// Whether a legacy session's exchange failed as it would with a server that speaks
+    /// only 2026-07-28: a request refused (HTTP 400, 404, 405) or answered against the
+    /// 2025 transport. `UpstreamSide::doubt_era` takes it as a hint, never as a verdict.
+    pub fn doubts_legacy_era(&self) -> bool {
+        matches!(
+            self,
+            SessionFailure::Refused(400 | 404 | 405) | SessionFailure::Protocol(_)
+        )
+    }
+}
+
 impl From<ExchangeError> for SessionError {
     fn from(e: ExchangeError) -> Self {
         SessionError {

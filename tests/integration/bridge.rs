@@ -581,6 +581,55 @@ fn an_upstream_that_answers_mrtr_itself_is_relayed_unchanged_when_configured() {
     assert_eq!(lines.last().unwrap()["text"], "City: Lisbon");
 }
 
+/// An `era: auto` group whose upstream is redeployed as a server of the other era (a
+/// legacy server upgraded to a 2026-07-28-only SDK, or back) follows it: what the
+/// upstream answers puts the verdict in doubt once it is ten seconds old, and the next
+/// request probes again. It used to keep the first verdict until the gateway restarted,
+/// failing every request.
+#[test]
+fn an_auto_group_follows_its_upstream_redeployed_to_the_other_era() {
+    let port = free_port();
+    let (mut legacy, url) = start_upstream_on(Upstream::TypeScript, port);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let tools = |id: u64| -> Vec<String> {
+        let listed = raw.modern(id, "tools/list", json!({}), json!({})).json();
+        let names = listed["result"]["tools"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        names
+            .iter()
+            .filter_map(|t| t["name"].as_str().map(str::to_string))
+            .collect()
+    };
+    assert!(
+        tools(1).contains(&"ask_name".to_string()),
+        "bridged at first"
+    );
+    legacy.kill();
+    let (mut modern, _) = start_upstream_on(Upstream::TypeScriptModern, port);
+    let mut id = 10;
+    wait_until(
+        "relayed to the 2026-07-28 server",
+        Duration::from_secs(40),
+        || {
+            id += 1;
+            tools(id).contains(&"native_city".to_string())
+        },
+    );
+    modern.kill();
+    let (_legacy, _) = start_upstream_on(Upstream::TypeScript, port);
+    wait_until(
+        "bridged to the legacy server again",
+        Duration::from_secs(40),
+        || {
+            id += 1;
+            tools(id).contains(&"ask_name".to_string())
+        },
+    );
+}
+
 #[test]
 fn an_upstream_that_speaks_only_2026_07_28_is_detected_and_relayed() {
     let (_upstream, url) = start_upstream(Upstream::TypeScriptModern);

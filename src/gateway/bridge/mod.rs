@@ -145,7 +145,13 @@ pub async fn serve(
             } = incoming;
             let client = super::passthrough::Client::ModernRelayed;
             super::passthrough::serve(gw, session, group, body, Some(parsed), client, &principal)
-                .await
+                .await;
+            // A 2025 server answers a request without a session 400 (or 404): one that
+            // was found to speak only 2026-07-28 may have been redeployed.
+            let status = session.response_written().map(|h| h.status.as_u16());
+            if matches!(status, Some(400 | 404)) {
+                gw.upstreams.doubt_era(group, true);
+            }
         }
         Served::Done(outcome) => span.in_scope(|| gw.record("modern", method, &outcome, started)),
     }
@@ -335,6 +341,9 @@ pub(crate) async fn upstream_failed(
         SessionFailure::Exchange(ExchangeFailure::Timeout) => Class::UpstreamTimeout,
         _ => Class::UpstreamError,
     };
+    if e.failure().doubts_legacy_era() {
+        gw.upstreams.doubt_era(group, false);
+    }
     tracing::warn!(group = %group.name, error = %Report(e), "bridged upstream exchange failed");
     let text = format!("upstream group '{}' failed: {}", group.name, e.failure());
     reply.refuse(session, Refusal::internal(class, text)).await
