@@ -785,4 +785,36 @@ fn pipelined_requests_on_one_connection_are_answered_in_order() {
     let first = text.find(r#""id":101"#).expect("the ping's response");
     let second = text.find(r#""id":102"#).expect("the tools/list response");
     assert!(first < second, "in order: {text}");
+
+    // The same behind a bridged call, whose client the gateway watches for leaving
+    // while the round runs: the pipelined request is no client gone, and is answered
+    // after the round's InputRequiredResult.
+    let modern = |id: u64, method: &str, params: Value, last: bool| {
+        let (headers, body) = modern_request(id, method, params, json!({"elicitation": {}}));
+        let body = body.to_string();
+        let connection = if last { "close" } else { "keep-alive" };
+        let mut head =
+            format!("POST /mcp HTTP/1.1\r\nHost: {authority}\r\nConnection: {connection}\r\n");
+        for (name, value) in headers {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        format!("{head}Content-Length: {}\r\n\r\n{body}", body.len())
+    };
+    let mut tcp = std::net::TcpStream::connect(authority).expect("connect to the gateway");
+    tcp.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+    let ask = json!({"name": "ask_name", "arguments": {}});
+    let both = modern(201, "tools/call", ask, false) + &modern(202, "tools/list", json!({}), true);
+    tcp.write_all(both.as_bytes()).expect("write both requests");
+    let mut received = Vec::new();
+    tcp.read_to_end(&mut received)
+        .expect("the gateway closes after the second response");
+    let text = String::from_utf8_lossy(&received);
+    let first = text
+        .find(r#""id":201"#)
+        .unwrap_or_else(|| panic!("the call's answer: {text}"));
+    let second = text
+        .find(r#""id":202"#)
+        .unwrap_or_else(|| panic!("the list: {text}"));
+    assert!(first < second, "in order: {text}");
+    assert!(text.contains("input_required"), "the round asked: {text}");
 }
