@@ -68,12 +68,16 @@ impl CorsPolicy {
         *self != CorsPolicy::Upstream
     }
 
-    /// The grant for a request's `Origin`, when the policy allows it.
+    /// The grant for a request's `Origin`, when the policy allows it. `*` grants any
+    /// origin with a host, never an opaque one (`null`: sandboxed frames, `file://`
+    /// pages), which no list can name either.
     pub fn grant(&self, origin: Option<&HeaderValue>) -> Option<CorsGrant> {
         let origin = origin?;
         let allowed = match self {
             CorsPolicy::Upstream => false,
-            CorsPolicy::AnyOrigin => true,
+            CorsPolicy::AnyOrigin => origin
+                .to_str()
+                .is_ok_and(|o| serialized_origin(o).is_some()),
             CorsPolicy::Origins(list) => origin
                 .to_str()
                 .is_ok_and(|o| list.iter().any(|a| a.eq_ignore_ascii_case(o))),
@@ -223,6 +227,9 @@ mod tests {
         let headers = grant.response_headers();
         assert_eq!(headers[0].1, "https://any.example");
         assert_eq!(headers[2].1, "Origin");
+        for opaque in ["null", "NULL", "file://", "file:///home/x.html"] {
+            assert!(policy.grant(Some(&value(opaque))).is_none(), "{opaque}");
+        }
     }
 
     #[test]

@@ -127,6 +127,39 @@ fn a_listed_origin_gets_its_preflights_answered_and_every_answer_granted() {
     assert_eq!(call.status, 403);
 }
 
+/// `cors_allowed_origins: ["*"]` grants any origin with a host, but not an opaque one
+/// (`Origin: null` from a sandboxed frame, a `file://` page): on a loopback listener
+/// those are refused 403, preflight and request alike, as without a policy.
+#[test]
+fn a_star_grants_no_opaque_origin() {
+    let (_server, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.cors_allowed_origins = vec!["*".into()];
+    });
+    let raw = Raw::new(&gw.url);
+    let answered = preflight(&raw, APP);
+    assert_eq!(answered.status, 204);
+    assert_eq!(answered.header_values("access-control-allow-origin"), [APP]);
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "page", "version": "1"}}})
+    .to_string();
+    for opaque in ["null", "file://"] {
+        let preflighted = preflight(&raw, opaque);
+        assert_eq!(preflighted.status, 403, "preflight from {opaque}");
+        assert!(preflighted
+            .header_values("access-control-allow-origin")
+            .is_empty());
+        let headers = [
+            ("origin", opaque),
+            ("content-type", "application/json"),
+            ("accept", "application/json, text/event-stream"),
+        ];
+        let posted = raw.request("POST", &headers, Some(&init));
+        assert_eq!(posted.status, 403, "initialize from {opaque}");
+    }
+}
+
 #[test]
 fn without_a_policy_preflights_and_the_upstreams_cors_headers_pass_through_and_with_one_are_replaced(
 ) {
