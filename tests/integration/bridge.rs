@@ -758,6 +758,37 @@ fn a_state_sealed_by_the_previous_release_completes_on_this_one() {
 /// the Python SDK server's sampling request) is refused naming its key before it goes
 /// upstream, where the server would fail the tool on it, whether the flow waits
 /// resumable or held; the same state with a sampling result completes the call.
+/// A `requestState` presented to another group's path is refused (and reaches nothing)
+/// and counted as what it is, `other_group`; it still completes on its own group.
+#[test]
+fn a_state_presented_to_another_group_is_refused_as_such() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        let mut other = mrtr_gateway::config::UpstreamGroupConfig::new("other", vec![url.clone()]);
+        other.path = "/other".into();
+        other.health_check_interval_ms = 0;
+        c.upstreams.push(other);
+    });
+    let raw = Raw::new(&gw.url);
+    let first = ask_name(&raw, 1, json!({}));
+    let retry = answer(&first, json!({"name": "Io"}));
+    let elsewhere = ask_name(
+        &Raw::new(&gw.url.replace("/mcp", "/other")),
+        2,
+        retry.clone(),
+    );
+    assert_eq!(elsewhere["error"]["code"], -32602, "{elsewhere}");
+    let reason = |r: &str| {
+        metric_with(&gw.admin, "mrtr_gateway_request_state_rejections_total", r).unwrap_or(0.0)
+    };
+    assert_eq!(
+        (reason("other_group"), reason("unknown_endpoint")),
+        (1.0, 0.0)
+    );
+    let done = ask_name(&raw, 3, retry);
+    assert_eq!(done["result"]["content"][0]["text"], "Hello, Io!", "{done}");
+}
+
 #[test]
 fn an_answer_of_the_wrong_kind_is_refused_before_it_goes_upstream() {
     for backend in [Upstream::Python, Upstream::PythonWithoutEventStore] {

@@ -357,7 +357,7 @@ fn open_state(call: &Call<'_>, text: &str) -> Result<FlowState, &'static str> {
     let state = FlowState::open(&gw.sealing.keys.load(), &call.bind, text, now_secs())
         .map_err(|e| e.reason())?;
     if state.group != call.group.name {
-        return Err("unknown_endpoint");
+        return Err("other_group");
     }
     // A call goes on in the session it began in, which its state names: a cookie the
     // retry carries must name that one (the result carries the cookie it names), and a
