@@ -150,6 +150,13 @@ impl UpstreamGroup {
                 .map_err(|e| err(format!("cannot resolve '{}': {e}", parsed.host)))?
                 .next()
                 .ok_or_else(|| err(format!("'{}' resolves to no address", parsed.host)))?;
+            // Sealed tokens and states name their endpoint by address, and the balancer
+            // picks by address: two endpoints on one address would be one.
+            if let Some(k) = endpoints.iter().position(|e: &Endpoint| e.addr == addr) {
+                return Err(err(format!(
+                    "has the address {addr} of endpoints[{k}]: a group's endpoints are told apart by address (sessions name theirs by it), so servers on one address (paths or virtual hosts behind one ingress) go in groups of their own"
+                )));
+            }
             endpoints.push(Endpoint {
                 addr,
                 tls: endpoint_tls(&parsed, tls),
@@ -292,6 +299,16 @@ mod tests {
             "/b"
         );
         assert!(g.endpoint("127.0.0.1:3".parse().unwrap()).is_none());
+    }
+
+    #[test]
+    fn endpoints_on_one_address_are_refused_naming_both() {
+        let urls = ["http://127.0.0.1:1/tenant-x", "http://127.0.0.1:1/tenant-y"];
+        let cfg = UpstreamGroupConfig::new("g", urls.iter().map(|s| s.to_string()).collect());
+        let e = UpstreamGroup::build("upstreams[0]", &cfg, None).err().expect("refused");
+        assert_eq!(e.path, "upstreams[0].endpoints[1]");
+        assert!(e.problem.contains("127.0.0.1:1 of endpoints[0]"), "{e}");
+        assert!(e.problem.contains("groups of their own"), "{e}");
     }
 
     #[test]
