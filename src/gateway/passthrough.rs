@@ -93,7 +93,7 @@ async fn serve_inner(
     legacy: bool,
 ) -> Outcome {
     let id = parsed.and_then(Body::id).cloned();
-    let route = match route(gw, session, group, binding) {
+    let mut route = match route(gw, session, group, binding) {
         Ok(route) => route,
         Err(refusal) => return refuse(session, id.as_ref(), refusal).await,
     };
@@ -120,41 +120,61 @@ async fn serve_inner(
             return refuse(session, id.as_ref(), refusal).await;
         }
     };
-    let mut request = upstream_request(gw, session, &route, &body);
     // An `initialize` whose answer cannot be relayed has its session ended, naming the
     // revision asked for.
     let initialize = parsed
         .is_some_and(Body::is_initialize)
         .then(|| body.clone());
-    if wraps_ids {
-        // A content-coded body could not be unwrapped on its way back. Asking for
-        // `identity` by name: a request without `Accept-Encoding` accepts any coding.
-        let identity = http::HeaderValue::from_static("identity");
-        let _ = request.insert_header(http::header::ACCEPT_ENCODING, identity);
-    }
-    if legacy {
-        request.remove_header(LAST_EVENT_ID);
-    }
-    if let Some((_, upstream_id)) = resumption {
-        let _ = request.insert_header(LAST_EVENT_ID, upstream_id);
-    }
     // A client's GET opens its session's stream or resumes one, often right after it
     // left the previous one (a reconnection).
-    let connection = if request.method == http::Method::GET {
+    let connection = if method == http::Method::GET {
         Connection::New
     } else {
         Connection::Pooled
     };
-    let mut response = match gw
-        .upstreams
-        .client
-        .send_on(connection, &route.endpoint, &group.timeouts, request, body)
-        .await
-    {
-        Ok(response) => response,
-        Err(e) => {
-            tracing::warn!(group = %group.name, error = %Report(&e), "upstream exchange failed");
-            return refuse(session, id.as_ref(), upstream_refusal(group, &e)).await;
+    let mut tried = Vec::new();
+    let mut response = loop {
+        let mut request = upstream_request(gw, session, &route, &body);
+        if wraps_ids {
+            // A content-coded body could not be unwrapped on its way back. Asking for
+            // `identity` by name: a request without `Accept-Encoding` accepts any coding.
+            let identity = http::HeaderValue::from_static("identity");
+            let _ = request.insert_header(http::header::ACCEPT_ENCODING, identity);
+        }
+        if legacy {
+            request.remove_header(LAST_EVENT_ID);
+        }
+        if let Some((_, upstream_id)) = &resumption {
+            let _ = request.insert_header(LAST_EVENT_ID, upstream_id.clone());
+        }
+        let sent = gw
+            .upstreams
+            .client
+            .send_on(
+                connection,
+                &route.endpoint,
+                &group.timeouts,
+                request,
+                body.clone(),
+            )
+            .await;
+        let e = match sent {
+            Ok(response) => break response,
+            Err(e) => e,
+        };
+        tried.push(route.endpoint.addr);
+        // A request outside any session that could not connect ran nowhere: another
+        // healthy endpoint takes it (before a health check has marked the first down).
+        let elsewhere = (route.upstream_session.is_none()
+            && e.failure() == ExchangeFailure::Connect)
+            .then(|| group.pick_other(&tried))
+            .flatten();
+        match elsewhere {
+            Some(next) => route.endpoint = next,
+            None => {
+                tracing::warn!(group = %group.name, error = %Report(&e), "upstream exchange failed");
+                return refuse(session, id.as_ref(), upstream_refusal(group, &e)).await;
+            }
         }
     };
     let coded = response.is_encoded();

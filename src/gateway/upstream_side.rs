@@ -8,7 +8,7 @@ use super::learnt::Learnt;
 use crate::config::{Config, ResumeMode, UpstreamEra};
 use crate::metrics::Metrics;
 use crate::mrtr::modern::ModernRequest;
-use crate::upstream::exchange::UpstreamClient;
+use crate::upstream::exchange::{ExchangeFailure, UpstreamClient};
 use crate::upstream::legacy_session::{
     answers_modern_discover, Caller, LegacySession, SessionError, SessionFailure,
 };
@@ -122,18 +122,32 @@ impl UpstreamSide {
         client_info: &Value,
         caller: &Caller,
     ) -> Result<(LegacySession<'g>, Value), SessionError> {
-        let endpoint = group
+        let mut endpoint = group
             .pick()
             .ok_or_else(|| SessionError::no_endpoint(&group.name))?;
-        let opened = LegacySession::open(
-            &self.client,
-            endpoint,
-            &group.timeouts,
-            capabilities,
-            client_info,
-            caller,
-        )
-        .await;
+        let mut tried = Vec::new();
+        let opened = loop {
+            tried.push(endpoint.addr);
+            let opened = LegacySession::open(
+                &self.client,
+                endpoint,
+                &group.timeouts,
+                capabilities,
+                client_info,
+                caller,
+            )
+            .await;
+            // An endpoint that refused the connection ran nothing: another healthy one
+            // opens the session (before a health check has marked the first down).
+            let refused = SessionFailure::Exchange(ExchangeFailure::Connect);
+            match &opened {
+                Err(e) if *e.failure() == refused => match group.pick_other(&tried) {
+                    Some(next) => endpoint = next,
+                    None => break opened,
+                },
+                _ => break opened,
+            }
+        };
         match &opened {
             Ok((_, result)) => self.remember_initialize(group, result),
             Err(e) if e.failure().doubts_legacy_era() => self.doubt_era(group, false),

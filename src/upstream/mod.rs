@@ -210,6 +210,18 @@ impl UpstreamGroup {
         self.endpoint(addr)
     }
 
+    /// The next endpoint `pick` gives that is not among `tried` (after an endpoint that
+    /// refused the connection, for a request that therefore ran nowhere).
+    pub fn pick_other(&self, tried: &[SocketAddr]) -> Option<Endpoint> {
+        let candidates = match &self.members {
+            Members::Static(endpoints) => endpoints.len(),
+            Members::Dns { .. } => self.balancer.backends().get_backend().len(),
+        };
+        (0..candidates)
+            .filter_map(|_| self.pick())
+            .find(|e| !tried.contains(&e.addr))
+    }
+
     /// The endpoint at `addr`, if this group has one: a configured endpoint, or an
     /// address of the DNS name's current answer (an address that left it is unknown).
     pub fn endpoint(&self, addr: SocketAddr) -> Option<Endpoint> {
@@ -305,7 +317,9 @@ mod tests {
     fn endpoints_on_one_address_are_refused_naming_both() {
         let urls = ["http://127.0.0.1:1/tenant-x", "http://127.0.0.1:1/tenant-y"];
         let cfg = UpstreamGroupConfig::new("g", urls.iter().map(|s| s.to_string()).collect());
-        let e = UpstreamGroup::build("upstreams[0]", &cfg, None).err().expect("refused");
+        let e = UpstreamGroup::build("upstreams[0]", &cfg, None)
+            .err()
+            .expect("refused");
         assert_eq!(e.path, "upstreams[0].endpoints[1]");
         assert!(e.problem.contains("127.0.0.1:1 of endpoints[0]"), "{e}");
         assert!(e.problem.contains("groups of their own"), "{e}");

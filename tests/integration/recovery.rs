@@ -229,3 +229,29 @@ fn a_retry_replayed_to_another_replica_after_the_call_completed_reruns_only_a_re
     assert_eq!(metric(&b.admin, "mrtr_gateway_call_restarts_total"), 1.0);
     assert_eq!(metric(&a.admin, "mrtr_gateway_call_restarts_total"), 0.0);
 }
+
+/// An endpoint that refuses connections (its process died, and no health check has
+/// marked it down yet) costs a request outside any session nothing: the request ran
+/// nowhere, so the group's next endpoint takes it, a legacy `initialize` and a
+/// 2026-07-28 call alike. It used to fail every request the round-robin sent there.
+#[test]
+fn a_request_refused_a_connection_goes_to_the_next_endpoint() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let dead = format!("http://127.0.0.1:{}/mcp", free_port());
+    let gw = TestGateway::start_with(&[&dead, &url], &test_keys(), |c| {
+        c.upstreams[0].health_check_interval_ms = 0;
+        c.upstreams[0].era = UpstreamEra::Legacy;
+    });
+    let raw = Raw::new(&gw.url);
+    for i in 0..4 {
+        let session = raw.initialize(json!({}));
+        assert!(!session.is_empty(), "initialize {i}");
+        let first = ask_name(&raw, 10 + i, json!({}));
+        let retry = answer(&first, json!({"name": "Io"}));
+        let done = ask_name(&raw, 20 + i, retry);
+        assert_eq!(
+            done["result"]["content"][0]["text"], "Hello, Io!",
+            "call {i}: {done}"
+        );
+    }
+}
