@@ -13,10 +13,10 @@ use mrtr_gateway::config::ResumeMode;
 use mrtr_gateway::mrtr::flow::{
     CallReply, Command, Ending, Failure, FailureKind, Flow, FlowConfig, Input, Stream,
 };
+use mrtr_gateway::mrtr::modern::LogLevel;
 use mrtr_gateway::mrtr::state::{
     Asked, FlowState, HeldAt, Pending, Positions, QuestionKind, UpstreamCall, UpstreamId, Waiting,
 };
-use mrtr_gateway::mrtr::modern::LogLevel;
 use mrtr_gateway::mrtr::translate::{Relay, RoundLimits};
 use mrtr_gateway::outcome::{Class, Refusal};
 use mrtr_gateway::protocol::revision::Revision;

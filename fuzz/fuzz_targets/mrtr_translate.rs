@@ -7,8 +7,8 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use mrtr_gateway::mrtr::state::UpstreamId;
 use mrtr_gateway::mrtr::modern::LogLevel;
+use mrtr_gateway::mrtr::state::UpstreamId;
 use mrtr_gateway::mrtr::translate::{Action, Relay, Round, RoundLimits};
 use serde_json::{json, Value};
 
