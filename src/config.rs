@@ -158,6 +158,10 @@ pub struct Limits {
     pub max_upstream_message_bytes: usize,
 }
 
+/// `limits.max_upstream_message_bytes` when the configuration does not set it, and the
+/// bound of a reader built before it is known.
+pub const DEFAULT_MAX_UPSTREAM_MESSAGE_BYTES: usize = 16 << 20;
+
 impl Default for Limits {
     fn default() -> Self {
         Limits {
@@ -174,7 +178,7 @@ impl Default for Limits {
             max_input_requests_bytes: 1 << 20,
             max_rounds: 32,
             max_client_connections: 10_000,
-            max_upstream_message_bytes: 16 << 20,
+            max_upstream_message_bytes: DEFAULT_MAX_UPSTREAM_MESSAGE_BYTES,
         }
     }
 }

@@ -175,7 +175,7 @@ impl UpstreamClient {
             transport: TransportConnector::new(None),
             idle: IdleConnections::new(metrics.upstream_idle_connections.clone()),
             metrics,
-            max_message: crate::config::Limits::default().max_upstream_message_bytes,
+            max_message: crate::config::DEFAULT_MAX_UPSTREAM_MESSAGE_BYTES,
         }
     }
 
@@ -598,7 +598,7 @@ pub async fn read_response_from(stream: Stream) -> Result<Response, ExchangeErro
         endpoint: None,
         pool: None,
         answer_within: IN_MEMORY_LIMIT,
-        max_message: crate::config::Limits::default().max_upstream_message_bytes,
+        max_message: crate::config::DEFAULT_MAX_UPSTREAM_MESSAGE_BYTES,
         _in_use: None,
     })
 }

@@ -3,6 +3,7 @@
 //! parsed but not yet read by the flow. Owns reading a chunk into the backlog, and
 //! (re)opening a stream after an event id, a conflict tried again briefly.
 
+use crate::config::DEFAULT_MAX_UPSTREAM_MESSAGE_BYTES;
 use crate::protocol::sse;
 use crate::upstream::exchange::{Connection, Response, UpstreamClient};
 use crate::upstream::legacy_session::{LegacySession, SessionError, SessionFailure};
@@ -40,8 +41,8 @@ pub(super) struct Streams {
 /// A parser for a stream's events, bounded by the response's message limit (a stream not
 /// yet open gets the default's: it is replaced with the stream).
 fn parser_for(response: Option<&Response>) -> sse::Parser {
-    let default = crate::config::Limits::default().max_upstream_message_bytes;
-    sse::Parser::new(response.map_or(default, Response::max_message))
+    let bound = response.map_or(DEFAULT_MAX_UPSTREAM_MESSAGE_BYTES, Response::max_message);
+    sse::Parser::new(bound)
 }
 
 impl Streams {
