@@ -138,8 +138,7 @@ pub fn main() -> ExitCode {
                 max_sessions,
                 answer_timeout: std::time::Duration::from_secs(answer_timeout_seconds),
             };
-            crate::demo::serve(&listen, threads, options);
-            Ok(())
+            demo_server(&listen, threads, options)
         }
         Command::CheckConfig {
             file,
@@ -232,6 +231,8 @@ fn demo(listeners: Listeners, demo_listen: String) -> Result<(), String> {
     let keys = Arc::new(load_keys(&mut config)?);
     let gateway_url = format!("http://{}/mcp", config.listen);
     let admin = config.admin_listen.clone();
+    server::check_free(&demo_listen)
+        .map_err(|e| format!("the demo server cannot listen on {demo_listen}: {e}"))?;
     let extra: server::ExtraServices = vec![Box::new(crate::demo::service(
         &demo_listen,
         crate::demo::DemoOptions::default(),
@@ -239,6 +240,17 @@ fn demo(listeners: Listeners, demo_listen: String) -> Result<(), String> {
     let (server, _metrics) = server::build(config, keys, extra).map_err(config_error)?;
     println!("{}", walkthrough(&gateway_url, &upstream, &admin));
     server::run(server);
+    Ok(())
+}
+
+fn demo_server(
+    listen: &str,
+    threads: usize,
+    options: crate::demo::DemoOptions,
+) -> Result<(), String> {
+    server::check_free(listen)
+        .map_err(|e| format!("the demo server cannot listen on {listen}: {e}"))?;
+    crate::demo::serve(listen, threads, options);
     Ok(())
 }
 

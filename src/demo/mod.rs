@@ -417,7 +417,8 @@ impl HttpServerApp for DemoServer {
     }
 }
 
-/// Runs the demo server alone, on `threads` worker threads, until SIGTERM or SIGINT.
+/// Runs the demo server alone, on `threads` worker threads, until SIGTERM, SIGQUIT or
+/// SIGINT.
 pub fn serve(listen: &str, threads: usize, options: DemoOptions) {
     let conf = pingora::server::configuration::ServerConf {
         threads: threads.max(1),
@@ -426,7 +427,7 @@ pub fn serve(listen: &str, threads: usize, options: DemoOptions) {
     let mut server = pingora::server::Server::new_with_opt_and_conf(None, conf);
     server.bootstrap();
     server.add_service(service(listen, options));
-    server.run(pingora::server::RunArgs::default());
+    crate::gateway::server::run(server);
 }
 
 /// A pingora service running the demo server on `listen`.

@@ -86,6 +86,8 @@ pub fn build(
         cap,
         handshakes: handshakes.clone(),
     };
+    check_free(&listen)
+        .map_err(|e| ConfigError::at("listen", format!("cannot listen on {listen}: {e}")))?;
     let mut mcp = Service::new("mcp".to_string(), capped);
     match (&listener_cert, handshakes) {
         (Some(cert), Some(handshakes)) => {
@@ -195,9 +197,55 @@ fn watched_certificate(cert: &Arc<ListenerCert>) -> WatchedFile {
     WatchedFile::together("tls", paths, Box::new(apply))
 }
 
-/// Runs until SIGTERM (graceful), SIGINT (fast) or SIGQUIT (upgrade).
+/// Fails unless a listener could bind `addr` now (the first address it names, with
+/// `SO_REUSEADDR`, as pingora binds it). Pingora binds the MCP listener only once its
+/// service starts, retries an address in use for half a minute, then ends that service
+/// alone: the process would stay up, its admin listener ready, with nothing listening.
+pub fn check_free(addr: &str) -> std::io::Result<()> {
+    use std::io::{Error, ErrorKind};
+    use std::net::ToSocketAddrs;
+    let resolved = addr.to_socket_addrs()?.next();
+    let resolved = resolved.ok_or_else(|| Error::new(ErrorKind::InvalidInput, "no address"))?;
+    let socket = match resolved {
+        std::net::SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4()?,
+        std::net::SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(resolved)
+}
+
+/// Runs until SIGTERM or SIGQUIT (graceful) or SIGINT (fast).
 pub fn run(server: Server) {
-    server.run(RunArgs::default());
+    server.run(RunArgs {
+        shutdown_signal: Box::new(Signals),
+    });
+}
+
+/// The process's signals. Pingora's own watch takes SIGQUIT for a socket handover to a
+/// new process through a fixed path in `/tmp`, which this binary does not use: it would
+/// keep the replica ready and accepting for ten seconds of retries, and hand the listening
+/// socket to whatever listens on that path. Here SIGQUIT drains as SIGTERM does.
+struct Signals;
+
+#[async_trait]
+impl ShutdownSignalWatch for Signals {
+    async fn recv(&self) -> ShutdownSignal {
+        use tokio::signal::unix::{signal, SignalKind};
+        let watched = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::quit()),
+            signal(SignalKind::interrupt()),
+        );
+        let (Ok(mut term), Ok(mut quit), Ok(mut interrupt)) = watched else {
+            tracing::error!("cannot watch for signals; the process stops only when killed");
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = term.recv() => ShutdownSignal::GracefulTerminate,
+            _ = quit.recv() => ShutdownSignal::GracefulTerminate,
+            _ = interrupt.recv() => ShutdownSignal::FastShutdown,
+        }
+    }
 }
 
 struct ChannelShutdown(Mutex<Option<oneshot::Receiver<ShutdownSignal>>>);

@@ -152,3 +152,30 @@ fn demo_walkthrough_works_as_printed() {
         "DELETE did not succeed: {stdout}"
     );
 }
+
+/// Pingora binds the MCP listener only once its service runs, and gives up on an address
+/// in use after half a minute of retries while the rest of the process (the admin
+/// listener, ready) stays up. `run` must refuse at start instead.
+#[test]
+fn run_refuses_a_listen_address_in_use() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let listen = taken.local_addr().unwrap().to_string();
+    let admin = format!("127.0.0.1:{}", free_port());
+    let mut child = binary()
+        .args(["run", "--listen", &listen, "--admin-listen", &admin])
+        .args(["--upstream", "http://127.0.0.1:1/mcp"])
+        .env("MRTR_GATEWAY_KEYS", test_keys())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let mut proc = Proc::adopt(child, "gateway");
+    let status = proc.status_within(Duration::from_secs(10));
+    assert!(!status.success(), "{status}");
+    let mut printed = String::new();
+    std::io::Read::read_to_string(&mut stderr, &mut printed).unwrap();
+    let refusal = format!("listen: cannot listen on {listen}");
+    assert!(printed.contains(&refusal), "{printed}");
+    drop(taken);
+}

@@ -97,6 +97,16 @@ impl Proc {
             None => false,
         }
     }
+
+    /// How the process ended, waiting at most `limit` (the test fails after it).
+    pub fn status_within(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let mut status = None;
+        wait_until(&format!("{} to exit", self.name), limit, || {
+            status = self.child.try_wait().expect("process status");
+            status.is_some()
+        });
+        status.expect("an exit status")
+    }
 }
 
 impl Drop for Proc {

@@ -414,15 +414,23 @@ impl GatewayProcess {
         }
     }
 
-    fn sigterm(&self) {
+    fn signal(&self, signal: libc::c_int) {
         // SAFETY: kill(2) with a child's pid and a signal number has no memory effects.
-        let rc = unsafe { libc::kill(self.pid, libc::SIGTERM) };
-        assert_eq!(rc, 0, "SIGTERM delivered");
+        let rc = unsafe { libc::kill(self.pid, signal) };
+        assert_eq!(rc, 0, "signal {signal} delivered");
+    }
+
+    fn sigterm(&self) {
+        self.signal(libc::SIGTERM);
     }
 
     /// SIGTERM, then waits until the replica says it is draining.
     fn begin_drain(&self) {
         self.sigterm();
+        self.wait_for_drain();
+    }
+
+    fn wait_for_drain(&self) {
         wait_until("draining", Duration::from_secs(5), || {
             metric(&self.admin, "mrtr_gateway_draining") == 1.0
         });
@@ -467,6 +475,20 @@ fn flows_still_held_when_the_grace_period_ends_have_their_sessions_deleted() {
         deleted(&upstream),
         "the held flow's session was left open upstream"
     );
+}
+
+/// SIGQUIT drains as SIGTERM does. Pingora's default takes it for a socket handover to a
+/// new process (ten seconds of retries on a fixed path in /tmp, ready and accepting
+/// meanwhile, and the listening socket sent to whatever listens there), which this
+/// binary does not use.
+#[test]
+fn sigquit_drains_at_once_like_sigterm() {
+    let upstream = holding_server();
+    let mut gw = GatewayProcess::start(&upstream.url());
+    gw.signal(libc::SIGQUIT);
+    gw.wait_for_drain();
+    assert!(!port_open(gw.port), "the MCP listener still accepts");
+    gw.wait_for_exit();
 }
 
 /// The `requestState` of a round handed over at a drain: an `InputRequiredResult` that
