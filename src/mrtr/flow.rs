@@ -1269,6 +1269,11 @@ impl Flow {
         } else if nothing_posted && failure.never_delivered() {
             // The upstream has no answer of this state's: the same state may be retried.
             self.commands.push_back(Command::ReleaseClaim);
+        } else if !failure.is_lost() {
+            // An answer may have reached the call, and the client hears that it failed:
+            // the call ends upstream too, or a replay of the state on another replica
+            // would resume it and post the answers a second time.
+            self.give_up(&retry.call, "an answer's delivery failed");
         }
         if nothing_posted && failure.is_lost() && !retry.call.data_session {
             return self.lost(Lost::Upstream, &retry.pending, &retry.responses, now);

@@ -1732,8 +1732,13 @@ fn an_answer_that_provably_never_arrived_releases_the_claim() {
     );
     h.event(Stream::Call, Some("c3"), &json!(""));
     assert!(h.log.contains(&Command::ReleaseClaim));
+    assert!(
+        !h.log.contains(&Command::DeleteSession),
+        "the call waits for the same state again"
+    );
     assert_eq!(h.refusal().class, Class::UpstreamError);
-    // A timeout may have delivered it: the claim stays.
+    // A timeout may have delivered it: the claim stays, and the call ends upstream, so
+    // that no replica resumes it and posts the answer a second time.
     let mut upstream = Upstream::default();
     upstream.posts.push_back(Err(Failure::new(
         FailureKind::Timeout,
@@ -1747,7 +1752,30 @@ fn an_answer_that_provably_never_arrived_releases_the_claim() {
     );
     h.event(Stream::Call, Some("c3"), &json!(""));
     assert!(!h.log.contains(&Command::ReleaseClaim));
+    assert!(h.log.contains(&Command::DeleteSession));
     assert_eq!(h.refusal().class, Class::UpstreamTimeout);
+}
+
+#[test]
+fn an_answer_that_failed_after_others_went_up_ends_the_call_upstream() {
+    let mut upstream = Upstream::default();
+    upstream.posts.push_back(Ok(()));
+    upstream.posts.push_back(Err(Failure::new(
+        FailureKind::Refused(400),
+        "refused (HTTP 400)",
+    )));
+    let mut first = Harness::new_call(config(), Upstream::default());
+    first.event(Stream::Call, Some("c1"), &json!(""));
+    first.event(Stream::Call, Some("c2"), &question(0, "Color?"));
+    first.event(Stream::Call, Some("c3"), &question(1, "Size?"));
+    first.advance(Duration::from_millis(10));
+    let both = json!({"elicitation_0": accept("red"), "elicitation_1": accept("L")});
+    let mut h = retry_of(&first, config(), upstream, both);
+    h.event(Stream::Call, Some("c4"), &json!(""));
+    assert_eq!(h.posted().len(), 2);
+    assert!(!h.log.contains(&Command::ReleaseClaim));
+    assert!(h.log.contains(&Command::DeleteSession));
+    assert_eq!(h.refusal().class, Class::UpstreamError);
 }
 
 #[test]
