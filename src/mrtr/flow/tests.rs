@@ -68,6 +68,8 @@ struct Upstream {
     held: Result<HeldAt, Refusal>,
     /// How much later than the call's resumed stream the session's stream was done.
     session_stream_lag: Duration,
+    /// Whether a `Barrier` ping is answered at once (else the test answers it).
+    barrier_answered: bool,
 }
 
 impl Default for Upstream {
@@ -89,6 +91,7 @@ impl Default for Upstream {
                 slot: 42,
             }),
             session_stream_lag: Duration::ZERO,
+            barrier_answered: true,
         }
     }
 }
@@ -135,6 +138,7 @@ impl Upstream {
                 false => Err(Refusal::internal(Class::Overloaded, "the table is full")),
             })),
             Command::Hold { .. } => Some(Input::Held(self.held.clone())),
+            Command::Barrier { .. } if self.barrier_answered => Some(Input::BarrierPassed),
             _ => None,
         }
     }
@@ -1645,13 +1649,63 @@ fn questions_on_the_get_stream_carry_its_position_and_a_scoped_store_is_resumed_
         h.log.iter().any(is_open(Stream::Session, None)),
         "a shared store's GET stream is reopened fresh"
     );
-    // The next question, pushed on the GET stream once the answer is in, is read.
+    // The next question, pushed on the GET stream once the answer is in, is read; the
+    // round pings the session before it ends, then waits the quiet window.
     h.event(Stream::Session, Some("g9"), &question(1, "Nights?"));
+    h.advance(Duration::from_millis(10));
+    assert!(h.log.iter().any(|c| matches!(c, Command::Barrier { .. })));
     h.advance(Duration::from_millis(10));
     let Ending::InputRequired { input_requests, .. } = h.ending() else {
         panic!("{:?}", h.ending());
     };
     assert_eq!(input_requests.keys().collect::<Vec<_>>(), ["elicitation_1"]);
+}
+
+/// Where the group's store is shared by sessions, the retry reopens the GET stream fresh:
+/// a question the tool sends there just after one on the call's stream (asyncio.gather of
+/// an elicitation and a sampling request without a related id) would be lost if the
+/// round ended first. The round pings the session and ends only after the answer, with
+/// whatever came before it; where the store keeps sessions apart, nothing is pinged.
+#[test]
+fn a_round_whose_get_stream_reopens_fresh_pings_the_session_before_it_ends() {
+    let mut shared = config();
+    shared.session_replay_scoped = false;
+    shared.asks_at_once = false;
+    shared.capabilities.insert("sampling".into(), json!({}));
+    let upstream = Upstream {
+        barrier_answered: false,
+        ..Upstream::default()
+    };
+    let mut h = Harness::new_call(shared, upstream);
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.event(Stream::Call, Some("c2"), &question(0, "Name?"));
+    h.advance(Duration::from_millis(100));
+    assert!(h.log.iter().any(|c| matches!(c, Command::Barrier { .. })));
+    assert!(h.ending.is_none(), "the round waits for the ping's answer");
+    let sampling = json!({"jsonrpc": "2.0", "id": 1, "method": "sampling/createMessage",
+        "params": {"messages": [], "maxTokens": 5}});
+    h.event(Stream::Session, Some("g1"), &sampling);
+    h.feed(Input::BarrierPassed);
+    h.advance(Duration::from_millis(10));
+    let Ending::InputRequired { input_requests, .. } = h.ending() else {
+        panic!("{:?}", h.ending());
+    };
+    assert_eq!(input_requests.len(), 2, "{input_requests:?}");
+    let barriers = h
+        .log
+        .iter()
+        .filter(|c| matches!(c, Command::Barrier { .. }))
+        .count();
+    assert_eq!(barriers, 1, "one ping a round");
+    // A store that keeps sessions apart resumes the GET stream: no ping.
+    let mut scoped = config();
+    scoped.asks_at_once = false;
+    let mut h = Harness::new_call(scoped, Upstream::default());
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.event(Stream::Call, Some("c2"), &question(0, "Name?"));
+    h.advance(Duration::from_millis(1));
+    assert!(!h.log.iter().any(|c| matches!(c, Command::Barrier { .. })));
+    assert!(matches!(h.ending(), Ending::InputRequired { .. }));
 }
 
 #[test]
