@@ -94,6 +94,12 @@ const SETTLE_UNKNOWN: Duration = Duration::from_millis(300);
 /// once takes a few milliseconds even when busy.
 const WITHHELD_AFTER: Duration = Duration::from_millis(100);
 
+/// How long before the flow's deadline a round still reading ends: the replica that
+/// opened the flow deletes its session at the deadline (its reaper cannot know that a
+/// retry runs elsewhere), and the client should hear of the deadline, not of a session
+/// that vanished under its call.
+const FLOW_DEADLINE_MARGIN: Duration = Duration::from_secs(1);
+
 /// Which upstream stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stream {
@@ -460,6 +466,8 @@ pub struct Flow {
     resumed_data_call: Option<Value>,
     /// The session was initialized ahead of demand and no call has gone out on it yet.
     warm_session: bool,
+    /// When a round still reading ends, at the flow's deadline (`max_flow_seconds`).
+    ends_at: Instant,
 }
 
 #[derive(Clone, Debug)]
@@ -609,10 +617,14 @@ enum AfterPost {
 /// How a round ended.
 enum RoundEnd {
     Complete(Value),
-    Questions { draining: bool },
+    Questions {
+        draining: bool,
+    },
     Failed(Failure),
     MissingCapability(Value),
     Silent,
+    /// The flow reached its deadline (`max_flow_seconds`).
+    FlowDeadline,
     ClientGone,
 }
 
@@ -639,7 +651,7 @@ impl Flow {
             round: 0,
             known: Vec::new(),
         };
-        let mut flow = Flow::with(config, common);
+        let mut flow = Flow::with(config, common, now);
         flow.phase = flow.start(now);
         flow
     }
@@ -653,7 +665,7 @@ impl Flow {
         held_questions: Option<Map<String, Value>>,
         now: Instant,
     ) -> Flow {
-        let mut flow = Flow::with(config, Common::of(&state));
+        let mut flow = Flow::with(config, Common::of(&state), now);
         flow.phase = match state.waiting {
             Waiting::Deferred { .. } => flow.start(now),
             Waiting::Resumable {
@@ -687,13 +699,18 @@ impl Flow {
         now: Instant,
     ) -> Flow {
         let pending = state.waiting.pending().to_vec();
-        let mut flow = Flow::with(config, Common::of(&state));
+        let mut flow = Flow::with(config, Common::of(&state), now);
         flow.phase = flow.lost(Lost::Holder, &pending, &responses, now);
         flow
     }
 
-    fn with(config: FlowConfig, common: Common) -> Flow {
+    fn with(config: FlowConfig, common: Common, now: Instant) -> Flow {
+        // The flow's deadline, in wall-clock seconds, as an instant on the flow's clock,
+        // a margin before the reaper of the replica that opened it ends its session.
+        let left = common.flow_deadline.saturating_sub(config.now_secs);
+        let ends_at = now + Duration::from_secs(left).saturating_sub(FLOW_DEADLINE_MARGIN);
         Flow {
+            ends_at,
             config,
             common,
             phase: Phase::Done,
@@ -748,6 +765,7 @@ impl Flow {
                 r.reopen_at,
                 r.keepalive_at,
                 Some(r.last_message + self.config.silence),
+                Some(self.ends_at),
                 self.poll_at(r),
             ]
             .into_iter()
@@ -1615,6 +1633,9 @@ impl Flow {
         if now >= r.last_message + self.config.silence {
             return self.end_round(r, RoundEnd::Silent);
         }
+        if now >= self.ends_at {
+            return self.end_round(r, RoundEnd::FlowDeadline);
+        }
         if r.keepalive_at.is_some_and(|t| now >= t) {
             self.commands.push_back(Command::KeepAlive);
             r.keepalive_at = self.config.keepalive.map(|k| now + k);
@@ -1829,6 +1850,15 @@ impl Flow {
                     Class::UpstreamTimeout,
                     text,
                 )))
+            }
+            RoundEnd::FlowDeadline => {
+                self.commands.push_back(Command::CloseStreams);
+                self.give_up(&r.call, "the flow reached its deadline");
+                let text = format!(
+                    "{} '{}' reached the flow's limit of {} s across its rounds (bridge.max_flow_seconds) in round {}; the upstream call was ended: issue it again",
+                    self.config.method, self.config.target, self.config.max_flow_seconds, self.common.round
+                );
+                self.finish(Ending::Refused(Refusal::internal(Class::OverLimit, text)))
             }
             RoundEnd::ClientGone => self.cancelled(&r.call),
         }

@@ -1708,6 +1708,38 @@ fn a_round_whose_get_stream_reopens_fresh_pings_the_session_before_it_ends() {
     assert!(matches!(h.ending(), Ending::InputRequired { .. }));
 }
 
+/// The replica that opened a flow deletes its session at the flow's deadline, whether
+/// or not a retry runs elsewhere. A round still reading then ends itself just before, with
+/// an error naming the limit, not the upstream's failure its session's end would cause.
+#[test]
+fn a_round_still_reading_at_the_flows_deadline_ends_naming_the_limit() {
+    let first = first_round();
+    let mut late = config();
+    late.now_secs += late.max_flow_seconds - 10;
+    let mut h = retry_of(
+        &first,
+        late,
+        Upstream::default(),
+        json!({"elicitation_0": accept("Ada")}),
+    );
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    assert_eq!(h.posted().len(), 1, "the answer went up");
+    h.advance(Duration::from_millis(8_900));
+    assert!(
+        h.ending.is_none(),
+        "the round reads on until a second before the deadline"
+    );
+    h.advance(Duration::from_millis(200));
+    let refusal = h.refusal();
+    assert_eq!(refusal.class, Class::OverLimit);
+    assert!(
+        refusal.message.contains("bridge.max_flow_seconds"),
+        "{}",
+        refusal.message
+    );
+    assert!(h.log.contains(&Command::DeleteSession));
+}
+
 #[test]
 fn a_stream_the_upstream_closes_mid_call_is_followed_after_its_retry_hint() {
     let mut h = Harness::new_call(config(), Upstream::default());
