@@ -134,16 +134,66 @@ pub async fn forward(
     let request = forwarded_request(session, &endpoint, body);
     // The owner answers when its round ends, which may be long: a client that leaves
     // meanwhile drops the exchange, and the owner, seeing its connection close, cancels
-    // the call as it would for a client of its own.
+    // the call as it would for a client of its own. An owner that stops answering
+    // anything (frozen, or hung) loses the flow as one that is gone does.
     let sent = tokio::select! {
         sent = gw.upstreams.client.send(&endpoint, &timeouts, request, body.clone()) => sent,
         _ = session.read_body_or_idle(true) => return Ok(Outcome::ClientGone),
+        stopped = watch_owner(gw, owner) => return Err(stopped),
     };
     let mut response = sent.map_err(|e| e.to_string())?;
     let header = passthrough::relayed_header(session, response.header());
     let outcome = passthrough::relay(gw, session, header, &mut response, None, None).await;
     gw.upstreams.client.finish(response).await;
     Ok(outcome)
+}
+
+/// The path on which a replica's peer listener answers 200 at once: while a forwarded
+/// retry waits for its round, the forwarding replica checks that the owner still answers.
+pub const ALIVE_PATH: &str = "/.mrtr-gateway/alive";
+
+/// How often a forwarding replica checks that the owner still answers, how long each
+/// check may take, and how many checks in a row may fail before the flow is given up.
+const ALIVE_EVERY: Duration = Duration::from_secs(3);
+const ALIVE_WITHIN: Duration = Duration::from_secs(2);
+const ALIVE_MISSES: u32 = 2;
+
+/// Returns once `owner` has failed `ALIVE_MISSES` checks in a row, saying so. Any HTTP
+/// answer counts (a release without the alive path answers 404).
+async fn watch_owner(gw: &Gateway, owner: SocketAddr) -> String {
+    let endpoint = Endpoint {
+        addr: owner,
+        authority: owner.to_string(),
+        path: ALIVE_PATH.to_string(),
+        tls: None,
+    };
+    let timeouts = Timeouts {
+        connect: gw.flows.peers.connect_timeout.min(ALIVE_WITHIN),
+        response: ALIVE_WITHIN,
+        stream_idle: None,
+    };
+    let mut misses = 0;
+    loop {
+        tokio::time::sleep(ALIVE_EVERY).await;
+        let Ok(mut request) = RequestHeader::build("GET", ALIVE_PATH.as_bytes(), Some(1)) else {
+            return "cannot build the check".to_string();
+        };
+        let _ = request.insert_header("host", endpoint.authority.as_str());
+        let check = gw
+            .upstreams
+            .client
+            .send(&endpoint, &timeouts, request, Bytes::new());
+        match tokio::time::timeout(ALIVE_WITHIN, check).await {
+            Ok(Ok(response)) => {
+                misses = 0;
+                gw.upstreams.client.finish(response).await;
+            }
+            _ => misses += 1,
+        }
+        if misses >= ALIVE_MISSES {
+            return format!("{owner} stopped answering ({ALIVE_MISSES} checks in a row)");
+        }
+    }
 }
 
 /// The client's request as the owner gets it: the end-to-end headers (credentials,

@@ -521,15 +521,14 @@ fn an_expired_held_flow_ends_but_its_data_layer_session_lives_on() {
     );
 }
 
-#[test]
-fn a_state_naming_an_owner_outside_the_peer_set_is_never_forwarded() {
+/// The retry of a held `ask_name` flow whose sealed state names `owner` as its holder
+/// and the upstream on `upstream_port`: answers and state, as a client sends them.
+fn retry_held_by(owner: std::net::SocketAddr, upstream_port: u16) -> Value {
     use mrtr_gateway::keys::KeyRing;
     use mrtr_gateway::mrtr::state::{
         binding, now_secs, FlowState, HeldAt, Pending, UpstreamCall, UpstreamId, Waiting,
     };
     use mrtr_gateway::principal::PrincipalSource;
-    let (upstream, outsider) = (Tripwire::start(), Tripwire::start());
-    let replicas = peered(&upstream.url(), 2, |_| {});
     let flow = FlowState {
         group: "default".into(),
         flow_id: 7,
@@ -540,7 +539,7 @@ fn a_state_naming_an_owner_outside_the_peer_set_is_never_forwarded() {
         known: Vec::new(),
         waiting: Waiting::Held {
             call: UpstreamCall {
-                endpoint: format!("127.0.0.1:{}", upstream.port).parse().unwrap(),
+                endpoint: format!("127.0.0.1:{upstream_port}").parse().unwrap(),
                 session: "s".into(),
                 id: UpstreamId::Number(1),
                 data_session: false,
@@ -553,7 +552,7 @@ fn a_state_naming_an_owner_outside_the_peer_set_is_never_forwarded() {
                 asked: Default::default(),
             }],
             at: HeldAt {
-                owner: Some(format!("127.0.0.1:{}", outsider.port).parse().unwrap()),
+                owner: Some(owner),
                 slot: 1,
             },
         },
@@ -561,7 +560,15 @@ fn a_state_naming_an_owner_outside_the_peer_set_is_never_forwarded() {
     let principal = PrincipalSource::Authorization.digest(None);
     let bind = binding(&principal, "tools/call", Some("ask_name"), Some(&json!({})));
     let state = flow.seal(&KeyRing::parse(&test_keys()).unwrap(), &bind);
-    let answers = json!({"inputResponses": {"elicitation_0": {"action": "accept", "content": {"name": "x"}}}, "requestState": state});
+    json!({"inputResponses": {"elicitation_0": {"action": "accept", "content": {"name": "x"}}}, "requestState": state})
+}
+
+#[test]
+fn a_state_naming_an_owner_outside_the_peer_set_is_never_forwarded() {
+    let (upstream, outsider) = (Tripwire::start(), Tripwire::start());
+    let replicas = peered(&upstream.url(), 2, |_| {});
+    let owner = format!("127.0.0.1:{}", outsider.port).parse().unwrap();
+    let answers = retry_held_by(owner, upstream.port);
     let reply = ask_name(&Raw::new(&replicas[0].url), 1, answers);
     assert_eq!(reply["error"]["code"], -32012, "{reply}");
     assert_eq!(forwards(&replicas[0], "owner_gone"), 1.0);
@@ -571,6 +578,29 @@ fn a_state_naming_an_owner_outside_the_peer_set_is_never_forwarded() {
         "nothing went to the address in the state"
     );
     assert_eq!(upstream.count(), 0, "nothing went upstream");
+}
+
+/// A retry forwarded to an owner that takes the connection but answers nothing (a frozen
+/// process: the kernel still completes the handshake) loses the flow within seconds, not
+/// when the flow's deadline ends the wait half an hour later.
+#[test]
+fn a_retry_forwarded_to_an_owner_that_stopped_answering_ends_within_seconds() {
+    let upstream = Tripwire::start();
+    // Listening, never accepting: connections complete in the backlog and stay unread.
+    let frozen = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let frozen_at = frozen.local_addr().unwrap();
+    let replicas = peered(&upstream.url(), 1, |c| {
+        c.peers.members.push(frozen_at.to_string())
+    });
+    let answers = retry_held_by(frozen_at, upstream.port);
+    let started = Instant::now();
+    let reply = ask_name(&Raw::new(&replicas[0].url), 1, answers);
+    let took = started.elapsed();
+    assert_eq!(reply["error"]["code"], -32012, "{reply}");
+    assert!(took < Duration::from_secs(13), "the error took {took:?}");
+    assert_eq!(forwards(&replicas[0], "owner_gone"), 1.0);
+    assert_eq!(upstream.count(), 0, "nothing went upstream");
+    drop(frozen);
 }
 
 /// One caller holds at most `bridge.max_held_flows_per_principal` flows on a replica, so
