@@ -25,30 +25,62 @@ const MAX_OWN_CONNECTIONS: usize = 1024;
 /// Longest an admin connection is served.
 pub const ADMIN_CONNECTION_TIME: Duration = Duration::from_secs(10);
 
-/// Whether a graceful shutdown began. Streams end cleanly on it: a bridged round hands
-/// its flow to another replica, a relayed SSE stream ends between two events.
-pub struct Drain(watch::Sender<bool>);
+/// Where a graceful shutdown stands. Streams end cleanly when it begins: a bridged round
+/// hands its flow to another replica, a relayed SSE stream ends between two events. A
+/// round that cannot be handed over (its upstream cannot resume it) runs on through the
+/// grace period, until its last stretch (`near_end`): then it ends, with its upstream
+/// call, rather than be cut when the process exits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Stage {
+    Serving,
+    Draining,
+    NearEnd,
+}
+
+pub struct Drain(watch::Sender<Stage>);
 
 impl Default for Drain {
     fn default() -> Self {
-        Drain(watch::Sender::new(false))
+        Drain(watch::Sender::new(Stage::Serving))
     }
 }
 
 impl Drain {
     pub fn begin(&self) {
-        self.0.send_replace(true);
+        self.0
+            .send_if_modified(|stage| raise(stage, Stage::Draining));
+    }
+
+    /// The grace period is in its last stretch: what still runs must end now.
+    pub fn near_end(&self) {
+        self.0
+            .send_if_modified(|stage| raise(stage, Stage::NearEnd));
     }
 
     pub fn is_draining(&self) -> bool {
-        *self.0.borrow()
+        *self.0.borrow() >= Stage::Draining
     }
 
     /// Completes once draining has begun.
     pub async fn wait(&self) {
-        let mut rx = self.0.subscribe();
-        let _ = rx.wait_for(|draining| *draining).await;
+        self.wait_for(Stage::Draining).await
     }
+
+    /// Completes once the grace period is in its last stretch.
+    pub async fn wait_near_end(&self) {
+        self.wait_for(Stage::NearEnd).await
+    }
+
+    async fn wait_for(&self, stage: Stage) {
+        let mut rx = self.0.subscribe();
+        let _ = rx.wait_for(|now| *now >= stage).await;
+    }
+}
+
+fn raise(stage: &mut Stage, to: Stage) -> bool {
+    let raised = *stage < to;
+    *stage = (*stage).max(to);
+    raised
 }
 
 pub struct AdminApp {

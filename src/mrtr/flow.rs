@@ -255,6 +255,9 @@ pub enum Input {
     ClientGone,
     /// The gateway began draining.
     Draining,
+    /// The grace period is in its last stretch: a round that could not be handed over
+    /// ends now, with its upstream call, rather than be cut when the process exits.
+    GraceEnding,
     /// `Barrier`: the upstream answered the ping, or could not within its bound.
     BarrierPassed,
 }
@@ -625,6 +628,8 @@ enum RoundEnd {
     Silent,
     /// The flow reached its deadline (`max_flow_seconds`).
     FlowDeadline,
+    /// The replica's grace period ends, and the round could not be handed over.
+    ShuttingDown,
     ClientGone,
 }
 
@@ -1497,6 +1502,10 @@ impl Flow {
                 r.drain_pending = true;
                 Phase::Reading(r)
             }
+            Input::GraceEnding if self.resumes(&r) => {
+                self.end_round(r, RoundEnd::Questions { draining: true })
+            }
+            Input::GraceEnding => self.end_round(r, RoundEnd::ShuttingDown),
             _ => Phase::Reading(r),
         }
     }
@@ -1859,6 +1868,15 @@ impl Flow {
                     self.config.method, self.config.target, self.config.max_flow_seconds, self.common.round
                 );
                 self.finish(Ending::Refused(Refusal::internal(Class::OverLimit, text)))
+            }
+            RoundEnd::ShuttingDown => {
+                self.commands.push_back(Command::CloseStreams);
+                self.give_up(&r.call, "the gateway replica is shutting down");
+                let text = format!(
+                    "the gateway replica running {} '{}' is shutting down, and the round could not be handed to another replica (the upstream cannot resume it); the upstream call was ended: issue it again",
+                    self.config.method, self.config.target
+                );
+                self.finish(Ending::Refused(Refusal::internal(Class::Overloaded, text)))
             }
             RoundEnd::ClientGone => self.cancelled(&r.call),
         }

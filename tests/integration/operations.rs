@@ -491,6 +491,49 @@ fn sigquit_drains_at_once_like_sigterm() {
     gw.wait_for_exit();
 }
 
+/// A round that cannot be handed over (its upstream's stream has no event ids) runs on
+/// through the grace period; if it is still running near its end, it ends then, with an
+/// error saying why and its upstream session deleted, rather than be cut with the process.
+#[test]
+fn a_round_still_running_near_the_end_of_the_grace_period_ends_with_its_call() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        match seen.method.as_str() {
+            "GET" => Answer::sse(&[]),
+            "DELETE" => Answer::status(200, &[], b""),
+            // The call works on, silent, on a stream without event ids.
+            _ => Answer::sse(&[]),
+        }
+    });
+    let mut gw = GatewayProcess::start(&upstream.url());
+    let url = gw.url.clone();
+    let caller = std::thread::spawn(move || {
+        let params = json!({"name": "work", "arguments": {}});
+        Raw::new(&url)
+            .modern(1, "tools/call", params, json!({}))
+            .json()
+    });
+    let called = |u: &ScriptedUpstream| {
+        let seen = u.requests();
+        seen.iter()
+            .any(|s| s.jsonrpc_method().as_deref() == Some("tools/call"))
+    };
+    wait_until("the call went up", Duration::from_secs(10), || {
+        called(&upstream)
+    });
+    gw.begin_drain();
+    let reply = caller.join().expect("the caller");
+    let message = reply["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("shutting down"), "{reply}");
+    // The client is answered first, then the session deleted.
+    wait_until("the call's session deleted", Duration::from_secs(5), || {
+        upstream.requests().iter().any(|s| s.method == "DELETE")
+    });
+    gw.wait_for_exit();
+}
+
 /// The `requestState` of a round handed over at a drain: an `InputRequiredResult` that
 /// asks nothing.
 fn handed_over_state(reply: &Value) -> String {

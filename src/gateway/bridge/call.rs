@@ -59,6 +59,8 @@ struct Io<'g> {
     claim: Option<StateDigest>,
     /// The drain signal was passed to the flow (it fires for good once set).
     drain_told: bool,
+    /// So was the grace period's last stretch.
+    near_end_told: bool,
     /// The client's leaving was passed to the flow (its connection stays readable-at-end,
     /// so the flow is told once and never woken by it again).
     client_gone_told: bool,
@@ -267,6 +269,7 @@ impl Io<'_> {
             streams: Streams::new(None, None),
             claim,
             drain_told: false,
+            near_end_told: false,
             client_gone_told: false,
             warm_after: None,
         }
@@ -585,12 +588,17 @@ async fn wait(call: &Call<'_>, session: &mut ServerSession, io: &mut Io<'_>, flo
     // Told once, when the flow can act on it: a drain that begins while the call's answer
     // is awaited (or a resumption backs off) waits for the round to read.
     let drain = !io.drain_told && reading;
+    let near_end = io.drain_told && !io.near_end_told && reading;
     let session_stream = reading || flow.is_posting();
     let (source, chunk) = tokio::select! {
         biased;
         _ = call.gw.runtime.drain.wait(), if drain => {
             io.drain_told = true;
             return Woke::Input(Input::Draining);
+        }
+        _ = call.gw.runtime.drain.wait_near_end(), if near_end => {
+            io.near_end_told = true;
+            return Woke::Input(Input::GraceEnding);
         }
         _ = session.read_body_or_idle(true), if !io.client_gone_told => {
             io.client_gone_told = true;
@@ -1064,6 +1072,10 @@ async fn hold(
                         "this caller already has {} flows held on this replica waiting for its answers (bridge.max_held_flows_per_principal): answer them, or retry once abandoned ones expire",
                         gw.config.bridge.max_held_flows_per_principal
                     ),
+                ),
+                NotHeld::Closed => Refusal::internal(
+                    Class::Overloaded,
+                    "this replica is shutting down and can no longer hold the call until its retry; issue the call again",
                 ),
                 NotHeld::TooLarge(bytes) => Refusal::internal(
                     Class::OverLimit,

@@ -118,6 +118,9 @@ pub(super) enum NotHeld {
     PrincipalFull,
     /// The flow buffers this many bytes, above `bridge.max_held_bytes_per_flow`.
     TooLarge(usize),
+    /// The replica is shutting down: its held flows were ended, and no retry could
+    /// reach one held now.
+    Closed,
 }
 
 /// The flows this replica holds, by slot, with the bytes they buffer in all.
@@ -134,6 +137,8 @@ struct Table {
     bytes: usize,
     /// How many flows each principal holds (those holding any).
     by_principal: HashMap<[u8; 32], usize>,
+    /// Shutting down: every flow was taken, and none is held any more.
+    closed: bool,
 }
 
 impl Table {
@@ -179,6 +184,9 @@ impl HeldFlows {
             return Err((NotHeld::TooLarge(held.bytes), held));
         }
         let mut table = self.lock();
+        if table.closed {
+            return Err((NotHeld::Closed, held));
+        }
         if table.flows.len() >= self.capacity {
             return Err((NotHeld::Full, held));
         }
@@ -223,9 +231,11 @@ impl HeldFlows {
             .collect()
     }
 
-    /// Takes every flow (at shutdown: nobody can continue them after this process).
+    /// Takes every flow, and holds none from now on (at shutdown: nobody can continue
+    /// them after this process).
     fn take_all(&self) -> Vec<Held> {
         let mut table = self.lock();
+        table.closed = true;
         let slots: Vec<u64> = table.flows.keys().copied().collect();
         slots
             .iter()
@@ -241,9 +251,11 @@ impl HeldFlows {
     }
 }
 
-/// Ends held flows whose state expired, and at shutdown (after the grace period, in which
-/// they could still be continued) every one left: nobody can continue them any more, and
-/// their upstream sessions would otherwise wait for the server's own idle timeout.
+/// Ends held flows whose state expired, and at shutdown (near the end of the grace
+/// period, in which they could still be continued) every one left: nobody can continue
+/// them any more, and their upstream sessions would otherwise wait for the server's own
+/// idle timeout. Then it tells the rounds still running that the grace period is ending
+/// (`Drain::near_end`), and the table holds no flow from then on.
 pub struct HeldSweeper {
     pub gw: Arc<Gateway>,
 }
@@ -277,6 +289,8 @@ impl BackgroundService for HeldSweeper {
                 held.abandon(&self.gw).await;
             }
         }
+        // Rounds that could not be handed over end now too, with their upstream calls.
+        self.gw.runtime.drain.near_end();
         let left = self.gw.flows.held.take_all();
         if !left.is_empty() {
             tracing::info!(flows = left.len(), "held flows ended at shutdown");
@@ -339,6 +353,18 @@ mod tests {
         let (refused, back) = flows.hold(held(3, 100, 10), None).err().unwrap();
         assert_eq!((refused, back.flow_id), (NotHeld::Full, 3));
         assert!(flows.usage().1 > 20);
+    }
+
+    /// At shutdown the sweep takes every flow and ends it; a round that ends after that
+    /// cannot be held either (nobody could continue it), so its call ends, not leaks.
+    #[test]
+    fn once_every_flow_was_taken_at_shutdown_none_is_held() {
+        let flows = HeldFlows::new(8, 8, 1 << 20);
+        flows.hold(held(1, 100, 1), None).ok().unwrap();
+        assert_eq!(flows.take_all().len(), 1);
+        let (refused, back) = flows.hold(held(2, 100, 1), None).err().unwrap();
+        assert_eq!((refused, back.flow_id), (NotHeld::Closed, 2));
+        assert_eq!(flows.usage(), (0, 0));
     }
 
     #[test]

@@ -1431,6 +1431,17 @@ fn draining_hands_a_resumable_round_over_and_lets_a_held_one_run() {
         held.ending.is_none(),
         "a round that cannot resume finishes here"
     );
+    // Unless the grace period ends first: then the round ends with its upstream call,
+    // rather than be cut when the process exits.
+    held.feed(Input::GraceEnding);
+    assert!(held.log.contains(&Command::DeleteSession));
+    let refusal = held.refusal();
+    assert_eq!(refusal.class, Class::Overloaded);
+    assert!(
+        refusal.message.contains("shutting down"),
+        "{}",
+        refusal.message
+    );
 }
 
 /// A drain that begins while a retry's resumed stream settles: the answers go up once
