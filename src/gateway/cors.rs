@@ -87,11 +87,7 @@ async fn write_no_content(
     for (name, value) in headers {
         let _ = header.append_header(name, value);
     }
-    if session
-        .write_response_header(Box::new(header))
-        .await
-        .is_ok()
-    {
+    if respond::write_header(session, header).await.is_ok() {
         let _ = session.write_response_body(Bytes::new(), true).await;
     }
 }

@@ -149,6 +149,9 @@ impl Gateway {
     }
 
     async fn handle(&self, session: &mut ServerSession, arrival: Arrival) {
+        // Every response header asks it whether to close the connection after it.
+        let drain = self.runtime.drain.clone();
+        session.req_header_mut().extensions_mut().insert(drain);
         if let Err(message) = check_header_limits(session, &self.config.limits) {
             return refuse_and_close(session, 431, code::INVALID_REQUEST, &message).await;
         }

@@ -559,11 +559,7 @@ pub(crate) async fn relay(
     if sse && content_length(&header).is_some() {
         respond::frame_unknown_length(session, &mut header);
     }
-    if session
-        .write_response_header(Box::new(header))
-        .await
-        .is_err()
-    {
+    if respond::write_header(session, header).await.is_err() {
         return Outcome::ClientGone;
     }
     let _streaming = InUse::new(&gw.runtime.metrics.active_client_streams);
@@ -603,10 +599,7 @@ async fn relay_whole(
     };
     let body = concat(rewrite.push(body), rewrite.finish());
     let _ = header.insert_header(http::header::CONTENT_LENGTH, body.len());
-    if session
-        .write_response_header(Box::new(header))
-        .await
-        .is_err()
+    if respond::write_header(session, header).await.is_err()
         || session.write_response_body(body, true).await.is_err()
     {
         return Outcome::ClientGone;

@@ -1,12 +1,15 @@
 //! Writing responses to the client: complete ones (JSON-RPC errors in the protocol's own
 //! form, small JSON or text bodies), always framed with a Content-Length; the framing of a
-//! body whose length is not known yet; and ending a response that cannot be completed.
+//! body whose length is not known yet; ending a response that cannot be completed; and
+//! every response header's last word on the connection (`write_header`).
 
+use super::admin::Drain;
 use crate::protocol::jsonrpc;
 use bytes::Bytes;
 use pingora::http::ResponseHeader;
 use pingora::protocols::http::ServerSession;
 use serde_json::Value;
+use std::sync::Arc;
 
 /// Writes a whole response. Errors mean the client is gone; there is nothing to add.
 pub async fn write(session: &mut ServerSession, status: u16, content_type: &str, body: Bytes) {
@@ -26,11 +29,7 @@ pub async fn write_with(
     let _ = header.insert_header("content-type", content_type);
     let _ = header.insert_header("content-length", body.len());
     super::cors::decorate(session, &mut header);
-    if session
-        .write_response_header(Box::new(header))
-        .await
-        .is_ok()
-    {
+    if write_header(session, header).await.is_ok() {
         let _ = session.write_response_body(body, true).await;
     }
 }
@@ -98,4 +97,18 @@ pub async fn method_not_allowed(session: &mut ServerSession, allow: &str, messag
     let _ = header.insert_header("allow", allow);
     let body = jsonrpc::error_body(None, jsonrpc::code::INVALID_REQUEST, message, None);
     write_with(session, header, "application/json", body.into()).await;
+}
+
+/// Writes a response header. Once the replica drains, the connection closes after this
+/// response and the header says so (`Connection: close`): the client sends its next
+/// request on a new connection, to a replica that takes it, rather than on this one.
+pub async fn write_header(
+    session: &mut ServerSession,
+    header: ResponseHeader,
+) -> pingora::Result<()> {
+    let drain = session.req_header().extensions.get::<Arc<Drain>>();
+    if drain.is_some_and(|d| d.is_draining()) {
+        session.set_keepalive(None);
+    }
+    session.write_response_header(Box::new(header)).await
 }

@@ -491,6 +491,39 @@ fn sigquit_drains_at_once_like_sigterm() {
     gw.wait_for_exit();
 }
 
+/// A response whose header goes out after the drain began says the connection closes
+/// after it: the client sends its next request on a new connection, which another replica
+/// takes, not on this one, where it would fail unread.
+#[test]
+fn a_response_written_while_draining_closes_its_connection() {
+    let answered = Gate::default();
+    let held = answered.clone();
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let answer = legacy_basics(seen, "s1").unwrap_or_else(|| Answer::status(405, &[], b""));
+        Answer::silent().wait(&held).bytes(answer.pieces_bytes())
+    });
+    let mut gw = GatewayProcess::start(&upstream.url());
+    let raw = Raw::new(&gw.url);
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"}}});
+    let in_flight = std::thread::spawn(move || raw.post(None, &init));
+    wait_until("the request went up", Duration::from_secs(10), || {
+        !upstream.requests().is_empty()
+    });
+    gw.begin_drain();
+    answered.open();
+    let reply = in_flight.join().expect("the in-flight request");
+    assert_eq!(reply.status, 200);
+    assert_eq!(
+        reply.header_values("connection"),
+        ["close"],
+        "{:?}",
+        reply.headers
+    );
+    gw.wait_for_exit();
+}
+
 /// A round that cannot be handed over (its upstream's stream has no event ids) runs on
 /// through the grace period; if it is still running near its end, it ends then, with an
 /// error saying why and its upstream session deleted, rather than be cut with the process.

@@ -57,10 +57,7 @@ impl ClientReply {
         let _ = header.insert_header("x-accel-buffering", "no");
         respond::frame_unknown_length(session, &mut header);
         cors::decorate(session, &mut header);
-        self.streaming = session
-            .write_response_header(Box::new(header))
-            .await
-            .is_ok();
+        self.streaming = respond::write_header(session, header).await.is_ok();
         self.streaming
     }
 
