@@ -151,7 +151,9 @@ async fn next_hangup(hangup: &mut Option<Signal>) {
 
 #[async_trait]
 impl BackgroundService for Reloader {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
+    /// Runs until the process ends, not only until the drain begins: held flows and
+    /// forwarded retries are served through the grace period, under the keys in use.
+    async fn start(&self, _shutdown: ShutdownWatch) {
         let mut hangup = signal(SignalKind::hangup())
             .map_err(|e| tracing::warn!(error = %e, "no SIGHUP handler; files are still polled"))
             .ok();
@@ -164,7 +166,6 @@ impl BackgroundService for Reloader {
             tokio::select! {
                 _ = tick.tick() => self.reload_all(false),
                 _ = next_hangup(&mut hangup) => self.reload_all(true),
-                _ = shutdown.changed() => return,
             }
         }
     }

@@ -367,22 +367,42 @@ impl GatewayProcess {
         json_log: Option<&std::path::Path>,
         rust_log: &str,
     ) -> GatewayProcess {
+        Self::start_full(upstream, json_log, rust_log, None)
+    }
+
+    /// Starts the binary with its keys in `keys_file` (watched), not the environment.
+    fn start_with_keys_file(upstream: &str, keys_file: &std::path::Path) -> GatewayProcess {
+        Self::start_full(upstream, None, "info", Some(keys_file))
+    }
+
+    fn start_full(
+        upstream: &str,
+        json_log: Option<&std::path::Path>,
+        rust_log: &str,
+        keys_file: Option<&std::path::Path>,
+    ) -> GatewayProcess {
         let (port, admin_port) = (free_port(), free_port());
         let dir = std::env::temp_dir().join(format!("mrtr-drain-{port}"));
         std::fs::create_dir_all(&dir).unwrap();
-        let config = format!(
+        let mut config = format!(
             "listen: 127.0.0.1:{port}\nadmin_listen: 127.0.0.1:{admin_port}\n\
              server: {{threads: 1, grace_period_seconds: 5, graceful_shutdown_timeout_seconds: 1}}\n\
              upstreams:\n  - name: default\n    path: /mcp\n    era: legacy\n    \
              health_check_interval_ms: 0\n    endpoints: [\"{upstream}\"]\n"
         );
+        if let Some(keys) = keys_file {
+            config.push_str(&format!(
+                "keys_file: {}\nkeys_poll_ms: 100\n",
+                keys.display()
+            ));
+        }
         let file = dir.join("gateway.yaml");
         std::fs::write(&file, config).unwrap();
         let mut command = Command::new(env!("CARGO_BIN_EXE_mrtr-gateway"));
-        command
-            .args(["run", "--config"])
-            .arg(&file)
-            .env("MRTR_GATEWAY_KEYS", test_keys());
+        command.args(["run", "--config"]).arg(&file);
+        if keys_file.is_none() {
+            command.env("MRTR_GATEWAY_KEYS", test_keys());
+        }
         if let Some(log) = json_log {
             let file = std::fs::File::create(log).expect("log file");
             command
@@ -489,6 +509,33 @@ fn sigquit_drains_at_once_like_sigterm() {
     gw.wait_for_drain();
     assert!(!port_open(gw.port), "the MCP listener still accepts");
     gw.wait_for_exit();
+}
+
+/// Held flows and forwarded retries are served through the grace period, so key changes
+/// still apply while it lasts: a key being retired stops opening states when its file says
+/// so, not when the process exits.
+#[test]
+fn the_keys_file_is_still_reloaded_while_draining() {
+    let upstream = holding_server();
+    let dir = std::env::temp_dir().join(format!("mrtr-keys-drain-{}", free_port()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let keys = dir.join("keys");
+    std::fs::write(&keys, format!("{}\n", test_keys())).unwrap();
+    let mut gw = GatewayProcess::start_with_keys_file(&upstream.url(), &keys);
+    let reloads = |gw: &GatewayProcess| {
+        let labels = "file=\"keys\",outcome=\"ok\"";
+        metric_with(&gw.admin, "mrtr_gateway_reloads_total", labels).unwrap_or(0.0)
+    };
+    gw.begin_drain();
+    let before = reloads(&gw);
+    let second = "k2:AQIDBAUGBwgJCgsMDQ4PEBESExQVFhcYGRobHB0eHyA";
+    std::fs::write(&keys, format!("{second}\n{}\n", test_keys())).unwrap();
+    wait_until("the new keys file applied", Duration::from_secs(3), || {
+        reloads(&gw) > before
+    });
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_keys_loaded"), 2.0);
+    gw.wait_for_exit();
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// A response whose header goes out after the drain began says the connection closes
