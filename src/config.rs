@@ -137,6 +137,10 @@ pub struct Limits {
     pub client_idle_timeout_ms: u64,
     /// Longest time a request body may take to arrive in full (408 after it).
     pub body_timeout_ms: u64,
+    /// Longest one write to a client may wait for the client to read: a client that
+    /// stops reading its response loses it (its connection closed, what the request
+    /// started upstream cancelled) rather than pin what the gateway buffered for it.
+    pub client_write_timeout_ms: u64,
     /// Longest `requestState` accepted, checked before any decoding.
     pub max_request_state_bytes: usize,
     /// Largest `inputResponses` object accepted, as serialized JSON.
@@ -172,6 +176,7 @@ impl Default for Limits {
             header_timeout_ms: 10_000,
             client_idle_timeout_ms: 75_000,
             body_timeout_ms: 30_000,
+            client_write_timeout_ms: 30_000,
             max_request_state_bytes: 4096,
             max_input_responses_bytes: 1 << 20,
             max_input_requests_per_round: 16,
@@ -208,6 +213,7 @@ impl Limits {
         at_least("header_timeout_ms", self.header_timeout_ms, 100)?;
         at_least("client_idle_timeout_ms", self.client_idle_timeout_ms, 100)?;
         at_least("body_timeout_ms", self.body_timeout_ms, 100)?;
+        at_least("client_write_timeout_ms", self.client_write_timeout_ms, 100)?;
         at_least(
             "max_request_state_bytes",
             self.max_request_state_bytes as u64,

@@ -606,8 +606,10 @@ impl HttpServerApp for Listener {
         }
         // Each read of the body waits at least as long as the whole body may take, so a
         // stalled body meets `body_timeout_ms` and its 408.
-        let body_timeout = Duration::from_millis(self.gw.config.limits.body_timeout_ms);
+        let limits = &self.gw.config.limits;
+        let body_timeout = Duration::from_millis(limits.body_timeout_ms);
         session.set_read_timeout(Some(CLIENT_BODY_READ_TIMEOUT.max(body_timeout)));
+        session.set_write_timeout(Some(Duration::from_millis(limits.client_write_timeout_ms)));
         // Pingora decided per request whether the connection may be reused: not after a
         // request with both Content-Length and Transfer-Encoding (RFC 9112 §6.1: bytes
         // after its body must never run as a request), nor for HTTP/1.0 without

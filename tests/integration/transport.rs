@@ -1337,3 +1337,54 @@ pub(crate) fn crowded_listener_case() -> usize {
 fn a_crowded_listener_gives_idle_connections_slots_to_new_clients() {
     crowded_listener_case();
 }
+
+/// A client that stops reading its response (its window full) loses it after
+/// `limits.client_write_timeout_ms`: the round ends and what it held is freed, rather than
+/// a bridged result of many megabytes pinned, and its round counted, for as long as the
+/// client keeps the connection.
+#[test]
+fn a_client_that_stops_reading_its_response_loses_it_after_the_write_timeout() {
+    let result = "x".repeat(12 << 20);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        match seen.method.as_str() {
+            "GET" => Answer::status(405, &[], b""),
+            _ => {
+                let id = seen.json().map(|m| m["id"].clone()).unwrap_or_default();
+                let body = json!({"jsonrpc": "2.0", "id": id,
+                    "result": {"content": [{"type": "text", "text": result}]}});
+                Answer::json(200, &body)
+            }
+        }
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Legacy;
+        c.limits.client_write_timeout_ms = 500;
+    });
+    let (headers, body) = modern_request(1, "tools/call", json!({"name": "big"}), json!({}));
+    let body = body.to_string();
+    let mut head = format!(
+        "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: {}\r\n",
+        body.len()
+    );
+    for (name, value) in &headers {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    let mut client = connect(gw.port);
+    client
+        .write_all(format!("{head}\r\n{body}").as_bytes())
+        .unwrap();
+    wait_until("the call went up", Duration::from_secs(10), || {
+        upstream
+            .requests()
+            .iter()
+            .any(|s| s.jsonrpc_method().as_deref() == Some("tools/call"))
+    });
+    // The client reads nothing, and keeps its connection.
+    wait_until("the round freed", Duration::from_secs(10), || {
+        metric(&gw.admin, "mrtr_gateway_active_rounds") == 0.0
+    });
+    drop(client);
+}
