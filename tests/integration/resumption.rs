@@ -531,6 +531,37 @@ fn one_caller_parks_at_most_its_share_of_the_waiting_flows() {
     assert!(asked(&again), "the slot came back: {again}");
 }
 
+/// Every `server/discover` opens a session of its caller's shape; lists of that shape run
+/// at the same time on the session kept for it. The new session must not replace the kept
+/// one while lists run on it: deleting it cut them ("ended its stream without a message").
+#[test]
+fn lists_running_on_a_kept_session_are_not_cut_by_a_discovery_of_their_shape() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let failures = AtomicUsize::new(0);
+    for round in 0..8u64 {
+        std::thread::scope(|scope| {
+            scope.spawn(|| {
+                raw.modern(round, "server/discover", json!({}), json!({}))
+                    .json()
+            });
+            for n in 0..6 {
+                let (raw, failures) = (&raw, &failures);
+                scope.spawn(move || {
+                    std::thread::sleep(Duration::from_millis(2 * n));
+                    let listed = raw.modern(n, "tools/list", json!({}), json!({})).json();
+                    if !listed["result"]["tools"].is_array() {
+                        eprintln!("round {round}: {listed}");
+                        failures.fetch_add(1, Ordering::SeqCst);
+                    }
+                });
+            }
+        });
+    }
+    assert_eq!(failures.load(Ordering::SeqCst), 0, "lists failed");
+}
+
 #[test]
 fn one_shot_methods_reuse_a_kept_session_per_shape() {
     // A server that takes its time over `initialize` (one framework waits a second for

@@ -446,7 +446,12 @@ async fn one_shot(
     });
     let timeouts = &group.timeouts;
     if let Some(kept) = kept {
-        if let Some(mut upstream) = one_shot::resume(&gw.upstreams.client, group, timeouts, &kept) {
+        let resumed = one_shot::resume(&gw.upstreams.client, group, timeouts, &kept);
+        if resumed.is_none() {
+            // Its endpoint left the group: it serves no one any more.
+            gw.upstreams.kept_sessions.forget(&shape, &kept.session_id);
+        }
+        if let Some(mut upstream) = resumed {
             upstream.caller = caller(request);
             match ask_once(gw, &upstream, request).await {
                 // The upstream forgot the session, so it did not take the request: it goes

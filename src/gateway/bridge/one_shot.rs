@@ -89,8 +89,10 @@ impl KeptSessions {
         Ok(Some(kept.clone()))
     }
 
-    /// Keeps `kept` for `shape`; returns what no longer fits (an older session of the
-    /// shape, or the least recently used one) for its owner to delete.
+    /// Keeps a session for `shape`; returns what no longer fits for its owner to delete:
+    /// this session, if the shape has one kept already (requests may be running on that
+    /// one, which deleting it would cut; this one has served only the request that opened
+    /// it), or the least recently used of another shape past the bound.
     pub fn keep(
         &self,
         shape: Shape,
@@ -106,9 +108,10 @@ impl KeptSessions {
             version,
             last_used: now,
         };
-        if let Some(older) = sessions.insert(shape, kept) {
-            return Some(older);
+        if sessions.contains_key(&shape) {
+            return Some(kept);
         }
+        sessions.insert(shape, kept);
         if sessions.len() <= self.max {
             return None;
         }
@@ -213,11 +216,12 @@ mod tests {
         );
         let evicted = keep(3, "c", later).unwrap();
         assert_eq!(evicted.session_id, "b", "the least recently used goes");
-        let replaced = keep(1, "a2", later).unwrap();
-        assert_eq!(replaced.session_id, "a");
-        kept.forget(&[1; 32], "a");
-        assert_eq!(kept.len(), 2, "only the session named is forgotten");
+        // Requests may be running on the kept one: the newcomer goes instead.
+        let newcomer = keep(1, "a2", later).unwrap();
+        assert_eq!(newcomer.session_id, "a2");
         kept.forget(&[1; 32], "a2");
+        assert_eq!(kept.len(), 2, "only the session named is forgotten");
+        kept.forget(&[1; 32], "a");
         assert!(kept.take_live(&[1; 32], later).unwrap().is_none());
 
         let idle = t0 + Duration::from_secs(62);
