@@ -11,7 +11,9 @@
 //! that dies takes its table with it, and the upstream's own session expiry is then the
 //! backstop. A flow that completes on another replica has its session deleted there, and
 //! the reaper's later DELETE gets a harmless 404 (a call's later cancellation names an id
-//! the server no longer runs, which receivers ignore).
+//! the server no longer runs, which receivers ignore). Such entries still take room in
+//! the table: when it (or a principal's share) is full, `reclaim` asks the upstream, with
+//! a `ping` in each of the oldest sessions, which ones it no longer has, and frees them.
 
 use crate::mrtr::flow::{cancellation, NOT_CONTINUED};
 use crate::mrtr::state::now_secs;
@@ -33,6 +35,9 @@ use std::time::Duration;
 
 /// How often due sessions are looked for.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
+/// Most sessions one `reclaim` asks about, and the longest it takes.
+const RECLAIM_CHECKS: usize = 256;
+const RECLAIM_WITHIN: Duration = Duration::from_secs(2);
 
 /// Where a watched session lives: interned, since many sessions share one endpoint.
 struct Target {
@@ -261,6 +266,8 @@ pub struct Reaper {
     table: Mutex<Table>,
     capacity: usize,
     per_principal: usize,
+    /// Held while a `reclaim` runs.
+    reclaiming: tokio::sync::Mutex<()>,
 }
 
 impl Reaper {
@@ -270,6 +277,7 @@ impl Reaper {
             table: Mutex::new(Table::default()),
             capacity,
             per_principal,
+            reclaiming: tokio::sync::Mutex::new(()),
         }
     }
 
@@ -323,6 +331,77 @@ impl Reaper {
     /// How many sessions are watched now.
     pub fn watched(&self) -> usize {
         self.table.lock().expect("reaper lock").watched.len()
+    }
+
+    /// Frees the entries of sessions the upstream no longer has (their flows ended on
+    /// another replica, which deleted them): at most `RECLAIM_CHECKS` of `principal`'s
+    /// (or of anyone's, for `None`), those due first, each asked with a `ping`, within
+    /// `RECLAIM_WITHIN`. Run when the table, or a principal's share, is full: the
+    /// replica that opened a flow cannot otherwise know that another ended it. One runs
+    /// at a time; returns how many entries it freed.
+    pub async fn reclaim(&self, client: &UpstreamClient, principal: Option<[u8; 32]>) -> usize {
+        let _turn = self.reclaiming.lock().await;
+        let candidates = self.candidates(principal);
+        let mut freed = 0;
+        let checks = async {
+            for candidate in candidates {
+                let Due {
+                    endpoint,
+                    timeouts,
+                    key,
+                    headers,
+                    version,
+                } = candidate;
+                let mut upstream = LegacySession::resume(
+                    client,
+                    endpoint.clone(),
+                    &timeouts,
+                    key.clone(),
+                    version,
+                );
+                upstream.caller.headers = headers;
+                if upstream.is_gone().await {
+                    self.forget(&endpoint, key.as_str());
+                    freed += 1;
+                }
+            }
+        };
+        let _ = tokio::time::timeout(RECLAIM_WITHIN, checks).await;
+        if freed > 0 {
+            tracing::info!(
+                freed,
+                "freed the watched sessions of flows that ended on other replicas"
+            );
+        }
+        freed
+    }
+
+    /// The sessions (not calls) `reclaim` asks about, those due first.
+    fn candidates(&self, principal: Option<[u8; 32]>) -> Vec<Due> {
+        let table = self.table.lock().expect("reaper lock");
+        let mut found: Vec<(u32, Due)> = table
+            .watched
+            .iter()
+            .filter(|w| !w.key.contains(CALL_SEPARATOR))
+            .filter_map(|w| {
+                let owner = table.owners.get(w.owner)?;
+                if principal.is_some() && owner.principal != principal {
+                    return None;
+                }
+                let target = &table.targets[owner.target as usize];
+                let due = Due {
+                    endpoint: target.endpoint.clone(),
+                    timeouts: target.timeouts,
+                    key: w.key.to_string(),
+                    headers: owner.headers.clone(),
+                    version: owner.version,
+                };
+                Some((w.deadline, due))
+            })
+            .collect();
+        found.sort_by_key(|(deadline, _)| *deadline);
+        found.truncate(RECLAIM_CHECKS);
+        found.into_iter().map(|(_, due)| due).collect()
     }
 
     /// Removes and returns the sessions due at `now`, with where they live and the

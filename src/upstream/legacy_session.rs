@@ -482,6 +482,21 @@ impl<'a> LegacySession<'a> {
     }
 
     /// Ends the session of a flow its client abandoned (best effort).
+    /// Whether the upstream no longer has the session: it refuses a `ping` in it as an
+    /// unknown session. A session that answers, or fails any other way, is not gone.
+    pub async fn is_gone(&self) -> bool {
+        let ping =
+            serde_json::json!({"jsonrpc": "2.0", "id": "mrtr-gateway-reaper", "method": "ping"});
+        match self.post(&ping).await {
+            Err(e) => *e.failure() == SessionFailure::Gone,
+            Ok(mut response) => {
+                let _ = read_single(&mut response).await;
+                self.discard(response).await;
+                false
+            }
+        }
+    }
+
     pub async fn reap(&self) {
         let _ = self.delete_counting("reaped").await;
     }

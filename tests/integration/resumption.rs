@@ -562,6 +562,33 @@ fn lists_running_on_a_kept_session_are_not_cut_by_a_discovery_of_their_shape() {
     assert_eq!(failures.load(Ordering::SeqCst), 0, "lists failed");
 }
 
+/// The replica that opened a flow watches its session until the flow's deadline, and
+/// cannot know that another replica ended the flow (and deleted the session). When those
+/// entries fill its table, it asks the upstream which sessions are gone and frees them,
+/// rather than refuse new calls as if flows were waiting for input.
+#[test]
+fn flows_that_ended_on_another_replica_free_their_watch_when_the_table_fills() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let small = |c: &mut mrtr_gateway::config::Config| {
+        c.bridge.max_watched_sessions = 3;
+    };
+    let a = TestGateway::start_with(&[&url], &test_keys(), small);
+    let b = TestGateway::start_with(&[&url], &test_keys(), small);
+    for id in 0..8 {
+        let first = ask_name(&Raw::new(&a.url), 2 * id, json!({}));
+        let done = ask_name(
+            &Raw::new(&b.url),
+            2 * id + 1,
+            answer(&first, json!({"name": "Kim"})),
+        );
+        assert_eq!(
+            done["result"]["content"][0]["text"], "Hello, Kim!",
+            "flow {id}: {done}"
+        );
+    }
+    assert!(metric(&a.admin, "mrtr_gateway_pending_flows") <= 3.0);
+}
+
 #[test]
 fn one_shot_methods_reuse_a_kept_session_per_shape() {
     // A server that takes its time over `initialize` (one framework waits a second for

@@ -717,14 +717,30 @@ async fn execute<'g>(
                 principal: counted_principal(gw, &call.incoming.principal),
             };
             let reaper = &gw.flows.reaper;
-            let watched = reaper.watch(
-                &upstream.endpoint,
-                upstream.timeouts,
-                what,
-                whose,
-                upstream.version,
-                until,
-            );
+            let watch = || {
+                let version = upstream.version;
+                reaper.watch(
+                    &upstream.endpoint,
+                    upstream.timeouts,
+                    what,
+                    whose,
+                    version,
+                    until,
+                )
+            };
+            let mut watched = watch();
+            if let Err(refused) = watched {
+                // Entries of flows that ended on other replicas may fill it: freed, then
+                // the watch is asked again.
+                let whose_share = (refused == NotWatched::PrincipalFull).then_some(whose.principal);
+                if reaper
+                    .reclaim(&gw.upstreams.client, whose_share.flatten())
+                    .await
+                    > 0
+                {
+                    watched = watch();
+                }
+            }
             Some(Input::Watched(
                 watched.map_err(|refused| not_watched(gw, refused)),
             ))
