@@ -140,6 +140,8 @@ pub struct Limits {
     /// Longest one write to a client may wait for the client to read: a client that
     /// stops reading its response loses it (its connection closed, what the request
     /// started upstream cancelled) rather than pin what the gateway buffered for it.
+    /// Bodies are written in pieces (`respond::write_body`), so it bounds a stall, not
+    /// a whole large body.
     pub client_write_timeout_ms: u64,
     /// Longest `requestState` accepted, checked before any decoding.
     pub max_request_state_bytes: usize,

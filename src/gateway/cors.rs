@@ -88,6 +88,6 @@ async fn write_no_content(
         let _ = header.append_header(name, value);
     }
     if respond::write_header(session, header).await.is_ok() {
-        let _ = session.write_response_body(Bytes::new(), true).await;
+        let _ = respond::write_body(session, Bytes::new(), true).await;
     }
 }

@@ -600,7 +600,7 @@ async fn relay_whole(
     let body = concat(rewrite.push(body), rewrite.finish());
     let _ = header.insert_header(http::header::CONTENT_LENGTH, body.len());
     if respond::write_header(session, header).await.is_err()
-        || session.write_response_body(body, true).await.is_err()
+        || respond::write_body(session, body, true).await.is_err()
     {
         return Outcome::ClientGone;
     }
@@ -625,7 +625,7 @@ async fn pump(
     loop {
         let at_boundary = sse && position.between_events();
         if endless && at_boundary && gw.runtime.drain.is_draining() {
-            let _ = session.write_response_body(Bytes::new(), true).await;
+            let _ = respond::write_body(session, Bytes::new(), true).await;
             session.set_keepalive(None);
             return Outcome::Drained;
         }
@@ -635,7 +635,7 @@ async fn pump(
             _ = gw.runtime.drain.wait(), if endless && at_boundary => continue,
             _ = sleep_or_never(keepalive), if at_boundary => {
                 let comment = Bytes::from_static(sse::KEEP_ALIVE);
-                if session.write_response_body(comment, false).await.is_err() {
+                if respond::write_body(session, comment, false).await.is_err() {
                     return Outcome::ClientGone;
                 }
                 gw.runtime.metrics.sse_keepalives.inc();
@@ -652,7 +652,7 @@ async fn pump(
                     continue;
                 }
                 position.push(&bytes);
-                if session.write_response_body(bytes, false).await.is_err() {
+                if respond::write_body(session, bytes, false).await.is_err() {
                     return Outcome::ClientGone;
                 }
             }
@@ -661,7 +661,7 @@ async fn pump(
                     .as_mut()
                     .map(BodyRewrite::finish)
                     .unwrap_or_default();
-                let _ = session.write_response_body(rest, true).await;
+                let _ = respond::write_body(session, rest, true).await;
                 return Outcome::Ok;
             }
             Err(e) => {

@@ -30,7 +30,7 @@ pub async fn write_with(
     let _ = header.insert_header("content-length", body.len());
     super::cors::decorate(session, &mut header);
     if write_header(session, header).await.is_ok() {
-        let _ = session.write_response_body(body, true).await;
+        let _ = write_body(session, body, true).await;
     }
 }
 
@@ -111,4 +111,27 @@ pub async fn write_header(
         session.set_keepalive(None);
     }
     session.write_response_header(Box::new(header)).await
+}
+
+/// Most bytes handed to one client write: each write waits at most
+/// `limits.client_write_timeout_ms`, so a large body goes in pieces, and only a client
+/// that takes less than a piece in that time (a couple of kilobytes a second) is cut.
+const WRITE_PIECE: usize = 64 << 10;
+
+/// Writes (part of) a response body, `end` on the last, in pieces of at most
+/// `WRITE_PIECE`. A write that fails (the client left, or stopped reading) aborts the
+/// response: the connection is shut, so a client still there sees the truncation at once.
+pub async fn write_body(session: &mut ServerSession, mut body: Bytes, end: bool) -> Result<(), ()> {
+    while body.len() > WRITE_PIECE {
+        let piece = body.split_to(WRITE_PIECE);
+        if session.write_response_body(piece, false).await.is_err() {
+            abort(session).await;
+            return Err(());
+        }
+    }
+    if session.write_response_body(body, end).await.is_err() {
+        abort(session).await;
+        return Err(());
+    }
+    Ok(())
 }

@@ -1338,13 +1338,10 @@ fn a_crowded_listener_gives_idle_connections_slots_to_new_clients() {
     crowded_listener_case();
 }
 
-/// A client that stops reading its response (its window full) loses it after
-/// `limits.client_write_timeout_ms`: the round ends and what it held is freed, rather than
-/// a bridged result of many megabytes pinned, and its round counted, for as long as the
-/// client keeps the connection.
-#[test]
-fn a_client_that_stops_reading_its_response_loses_it_after_the_write_timeout() {
-    let result = "x".repeat(12 << 20);
+/// A legacy upstream whose every call answers a `bytes`-long text result, behind a
+/// gateway whose client writes wait at most `write_timeout_ms`.
+fn big_result_gateway(bytes: usize, write_timeout_ms: u64) -> (ScriptedUpstream, TestGateway) {
+    let result = "x".repeat(bytes);
     let upstream = ScriptedUpstream::start(move |seen: &Seen| {
         if let Some(answer) = legacy_basics(seen, "s1") {
             return answer;
@@ -1361,21 +1358,37 @@ fn a_client_that_stops_reading_its_response_loses_it_after_the_write_timeout() {
     });
     let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
         c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Legacy;
-        c.limits.client_write_timeout_ms = 500;
+        c.limits.client_write_timeout_ms = write_timeout_ms;
     });
+    (upstream, gw)
+}
+
+/// A raw connection that has sent a 2026-07-28 `tools/call` (closing after its answer).
+fn modern_call(port: u16) -> TcpStream {
     let (headers, body) = modern_request(1, "tools/call", json!({"name": "big"}), json!({}));
     let body = body.to_string();
     let mut head = format!(
-        "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: {}\r\n",
+        "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\ncontent-length: {}\r\n",
         body.len()
     );
     for (name, value) in &headers {
         head.push_str(&format!("{name}: {value}\r\n"));
     }
-    let mut client = connect(gw.port);
+    let mut client = connect(port);
     client
         .write_all(format!("{head}\r\n{body}").as_bytes())
         .unwrap();
+    client
+}
+
+/// A client that stops reading its response (its window full) loses it after
+/// `limits.client_write_timeout_ms`: the round ends and what it held is freed, rather than
+/// a bridged result of many megabytes pinned, and its round counted, for as long as the
+/// client keeps the connection.
+#[test]
+fn a_client_that_stops_reading_its_response_loses_it_after_the_write_timeout() {
+    let (upstream, gw) = big_result_gateway(12 << 20, 500);
+    let client = modern_call(gw.port);
     wait_until("the call went up", Duration::from_secs(10), || {
         upstream
             .requests()
@@ -1387,4 +1400,64 @@ fn a_client_that_stops_reading_its_response_loses_it_after_the_write_timeout() {
         metric(&gw.admin, "mrtr_gateway_active_rounds") == 0.0
     });
     drop(client);
+}
+
+/// A client reading slowly but steadily gets its whole response, however large: the
+/// write timeout bounds each write the gateway makes, and a large body goes in pieces,
+/// not as one write that a slow reader could not take within the timeout.
+#[test]
+fn a_client_reading_slowly_but_steadily_gets_a_large_response_whole() {
+    let (_upstream, gw) = big_result_gateway(12 << 20, 1500);
+    let mut client = modern_call(gw.port);
+    // About 3 MB/s: the whole answer takes about four seconds, and the gateway's socket,
+    // once full, has room again (half its buffer drained) well within the timeout.
+    let (mut got, mut buf) = (Vec::new(), vec![0u8; 64 << 10]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        match client.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) => panic!("read: {e}"),
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let text = String::from_utf8_lossy(&got);
+    let (_, answer) = text.split_once("\r\n\r\n").expect("a response");
+    let answer: Value = serde_json::from_str(answer).expect("the whole JSON answer");
+    let content = answer["result"]["content"][0]["text"]
+        .as_str()
+        .unwrap_or_default();
+    assert_eq!(content.len(), 12 << 20);
+}
+
+/// A relayed response the client stopped reading is cut at the write timeout, and the
+/// connection closed then: the client sees the truncation as soon as it reads again,
+/// rather than a silent open connection.
+#[test]
+fn a_relayed_response_cut_at_the_write_timeout_closes_its_connection() {
+    let result = "x".repeat(12 << 20);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let id = seen.json().map(|m| m["id"].clone()).unwrap_or_default();
+        let body = json!({"jsonrpc": "2.0", "id": id, "result": {"text": result}});
+        Answer::json(200, &body)
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Legacy;
+        c.limits.client_write_timeout_ms = 300;
+    });
+    let mut client = connect(gw.port);
+    let request = post("HTTP/1.1", "", &list_body(1));
+    client.write_all(request.as_bytes()).unwrap();
+    wait_until("the request went up", Duration::from_secs(10), || {
+        !upstream.requests().is_empty()
+    });
+    // Not reading: the gateway's writes stall and time out.
+    wait_until("the write timed out", Duration::from_secs(10), || {
+        let gone = "outcome=\"client_gone\"";
+        metric_with(&gw.admin, "mrtr_gateway_requests_total", gone).unwrap_or(0.0) >= 1.0
+    });
+    let (got, closed) = read_to_close(&mut client);
+    assert!(closed, "the connection stayed open after the cut");
+    assert!(got.len() < 12 << 20, "the body came whole");
 }

@@ -27,7 +27,7 @@ impl ClientReply {
             return;
         }
         let event = sse::Event::message(None, message.to_string()).encode();
-        let _ = session.write_response_body(Bytes::from(event), false).await;
+        let _ = respond::write_body(session, Bytes::from(event), false).await;
     }
 
     /// Writes a keep-alive comment, switching the response to SSE if the client accepts
@@ -37,7 +37,7 @@ impl ClientReply {
             return false;
         }
         let comment = Bytes::from_static(sse::KEEP_ALIVE);
-        session.write_response_body(comment, false).await.is_ok()
+        respond::write_body(session, comment, false).await.is_ok()
     }
 
     /// Sends the SSE response header unless it was sent; false when the client does not
@@ -130,7 +130,7 @@ impl ClientReply {
     async fn finish(&self, session: &mut ServerSession, status: u16, message: Value) {
         if self.streaming {
             let event = sse::Event::message(None, message.to_string()).encode();
-            let _ = session.write_response_body(Bytes::from(event), true).await;
+            let _ = respond::write_body(session, Bytes::from(event), true).await;
         } else {
             respond::write(
                 session,
