@@ -736,6 +736,11 @@ impl Flow {
         self.commands.pop_front()
     }
 
+    /// Whether the call's answer is awaited.
+    pub fn awaits_call(&self) -> bool {
+        matches!(self.phase, Phase::Posting { .. })
+    }
+
     /// Whether the call's answer is awaited and the session's stream is read meanwhile,
     /// until it sends a message.
     pub fn is_posting(&self) -> bool {
@@ -762,8 +767,8 @@ impl Flow {
         match &self.phase {
             Phase::Settling { until, .. } | Phase::Backoff { until, .. } => Some(*until),
             Phase::Posting { until, early, .. } => match early {
-                Some(early) => Some((early.1 + WITHHELD_AFTER).min(*until)),
-                None => Some(*until),
+                Some(early) => Some((early.1 + WITHHELD_AFTER).min(*until).min(self.ends_at)),
+                None => Some((*until).min(self.ends_at)),
             },
             Phase::Reading(r) if r.posting.is_none() && !r.reopening => [
                 r.quiet_until,
@@ -828,6 +833,12 @@ impl Flow {
             (Phase::Posting { call, .. }, Input::ClientGone) => {
                 let reading = self.reading_for(call, None, false, false, now);
                 self.reading(reading, Input::ClientGone, now)
+            }
+            // A call whose answer has not come cannot be handed over: it ends with the
+            // grace period, as a round that cannot be resumed does.
+            (Phase::Posting { call, .. }, Input::GraceEnding) => {
+                let reading = self.reading_for(call, None, false, false, now);
+                self.end_round(reading, RoundEnd::ShuttingDown)
             }
             (Phase::Reopening(retry), Input::Reopened { result, call_at }) => {
                 self.call_reopened(retry, result, call_at.min(now), now)
@@ -901,6 +912,10 @@ impl Flow {
                 let mut reading = self.reading_for(call, None, false, false, now);
                 reading.replayed.push_back(early.0);
                 self.take_replayed(reading, now)
+            }
+            Phase::Posting { call, .. } if now >= self.ends_at => {
+                let reading = self.reading_for(call, None, false, false, now);
+                self.end_round(reading, RoundEnd::FlowDeadline)
             }
             Phase::Posting { call, until, .. } if now >= until => self.call_unanswered(call),
             Phase::Reading(reading) => self.reading_timeout(reading, now),

@@ -576,15 +576,27 @@ fn a_response_written_while_draining_closes_its_connection() {
 /// error saying why and its upstream session deleted, rather than be cut with the process.
 #[test]
 fn a_round_still_running_near_the_end_of_the_grace_period_ends_with_its_call() {
-    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+    // The call works on, silent, on a stream without event ids.
+    ends_with_the_grace_period(Answer::sse(&[]));
+}
+
+/// So does a call whose answer has not come (a server that answers in JSON once its tool
+/// is done sends nothing before).
+#[test]
+fn a_call_still_unanswered_near_the_end_of_the_grace_period_ends_with_its_session() {
+    ends_with_the_grace_period(Answer::silent());
+}
+
+/// Drains a gateway while a call the upstream answers with `call` runs, and checks that
+/// the client hears the replica is shutting down and the call's session is deleted.
+fn ends_with_the_grace_period(call: Answer) {
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
         if let Some(answer) = legacy_basics(seen, "s1") {
             return answer;
         }
         match seen.method.as_str() {
             "GET" => Answer::sse(&[]),
-            "DELETE" => Answer::status(200, &[], b""),
-            // The call works on, silent, on a stream without event ids.
-            _ => Answer::sse(&[]),
+            _ => call.clone(),
         }
     });
     let mut gw = GatewayProcess::start(&upstream.url());

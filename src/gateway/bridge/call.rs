@@ -588,7 +588,9 @@ async fn wait(call: &Call<'_>, session: &mut ServerSession, io: &mut Io<'_>, flo
     // Told once, when the flow can act on it: a drain that begins while the call's answer
     // is awaited (or a resumption backs off) waits for the round to read.
     let drain = !io.drain_told && reading;
-    let near_end = io.drain_told && !io.near_end_told && reading;
+    // The grace period's last stretch ends a round that cannot be handed over, and a call
+    // whose answer has not come.
+    let near_end = !io.near_end_told && (reading || flow.awaits_call());
     let session_stream = reading || flow.is_posting();
     let (source, chunk) = tokio::select! {
         biased;

@@ -1751,6 +1751,36 @@ fn a_round_still_reading_at_the_flows_deadline_ends_naming_the_limit() {
     assert!(h.log.contains(&Command::DeleteSession));
 }
 
+/// A call whose answer has not come (a server answering in JSON once its tool is done)
+/// cannot be handed over: it ends with the grace period's last stretch, and at the flow's
+/// deadline, as a round still reading does.
+#[test]
+fn a_call_whose_answer_has_not_come_ends_at_the_grace_periods_end_and_the_deadline() {
+    let mut h = Harness::new_call(config(), withheld());
+    h.feed(Input::Draining);
+    assert!(h.ending.is_none(), "runs on through the grace period");
+    h.feed(Input::GraceEnding);
+    assert!(h.log.contains(&Command::DeleteSession));
+    assert!(
+        h.refusal().message.contains("shutting down"),
+        "{}",
+        h.refusal().message
+    );
+
+    let mut short = config();
+    short.max_flow_seconds = 10;
+    short.answer_timeout = Duration::from_secs(60);
+    let mut h = Harness::new_call(short, withheld());
+    h.advance(Duration::from_millis(9_100));
+    assert!(h.log.contains(&Command::DeleteSession));
+    let refusal = h.refusal();
+    assert!(
+        refusal.message.contains("bridge.max_flow_seconds"),
+        "{}",
+        refusal.message
+    );
+}
+
 #[test]
 fn a_stream_the_upstream_closes_mid_call_is_followed_after_its_retry_hint() {
     let mut h = Harness::new_call(config(), Upstream::default());
