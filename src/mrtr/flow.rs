@@ -1503,8 +1503,10 @@ impl Flow {
             },
             Input::ClientGone => self.end_round(r, RoundEnd::ClientGone),
             Input::BarrierPassed => {
+                // What the server queued before the ping's answer is written before it:
+                // the round reads what the streams hold, then ends as any round does.
                 r.barrier = Barrier::Passed;
-                r.quiet_until = Some(now + self.config.quiet_window);
+                r.quiet_until = Some(now + self.quiet_window(&r));
                 Phase::Reading(r)
             }
             Input::CallPosted(reply) => self.call_answered_late(r, reply, now),
