@@ -35,9 +35,15 @@ use std::time::Duration;
 
 /// How often due sessions are looked for.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
-/// Most sessions one `reclaim` asks about, and the longest it takes.
+/// Most sessions one `reclaim` asks about, the longest it takes, and how long after one
+/// that freed nothing another may run for the same share of the table (a caller that
+/// fills its share with flows it abandoned must not make every call it sends cost the
+/// upstream a reclaim's pings).
 const RECLAIM_CHECKS: usize = 256;
 const RECLAIM_WITHIN: Duration = Duration::from_secs(2);
+const RECLAIM_EVERY: Duration = Duration::from_secs(5);
+/// Most shares whose last reclaim is remembered (then all are forgotten).
+const RECLAIMS_REMEMBERED: usize = 1024;
 
 /// Where a watched session lives: interned, since many sessions share one endpoint.
 struct Target {
@@ -266,8 +272,11 @@ pub struct Reaper {
     table: Mutex<Table>,
     capacity: usize,
     per_principal: usize,
-    /// Held while a `reclaim` runs.
-    reclaiming: tokio::sync::Mutex<()>,
+    /// When a reclaim of each share of the table (a principal's, or `None`: the whole)
+    /// last freed nothing.
+    reclaimed_nothing: Mutex<HashMap<Option<[u8; 32]>, std::time::Instant>>,
+    /// The shares being reclaimed now (one reclaim per share at a time).
+    reclaiming: Mutex<std::collections::HashSet<Option<[u8; 32]>>>,
 }
 
 impl Reaper {
@@ -277,7 +286,8 @@ impl Reaper {
             table: Mutex::new(Table::default()),
             capacity,
             per_principal,
-            reclaiming: tokio::sync::Mutex::new(()),
+            reclaimed_nothing: Mutex::default(),
+            reclaiming: Mutex::default(),
         }
     }
 
@@ -337,10 +347,13 @@ impl Reaper {
     /// another replica, which deleted them): at most `RECLAIM_CHECKS` of `principal`'s
     /// (or of anyone's, for `None`), those due first, each asked with a `ping`, within
     /// `RECLAIM_WITHIN`. Run when the table, or a principal's share, is full: the
-    /// replica that opened a flow cannot otherwise know that another ended it. One runs
-    /// at a time; returns how many entries it freed.
+    /// replica that opened a flow cannot otherwise know that another ended it. At most
+    /// `RECLAIM_EVERY` after one that freed nothing, another runs for the same share;
+    /// returns how many entries it freed.
     pub async fn reclaim(&self, client: &UpstreamClient, principal: Option<[u8; 32]>) -> usize {
-        let _turn = self.reclaiming.lock().await;
+        let Some(_turn) = self.reclaim_turn(principal) else {
+            return 0;
+        };
         let candidates = self.candidates(principal);
         let mut freed = 0;
         let checks = async {
@@ -367,6 +380,9 @@ impl Reaper {
             }
         };
         let _ = tokio::time::timeout(RECLAIM_WITHIN, checks).await;
+        if freed == 0 {
+            self.reclaimed_nothing(principal);
+        }
         if freed > 0 {
             tracing::info!(
                 freed,
@@ -374,6 +390,30 @@ impl Reaper {
             );
         }
         freed
+    }
+
+    /// The turn to reclaim `principal`'s share, unless one runs now or one freed nothing
+    /// within `RECLAIM_EVERY`.
+    fn reclaim_turn(&self, principal: Option<[u8; 32]>) -> Option<ReclaimTurn<'_>> {
+        let nothing = self.reclaimed_nothing.lock().expect("reclaims lock");
+        let recent = |at: &std::time::Instant| at.elapsed() < RECLAIM_EVERY;
+        if nothing.get(&principal).is_some_and(recent) {
+            return None;
+        }
+        drop(nothing);
+        let mut running = self.reclaiming.lock().expect("reclaiming lock");
+        let reaper = self;
+        running
+            .insert(principal)
+            .then(|| ReclaimTurn { reaper, principal })
+    }
+
+    fn reclaimed_nothing(&self, principal: Option<[u8; 32]>) {
+        let mut nothing = self.reclaimed_nothing.lock().expect("reclaims lock");
+        if nothing.len() >= RECLAIMS_REMEMBERED {
+            nothing.clear();
+        }
+        nothing.insert(principal, std::time::Instant::now());
     }
 
     /// The sessions (not calls) `reclaim` asks about, those due first.
@@ -461,6 +501,19 @@ impl Reaper {
     }
 }
 
+/// A running reclaim of one share of the table; its end lets the next one run.
+struct ReclaimTurn<'r> {
+    reaper: &'r Reaper,
+    principal: Option<[u8; 32]>,
+}
+
+impl Drop for ReclaimTurn<'_> {
+    fn drop(&mut self) {
+        let mut running = self.reaper.reclaiming.lock().expect("reclaiming lock");
+        running.remove(&self.principal);
+    }
+}
+
 /// A session due for its DELETE, or a call for its cancellation.
 struct Due {
     endpoint: Endpoint,
@@ -533,6 +586,23 @@ mod tests {
             http::HeaderValue::from_static(token),
         );
         headers
+    }
+
+    /// One reclaim per share at a time, and none for a while after one freed nothing (the
+    /// share is full of flows still waiting): a caller that fills its share cannot make
+    /// each of its calls cost the upstream a round of pings.
+    #[test]
+    fn a_share_is_reclaimed_once_at_a_time_and_not_again_soon_after_freeing_nothing() {
+        let r = Reaper::new(8, 4);
+        let (alice, bob) = (Some([1; 32]), Some([2; 32]));
+        let turn = r.reclaim_turn(alice).expect("the first turn");
+        assert!(r.reclaim_turn(alice).is_none(), "one at a time");
+        assert!(r.reclaim_turn(bob).is_some(), "another share's own turn");
+        drop(turn);
+        assert!(r.reclaim_turn(alice).is_some());
+        r.reclaimed_nothing(alice);
+        assert!(r.reclaim_turn(alice).is_none(), "freed nothing just now");
+        assert!(r.reclaim_turn(None).is_some());
     }
 
     #[test]
