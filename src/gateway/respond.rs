@@ -73,8 +73,14 @@ pub fn has_no_body(status: http::StatusCode) -> bool {
 /// this: pingora's `finish` then finds the connection's write side shut.
 pub async fn abort(session: &mut ServerSession) {
     session.set_keepalive(None);
-    session.shutdown().await;
+    // A TLS connection's shutdown writes a close_notify behind whatever is queued: to a
+    // client that stopped reading, it would wait for ever. Past the bound the connection
+    // is dropped, closed without it.
+    let _ = tokio::time::timeout(SHUTDOWN_WITHIN, session.shutdown()).await;
 }
+
+/// The longest `abort` waits for a connection's orderly shutdown.
+const SHUTDOWN_WITHIN: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A JSON-RPC error with an HTTP status.
 pub async fn error(

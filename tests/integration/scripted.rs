@@ -375,6 +375,25 @@ pub fn holding_server() -> ScriptedUpstream {
     })
 }
 
+/// A legacy server whose every call answers at once with a `bytes`-long text result.
+pub fn big_result_upstream(bytes: usize) -> ScriptedUpstream {
+    let result = "x".repeat(bytes);
+    ScriptedUpstream::start(move |seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        match seen.method.as_str() {
+            "GET" => Answer::status(405, &[], b""),
+            _ => {
+                let id = seen.json().map(|m| m["id"].clone()).unwrap_or_default();
+                let body = json!({"jsonrpc": "2.0", "id": id,
+                    "result": {"content": [{"type": "text", "text": result}]}});
+                Answer::json(200, &body)
+            }
+        }
+    })
+}
+
 /// The POST side of a scripted server whose calls ask one question each: `initialize`
 /// opens sessions `s0`, `s1`, …; a `tools/call` is remembered and streams `{session}-c1`
 /// (a priming event) and `{session}-c2` (an `elicitation/create`), and stays open; an

@@ -5,7 +5,7 @@
 
 use crate::common::*;
 use crate::pki::*;
-use crate::scripted::{legacy_basics, Answer, ScriptedUpstream, Seen};
+use crate::scripted::{big_result_upstream, legacy_basics, Answer, ScriptedUpstream, Seen};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use mrtr_gateway::config::{Config, ListenerTls, UpstreamEra, UpstreamGroupConfig};
@@ -700,4 +700,41 @@ fn the_connection_cap_counts_tls_connections_and_answers_http2_ones_503() {
         assert_eq!(&head, b"HTTP/1.1 503");
     });
     assert_eq!(tripwire.count(), 0);
+}
+
+/// A TLS client that stops reading loses its response at the write timeout as a plain
+/// one does: closing the connection must not wait for ever to write its close_notify
+/// behind the queued bytes it will never read.
+#[test]
+fn a_tls_client_that_stops_reading_loses_its_response_at_the_write_timeout() {
+    let upstream = big_result_upstream(8 << 20);
+    let tls = TlsGateway::start(&upstream.url(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.limits.client_write_timeout_ms = 500;
+    });
+    let connector = tls.client(&["http/1.1"]);
+    let admin = tls.gw.admin.clone();
+    runtime().block_on(async {
+        let mut stream = tls_connect(&connector, tls.gw.port).await;
+        let (headers, body) = modern_request(1, "tools/call", json!({"name": "big"}), json!({}));
+        let body = body.to_string();
+        let mut head = format!(
+            "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: {}\r\n",
+            body.len()
+        );
+        for (name, value) in &headers {
+            head.push_str(&format!("{name}: {value}\r\n"));
+        }
+        let request = format!("{head}\r\n{body}");
+        stream
+            .write_all(request.as_bytes())
+            .await
+            .expect("the request sent");
+        let mut first = [0u8; 4096];
+        let _ = stream.read(&mut first).await;
+        // The client reads no more, and keeps its connection.
+        let rounds = move || metric(&admin, "mrtr_gateway_active_rounds");
+        wait_off_runtime("the round freed", move || rounds() == 0.0).await;
+        drop(stream);
+    });
 }

@@ -1338,24 +1338,10 @@ fn a_crowded_listener_gives_idle_connections_slots_to_new_clients() {
     crowded_listener_case();
 }
 
-/// A legacy upstream whose every call answers a `bytes`-long text result, behind a
-/// gateway whose client writes wait at most `write_timeout_ms`.
+/// A gateway in front of `big_result_upstream(bytes)`, whose client writes wait at most
+/// `write_timeout_ms`.
 fn big_result_gateway(bytes: usize, write_timeout_ms: u64) -> (ScriptedUpstream, TestGateway) {
-    let result = "x".repeat(bytes);
-    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
-        if let Some(answer) = legacy_basics(seen, "s1") {
-            return answer;
-        }
-        match seen.method.as_str() {
-            "GET" => Answer::status(405, &[], b""),
-            _ => {
-                let id = seen.json().map(|m| m["id"].clone()).unwrap_or_default();
-                let body = json!({"jsonrpc": "2.0", "id": id,
-                    "result": {"content": [{"type": "text", "text": result}]}});
-                Answer::json(200, &body)
-            }
-        }
-    });
+    let upstream = big_result_upstream(bytes);
     let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
         c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Legacy;
         c.limits.client_write_timeout_ms = write_timeout_ms;
