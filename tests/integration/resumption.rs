@@ -589,6 +589,31 @@ fn flows_that_ended_on_another_replica_free_their_watch_when_the_table_fills() {
     assert!(metric(&a.admin, "mrtr_gateway_pending_flows") <= 3.0);
 }
 
+/// A kept one-shot session whose endpoint went down serves no one: a list that finds its
+/// endpoint refusing connections goes on a new session on the group's other endpoint,
+/// rather than fail for as long as clients keep listing.
+#[test]
+fn lists_go_to_another_endpoint_when_the_kept_sessions_one_is_down() {
+    let (port_a, port_b) = (free_port(), free_port());
+    let (mut a, url_a) = start_upstream_on(Upstream::Python, port_a);
+    let (mut b, url_b) = start_upstream_on(Upstream::Python, port_b);
+    let gw = TestGateway::start(&[&url_a, &url_b], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let list = |id: u64| {
+        let listed = raw.modern(id, "tools/list", json!({}), json!({})).json();
+        assert!(listed["result"]["tools"].is_array(), "list {id}: {listed}");
+    };
+    list(1);
+    // Whichever endpoint holds the kept session, one of the two stops finds it there.
+    a.kill();
+    list(2);
+    list(3);
+    let (_a_again, _) = start_upstream_on(Upstream::Python, port_a);
+    b.kill();
+    list(4);
+    list(5);
+}
+
 #[test]
 fn one_shot_methods_reuse_a_kept_session_per_shape() {
     // A server that takes its time over `initialize` (one framework waits a second for

@@ -454,9 +454,10 @@ async fn one_shot(
         if let Some(mut upstream) = resumed {
             upstream.caller = caller(request);
             match ask_once(gw, &upstream, request).await {
-                // The upstream forgot the session, so it did not take the request: it goes
-                // again, on a new session.
-                Err(e) if *e.failure() == SessionFailure::Gone => {
+                // The upstream forgot the session, or its endpoint takes no connection:
+                // either way it did not take the request, which goes again on a new
+                // session (on a healthy endpoint).
+                Err(e) if lost_kept_session(e.failure()) => {
                     gw.upstreams.kept_sessions.forget(&shape, &kept.session_id)
                 }
                 answer => {
@@ -488,6 +489,16 @@ async fn one_shot(
     let outcome = answered(gw, session, group, reply, answer).await;
     one_shot::retire(&gw.upstreams.client, group, retired).await;
     outcome
+}
+
+/// Whether a kept session failed in a way that shows the request did not run and the
+/// session serves no one any more: the upstream forgot it, or its endpoint takes no
+/// connection (down, or gone from the group's answer).
+fn lost_kept_session(failure: &SessionFailure) -> bool {
+    matches!(
+        failure,
+        SessionFailure::Gone | SessionFailure::Exchange(ExchangeFailure::Connect)
+    )
 }
 
 /// Refuses what the peer listener does not serve (anything but a retry of a flow this
