@@ -42,6 +42,9 @@ const SWEEP_EVERY: Duration = Duration::from_secs(1);
 const RECLAIM_CHECKS: usize = 256;
 const RECLAIM_WITHIN: Duration = Duration::from_secs(2);
 const RECLAIM_EVERY: Duration = Duration::from_secs(5);
+/// How many sessions a reclaim asks at once, and the longest it waits for each.
+const RECLAIM_AT_ONCE: usize = 16;
+const RECLAIM_PING_WITHIN: Duration = Duration::from_millis(500);
 /// Most shares whose last reclaim is remembered (then all are forgotten).
 const RECLAIMS_REMEMBERED: usize = 1024;
 
@@ -350,14 +353,22 @@ impl Reaper {
     /// replica that opened a flow cannot otherwise know that another ended it. At most
     /// `RECLAIM_EVERY` after one that freed nothing, another runs for the same share;
     /// returns how many entries it freed.
-    pub async fn reclaim(&self, client: &UpstreamClient, principal: Option<[u8; 32]>) -> usize {
+    pub async fn reclaim(
+        &self,
+        client: &Arc<UpstreamClient>,
+        principal: Option<[u8; 32]>,
+    ) -> usize {
         let Some(_turn) = self.reclaim_turn(principal) else {
             return 0;
         };
-        let candidates = self.candidates(principal);
-        let mut freed = 0;
-        let checks = async {
-            for candidate in candidates {
+        // Asked at once, a few at a time, each within its own bound: a session whose
+        // server does not answer holds up no other.
+        let asking = Arc::new(tokio::sync::Semaphore::new(RECLAIM_AT_ONCE));
+        let mut checks = tokio::task::JoinSet::new();
+        for candidate in self.candidates(principal) {
+            let (client, asking) = (client.clone(), asking.clone());
+            checks.spawn(async move {
+                let _slot = asking.acquire_owned().await.ok()?;
                 let Due {
                     endpoint,
                     timeouts,
@@ -366,20 +377,25 @@ impl Reaper {
                     version,
                 } = candidate;
                 let mut upstream = LegacySession::resume(
-                    client,
+                    &client,
                     endpoint.clone(),
                     &timeouts,
                     key.clone(),
                     version,
                 );
                 upstream.caller.headers = headers;
-                if upstream.is_gone().await {
-                    self.forget(&endpoint, key.as_str());
-                    freed += 1;
-                }
+                let gone = tokio::time::timeout(RECLAIM_PING_WITHIN, upstream.is_gone()).await;
+                gone.unwrap_or(false).then_some((endpoint, key))
+            });
+        }
+        let mut freed = 0;
+        let deadline = tokio::time::Instant::now() + RECLAIM_WITHIN;
+        while let Ok(Some(checked)) = tokio::time::timeout_at(deadline, checks.join_next()).await {
+            if let Ok(Some((endpoint, key))) = checked {
+                self.forget(&endpoint, key.as_str());
+                freed += 1;
             }
-        };
-        let _ = tokio::time::timeout(RECLAIM_WITHIN, checks).await;
+        }
         if freed == 0 {
             self.reclaimed_nothing(principal);
         }
@@ -416,7 +432,7 @@ impl Reaper {
         nothing.insert(principal, std::time::Instant::now());
     }
 
-    /// The sessions (not calls) `reclaim` asks about, those due first.
+    /// The sessions (not calls) `reclaim` asks about, those due first (then by id).
     fn candidates(&self, principal: Option<[u8; 32]>) -> Vec<Due> {
         let table = self.table.lock().expect("reaper lock");
         let mut found: Vec<(u32, Due)> = table
@@ -439,7 +455,7 @@ impl Reaper {
                 Some((w.deadline, due))
             })
             .collect();
-        found.sort_by_key(|(deadline, _)| *deadline);
+        found.sort_by(|(a, due_a), (b, due_b)| a.cmp(b).then_with(|| due_a.key.cmp(&due_b.key)));
         found.truncate(RECLAIM_CHECKS);
         found.into_iter().map(|(_, due)| due).collect()
     }

@@ -614,6 +614,46 @@ fn lists_go_to_another_endpoint_when_the_kept_sessions_one_is_down() {
     list(5);
 }
 
+/// A reclaim asks its sessions at once, each within its own bound: one whose server never
+/// answers the ping holds up no other, and a session the upstream no longer has is freed.
+#[test]
+fn a_session_that_never_answers_a_reclaim_holds_up_no_other() {
+    let calls = OneQuestionCalls::default();
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let body = seen.json().unwrap_or_default();
+        if body["method"] == "ping" && body["id"] == "mrtr-gateway-reaper" {
+            // The first session's server hangs (it is asked first: due first, then by
+            // id); the second's forgot it.
+            return match seen.header("mcp-session-id") {
+                Some("s0") => Answer::silent(),
+                _ => Answer::status(404, &[], b"session not found"),
+            };
+        }
+        if body["method"] == "ping" {
+            return Answer::json(
+                200,
+                &json!({"jsonrpc": "2.0", "id": body["id"], "result": {}}),
+            );
+        }
+        if seen.method == "GET" {
+            return Answer::sse(&[]);
+        }
+        calls.post(seen)
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.bridge.max_watched_sessions = 2;
+    });
+    let raw = Raw::new(&gw.url);
+    for id in 0..3 {
+        let asked = ask_name(&raw, id, json!({}));
+        assert_eq!(
+            asked["result"]["resultType"], "input_required",
+            "call {id}: {asked}"
+        );
+    }
+}
+
 #[test]
 fn one_shot_methods_reuse_a_kept_session_per_shape() {
     // A server that takes its time over `initialize` (one framework waits a second for
