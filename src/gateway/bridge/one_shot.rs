@@ -20,7 +20,7 @@ use crate::upstream::{Timeouts, UpstreamGroup};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// A shape's digest: group, capabilities, client identity and principal.
@@ -34,6 +34,16 @@ pub struct Kept {
     /// The revision the upstream negotiated for it.
     pub version: Revision,
     last_used: Instant,
+    /// One count for the table's entry, and one for each request running on it (a copy
+    /// taken by `take_live` lives as long as its request).
+    users: Arc<()>,
+}
+
+impl Kept {
+    /// Whether a request is running on it: deleting it would cut that request.
+    fn in_use(&self) -> bool {
+        Arc::strong_count(&self.users) > 1
+    }
 }
 
 /// The kept sessions, by shape; bounded, the least recently used going first.
@@ -75,14 +85,14 @@ impl KeptSessions {
         h.finalize().into()
     }
 
-    /// The session kept for `shape` at `now`, unless it idled past the limit: that one is
-    /// handed back as `Err` for its owner to delete.
+    /// The session kept for `shape` at `now`, unless it idled past the limit with no
+    /// request running on it: that one is handed back as `Err` for its owner to delete.
     pub fn take_live(&self, shape: &Shape, now: Instant) -> Result<Option<Kept>, Kept> {
         let mut sessions = self.sessions.lock().expect("kept sessions lock");
         let Some(kept) = sessions.get_mut(shape) else {
             return Ok(None);
         };
-        if now.saturating_duration_since(kept.last_used) > self.idle {
+        if now.saturating_duration_since(kept.last_used) > self.idle && !kept.in_use() {
             return Err(sessions.remove(shape).expect("present"));
         }
         kept.last_used = now;
@@ -92,7 +102,8 @@ impl KeptSessions {
     /// Keeps a session for `shape`; returns what no longer fits for its owner to delete:
     /// this session, if the shape has one kept already (requests may be running on that
     /// one, which deleting it would cut; this one has served only the request that opened
-    /// it), or the least recently used of another shape past the bound.
+    /// it), or past the bound the least recently used of the others no request runs on
+    /// (none while every one is in use: the table is over its bound until one is free).
     pub fn keep(
         &self,
         shape: Shape,
@@ -107,6 +118,7 @@ impl KeptSessions {
             session_id,
             version,
             last_used: now,
+            users: Arc::new(()),
         };
         if sessions.contains_key(&shape) {
             return Some(kept);
@@ -115,11 +127,11 @@ impl KeptSessions {
         if sessions.len() <= self.max {
             return None;
         }
-        let oldest = *sessions
+        let oldest = sessions
             .iter()
+            .filter(|(_, k)| !k.in_use())
             .min_by_key(|(_, k)| k.last_used)
-            .map(|(shape, _)| shape)
-            .expect("over the limit, so not empty");
+            .map(|(shape, _)| *shape)?;
         sessions.remove(&oldest)
     }
 
@@ -227,5 +239,28 @@ mod tests {
         let idle = t0 + Duration::from_secs(62);
         assert_eq!(kept.take_live(&[3; 32], idle).unwrap_err().session_id, "c");
         assert!(kept.is_empty());
+    }
+
+    /// A session a request runs on is neither evicted nor retired idle under it.
+    #[test]
+    fn a_kept_session_in_use_is_never_let_go() {
+        let t0 = Instant::now();
+        let kept = KeptSessions::new(2, Duration::from_secs(60));
+        let keep = |shape: u8, sid: &str, at: Instant| {
+            kept.keep([shape; 32], addr(), sid.into(), Revision::REQUESTED, at)
+        };
+        assert!(keep(1, "a", t0).is_none());
+        let running = kept.take_live(&[1; 32], t0).unwrap().unwrap();
+        let later = t0 + Duration::from_secs(1);
+        assert!(keep(2, "b", later).is_none());
+        let evicted = keep(3, "c", later + Duration::from_secs(1)).unwrap();
+        assert_eq!(evicted.session_id, "b", "not the one in use, however old");
+        let idle = t0 + Duration::from_secs(90);
+        let still = kept.take_live(&[1; 32], idle).unwrap().unwrap();
+        assert_eq!(still.session_id, "a", "in use: not retired idle");
+        drop((running, still));
+        let idle_again = idle + Duration::from_secs(61);
+        let retired = kept.take_live(&[1; 32], idle_again).unwrap_err();
+        assert_eq!(retired.session_id, "a", "idle, and free");
     }
 }
