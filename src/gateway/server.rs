@@ -1,13 +1,14 @@
 //! Assembling a pingora `Server`: the MCP listener (its connections capped; TLS with a
 //! reloaded certificate when `tls:` is set), the admin
-//! listener, the peer listener (when configured), the drain watch, the reaper and
-//! held-flow sweeper, and one health-check service per upstream group (and one for DNS
+//! listener, the peer listener (when configured), the drain watch, the reaper, the
+//! kept-session and held-flow sweepers, and one health-check service per upstream group (and one for DNS
 //! peer discovery). `run` blocks until a signal;
 //! `spawn` runs the same server on a thread with a shutdown channel, for tests and for
 //! `demo`.
 
 use super::admin::{AdminApp, DrainWatch, OwnListener, ADMIN_CONNECTION_TIME};
 use super::bridge::hold::HeldSweeper;
+use super::bridge::one_shot::KeptSweeper;
 use super::bridge::warm::WarmSweeper;
 use super::connections::{Capped, ConnectionCap};
 use super::reaper::ReaperService;
@@ -142,6 +143,12 @@ pub fn build(
         WarmSweeper {
             warm: gateway.upstreams.warm.clone(),
             client: gateway.upstreams.client.clone(),
+        },
+    ));
+    server.add_service(background_service(
+        "kept-session sweeper",
+        KeptSweeper {
+            gw: gateway.clone(),
         },
     ));
     server.add_service(background_service(

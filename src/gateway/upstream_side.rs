@@ -250,9 +250,9 @@ impl UpstreamSide {
             Some(sid) if self.kept_sessions.enabled() => {
                 let (addr, version) = (session.endpoint.addr, session.version);
                 let now = Instant::now();
-                let older = self
-                    .kept_sessions
-                    .keep(asker.shape, addr, sid, version, now);
+                let older =
+                    self.kept_sessions
+                        .keep(asker.shape, &group.name, addr, sid, version, now);
                 one_shot::retire(&self.client, group, older.into_iter().collect()).await;
             }
             _ => session.delete().await,

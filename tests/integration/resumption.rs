@@ -654,6 +654,30 @@ fn a_session_that_never_answers_a_reclaim_holds_up_no_other() {
     }
 }
 
+/// A kept one-shot session that idles out is deleted upstream, though its shape sends
+/// nothing more; not left until the table overflows.
+#[test]
+fn an_idle_kept_session_is_deleted_without_another_request() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if seen.jsonrpc_method().as_deref() == Some("tools/list") {
+            let tools = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}});
+            return Answer::json(200, &tools);
+        }
+        legacy_basics(seen, "s1").unwrap_or_else(|| Answer::status(405, &[], b""))
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.bridge.one_shot_session_idle_seconds = 1;
+    });
+    let listed = Raw::new(&gw.url)
+        .modern(1, "tools/list", json!({}), json!({}))
+        .json();
+    assert!(listed["result"]["tools"].is_array(), "{listed}");
+    wait_until("the idle session deleted", Duration::from_secs(15), || {
+        upstream.requests().iter().any(|s| s.method == "DELETE")
+    });
+}
+
 #[test]
 fn one_shot_methods_reuse_a_kept_session_per_shape() {
     // A server that takes its time over `initialize` (one framework waits a second for

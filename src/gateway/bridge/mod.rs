@@ -478,11 +478,14 @@ async fn one_shot(
         (Ok(_), Some(sid)) => {
             let (addr, version) = (upstream.endpoint.addr, upstream.version);
             let now = Instant::now();
-            retired.extend(
-                gw.upstreams
-                    .kept_sessions
-                    .keep(shape, addr, sid, version, now),
-            );
+            retired.extend(gw.upstreams.kept_sessions.keep(
+                shape,
+                &group.name,
+                addr,
+                sid,
+                version,
+                now,
+            ));
         }
         _ => end_session(&gw.flows.reaper, &upstream).await,
     }

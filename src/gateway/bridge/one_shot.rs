@@ -11,7 +11,9 @@
 //! Interactive calls never use these sessions, so no call's server-side state is seen by
 //! another. A kept session the upstream has forgotten (HTTP 404, or a 401 without a
 //! challenge) is replaced, and the request sent again on the new one: either means the
-//! request was not processed.
+//! request was not processed; so is one whose endpoint takes no connection. A kept
+//! session counts the requests running on it, and is deleted only when none is: past
+//! the bound, when it idles out (`KeptSweeper`), and at shutdown.
 
 use crate::protocol::revision::Revision;
 use crate::upstream::exchange::UpstreamClient;
@@ -29,6 +31,8 @@ pub type Shape = [u8; 32];
 /// Which upstream session serves a shape's one-shot requests.
 #[derive(Clone, Debug)]
 pub struct Kept {
+    /// The group it belongs to, by name.
+    pub group: Arc<str>,
     pub endpoint: SocketAddr,
     pub session_id: String,
     /// The revision the upstream negotiated for it.
@@ -107,6 +111,7 @@ impl KeptSessions {
     pub fn keep(
         &self,
         shape: Shape,
+        group: &str,
         endpoint: SocketAddr,
         session_id: String,
         version: Revision,
@@ -114,6 +119,7 @@ impl KeptSessions {
     ) -> Option<Kept> {
         let mut sessions = self.sessions.lock().expect("kept sessions lock");
         let kept = Kept {
+            group: group.into(),
             endpoint,
             session_id,
             version,
@@ -133,6 +139,24 @@ impl KeptSessions {
             .min_by_key(|(_, k)| k.last_used)
             .map(|(shape, _)| *shape)?;
         sessions.remove(&oldest)
+    }
+
+    /// Takes the sessions idle past the limit that no request runs on, for deletion.
+    pub fn take_idle(&self, now: Instant) -> Vec<Kept> {
+        let mut sessions = self.sessions.lock().expect("kept sessions lock");
+        let idle = |k: &Kept| now.saturating_duration_since(k.last_used) > self.idle && !k.in_use();
+        let shapes: Vec<Shape> = sessions
+            .iter()
+            .filter(|(_, k)| idle(k))
+            .map(|(shape, _)| *shape)
+            .collect();
+        shapes.iter().filter_map(|s| sessions.remove(s)).collect()
+    }
+
+    /// Takes every session (at shutdown), for deletion.
+    pub fn take_all(&self) -> Vec<Kept> {
+        let mut sessions = self.sessions.lock().expect("kept sessions lock");
+        sessions.drain().map(|(_, kept)| kept).collect()
     }
 
     /// Forgets the session of `shape` if it is still `session_id` (the upstream lost it).
@@ -188,6 +212,46 @@ pub async fn retire(client: &UpstreamClient, group: &UpstreamGroup, retired: Vec
     }
 }
 
+/// How often idle kept sessions are looked for.
+const SWEEP_EVERY: Duration = Duration::from_secs(5);
+
+/// Deletes kept sessions that idled out (a shape that sends nothing more would otherwise
+/// keep its upstream session until the table overflows), and every one at shutdown.
+pub struct KeptSweeper {
+    pub gw: Arc<crate::gateway::Gateway>,
+}
+
+#[async_trait::async_trait]
+impl pingora::services::background::BackgroundService for KeptSweeper {
+    async fn start(&self, mut shutdown: pingora::server::ShutdownWatch) {
+        let kept = &self.gw.upstreams.kept_sessions;
+        let mut tick = tokio::time::interval(SWEEP_EVERY);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => self.retire_all(kept.take_idle(Instant::now())).await,
+                _ = shutdown.changed() => break,
+            }
+        }
+        self.retire_all(kept.take_all()).await;
+    }
+}
+
+impl KeptSweeper {
+    async fn retire_all(&self, sessions: Vec<Kept>) {
+        let upstreams = &self.gw.upstreams;
+        for kept in sessions {
+            if let Some(group) = upstreams
+                .groups
+                .groups
+                .iter()
+                .find(|g| *g.name == *kept.group)
+            {
+                retire(&upstreams.client, group, vec![kept]).await;
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -212,13 +276,17 @@ mod tests {
         }
     }
 
+    /// Keeps session `sid` for shape `[shape; 32]` of group "g" at `at`.
+    fn keep_at(kept: &KeptSessions, shape: u8, sid: &str, at: Instant) -> Option<Kept> {
+        let revision = Revision::REQUESTED;
+        kept.keep([shape; 32], "g", addr(), sid.into(), revision, at)
+    }
+
     #[test]
     fn kept_sessions_are_bounded_idle_ones_handed_back_and_forgotten_ones_dropped() {
         let t0 = Instant::now();
         let kept = KeptSessions::new(2, Duration::from_secs(60));
-        let keep = |shape: u8, sid: &str, at: Instant| {
-            kept.keep([shape; 32], addr(), sid.into(), Revision::REQUESTED, at)
-        };
+        let keep = |shape: u8, sid: &str, at: Instant| keep_at(&kept, shape, sid, at);
         assert!(keep(1, "a", t0).is_none());
         assert!(keep(2, "b", t0).is_none());
         let later = t0 + Duration::from_secs(1);
@@ -246,9 +314,7 @@ mod tests {
     fn a_kept_session_in_use_is_never_let_go() {
         let t0 = Instant::now();
         let kept = KeptSessions::new(2, Duration::from_secs(60));
-        let keep = |shape: u8, sid: &str, at: Instant| {
-            kept.keep([shape; 32], addr(), sid.into(), Revision::REQUESTED, at)
-        };
+        let keep = |shape: u8, sid: &str, at: Instant| keep_at(&kept, shape, sid, at);
         assert!(keep(1, "a", t0).is_none());
         let running = kept.take_live(&[1; 32], t0).unwrap().unwrap();
         let later = t0 + Duration::from_secs(1);
@@ -260,7 +326,14 @@ mod tests {
         assert_eq!(still.session_id, "a", "in use: not retired idle");
         drop((running, still));
         let idle_again = idle + Duration::from_secs(61);
-        let retired = kept.take_live(&[1; 32], idle_again).unwrap_err();
-        assert_eq!(retired.session_id, "a", "idle, and free");
+        let swept: Vec<String> = kept
+            .take_idle(idle_again)
+            .into_iter()
+            .map(|k| k.session_id)
+            .collect();
+        assert!(
+            swept.contains(&"a".to_string()),
+            "idle, and free: {swept:?}"
+        );
     }
 }
