@@ -543,6 +543,64 @@ fn the_keys_file_is_still_reloaded_while_draining() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A one-shot request in flight when the drain begins keeps its kept session: the
+/// session is deleted near the end of the grace period, not under the request.
+#[test]
+fn a_kept_session_is_deleted_at_the_end_of_the_grace_period_not_under_a_request() {
+    let held = Gate::default();
+    let gate = held.clone();
+    let lists = AtomicUsize::new(0);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        if seen.jsonrpc_method().as_deref() == Some("tools/list") {
+            let tools = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}});
+            let answer = Answer::json(200, &tools);
+            return match lists.fetch_add(1, Ordering::SeqCst) {
+                0 => answer,
+                _ => Answer::silent().wait(&gate).bytes(answer.pieces_bytes()),
+            };
+        }
+        legacy_basics(seen, "s1").unwrap_or_else(|| Answer::status(405, &[], b""))
+    });
+    let mut gw = GatewayProcess::start(&upstream.url());
+    let list = |url: String, id: u64| {
+        move || {
+            Raw::new(&url)
+                .modern(id, "tools/list", json!({}), json!({}))
+                .json()
+        }
+    };
+    let first = list(gw.url.clone(), 1)();
+    assert!(first["result"]["tools"].is_array(), "{first}");
+    let in_flight = std::thread::spawn(list(gw.url.clone(), 2));
+    let listed = |u: &ScriptedUpstream| {
+        let seen = u.requests();
+        seen.iter()
+            .filter(|s| s.jsonrpc_method().as_deref() == Some("tools/list"))
+            .count()
+    };
+    wait_until("the second list went up", Duration::from_secs(10), || {
+        listed(&upstream) == 2
+    });
+    gw.begin_drain();
+    let deleted = |u: &ScriptedUpstream| u.requests().iter().any(|s| s.method == "DELETE");
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_secs(1) {
+        assert!(
+            !deleted(&upstream),
+            "the kept session was deleted under the request"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    held.open();
+    let second = in_flight.join().expect("the second list");
+    assert!(second["result"]["tools"].is_array(), "{second}");
+    gw.wait_for_exit();
+    assert!(
+        deleted(&upstream),
+        "the kept session was left open upstream"
+    );
+}
+
 /// A response whose header goes out after the drain began says the connection closes
 /// after it: the client sends its next request on a new connection, which another replica
 /// takes, not on this one, where it would fail unread.

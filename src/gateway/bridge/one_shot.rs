@@ -216,7 +216,8 @@ pub async fn retire(client: &UpstreamClient, group: &UpstreamGroup, retired: Vec
 const SWEEP_EVERY: Duration = Duration::from_secs(5);
 
 /// Deletes kept sessions that idled out (a shape that sends nothing more would otherwise
-/// keep its upstream session until the table overflows), and every one at shutdown.
+/// keep its upstream session until the table overflows), and every one near the end of
+/// the grace period at shutdown.
 pub struct KeptSweeper {
     pub gw: Arc<crate::gateway::Gateway>,
 }
@@ -232,6 +233,9 @@ impl pingora::services::background::BackgroundService for KeptSweeper {
                 _ = shutdown.changed() => break,
             }
         }
+        // The shutdown signal starts the grace period, in which requests still run on
+        // these sessions: they go at its last stretch, as held flows do.
+        self.gw.runtime.drain.wait_near_end().await;
         self.retire_all(kept.take_all()).await;
     }
 }
