@@ -31,8 +31,8 @@
 //! shell that the call asks at once. The session's GET stream replays nothing where the
 //! group's event store is shared by sessions (it reopens fresh), so there a round that
 //! would end with questions first pings the session (`Command::Barrier`): the upstream
-//! answers after whatever it had queued, on either stream, and the round waits the
-//! quiet window after the answer for what is on its way.
+//! answers after whatever it had queued, on either stream, written before its answer,
+//! and the round then reads what the streams hold and ends as any round does.
 //!
 //! While the call's POST awaits its answer, the session's GET stream is read: some
 //! servers send a POST stream's header only with its first event, and ask on the GET
