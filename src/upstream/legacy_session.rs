@@ -300,6 +300,14 @@ impl<'a> LegacySession<'a> {
         Ok(response)
     }
 
+    /// POSTs a `ping` under `id`: a barrier behind what the session queued, a question
+    /// whether the session still exists, or a primed stream's first event id.
+    pub async fn ping(&self, id: impl Into<Value>) -> Result<Response, SessionError> {
+        let id: Value = id.into();
+        self.post(&serde_json::json!({"jsonrpc": "2.0", "id": id, "method": "ping"}))
+            .await
+    }
+
     /// `post`, as a future that owns what it needs, so that it can outlive this session
     /// value (a held flow keeps it), and waits for the response header up to `patience`
     /// rather than the response timeout.
@@ -485,9 +493,7 @@ impl<'a> LegacySession<'a> {
     /// Whether the upstream no longer has the session: it refuses a `ping` in it as an
     /// unknown session. A session that answers, or fails any other way, is not gone.
     pub async fn is_gone(&self) -> bool {
-        let ping =
-            serde_json::json!({"jsonrpc": "2.0", "id": "mrtr-gateway-reaper", "method": "ping"});
-        match self.post(&ping).await {
+        match self.ping("mrtr-gateway-reaper").await {
             Err(e) => *e.failure() == SessionFailure::Gone,
             Ok(mut response) => {
                 let _ = read_single(&mut response).await;

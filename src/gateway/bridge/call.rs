@@ -994,10 +994,9 @@ const BARRIER_PATIENCE: Duration = Duration::from_secs(1);
 /// Pings the call's session under `id` and reads the answer (an error answers as well as
 /// a result), within `BARRIER_PATIENCE`.
 async fn barrier(call: &Call<'_>, upstream: &LegacySession<'_>, id: i64) {
-    let ping = json!({"jsonrpc": "2.0", "id": id, "method": "ping"});
     let client = &call.gw.upstreams.client;
     let exchange = async {
-        let mut response = upstream.post(&ping).await?;
+        let mut response = upstream.ping(id).await?;
         let answer = read_single(&mut response).await;
         client.release(response, BARRIER_PATIENCE).await;
         answer.map(drop)

@@ -121,9 +121,8 @@ async fn probe(
 /// The first event id of a `ping`'s SSE answer (SDKs prime POST streams with one); `None`
 /// when the upstream answers in JSON or gives no ids.
 async fn first_event_id(session: &LegacySession<'_>) -> Option<String> {
-    let ping =
-        json!({"jsonrpc": "2.0", "id": crate::gateway::bridge::fresh_call_id(), "method": "ping"});
-    let mut response = session.post(&ping).await.ok()?;
+    let id = crate::gateway::bridge::fresh_call_id();
+    let mut response = session.ping(id).await.ok()?;
     let id = if response.is_sse() {
         tokio::time::timeout(FIRST_ID_LIMIT, first_id(&mut response))
             .await
