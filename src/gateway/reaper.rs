@@ -136,15 +136,21 @@ pub enum NotWatched {
 #[derive(Default)]
 struct Owners {
     slots: Slab<Owner>,
-    index: HashMap<(u32, [u8; 32], Revision), u32>,
+    index: HashMap<OwnerKey, u32>,
 }
 
+/// What makes owners one: the target, the headers' digest, the revision and the
+/// principal (two principals sending the same headers, where the principal comes from a
+/// header not forwarded, still count apart).
+type OwnerKey = (u32, [u8; 32], Revision, Option<[u8; 32]>);
+
 impl Owners {
-    /// The owner of sessions on `target` of `version` deleted with `headers`, counted
-    /// once more.
+    /// The owner of `whose.principal`'s sessions on `target` of `version` deleted with
+    /// `whose.headers`, counted once more.
     fn acquire(&mut self, target: u32, whose: Whose<'_>, version: Revision) -> u32 {
         let digest = whose.headers.digest();
-        if let Some(&index) = self.index.get(&(target, digest, version)) {
+        let key = (target, digest, version, whose.principal);
+        if let Some(&index) = self.index.get(&key) {
             if let Some(owner) = self.slots.get_mut(index as usize) {
                 owner.watching += 1;
                 return index;
@@ -158,7 +164,7 @@ impl Owners {
             version,
             watching: 1,
         }) as u32;
-        self.index.insert((target, digest, version), index);
+        self.index.insert(key, index);
         index
     }
 
@@ -170,8 +176,8 @@ impl Owners {
         owner.watching -= 1;
         if owner.watching == 0 {
             let owner = self.slots.remove(index as usize);
-            self.index
-                .remove(&(owner.target, owner.digest, owner.version));
+            let key = (owner.target, owner.digest, owner.version, owner.principal);
+            self.index.remove(&key);
         }
     }
 
@@ -275,11 +281,17 @@ pub struct Reaper {
     table: Mutex<Table>,
     capacity: usize,
     per_principal: usize,
-    /// When a reclaim of each share of the table (a principal's, or `None`: the whole)
-    /// last freed nothing.
-    reclaimed_nothing: Mutex<HashMap<Option<[u8; 32]>, std::time::Instant>>,
-    /// The shares being reclaimed now (one reclaim per share at a time).
-    reclaiming: Mutex<std::collections::HashSet<Option<[u8; 32]>>>,
+    /// Each share of the table (a principal's, or `None`: the whole) being reclaimed now,
+    /// or whose last reclaim freed nothing.
+    reclaims: Mutex<HashMap<Option<[u8; 32]>, Reclaim>>,
+}
+
+/// Where a share's reclaims stand.
+enum Reclaim {
+    /// One runs (one per share at a time).
+    Running,
+    /// The last one freed nothing, at this time.
+    FreedNothing(std::time::Instant),
 }
 
 impl Reaper {
@@ -289,8 +301,7 @@ impl Reaper {
             table: Mutex::new(Table::default()),
             capacity,
             per_principal,
-            reclaimed_nothing: Mutex::default(),
-            reclaiming: Mutex::default(),
+            reclaims: Mutex::default(),
         }
     }
 
@@ -358,7 +369,7 @@ impl Reaper {
         client: &Arc<UpstreamClient>,
         principal: Option<[u8; 32]>,
     ) -> usize {
-        let Some(_turn) = self.reclaim_turn(principal) else {
+        let Some(turn) = self.reclaim_turn(principal) else {
             return 0;
         };
         // Asked at once, a few at a time, each within its own bound: a session whose
@@ -397,9 +408,8 @@ impl Reaper {
             }
         }
         if freed == 0 {
-            self.reclaimed_nothing(principal);
-        }
-        if freed > 0 {
+            turn.freed_nothing();
+        } else {
             tracing::info!(
                 freed,
                 "freed the watched sessions of flows that ended on other replicas"
@@ -411,53 +421,57 @@ impl Reaper {
     /// The turn to reclaim `principal`'s share, unless one runs now or one freed nothing
     /// within `RECLAIM_EVERY`.
     fn reclaim_turn(&self, principal: Option<[u8; 32]>) -> Option<ReclaimTurn<'_>> {
-        let nothing = self.reclaimed_nothing.lock().expect("reclaims lock");
-        let recent = |at: &std::time::Instant| at.elapsed() < RECLAIM_EVERY;
-        if nothing.get(&principal).is_some_and(recent) {
-            return None;
+        let mut reclaims = self.reclaims.lock().expect("reclaims lock");
+        match reclaims.get(&principal) {
+            Some(Reclaim::Running) => return None,
+            Some(Reclaim::FreedNothing(at)) if at.elapsed() < RECLAIM_EVERY => return None,
+            _ => {}
         }
-        drop(nothing);
-        let mut running = self.reclaiming.lock().expect("reclaiming lock");
+        if reclaims.len() >= RECLAIMS_REMEMBERED {
+            reclaims.retain(|_, r| matches!(r, Reclaim::Running));
+        }
+        reclaims.insert(principal, Reclaim::Running);
         let reaper = self;
-        running
-            .insert(principal)
-            .then(|| ReclaimTurn { reaper, principal })
+        Some(ReclaimTurn { reaper, principal })
     }
 
-    fn reclaimed_nothing(&self, principal: Option<[u8; 32]>) {
-        let mut nothing = self.reclaimed_nothing.lock().expect("reclaims lock");
-        if nothing.len() >= RECLAIMS_REMEMBERED {
-            nothing.clear();
-        }
-        nothing.insert(principal, std::time::Instant::now());
-    }
-
-    /// The sessions (not calls) `reclaim` asks about, those due first (then by id).
+    /// The sessions (not calls) `reclaim` asks about, those due first (then by id): the
+    /// `RECLAIM_CHECKS` first kept as the table is read, only they copied out.
     fn candidates(&self, principal: Option<[u8; 32]>) -> Vec<Due> {
         let table = self.table.lock().expect("reaper lock");
-        let mut found: Vec<(u32, Due)> = table
+        let mut first = std::collections::BinaryHeap::with_capacity(RECLAIM_CHECKS + 1);
+        let sessions = table
             .watched
             .iter()
-            .filter(|w| !w.key.contains(CALL_SEPARATOR))
-            .filter_map(|w| {
-                let owner = table.owners.get(w.owner)?;
-                if principal.is_some() && owner.principal != principal {
-                    return None;
-                }
-                let target = &table.targets[owner.target as usize];
-                let due = Due {
-                    endpoint: target.endpoint.clone(),
-                    timeouts: target.timeouts,
-                    key: w.key.to_string(),
-                    headers: owner.headers.clone(),
-                    version: owner.version,
-                };
-                Some((w.deadline, due))
+            .filter(|w| !w.key.contains(CALL_SEPARATOR));
+        for w in sessions {
+            let Some(owner) = table.owners.get(w.owner) else {
+                continue;
+            };
+            if principal.is_some() && owner.principal != principal {
+                continue;
+            }
+            first.push((w.deadline, &*w.key, w.owner));
+            if first.len() > RECLAIM_CHECKS {
+                first.pop();
+            }
+        }
+        let due = |(_, key, owner): (u32, &str, u32)| {
+            let owner = table.owners.get(owner)?;
+            let target = &table.targets[owner.target as usize];
+            Some(Due {
+                endpoint: target.endpoint.clone(),
+                timeouts: target.timeouts,
+                key: key.to_string(),
+                headers: owner.headers.clone(),
+                version: owner.version,
             })
-            .collect();
-        found.sort_by(|(a, due_a), (b, due_b)| a.cmp(b).then_with(|| due_a.key.cmp(&due_b.key)));
-        found.truncate(RECLAIM_CHECKS);
-        found.into_iter().map(|(_, due)| due).collect()
+        };
+        first
+            .into_sorted_vec()
+            .into_iter()
+            .filter_map(due)
+            .collect()
     }
 
     /// Removes and returns the sessions due at `now`, with where they live and the
@@ -523,10 +537,21 @@ struct ReclaimTurn<'r> {
     principal: Option<[u8; 32]>,
 }
 
+impl ReclaimTurn<'_> {
+    /// The reclaim freed nothing: none for this share for `RECLAIM_EVERY`.
+    fn freed_nothing(self) {
+        let mut reclaims = self.reaper.reclaims.lock().expect("reclaims lock");
+        let now = std::time::Instant::now();
+        reclaims.insert(self.principal, Reclaim::FreedNothing(now));
+    }
+}
+
 impl Drop for ReclaimTurn<'_> {
     fn drop(&mut self) {
-        let mut running = self.reaper.reclaiming.lock().expect("reclaiming lock");
-        running.remove(&self.principal);
+        let mut reclaims = self.reaper.reclaims.lock().expect("reclaims lock");
+        if let Some(Reclaim::Running) = reclaims.get(&self.principal) {
+            reclaims.remove(&self.principal);
+        }
     }
 }
 
@@ -615,10 +640,85 @@ mod tests {
         assert!(r.reclaim_turn(alice).is_none(), "one at a time");
         assert!(r.reclaim_turn(bob).is_some(), "another share's own turn");
         drop(turn);
-        assert!(r.reclaim_turn(alice).is_some());
-        r.reclaimed_nothing(alice);
+        let turn = r.reclaim_turn(alice).expect("a turn once the first ended");
+        turn.freed_nothing();
         assert!(r.reclaim_turn(alice).is_none(), "freed nothing just now");
         assert!(r.reclaim_turn(None).is_some());
+    }
+
+    /// Principals that send the same headers (their principal read from a header that is
+    /// not forwarded, or no credentials forwarded at all) still take their own shares:
+    /// one's abandoned flows never count against the other.
+    #[test]
+    fn principals_sending_the_same_headers_count_apart() {
+        let r = Reaper::new(100, 2);
+        let nobody = nobody();
+        let whose = |principal| Whose {
+            headers: &nobody,
+            principal: Some(principal),
+        };
+        let (alice, bob) = ([1; 32], [2; 32]);
+        for key in ["b1", "b2"] {
+            r.watch(&endpoint(1), &timeouts(), key, whose(bob), v(), 100)
+                .expect("within bob's share");
+        }
+        let third = r.watch(&endpoint(1), &timeouts(), "b3", whose(bob), v(), 100);
+        assert_eq!(third, Err(NotWatched::PrincipalFull), "bob's share is full");
+        r.watch(&endpoint(1), &timeouts(), "a1", whose(alice), v(), 100)
+            .expect("alice's share is her own");
+        r.forget(&endpoint(1), "b1");
+        r.watch(&endpoint(1), &timeouts(), "b3", whose(bob), v(), 100)
+            .expect("bob's share freed by his own entry");
+    }
+
+    /// A reclaim asks about the share's sessions due first, at most `RECLAIM_CHECKS` of
+    /// them, never a call in a data-layer session (a ping in its session says nothing of
+    /// the call).
+    #[test]
+    fn a_reclaim_asks_about_the_shares_first_due_sessions_only() {
+        let r = Reaper::new(1_000, 1_000);
+        let nobody = nobody();
+        let (alice, bob) = ([1; 32], [2; 32]);
+        let whose = |principal| Whose {
+            headers: &nobody,
+            principal: Some(principal),
+        };
+        let id = serde_json::json!(7);
+        let call = Abandoned::Call {
+            session: "c",
+            id: &id,
+        };
+        r.watch(&endpoint(1), &timeouts(), call, whose(alice), v(), 1)
+            .expect("watched");
+        r.watch(&endpoint(1), &timeouts(), "bob", whose(bob), v(), 2)
+            .expect("watched");
+        let n = RECLAIM_CHECKS + 10;
+        for i in 0..n {
+            // Deadlines in no order: 1000 + (i * 37 mod n).
+            let deadline = 1_000 + (i * 37 % n) as u64;
+            let key = format!("s{deadline}");
+            r.watch(
+                &endpoint(1),
+                &timeouts(),
+                key.as_str(),
+                whose(alice),
+                v(),
+                deadline,
+            )
+            .expect("watched");
+        }
+        let keys: Vec<String> = r
+            .candidates(Some(alice))
+            .into_iter()
+            .map(|d| d.key)
+            .collect();
+        let first: Vec<String> = (0..RECLAIM_CHECKS)
+            .map(|i| format!("s{}", 1_000 + i))
+            .collect();
+        assert_eq!(keys, first, "the share's first due sessions, in order");
+        let anyone = r.candidates(None);
+        assert_eq!(anyone.len(), RECLAIM_CHECKS);
+        assert_eq!(anyone[0].key, "bob", "the whole table's first due");
     }
 
     #[test]
