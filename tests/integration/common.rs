@@ -738,6 +738,26 @@ pub fn modern_request(
     (headers, body)
 }
 
+/// A whole 2026-07-28 request to `/mcp` as raw HTTP/1.1 (`modern_request`'s headers and
+/// body), with `extra` header lines (each ending in CRLF) before its body.
+pub fn raw_modern_request(
+    id: u64,
+    method: &str,
+    params: Value,
+    capabilities: Value,
+    extra: &str,
+) -> String {
+    let (headers, body) = modern_request(id, method, params, capabilities);
+    let body = body.to_string();
+    let mut request = "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\n".to_string();
+    for (name, value) in headers {
+        request.push_str(&format!("{name}: {value}\r\n"));
+    }
+    let length = body.len();
+    request.push_str(&format!("{extra}content-length: {length}\r\n\r\n{body}"));
+    request
+}
+
 /// Sends a whole 2026-07-28 request to the gateway on `port` and closes the connection
 /// at once, as a client that goes away before its answer does.
 pub fn send_and_leave(port: u16, id: u64, params: Value, capabilities: Value) {
@@ -752,13 +772,7 @@ pub fn send_and_stay(
     capabilities: Value,
 ) -> std::net::TcpStream {
     use std::io::Write;
-    let (headers, body) = modern_request(id, "tools/call", params, capabilities);
-    let body = body.to_string();
-    let mut request = format!("POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n");
-    for (name, value) in headers {
-        request.push_str(&format!("{name}: {value}\r\n"));
-    }
-    request.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    let request = raw_modern_request(id, "tools/call", params, capabilities, "");
     let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
     stream
         .write_all(request.as_bytes())

@@ -716,16 +716,8 @@ fn a_tls_client_that_stops_reading_loses_its_response_at_the_write_timeout() {
     let admin = tls.gw.admin.clone();
     runtime().block_on(async {
         let mut stream = tls_connect(&connector, tls.gw.port).await;
-        let (headers, body) = modern_request(1, "tools/call", json!({"name": "big"}), json!({}));
-        let body = body.to_string();
-        let mut head = format!(
-            "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-length: {}\r\n",
-            body.len()
-        );
-        for (name, value) in &headers {
-            head.push_str(&format!("{name}: {value}\r\n"));
-        }
-        let request = format!("{head}\r\n{body}");
+        let params = json!({"name": "big"});
+        let request = raw_modern_request(1, "tools/call", params, json!({}), "");
         stream
             .write_all(request.as_bytes())
             .await

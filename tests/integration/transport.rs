@@ -1351,19 +1351,10 @@ fn big_result_gateway(bytes: usize, write_timeout_ms: u64) -> (ScriptedUpstream,
 
 /// A raw connection that has sent a 2026-07-28 `tools/call` (closing after its answer).
 fn modern_call(port: u16) -> TcpStream {
-    let (headers, body) = modern_request(1, "tools/call", json!({"name": "big"}), json!({}));
-    let body = body.to_string();
-    let mut head = format!(
-        "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\ncontent-length: {}\r\n",
-        body.len()
-    );
-    for (name, value) in &headers {
-        head.push_str(&format!("{name}: {value}\r\n"));
-    }
+    let params = json!({"name": "big"});
+    let request = raw_modern_request(1, "tools/call", params, json!({}), "connection: close\r\n");
     let mut client = connect(port);
-    client
-        .write_all(format!("{head}\r\n{body}").as_bytes())
-        .unwrap();
+    client.write_all(request.as_bytes()).unwrap();
     client
 }
 
