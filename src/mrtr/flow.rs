@@ -54,7 +54,10 @@
 //! Nothing here reads a clock, a socket or a key: times are inputs, the state is sealed by
 //! the shell (the flow checks that it fits), and the tables (reaper, held flows) are the
 //! shell's, asked through commands whose answers come back as inputs. A command that
-//! waits for an answer is the last one queued until the answer comes.
+//! waits for an answer is the last one queued until the answer comes. The shell awaits
+//! it to its end, except a GET of the upstream's streams (`Command::may_be_cut`), which
+//! changes nothing there: a retry's reopening waits at most until the flow's deadline,
+//! where `poll_timeout` is due and `handle_timeout` ends the flow.
 
 use super::state::{
     FlowState, HeldAt, Known, Pending, Positions, UpstreamCall, UpstreamId, Waiting,
@@ -262,6 +265,16 @@ pub enum Input {
     BarrierPassed,
 }
 
+impl Command {
+    /// Whether the shell may stop carrying this command out once `poll_timeout` is due,
+    /// and call `handle_timeout` instead: only GETs of the upstream's streams, which
+    /// change nothing there. Anything posted is awaited to its end (never sent twice,
+    /// never cut half-delivered).
+    pub fn may_be_cut(&self) -> bool {
+        matches!(self, Command::Reopen { .. } | Command::OpenStream { .. })
+    }
+}
+
 /// What the shell must do.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Command {
@@ -271,7 +284,8 @@ pub enum Command {
     /// session the upstream no longer has with one opened now.
     OpenSession,
     /// Open `stream` (dropping what was there): the call's resumed after `after`, or the
-    /// session's, after `after` or fresh; answer `StreamOpened`.
+    /// session's, after `after` or fresh; answer `StreamOpened`. Like `Reopen`, a GET
+    /// the shell may cut at `poll_timeout` (`Command::may_be_cut`).
     OpenStream {
         stream: Stream,
         after: Option<String>,
@@ -279,7 +293,9 @@ pub enum Command {
     /// A retry's reopening: the call's stream resumed after `after` and, beside it, the
     /// session's (after `session_after`, or fresh); answer `Reopened` once both are
     /// done. The session's is optional: without it, questions come
-    /// on the call's stream only.
+    /// on the call's stream only. GETs change nothing upstream: where the flow wants the
+    /// clock meanwhile (its deadline), the shell stops waiting for them then and calls
+    /// `handle_timeout` instead.
     Reopen {
         after: String,
         session_after: Option<String>,
@@ -770,6 +786,8 @@ impl Flow {
                 Some(early) => Some((early.1 + WITHHELD_AFTER).min(*until).min(self.ends_at)),
                 None => Some((*until).min(self.ends_at)),
             },
+            // A retry's streams that do not come back end at the flow's deadline.
+            Phase::Reopening(_) => Some(self.ends_at),
             Phase::Reading(r) if r.posting.is_none() && !r.reopening => [
                 r.quiet_until,
                 r.reopen_at,
@@ -917,6 +935,7 @@ impl Flow {
                 let reading = self.reading_for(call, None, false, false, now);
                 self.end_round(reading, RoundEnd::FlowDeadline)
             }
+            Phase::Reopening(retry) if now >= self.ends_at => self.deadline_reached(&retry.call),
             Phase::Posting { call, until, .. } if now >= until => self.call_unanswered(call),
             Phase::Reading(reading) => self.reading_timeout(reading, now),
             other => other,
@@ -1877,15 +1896,7 @@ impl Flow {
                     text,
                 )))
             }
-            RoundEnd::FlowDeadline => {
-                self.commands.push_back(Command::CloseStreams);
-                self.give_up(&r.call, "the flow reached its deadline");
-                let text = format!(
-                    "{} '{}' reached the flow's limit of {} s across its rounds (bridge.max_flow_seconds) in round {}; the upstream call was ended: issue it again",
-                    self.config.method, self.config.target, self.config.max_flow_seconds, self.common.round
-                );
-                self.finish(Ending::Refused(Refusal::internal(Class::OverLimit, text)))
-            }
+            RoundEnd::FlowDeadline => self.deadline_reached(&r.call),
             RoundEnd::ShuttingDown => {
                 self.commands.push_back(Command::CloseStreams);
                 self.give_up(&r.call, "the gateway replica is shutting down");
@@ -2115,6 +2126,18 @@ impl Flow {
     /// session deleted, or, in a data-layer session, the call cancelled by id as a legacy
     /// client cancels one (closing its stream does not: 2025-11-25, Cancellation), so
     /// that the tool stops instead of waiting on until the server's own timeout.
+    /// The flow reached its deadline: its call ends (no state it could issue would still
+    /// open), and the client is told which limit.
+    fn deadline_reached(&mut self, call: &UpstreamCall) -> Phase {
+        self.commands.push_back(Command::CloseStreams);
+        self.give_up(call, "the flow reached its deadline");
+        let text = format!(
+            "{} '{}' reached the flow's limit of {} s across its rounds (bridge.max_flow_seconds) in round {}; the upstream call was ended: issue it again",
+            self.config.method, self.config.target, self.config.max_flow_seconds, self.common.round
+        );
+        self.finish(Ending::Refused(Refusal::internal(Class::OverLimit, text)))
+    }
+
     fn give_up(&mut self, call: &UpstreamCall, reason: &str) {
         if !call.data_session {
             return self.commands.push_back(Command::DeleteSession);

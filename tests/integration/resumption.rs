@@ -1333,3 +1333,57 @@ fn a_failed_store_probe_is_not_retried_by_every_resumption() {
         .count();
     assert_eq!(probes, 1, "{RESUMPTIONS} resumptions each probed again");
 }
+
+/// A retry whose streams the upstream takes and never answers ends at the flow's
+/// deadline (`bridge.max_flow_seconds`), naming it, and its upstream session is deleted:
+/// not a response timeout later (30 s here), long after the flow's state stopped opening.
+#[test]
+fn a_retry_whose_streams_never_come_back_ends_at_the_flows_deadline() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        if seen.method == "GET" {
+            return match seen.header("last-event-id") {
+                Some(_) => Answer::silent(),
+                None => Answer::sse(&[]),
+            };
+        }
+        let body = seen.json().unwrap_or_default();
+        let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
+            "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
+        match body["method"].as_str() {
+            Some("tools/call") => Answer::sse(&[])
+                .event(Some("c1"), &json!(""))
+                .event(Some("c2"), &question),
+            Some("ping") => Answer::json(
+                200,
+                &json!({"jsonrpc": "2.0", "id": body["id"], "result": {}}),
+            ),
+            _ => Answer::status(405, &[], b""),
+        }
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.upstreams[0].response_timeout_ms = 30_000;
+        c.bridge.request_state_ttl_seconds = 3;
+        c.bridge.max_flow_seconds = 3;
+    });
+    let raw = Raw::new(&gw.url);
+    let (_, first) = call_hostile(&raw, 1, json!({}));
+    let (status, ended) = call_hostile(&raw, 2, answer(&first, json!({"name": "x"})));
+    let message = ended["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("bridge.max_flow_seconds"),
+        "{status} {ended}"
+    );
+    let resumed = |s: &Seen| s.method == "GET" && s.header("last-event-id").is_some();
+    assert!(upstream.requests().iter().any(resumed), "the retry resumed");
+    assert!(
+        !upstream.requests().iter().any(is_answer),
+        "no answer went up"
+    );
+    wait_until("the session deleted", Duration::from_secs(5), || {
+        upstream.requests().iter().any(|s| s.method == "DELETE")
+    });
+}

@@ -544,7 +544,21 @@ async fn drive<'g>(
             if std::mem::take(&mut delete_pending) {
                 delete_session(call, &mut io).await;
             }
-            if let Some(input) = execute(call, session, &mut reply, &mut io, &flow, command).await {
+            // A GET the flow may stop waiting for ends at its timeout (the flow's deadline).
+            let cut_at = command.may_be_cut().then(|| flow.poll_timeout()).flatten();
+            let executed = execute(call, session, &mut reply, &mut io, &flow, command);
+            let input = match cut_at.map(tokio::time::Instant::from_std) {
+                None => executed.await,
+                Some(at) => tokio::select! {
+                    biased;
+                    input = executed => input,
+                    _ = sleep_until_or_never(Some(at)) => {
+                        flow.handle_timeout(Instant::now());
+                        continue;
+                    }
+                },
+            };
+            if let Some(input) = input {
                 flow.handle(input, Instant::now());
             }
         }

@@ -60,6 +60,8 @@ struct Upstream {
     call_failures: VecDeque<Failure>,
     /// Answers to `OpenStream { Call }` and `Reopen`, in turn (then `Ok`).
     call_opens: VecDeque<Result<(), Failure>>,
+    /// `Reopen` is not answered (its GETs hang) until the test says so.
+    reopen_withheld: bool,
     /// The call's reply, given the id it was posted under.
     call_reply: fn(i64) -> CallReply,
     /// Answers to `Post`, in turn (then `Ok`).
@@ -83,6 +85,7 @@ impl Default for Upstream {
             session_stream: false,
             call_failures: VecDeque::new(),
             call_opens: VecDeque::new(),
+            reopen_withheld: false,
             call_reply: |_| CallReply::Stream,
             posts: VecDeque::new(),
             watched: true,
@@ -119,6 +122,7 @@ impl Upstream {
                     result,
                 })
             }
+            Command::Reopen { .. } if self.reopen_withheld => None,
             Command::Reopen { .. } => Some(Input::Reopened {
                 result: self.call_opens.pop_front().unwrap_or(Ok(())),
                 call_at: now.checked_sub(self.session_stream_lag).unwrap_or(now),
@@ -1735,10 +1739,16 @@ fn a_round_still_reading_at_the_flows_deadline_ends_naming_the_limit() {
     );
     h.event(Stream::Call, Some("c3"), &json!(""));
     assert_eq!(h.posted().len(), 1, "the answer went up");
+    ends_a_second_before_the_deadline(&mut h);
+}
+
+/// A retry whose flow ends in 10 s runs on for 9 s, then ends naming the limit, its
+/// session deleted.
+fn ends_a_second_before_the_deadline(h: &mut Harness) {
     h.advance(Duration::from_millis(8_900));
     assert!(
         h.ending.is_none(),
-        "the round reads on until a second before the deadline"
+        "runs on until a second before the deadline"
     );
     h.advance(Duration::from_millis(200));
     let refusal = h.refusal();
@@ -1749,6 +1759,50 @@ fn a_round_still_reading_at_the_flows_deadline_ends_naming_the_limit() {
         refusal.message
     );
     assert!(h.log.contains(&Command::DeleteSession));
+}
+
+/// A retry whose streams do not come back (the upstream takes the GETs and answers
+/// nothing) ends at the flow's deadline naming the limit, not a response timeout later:
+/// the shell may stop waiting for a reopening's GETs when the flow wants the clock.
+#[test]
+fn a_retry_whose_streams_hang_ends_at_the_flows_deadline() {
+    let first = first_round();
+    let mut late = config();
+    late.now_secs += late.max_flow_seconds - 10;
+    let hanging = Upstream {
+        reopen_withheld: true,
+        ..Upstream::default()
+    };
+    let mut h = retry_of(
+        &first,
+        late,
+        hanging,
+        json!({"elicitation_0": accept("Ada")}),
+    );
+    let reopen = h.log.last().expect("a command");
+    assert!(matches!(reopen, Command::Reopen { .. }), "{reopen:?}");
+    assert!(reopen.may_be_cut(), "a reopening's GETs may be cut");
+    ends_a_second_before_the_deadline(&mut h);
+    assert!(h.posted().is_empty(), "no answer went up");
+}
+
+/// Nothing posted may be cut: an answer, a call or a cancellation is awaited to its end.
+#[test]
+fn only_a_streams_get_may_be_cut() {
+    let get = Command::OpenStream {
+        stream: Stream::Call,
+        after: Some("c1".into()),
+    };
+    assert!(get.may_be_cut());
+    for posted in [
+        Command::PostCall { id: 1 },
+        Command::Post(json!({})),
+        Command::CancelFirst(json!({})),
+        Command::Barrier { id: 1 },
+        Command::OpenSession,
+    ] {
+        assert!(!posted.may_be_cut(), "{posted:?}");
+    }
 }
 
 /// A call whose answer has not come (a server answering in JSON once its tool is done)
