@@ -145,6 +145,15 @@ impl fmt::Display for Refusal {
 }
 
 impl Outcome {
+    /// A request answered in full: `Ok` when the client took the answer, `ClientGone`
+    /// when writing it failed (the client left, or stopped reading).
+    pub fn answered(delivered: bool) -> Outcome {
+        match delivered {
+            true => Outcome::Ok,
+            false => Outcome::ClientGone,
+        }
+    }
+
     /// The `outcome` label of the requests metric.
     pub fn label(&self) -> &'static str {
         match self {

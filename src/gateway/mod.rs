@@ -189,8 +189,8 @@ impl Gateway {
         }
         let path = session.req_header().uri.path();
         if arrival == Arrival::Peer && path == peers::ALIVE_PATH {
-            return respond::write(session, 200, "text/plain", Bytes::from_static(b"alive\n"))
-                .await;
+            respond::write(session, 200, "text/plain", Bytes::from_static(b"alive\n")).await;
+            return;
         }
         let group = self.upstreams.groups.by_path(path);
         if group.is_none() && WellKnown::of(path).is_none() {

@@ -11,10 +11,16 @@ use pingora::protocols::http::ServerSession;
 use serde_json::Value;
 use std::sync::Arc;
 
-/// Writes a whole response. Errors mean the client is gone; there is nothing to add.
-pub async fn write(session: &mut ServerSession, status: u16, content_type: &str, body: Bytes) {
+/// Writes a whole response; returns whether the client took it (a failed write means it
+/// left, or stopped reading: there is nothing to add).
+pub async fn write(
+    session: &mut ServerSession,
+    status: u16,
+    content_type: &str,
+    body: Bytes,
+) -> bool {
     let Ok(header) = ResponseHeader::build(status, Some(3)) else {
-        return;
+        return false;
     };
     write_with(session, header, content_type, body).await
 }
@@ -25,13 +31,11 @@ pub async fn write_with(
     mut header: ResponseHeader,
     content_type: &str,
     body: Bytes,
-) {
+) -> bool {
     let _ = header.insert_header("content-type", content_type);
     let _ = header.insert_header("content-length", body.len());
     super::cors::decorate(session, &mut header);
-    if write_header(session, header).await.is_ok() {
-        let _ = write_body(session, body, true).await;
-    }
+    write_header(session, header).await.is_ok() && write_body(session, body, true).await.is_ok()
 }
 
 /// Frames a response body of unknown length: chunked for HTTP/1.1 clients. HTTP/1.0 has

@@ -1376,6 +1376,14 @@ fn a_client_that_stops_reading_its_response_loses_it_after_the_write_timeout() {
     wait_until("the round freed", Duration::from_secs(10), || {
         metric(&gw.admin, "mrtr_gateway_active_rounds") == 0.0
     });
+    // Counted as a client gone, not as an answer delivered.
+    let gone = "era=\"modern\",method=\"tools/call\",outcome=\"client_gone\"";
+    wait_until("counted as a client gone", Duration::from_secs(10), || {
+        metric_with(&gw.admin, "mrtr_gateway_requests_total", gone).unwrap_or(0.0) >= 1.0
+    });
+    let ok = "era=\"modern\",method=\"tools/call\",outcome=\"ok\"";
+    let ok = metric_with(&gw.admin, "mrtr_gateway_requests_total", ok).unwrap_or(0.0);
+    assert_eq!(ok, 0.0, "no request counted as answered");
     drop(client);
 }
 

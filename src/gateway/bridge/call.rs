@@ -1226,10 +1226,12 @@ async fn finish(
                     .with_label_values(&[request.method.as_str()])
                     .inc();
             }
-            reply
-                .result(session, decorate(result, server_info, false))
-                .await;
-            if shed {
+            let result = decorate(result, server_info, false);
+            if !reply.result(session, result).await {
+                // The state never reached the client: the flow is abandoned (the reaper
+                // ends it at its deadline).
+                Outcome::ClientGone
+            } else if shed {
                 Outcome::Shed
             } else {
                 Outcome::InputRequired

@@ -411,10 +411,8 @@ async fn discover(
     if let Some(instructions) = init.get("instructions") {
         result["instructions"] = instructions.clone();
     }
-    reply
-        .result(session, decorate(result, &init["serverInfo"], true))
-        .await;
-    Outcome::Ok
+    let result = decorate(result, &init["serverInfo"], true);
+    Outcome::answered(reply.result(session, result).await)
 }
 
 /// A one-shot method (a list, completion): on the data-layer session it runs in, else on
@@ -625,10 +623,8 @@ pub(crate) async fn finish_with(
 ) -> Outcome {
     let malformed = match (message.get("result"), message.get("error")) {
         (Some(result), None) if result.is_object() => {
-            reply
-                .result(session, decorate(result.clone(), server_info, cacheable))
-                .await;
-            return Outcome::Ok;
+            let result = decorate(result.clone(), server_info, cacheable);
+            return Outcome::answered(reply.result(session, result).await);
         }
         (Some(_), Some(_)) => "carries both a result and an error",
         (Some(_), None) => "carries a result that is not an object",

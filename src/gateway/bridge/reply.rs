@@ -61,7 +61,8 @@ impl ClientReply {
         self.streaming
     }
 
-    pub async fn result(self, session: &mut ServerSession, mut result: Value) {
+    /// Answers with `result`; returns whether the client took it.
+    pub async fn result(self, session: &mut ServerSession, mut result: Value) -> bool {
         if let (Some(cookie), Some(meta)) = (&self.cookie, meta_of(&mut result)) {
             meta.insert(META_KEY.into(), cookie.clone());
         }
@@ -70,7 +71,7 @@ impl ClientReply {
             200,
             json!({"jsonrpc": "2.0", "id": self.id, "result": result}),
         )
-        .await;
+        .await
     }
 
     /// Answers with a JSON-RPC error. `status` is the HTTP status the failure deserves;
@@ -127,10 +128,13 @@ impl ClientReply {
         Outcome::Refused(refusal)
     }
 
-    async fn finish(&self, session: &mut ServerSession, status: u16, message: Value) {
+    /// Writes the response's last message; returns whether the client took it.
+    async fn finish(&self, session: &mut ServerSession, status: u16, message: Value) -> bool {
         if self.streaming {
             let event = sse::Event::message(None, message.to_string()).encode();
-            let _ = respond::write_body(session, Bytes::from(event), true).await;
+            respond::write_body(session, Bytes::from(event), true)
+                .await
+                .is_ok()
         } else {
             respond::write(
                 session,
@@ -138,7 +142,7 @@ impl ClientReply {
                 "application/json",
                 Bytes::from(message.to_string()),
             )
-            .await;
+            .await
         }
     }
 }

@@ -203,10 +203,8 @@ pub(super) async fn create(
     let data = request.params.get("hints").and_then(|h| h.get("data"));
     let result = json!({"id": cookie["id"], "expiry": cookie["expiry"], "data": data.cloned().unwrap_or(json!({}))});
     reply.cookie = Some(cookie);
-    reply
-        .result(session, decorate(result, &init["serverInfo"], false))
-        .await;
-    Outcome::Ok
+    let result = decorate(result, &init["serverInfo"], false);
+    Outcome::answered(reply.result(session, result).await)
 }
 
 /// `session/delete`: DELETEs the upstream session and revokes the cookie.
