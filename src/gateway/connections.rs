@@ -10,6 +10,7 @@
 //! its `OwnListener` has a bound of its own, so a flood of clients cannot starve the
 //! retries other replicas forward.
 
+use super::preface::PrefaceBy;
 use crate::metrics::Metrics;
 use crate::protocol::jsonrpc::code;
 use crate::tls::handshakes::Handshakes;
@@ -95,6 +96,8 @@ pub struct Capped<A> {
     /// A TLS listener's handshakes in progress: a connection that reaches the app has
     /// finished its own.
     pub handshakes: Option<Arc<Handshakes>>,
+    /// How long an HTTP/2 connection's client preface may take (the header timeout).
+    pub preface_within: Duration,
 }
 
 #[async_trait]
@@ -111,6 +114,10 @@ impl<A: ServerApp + Send + Sync + 'static> ServerApp for Capped<A> {
             self.cap.metrics.client_connections_refused.inc();
             refuse(stream).await;
             return None;
+        };
+        let stream = match stream.selected_alpn_proto() {
+            Some(ALPN::H2) => PrefaceBy::wrap(stream, self.preface_within),
+            _ => stream,
         };
         let mut next = self.app.process_new(stream, shutdown).await;
         while let Some(stream) = next {

@@ -11,6 +11,7 @@ pub mod learnt;
 pub mod passthrough;
 pub mod peers;
 pub mod precise_sleep;
+pub mod preface;
 pub mod reaper;
 pub mod reload;
 pub mod respond;

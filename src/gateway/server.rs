@@ -86,6 +86,7 @@ pub fn build(
         app: Arc::new(listener),
         cap,
         handshakes: handshakes.clone(),
+        preface_within: Duration::from_millis(gateway.config.limits.header_timeout_ms),
     };
     check_free(&listen)
         .map_err(|e| ConfigError::at("listen", format!("cannot listen on {listen}: {e}")))?;

@@ -422,6 +422,51 @@ fn official_clients_connect_to_the_tls_listener_trusting_a_test_ca() {
     }
 }
 
+/// HTTP/2 connections that finish TLS and then send nothing, or only part of the client
+/// preface, are closed at the header timeout, as an HTTP/1.1 request's header is: they
+/// cannot hold every slot under `limits.max_client_connections` and lock clients out.
+#[test]
+fn an_http2_connection_without_its_preface_is_closed_at_the_header_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let tripwire = Tripwire::start();
+    let tls = TlsGateway::start(&tripwire.url(), |c| {
+        c.limits.header_timeout_ms = 300;
+        c.limits.max_client_connections = 4;
+    });
+    let connector = tls.client(&["h2"]);
+    let admin = tls.gw.admin.clone();
+    runtime().block_on(async {
+        let mut silent = Vec::new();
+        for partial in [
+            &b""[..],
+            b"PRI * HTTP/2.0\r\n",
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+        ] {
+            let mut stream = tls_connect(&connector, tls.gw.port).await;
+            assert_eq!(alpn_of(&stream).as_deref(), Some("h2"));
+            stream.write_all(partial).await.expect("sent");
+            silent.push(stream);
+        }
+        for mut stream in silent {
+            let mut rest = Vec::new();
+            // Closed (a GOAWAY or nothing, then the end), not left open.
+            let read = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut rest));
+            assert!(
+                read.await.is_ok(),
+                "an HTTP/2 connection without its preface stayed open"
+            );
+        }
+        let connections = move || metric(&admin, "mrtr_gateway_client_connections") == 0.0;
+        wait_off_runtime("every slot freed", connections).await;
+        // A client with its preface is served (by a tripwire upstream: 502, not the
+        // connection cap's 503).
+        let mut h2 = h2_connect(&connector, tls.gw.port).await;
+        let url = format!("https://127.0.0.1:{}/mcp", tls.gw.port);
+        let (status, _, _) = h2_post(&mut h2, &url, &legacy_headers(None), &initialize()).await;
+        assert_eq!(status, 502);
+    });
+}
+
 /// Connections that stall in their TLS handshake (a ClientHello's first bytes, then
 /// nothing) are closed at the header timeout, not pingora's minute: a flood of them
 /// cannot hold the descriptors real clients need, and a real client is served beside
