@@ -621,9 +621,15 @@ impl HttpServerApp for Listener {
         let idle_seconds = self.gw.config.limits.client_idle_timeout().as_secs().max(1);
         session.set_keepalive(reusable.then_some(idle_seconds));
         self.gw.handle(&mut session, self.arrival).await;
+        if respond::given_up(&session) {
+            return None;
+        }
         close_if_body_unread(&mut session).await;
         let mut settings = HttpPersistentSettings::for_session(&session);
-        let (stream, pipelined) = session.finish().await.ok()??.into_parts();
+        // Finishing flushes what the response left queued: within one write's bound.
+        let write_timeout = Duration::from_millis(limits.client_write_timeout_ms);
+        let finished = tokio::time::timeout(write_timeout, session.finish()).await;
+        let (stream, pipelined) = finished.ok()?.ok()??.into_parts();
         let (stream, next) = match pipelined.filter(|bytes| !bytes.is_empty()) {
             Some(pipelined) => (stream, pipelined),
             None => self.next_request_begins(stream, shutdown).await?,

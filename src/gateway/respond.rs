@@ -77,10 +77,69 @@ pub fn has_no_body(status: http::StatusCode) -> bool {
 /// this: pingora's `finish` then finds the connection's write side shut.
 pub async fn abort(session: &mut ServerSession) {
     session.set_keepalive(None);
-    // A TLS connection's shutdown writes a close_notify behind whatever is queued: to a
-    // client that stopped reading, it would wait for ever. Past the bound the connection
-    // is dropped, closed without it.
-    let _ = tokio::time::timeout(SHUTDOWN_WITHIN, session.shutdown()).await;
+    // The shutdown flushes what is queued first (a TLS connection's close_notify goes
+    // behind it): to a client that stopped reading, it would wait for ever. Past the
+    // bound the connection is given up.
+    if tokio::time::timeout(SHUTDOWN_WITHIN, session.shutdown())
+        .await
+        .is_err()
+    {
+        give_up(session);
+    }
+}
+
+/// Ends a response whose write failed (the client left, or took nothing within
+/// `limits.client_write_timeout_ms`): an HTTP/2 stream is reset; an HTTP/1 connection is
+/// given up, reset as soon as the request's handling returns.
+async fn cut(session: &mut ServerSession) {
+    match session {
+        ServerSession::H1(_) => give_up(session),
+        _ => abort(session).await,
+    }
+}
+
+/// A connection the gateway gave up on: its request's handling drops it at once (pingora's
+/// `finish` would flush, and wait on a client that reads nothing, for ever), and its socket
+/// lingers 0 s (closing it resets it: what the kernel still holds for the client is freed
+/// at once, not offered for minutes to a reader that takes nothing).
+#[derive(Clone, Copy, Debug)]
+pub struct GivenUp;
+
+fn give_up(session: &mut ServerSession) {
+    session.set_keepalive(None);
+    let socket = session.digest().and_then(|d| d.socket_digest.as_ref());
+    if let (Some(_), Some(stream)) = (socket, session.stream()) {
+        reset_on_close(stream.id());
+    }
+    session.req_header_mut().extensions_mut().insert(GivenUp);
+}
+
+/// Whether the request's connection was given up (`give_up`): it is dropped, not finished.
+pub fn given_up(session: &ServerSession) -> bool {
+    session.req_header().extensions.get::<GivenUp>().is_some()
+}
+
+/// Sets SO_LINGER to 0 s on the socket `fd`: its close sends a reset, and frees what it
+/// had queued.
+fn reset_on_close(fd: i32) {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: setsockopt(2) on a descriptor this connection owns, reading `linger`, which
+    // is the option's type and size.
+    let rc = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        tracing::debug!(error = %std::io::Error::last_os_error(), "SO_LINGER not set on a client connection given up");
+    }
 }
 
 /// The longest `abort` waits for a connection's orderly shutdown.
@@ -120,7 +179,11 @@ pub async fn write_header(
     if drain.is_some_and(|d| d.is_draining()) {
         session.set_keepalive(None);
     }
-    session.write_response_header(Box::new(header)).await
+    let written = session.write_response_header(Box::new(header)).await;
+    if written.is_err() {
+        cut(session).await;
+    }
+    written
 }
 
 /// Most bytes handed to one client write: each write waits at most
@@ -129,18 +192,22 @@ pub async fn write_header(
 const WRITE_PIECE: usize = 64 << 10;
 
 /// Writes (part of) a response body, `end` on the last, in pieces of at most
-/// `WRITE_PIECE`. A write that fails (the client left, or stopped reading) aborts the
-/// response: the connection is shut, so a client still there sees the truncation at once.
+/// `WRITE_PIECE`. A write that fails (the client left, or stopped reading) cuts the
+/// response (`cut`): a client still there sees the truncation at once, and nothing more
+/// is written.
 pub async fn write_body(session: &mut ServerSession, mut body: Bytes, end: bool) -> Result<(), ()> {
+    if given_up(session) {
+        return Err(());
+    }
     while body.len() > WRITE_PIECE {
         let piece = body.split_to(WRITE_PIECE);
         if session.write_response_body(piece, false).await.is_err() {
-            abort(session).await;
+            cut(session).await;
             return Err(());
         }
     }
     if session.write_response_body(body, end).await.is_err() {
-        abort(session).await;
+        cut(session).await;
         return Err(());
     }
     Ok(())

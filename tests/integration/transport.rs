@@ -1349,6 +1349,58 @@ fn big_result_gateway(bytes: usize, write_timeout_ms: u64) -> (ScriptedUpstream,
     (upstream, gw)
 }
 
+/// A 2026-07-28 client that stops reading while its call streams progress loses the call
+/// at the write timeout, as it would by closing its response: the round ends and its
+/// upstream session is deleted. Its connection is reset and its slot under
+/// `max_client_connections` freed, though the client keeps its socket open.
+#[test]
+fn a_client_that_stops_reading_its_progress_loses_the_call_and_its_connection() {
+    let progress = "p".repeat(64 << 10);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        if seen.method == "GET" {
+            return Answer::sse(&[]);
+        }
+        let body = seen.json().unwrap_or_default();
+        let token = body["params"]["_meta"]["progressToken"].clone();
+        // About 13 MB of progress, more than loopback's socket buffers take; then the
+        // stream stays open.
+        (0..200).fold(Answer::sse(&[]), |answer, i| {
+            let params = json!({"progressToken": token, "progress": i, "message": progress});
+            answer.event(
+                None,
+                &json!({"jsonrpc": "2.0", "method": "notifications/progress", "params": params}),
+            )
+        })
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Legacy;
+        c.limits.client_write_timeout_ms = 500;
+    });
+    let params = json!({"name": "slow", "_meta": {"progressToken": "t"}});
+    let request = raw_modern_request(1, "tools/call", params, json!({}), "");
+    let mut client = connect(gw.port);
+    client.write_all(request.as_bytes()).unwrap();
+    // The client reads nothing, and keeps its socket.
+    wait_until(
+        "the call's session deleted",
+        Duration::from_secs(10),
+        || upstream.requests().iter().any(|s| s.method == "DELETE"),
+    );
+    wait_until(
+        "the connection's slot freed",
+        Duration::from_secs(10),
+        || {
+            metric(&gw.admin, "mrtr_gateway_client_connections") == 0.0
+                && metric(&gw.admin, "mrtr_gateway_active_rounds") == 0.0
+        },
+    );
+    let (_, closed) = read_to_close(&mut client);
+    assert!(closed, "the connection stayed open");
+}
+
 /// A raw connection that has sent a 2026-07-28 `tools/call` (closing after its answer).
 fn modern_call(port: u16) -> TcpStream {
     let params = json!({"name": "big"});
@@ -1441,6 +1493,10 @@ fn a_relayed_response_cut_at_the_write_timeout_closes_its_connection() {
     wait_until("the write timed out", Duration::from_secs(10), || {
         let gone = "outcome=\"client_gone\"";
         metric_with(&gw.admin, "mrtr_gateway_requests_total", gone).unwrap_or(0.0) >= 1.0
+    });
+    // The connection is let go while the client still reads nothing: its slot is free.
+    wait_until("the connection's slot freed", Duration::from_secs(10), || {
+        metric(&gw.admin, "mrtr_gateway_client_connections") == 0.0
     });
     let (got, closed) = read_to_close(&mut client);
     assert!(closed, "the connection stayed open after the cut");

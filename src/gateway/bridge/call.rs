@@ -709,15 +709,18 @@ async fn execute<'g>(
             Some(Input::Posted(posted.map_err(|e| failure(&e))))
         }
         Command::Notify(message) => {
-            reply.notify(session, &message).await;
-            None
+            let written = reply.notify(session, &message).await;
+            written.err().and_then(|()| client_gone(io))
         }
-        Command::KeepAlive => {
-            if reply.keep_alive(session).await {
-                gw.runtime.metrics.sse_keepalives.inc();
+        Command::KeepAlive => match reply.keep_alive(session).await {
+            Ok(written) => {
+                if written {
+                    gw.runtime.metrics.sse_keepalives.inc();
+                }
+                None
             }
-            None
-        }
+            Err(()) => client_gone(io),
+        },
         Command::Watch {
             until,
             call: call_id,
@@ -813,6 +816,12 @@ async fn execute<'g>(
         }
         Command::Finish(_) => None,
     }
+}
+
+/// A write to the client failed (it left, or stopped reading within the write timeout):
+/// the flow is told the client is gone, once.
+fn client_gone(io: &mut Io<'_>) -> Option<Input> {
+    (!std::mem::replace(&mut io.client_gone_told, true)).then_some(Input::ClientGone)
 }
 
 /// Closes the flow's upstream streams (never cancelling the call).

@@ -22,22 +22,33 @@ pub struct ClientReply {
 }
 
 impl ClientReply {
-    pub async fn notify(&mut self, session: &mut ServerSession, message: &Value) {
-        if !self.start_stream(session).await {
-            return;
-        }
+    /// Streams a notification to the client, switching its response to SSE if it
+    /// accepts it (else the notification is dropped); `Err` when the write failed: the
+    /// client left, or stopped reading.
+    pub async fn notify(&mut self, session: &mut ServerSession, message: &Value) -> Result<(), ()> {
         let event = sse::Event::message(None, message.to_string()).encode();
-        let _ = respond::write_body(session, Bytes::from(event), false).await;
+        self.stream(session, Bytes::from(event)).await.map(drop)
     }
 
     /// Writes a keep-alive comment, switching the response to SSE if the client accepts
-    /// it; returns whether one was written.
-    pub async fn keep_alive(&mut self, session: &mut ServerSession) -> bool {
-        if !self.start_stream(session).await {
-            return false;
-        }
+    /// it: `Ok(true)` when one was written, `Err` when the write failed.
+    pub async fn keep_alive(&mut self, session: &mut ServerSession) -> Result<bool, ()> {
         let comment = Bytes::from_static(sse::KEEP_ALIVE);
-        respond::write_body(session, comment, false).await.is_ok()
+        self.stream(session, comment).await
+    }
+
+    /// Writes `bytes` on the SSE response (started if need be): `Ok(false)` when the client
+    /// does not accept SSE, `Err` when a write failed.
+    async fn stream(&mut self, session: &mut ServerSession, bytes: Bytes) -> Result<bool, ()> {
+        if !self.accepts_sse {
+            return Ok(false);
+        }
+        if !self.start_stream(session).await {
+            return Err(());
+        }
+        respond::write_body(session, bytes, false)
+            .await
+            .map(|()| true)
     }
 
     /// Sends the SSE response header unless it was sent; false when the client does not
