@@ -461,7 +461,7 @@ pub struct FlowConfig {
 /// What lost a call between rounds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Lost {
-    /// The upstream: its session is gone, or its endpoint is down.
+    /// The upstream: its session is gone, or its endpoint is down or has left the group.
     Upstream,
     /// The upstream no longer has the call's events: a resumption came back empty.
     Unresumable,
@@ -712,16 +712,19 @@ impl Flow {
         flow
     }
 
-    /// A retry of a held flow whose holder is gone (or cannot be reached).
-    pub fn holder_lost(
+    /// A retry whose call is lost before anything is tried (`cause`): a held flow whose
+    /// holder is gone (or cannot be reached), or a call on an endpoint that has left the
+    /// group. A restartable tool runs again, on an endpoint of the group now.
+    pub fn call_lost(
         config: FlowConfig,
         state: FlowState,
         responses: Map<String, Value>,
+        cause: Lost,
         now: Instant,
     ) -> Flow {
         let pending = state.waiting.pending().to_vec();
         let mut flow = Flow::with(config, Common::of(&state), now);
-        flow.phase = flow.lost(Lost::Holder, &pending, &responses, now);
+        flow.phase = flow.lost(cause, &pending, &responses, now);
         flow
     }
 
@@ -2027,7 +2030,7 @@ impl Flow {
         let group = self.config.group.clone();
         if !self.config.restartable || self.config.data_session {
             let what = match cause {
-                Lost::Upstream => format!("upstream group '{group}' lost this call between rounds (its session is gone or its endpoint is down; a call that an earlier retry of this requestState completed on another replica looks the same)"),
+                Lost::Upstream => format!("upstream group '{group}' lost this call between rounds (its session is gone, or its endpoint is down or has left the group; a call that an earlier retry of this requestState completed on another replica looks the same)"),
                 Lost::Unresumable => format!("upstream group '{group}' no longer has this call's events (a Last-Event-ID resumption came back empty; the group's later calls are held)"),
                 Lost::Holder => format!("the gateway replica holding this call's upstream streams is gone or no longer holds them (upstream group '{group}' cannot resume streams, so its calls are held)"),
             };

@@ -94,6 +94,42 @@ fn a_restartable_tool_survives_an_upstream_restart_asking_only_what_is_new() {
     assert_eq!(metric(&gw.admin, "mrtr_gateway_call_restarts_total"), 2.0);
 }
 
+/// A flow parked on an endpoint that has since left the group (a replica started with
+/// another endpoint list, as a rolling update that replaces a backend leaves it) is lost
+/// with it, not refused as a bad state: a restartable tool runs again on an endpoint of
+/// the group now, asking only what is new.
+#[test]
+fn a_restartable_tool_whose_endpoint_left_the_group_runs_again_on_one_in_it() {
+    let (_old, old_url) = start_upstream(Upstream::Python);
+    let (_new, new_url) = start_upstream(Upstream::Python);
+    let gateway_to = |url: &str| {
+        TestGateway::start_with(&[url], &test_keys(), |c| {
+            c.upstreams[0].era = UpstreamEra::Legacy;
+            let restartable = ToolPolicy {
+                restartable: true,
+                ..ToolPolicy::default()
+            };
+            c.upstreams[0].tools.insert("plan_trip".into(), restartable);
+        })
+    };
+    let (before, after) = (gateway_to(&old_url), gateway_to(&new_url));
+    let (_, first) = call(&Raw::new(&before.url), 1, "plan_trip", json!({}));
+    assert_eq!(questions(&first), ["Where do you want to go?"]);
+    let raw = Raw::new(&after.url);
+    let retry = answer(&first, json!({"destination": "Oslo"}));
+    let (_, second) = call(&raw, 2, "plan_trip", retry);
+    assert_eq!(questions(&second), ["How many nights in Oslo?"], "{second}");
+    assert_eq!(
+        metric(&after.admin, "mrtr_gateway_call_restarts_total"),
+        1.0
+    );
+    let (_, done) = call(&raw, 3, "plan_trip", answer(&second, json!({"nights": 4})));
+    assert_eq!(
+        done["result"]["content"][0]["text"], "Trip to Oslo for 4 nights",
+        "{done}"
+    );
+}
+
 #[test]
 fn a_tool_not_marked_restartable_gets_flow_lost_and_a_fresh_call_works() {
     let port = free_port();

@@ -1495,9 +1495,11 @@ fn a_relayed_response_cut_at_the_write_timeout_closes_its_connection() {
         metric_with(&gw.admin, "mrtr_gateway_requests_total", gone).unwrap_or(0.0) >= 1.0
     });
     // The connection is let go while the client still reads nothing: its slot is free.
-    wait_until("the connection's slot freed", Duration::from_secs(10), || {
-        metric(&gw.admin, "mrtr_gateway_client_connections") == 0.0
-    });
+    wait_until(
+        "the connection's slot freed",
+        Duration::from_secs(10),
+        || metric(&gw.admin, "mrtr_gateway_client_connections") == 0.0,
+    );
     let (got, closed) = read_to_close(&mut client);
     assert!(closed, "the connection stayed open after the cut");
     assert!(got.len() < 12 << 20, "the body came whole");

@@ -21,7 +21,8 @@ use crate::gateway::reaper::{Abandoned, NotWatched, Whose};
 use crate::gateway::{peers, Arrival, Gateway, UpstreamSide};
 use crate::metrics::InUse;
 use crate::mrtr::flow::{
-    CallReply, Command, Ending, Failure, FailureKind, Flow, FlowConfig, Input, Learnt, Note, Stream,
+    CallReply, Command, Ending, Failure, FailureKind, Flow, FlowConfig, Input, Learnt, Lost, Note,
+    Stream,
 };
 use crate::mrtr::modern::{check_answers, ModernRequest};
 use crate::mrtr::replay::{self, Claim, StateDigest};
@@ -208,15 +209,24 @@ async fn continue_flow(
             }
             None => {
                 gw.runtime.metrics.held_event("lost");
-                let flow = Flow::holder_lost(config(call, false), state, responses, now);
+                let lost = Lost::Holder;
+                let flow = Flow::call_lost(config(call, false), state, responses, lost, now);
                 return drive(call, session, reply, flow, Io::new(None, Some(used))).await;
             }
         },
         _ => call.group.endpoint(upstream_call.endpoint),
     };
     let Some(endpoint) = endpoint else {
-        // Checked when the state was opened; the group's answer changed since.
-        return refuse_state(gw, session, reply, call.group, "unknown_endpoint").await;
+        // The endpoint has left the group (a pod replaced, an endpoint taken out of the
+        // list): never asked, the call is lost with it, as with an endpoint that is down.
+        let flow_id = format!("{:016x}", state.flow_id);
+        tracing::info!(
+            flow = flow_id,
+            "the call's upstream endpoint has left the group"
+        );
+        let lost = Lost::Upstream;
+        let flow = Flow::call_lost(config(call, false), state, responses, lost, now);
+        return drive(call, session, reply, flow, Io::new(None, Some(used))).await;
     };
     let mut upstream = resume(call, endpoint, &upstream_call);
     upstream.persistent = upstream_call.data_session;
@@ -367,7 +377,8 @@ fn shedding(gw: &Gateway) -> bool {
 }
 
 /// Opens a retry's state: sealed under a key of the ring, bound to this request and
-/// principal, not expired, of this group and naming one of its endpoints (or none yet).
+/// principal, not expired, and of this group. The endpoint it names is looked up in the
+/// group when the flow goes on: one that has left it is not asked (the call is lost).
 fn open_state(call: &Call<'_>, text: &str) -> Result<FlowState, &'static str> {
     let gw = call.gw;
     let state = FlowState::open(&gw.sealing.keys.load(), &call.bind, text, now_secs())
@@ -384,12 +395,7 @@ fn open_state(call: &Call<'_>, text: &str) -> Result<FlowState, &'static str> {
             return Err("other_session");
         }
     }
-    match state.waiting.call() {
-        Some(upstream) if call.group.endpoint(upstream.endpoint).is_none() => {
-            Err("unknown_endpoint")
-        }
-        _ => Ok(state),
-    }
+    Ok(state)
 }
 
 /// Refuses a retry whose `requestState` or `inputResponses` exceed the limits, before
@@ -479,7 +485,8 @@ async fn to_holder(
         return refused.answer(gw, session, reply, call.group).await;
     }
     let responses = input_responses(call.request);
-    let flow = Flow::holder_lost(config(call, false), state, responses, Instant::now());
+    let (lost, now) = (Lost::Holder, Instant::now());
+    let flow = Flow::call_lost(config(call, false), state, responses, lost, now);
     drive(call, session, reply, flow, Io::new(None, Some(used))).await
 }
 
