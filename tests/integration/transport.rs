@@ -1349,14 +1349,12 @@ fn big_result_gateway(bytes: usize, write_timeout_ms: u64) -> (ScriptedUpstream,
     (upstream, gw)
 }
 
-/// A 2026-07-28 client that stops reading while its call streams progress loses the call
-/// at the write timeout, as it would by closing its response: the round ends and its
-/// upstream session is deleted. Its connection is reset and its slot under
-/// `max_client_connections` freed, though the client keeps its socket open.
-#[test]
-fn a_client_that_stops_reading_its_progress_loses_the_call_and_its_connection() {
-    let progress = "p".repeat(64 << 10);
-    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+/// A legacy server whose every call answers with what `stream` makes of the call's
+/// progress token and id; its GET stream is open and empty.
+fn streaming_upstream(
+    stream: impl Fn(&Value, &Value) -> Answer + Send + Sync + 'static,
+) -> ScriptedUpstream {
+    ScriptedUpstream::start(move |seen: &Seen| {
         if let Some(answer) = legacy_basics(seen, "s1") {
             return answer;
         }
@@ -1364,7 +1362,18 @@ fn a_client_that_stops_reading_its_progress_loses_the_call_and_its_connection() 
             return Answer::sse(&[]);
         }
         let body = seen.json().unwrap_or_default();
-        let token = body["params"]["_meta"]["progressToken"].clone();
+        stream(&body["params"]["_meta"]["progressToken"], &body["id"])
+    })
+}
+
+/// A 2026-07-28 client that stops reading while its call streams progress loses the call
+/// at the write timeout, as it would by closing its response: the round ends and its
+/// upstream session is deleted. Its connection is reset and its slot under
+/// `max_client_connections` freed, though the client keeps its socket open.
+#[test]
+fn a_client_that_stops_reading_its_progress_loses_the_call_and_its_connection() {
+    let progress = "p".repeat(64 << 10);
+    let upstream = streaming_upstream(move |token, _| {
         // About 13 MB of progress, more than loopback's socket buffers take; then the
         // stream stays open.
         (0..200).fold(Answer::sse(&[]), |answer, i| {
@@ -1399,6 +1408,43 @@ fn a_client_that_stops_reading_its_progress_loses_the_call_and_its_connection() 
     );
     let (_, closed) = read_to_close(&mut client);
     assert!(closed, "the connection stayed open");
+}
+
+/// A bridged response that streams (its progress relayed over SSE) counts in
+/// `active_client_streams` while it streams, as a relayed one does, and not after.
+#[test]
+fn a_streaming_bridged_response_counts_as_a_client_stream() {
+    let go_on = Gate::new();
+    let upstream = {
+        let go_on = go_on.clone();
+        streaming_upstream(move |token, id| {
+            let progress = json!({"jsonrpc": "2.0", "method": "notifications/progress",
+                "params": {"progressToken": token, "progress": 1}});
+            let done = json!({"jsonrpc": "2.0", "id": id, "result": {"content": []}});
+            Answer::sse(&[])
+                .event(None, &progress)
+                .wait(&go_on)
+                .event(None, &done)
+                .end()
+        })
+    };
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Legacy;
+    });
+    let streams = || metric(&gw.admin, "mrtr_gateway_active_client_streams");
+    let params = json!({"name": "slow", "_meta": {"progressToken": "t"}});
+    let request = raw_modern_request(1, "tools/call", params, json!({}), "connection: close\r\n");
+    let mut client = connect(gw.port);
+    client.write_all(request.as_bytes()).unwrap();
+    wait_until("the response streams", Duration::from_secs(10), || {
+        streams() == 1.0
+    });
+    go_on.open();
+    let (got, closed) = read_to_close(&mut client);
+    assert!(closed && got.contains("notifications/progress"), "{got}");
+    wait_until("the stream counted off", Duration::from_secs(10), || {
+        streams() == 0.0
+    });
 }
 
 /// A raw connection that has sent a 2026-07-28 `tools/call` (closing after its answer).

@@ -216,7 +216,8 @@ async fn serve_inner(
     let reply = ClientReply {
         id: id.clone(),
         accepts_sse: false,
-        streaming: false,
+        streaming: None,
+        streams: gw.runtime.metrics.active_client_streams.clone(),
         cookie: None,
     };
     let Some(kind) = Kind::of(method) else {

@@ -3,19 +3,25 @@
 //! every 2026-07-28 result carries.
 
 use crate::gateway::{cors, respond};
+use crate::metrics::InUse;
 use crate::mrtr::data_session::META_KEY;
 use crate::outcome::{Outcome, Refusal};
 use crate::protocol::{jsonrpc, sse};
 use bytes::Bytes;
 use pingora::http::ResponseHeader;
 use pingora::protocols::http::ServerSession;
+use prometheus::IntGauge;
 use serde_json::{json, Map, Value};
 
 /// The client's response: JSON at the end, or SSE once a notification has been sent.
 pub struct ClientReply {
     pub id: Value,
     pub accepts_sse: bool,
-    pub streaming: bool,
+    /// Whether the response streams (SSE), counted in `active_client_streams` while it
+    /// does.
+    pub streaming: Option<InUse>,
+    /// The gauge a streaming response holds up (`active_client_streams`).
+    pub streams: IntGauge,
     /// In a data-layer session: the refreshed cookie every result carries in
     /// `_meta["mcp/session"]`.
     pub cookie: Option<Value>,
@@ -57,7 +63,7 @@ impl ClientReply {
         if !self.accepts_sse {
             return false;
         }
-        if self.streaming {
+        if self.streaming.is_some() {
             return true;
         }
         let Ok(mut header) = ResponseHeader::build(200, Some(4)) else {
@@ -68,8 +74,9 @@ impl ClientReply {
         let _ = header.insert_header("x-accel-buffering", "no");
         respond::frame_unknown_length(session, &mut header);
         cors::decorate(session, &mut header);
-        self.streaming = respond::write_header(session, header).await.is_ok();
-        self.streaming
+        let started = respond::write_header(session, header).await.is_ok();
+        self.streaming = started.then(|| InUse::new(&self.streams));
+        started
     }
 
     /// Answers with `result`; returns whether the client took it.
@@ -118,7 +125,7 @@ impl ClientReply {
     pub async fn refuse(self, session: &mut ServerSession, refusal: Refusal) -> Outcome {
         let status = refusal.class.status();
         match &refusal.challenge {
-            Some(challenge) if !self.streaming => {
+            Some(challenge) if self.streaming.is_none() => {
                 let body =
                     jsonrpc::error_body(Some(&self.id), refusal.code, &refusal.message, None);
                 if let Ok(mut header) = ResponseHeader::build(status, Some(4)) {
@@ -141,7 +148,7 @@ impl ClientReply {
 
     /// Writes the response's last message; returns whether the client took it.
     async fn finish(&self, session: &mut ServerSession, status: u16, message: Value) -> bool {
-        if self.streaming {
+        if self.streaming.is_some() {
             let event = sse::Event::message(None, message.to_string()).encode();
             respond::write_body(session, Bytes::from(event), true)
                 .await
