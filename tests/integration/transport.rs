@@ -1349,6 +1349,32 @@ fn big_result_gateway(bytes: usize, write_timeout_ms: u64) -> (ScriptedUpstream,
     (upstream, gw)
 }
 
+/// A method the upstream does not serve (it answers -32601, as a server without prompts
+/// answers `prompts/list`) reaches the 2026-07-28 client as an unknown method does: HTTP
+/// 404 with -32601 and the server's message, not a 200.
+#[test]
+fn a_method_the_upstream_does_not_serve_is_a_404() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        let error = json!({"code": -32601, "message": "Method not found: prompts/list"});
+        Answer::json(
+            200,
+            &json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "error": error}),
+        )
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Legacy;
+    });
+    let reply = Raw::new(&gw.url).modern(1, "prompts/list", json!({}), json!({}));
+    let status = reply.status;
+    let body = reply.json();
+    assert_eq!(status, 404, "{body}");
+    assert_eq!(body["error"]["code"], -32601, "{body}");
+    assert_eq!(body["error"]["message"], "Method not found: prompts/list");
+}
+
 /// A legacy server whose every call answers with what `stream` makes of the call's
 /// progress token and id; its GET stream is open and empty.
 fn streaming_upstream(

@@ -641,8 +641,17 @@ pub(crate) async fn finish_with(
                 Some(code) => code,
                 None => code::INTERNAL_ERROR,
             };
+            let data = error.get("data").cloned();
+            if code == code::METHOD_NOT_FOUND {
+                // A method the server does not serve (prompts/list of one without
+                // prompts): 404, as 2026-07-28 answers an unknown method, and as the
+                // gateway answers one it does not know itself.
+                reply.error(session, 404, code, text, data.clone()).await;
+                let refusal = Refusal::new(Class::BadRequest, code, text);
+                return Outcome::Refused(refusal);
+            }
             let mut refusal = Refusal::new(Class::UpstreamError, code, text);
-            refusal.data = error.get("data").cloned();
+            refusal.data = data;
             return reply.refuse(session, refusal).await;
         }
         (None, Some(_)) => "carries an error that is not an object",
