@@ -791,6 +791,11 @@ impl Flow {
             },
             // A retry's streams that do not come back end at the flow's deadline.
             Phase::Reopening(_) => Some(self.ends_at),
+            // So does a round whose call stream, reopened, does not come back; or sooner,
+            // its silence (`reading_timeout`).
+            Phase::Reading(r) if r.posting.is_none() && r.reopening => {
+                Some((r.last_message + self.config.silence).min(self.ends_at))
+            }
             Phase::Reading(r) if r.posting.is_none() && !r.reopening => [
                 r.quiet_until,
                 r.reopen_at,
@@ -1665,7 +1670,18 @@ impl Flow {
     }
 
     fn reading_timeout(&mut self, mut r: Box<Reading>, now: Instant) -> Phase {
-        if r.posting.is_some() || r.reopening || r.barrier == Barrier::Awaited {
+        if r.posting.is_some() || r.barrier == Barrier::Awaited {
+            return Phase::Reading(r);
+        }
+        if r.reopening {
+            // The call's stream being reopened (a GET the shell cuts here): only the
+            // round's silence and the flow's deadline end it meanwhile.
+            if now >= r.last_message + self.config.silence {
+                return self.end_round(r, RoundEnd::Silent);
+            }
+            if now >= self.ends_at {
+                return self.end_round(r, RoundEnd::FlowDeadline);
+            }
             return Phase::Reading(r);
         }
         if r.quiet_until.is_some_and(|t| now >= t) {

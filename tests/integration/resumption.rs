@@ -1334,12 +1334,11 @@ fn a_failed_store_probe_is_not_retried_by_every_resumption() {
     assert_eq!(probes, 1, "{RESUMPTIONS} resumptions each probed again");
 }
 
-/// A retry whose streams the upstream takes and never answers ends at the flow's
-/// deadline (`bridge.max_flow_seconds`), naming it, and its upstream session is deleted:
-/// not a response timeout later (30 s here), long after the flow's state stopped opening.
-#[test]
-fn a_retry_whose_streams_never_come_back_ends_at_the_flows_deadline() {
-    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+/// A scripted server whose `tools/call` streams what `call` gives, whose resumptions
+/// (GETs with `Last-Event-ID`) the upstream takes and never answers, and whose session
+/// GET stream is open and empty.
+fn resumptions_hang(call: fn() -> Answer) -> ScriptedUpstream {
+    ScriptedUpstream::start(move |seen: &Seen| {
         if let Some(answer) = legacy_basics(seen, "s1") {
             return answer;
         }
@@ -1350,35 +1349,39 @@ fn a_retry_whose_streams_never_come_back_ends_at_the_flows_deadline() {
             };
         }
         let body = seen.json().unwrap_or_default();
-        let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
-            "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
         match body["method"].as_str() {
-            Some("tools/call") => Answer::sse(&[])
-                .event(Some("c1"), &json!(""))
-                .event(Some("c2"), &question),
+            Some("tools/call") => call(),
             Some("ping") => Answer::json(
                 200,
                 &json!({"jsonrpc": "2.0", "id": body["id"], "result": {}}),
             ),
             _ => Answer::status(405, &[], b""),
         }
-    });
-    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+    })
+}
+
+/// A gateway whose flows last 3 s, in front of `upstream`, whose exchanges may take 30 s.
+fn three_second_flows(upstream: &ScriptedUpstream) -> TestGateway {
+    TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
         c.upstreams[0].era = UpstreamEra::Legacy;
         c.upstreams[0].response_timeout_ms = 30_000;
         c.bridge.request_state_ttl_seconds = 3;
         c.bridge.max_flow_seconds = 3;
-    });
-    let raw = Raw::new(&gw.url);
-    let (_, first) = call_hostile(&raw, 1, json!({}));
-    let (status, ended) = call_hostile(&raw, 2, answer(&first, json!({"name": "x"})));
+    })
+}
+
+/// The reply names the flow's deadline, and the upstream session was deleted.
+fn assert_ended_at_the_deadline(upstream: &ScriptedUpstream, status: u16, ended: &Value) {
     let message = ended["error"]["message"].as_str().unwrap_or_default();
     assert!(
         message.contains("bridge.max_flow_seconds"),
         "{status} {ended}"
     );
     let resumed = |s: &Seen| s.method == "GET" && s.header("last-event-id").is_some();
-    assert!(upstream.requests().iter().any(resumed), "the retry resumed");
+    assert!(
+        upstream.requests().iter().any(resumed),
+        "a stream was resumed"
+    );
     assert!(
         !upstream.requests().iter().any(is_answer),
         "no answer went up"
@@ -1386,4 +1389,34 @@ fn a_retry_whose_streams_never_come_back_ends_at_the_flows_deadline() {
     wait_until("the session deleted", Duration::from_secs(5), || {
         upstream.requests().iter().any(|s| s.method == "DELETE")
     });
+}
+
+/// A call whose stream the upstream ends after its priming event, and whose resumption
+/// it then takes and never answers, ends at the flow's deadline, naming it, not a
+/// response timeout later.
+#[test]
+fn a_call_whose_resumed_stream_never_comes_back_ends_at_the_flows_deadline() {
+    let upstream = resumptions_hang(|| Answer::sse(&[]).event(Some("c1"), &json!("")).end());
+    let gw = three_second_flows(&upstream);
+    let (status, ended) = call_hostile(&Raw::new(&gw.url), 1, json!({}));
+    assert_ended_at_the_deadline(&upstream, status, &ended);
+}
+
+/// A retry whose streams the upstream takes and never answers ends at the flow's
+/// deadline (`bridge.max_flow_seconds`), naming it, and its upstream session is deleted:
+/// not a response timeout later (30 s here), long after the flow's state stopped opening.
+#[test]
+fn a_retry_whose_streams_never_come_back_ends_at_the_flows_deadline() {
+    let upstream = resumptions_hang(|| {
+        let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
+            "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
+        Answer::sse(&[])
+            .event(Some("c1"), &json!(""))
+            .event(Some("c2"), &question)
+    });
+    let gw = three_second_flows(&upstream);
+    let raw = Raw::new(&gw.url);
+    let (_, first) = call_hostile(&raw, 1, json!({}));
+    let (status, ended) = call_hostile(&raw, 2, answer(&first, json!({"name": "x"})));
+    assert_ended_at_the_deadline(&upstream, status, &ended);
 }

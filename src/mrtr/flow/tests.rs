@@ -60,7 +60,8 @@ struct Upstream {
     call_failures: VecDeque<Failure>,
     /// Answers to `OpenStream { Call }` and `Reopen`, in turn (then `Ok`).
     call_opens: VecDeque<Result<(), Failure>>,
-    /// `Reopen` is not answered (its GETs hang) until the test says so.
+    /// `Reopen` and `OpenStream { Call }` are not answered (their GETs hang) until the
+    /// test says so.
     reopen_withheld: bool,
     /// The call's reply, given the id it was posted under.
     call_reply: fn(i64) -> CallReply,
@@ -112,6 +113,10 @@ impl Upstream {
                     session_stream: self.session_stream,
                 },
             }),
+            Command::OpenStream {
+                stream: Stream::Call,
+                ..
+            } if self.reopen_withheld => None,
             Command::OpenStream { stream, .. } => {
                 let result = match stream {
                     Stream::Call => self.call_opens.pop_front().unwrap_or(Ok(())),
@@ -1784,6 +1789,45 @@ fn a_retry_whose_streams_hang_ends_at_the_flows_deadline() {
     assert!(reopen.may_be_cut(), "a reopening's GETs may be cut");
     ends_a_second_before_the_deadline(&mut h);
     assert!(h.posted().is_empty(), "no answer went up");
+}
+
+/// A round whose call stream the upstream ended, and whose reopening (a GET after the
+/// stream's last event id) then hangs, ends at its silence or at the flow's deadline,
+/// whichever comes first: the flow wants the clock while it reopens, and the shell may
+/// cut the GET then.
+#[test]
+fn a_round_whose_reopened_stream_hangs_ends_at_its_silence_or_the_deadline() {
+    let hanging = || Upstream {
+        reopen_withheld: true,
+        ..Upstream::default()
+    };
+    let reopened_and_hanging = |config: FlowConfig| {
+        let mut h = Harness::new_call(config, hanging());
+        h.event(Stream::Call, Some("c1"), &json!(""));
+        h.feed(Input::StreamEnded(Stream::Call));
+        h.advance(Duration::from_secs(2));
+        let open = h.log.last().expect("a command").clone();
+        assert!(is_open(Stream::Call, Some("c1"))(&open), "{open:?}");
+        assert!(open.may_be_cut());
+        h
+    };
+    // Silence first (45 s).
+    let mut h = reopened_and_hanging(config());
+    h.advance(Duration::from_secs(42));
+    assert!(h.ending.is_none(), "reads on before its silence");
+    h.advance(Duration::from_secs(2));
+    assert_eq!(h.refusal().class, Class::UpstreamTimeout);
+    assert!(h.log.contains(&Command::DeleteSession));
+    // The deadline first (10 s).
+    let mut short = config();
+    short.max_flow_seconds = 10;
+    let mut h = reopened_and_hanging(short);
+    h.advance(Duration::from_secs(8));
+    let refusal = h.refusal();
+    assert!(
+        refusal.message.contains("bridge.max_flow_seconds"),
+        "{refusal}"
+    );
 }
 
 /// Nothing posted may be cut: an answer, a call or a cancellation is awaited to its end.
