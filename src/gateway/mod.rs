@@ -194,12 +194,17 @@ impl Gateway {
             return;
         }
         let group = self.upstreams.groups.by_path(path);
+        let method = session.req_header().method.clone();
+        // The peer listener serves retries only: no discovery document, no preflight (its
+        // Host and Origin are not checked).
+        if arrival == Arrival::Peer && (group.is_none() || method != http::Method::POST) {
+            return refuse_on_peer_listener(session).await;
+        }
         if group.is_none() && WellKnown::of(path).is_none() {
             let message = format!("no MCP endpoint at {path}");
             respond::error(session, 404, None, code::INVALID_REQUEST, &message).await;
             return;
         }
-        let method = session.req_header().method.clone();
         if method == http::Method::OPTIONS {
             return self.serve_options(session, group, arrival).await;
         }

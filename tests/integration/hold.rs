@@ -376,6 +376,18 @@ fn the_peer_listener_serves_only_retries_of_held_flows() {
         json!({}),
     );
     assert_eq!(forged.json()["error"]["code"], -32602);
+    // No discovery document either (the Host and Origin of its requests are not
+    // checked): nothing is fetched upstream for it.
+    let base = format!("http://127.0.0.1:{peer_port}");
+    for path in [
+        "/.well-known/oauth-protected-resource/mcp",
+        "/.well-known/oauth-protected-resource",
+        "/.well-known/oauth-authorization-server",
+    ] {
+        let reply =
+            Raw::new(&format!("{base}{path}")).request("GET", &[("host", "evil.example")], None);
+        assert_eq!(reply.status, 403, "{path}");
+    }
     assert_eq!(tripwire.count(), 0, "nothing reached an upstream");
     drop(gw);
 }
