@@ -399,7 +399,14 @@ impl Metrics {
         for outcome in ["ok", "failed"] {
             self.upstream_resumptions.with_label_values(&[outcome]);
         }
-        for event in ["held", "resumed", "expired", "lost", "shutdown"] {
+        for event in [
+            "held",
+            "resumed",
+            "abandoned",
+            "expired",
+            "lost",
+            "shutdown",
+        ] {
             self.held_events.with_label_values(&[event]);
         }
         for outcome in ["ok", "owner_gone"] {

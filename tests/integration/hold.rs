@@ -353,6 +353,59 @@ fn a_client_that_leaves_a_forwarded_retry_cancels_the_call_at_the_owner() {
     );
 }
 
+/// A held flow's retry whose client has already gone when the owner reads it (a
+/// forwarding replica that gave up on a frozen owner and told its client the call was
+/// lost, to issue it again) is not continued: no answer goes up, and the held call ends.
+#[test]
+fn a_held_flows_retry_from_a_client_already_gone_is_not_continued() {
+    use std::io::Write;
+    use std::os::fd::AsRawFd;
+    let upstream = holding_server();
+    let replicas = peered(&upstream.url(), 1, |_| {});
+    let gw = &replicas[0];
+    let caps = json!({"elicitation": {}});
+    let ask = json!({"name": "ask", "arguments": {}});
+    let asked = Raw::new(&gw.url).modern(1, "tools/call", ask.clone(), caps.clone());
+    let asked = asked.json();
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 1.0, "{asked}");
+    let mut params = ask;
+    let retry = answer(&asked, json!({"name": "Kim"}));
+    params
+        .as_object_mut()
+        .unwrap()
+        .extend(retry.as_object().unwrap().clone());
+    let request = raw_modern_request(2, "tools/call", params, caps, "");
+    // The request and the client's close arrive together: corked, the data waits, and the
+    // shutdown sends it with the FIN.
+    let mut client = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    let on: libc::c_int = 1;
+    // SAFETY: setsockopt(2) on this socket, reading `on`, an int as TCP_CORK takes.
+    let corked = unsafe {
+        libc::setsockopt(
+            client.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_CORK,
+            (&on as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(corked, 0);
+    client.write_all(request.as_bytes()).unwrap();
+    client.shutdown(std::net::Shutdown::Write).unwrap();
+    wait_until("the held call ended", Duration::from_secs(10), || {
+        upstream.requests().iter().any(|s| s.method == "DELETE")
+    });
+    let answered = |s: &Seen| s.json().is_some_and(|m| m.get("result").is_some());
+    assert!(
+        !upstream.requests().iter().any(answered),
+        "an answer went up"
+    );
+    let abandoned = "event=\"abandoned\"";
+    let events = "mrtr_gateway_held_flow_events_total";
+    assert_eq!(metric_with(&gw.admin, events, abandoned), Some(1.0));
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 0.0);
+}
+
 #[test]
 fn the_peer_listener_serves_only_retries_of_held_flows() {
     let tripwire = Tripwire::start();

@@ -194,8 +194,19 @@ async fn continue_flow(
         return drive(call, session, reply, flow, Io::new(None, Some(used))).await;
     };
     let endpoint = match &state.waiting {
-        Waiting::Held { at, .. } => match gw.flows.held.take(at.slot, state.flow_id) {
-            Some(held) => {
+        Waiting::Held { at, .. } => match gone_and_held(gw, session, at, state.flow_id).await {
+            (true, Some(held)) => {
+                // A forwarding replica that gave up on this replica (frozen, or too slow:
+                // its client was told the call is lost, to issue it again), or a client
+                // that left: the call must not go on behind its back.
+                gw.runtime.metrics.held_event("abandoned");
+                tracing::info!(
+                    "a held flow's retry arrived from a client already gone; its call is ended"
+                );
+                held.abandon(gw).await;
+                return Outcome::ClientGone;
+            }
+            (false, Some(held)) => {
                 gw.runtime.metrics.held_event("resumed");
                 let mut upstream = resume(call, held.endpoint.clone(), &upstream_call);
                 upstream.persistent = upstream_call.data_session;
@@ -207,7 +218,7 @@ async fn continue_flow(
                 let flow = Flow::retry(config(call, false), state, responses, questions, now);
                 return drive(call, session, reply, flow, io).await;
             }
-            None => {
+            (_, None) => {
                 gw.runtime.metrics.held_event("lost");
                 let lost = Lost::Holder;
                 let flow = Flow::call_lost(config(call, false), state, responses, lost, now);
@@ -488,6 +499,19 @@ async fn to_holder(
     let (lost, now) = (Lost::Holder, Instant::now());
     let flow = Flow::call_lost(config(call, false), state, responses, lost, now);
     drive(call, session, reply, flow, Io::new(None, Some(used))).await
+}
+
+/// Whether the client has closed its connection already (read once, without waiting),
+/// and the held flow at `at`, taken from the table.
+async fn gone_and_held(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    at: &HeldAt,
+    flow_id: u64,
+) -> (bool, Option<Box<Held>>) {
+    let read = tokio::time::timeout(Duration::ZERO, session.read_body_or_idle(true)).await;
+    let gone = matches!(read, Ok(Err(_)));
+    (gone, gw.flows.held.take(at.slot, flow_id))
 }
 
 /// Runs `flow` to its end: carries out its commands, feeds it what the upstream streams,
