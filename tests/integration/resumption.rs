@@ -1420,3 +1420,34 @@ fn a_retry_whose_streams_never_come_back_ends_at_the_flows_deadline() {
     let (status, ended) = call_hostile(&raw, 2, answer(&first, json!({"name": "x"})));
     assert_ended_at_the_deadline(&upstream, status, &ended);
 }
+
+/// A session GET stream the upstream takes and never opens (no response header) holds
+/// neither a new call nor a retry whose call stream is back: each goes on without it after
+/// a few seconds, not the response timeout (30 s here), and the call completes.
+#[test]
+fn a_session_stream_that_never_opens_is_gone_on_without() {
+    let calls = OneQuestionCalls::default();
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let sid = seen.header("mcp-session-id").unwrap_or_default();
+        if seen.method != "GET" {
+            return calls.post(seen);
+        }
+        if seen.header("last-event-id").is_none() {
+            return Answer::silent();
+        }
+        Answer::sse(&[])
+            .event(Some(&format!("{sid}-c3")), &json!(""))
+            .wait(&calls.answered(sid))
+            .event(None, &calls.result(sid, "done"))
+            .end()
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.upstreams[0].response_timeout_ms = 30_000;
+    });
+    let raw = Raw::new(&gw.url);
+    let (_, first) = call_hostile(&raw, 1, json!({}));
+    assert_eq!(first["result"]["resultType"], "input_required", "{first}");
+    let (_, done) = call_hostile(&raw, 2, answer(&first, json!({"name": "x"})));
+    assert_eq!(done["result"]["content"][0]["text"], "done", "{done}");
+}

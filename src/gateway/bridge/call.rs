@@ -983,9 +983,15 @@ async fn reopen(
     Input::Reopened { result, call_at }
 }
 
-/// The session's GET stream, if the upstream opens one; a server found to keep a closed
-/// one (409 to a new GET) is asked once, others again briefly. A retry's replaces the
-/// stream the round closed: on a `Connection::New`.
+/// How long the session's GET stream may take to open (its response header) before the
+/// flow goes on without it: the stream is optional (questions then come on the call's
+/// stream only), and servers open it at once; one that does not must not hold the call
+/// (or a retry whose call stream is back) for the response timeout.
+const SESSION_STREAM_PATIENCE: Duration = Duration::from_secs(5);
+
+/// The session's GET stream, if the upstream opens one within `SESSION_STREAM_PATIENCE`;
+/// a server found to keep a closed one (409 to a new GET) is asked once, others again
+/// briefly. A retry's replaces the stream the round closed: on a `Connection::New`.
 async fn session_stream(
     call: &Call<'_>,
     upstream: &LegacySession<'_>,
@@ -994,7 +1000,11 @@ async fn session_stream(
 ) -> Option<Response> {
     let (upstreams, group) = (&call.gw.upstreams, &call.group.name);
     let patient = !upstreams.learnt.get(group).session_stream_kept;
-    let (stream, kept) = open_session_stream(upstream, after, patient, connection).await;
+    let opening = open_session_stream(upstream, after, patient, connection);
+    let Ok((stream, kept)) = tokio::time::timeout(SESSION_STREAM_PATIENCE, opening).await else {
+        tracing::info!(group = %group, "the upstream did not open the session's GET stream in time; the call goes on without it");
+        return None;
+    };
     if kept && patient {
         upstreams.note_session_stream_kept(call.group);
     }
