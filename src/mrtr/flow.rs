@@ -557,6 +557,8 @@ struct Retry {
     empties: u32,
     /// The session's stream was reopened with the call's.
     session_reopened: bool,
+    /// When the call's stream was last asked to reopen (`Phase::Reopening`).
+    reopened_at: Option<Instant>,
     /// Events read while the resumed stream settled (replayed on the call's stream, or
     /// on the session's), for the round.
     replayed: Vec<(Stream, Event)>,
@@ -789,8 +791,12 @@ impl Flow {
                 Some(early) => Some((early.1 + WITHHELD_AFTER).min(*until).min(self.ends_at)),
                 None => Some((*until).min(self.ends_at)),
             },
-            // A retry's streams that do not come back end at the flow's deadline.
-            Phase::Reopening(_) => Some(self.ends_at),
+            // A retry's streams that do not come back end at the round's silence, or the
+            // flow's deadline if sooner.
+            Phase::Reopening(retry) => {
+                let silent_at = retry.reopened_at.map(|at| at + self.config.silence);
+                Some(silent_at.map_or(self.ends_at, |t| t.min(self.ends_at)))
+            }
             // So does a round whose call stream, reopened, does not come back; or sooner,
             // its silence (`reading_timeout`).
             Phase::Reading(r) if r.posting.is_none() && r.reopening => {
@@ -944,6 +950,13 @@ impl Flow {
                 self.end_round(reading, RoundEnd::FlowDeadline)
             }
             Phase::Reopening(retry) if now >= self.ends_at => self.deadline_reached(&retry.call),
+            Phase::Reopening(retry)
+                if retry
+                    .reopened_at
+                    .is_some_and(|at| now >= at + self.config.silence) =>
+            {
+                self.went_silent(&retry.call)
+            }
             Phase::Posting { call, until, .. } if now >= until => self.call_unanswered(call),
             Phase::Reading(reading) => self.reading_timeout(reading, now),
             other => other,
@@ -1190,6 +1203,7 @@ impl Flow {
             }
         };
         self.commands.push_back(command);
+        retry.reopened_at = Some(now);
         Phase::Reopening(retry)
     }
 
@@ -1900,21 +1914,7 @@ impl Flow {
                 self.give_up(&r.call, "the call's stream failed");
                 self.failed_during_call(failure)
             }
-            RoundEnd::Silent => {
-                self.commands.push_back(Command::CloseStreams);
-                self.give_up(&r.call, "the call was silent for too long");
-                let mut text = format!(
-                    "upstream group '{group}' sent nothing for {} s (bridge.round_silence_seconds) while the gateway waited for {} '{}' to answer or ask (round {})",
-                    self.config.silence_seconds, self.config.method, self.config.target, self.common.round
-                );
-                if r.call.data_session {
-                    text.push_str("; in a data-layer session only the call's own stream is read, so a question the server sends on the session's GET stream instead (not tied to the call) is not delivered: call such a tool outside the session");
-                }
-                self.finish(Ending::Refused(Refusal::internal(
-                    Class::UpstreamTimeout,
-                    text,
-                )))
-            }
+            RoundEnd::Silent => self.went_silent(&r.call),
             RoundEnd::FlowDeadline => self.deadline_reached(&r.call),
             RoundEnd::ShuttingDown => {
                 self.commands.push_back(Command::CloseStreams);
@@ -2145,6 +2145,24 @@ impl Flow {
     /// session deleted, or, in a data-layer session, the call cancelled by id as a legacy
     /// client cancels one (closing its stream does not: 2025-11-25, Cancellation), so
     /// that the tool stops instead of waiting on until the server's own timeout.
+    /// The upstream sent nothing for the round's silence: the call ends, and the client is
+    /// told which limit.
+    fn went_silent(&mut self, call: &UpstreamCall) -> Phase {
+        self.commands.push_back(Command::CloseStreams);
+        self.give_up(call, "the call was silent for too long");
+        let mut text = format!(
+            "upstream group '{}' sent nothing for {} s (bridge.round_silence_seconds) while the gateway waited for {} '{}' to answer or ask (round {})",
+            self.config.group, self.config.silence_seconds, self.config.method, self.config.target, self.common.round
+        );
+        if call.data_session {
+            text.push_str("; in a data-layer session only the call's own stream is read, so a question the server sends on the session's GET stream instead (not tied to the call) is not delivered: call such a tool outside the session");
+        }
+        self.finish(Ending::Refused(Refusal::internal(
+            Class::UpstreamTimeout,
+            text,
+        )))
+    }
+
     /// The flow reached its deadline: its call ends (no state it could issue would still
     /// open), and the client is told which limit.
     fn deadline_reached(&mut self, call: &UpstreamCall) -> Phase {
@@ -2207,6 +2225,7 @@ impl Retry {
             drain_pending: false,
             empties: 0,
             session_reopened: false,
+            reopened_at: None,
             replayed: Vec::new(),
             call_ended: false,
             to_post: VecDeque::new(),

@@ -1830,6 +1830,30 @@ fn a_round_whose_reopened_stream_hangs_ends_at_its_silence_or_the_deadline() {
     );
 }
 
+/// Sooner than the deadline, a retry whose streams do not come back ends at the round's
+/// silence, naming it; no answer went up.
+#[test]
+fn a_retry_whose_streams_hang_ends_at_the_rounds_silence() {
+    let first = first_round();
+    let hanging = Upstream {
+        reopen_withheld: true,
+        ..Upstream::default()
+    };
+    let answers = json!({"elicitation_0": accept("Ada")});
+    let mut h = retry_of(&first, config(), hanging, answers);
+    h.advance(Duration::from_secs(44));
+    assert!(h.ending.is_none(), "waits for the round's silence");
+    h.advance(Duration::from_secs(2));
+    let refusal = h.refusal();
+    assert_eq!(refusal.class, Class::UpstreamTimeout);
+    assert!(
+        refusal.message.contains("bridge.round_silence_seconds"),
+        "{refusal}"
+    );
+    assert!(h.log.contains(&Command::DeleteSession));
+    assert!(h.posted().is_empty(), "no answer went up");
+}
+
 /// Nothing posted may be cut: an answer, a call or a cancellation is awaited to its end.
 #[test]
 fn only_a_streams_get_may_be_cut() {
