@@ -80,7 +80,9 @@ impl fmt::Display for ExchangeFailure {
                 write!(f, "presented a certificate the gateway does not trust")
             }
             ExchangeFailure::Handshake => write!(f, "failed the TLS handshake"),
-            ExchangeFailure::Timeout => write!(f, "did not answer in time"),
+            ExchangeFailure::Timeout => {
+                write!(f, "did not answer in time (the group's response_timeout_ms)")
+            }
             ExchangeFailure::Broken => write!(f, "broke the exchange"),
             ExchangeFailure::TooLarge(max) => write!(f, "sent a body larger than {max} bytes"),
             ExchangeFailure::Unanswered => write!(

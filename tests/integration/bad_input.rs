@@ -241,6 +241,14 @@ fn a_silent_upstream_gets_504_within_the_response_timeout() {
         started.elapsed() < Duration::from_secs(5),
         "the response timeout was not applied"
     );
+    // A bridged call is told which step waited, and which limit ended the wait.
+    let modern = ask_name(&Raw::new(&gw.url), 6, json!({}));
+    let message = modern["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("opening a session (initialize)")
+            && message.contains("response_timeout_ms"),
+        "{modern}"
+    );
     drop(silent);
 }
 

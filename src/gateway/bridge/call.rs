@@ -893,7 +893,11 @@ async fn open_session<'g>(call: &Call<'g>, io: &mut Io<'g>) -> Input {
             io.warm_after = shape.filter(recurs);
             opened(io, upstream, false, None)
         }
-        Err(e) => Input::SessionFailed(failure(&e)),
+        Err(e) => {
+            let mut failed = failure(&e);
+            failed.message = format!("opening a session (initialize): {}", failed.message);
+            Input::SessionFailed(failed)
+        }
     }
 }
 
