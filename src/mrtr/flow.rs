@@ -872,6 +872,20 @@ impl Flow {
                 let reading = self.reading_for(call, None, false, false, now);
                 self.end_round(reading, RoundEnd::ShuttingDown)
             }
+            // Told while a GET of its streams is cut (`Command::may_be_cut`).
+            (Phase::OpeningSessionStream { call }, Input::ClientGone) => self.cancelled(&call),
+            (Phase::Reopening(retry), Input::ClientGone) => self.cancelled(&retry.call),
+            (Phase::OpeningSessionStream { call }, Input::GraceEnding) => {
+                self.commands.push_back(Command::CloseStreams);
+                self.give_up(&call, "the gateway replica is shutting down");
+                self.shutting_down("before the call went upstream: issue it again")
+            }
+            (Phase::Reopening(_), Input::GraceEnding) => {
+                // Nothing went up: the same state goes on elsewhere.
+                self.commands.push_back(Command::CloseStreams);
+                self.commands.push_back(Command::ReleaseClaim);
+                self.shutting_down("before the retry's answers went upstream; send the same retry again: its requestState is still good")
+            }
             (Phase::Reopening(retry), Input::Reopened { result, call_at }) => {
                 self.call_reopened(retry, result, call_at.min(now), now)
             }
@@ -2161,6 +2175,16 @@ impl Flow {
             Class::UpstreamTimeout,
             text,
         )))
+    }
+
+    /// The replica shuts down in the middle of the flow (`when`, and what the client can
+    /// do): the client is told.
+    fn shutting_down(&mut self, when: &str) -> Phase {
+        let text = format!(
+            "the gateway replica running {} '{}' is shutting down {when}",
+            self.config.method, self.config.target
+        );
+        self.finish(Ending::Refused(Refusal::internal(Class::Overloaded, text)))
     }
 
     /// The flow reached its deadline: its call ends (no state it could issue would still

@@ -1360,6 +1360,15 @@ fn resumptions_hang(call: fn() -> Answer) -> ScriptedUpstream {
     })
 }
 
+/// A call's stream: a priming event (`c1`), then a question (`c2`), left open.
+fn asks_a_name() -> Answer {
+    let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
+        "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
+    Answer::sse(&[])
+        .event(Some("c1"), &json!(""))
+        .event(Some("c2"), &question)
+}
+
 /// A gateway whose flows last 3 s, in front of `upstream`, whose exchanges may take 30 s.
 fn three_second_flows(upstream: &ScriptedUpstream) -> TestGateway {
     TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
@@ -1407,13 +1416,7 @@ fn a_call_whose_resumed_stream_never_comes_back_ends_at_the_flows_deadline() {
 /// not a response timeout later (30 s here), long after the flow's state stopped opening.
 #[test]
 fn a_retry_whose_streams_never_come_back_ends_at_the_flows_deadline() {
-    let upstream = resumptions_hang(|| {
-        let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
-            "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
-        Answer::sse(&[])
-            .event(Some("c1"), &json!(""))
-            .event(Some("c2"), &question)
-    });
+    let upstream = resumptions_hang(asks_a_name);
     let gw = three_second_flows(&upstream);
     let raw = Raw::new(&gw.url);
     let (_, first) = call_hostile(&raw, 1, json!({}));
@@ -1450,4 +1453,34 @@ fn a_session_stream_that_never_opens_is_gone_on_without() {
     assert_eq!(first["result"]["resultType"], "input_required", "{first}");
     let (_, done) = call_hostile(&raw, 2, answer(&first, json!({"name": "x"})));
     assert_eq!(done["result"]["content"][0]["text"], "done", "{done}");
+}
+
+/// A client that leaves while its retry's resumption hangs upstream ends the call at once
+/// (the GET is cut): its session is deleted, long before the round's silence or the
+/// flow's deadline, and nothing goes up.
+#[test]
+fn a_client_that_leaves_while_its_resumption_hangs_ends_the_call_at_once() {
+    let upstream = resumptions_hang(asks_a_name);
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.upstreams[0].response_timeout_ms = 60_000;
+    });
+    let (_, first) = call_hostile(&Raw::new(&gw.url), 1, json!({}));
+    let params = tool_params("hostile", answer(&first, json!({"name": "x"})));
+    let client = send_and_stay(gw.port, 2, params, json!({"elicitation": {}}));
+    let resumed = |s: &Seen| s.method == "GET" && s.header("last-event-id").is_some();
+    wait_until("the resumption sent", Duration::from_secs(10), || {
+        upstream.requests().iter().any(resumed)
+    });
+    drop(client);
+    wait_until("the session deleted", Duration::from_secs(5), || {
+        upstream.requests().iter().any(|s| s.method == "DELETE")
+    });
+    assert!(
+        !upstream.requests().iter().any(is_answer),
+        "no answer went up"
+    );
+    wait_until("the round freed", Duration::from_secs(5), || {
+        metric(&gw.admin, "mrtr_gateway_active_rounds") == 0.0
+    });
 }

@@ -575,19 +575,18 @@ async fn drive<'g>(
             if std::mem::take(&mut delete_pending) {
                 delete_session(call, &mut io).await;
             }
-            // A GET the flow may stop waiting for ends at its timeout (the flow's deadline).
-            let cut_at = command.may_be_cut().then(|| flow.poll_timeout()).flatten();
-            let executed = execute(call, session, &mut reply, &mut io, &flow, command);
-            let input = match cut_at.map(tokio::time::Instant::from_std) {
-                None => executed.await,
-                Some(at) => tokio::select! {
-                    biased;
-                    input = executed => input,
-                    _ = sleep_until_or_never(Some(at)) => {
+            let input = if command.may_be_cut() {
+                match get_or_cut(call, session, &mut io, &flow, command).await {
+                    Got::Input(input) => input,
+                    Got::Cut(Woke::Time) => {
                         flow.handle_timeout(Instant::now());
-                        continue;
+                        None
                     }
-                },
+                    Got::Cut(Woke::Input(input)) => Some(input),
+                    Got::Cut(Woke::Read) => None,
+                }
+            } else {
+                execute(call, session, &mut reply, &mut io, &flow, command).await
             };
             if let Some(input) = input {
                 flow.handle(input, Instant::now());
@@ -704,6 +703,53 @@ fn stream_of(source: Source) -> Stream {
     }
 }
 
+/// What came of a GET of the flow's streams: its outcome, or what cut it.
+enum Got {
+    Input(Option<Input>),
+    Cut(Woke),
+}
+
+/// Carries out a GET of the flow's streams (`Command::may_be_cut`), unless something the
+/// flow must hear comes first, which cuts it (the GET changes nothing upstream): its
+/// timeout (the round's silence, its deadline), the client leaving, the grace period's
+/// last stretch.
+async fn get_or_cut<'g>(
+    call: &Call<'g>,
+    session: &mut ServerSession,
+    io: &mut Io<'g>,
+    flow: &Flow,
+    command: Command,
+) -> Got {
+    let at = flow.poll_timeout().map(tokio::time::Instant::from_std);
+    let (client_gone_told, near_end_told) = (io.client_gone_told, io.near_end_told);
+    let got = get(call, io, command);
+    let cut = tokio::select! {
+        biased;
+        input = got => return Got::Input(input),
+        _ = sleep_until_or_never(at) => Woke::Time,
+        _ = session.read_body_or_idle(true), if !client_gone_told => Woke::Input(Input::ClientGone),
+        _ = call.gw.runtime.drain.wait_near_end(), if !near_end_told => Woke::Input(Input::GraceEnding),
+    };
+    match &cut {
+        Woke::Input(Input::ClientGone) => io.client_gone_told = true,
+        Woke::Input(Input::GraceEnding) => io.near_end_told = true,
+        _ => {}
+    }
+    Got::Cut(cut)
+}
+
+/// Carries out a GET of the flow's streams; `None` for any other command.
+async fn get<'g>(call: &Call<'g>, io: &mut Io<'g>, command: Command) -> Option<Input> {
+    match command {
+        Command::OpenStream { stream, after } => Some(open_stream(call, io, stream, after).await),
+        Command::Reopen {
+            after,
+            session_after,
+        } => Some(reopen(call, io, &after, session_after.as_deref()).await),
+        _ => None,
+    }
+}
+
 /// Carries out one command; returns what the flow must be told of its outcome.
 async fn execute<'g>(
     call: &Call<'g>,
@@ -718,11 +764,9 @@ async fn execute<'g>(
     } = *call;
     match command {
         Command::OpenSession => Some(open_session(call, io).await),
-        Command::OpenStream { stream, after } => Some(open_stream(call, io, stream, after).await),
-        Command::Reopen {
-            after,
-            session_after,
-        } => Some(reopen(call, io, &after, session_after.as_deref()).await),
+        stream_get @ (Command::OpenStream { .. } | Command::Reopen { .. }) => {
+            get(call, io, stream_get).await
+        }
         Command::PostCall { id } => post_call(call, io, id),
         Command::Post(message) => {
             let upstream = io.upstream.as_ref()?;

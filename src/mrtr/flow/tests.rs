@@ -63,6 +63,8 @@ struct Upstream {
     /// `Reopen` and `OpenStream { Call }` are not answered (their GETs hang) until the
     /// test says so.
     reopen_withheld: bool,
+    /// `OpenStream { Session }` is not answered (its GET hangs).
+    session_stream_withheld: bool,
     /// The call's reply, given the id it was posted under.
     call_reply: fn(i64) -> CallReply,
     /// Answers to `Post`, in turn (then `Ok`).
@@ -87,6 +89,7 @@ impl Default for Upstream {
             call_failures: VecDeque::new(),
             call_opens: VecDeque::new(),
             reopen_withheld: false,
+            session_stream_withheld: false,
             call_reply: |_| CallReply::Stream,
             posts: VecDeque::new(),
             watched: true,
@@ -117,6 +120,10 @@ impl Upstream {
                 stream: Stream::Call,
                 ..
             } if self.reopen_withheld => None,
+            Command::OpenStream {
+                stream: Stream::Session,
+                ..
+            } if self.session_stream_withheld => None,
             Command::OpenStream { stream, .. } => {
                 let result = match stream {
                     Stream::Call => self.call_opens.pop_front().unwrap_or(Ok(())),
@@ -1852,6 +1859,54 @@ fn a_retry_whose_streams_hang_ends_at_the_rounds_silence() {
     );
     assert!(h.log.contains(&Command::DeleteSession));
     assert!(h.posted().is_empty(), "no answer went up");
+}
+
+/// A client that leaves while a retry's streams reopen (the GETs cut) ends the call, and
+/// nothing goes up; at the grace period's end the retry is refused for the client to send
+/// again elsewhere, its claim released and its call left waiting.
+#[test]
+fn a_retry_reopening_its_streams_hears_the_client_leave_and_the_grace_period_end() {
+    let first = first_round();
+    let hanging = || Upstream {
+        reopen_withheld: true,
+        ..Upstream::default()
+    };
+    let answers = || json!({"elicitation_0": accept("Ada")});
+    let mut h = retry_of(&first, config(), hanging(), answers());
+    h.feed(Input::ClientGone);
+    assert!(matches!(h.ending(), Ending::ClientGone));
+    assert!(h.log.contains(&Command::DeleteSession));
+    assert!(h.posted().is_empty());
+
+    let mut h = retry_of(&first, config(), hanging(), answers());
+    h.feed(Input::GraceEnding);
+    let refusal = h.refusal();
+    assert_eq!(refusal.class, Class::Overloaded);
+    assert!(refusal.message.contains("still good"), "{refusal}");
+    assert!(h.log.contains(&Command::ReleaseClaim));
+    assert!(!h.log.contains(&Command::DeleteSession));
+    assert!(h.posted().is_empty());
+}
+
+/// The same while a new call's session stream opens, before the call goes up: the
+/// session is deleted either way.
+#[test]
+fn a_call_opening_its_session_stream_hears_the_client_leave_and_the_grace_period_end() {
+    let hanging = || Upstream {
+        session_stream_withheld: true,
+        ..Upstream::default()
+    };
+    let mut h = Harness::new_call(config(), hanging());
+    let open = h.log.last().expect("a command").clone();
+    assert!(is_open(Stream::Session, None)(&open), "{open:?}");
+    h.feed(Input::ClientGone);
+    assert!(matches!(h.ending(), Ending::ClientGone));
+    assert!(h.log.contains(&Command::DeleteSession));
+    let mut h = Harness::new_call(config(), hanging());
+    h.feed(Input::GraceEnding);
+    assert_eq!(h.refusal().class, Class::Overloaded);
+    assert!(h.log.contains(&Command::DeleteSession));
+    assert!(!h.log.iter().any(|c| matches!(c, Command::PostCall { .. })));
 }
 
 /// Nothing posted may be cut: an answer, a call or a cancellation is awaited to its end.
