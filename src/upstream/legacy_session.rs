@@ -21,6 +21,31 @@ use std::sync::Arc;
 /// and for the upstream to take a call's cancellation (`cancel`).
 const ABANDON_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// A session value's parts, owned: what a detached exchange takes along.
+struct Detached {
+    client: Arc<UpstreamClient>,
+    timeouts: Timeouts,
+    endpoint: Endpoint,
+    session_id: Option<String>,
+    version: Revision,
+    caller: Caller,
+    persistent: bool,
+}
+
+impl Detached {
+    fn session(&self) -> LegacySession<'_> {
+        LegacySession {
+            client: &self.client,
+            endpoint: self.endpoint.clone(),
+            timeouts: &self.timeouts,
+            session_id: self.session_id.clone(),
+            version: self.version,
+            caller: self.caller.clone(),
+            persistent: self.persistent,
+        }
+    }
+}
+
 pub struct LegacySession<'a> {
     pub client: &'a UpstreamClient,
     pub endpoint: Endpoint,
@@ -323,21 +348,39 @@ impl<'a> LegacySession<'a> {
         };
         // Only the header waits that long: the answer after it comes in the usual time.
         let answer_within = self.timeouts.response;
-        let (endpoint, session_id) = (self.endpoint.clone(), self.session_id.clone());
-        let (version, caller, persistent) = (self.version, self.caller.clone(), self.persistent);
+        let owned = self.detached(client, timeouts);
         async move {
-            let session = LegacySession {
-                client: &client,
-                endpoint,
-                timeouts: &timeouts,
-                session_id,
-                version,
-                caller,
-                persistent,
-            };
-            let mut response = session.post(&message).await?;
+            let mut response = owned.session().post(&message).await?;
             response.answer_within = answer_within;
             Ok(response)
+        }
+    }
+
+    /// `get`, as a future that owns what it needs, so that it can outlive this session
+    /// value (a stream that opens late joins the flow, or is held with it).
+    pub fn get_detached(
+        &self,
+        client: Arc<UpstreamClient>,
+        last_event_id: Option<String>,
+        connection: Connection,
+    ) -> impl std::future::Future<Output = Result<Response, SessionError>> + Send + 'static {
+        let owned = self.detached(client, *self.timeouts);
+        async move {
+            let session = owned.session();
+            session.get(last_event_id.as_deref(), connection).await
+        }
+    }
+
+    /// What this session value is made of, owned, under `timeouts`.
+    fn detached(&self, client: Arc<UpstreamClient>, timeouts: Timeouts) -> Detached {
+        Detached {
+            client,
+            timeouts,
+            endpoint: self.endpoint.clone(),
+            session_id: self.session_id.clone(),
+            version: self.version,
+            caller: self.caller.clone(),
+            persistent: self.persistent,
         }
     }
 

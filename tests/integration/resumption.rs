@@ -1438,11 +1438,7 @@ fn a_session_stream_that_never_opens_is_gone_on_without() {
         if seen.header("last-event-id").is_none() {
             return Answer::silent();
         }
-        Answer::sse(&[])
-            .event(Some(&format!("{sid}-c3")), &json!(""))
-            .wait(&calls.answered(sid))
-            .event(None, &calls.result(sid, "done"))
-            .end()
+        calls.resumed(sid, "done")
     });
     let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
         c.upstreams[0].era = UpstreamEra::Legacy;
@@ -1483,4 +1479,42 @@ fn a_client_that_leaves_while_its_resumption_hangs_ends_the_call_at_once() {
     wait_until("the round freed", Duration::from_secs(5), || {
         metric(&gw.admin, "mrtr_gateway_active_rounds") == 0.0
     });
+}
+
+/// A session GET stream the upstream is slow to open (its header after 6 s, past the
+/// gateway's 5 s patience), on which the tool asks its question: the call goes up without
+/// waiting for it, the stream joins the round when it opens, and the question is asked,
+/// not lost.
+#[test]
+fn a_question_on_a_session_stream_slow_to_open_is_asked() {
+    let calls = OneQuestionCalls::default();
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let sid = seen.header("mcp-session-id").unwrap_or_default();
+        let question = json!({"jsonrpc": "2.0", "id": 7, "method": "elicitation/create",
+            "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
+        if seen.jsonrpc_method().as_deref() == Some("tools/call") {
+            // The call's stream: primed, the question goes on the GET stream.
+            let _ = calls.post(seen);
+            return Answer::sse(&[]).event(Some(&format!("{sid}-c1")), &json!(""));
+        }
+        if seen.method != "GET" {
+            return calls.post(seen);
+        }
+        if seen.header("last-event-id").is_none() {
+            let head = Answer::sse(&[]).pieces_bytes();
+            return Answer::silent()
+                .pause(Duration::from_secs(6))
+                .bytes(head)
+                .event(Some(&format!("{sid}-g1")), &question);
+        }
+        calls.resumed(sid, "done")
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+    });
+    let raw = Raw::new(&gw.url);
+    let (_, first) = call_hostile(&raw, 1, json!({}));
+    assert_eq!(first["result"]["resultType"], "input_required", "{first}");
+    let (_, done) = call_hostile(&raw, 2, answer(&first, json!({"name": "x"})));
+    assert_eq!(done["result"]["content"][0]["text"], "done", "{done}");
 }

@@ -438,6 +438,16 @@ impl OneQuestionCalls {
         gates.entry(sid.to_string()).or_default().clone()
     }
 
+    /// Session `sid`'s call stream resumed: primed (`{sid}-c3`), then, once the answer
+    /// came, the result (`text`), and its end.
+    pub fn resumed(&self, sid: &str, text: &str) -> Answer {
+        Answer::sse(&[])
+            .event(Some(&format!("{sid}-c3")), &json!(""))
+            .wait(&self.answered(sid))
+            .event(None, &self.result(sid, text))
+            .end()
+    }
+
     /// Session `sid`'s call result, its content `text`.
     pub fn result(&self, sid: &str, text: &str) -> Value {
         let id = self.call_ids.lock().expect("call ids").get(sid).cloned();

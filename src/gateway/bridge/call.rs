@@ -9,7 +9,10 @@ use super::hold::{Held, HeldSession, NotHeld};
 use super::one_shot::Shape;
 use super::reply::{decorate, ClientReply};
 use super::session::{self, Attached};
-use super::streams::{answer_of, next_chunk, open_session_stream, resume_call, Source, Streams};
+use super::streams::{
+    answer_of, next_chunk, open_session_stream, resume_call, PostedCall, SessionStream, Source,
+    Streams,
+};
 use super::warm;
 use super::{
     end_session, end_session_later, finish_with, upstream_for, upstream_params,
@@ -654,6 +657,14 @@ async fn wait(call: &Call<'_>, session: &mut ServerSession, io: &mut Io<'_>, flo
             io.streams.posted = None;
             return Woke::Input(call_answered(call, io, answer).await);
         }
+        // The session's GET stream, slow to open, joins once it does.
+        opened = answer_of(&mut io.streams.session_opening), if session_stream => {
+            io.streams.session_opening = None;
+            if let Ok(stream) = opened {
+                io.streams.replace_session(Some(stream));
+            }
+            return Woke::Read;
+        }
         c = next_chunk(&mut io.streams.call), if reading => (Source::Call, c),
         c = next_chunk(&mut io.streams.session), if session_stream => (Source::Session, c),
         _ = sleep_until_or_never(timeout) => return Woke::Time,
@@ -989,7 +1000,9 @@ async fn open_stream(
         (Stream::Session, after) => {
             io.streams.replace_session(None);
             let opened = session_stream(call, upstream, after.as_deref(), Connection::Pooled);
-            io.streams.replace_session(opened.await);
+            let (stream, opening) = opened.await;
+            io.streams.replace_session(stream);
+            io.streams.session_opening = opening;
             Ok(())
         }
     };
@@ -1024,39 +1037,48 @@ async fn reopen(
         )
     })
     .await;
+    let (session, opening) = session;
     streams.replace_session(session);
+    streams.session_opening = opening;
     let result = resumed
         .map(|response| streams.replace_call(response))
         .map_err(|e| failure(&e));
     Input::Reopened { result, call_at }
 }
 
-/// How long the session's GET stream may take to open (its response header) before the
-/// flow goes on without it: the stream is optional (questions then come on the call's
-/// stream only), and servers open it at once; one that does not must not hold the call
-/// (or a retry whose call stream is back) for the response timeout.
+/// How long the flow waits for the session's GET stream to open (its response header)
+/// before it goes on: servers open it at once; one that does not must not hold the call
+/// (or a retry whose call stream is back) for the response timeout. The GET goes on
+/// beside the flow, and its stream joins when it opens (`Streams::session_opening`).
 const SESSION_STREAM_PATIENCE: Duration = Duration::from_secs(5);
 
-/// The session's GET stream, if the upstream opens one within `SESSION_STREAM_PATIENCE`;
-/// a server found to keep a closed one (409 to a new GET) is asked once, others again
-/// briefly. A retry's replaces the stream the round closed: on a `Connection::New`.
+/// The session's GET stream, if the upstream opens one within `SESSION_STREAM_PATIENCE`,
+/// or its GET still going; a server found to keep a closed one (409 to a new GET) is
+/// asked once, others again briefly. A retry's replaces the stream the round closed: on a
+/// `Connection::New`.
 async fn session_stream(
     call: &Call<'_>,
     upstream: &LegacySession<'_>,
     after: Option<&str>,
     connection: Connection,
-) -> Option<Response> {
+) -> (Option<Response>, Option<PostedCall>) {
     let (upstreams, group) = (&call.gw.upstreams, &call.group.name);
     let patient = !upstreams.learnt.get(group).session_stream_kept;
-    let opening = open_session_stream(upstream, after, patient, connection);
-    let Ok((stream, kept)) = tokio::time::timeout(SESSION_STREAM_PATIENCE, opening).await else {
-        tracing::info!(group = %group, "the upstream did not open the session's GET stream in time; the call goes on without it");
-        return None;
-    };
-    if kept && patient {
-        upstreams.note_session_stream_kept(call.group);
+    let client = &upstreams.client;
+    let patience = SESSION_STREAM_PATIENCE;
+    match open_session_stream(upstream, client, after, patient, connection, patience).await {
+        SessionStream::Open(stream) => (Some(stream), None),
+        SessionStream::Opening(get) => {
+            tracing::info!(group = %group, "the upstream is slow to open the session's GET stream; the flow goes on, and the stream joins when it opens");
+            (None, Some(get))
+        }
+        SessionStream::None { kept } => {
+            if kept && patient {
+                upstreams.note_session_stream_kept(call.group);
+            }
+            (None, None)
+        }
     }
-    stream
 }
 
 /// Sends the call; its answer is awaited beside the session's stream (`wait`), since some

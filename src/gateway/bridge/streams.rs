@@ -11,6 +11,7 @@ use bytes::Bytes;
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Which upstream stream an event came from.
@@ -22,7 +23,8 @@ pub(super) enum Source {
     Session,
 }
 
-/// The call's POST, its answer not yet come: owned, so it can be held with the flow.
+/// An exchange whose response header has not come (the call's POST, the session's GET):
+/// owned, so it can be held with the flow.
 pub(super) type PostedCall = Pin<Box<dyn Future<Output = Result<Response, SessionError>> + Send>>;
 
 pub(super) struct Streams {
@@ -32,6 +34,9 @@ pub(super) struct Streams {
     pub(super) posted: Option<PostedCall>,
     call_parser: sse::Parser,
     pub(super) session: Option<Response>,
+    /// The session's GET while the upstream takes longer than its patience to open it:
+    /// `session` once it opens. Dropped, it closes the connection.
+    pub(super) session_opening: Option<PostedCall>,
     session_parser: sse::Parser,
     /// Events parsed but not yet read: a round that fills up stops between two events of
     /// one chunk, and the rest belong to the next round (held with the flow).
@@ -53,6 +58,7 @@ impl Streams {
             posted: None,
             session_parser: parser_for(session.as_ref()),
             session,
+            session_opening: None,
             backlog: VecDeque::new(),
         }
     }
@@ -174,33 +180,54 @@ pub(super) async fn resume_call(
     }
 }
 
+/// What came of opening the session's GET stream.
+pub(super) enum SessionStream {
+    Open(Response),
+    /// The upstream has not answered within the patience: the GET goes on (owned), and
+    /// its stream joins the flow when it opens.
+    Opening(PostedCall),
+    /// None: refused, failed, or (`kept`) in conflict throughout.
+    None {
+        kept: bool,
+    },
+}
+
 /// The session's GET stream, where a legacy server sends requests not tied to a call,
 /// resumed after `after` when given (falling back to a fresh one when the upstream
 /// refuses the resumption). A second GET in one session gets 409 while the server still
 /// holds the previous round's, so a conflict is tried again a few times, briefly, when
 /// `patient`; a stream that replaces the previous round's goes on a new `connection`.
-/// The stream, if one opened, and whether it stayed in conflict throughout.
+/// A GET not answered within `patience` is handed back still going.
 pub(super) async fn open_session_stream(
     upstream: &LegacySession<'_>,
+    client: &Arc<UpstreamClient>,
     after: Option<&str>,
     patient: bool,
     connection: Connection,
-) -> (Option<Response>, bool) {
+    patience: Duration,
+) -> SessionStream {
+    let deadline = tokio::time::Instant::now() + patience;
     let mut after = after;
     for attempt in 0..=CONFLICT_RETRIES {
-        match upstream.get(after, connection).await {
-            Ok(response) => return (Some(response), false),
+        let position = after.map(str::to_string);
+        let mut get: PostedCall =
+            Box::pin(upstream.get_detached(client.clone(), position, connection));
+        let Ok(got) = tokio::time::timeout_at(deadline, &mut get).await else {
+            return SessionStream::Opening(get);
+        };
+        match got {
+            Ok(response) => return SessionStream::Open(response),
             Err(e) if is_conflict(&e) => match conflict_backoff(attempt).filter(|_| patient) {
                 Some(wait) => tokio::time::sleep(wait).await,
-                None => return (None, true),
+                None => return SessionStream::None { kept: true },
             },
             Err(e) if matches!(e.failure(), SessionFailure::Refused(_)) && after.is_some() => {
                 after = None
             }
-            Err(_) => return (None, false),
+            Err(_) => return SessionStream::None { kept: false },
         }
     }
-    (None, false)
+    SessionStream::None { kept: false }
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@
 //! Bounded: at most `per_shape` per shape and `max` in all, counting those still opening.
 
 use super::one_shot::{KeptSessions, Shape};
-use super::streams::open_session_stream;
+use super::streams::{open_session_stream, SessionStream};
 use super::{caller, client_info};
 use crate::gateway::Gateway;
 use crate::mrtr::modern::ModernRequest;
@@ -91,6 +91,11 @@ pub(super) fn take<'g>(
 /// time (so an upstream that refuses the shape's sessions is not asked again for
 /// nothing, and a shape that never recurs costs the server nothing).
 pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernRequest, shape: Shape) {
+    // A replica that drains serves no new call: nothing to open ahead of it.
+    let drain = gw.runtime.drain.clone();
+    if drain.is_draining() {
+        return;
+    }
     let pool = gw.upstreams.warm.clone();
     if !pool.reserve(&shape) {
         return;
@@ -115,9 +120,21 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
         match opened {
             Ok((session, _)) => match session.session_id.clone() {
                 Some(session_id) => {
-                    // A fresh session has no earlier GET stream to conflict with: one try.
-                    let (stream, _) =
-                        open_session_stream(&session, None, false, Connection::Pooled).await;
+                    // A fresh session has no earlier GET stream to conflict with: one try;
+                    // one still opening after the patience is dropped (the call that takes
+                    // the session opens its own).
+                    let opened = open_session_stream(
+                        &session,
+                        &client,
+                        None,
+                        false,
+                        Connection::Pooled,
+                        timeouts.response,
+                    );
+                    let stream = match opened.await {
+                        SessionStream::Open(stream) => Some(stream),
+                        _ => None,
+                    };
                     let warm = Warm {
                         endpoint: session.endpoint.clone(),
                         timeouts,
@@ -127,7 +144,10 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
                         opened: Instant::now(),
                         stream,
                     };
-                    pool.opened(shape, warm);
+                    if pool.opened(shape, warm).is_some() {
+                        // The pool was drained for shutdown meanwhile: not kept upstream.
+                        session.delete().await;
+                    }
                 }
                 // A server without sessions gains nothing from one opened ahead.
                 None => pool.failed(&shape),
@@ -208,6 +228,8 @@ struct Pools {
     /// When each shape last opened a session for a call of its own (bounded, idle ones
     /// forgotten): a shape is warmed only once it has come back.
     seen: HashMap<Shape, Instant>,
+    /// Drained for shutdown: nothing is opened or kept any more.
+    closed: bool,
 }
 
 impl Pools {
@@ -287,7 +309,7 @@ impl WarmSessions {
     /// a `true` must be followed by `opened` or `failed`.
     pub fn reserve(&self, shape: &Shape) -> bool {
         let mut pools = self.pools();
-        if pools.count(shape) >= self.per_shape || pools.total >= self.max {
+        if pools.closed || pools.count(shape) >= self.per_shape || pools.total >= self.max {
             return false;
         }
         *pools.opening.entry(*shape).or_default() += 1;
@@ -295,12 +317,18 @@ impl WarmSessions {
         true
     }
 
-    /// A reserved session is open and ready.
-    pub fn opened(&self, shape: Shape, warm: Warm) {
+    /// A reserved session is open and ready; given back (for deletion) when the pool was
+    /// drained meanwhile.
+    #[must_use]
+    pub fn opened(&self, shape: Shape, warm: Warm) -> Option<Warm> {
         let mut pools = self.pools();
         pools.done_opening(&shape);
+        if pools.closed {
+            return Some(warm);
+        }
         pools.ready.entry(shape).or_default().push(warm);
         pools.total += 1;
+        None
     }
 
     /// A reserved session did not open.
@@ -328,6 +356,7 @@ impl WarmSessions {
     /// Removes and returns every ready session (at shutdown), for deletion.
     pub fn drain(&self) -> Vec<Warm> {
         let mut pools = self.pools();
+        pools.closed = true;
         let all: Vec<Warm> = pools.ready.drain().flat_map(|(_, w)| w).collect();
         pools.total -= all.len();
         all
@@ -364,12 +393,25 @@ mod tests {
         }
     }
 
+    /// Once drained for shutdown, the pool reserves nothing more, and a session that
+    /// opens afterwards is given back for deletion, never kept (it would stay upstream).
+    #[test]
+    fn a_drained_pool_keeps_nothing_that_opens_after() {
+        let w = WarmSessions::new(2, 10, Duration::from_secs(60));
+        let now = Instant::now();
+        assert!(w.reserve(&[1; 32]));
+        assert!(w.drain().is_empty());
+        assert!(w.opened([1; 32], warm("late", now)).is_some(), "given back");
+        assert!(!w.reserve(&[1; 32]), "nothing reserved once drained");
+        assert_eq!(w.ready(), 0);
+    }
+
     #[test]
     fn a_ready_session_serves_one_call_of_its_shape_only() {
         let w = WarmSessions::new(2, 10, Duration::from_secs(30));
         let now = Instant::now();
         assert!(w.reserve(&[1; 32]));
-        w.opened([1; 32], warm("a", now));
+        assert!(w.opened([1; 32], warm("a", now)).is_none());
         assert!(w.take(&[2; 32], now).is_none(), "another shape");
         assert_eq!(
             w.take(&[1; 32], now).map(|w| w.session_id),
@@ -386,7 +428,7 @@ mod tests {
         assert!(w.reserve(&[1; 32]));
         assert!(w.reserve(&[1; 32]));
         assert!(!w.reserve(&[1; 32]), "two per shape, opening or ready");
-        w.opened([1; 32], warm("a", now));
+        assert!(w.opened([1; 32], warm("a", now)).is_none());
         assert!(!w.reserve(&[1; 32]));
         assert!(w.reserve(&[2; 32]));
         assert!(!w.reserve(&[3; 32]), "three in all");
@@ -402,7 +444,7 @@ mod tests {
         let start = Instant::now();
         for (id, at) in [("old", start), ("new", start + Duration::from_secs(20))] {
             assert!(w.reserve(&[1; 32]));
-            w.opened([1; 32], warm(id, at));
+            assert!(w.opened([1; 32], warm(id, at)).is_none());
         }
         let later = start + Duration::from_secs(31);
         assert_eq!(
@@ -426,7 +468,7 @@ mod tests {
         let now = Instant::now();
         for shape in [[1; 32], [2; 32]] {
             assert!(w.reserve(&shape));
-            w.opened(shape, warm("s", now));
+            assert!(w.opened(shape, warm("s", now)).is_none());
         }
         assert_eq!(w.drain().len(), 2);
         assert_eq!(w.ready(), 0);
