@@ -1134,3 +1134,47 @@ fn sessions_opened_ahead_of_demand_are_deleted_at_shutdown() {
         .any(|s| s.method == "DELETE" && s.header("mcp-session-id") == Some("s3"));
     assert!(deleted, "the warm session is deleted at shutdown");
 }
+
+/// A session opened ahead of demand whose GET stream the upstream is slow to open (8 s,
+/// past a 5 s grace period) when SIGTERM comes is deleted before the process exits, as
+/// every session the replica opened is.
+#[test]
+fn a_warm_session_still_opening_at_sigterm_is_deleted() {
+    let sessions = AtomicUsize::new(0);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        if seen.jsonrpc_method().as_deref() == Some("initialize") {
+            let n = sessions.fetch_add(1, Ordering::SeqCst);
+            return legacy_basics(seen, &format!("s{n}")).expect("initialize");
+        }
+        if let Some(answer) = legacy_basics(seen, "unused") {
+            return answer;
+        }
+        if seen.method == "GET" {
+            let head = Answer::sse(&[]).pieces_bytes();
+            return Answer::silent().pause(Duration::from_secs(8)).bytes(head);
+        }
+        let id = seen.json().map(|m| m["id"].clone()).unwrap_or_default();
+        Answer::json(
+            200,
+            &json!({"jsonrpc": "2.0", "id": id, "result": {"content": []}}),
+        )
+    });
+    let mut gw = GatewayProcess::start(&upstream.url());
+    let raw = Raw::new(&gw.url);
+    // The shape recurs: its second call starts a session ahead of the next.
+    for id in 1..=2 {
+        let done = call_tool(&raw, id, "quick", json!({}));
+        assert!(done["result"].is_object(), "{done}");
+    }
+    let count = |method: &str| {
+        let seen = upstream.requests();
+        let of = |s: &&Seen| s.method == method || s.jsonrpc_method().as_deref() == Some(method);
+        seen.iter().filter(of).count()
+    };
+    wait_until("the warm-up's initialize", Duration::from_secs(10), || {
+        count("initialize") == 3
+    });
+    gw.begin_drain();
+    gw.wait_for_exit();
+    assert_eq!(count("DELETE"), 3, "every session opened was deleted");
+}

@@ -11,7 +11,7 @@ use super::reply::{decorate, ClientReply};
 use super::session::{self, Attached};
 use super::streams::{
     answer_of, next_chunk, open_session_stream, resume_call, PostedCall, SessionStream, Source,
-    Streams,
+    Streams, SESSION_STREAM_PATIENCE,
 };
 use super::warm;
 use super::{
@@ -1045,12 +1045,6 @@ async fn reopen(
         .map_err(|e| failure(&e));
     Input::Reopened { result, call_at }
 }
-
-/// How long the flow waits for the session's GET stream to open (its response header)
-/// before it goes on: servers open it at once; one that does not must not hold the call
-/// (or a retry whose call stream is back) for the response timeout. The GET goes on
-/// beside the flow, and its stream joins when it opens (`Streams::session_opening`).
-const SESSION_STREAM_PATIENCE: Duration = Duration::from_secs(5);
 
 /// The session's GET stream, if the upstream opens one within `SESSION_STREAM_PATIENCE`,
 /// or its GET still going; a server found to keep a closed one (409 to a new GET) is

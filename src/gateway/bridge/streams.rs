@@ -180,6 +180,13 @@ pub(super) async fn resume_call(
     }
 }
 
+/// How long a flow waits for the session's GET stream to open (its response header)
+/// before it goes on: servers open it at once; one that does not must not hold the call
+/// (or a retry whose call stream is back) for the response timeout. The GET goes on
+/// beside the flow, and its stream joins when it opens (`Streams::session_opening`); a
+/// warm session's is dropped.
+pub(super) const SESSION_STREAM_PATIENCE: Duration = Duration::from_secs(5);
+
 /// What came of opening the session's GET stream.
 pub(super) enum SessionStream {
     Open(Response),

@@ -23,7 +23,7 @@
 //! Bounded: at most `per_shape` per shape and `max` in all, counting those still opening.
 
 use super::one_shot::{KeptSessions, Shape};
-use super::streams::{open_session_stream, SessionStream};
+use super::streams::{open_session_stream, SessionStream, SESSION_STREAM_PATIENCE};
 use super::{caller, client_info};
 use crate::gateway::Gateway;
 use crate::mrtr::modern::ModernRequest;
@@ -121,19 +121,23 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
             Ok((session, _)) => match session.session_id.clone() {
                 Some(session_id) => {
                     // A fresh session has no earlier GET stream to conflict with: one try;
-                    // one still opening after the patience is dropped (the call that takes
-                    // the session opens its own).
+                    // one still opening after the patience, or when the drain begins, is
+                    // dropped (the call that takes the session opens its own; a draining
+                    // replica deletes the session below).
                     let opened = open_session_stream(
                         &session,
                         &client,
                         None,
                         false,
                         Connection::Pooled,
-                        timeouts.response,
+                        SESSION_STREAM_PATIENCE,
                     );
-                    let stream = match opened.await {
-                        SessionStream::Open(stream) => Some(stream),
-                        _ => None,
+                    let stream = tokio::select! {
+                        opened = opened => match opened {
+                            SessionStream::Open(stream) => Some(stream),
+                            _ => None,
+                        },
+                        _ = drain.wait() => None,
                     };
                     let warm = Warm {
                         endpoint: session.endpoint.clone(),
