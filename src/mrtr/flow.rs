@@ -56,8 +56,9 @@
 //! shell's, asked through commands whose answers come back as inputs. A command that
 //! waits for an answer is the last one queued until the answer comes. The shell awaits
 //! it to its end, except a GET of the upstream's streams (`Command::may_be_cut`), which
-//! changes nothing there: a retry's reopening waits at most until the flow's deadline,
-//! where `poll_timeout` is due and `handle_timeout` ends the flow.
+//! changes nothing there: it is cut when `poll_timeout` is due (a retry's reopening, or a
+//! round's, ends at the round's silence or the flow's deadline), when the client leaves
+//! or when the grace period ends, and the flow is told which.
 
 use super::state::{
     FlowState, HeldAt, Known, Pending, Positions, UpstreamCall, UpstreamId, Waiting,
@@ -266,10 +267,11 @@ pub enum Input {
 }
 
 impl Command {
-    /// Whether the shell may stop carrying this command out once `poll_timeout` is due,
-    /// and call `handle_timeout` instead: only GETs of the upstream's streams, which
-    /// change nothing there. Anything posted is awaited to its end (never sent twice,
-    /// never cut half-delivered).
+    /// Whether the shell may stop carrying this command out once `poll_timeout` is due
+    /// (then calling `handle_timeout`), the client leaves or the grace period ends (then
+    /// telling the flow so): only GETs of the upstream's streams, which change nothing
+    /// there. Anything posted is awaited to its end (never sent twice, never cut
+    /// half-delivered).
     pub fn may_be_cut(&self) -> bool {
         matches!(self, Command::Reopen { .. } | Command::OpenStream { .. })
     }
@@ -294,8 +296,8 @@ pub enum Command {
     /// session's (after `session_after`, or fresh); answer `Reopened` once both are
     /// done. The session's is optional: without it, questions come
     /// on the call's stream only. GETs change nothing upstream: where the flow wants the
-    /// clock meanwhile (its deadline), the shell stops waiting for them then and calls
-    /// `handle_timeout` instead.
+    /// clock meanwhile (the round's silence, its deadline), the shell stops waiting for
+    /// them then and calls `handle_timeout` instead.
     Reopen {
         after: String,
         session_after: Option<String>,
@@ -2155,10 +2157,6 @@ impl Flow {
         }
     }
 
-    /// Ends a call the flow gives up on while the upstream may still be running it: its
-    /// session deleted, or, in a data-layer session, the call cancelled by id as a legacy
-    /// client cancels one (closing its stream does not: 2025-11-25, Cancellation), so
-    /// that the tool stops instead of waiting on until the server's own timeout.
     /// The upstream sent nothing for the round's silence: the call ends, and the client is
     /// told which limit.
     fn went_silent(&mut self, call: &UpstreamCall) -> Phase {
@@ -2199,6 +2197,10 @@ impl Flow {
         self.finish(Ending::Refused(Refusal::internal(Class::OverLimit, text)))
     }
 
+    /// Ends a call the flow gives up on while the upstream may still be running it: its
+    /// session deleted, or, in a data-layer session, the call cancelled by id as a legacy
+    /// client cancels one (closing its stream does not: 2025-11-25, Cancellation), so
+    /// that the tool stops instead of waiting on until the server's own timeout.
     fn give_up(&mut self, call: &UpstreamCall, reason: &str) {
         if !call.data_session {
             return self.commands.push_back(Command::DeleteSession);
