@@ -11,7 +11,7 @@
 use libfuzzer_sys::fuzz_target;
 use mrtr_gateway::config::ResumeMode;
 use mrtr_gateway::mrtr::flow::{
-    CallReply, Command, Ending, Failure, FailureKind, Flow, FlowConfig, Input, Stream,
+    CallReply, Command, Ending, Failure, FailureKind, Flow, FlowConfig, Input, Stream, StreamGet,
 };
 use mrtr_gateway::mrtr::modern::LogLevel;
 use mrtr_gateway::mrtr::state::{
@@ -185,7 +185,13 @@ struct Seen {
     cancelled: bool,
 }
 
-fn answer(command: &Command, b: &mut Bytes, seen: &mut Seen, config: &FlowConfig) -> Option<Input> {
+fn answer(
+    command: &Command,
+    b: &mut Bytes,
+    seen: &mut Seen,
+    config: &FlowConfig,
+    now: Instant,
+) -> Option<Input> {
     match command {
         Command::OpenSession => Some(if b.next() % 6 == 0 {
             Input::SessionFailed(failure(b))
@@ -198,13 +204,13 @@ fn answer(command: &Command, b: &mut Bytes, seen: &mut Seen, config: &FlowConfig
                 session_stream: b.next() % 2 == 0,
             }
         }),
-        Command::OpenStream { stream, .. } => Some(Input::StreamOpened {
+        Command::Get(StreamGet::Open { stream, .. }) => Some(Input::StreamOpened {
             stream: *stream,
             result: ok_or_fail(b),
         }),
-        Command::Reopen { .. } => Some(Input::StreamOpened {
-            stream: Stream::Call,
+        Command::Get(StreamGet::Reopen { .. }) => Some(Input::Reopened {
             result: ok_or_fail(b),
+            call_at: now,
         }),
         Command::PostCall { id } => {
             seen.last_call_id = Some(*id);
@@ -337,7 +343,7 @@ fn event(b: &mut Bytes, seen: &Seen) -> Input {
 
 fn drain(flow: &mut Flow, b: &mut Bytes, seen: &mut Seen, config: &FlowConfig, now: Instant) {
     while let Some(command) = flow.poll_command() {
-        if let Some(input) = answer(&command, b, seen, config) {
+        if let Some(input) = answer(&command, b, seen, config, now) {
             flow.handle(input, now);
         }
     }

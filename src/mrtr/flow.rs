@@ -55,7 +55,7 @@
 //! the shell (the flow checks that it fits), and the tables (reaper, held flows) are the
 //! shell's, asked through commands whose answers come back as inputs. A command that
 //! waits for an answer is the last one queued until the answer comes. The shell awaits
-//! it to its end, except a GET of the upstream's streams (`Command::may_be_cut`), which
+//! it to its end, except a GET of the upstream's streams (`Command::Get`), which
 //! changes nothing there: it is cut when `poll_timeout` is due (a retry's reopening, or a
 //! round's, ends at the round's silence or the flow's deadline), when the client leaves
 //! or when the grace period ends, and the flow is told which.
@@ -222,12 +222,12 @@ pub enum Input {
         session_stream: bool,
     },
     SessionFailed(Failure),
-    /// `OpenStream`: the stream is open, or not.
+    /// `StreamGet::Open`: the stream is open, or not.
     StreamOpened {
         stream: Stream,
         result: Result<(), Failure>,
     },
-    /// `Reopen`: the call's stream is resumed (at `call_at`, which may be before the
+    /// `StreamGet::Reopen`: the call's stream is resumed (at `call_at`, which may be before the
     /// session's stream was done), or not.
     Reopened {
         result: Result<(), Failure>,
@@ -266,15 +266,26 @@ pub enum Input {
     BarrierPassed,
 }
 
-impl Command {
-    /// Whether the shell may stop carrying this command out once `poll_timeout` is due
-    /// (then calling `handle_timeout`), the client leaves or the grace period ends (then
-    /// telling the flow so): only GETs of the upstream's streams, which change nothing
-    /// there. Anything posted is awaited to its end (never sent twice, never cut
-    /// half-delivered).
-    pub fn may_be_cut(&self) -> bool {
-        matches!(self, Command::Reopen { .. } | Command::OpenStream { .. })
-    }
+/// A GET of the flow's upstream streams: the only commands the shell may stop carrying out
+/// once `poll_timeout` is due (then calling `handle_timeout`), the client leaves or the
+/// grace period ends (then telling the flow so). A GET changes nothing upstream; anything
+/// posted is awaited to its end (never sent twice, never cut half-delivered).
+#[derive(Clone, Debug, PartialEq)]
+pub enum StreamGet {
+    /// Open `stream` (dropping what was there): the call's resumed after `after`, or the
+    /// session's, after `after` or fresh; answer `StreamOpened`.
+    Open {
+        stream: Stream,
+        after: Option<String>,
+    },
+    /// A retry's reopening: the call's stream resumed after `after` and, beside it, the
+    /// session's (after `session_after`, or fresh); answer `Reopened` once both are
+    /// done. The session's is optional: without it, questions come on the call's stream
+    /// only.
+    Reopen {
+        after: String,
+        session_after: Option<String>,
+    },
 }
 
 /// What the shell must do.
@@ -285,23 +296,8 @@ pub enum Command {
     /// `SessionOpened` or `SessionFailed`. Asked again in a flow, it replaces a warm
     /// session the upstream no longer has with one opened now.
     OpenSession,
-    /// Open `stream` (dropping what was there): the call's resumed after `after`, or the
-    /// session's, after `after` or fresh; answer `StreamOpened`. Like `Reopen`, a GET
-    /// the shell may cut at `poll_timeout` (`Command::may_be_cut`).
-    OpenStream {
-        stream: Stream,
-        after: Option<String>,
-    },
-    /// A retry's reopening: the call's stream resumed after `after` and, beside it, the
-    /// session's (after `session_after`, or fresh); answer `Reopened` once both are
-    /// done. The session's is optional: without it, questions come
-    /// on the call's stream only. GETs change nothing upstream: where the flow wants the
-    /// clock meanwhile (the round's silence, its deadline), the shell stops waiting for
-    /// them then and calls `handle_timeout` instead.
-    Reopen {
-        after: String,
-        session_after: Option<String>,
-    },
+    /// A GET of the upstream's streams, which the shell may cut (`StreamGet`).
+    Get(StreamGet),
     /// Post the call under `id`; answer `CallPosted`.
     PostCall { id: i64 },
     /// Post a JSON-RPC response to a server request (an answer, a ping's, a refusal);
@@ -874,7 +870,7 @@ impl Flow {
                 let reading = self.reading_for(call, None, false, false, now);
                 self.end_round(reading, RoundEnd::ShuttingDown)
             }
-            // Told while a GET of its streams is cut (`Command::may_be_cut`).
+            // Told while a GET of its streams is cut (`Command::Get`).
             (Phase::OpeningSessionStream { call }, Input::ClientGone) => self.cancelled(&call),
             (Phase::Reopening(retry), Input::ClientGone) => self.cancelled(&retry.call),
             (Phase::OpeningSessionStream { call }, Input::GraceEnding) => {
@@ -1029,10 +1025,10 @@ impl Flow {
         if call.data_session || session_stream {
             return self.post_call(call, now);
         }
-        self.commands.push_back(Command::OpenStream {
+        self.commands.push_back(Command::Get(StreamGet::Open {
             stream: Stream::Session,
             after: None,
-        });
+        }));
         Phase::OpeningSessionStream { call }
     }
 
@@ -1201,10 +1197,10 @@ impl Flow {
             return self.unresumable(retry, Err(failure), now);
         };
         let command = if retry.call.data_session || retry.session_reopened {
-            Command::OpenStream {
+            Command::Get(StreamGet::Open {
                 stream: Stream::Call,
                 after: Some(from),
-            }
+            })
         } else {
             retry.session_reopened = true;
             // Resumed after its sealed position only where the group's store keeps
@@ -1213,10 +1209,10 @@ impl Flow {
                 .session_from
                 .clone()
                 .filter(|_| self.config.session_replay_scoped);
-            Command::Reopen {
+            Command::Get(StreamGet::Reopen {
                 after: from,
                 session_after,
-            }
+            })
         };
         self.commands.push_back(command);
         retry.reopened_at = Some(now);
@@ -1744,10 +1740,10 @@ impl Flow {
             r.reopen_at = None;
             r.reopening = true;
             r.call_open = false;
-            self.commands.push_back(Command::OpenStream {
+            self.commands.push_back(Command::Get(StreamGet::Open {
                 stream: Stream::Call,
                 after: Some(after),
-            });
+            }));
         }
         Phase::Reading(r)
     }

@@ -10,8 +10,8 @@ use super::one_shot::Shape;
 use super::reply::{decorate, ClientReply};
 use super::session::{self, Attached};
 use super::streams::{
-    answer_of, next_chunk, open_session_stream, resume_call, PostedCall, SessionStream, Source,
-    Streams, SESSION_STREAM_PATIENCE,
+    answer_of, next_chunk, open_session_stream, resume_call, PendingResponse, SessionStream,
+    Source, Streams, SESSION_STREAM_PATIENCE,
 };
 use super::warm;
 use super::{
@@ -25,7 +25,7 @@ use crate::gateway::{peers, Arrival, Gateway, UpstreamSide};
 use crate::metrics::InUse;
 use crate::mrtr::flow::{
     CallReply, Command, Ending, Failure, FailureKind, Flow, FlowConfig, Input, Learnt, Lost, Note,
-    Stream,
+    Stream, StreamGet,
 };
 use crate::mrtr::modern::{check_answers, ModernRequest};
 use crate::mrtr::replay::{self, Claim, StateDigest};
@@ -578,22 +578,13 @@ async fn drive<'g>(
             if std::mem::take(&mut delete_pending) {
                 delete_session(call, &mut io).await;
             }
-            let input = if command.may_be_cut() {
-                match get_or_cut(call, session, &mut io, &flow, command).await {
-                    Got::Input(input) => input,
-                    Got::Cut(Woke::Time) => {
-                        flow.handle_timeout(Instant::now());
-                        None
-                    }
-                    Got::Cut(Woke::Input(input)) => Some(input),
-                    Got::Cut(Woke::Read) => None,
-                }
-            } else {
-                execute(call, session, &mut reply, &mut io, &flow, command).await
+            let woke = match command {
+                Command::Get(get) => get_or_cut(call, session, &mut io, &flow, get).await,
+                command => execute(call, session, &mut reply, &mut io, &flow, command)
+                    .await
+                    .map_or(Woke::Read, Woke::Input),
             };
-            if let Some(input) = input {
-                flow.handle(input, Instant::now());
-            }
+            tell(&mut flow, woke);
         }
         // While the call's answer is awaited, only the session's stream is read.
         let from_session = || io.streams.backlog.front().map(|(s, _)| *s) == Some(Source::Session);
@@ -604,11 +595,17 @@ async fn drive<'g>(
                 continue;
             }
         }
-        match wait(call, session, &mut io, &flow).await {
-            Woke::Input(input) => flow.handle(input, Instant::now()),
-            Woke::Time => flow.handle_timeout(Instant::now()),
-            Woke::Read => {}
-        }
+        let woke = wait(call, session, &mut io, &flow).await;
+        tell(&mut flow, woke);
+    }
+}
+
+/// Tells the flow what woke the driver.
+fn tell(flow: &mut Flow, woke: Woke) {
+    match woke {
+        Woke::Input(input) => flow.handle(input, Instant::now()),
+        Woke::Time => flow.handle_timeout(Instant::now()),
+        Woke::Read => {}
     }
 }
 
@@ -617,7 +614,7 @@ enum Woke {
     Input(Input),
     /// The flow's timeout is due.
     Time,
-    /// A chunk was parsed into the backlog.
+    /// A chunk was parsed into the backlog, or a command needs no answer.
     Read,
 }
 
@@ -714,29 +711,30 @@ fn stream_of(source: Source) -> Stream {
     }
 }
 
-/// What came of a GET of the flow's streams: its outcome, or what cut it.
-enum Got {
-    Input(Option<Input>),
-    Cut(Woke),
-}
-
-/// Carries out a GET of the flow's streams (`Command::may_be_cut`), unless something the
-/// flow must hear comes first, which cuts it (the GET changes nothing upstream): its
-/// timeout (the round's silence, its deadline), the client leaving, the grace period's
-/// last stretch.
+/// Carries out a GET of the flow's streams, unless something the flow must hear comes
+/// first, which cuts it (the GET changes nothing upstream): its timeout (the round's
+/// silence, its deadline), the client leaving, the grace period's last stretch.
 async fn get_or_cut<'g>(
     call: &Call<'g>,
     session: &mut ServerSession,
     io: &mut Io<'g>,
     flow: &Flow,
-    command: Command,
-) -> Got {
+    get: StreamGet,
+) -> Woke {
     let at = flow.poll_timeout().map(tokio::time::Instant::from_std);
     let (client_gone_told, near_end_told) = (io.client_gone_told, io.near_end_told);
-    let got = get(call, io, command);
+    let got = async {
+        match get {
+            StreamGet::Open { stream, after } => open_stream(call, io, stream, after).await,
+            StreamGet::Reopen {
+                after,
+                session_after,
+            } => reopen(call, io, &after, session_after.as_deref()).await,
+        }
+    };
     let cut = tokio::select! {
         biased;
-        input = got => return Got::Input(input),
+        input = got => return Woke::Input(input),
         _ = sleep_until_or_never(at) => Woke::Time,
         _ = session.read_body_or_idle(true), if !client_gone_told => Woke::Input(Input::ClientGone),
         _ = call.gw.runtime.drain.wait_near_end(), if !near_end_told => Woke::Input(Input::GraceEnding),
@@ -746,19 +744,7 @@ async fn get_or_cut<'g>(
         Woke::Input(Input::GraceEnding) => io.near_end_told = true,
         _ => {}
     }
-    Got::Cut(cut)
-}
-
-/// Carries out a GET of the flow's streams; `None` for any other command.
-async fn get<'g>(call: &Call<'g>, io: &mut Io<'g>, command: Command) -> Option<Input> {
-    match command {
-        Command::OpenStream { stream, after } => Some(open_stream(call, io, stream, after).await),
-        Command::Reopen {
-            after,
-            session_after,
-        } => Some(reopen(call, io, &after, session_after.as_deref()).await),
-        _ => None,
-    }
+    cut
 }
 
 /// Carries out one command; returns what the flow must be told of its outcome.
@@ -775,9 +761,6 @@ async fn execute<'g>(
     } = *call;
     match command {
         Command::OpenSession => Some(open_session(call, io).await),
-        stream_get @ (Command::OpenStream { .. } | Command::Reopen { .. }) => {
-            get(call, io, stream_get).await
-        }
         Command::PostCall { id } => post_call(call, io, id),
         Command::Post(message) => {
             let upstream = io.upstream.as_ref()?;
@@ -900,7 +883,8 @@ async fn execute<'g>(
             tracing::info!("round handed over: draining");
             None
         }
-        Command::Finish(_) => None,
+        // The driver carries these out itself.
+        Command::Get(_) | Command::Finish(_) => None,
     }
 }
 
@@ -1055,7 +1039,7 @@ async fn session_stream(
     upstream: &LegacySession<'_>,
     after: Option<&str>,
     connection: Connection,
-) -> (Option<Response>, Option<PostedCall>) {
+) -> (Option<Response>, Option<PendingResponse>) {
     let (upstreams, group) = (&call.gw.upstreams, &call.group.name);
     let patient = !upstreams.learnt.get(group).session_stream_kept;
     let client = &upstreams.client;

@@ -25,18 +25,19 @@ pub(super) enum Source {
 
 /// An exchange whose response header has not come (the call's POST, the session's GET):
 /// owned, so it can be held with the flow.
-pub(super) type PostedCall = Pin<Box<dyn Future<Output = Result<Response, SessionError>> + Send>>;
+pub(super) type PendingResponse =
+    Pin<Box<dyn Future<Output = Result<Response, SessionError>> + Send>>;
 
 pub(super) struct Streams {
     pub(super) call: Option<Response>,
     /// The call's POST while its answer (the response header) has not come; `call` is
     /// its stream once it has. Dropped, it closes the connection.
-    pub(super) posted: Option<PostedCall>,
+    pub(super) posted: Option<PendingResponse>,
     call_parser: sse::Parser,
     pub(super) session: Option<Response>,
     /// The session's GET while the upstream takes longer than its patience to open it:
     /// `session` once it opens. Dropped, it closes the connection.
-    pub(super) session_opening: Option<PostedCall>,
+    pub(super) session_opening: Option<PendingResponse>,
     session_parser: sse::Parser,
     /// Events parsed but not yet read: a round that fills up stops between two events of
     /// one chunk, and the rest belong to the next round (held with the flow).
@@ -124,7 +125,9 @@ impl Streams {
 }
 
 /// The answer to the call's POST, or never while there is none awaited.
-pub(super) async fn answer_of(posted: &mut Option<PostedCall>) -> Result<Response, SessionError> {
+pub(super) async fn answer_of(
+    posted: &mut Option<PendingResponse>,
+) -> Result<Response, SessionError> {
     match posted {
         Some(answer) => answer.await,
         None => std::future::pending().await,
@@ -192,7 +195,7 @@ pub(super) enum SessionStream {
     Open(Response),
     /// The upstream has not answered within the patience: the GET goes on (owned), and
     /// its stream joins the flow when it opens.
-    Opening(PostedCall),
+    Opening(PendingResponse),
     /// None: refused, failed, or (`kept`) in conflict throughout.
     None {
         kept: bool,
@@ -217,7 +220,7 @@ pub(super) async fn open_session_stream(
     let mut after = after;
     for attempt in 0..=CONFLICT_RETRIES {
         let position = after.map(str::to_string);
-        let mut get: PostedCall =
+        let mut get: PendingResponse =
             Box::pin(upstream.get_detached(client.clone(), position, connection));
         let Ok(got) = tokio::time::timeout_at(deadline, &mut get).await else {
             return SessionStream::Opening(get);

@@ -58,12 +58,12 @@ struct Upstream {
     session_stream: bool,
     /// How the call's posts fail, in turn (then `call_reply`).
     call_failures: VecDeque<Failure>,
-    /// Answers to `OpenStream { Call }` and `Reopen`, in turn (then `Ok`).
+    /// Answers to `StreamGet::Open { Call }` and `StreamGet::Reopen`, in turn (then `Ok`).
     call_opens: VecDeque<Result<(), Failure>>,
-    /// `Reopen` and `OpenStream { Call }` are not answered (their GETs hang) until the
+    /// `StreamGet::Reopen` and `StreamGet::Open { Call }` are not answered (their GETs hang) until the
     /// test says so.
     reopen_withheld: bool,
-    /// `OpenStream { Session }` is not answered (its GET hangs).
+    /// `StreamGet::Open { Session }` is not answered (its GET hangs).
     session_stream_withheld: bool,
     /// The call's reply, given the id it was posted under.
     call_reply: fn(i64) -> CallReply,
@@ -116,15 +116,15 @@ impl Upstream {
                     session_stream: self.session_stream,
                 },
             }),
-            Command::OpenStream {
+            Command::Get(StreamGet::Open {
                 stream: Stream::Call,
                 ..
-            } if self.reopen_withheld => None,
-            Command::OpenStream {
+            }) if self.reopen_withheld => None,
+            Command::Get(StreamGet::Open {
                 stream: Stream::Session,
                 ..
-            } if self.session_stream_withheld => None,
-            Command::OpenStream { stream, .. } => {
+            }) if self.session_stream_withheld => None,
+            Command::Get(StreamGet::Open { stream, .. }) => {
                 let result = match stream {
                     Stream::Call => self.call_opens.pop_front().unwrap_or(Ok(())),
                     Stream::Session => Ok(()),
@@ -134,8 +134,8 @@ impl Upstream {
                     result,
                 })
             }
-            Command::Reopen { .. } if self.reopen_withheld => None,
-            Command::Reopen { .. } => Some(Input::Reopened {
+            Command::Get(StreamGet::Reopen { .. }) if self.reopen_withheld => None,
+            Command::Get(StreamGet::Reopen { .. }) => Some(Input::Reopened {
                 result: self.call_opens.pop_front().unwrap_or(Ok(())),
                 call_at: now.checked_sub(self.session_stream_lag).unwrap_or(now),
             }),
@@ -306,14 +306,14 @@ fn accept(name: &str) -> Value {
 /// Whether a command opens `stream` after `after`: alone, or in a retry's `Reopen`.
 fn is_open(stream: Stream, after: Option<&str>) -> impl Fn(&Command) -> bool + '_ {
     move |c| match c {
-        Command::OpenStream {
+        Command::Get(StreamGet::Open {
             stream: s,
             after: a,
-        } => *s == stream && a.as_deref() == after,
-        Command::Reopen {
+        }) => *s == stream && a.as_deref() == after,
+        Command::Get(StreamGet::Reopen {
             after: a,
             session_after,
-        } => match stream {
+        }) => match stream {
             Stream::Call => Some(a.as_str()) == after,
             Stream::Session => session_after.as_deref() == after,
         },
@@ -468,10 +468,10 @@ fn a_session_that_comes_with_its_stream_open_posts_the_call_at_once() {
             .collect::<Vec<_>>()
     };
     assert_eq!(opening(true), [Command::OpenSession]);
-    let session_stream = Command::OpenStream {
+    let session_stream = Command::Get(StreamGet::Open {
         stream: Stream::Session,
         after: None,
-    };
+    });
     assert_eq!(opening(false), [Command::OpenSession, session_stream]);
 }
 
@@ -589,10 +589,10 @@ fn a_retry_reopens_and_settles_the_streams_before_it_posts_the_answers() {
     let id = first.call_id();
     let mut h = answered(&first, "Ada");
     // Both streams are reopened at once, before anything else.
-    let reopen = Command::Reopen {
+    let reopen = Command::Get(StreamGet::Reopen {
         after: "c2".into(),
         session_after: None,
-    };
+    });
     assert_eq!(h.log, [reopen]);
     assert!(h.posted().is_empty(), "no answer before the stream is live");
     assert!(h.flow.is_reading(), "settling: replayed events are read");
@@ -852,19 +852,20 @@ fn an_unanswered_question_that_opened_the_call_stream_is_named_and_the_state_kep
         "the state stays usable"
     );
     assert!(
-        !h.log
-            .iter()
-            .any(|c| matches!(c, Command::Reopen { .. } | Command::OpenStream { .. })),
+        !h.log.iter().any(|c| matches!(
+            c,
+            Command::Get(StreamGet::Reopen { .. }) | Command::Get(StreamGet::Open { .. })
+        )),
         "nothing upstream: {:?}",
         h.log
     );
     let both = json!({"elicitation_0": accept("red"), "elicitation_1": accept("L")});
     let h = retry_of(&first, config(), Upstream::default(), both);
     assert!(
-        h.log.contains(&Command::Reopen {
+        h.log.contains(&Command::Get(StreamGet::Reopen {
             after: "c2".into(),
             session_after: None,
-        }),
+        })),
         "every answer given: after the last event, {:?}",
         h.log
     );
@@ -895,18 +896,20 @@ fn an_unanswered_question_from_the_get_stream_is_replayed_only_where_it_can_be()
         h.refusal().code == -32602
             && h.refusal().message.contains("\"elicitation_1\"")
             && h.log.contains(&Command::ReleaseClaim)
-            && !h
-                .log
-                .iter()
-                .any(|c| matches!(c, Command::Reopen { .. } | Command::OpenStream { .. }))
+            && !h.log.iter().any(|c| {
+                matches!(
+                    c,
+                    Command::Get(StreamGet::Reopen { .. }) | Command::Get(StreamGet::Open { .. })
+                )
+            })
     };
 
     let first = round(true);
     let h = retry_of(&first, config(), Upstream::default(), partial.clone());
-    let replayed = Command::Reopen {
+    let replayed = Command::Get(StreamGet::Reopen {
         after: "c2".into(),
         session_after: Some("g1".into()),
-    };
+    });
     assert!(h.log.contains(&replayed), "{:?}", h.log);
     let mut shared = config();
     shared.session_replay_scoped = false;
@@ -943,10 +946,10 @@ fn an_event_over_the_limit_ends_the_call_without_a_resumption() {
             matches!(
                 c,
                 Command::Learn(_)
-                    | Command::OpenStream {
+                    | Command::Get(StreamGet::Open {
                         stream: Stream::Call,
                         ..
-                    }
+                    })
             )
         });
         assert!(!resumed, "{:?}", h.log);
@@ -1250,7 +1253,7 @@ fn a_round_without_event_ids_is_held_and_its_retry_reads_on_the_held_streams() {
     assert!(
         !h.log
             .iter()
-            .any(|c| matches!(c, Command::OpenStream { .. })),
+            .any(|c| matches!(c, Command::Get(StreamGet::Open { .. }))),
         "nothing reopened"
     );
     assert_eq!(h.posted().len(), 1);
@@ -1792,8 +1795,10 @@ fn a_retry_whose_streams_hang_ends_at_the_flows_deadline() {
         json!({"elicitation_0": accept("Ada")}),
     );
     let reopen = h.log.last().expect("a command");
-    assert!(matches!(reopen, Command::Reopen { .. }), "{reopen:?}");
-    assert!(reopen.may_be_cut(), "a reopening's GETs may be cut");
+    assert!(
+        matches!(reopen, Command::Get(StreamGet::Reopen { .. })),
+        "{reopen:?}"
+    );
     ends_a_second_before_the_deadline(&mut h);
     assert!(h.posted().is_empty(), "no answer went up");
 }
@@ -1815,7 +1820,6 @@ fn a_round_whose_reopened_stream_hangs_ends_at_its_silence_or_the_deadline() {
         h.advance(Duration::from_secs(2));
         let open = h.log.last().expect("a command").clone();
         assert!(is_open(Stream::Call, Some("c1"))(&open), "{open:?}");
-        assert!(open.may_be_cut());
         h
     };
     // Silence first (45 s).
@@ -1907,25 +1911,6 @@ fn a_call_opening_its_session_stream_hears_the_client_leave_and_the_grace_period
     assert_eq!(h.refusal().class, Class::Overloaded);
     assert!(h.log.contains(&Command::DeleteSession));
     assert!(!h.log.iter().any(|c| matches!(c, Command::PostCall { .. })));
-}
-
-/// Nothing posted may be cut: an answer, a call or a cancellation is awaited to its end.
-#[test]
-fn only_a_streams_get_may_be_cut() {
-    let get = Command::OpenStream {
-        stream: Stream::Call,
-        after: Some("c1".into()),
-    };
-    assert!(get.may_be_cut());
-    for posted in [
-        Command::PostCall { id: 1 },
-        Command::Post(json!({})),
-        Command::CancelFirst(json!({})),
-        Command::Barrier { id: 1 },
-        Command::OpenSession,
-    ] {
-        assert!(!posted.may_be_cut(), "{posted:?}");
-    }
 }
 
 /// A call whose answer has not come (a server answering in JSON once its tool is done)
@@ -2089,10 +2074,10 @@ fn a_data_session_call_reads_only_its_own_stream_and_never_deletes_the_session()
     let mut h = Harness::new_call(in_session, Upstream::default());
     assert!(!h.log.iter().any(|c| matches!(
         c,
-        Command::OpenStream {
+        Command::Get(StreamGet::Open {
             stream: Stream::Session,
             ..
-        }
+        })
     )));
     let id = h.call_id();
     h.event(Stream::Call, Some("c1"), &result(id, "done"));
