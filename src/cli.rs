@@ -158,11 +158,17 @@ pub fn main() -> ExitCode {
     }
 }
 
-/// The most verbose level logged, whatever `RUST_LOG` asks: at TRACE, pingora dumps
-/// request headers (`Authorization`) and every body chunk (`requestState`s, answers,
-/// upstream event ids), which must never reach the logs.
-pub const MOST_VERBOSE: tracing_subscriber::filter::LevelFilter =
-    tracing_subscriber::filter::LevelFilter::DEBUG;
+/// Whether a line may be logged, whatever `RUST_LOG` asks: the gateway's own up to DEBUG
+/// (none names a secret), other crates' up to INFO. Below that, pingora dumps request and
+/// response headers (`Authorization`, session ids) and body bytes (`requestState`s,
+/// answers, upstream event ids): every chunk at TRACE, and at DEBUG the whole read buffer
+/// of a malformed chunked body, with whatever the client pipelined after it.
+pub fn loggable(line: &tracing::Metadata<'_>) -> bool {
+    use tracing::Level;
+    let own = line.target().starts_with(env!("CARGO_CRATE_NAME"));
+    let most_verbose = if own { Level::DEBUG } else { Level::INFO };
+    *line.level() <= most_verbose
+}
 
 fn init_logging(format: LogFormat) {
     use tracing_subscriber::layer::SubscriberExt;
@@ -170,7 +176,7 @@ fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let registry = tracing_subscriber::registry()
-        .with(MOST_VERBOSE)
+        .with(tracing_subscriber::filter::filter_fn(loggable))
         .with(filter);
     let lines = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
     match format {
