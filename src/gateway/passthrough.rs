@@ -229,7 +229,7 @@ async fn resumption(
             .map_err(|e| e.reason())
             .and_then(|p| match http::HeaderValue::from_bytes(&p.upstream_id) {
                 Ok(id) => Ok((p.stream, id)),
-                Err(_) => Err("not_a_header"),
+                Err(_) => Err("bad_payload"),
             }),
         Err(_) => Err("malformed"),
     };

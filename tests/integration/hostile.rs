@@ -430,9 +430,15 @@ fn the_hostile_input_corpus_gets_documented_errors_and_reaches_no_upstream() {
     );
     still_serving(&ok, "misbound states");
 
-    // Oversized fields, each with its own clear error.
+    // Oversized fields, each with its own clear error; a state is counted as refused.
+    let too_long = || {
+        let name = "mrtr_gateway_request_state_rejections_total";
+        metric_with(&gw.admin, name, "\"too_long\"").unwrap_or(0.0)
+    };
+    let too_long_before = too_long();
     let long_state = "A".repeat(5000);
     let (status, body) = retry(&raw, &json!(long_state), answers());
+    assert_eq!(too_long(), too_long_before + 1.0, "counted as too_long");
     assert_eq!(
         (status, body["error"]["code"].as_i64()),
         (400, Some(-32602)),

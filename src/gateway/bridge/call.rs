@@ -96,8 +96,11 @@ pub(super) async fn interactive(
         data_session,
         incoming,
     };
-    if let Err(text) = check_retry_limits(&request, &gw.config.limits) {
-        let refusal = Refusal::new(Class::BadRequest, code::INVALID_PARAMS, text);
+    if let Err(too_large) = check_retry_limits(&request, &gw.config.limits) {
+        if too_large.state {
+            count_state_rejection(gw, group, "too_long");
+        }
+        let refusal = Refusal::new(Class::BadRequest, code::INVALID_PARAMS, too_large.text);
         return refuse(session, reply, refusal).await;
     }
     let _active = InUse::new(&gw.runtime.metrics.active_rounds);
@@ -412,16 +415,24 @@ fn open_state(call: &Call<'_>, text: &str) -> Result<FlowState, &'static str> {
     Ok(state)
 }
 
+/// A retry's field over its limit: what to tell the client, and whether it is the
+/// `requestState` (which the state rejection metric counts).
+struct TooLarge {
+    text: String,
+    state: bool,
+}
+
 /// Refuses a retry whose `requestState` or `inputResponses` exceed the limits, before
-/// any decoding.
-fn check_retry_limits(request: &ModernRequest, limits: &Limits) -> Result<(), String> {
+/// any decoding. The limits are no secret: the client is told which one it passed.
+fn check_retry_limits(request: &ModernRequest, limits: &Limits) -> Result<(), TooLarge> {
+    let too_large = |state, text| Err(TooLarge { text, state });
     if let Some(state) = request.params.get("requestState").and_then(Value::as_str) {
         if state.len() > limits.max_request_state_bytes {
-            return Err(format!(
-                "requestState is {} bytes, above the limit of {}",
-                state.len(),
-                limits.max_request_state_bytes
-            ));
+            let (len, max) = (state.len(), limits.max_request_state_bytes);
+            return too_large(
+                true,
+                format!("requestState is {len} bytes, above the limit of {max}"),
+            );
         }
     }
     let Some(responses) = request.params.get("inputResponses") else {
@@ -429,17 +440,19 @@ fn check_retry_limits(request: &ModernRequest, limits: &Limits) -> Result<(), St
     };
     let count = responses.as_object().map_or(0, |r| r.len());
     if count > limits.max_input_requests_per_round {
-        return Err(format!(
-            "inputResponses has {count} entries, above the limit of {}",
-            limits.max_input_requests_per_round
-        ));
+        let max = limits.max_input_requests_per_round;
+        return too_large(
+            false,
+            format!("inputResponses has {count} entries, above the limit of {max}"),
+        );
     }
     let size = serde_json::to_vec(responses).map_or(usize::MAX, |v| v.len());
     if size > limits.max_input_responses_bytes {
-        return Err(format!(
-            "inputResponses is {size} bytes, above the limit of {}",
-            limits.max_input_responses_bytes
-        ));
+        let max = limits.max_input_responses_bytes;
+        return too_large(
+            false,
+            format!("inputResponses is {size} bytes, above the limit of {max}"),
+        );
     }
     Ok(())
 }
@@ -1368,14 +1381,16 @@ async fn refuse_state(
     group: &UpstreamGroup,
     reason: &'static str,
 ) -> Outcome {
-    gw.runtime
-        .metrics
-        .state_rejections
-        .with_label_values(&[reason])
-        .inc();
-    tracing::info!(group = %group.name, reason, "requestState refused");
+    count_state_rejection(gw, group, reason);
     let refusal = Refusal::new(Class::StateRejected, code::INVALID_PARAMS, INVALID_STATE);
     refuse(session, reply, refusal).await
+}
+
+/// Counts a refused `requestState` by its reason, and logs the reason.
+fn count_state_rejection(gw: &Gateway, group: &UpstreamGroup, reason: &'static str) {
+    let rejections = &gw.runtime.metrics.state_rejections;
+    rejections.with_label_values(&[reason]).inc();
+    tracing::info!(group = %group.name, reason, "requestState refused");
 }
 
 /// Names the flow in the request's span, so its access line carries the flow id; the id
