@@ -2,7 +2,7 @@
 //! each group's InitializeResult is, which era an `era: auto` group speaks, what was
 //! learnt of each group's resumption, and the sessions one-shot methods are served on.
 
-use super::bridge::one_shot::{self, KeptSessions, Shape};
+use super::bridge::one_shot::{self, Kept, KeptSessions, Shape};
 use super::bridge::warm::WarmSessions;
 use super::learnt::Learnt;
 use crate::config::{Config, ResumeMode, UpstreamEra};
@@ -246,16 +246,13 @@ impl UpstreamSide {
                 &asker.caller,
             )
             .await?;
-        match session.session_id.clone() {
-            Some(sid) if self.kept_sessions.enabled() => {
-                let (addr, version) = (session.endpoint.addr, session.version);
-                let now = Instant::now();
-                let older =
-                    self.kept_sessions
-                        .keep(asker.shape, &group.name, addr, sid, version, now);
+        let kept = Kept::of(&group.name, &session, Instant::now());
+        match kept.filter(|_| self.kept_sessions.enabled()) {
+            Some(kept) => {
+                let older = self.kept_sessions.keep(asker.shape, kept);
                 one_shot::retire(&self.client, group, older.into_iter().collect()).await;
             }
-            _ => session.delete().await,
+            None => session.delete().await,
         }
         Ok(result)
     }

@@ -325,6 +325,77 @@ fn every_upstream_exchange_of_a_flow_carries_the_query_of_the_request_behind_it(
     }
 }
 
+/// A session kept for one-shot requests is deleted with the credentials it was opened
+/// with, when it is let go: an upstream that authenticates every request refuses a
+/// DELETE without them, and the session stays.
+#[test]
+fn a_kept_session_is_deleted_with_the_credentials_it_was_opened_with() {
+    use crate::resumption::{resumable_server, Asks, Resumes};
+    use crate::scripted::Seen;
+    let upstream = resumable_server(Resumes::Primed, true, Asks::AfterPriming);
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.bridge.max_one_shot_sessions = 1;
+    });
+    for (id, key) in [(1, "k1"), (2, "k2")] {
+        let raw = Raw::new(&format!("{}?apiKey={key}", gw.url));
+        let bearer = format!("Bearer {key}");
+        let headers = [("authorization", bearer.as_str())];
+        let discovered = raw.modern_with(id, "server/discover", json!({}), json!({}), &headers);
+        assert_eq!(discovered.status, 200, "discover as {key}");
+    }
+    // k2's session took the only place: k1's are deleted, each as the key it was opened
+    // with.
+    let opened_with = || -> std::collections::HashMap<String, String> {
+        let requests = upstream.requests().into_iter();
+        let opened = requests.filter(|s| {
+            s.json()
+                .is_some_and(|m| m["method"] == "notifications/initialized")
+        });
+        opened
+            .filter_map(|s| Some((s.header("mcp-session-id")?.to_string(), s.path.clone())))
+            .collect()
+    };
+    let deletes = || -> Vec<Seen> {
+        upstream
+            .requests()
+            .into_iter()
+            .filter(|s| s.method == "DELETE")
+            .collect()
+    };
+    let k1_all_deleted = || {
+        let deleted: Vec<Seen> = deletes();
+        let is_deleted = |sid: &String| {
+            deleted
+                .iter()
+                .any(|d| d.header("mcp-session-id") == Some(sid))
+        };
+        let k1: Vec<String> = opened_with()
+            .into_iter()
+            .filter(|(_, p)| p.ends_with("=k1"))
+            .map(|(sid, _)| sid)
+            .collect();
+        !k1.is_empty() && k1.iter().all(is_deleted)
+    };
+    wait_until(
+        "every session opened as k1 deleted",
+        Duration::from_secs(5),
+        k1_all_deleted,
+    );
+    let opened = opened_with();
+    for delete in deletes() {
+        let sid = delete.header("mcp-session-id").expect("a session's DELETE");
+        let path = &opened[sid];
+        assert_eq!(&delete.path, path, "the DELETE of {sid} carries its query");
+        let key = path.rsplit('=').next().unwrap();
+        let bearer = format!("Bearer {key}");
+        assert_eq!(
+            delete.header("authorization"),
+            Some(bearer.as_str()),
+            "{sid}"
+        );
+    }
+}
+
 #[test]
 fn every_upstream_exchange_of_a_flow_carries_the_headers_of_the_request_behind_it() {
     use crate::resumption::{resumable_server, Asks, Resumes};

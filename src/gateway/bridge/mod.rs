@@ -473,19 +473,11 @@ async fn one_shot(
         Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
     };
     let answer = ask_once(gw, &upstream, request).await;
-    match (&answer, upstream.session_id.clone()) {
-        (Ok(_), Some(sid)) => {
-            let (addr, version) = (upstream.endpoint.addr, upstream.version);
-            let now = Instant::now();
-            retired.extend(gw.upstreams.kept_sessions.keep(
-                shape,
-                &group.name,
-                addr,
-                sid,
-                version,
-                now,
-            ));
-        }
+    match (
+        &answer,
+        one_shot::Kept::of(&group.name, &upstream, Instant::now()),
+    ) {
+        (Ok(_), Some(kept)) => retired.extend(gw.upstreams.kept_sessions.keep(shape, kept)),
         _ => end_session(&gw.flows.reaper, &upstream).await,
     }
     let outcome = answered(gw, session, group, reply, answer).await;

@@ -17,7 +17,7 @@
 
 use crate::protocol::revision::Revision;
 use crate::upstream::exchange::UpstreamClient;
-use crate::upstream::legacy_session::LegacySession;
+use crate::upstream::legacy_session::{Caller, LegacySession};
 use crate::upstream::{Timeouts, UpstreamGroup};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
@@ -37,6 +37,10 @@ pub struct Kept {
     pub session_id: String,
     /// The revision the upstream negotiated for it.
     pub version: Revision,
+    /// The headers it was opened with (the shape's credentials), for its DELETE: an
+    /// upstream that authenticates every request refuses one without them, and keeps
+    /// the session.
+    caller: Arc<Caller>,
     last_used: Instant,
     /// One count for the table's entry, and one for each request running on it (a copy
     /// taken by `take_live` lives as long as its request).
@@ -44,6 +48,20 @@ pub struct Kept {
 }
 
 impl Kept {
+    /// `session` kept as of `now`; `None` if the upstream gave it no session id (it keeps
+    /// no sessions).
+    pub fn of(group: &str, session: &LegacySession<'_>, now: Instant) -> Option<Kept> {
+        Some(Kept {
+            group: group.into(),
+            endpoint: session.endpoint.addr,
+            session_id: session.session_id.clone()?,
+            version: session.version,
+            caller: Arc::new(session.caller.clone()),
+            last_used: now,
+            users: Arc::new(()),
+        })
+    }
+
     /// Whether a request is running on it: deleting it would cut that request.
     fn in_use(&self) -> bool {
         Arc::strong_count(&self.users) > 1
@@ -108,24 +126,8 @@ impl KeptSessions {
     /// one, which deleting it would cut; this one has served only the request that opened
     /// it), or past the bound the least recently used of the others no request runs on
     /// (none while every one is in use: the table is over its bound until one is free).
-    pub fn keep(
-        &self,
-        shape: Shape,
-        group: &str,
-        endpoint: SocketAddr,
-        session_id: String,
-        version: Revision,
-        now: Instant,
-    ) -> Option<Kept> {
+    pub fn keep(&self, shape: Shape, kept: Kept) -> Option<Kept> {
         let mut sessions = self.sessions.lock().expect("kept sessions lock");
-        let kept = Kept {
-            group: group.into(),
-            endpoint,
-            session_id,
-            version,
-            last_used: now,
-            users: Arc::new(()),
-        };
         if sessions.contains_key(&shape) {
             return Some(kept);
         }
@@ -206,7 +208,8 @@ pub fn resume<'g>(
 /// Deletes kept sessions that were let go (idle, replaced, or over the bound).
 pub async fn retire(client: &UpstreamClient, group: &UpstreamGroup, retired: Vec<Kept>) {
     for kept in retired {
-        if let Some(upstream) = resume(client, group, &group.timeouts, &kept) {
+        if let Some(mut upstream) = resume(client, group, &group.timeouts, &kept) {
+            upstream.caller = Caller::clone(&kept.caller);
             upstream.delete().await;
         }
     }
@@ -282,8 +285,16 @@ mod tests {
 
     /// Keeps session `sid` for shape `[shape; 32]` of group "g" at `at`.
     fn keep_at(kept: &KeptSessions, shape: u8, sid: &str, at: Instant) -> Option<Kept> {
-        let revision = Revision::REQUESTED;
-        kept.keep([shape; 32], "g", addr(), sid.into(), revision, at)
+        let session = Kept {
+            group: "g".into(),
+            endpoint: addr(),
+            session_id: sid.into(),
+            version: Revision::REQUESTED,
+            caller: Arc::default(),
+            last_used: at,
+            users: Arc::new(()),
+        };
+        kept.keep([shape; 32], session)
     }
 
     #[test]
