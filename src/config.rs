@@ -325,7 +325,8 @@ pub struct BridgeOptions {
     /// take every slot.
     pub max_watched_sessions_per_principal: usize,
     /// Most used `requestState`s one replica remembers (each until its expiry) to refuse
-    /// replays; beyond it, retries are refused (503) rather than let through unguarded.
+    /// replays; beyond it, retries are refused (overloaded) rather than let through
+    /// unguarded.
     pub max_used_states: usize,
     /// How long a data-layer session's cookie stays valid after the last response that
     /// carried it (each response refreshes it).
@@ -338,11 +339,12 @@ pub struct BridgeOptions {
     /// new call is deferred the same way; 0 turns it off.
     pub shed_above_held_flows: usize,
     /// Most flows one replica holds in hold mode (their upstream streams open between
-    /// rounds); beyond it a round that would be held ends with an error (503).
+    /// rounds); beyond it a round that would be held ends with an error (overloaded).
     pub max_held_flows: usize,
     /// Most of those flows one principal holds (requests without one count only against
     /// `max_held_flows`); beyond it the principal's round that would be held ends with an
-    /// error (503), so that a client that abandons its flows cannot take every slot.
+    /// error naming this limit, so that a client that abandons its flows cannot take every
+    /// slot.
     pub max_held_flows_per_principal: usize,
     /// Most bytes a held flow may keep buffered on the gateway (its round's questions and
     /// any partial upstream event); a round above it ends with an error.

@@ -153,7 +153,7 @@ impl NotClaimed {
         match self {
             NotClaimed::Replayed => refuse_state(gw, session, reply, group, "replayed").await,
             NotClaimed::Full => {
-                let text = "too many retries are in flight on this replica; retry later";
+                let text = "too many retries are in flight on this replica (bridge.max_used_states); retry later";
                 refuse(session, reply, Refusal::internal(Class::Overloaded, text)).await
             }
         }
