@@ -237,6 +237,14 @@ fn demo(listeners: Listeners, demo_listen: String) -> Result<(), String> {
     let keys = Arc::new(load_keys(&mut config)?);
     let gateway_url = format!("http://{}/mcp", config.listen);
     let admin = config.admin_listen.clone();
+    if let Some(taken) = [&config.listen, &admin]
+        .into_iter()
+        .find(|l| crate::config::same_port(&demo_listen, l))
+    {
+        return Err(format!(
+            "the demo server cannot listen on {demo_listen}: the gateway listens on {taken}"
+        ));
+    }
     server::check_free(&demo_listen)
         .map_err(|e| format!("the demo server cannot listen on {demo_listen}: {e}"))?;
     let extra: server::ExtraServices = vec![Box::new(crate::demo::service(

@@ -460,7 +460,10 @@ impl PeerOptions {
     fn validate(&self, config: &Config) -> Result<(), ConfigError> {
         if let Some(listen) = &self.listen {
             check_addr("peers.listen", listen)?;
-            if [&config.listen, &config.admin_listen].contains(&listen) {
+            if [&config.listen, &config.admin_listen]
+                .into_iter()
+                .any(|other| same_port(listen, other))
+            {
                 return Err(ConfigError::at(
                     "peers.listen",
                     "must differ from listen and admin_listen",
@@ -824,38 +827,70 @@ pub struct EndpointUrl {
     pub tls: bool,
 }
 
+/// Takes an endpoint URL apart. Errors show the URL without its query or userinfo, which
+/// may carry credentials (`?apiKey=`).
 pub fn parse_endpoint_url(url: &str) -> Result<EndpointUrl, String> {
+    let shown = shown_url(url);
     let uri: http::Uri = url
         .parse()
-        .map_err(|e| format!("'{url}' is not a URL: {e}"))?;
+        .map_err(|e| format!("'{shown}' is not a URL: {e}"))?;
     let tls = match uri.scheme_str() {
         Some("http") => false,
         Some("https") => true,
-        _ => return Err(format!("'{url}' must start with http:// or https://")),
+        _ => return Err(format!("'{shown}' must start with http:// or https://")),
     };
-    let host = uri
+    if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
+        return Err(format!(
+            "'{shown}' has credentials before its host (user:password@), which the gateway does not send; give them in the client's requests or the URL's query"
+        ));
+    }
+    let authority = uri.authority().map_or("", |a| a.as_str());
+    let bracketed = uri
         .host()
         .filter(|h| !h.is_empty())
-        .ok_or_else(|| format!("'{url}' has no host"))?
+        .ok_or_else(|| format!("'{shown}' has no host"))?;
+    let host = bracketed
         .trim_start_matches('[')
         .trim_end_matches(']')
         .to_string();
-    let port = uri.port_u16().unwrap_or(if tls { 443 } else { 80 });
+    // What follows the host: the port as written (`Uri::port` is `None` for one that is
+    // not a `u16`).
+    let port_text = authority
+        .get(bracketed.len()..)
+        .and_then(|p| p.strip_prefix(':'));
+    let port = match port_text.map(str::parse::<u16>) {
+        None if tls => 443,
+        None => 80,
+        Some(Ok(port)) if port > 0 => port,
+        Some(_) => {
+            let text = port_text.unwrap_or_default();
+            return Err(format!("'{shown}' has port {text}, outside 1-65535"));
+        }
+    };
     let path = match uri.path_and_query().map(|p| p.as_str()) {
         None | Some("") => "/".to_string(),
         Some(p) => p.to_string(),
     };
-    let authority = uri
-        .authority()
-        .map(|a| a.as_str().to_string())
-        .unwrap_or_default();
     Ok(EndpointUrl {
-        authority,
+        authority: authority.to_string(),
         host,
         port,
         path,
         tls,
     })
+}
+
+/// `url` as messages show it: without its query, fragment or userinfo.
+fn shown_url(url: &str) -> String {
+    let url = url.split(['?', '#']).next().unwrap_or_default();
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    let host = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, host)| host);
+    format!("{scheme}://{host}{path}")
 }
 
 impl Config {
@@ -928,8 +963,11 @@ impl Config {
         check_durations("", &serde_json::to_value(self).unwrap_or_default())?;
         check_addr("listen", &self.listen)?;
         check_addr("admin_listen", &self.admin_listen)?;
-        if self.listen == self.admin_listen {
-            return Err(ConfigError::at("admin_listen", "must differ from listen"));
+        if same_port(&self.listen, &self.admin_listen) {
+            return Err(ConfigError::at(
+                "admin_listen",
+                "must differ from listen (another port, or another address than a wildcard one)",
+            ));
         }
         if let Some(tls) = &self.tls {
             tls.validate()?;
@@ -937,6 +975,10 @@ impl Config {
         self.limits.validate()?;
         self.forwarded.validate()?;
         self.cors_policy()?;
+        for (i, entry) in self.allowed_hosts.iter().enumerate() {
+            crate::protocol::host_check::allowed_host(entry)
+                .map_err(|problem| ConfigError::at(format!("allowed_hosts[{i}]"), problem))?;
+        }
         if let Some(url) = &self.public_url {
             check_public_url("public_url", url)?;
         }
@@ -989,10 +1031,29 @@ impl Config {
         if let Some(resolver) = &self.dns_resolver {
             check_addr("dns_resolver", resolver)?;
         }
-        if b.max_watched_sessions_per_principal == 0 {
+        // A table of no places would refuse every flow that needs one.
+        for (name, places) in [
+            ("max_watched_sessions", b.max_watched_sessions),
+            (
+                "max_watched_sessions_per_principal",
+                b.max_watched_sessions_per_principal,
+            ),
+            ("max_used_states", b.max_used_states),
+        ] {
+            if places == 0 {
+                return Err(ConfigError::at(format!("bridge.{name}"), "must be above 0"));
+            }
+        }
+        if b.one_shot_session_idle_seconds > 0 && b.max_one_shot_sessions == 0 {
             return Err(ConfigError::at(
-                "bridge.max_watched_sessions_per_principal",
-                "must be above 0",
+                "bridge.max_one_shot_sessions",
+                "must be above 0 while bridge.one_shot_session_idle_seconds is (0 there keeps no sessions)",
+            ));
+        }
+        if b.warm_sessions_per_shape > 0 && b.max_warm_sessions == 0 {
+            return Err(ConfigError::at(
+                "bridge.max_warm_sessions",
+                "must be above 0 while bridge.warm_sessions_per_shape is (0 there turns them off)",
             ));
         }
         if b.max_held_flows_per_principal == 0 {
@@ -1172,7 +1233,10 @@ fn validate_dns_discovery(at: &str, group: &UpstreamGroupConfig) -> Result<(), C
     if host.parse::<std::net::IpAddr>().is_ok() {
         return Err(ConfigError::at(
             format!("{at}.endpoints[0]"),
-            format!("'{url}': with discovery: dns, the host must be a DNS name, not an IP address"),
+            format!(
+                "'{}': with discovery: dns, the host must be a DNS name, not an IP address",
+                shown_url(url)
+            ),
         ));
     }
     if group.dns_refresh_ms == 0 {
@@ -1182,6 +1246,19 @@ fn validate_dns_discovery(at: &str, group: &UpstreamGroupConfig) -> Result<(), C
         ));
     }
     Ok(())
+}
+
+/// Whether two listen addresses would take one port: the same address, or one a wildcard
+/// that covers the other (`0.0.0.0` covers IPv4 addresses, `[::]` every address, as
+/// dual-stack). Port 0 (any free port) takes no port of another.
+pub fn same_port(a: &str, b: &str) -> bool {
+    let (Ok(a), Ok(b)) = (a.parse::<SocketAddr>(), b.parse::<SocketAddr>()) else {
+        return a == b;
+    };
+    let covers = |wide: &SocketAddr, other: &SocketAddr| {
+        wide.ip().is_unspecified() && (wide.is_ipv6() || other.is_ipv4())
+    };
+    a.port() == b.port() && a.port() != 0 && (a.ip() == b.ip() || covers(&a, &b) || covers(&b, &a))
 }
 
 fn check_addr(path: &str, addr: &str) -> Result<(), ConfigError> {
@@ -1240,6 +1317,25 @@ mod tests {
         let flow = "principal: {jwt: {jwks_file: /etc/jwks.json}}";
         assert!(matches!(principal(flow), Ok(PrincipalSource::Jwt(_))));
         assert!(principal("principal: {cookie: x}").is_err());
+    }
+
+    /// A bound of zero places that would refuse every flow, or turn a feature into churn,
+    /// is refused by name; a zero that means "off" is not.
+    #[test]
+    fn bounds_that_would_refuse_everything_are_refused_by_key_path() {
+        let load = |yaml: &str| Config::from_yaml(&format!("bridge:\n  {yaml}\n{MINIMAL}"));
+        for key in [
+            "max_watched_sessions",
+            "max_watched_sessions_per_principal",
+            "max_used_states",
+            "max_one_shot_sessions",
+            "max_warm_sessions",
+        ] {
+            let refused = load(&format!("{key}: 0")).unwrap_err();
+            assert_eq!(refused.path, format!("bridge.{key}"));
+        }
+        assert!(load("one_shot_session_idle_seconds: 0\n  max_one_shot_sessions: 0").is_ok());
+        assert!(load("warm_sessions_per_shape: 0\n  max_warm_sessions: 0").is_ok());
     }
 
     #[test]
@@ -1490,5 +1586,60 @@ mod tests {
             .unwrap_err()
             .contains("https://"));
         assert!(parse_endpoint_url("not a url").is_err());
+    }
+
+    #[test]
+    fn listeners_on_one_port_are_refused_however_spelt() {
+        for (a, b) in [
+            ("127.0.0.1:9", "127.0.0.1:9"),
+            ("127.0.0.1:9", "0.0.0.0:9"),
+            ("0.0.0.0:9", "127.0.0.1:9"),
+            ("[::]:9", "127.0.0.1:9"),
+            ("[::1]:9", "[::]:9"),
+            ("[::]:9", "0.0.0.0:9"),
+        ] {
+            assert!(same_port(a, b), "{a} {b}");
+            let config = Config {
+                listen: a.into(),
+                admin_listen: b.into(),
+                ..Config::default()
+            };
+            assert_eq!(config.validate().unwrap_err().path, "admin_listen");
+        }
+        for (a, b) in [
+            ("127.0.0.1:9", "127.0.0.1:10"),
+            ("127.0.0.1:9", "127.0.0.2:9"),
+            ("0.0.0.0:9", "[::1]:9"),
+            ("127.0.0.1:0", "0.0.0.0:0"),
+        ] {
+            assert!(!same_port(a, b), "{a} {b}");
+        }
+    }
+
+    /// An endpoint refused shows no credentials: not its query, not its userinfo (which
+    /// is refused: the gateway would send it as part of `Host`).
+    #[test]
+    fn endpoint_errors_show_no_credentials() {
+        for (url, shown) in [
+            (
+                "http://127.0.0.1:1/m cp?apiKey=s3cret",
+                "'http://127.0.0.1:1/m cp'",
+            ),
+            ("ftp://svc/mcp?apiKey=s3cret", "'ftp://svc/mcp'"),
+            ("http://user:s3cret@svc/mcp", "'http://svc/mcp'"),
+            (
+                "http://svc:99999/mcp?token=s3cret",
+                "'http://svc:99999/mcp'",
+            ),
+        ] {
+            let refused = parse_endpoint_url(url).unwrap_err();
+            assert!(refused.contains(shown), "{refused}");
+            assert!(!refused.contains("s3cret"), "{refused}");
+        }
+        let ports = parse_endpoint_url("http://svc:99999/mcp").unwrap_err();
+        assert!(ports.contains("outside 1-65535"), "{ports}");
+        assert!(parse_endpoint_url("http://svc:0/mcp").is_err());
+        let query = parse_endpoint_url("http://svc:8/mcp?apiKey=k").unwrap();
+        assert_eq!((query.port, query.path.as_str()), (8, "/mcp?apiKey=k"));
     }
 }

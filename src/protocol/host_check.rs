@@ -6,7 +6,7 @@
 //! page whose DNS name resolves to 127.0.0.1 cannot drive a local gateway. Other listeners
 //! accept any host unless `allowed_hosts` lists the names to accept.
 
-use std::net::SocketAddr;
+use std::net::{Ipv6Addr, SocketAddr};
 
 const LOOPBACK_NAMES: &[&str] = &["localhost", "127.0.0.1", "::1"];
 
@@ -23,7 +23,7 @@ impl HostPolicy {
             return HostPolicy::Only(
                 allowed_hosts
                     .iter()
-                    .map(|h| h.to_ascii_lowercase())
+                    .filter_map(|h| allowed_host(h).ok())
                     .collect(),
             );
         }
@@ -56,6 +56,31 @@ impl HostPolicy {
         }
         Ok(())
     }
+}
+
+/// An `allowed_hosts` entry as the policy holds it (lower case, an IPv6 address without
+/// brackets), or why it could never match a `Host`: a port (any port is accepted),
+/// a scheme or path (a URL), an empty name.
+pub fn allowed_host(entry: &str) -> Result<String, String> {
+    let unbracketed = entry.strip_prefix('[').and_then(|e| e.strip_suffix(']'));
+    if let Some(v6) = unbracketed
+        .or(Some(entry))
+        .filter(|e| e.parse::<Ipv6Addr>().is_ok())
+    {
+        return Ok(v6.to_ascii_lowercase());
+    }
+    let problem = if entry.is_empty() {
+        "is empty"
+    } else if entry.contains("://") || entry.contains('/') {
+        "is a URL: give the host name alone"
+    } else if entry.contains(':') {
+        "has a port: give the host name alone (any port is accepted)"
+    } else if malformed_host(Some(entry), true).is_some() {
+        "is not a host name"
+    } else {
+        return Ok(entry.to_ascii_lowercase());
+    };
+    Err(format!("'{entry}' {problem}"))
 }
 
 /// Why a request's `Host` is malformed, if it is (RFC 9112 §3.2: answered 400, whatever
@@ -100,6 +125,26 @@ fn authority_host(authority: &str) -> Option<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn allowed_hosts_are_names_alone() {
+        assert_eq!(allowed_host("MCP.example.com").unwrap(), "mcp.example.com");
+        assert_eq!(allowed_host("[::1]").unwrap(), "::1");
+        assert_eq!(allowed_host("::1").unwrap(), "::1");
+        for (entry, problem) in [
+            ("127.0.0.1:8080", "has a port"),
+            ("https://mcp.example.com", "is a URL"),
+            ("mcp.example.com/mcp", "is a URL"),
+            ("", "is empty"),
+            ("a b", "is not a host name"),
+        ] {
+            let refused = allowed_host(entry).unwrap_err();
+            assert!(refused.contains(problem), "{refused}");
+        }
+        let bracketed =
+            HostPolicy::for_listener("0.0.0.0:8080".parse().unwrap(), &["[::1]".into()]);
+        assert!(bracketed.check(Some("[::1]:8080"), None).is_ok());
+    }
 
     #[test]
     fn a_missing_or_malformed_host_is_told_apart_from_a_foreign_one() {
