@@ -16,11 +16,13 @@ use pingora::protocols::http::ServerSession;
 use pingora::protocols::l4::stream::Stream;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::{watch, Semaphore};
+use tokio::sync::{oneshot, watch, Semaphore};
 
-/// Most connections an own listener serves at once; more wait for a free slot.
+/// Most connections an own listener serves at once. Past it, a new connection takes the
+/// place of the oldest that has sent nothing yet, or else waits for a free one.
 const MAX_OWN_CONNECTIONS: usize = 1024;
 /// Longest an admin connection is served.
 pub const ADMIN_CONNECTION_TIME: Duration = Duration::from_secs(10);
@@ -157,6 +159,7 @@ pub struct OwnListener<A> {
     socket: std::sync::Mutex<Option<std::net::TcpListener>>,
     /// Longest a connection is served; `None`: as long as it lasts.
     connection_time: Option<Duration>,
+    max_connections: usize,
     name: &'static str,
 }
 
@@ -173,8 +176,72 @@ impl<A> OwnListener<A> {
             app: Arc::new(app),
             socket: std::sync::Mutex::new(Some(socket)),
             connection_time,
+            max_connections: MAX_OWN_CONNECTIONS,
             name,
         })
+    }
+
+    #[cfg(test)]
+    fn with_max_connections(mut self, max: usize) -> OwnListener<A> {
+        self.max_connections = max;
+        self
+    }
+}
+
+/// The connections of a listener that have sent nothing yet, oldest first, each with the
+/// means to let it go. A connection opened and left silent holds a slot and does no work:
+/// when every slot is taken, the oldest of these is let go for the newcomer, so that
+/// silent connections (a flood of them, on a port any Pod of the cluster can reach) cannot
+/// keep a probe or a scrape out.
+#[derive(Default)]
+struct Silent {
+    next: std::sync::atomic::AtomicU64,
+    waiting: std::sync::Mutex<std::collections::BTreeMap<u64, oneshot::Sender<()>>>,
+}
+
+/// A connection counted as silent from its accept: the listener may let it go before its
+/// task first runs.
+struct Accepted {
+    id: u64,
+    let_go: oneshot::Receiver<()>,
+}
+
+impl Silent {
+    fn accepted(&self) -> Accepted {
+        let (sender, let_go) = oneshot::channel();
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        self.lock().insert(id, sender);
+        Accepted { id, let_go }
+    }
+
+    /// Waits for `tcp`'s first byte (or its close): `false` if it was let go first.
+    async fn first_byte(&self, tcp: &tokio::net::TcpStream, accepted: Accepted) -> bool {
+        // `peek` completes only on a byte or the close (`readable` may wake spuriously).
+        let mut byte = [0u8; 1];
+        let spoke = tokio::select! {
+            peeked = tcp.peek(&mut byte) => peeked.is_ok(),
+            _ = accepted.let_go => false,
+        };
+        self.lock().remove(&accepted.id);
+        spoke
+    }
+
+    /// Lets the oldest silent connection go; `false` if there is none.
+    fn let_oldest_go(&self) -> bool {
+        let mut waiting = self.lock();
+        // One that spoke meanwhile (its receiver gone) is passed over.
+        while let Some((_, let_go)) = waiting.pop_first() {
+            if let_go.send(()).is_ok() {
+                return true;
+            }
+        }
+        false
+    }
+
+    fn lock(
+        &self,
+    ) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<u64, oneshot::Sender<()>>> {
+        self.waiting.lock().expect("silent connections lock")
     }
 }
 
@@ -186,19 +253,33 @@ impl<A: ServerApp + Send + Sync + 'static> BackgroundService for OwnListener<A> 
             tracing::error!(listener = self.name, "the listener cannot start");
             return;
         };
-        let slots = Arc::new(Semaphore::new(MAX_OWN_CONNECTIONS));
+        let slots = Arc::new(Semaphore::new(self.max_connections));
+        let silent = Arc::new(Silent::default());
         loop {
-            let Ok(slot) = slots.clone().acquire_owned().await else {
-                return;
-            };
             let Ok((tcp, _)) = listener.accept().await else {
                 continue;
             };
-            let (app, shutdown) = (self.app.clone(), shutdown.clone());
-            let limit = self.connection_time;
+            let slot = match slots.clone().try_acquire_owned() {
+                Ok(slot) => slot,
+                Err(_) => {
+                    // Full: the oldest silent connection gives its slot up at once; with
+                    // none, the newcomer waits for a connection to end.
+                    silent.let_oldest_go();
+                    let Ok(slot) = slots.clone().acquire_owned().await else {
+                        return;
+                    };
+                    slot
+                }
+            };
+            let (app, shutdown, silent) = (self.app.clone(), shutdown.clone(), silent.clone());
+            let (limit, accepted) = (self.connection_time, silent.accepted());
             tokio::spawn(async move {
-                let stream: pingora::protocols::Stream = Box::new(Stream::from(tcp));
-                let served = serve_connection(app, stream, shutdown);
+                let served = async {
+                    if silent.first_byte(&tcp, accepted).await {
+                        let stream: pingora::protocols::Stream = Box::new(Stream::from(tcp));
+                        serve_connection(app, stream, shutdown).await;
+                    }
+                };
                 match limit {
                     Some(limit) => {
                         let _ = tokio::time::timeout(limit, served).await;
@@ -220,5 +301,53 @@ async fn serve_connection<A: ServerApp + Send + Sync + 'static>(
     let mut next = app.process_new(stream, &shutdown).await;
     while let Some(stream) = next {
         next = app.process_new(stream, &shutdown).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
+
+    struct Hello;
+
+    #[async_trait]
+    impl ServeHttp for Hello {
+        async fn response(&self, _: &mut ServerSession) -> Response<Vec<u8>> {
+            reply(200, "text/plain", b"ok".to_vec())
+        }
+    }
+
+    /// Connections opened and left silent, twice as many as the listener serves, do not
+    /// keep a probe out: each newcomer takes the place of the oldest silent one.
+    #[tokio::test]
+    async fn silent_connections_give_their_places_to_new_ones() {
+        let listener =
+            OwnListener::bind("test", Hello, "127.0.0.1:0", Some(Duration::from_secs(30)))
+                .unwrap()
+                .with_max_connections(4);
+        let addr = {
+            let socket = listener.socket.lock().unwrap();
+            socket.as_ref().unwrap().local_addr().unwrap()
+        };
+        let (_running, shutdown) = watch::channel(false);
+        tokio::spawn(async move { listener.start(shutdown).await });
+        let mut silent = Vec::new();
+        for _ in 0..8 {
+            silent.push(TcpStream::connect(addr).await.unwrap());
+        }
+        let probe = async {
+            let mut probe = TcpStream::connect(addr).await?;
+            probe
+                .write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                .await?;
+            let mut answer = String::new();
+            probe.read_to_string(&mut answer).await?;
+            Ok::<_, std::io::Error>(answer)
+        };
+        let answer = tokio::time::timeout(Duration::from_secs(5), probe).await;
+        let answer = answer.expect("answered within 5 s").unwrap();
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     }
 }
