@@ -49,7 +49,10 @@ for path in sys.argv[2:]:
             (out / f"{obj['metadata']['name']}.yaml").write_text(obj["data"]["gateway.yaml"])
 PY
   for f in "$tmp"/*.yaml; do
-    MRTR_GATEWAY_PEER_ADVERTISE=10.0.0.1:9091 "$MRTR_GATEWAY_BIN" check-config "$f"
+    # As the Deployments advertise it, on a cluster of either family.
+    for pod_ip in 10.0.0.1 fd00::1; do
+      MRTR_GATEWAY_PEER_ADVERTISE="[$pod_ip]:9091" "$MRTR_GATEWAY_BIN" check-config "$f"
+    done
   done
 fi
 echo "deploy: ok"

@@ -9,8 +9,8 @@
 - Each gateway Deployment agrees with the gateway.yaml of the ConfigMap it mounts: the
   listeners are on 0.0.0.0 at the container's ports (the peer listener's too, with the
   advertised address from the Pod IP), the name of each Service reaching the MCP port is
-  in allowed_hosts, and preStop + grace period + shutdown timeout fit in
-  terminationGracePeriodSeconds.
+  in allowed_hosts, preStop + grace period + shutdown timeout fit in
+  terminationGracePeriodSeconds, and a server beside the gateway is stopped after it.
 
 Usage: validate_manifests.py FOLDER KUBERNETES_VERSION...
 """
@@ -102,6 +102,19 @@ def check_gateway(where, deployment, configmaps, services):
         needed = pre_stop + server["grace_period_seconds"] + server["graceful_shutdown_timeout_seconds"]
         if needed >= grace_total:
             problem(where, f"preStop + grace + shutdown = {needed} s, not below terminationGracePeriodSeconds {grace_total}")
+        check_upstream_outlives(where, pod, needed, grace_total)
+
+
+def check_upstream_outlives(where, pod, gateway_stops_by, grace_total):
+    """A server in the gateway's Pod (a sidecar deployment) must be told to stop only after
+    the gateway has (its preStop sleeps past the gateway's shutdown), and before SIGKILL."""
+    for c in pod["containers"]:
+        if GATEWAY_IMAGE in c["image"].rsplit("/", 1)[-1]:
+            continue
+        sleep = (((c.get("lifecycle") or {}).get("preStop") or {}).get("sleep") or {}).get("seconds", 0)
+        if not gateway_stops_by < sleep < grace_total:
+            problem(where, f"container {c['name']}: preStop sleep {sleep} s must be above the gateway's shutdown "
+                           f"({gateway_stops_by} s) and below terminationGracePeriodSeconds {grace_total}")
 
 
 def check_peers(where, container, peers, ports):
@@ -112,8 +125,8 @@ def check_peers(where, container, peers, ports):
         problem(where, f"peers.listen {peers['listen']} must be 0.0.0.0 at the container port `peer`")
     env = {e["name"]: e for e in container.get("env") or []}
     advertise = env.get("MRTR_GATEWAY_PEER_ADVERTISE", {}).get("value", "")
-    if not peers.get("advertise") and advertise != f"$(POD_IP):{port}":
-        problem(where, f"MRTR_GATEWAY_PEER_ADVERTISE must be $(POD_IP):{port}")
+    if not peers.get("advertise") and advertise != f"[$(POD_IP)]:{port}":
+        problem(where, f"MRTR_GATEWAY_PEER_ADVERTISE must be [$(POD_IP)]:{port} (brackets serve both families)")
     pod_ip = env.get("POD_IP", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
     if advertise and pod_ip != "status.podIP":
         problem(where, "POD_IP must come from the field status.podIP")

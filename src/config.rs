@@ -421,7 +421,8 @@ pub struct PeerOptions {
     /// replicas (IP:PORT). Unset: no peer listener, and a flow held here can be continued
     /// only by a retry that reaches this replica itself.
     pub listen: Option<String>,
-    /// This replica's peer address as the others reach it (IP:PORT), sealed into the
+    /// This replica's peer address as the others reach it (IP:PORT; an IPv4 address may
+    /// be bracketed, so `[$(POD_IP)]:9091` serves either family), sealed into the
     /// `requestState` of each flow it holds. Default: `listen`, when it names one address.
     pub advertise: Option<String>,
     /// Every replica's peer address: IP:PORT entries (`discovery: static`), or one
@@ -452,8 +453,10 @@ impl Default for PeerOptions {
 impl PeerOptions {
     /// The advertised address: `advertise`, else `listen` unless it is a wildcard.
     pub fn advertised(&self) -> Option<SocketAddr> {
-        let text = self.advertise.as_ref().or(self.listen.as_ref())?;
-        let addr: SocketAddr = text.parse().ok()?;
+        let addr = match (&self.advertise, &self.listen) {
+            (Some(advertise), _) => advertised_addr(advertise)?,
+            (None, listen) => listen.as_ref()?.parse().ok()?,
+        };
         (!addr.ip().is_unspecified()).then_some(addr)
     }
 
@@ -470,13 +473,20 @@ impl PeerOptions {
                 ));
             }
         }
-        if let Some(advertise) = &self.advertise {
-            check_addr("peers.advertise", advertise)?;
+        if let Some(advertise) = self
+            .advertise
+            .as_ref()
+            .filter(|a| advertised_addr(a).is_none())
+        {
+            return Err(ConfigError::at(
+                "peers.advertise",
+                format!("'{advertise}' is not an IP:PORT socket address"),
+            ));
         }
         if self.listen.is_some() && self.advertised().is_none() {
             return Err(ConfigError::at(
                 "peers.advertise",
-                "required when peers.listen is a wildcard address: give the IP:PORT other replicas reach this one at, e.g. $(POD_IP):9091",
+                "required when peers.listen is a wildcard address: give the IP:PORT other replicas reach this one at, e.g. [$(POD_IP)]:9091",
             ));
         }
         if !self.members.is_empty() && self.listen.is_none() {
@@ -1248,6 +1258,17 @@ fn validate_dns_discovery(at: &str, group: &UpstreamGroupConfig) -> Result<(), C
     Ok(())
 }
 
+/// An advertised peer address: IP:PORT, where an IPv4 address may be bracketed as an IPv6
+/// one must (`[10.0.0.5]:9091`), so that one template, `[$(POD_IP)]:9091`, serves pods of
+/// either family.
+fn advertised_addr(text: &str) -> Option<SocketAddr> {
+    text.parse().ok().or_else(|| {
+        let (host, port) = text.rsplit_once(':')?;
+        let v4: std::net::Ipv4Addr = host.strip_prefix('[')?.strip_suffix(']')?.parse().ok()?;
+        Some(SocketAddr::new(v4.into(), port.parse().ok()?))
+    })
+}
+
 /// Whether two listen addresses would take one port: the same address, or one a wildcard
 /// that covers the other (`0.0.0.0` covers IPv4 addresses, `[::]` every address, as
 /// dual-stack). Port 0 (any free port) takes no port of another.
@@ -1586,6 +1607,41 @@ mod tests {
             .unwrap_err()
             .contains("https://"));
         assert!(parse_endpoint_url("not a url").is_err());
+    }
+
+    #[test]
+    fn a_peer_address_of_either_family_may_be_bracketed() {
+        let advertised = |advertise: &str| {
+            let peers = PeerOptions {
+                listen: Some("0.0.0.0:9091".into()),
+                advertise: Some(advertise.into()),
+                ..PeerOptions::default()
+            };
+            let config = Config {
+                peers: peers.clone(),
+                ..Config::default()
+            };
+            peers.validate(&config).map(|()| peers.advertised())
+        };
+        for (text, addr) in [
+            ("[10.0.0.5]:9091", "10.0.0.5:9091"),
+            ("10.0.0.5:9091", "10.0.0.5:9091"),
+            ("[fd00::5]:9091", "[fd00::5]:9091"),
+        ] {
+            assert_eq!(advertised(text).unwrap(), Some(addr.parse().unwrap()));
+        }
+        for bad in [
+            "fd00::5:9091",
+            "[10.0.0.5:9091",
+            "[host]:9091",
+            "[10.0.0.5]:x",
+        ] {
+            assert_eq!(
+                advertised(bad).unwrap_err().path,
+                "peers.advertise",
+                "{bad}"
+            );
+        }
     }
 
     #[test]
