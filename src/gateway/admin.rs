@@ -16,13 +16,14 @@ use pingora::protocols::http::ServerSession;
 use pingora::protocols::l4::stream::Stream;
 use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
+use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{oneshot, watch, Semaphore};
 
 /// Most connections an own listener serves at once. Past it, a new connection takes the
-/// place of the oldest that has sent nothing yet, or else waits for a free one.
+/// place of one let go (`MakeRoom`), or else waits for a free one.
 const MAX_OWN_CONNECTIONS: usize = 1024;
 /// Longest an admin connection is served.
 pub const ADMIN_CONNECTION_TIME: Duration = Duration::from_secs(10);
@@ -160,7 +161,21 @@ pub struct OwnListener<A> {
     /// Longest a connection is served; `None`: as long as it lasts.
     connection_time: Option<Duration>,
     max_connections: usize,
+    make_room: MakeRoom,
     name: &'static str,
+}
+
+/// Which connection a full listener lets go for a newcomer. Connections opened and left
+/// silent, or stalled after a byte, hold places and do no work: a flood of them (on a port
+/// any Pod of the cluster can reach) must not keep a probe or a scrape out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MakeRoom {
+    /// The oldest that has sent nothing yet, and no other: a connection that spoke may
+    /// carry a forwarded retry, whose answer would be lost (the peer listener).
+    Silent,
+    /// The oldest that has sent nothing yet, else the oldest of all: every request is
+    /// answered at once, so an old connection is stalled or idle (the admin listener).
+    SilentThenOldest,
 }
 
 impl<A> OwnListener<A> {
@@ -169,6 +184,7 @@ impl<A> OwnListener<A> {
         app: A,
         addr: &str,
         connection_time: Option<Duration>,
+        make_room: MakeRoom,
     ) -> std::io::Result<OwnListener<A>> {
         let socket = std::net::TcpListener::bind(addr)?;
         socket.set_nonblocking(true)?;
@@ -177,6 +193,7 @@ impl<A> OwnListener<A> {
             socket: std::sync::Mutex::new(Some(socket)),
             connection_time,
             max_connections: MAX_OWN_CONNECTIONS,
+            make_room,
             name,
         })
     }
@@ -188,60 +205,62 @@ impl<A> OwnListener<A> {
     }
 }
 
-/// The connections of a listener that have sent nothing yet, oldest first, each with the
-/// means to let it go. A connection opened and left silent holds a slot and does no work:
-/// when every slot is taken, the oldest of these is let go for the newcomer, so that
-/// silent connections (a flood of them, on a port any Pod of the cluster can reach) cannot
-/// keep a probe or a scrape out.
+/// The connections a listener serves, oldest first, each with whether it has sent
+/// anything yet and the means to let it go.
 #[derive(Default)]
-struct Silent {
+struct Places {
     next: std::sync::atomic::AtomicU64,
-    waiting: std::sync::Mutex<std::collections::BTreeMap<u64, oneshot::Sender<()>>>,
+    open: std::sync::Mutex<BTreeMap<u64, Place>>,
 }
 
-/// A connection counted as silent from its accept: the listener may let it go before its
-/// task first runs.
+struct Place {
+    let_go: oneshot::Sender<()>,
+    spoke: bool,
+}
+
+/// A connection's place, taken at its accept (so that it may be let go before its task
+/// first runs), and what tells it to go.
 struct Accepted {
     id: u64,
     let_go: oneshot::Receiver<()>,
 }
 
-impl Silent {
+impl Places {
     fn accepted(&self) -> Accepted {
         let (sender, let_go) = oneshot::channel();
         let id = self.next.fetch_add(1, Ordering::Relaxed);
-        self.lock().insert(id, sender);
+        let place = Place {
+            let_go: sender,
+            spoke: false,
+        };
+        self.lock().insert(id, place);
         Accepted { id, let_go }
     }
 
-    /// Waits for `tcp`'s first byte (or its close): `false` if it was let go first.
-    async fn first_byte(&self, tcp: &tokio::net::TcpStream, accepted: Accepted) -> bool {
-        // `peek` completes only on a byte or the close (`readable` may wake spuriously).
-        let mut byte = [0u8; 1];
-        let spoke = tokio::select! {
-            peeked = tcp.peek(&mut byte) => peeked.is_ok(),
-            _ = accepted.let_go => false,
-        };
-        self.lock().remove(&accepted.id);
-        spoke
-    }
-
-    /// Lets the oldest silent connection go; `false` if there is none.
-    fn let_oldest_go(&self) -> bool {
-        let mut waiting = self.lock();
-        // One that spoke meanwhile (its receiver gone) is passed over.
-        while let Some((_, let_go)) = waiting.pop_first() {
-            if let_go.send(()).is_ok() {
-                return true;
-            }
+    fn spoke(&self, id: u64) {
+        if let Some(place) = self.lock().get_mut(&id) {
+            place.spoke = true;
         }
-        false
     }
 
-    fn lock(
-        &self,
-    ) -> std::sync::MutexGuard<'_, std::collections::BTreeMap<u64, oneshot::Sender<()>>> {
-        self.waiting.lock().expect("silent connections lock")
+    fn left(&self, id: u64) {
+        self.lock().remove(&id);
+    }
+
+    /// Lets a connection go, as `policy` allows; `false` if none could be.
+    fn make_room(&self, policy: MakeRoom) -> bool {
+        let mut open = self.lock();
+        let silent = open.iter().find(|(_, p)| !p.spoke).map(|(id, _)| *id);
+        let chosen = match policy {
+            MakeRoom::Silent => silent,
+            MakeRoom::SilentThenOldest => silent.or_else(|| open.keys().next().copied()),
+        };
+        let place = chosen.and_then(|id| open.remove(&id));
+        place.is_some_and(|p| p.let_go.send(()).is_ok())
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u64, Place>> {
+        self.open.lock().expect("listener places lock")
     }
 }
 
@@ -254,7 +273,7 @@ impl<A: ServerApp + Send + Sync + 'static> BackgroundService for OwnListener<A> 
             return;
         };
         let slots = Arc::new(Semaphore::new(self.max_connections));
-        let silent = Arc::new(Silent::default());
+        let places = Arc::new(Places::default());
         loop {
             let Ok((tcp, _)) = listener.accept().await else {
                 continue;
@@ -262,30 +281,42 @@ impl<A: ServerApp + Send + Sync + 'static> BackgroundService for OwnListener<A> 
             let slot = match slots.clone().try_acquire_owned() {
                 Ok(slot) => slot,
                 Err(_) => {
-                    // Full: the oldest silent connection gives its slot up at once; with
-                    // none, the newcomer waits for a connection to end.
-                    silent.let_oldest_go();
+                    // Full: the connection let go gives its slot up at once; with none,
+                    // the newcomer waits for a connection to end.
+                    places.make_room(self.make_room);
                     let Ok(slot) = slots.clone().acquire_owned().await else {
                         return;
                     };
                     slot
                 }
             };
-            let (app, shutdown, silent) = (self.app.clone(), shutdown.clone(), silent.clone());
-            let (limit, accepted) = (self.connection_time, silent.accepted());
+            let (app, shutdown, places) = (self.app.clone(), shutdown.clone(), places.clone());
+            let (limit, accepted) = (self.connection_time, places.accepted());
             tokio::spawn(async move {
+                let Accepted { id, let_go } = accepted;
                 let served = async {
-                    if silent.first_byte(&tcp, accepted).await {
+                    // `peek` completes only on a byte or the close (`readable` may wake
+                    // spuriously).
+                    let mut byte = [0u8; 1];
+                    if tcp.peek(&mut byte).await.is_ok() {
+                        places.spoke(id);
                         let stream: pingora::protocols::Stream = Box::new(Stream::from(tcp));
                         serve_connection(app, stream, shutdown).await;
                     }
                 };
-                match limit {
-                    Some(limit) => {
-                        let _ = tokio::time::timeout(limit, served).await;
+                let bounded = async {
+                    match limit {
+                        Some(limit) => {
+                            let _ = tokio::time::timeout(limit, served).await;
+                        }
+                        None => served.await,
                     }
-                    None => served.await,
+                };
+                tokio::select! {
+                    _ = bounded => {}
+                    _ = let_go => {}
                 }
+                places.left(id);
                 drop(slot);
             });
         }
@@ -319,24 +350,43 @@ mod tests {
         }
     }
 
-    /// Connections opened and left silent, twice as many as the listener serves, do not
-    /// keep a probe out: each newcomer takes the place of the oldest silent one.
-    #[tokio::test]
-    async fn silent_connections_give_their_places_to_new_ones() {
-        let listener =
-            OwnListener::bind("test", Hello, "127.0.0.1:0", Some(Duration::from_secs(30)))
-                .unwrap()
-                .with_max_connections(4);
+    const SECONDS_5: Duration = Duration::from_secs(5);
+
+    /// A listener serving 4 connections at most, with `policy`, and its address.
+    fn listening(policy: MakeRoom) -> std::net::SocketAddr {
+        let time = Some(Duration::from_secs(30));
+        let listener = OwnListener::bind("test", Hello, "127.0.0.1:0", time, policy)
+            .unwrap()
+            .with_max_connections(4);
         let addr = {
             let socket = listener.socket.lock().unwrap();
             socket.as_ref().unwrap().local_addr().unwrap()
         };
-        let (_running, shutdown) = watch::channel(false);
-        tokio::spawn(async move { listener.start(shutdown).await });
-        let mut silent = Vec::new();
+        let (running, shutdown) = watch::channel(false);
+        tokio::spawn(async move {
+            let _running = running;
+            listener.start(shutdown).await
+        });
+        addr
+    }
+
+    /// Twice as many connections as the listener serves, each sending `first` (nothing,
+    /// or a request's first bytes) and stalling.
+    async fn stalled(addr: std::net::SocketAddr, first: &[u8]) -> Vec<TcpStream> {
+        let mut stalled = Vec::new();
         for _ in 0..8 {
-            silent.push(TcpStream::connect(addr).await.unwrap());
+            let mut connection = TcpStream::connect(addr).await.unwrap();
+            connection.write_all(first).await.unwrap();
+            stalled.push(connection);
         }
+        stalled
+    }
+
+    /// A probe's answer, within `within`.
+    async fn probe(
+        addr: std::net::SocketAddr,
+        within: Duration,
+    ) -> Result<String, tokio::time::error::Elapsed> {
         let probe = async {
             let mut probe = TcpStream::connect(addr).await?;
             probe
@@ -346,8 +396,34 @@ mod tests {
             probe.read_to_string(&mut answer).await?;
             Ok::<_, std::io::Error>(answer)
         };
-        let answer = tokio::time::timeout(Duration::from_secs(5), probe).await;
-        let answer = answer.expect("answered within 5 s").unwrap();
+        let answer = tokio::time::timeout(within, probe).await;
+        answer.map(|read| read.unwrap())
+    }
+
+    /// Connections opened and left silent do not keep a probe out, on either listener:
+    /// each newcomer takes the place of the oldest silent one.
+    #[tokio::test]
+    async fn silent_connections_give_their_places_to_new_ones() {
+        for policy in [MakeRoom::Silent, MakeRoom::SilentThenOldest] {
+            let addr = listening(policy);
+            let _silent = stalled(addr, b"").await;
+            let answer = probe(addr, SECONDS_5).await.expect("answered within 5 s");
+            assert!(answer.starts_with("HTTP/1.1 200"), "{policy:?}: {answer}");
+        }
+    }
+
+    /// Connections stalled after their first bytes do not keep a probe out of the admin
+    /// listener; on the peer listener they keep their places (one may be a forwarded
+    /// retry), and the newcomer waits.
+    #[tokio::test]
+    async fn stalled_connections_give_their_places_only_on_the_admin_listener() {
+        let admin = listening(MakeRoom::SilentThenOldest);
+        let _stalled = stalled(admin, b"GET /he").await;
+        let answer = probe(admin, SECONDS_5).await.expect("answered within 5 s");
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        let peer = listening(MakeRoom::Silent);
+        let _stalled = stalled(peer, b"POST /m").await;
+        let waited = probe(peer, Duration::from_secs(1)).await;
+        assert!(waited.is_err(), "a spoken connection was let go");
     }
 }

@@ -6,7 +6,7 @@
 //! `spawn` runs the same server on a thread with a shutdown channel, for tests and for
 //! `demo`.
 
-use super::admin::{AdminApp, DrainWatch, OwnListener, ADMIN_CONNECTION_TIME};
+use super::admin::{AdminApp, DrainWatch, MakeRoom, OwnListener, ADMIN_CONNECTION_TIME};
 use super::bridge::hold::HeldSweeper;
 use super::bridge::one_shot::KeptSweeper;
 use super::bridge::warm::WarmSweeper;
@@ -111,6 +111,7 @@ pub fn build(
         admin_app,
         &admin_listen,
         Some(ADMIN_CONNECTION_TIME),
+        MakeRoom::SilentThenOldest,
     )
     .map_err(|e| {
         ConfigError::at(
@@ -122,7 +123,7 @@ pub fn build(
     server.add_service(background_service("admin", admin));
     if let Some(addr) = &peer_listen {
         let app = Listener::new(gateway.clone(), Arrival::Peer, None);
-        let peer = OwnListener::bind("peer", app, addr, None).map_err(|e| {
+        let peer = OwnListener::bind("peer", app, addr, None, MakeRoom::Silent).map_err(|e| {
             ConfigError::at("peers.listen", format!("cannot listen on {addr}: {e}"))
         })?;
         server.add_service(background_service("peer listener", peer));
