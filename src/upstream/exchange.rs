@@ -244,18 +244,19 @@ impl UpstreamClient {
             .connect(&peer, connection)
             .await
             .map_err(|f| f.at(at))?;
-        let mut http = match Self::write_and_read_header(http, timeouts, &request, &body).await {
-            Ok(http) => http,
-            Err(failed) if failed.reached.may_retry(idempotent, reused) => {
-                let http = (self.connect(&peer, Connection::New).await)
-                    .map_err(|f| f.at(at))?
-                    .0;
-                Self::write_and_read_header(http, timeouts, &request, &body)
-                    .await
-                    .map_err(|failed| failed.into_fault().at(at))?
-            }
-            Err(failed) => return Err(failed.into_fault().at(at)),
-        };
+        let (mut http, written) =
+            match Self::write_and_read_header(http, timeouts, &request, &body).await {
+                Ok(answered) => answered,
+                Err(failed) if failed.reached.may_retry(idempotent, reused) => {
+                    let http = (self.connect(&peer, Connection::New).await)
+                        .map_err(|f| f.at(at))?
+                        .0;
+                    Self::write_and_read_header(http, timeouts, &request, &body)
+                        .await
+                        .map_err(|failed| failed.into_fault().at(at))?
+                }
+                Err(failed) => return Err(failed.into_fault().at(at)),
+            };
         http.read_timeout = timeouts.stream_idle;
         self.metrics
             .upstream_duration
@@ -264,7 +265,8 @@ impl UpstreamClient {
         Ok(Response {
             http: Box::new(http),
             endpoint: at,
-            pool: Some(Box::new(peer)),
+            // A connection whose request was cut short serves no other.
+            pool: (written == Written::Whole).then(|| Box::new(peer)),
             answer_within: timeouts.response,
             max_message: self.max_message,
             _in_use: Some(in_use),
@@ -303,8 +305,23 @@ impl UpstreamClient {
         timeouts: &Timeouts,
         request: &RequestHeader,
         body: &Bytes,
-    ) -> Result<HttpSession, Failed> {
-        let mut http = write_request(http, timeouts.response, request, body).await?;
+    ) -> Result<(HttpSession, Written), Failed> {
+        let (mut http, written) = write_request(http, timeouts.response, request, body).await;
+        let written = match written {
+            Ok(()) => Written::Whole,
+            // The upstream may have answered before it read the whole body (a 413, a 401
+            // with its challenge) and closed: that answer, there to read, is the
+            // exchange's, not a failure (nor a reason to send the request again).
+            Err(failed)
+                if failed.reached == Reached::Nothing && answered_early(&mut http).await =>
+            {
+                return Ok((http, Written::Cut));
+            }
+            Err(failed) => {
+                http.shutdown().await;
+                return Err(failed);
+            }
+        };
         http.read_timeout = Some(timeouts.response);
         // Each read waits at most the response timeout, and so does the whole header: an
         // upstream that trickles it a byte at a time is not waited for without end.
@@ -315,7 +332,7 @@ impl UpstreamClient {
                 Err(Failed::at(Reached::Beyond, late))
             });
         match header {
-            Ok(()) => Ok(http),
+            Ok(()) => Ok((http, written)),
             Err(failed) => {
                 http.shutdown().await;
                 Err(failed)
@@ -425,17 +442,36 @@ impl HeaderKind {
 /// its end, which no upstream acts on (a body shorter than its `Content-Length` is no
 /// request): nothing ran, and it may be made again. A write that times out is not made
 /// again, as after any timeout.
+/// Whether a request went out whole, or was cut short by an upstream that answered it
+/// early and closed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Written {
+    Whole,
+    Cut,
+}
+
+/// How long a failed write waits for the early answer that may have come before it: one
+/// that came is in the socket's buffer already.
+const EARLY_ANSWER_WAIT: Duration = Duration::from_millis(250);
+
+/// After a failed write, whether the upstream's final response header is there to read
+/// (it is then read).
+async fn answered_early(http: &mut HttpSession) -> bool {
+    let header = tokio::time::timeout(EARLY_ANSWER_WAIT, read_final_header(http)).await;
+    matches!(header, Ok(Ok(())))
+}
+
+/// Writes the request in one write, within `limit`; the session is handed back either way.
 async fn write_request(
     http: HttpSession,
     limit: Duration,
     request: &RequestHeader,
     body: &Bytes,
-) -> Result<HttpSession, Failed> {
+) -> (HttpSession, Result<(), Failed>) {
     let nothing = |failure: ExchangeFailure| Failed::at(Reached::Nothing, Fault::new(failure));
     let Some(header) = http_req_header_to_wire(request) else {
-        return Err(nothing(ExchangeFailure::Protocol(
-            "cannot carry the request's target",
-        )));
+        let cannot = ExchangeFailure::Protocol("cannot carry the request's target");
+        return (http, Err(nothing(cannot)));
     };
     let mut wire = BytesMut::with_capacity(header.len() + body.len());
     wire.extend_from_slice(&header);
@@ -446,8 +482,8 @@ async fn write_request(
         stream.flush().await
     })
     .await;
-    match written {
-        Ok(Ok(())) => Ok(HttpSession::new(stream)),
+    let written = match written {
+        Ok(Ok(())) => Ok(()),
         Ok(Err(e)) => Err(Failed::at(
             Reached::Nothing,
             Fault {
@@ -463,7 +499,8 @@ async fn write_request(
             Reached::Beyond,
             Fault::new(ExchangeFailure::Timeout),
         )),
-    }
+    };
+    (HttpSession::new(stream), written)
 }
 
 /// Reads response headers until the final one, skipping at most
@@ -509,7 +546,8 @@ fn is_idempotent(method: &http::Method) -> bool {
 /// How far a failed attempt got, which decides whether it may be made again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Reached {
-    /// The request header did not reach the upstream whole: nothing can have run.
+    /// The request did not reach the upstream whole (its write failed): nothing can have
+    /// run.
     Nothing,
     /// The request went out whole, then the connection closed or reset before any
     /// response: the upstream may have run it.
@@ -591,7 +629,7 @@ pub async fn read_response_from(stream: Stream) -> Result<Response, ExchangeErro
         stream_idle: Some(IN_MEMORY_LIMIT),
     };
     let body = Bytes::from_static(b"{}");
-    let mut http = UpstreamClient::write_and_read_header(http, &timeouts, &request, &body)
+    let (mut http, _) = UpstreamClient::write_and_read_header(http, &timeouts, &request, &body)
         .await
         .map_err(|failed| failed.into_fault().at(None))?;
     http.read_timeout = timeouts.stream_idle;
@@ -801,7 +839,7 @@ mod tests {
         let (client, mut upstream) = tokio::io::duplex(4096);
         let http = HttpSession::new(Box::new(client));
         let limit = Duration::from_secs(1);
-        let written = write_request(http, limit, &request, &body).await;
+        let (_, written) = write_request(http, limit, &request, &body).await;
         assert!(written.is_ok());
         let mut wire = vec![0; 4096];
         let n = tokio::io::AsyncReadExt::read(&mut upstream, &mut wire)
@@ -815,11 +853,38 @@ mod tests {
         let (client, upstream) = tokio::io::duplex(4096);
         drop(upstream);
         let http = HttpSession::new(Box::new(client));
-        let Err(failed) = write_request(http, limit, &request, &body).await else {
+        let (_, Err(failed)) = write_request(http, limit, &request, &body).await else {
             panic!("a write to a closed peer fails");
         };
         assert_eq!(failed.reached, Reached::Nothing);
         assert_eq!(failed.fault.failure, ExchangeFailure::Broken);
+    }
+
+    /// An upstream that answers before it has read the whole body (a 413, a 401) and
+    /// closes: its answer is the exchange's, and the connection is not pooled.
+    #[tokio::test]
+    async fn an_answer_that_comes_before_the_whole_body_is_the_exchanges() {
+        let request = RequestHeader::build("POST", b"/mcp", None).unwrap();
+        let body = Bytes::from(vec![b'x'; 64 << 10]);
+        let (client, mut upstream) = tokio::io::duplex(4096);
+        tokio::spawn(async move {
+            let mut head = vec![0; 4096];
+            let _ = tokio::io::AsyncReadExt::read(&mut upstream, &mut head).await;
+            let answer = b"HTTP/1.1 413 Content Too Large\r\ncontent-length: 2\r\n\r\n{}";
+            let _ = tokio::io::AsyncWriteExt::write_all(&mut upstream, answer).await;
+        });
+        let http = HttpSession::new(Box::new(client));
+        let timeouts = Timeouts {
+            connect: Duration::from_secs(1),
+            response: Duration::from_secs(5),
+            stream_idle: None,
+        };
+        let answered = UpstreamClient::write_and_read_header(http, &timeouts, &request, &body);
+        let Ok((http, written)) = answered.await else {
+            panic!("the early answer is the exchange's");
+        };
+        assert_eq!(http.resp_header().map(|h| h.status.as_u16()), Some(413));
+        assert_eq!(written, Written::Cut);
     }
 
     #[test]
