@@ -130,22 +130,26 @@ pub fn request_label(http: &http::Method, method: Option<&str>, posted: bool) ->
     }
 }
 
-/// Why a token or a state is refused: `seal::OpenError` reasons, then the checks after
-/// opening.
-const REJECTION_REASONS: &[&str] = &[
+/// Why anything sealed is refused before it opens (`seal::OpenError`): every rejection
+/// metric has these.
+const SEAL_REASONS: &[&str] = &[
     "too_long",
     "malformed",
     "unknown_key",
     "tampered",
     "bad_payload",
+];
+/// Why a `requestState` is refused once open.
+const STATE_REASONS: &[&str] = &[
     "expired",
     "principal",
     "binding",
     "other_group",
-    "unknown_endpoint",
     "other_session",
     "replayed",
 ];
+/// Why a session token or a data-layer session's cookie is refused once open.
+const SESSION_REASONS: &[&str] = &["expired", "principal", "other_group", "unknown_endpoint"];
 
 /// Latency buckets for upstream exchanges, in seconds: 1 ms to 30 s.
 const LATENCY_BUCKETS: &[f64] = &[
@@ -420,10 +424,15 @@ impl Metrics {
                 self.reloads.with_label_values(&[file, outcome]);
             }
         }
-        for reason in REJECTION_REASONS {
-            self.state_rejections.with_label_values(&[reason]);
-            self.session_rejections.with_label_values(&[reason]);
-            self.event_id_rejections.with_label_values(&[reason]);
+        // Each counter has the reasons it can count, and no other.
+        for (counter, once_open) in [
+            (&self.state_rejections, STATE_REASONS),
+            (&self.session_rejections, SESSION_REASONS),
+            (&self.event_id_rejections, &[][..]),
+        ] {
+            for reason in SEAL_REASONS.iter().chain(once_open) {
+                counter.with_label_values(&[reason]);
+            }
         }
     }
 

@@ -82,6 +82,21 @@ fn metrics_after_a_flow_and_a_refused_state_hold_every_named_metric() {
     assert_eq!(value(a, token_rejections, "reason=\"principal\""), 0.0);
     let event_id_rejections = "mrtr_gateway_last_event_id_rejections_total";
     assert_eq!(value(a, event_id_rejections, "reason=\"tampered\""), 0.0);
+    // Each counter lists the reasons it can count, as the README does: an event id is
+    // bound to no request and names no endpoint.
+    for (name, never) in [
+        (event_id_rejections, "binding"),
+        (event_id_rejections, "unknown_endpoint"),
+        (token_rejections, "binding"),
+        (state_rejections, "unknown_endpoint"),
+    ] {
+        assert_eq!(
+            metric_with(a, name, &format!("reason=\"{never}\"")),
+            None,
+            "{name} {never}"
+        );
+    }
+    assert_eq!(value(a, state_rejections, "reason=\"other_group\""), 0.0);
     let resumptions = "mrtr_gateway_upstream_resumptions_total";
     assert!(
         value(a, resumptions, "outcome=\"ok\"") >= 1.0,
