@@ -10,7 +10,7 @@
 use super::bridge::probe::session_replay;
 use super::learnt::SessionReplay;
 use super::Gateway;
-use super::{cors, respond};
+use super::{cors, precise_sleep, respond};
 use crate::metrics::{request_label, InUse};
 use crate::outcome::{Class, Outcome, Refusal, Report};
 use crate::protocol::event_ids::{self, EventIds, Rewrite, Stream};
@@ -588,10 +588,7 @@ async fn relay_whole(
         Err(e) => {
             tracing::warn!(error = %Report(&e), "upstream body not read");
             let refusal = match e.failure() {
-                ExchangeFailure::Timeout => Refusal::internal(
-                    Class::UpstreamTimeout,
-                    "the upstream did not send its whole answer within the group's response_timeout_ms",
-                ),
+                ExchangeFailure::Timeout => Refusal::internal(Class::UpstreamTimeout, BODY_LATE),
                 _ => Refusal::internal(Class::UpstreamError, "the upstream broke off the body"),
             };
             return refuse(session, id, refusal).await;
@@ -610,7 +607,9 @@ async fn relay_whole(
 /// Relays body chunks. An SSE stream gets keep-alive comments while the upstream is
 /// silent. An endless one (a session's GET stream) ends between two events once the
 /// gateway drains, and the client reconnects elsewhere; a POST's response, SSE or not, is
-/// in flight and is relayed to its end.
+/// in flight and is relayed to its end. Any other body (JSON, however framed) must come
+/// whole within the group's response timeout, as one read whole does: a body that stalls
+/// is cut then.
 async fn pump(
     gw: &Gateway,
     session: &mut ServerSession,
@@ -622,6 +621,8 @@ async fn pump(
     let keepalive = (sse && gw.config.sse_keepalive_ms > 0)
         .then(|| Duration::from_millis(gw.config.sse_keepalive_ms));
     let mut position = BoundaryTracker::default();
+    let whole_by =
+        (!upstream.is_sse()).then(|| tokio::time::Instant::now() + upstream.answer_within());
     loop {
         let at_boundary = sse && position.between_events();
         if endless && at_boundary && gw.runtime.drain.is_draining() {
@@ -633,6 +634,11 @@ async fn pump(
             chunk = upstream.next_chunk() => chunk,
             _ = session.read_body_or_idle(true) => return Outcome::ClientGone,
             _ = gw.runtime.drain.wait(), if endless && at_boundary => continue,
+            _ = precise_sleep::sleep_until_or_never(whole_by) => {
+                tracing::warn!("upstream body not sent whole within the response timeout");
+                respond::abort(session).await;
+                return Outcome::Refused(Refusal::internal(Class::UpstreamTimeout, BODY_LATE));
+            }
             _ = sleep_or_never(keepalive), if at_boundary => {
                 let comment = Bytes::from_static(sse::KEEP_ALIVE);
                 if respond::write_body(session, comment, false).await.is_err() {
@@ -757,6 +763,10 @@ fn upstream_refusal(group: &UpstreamGroup, e: &ExchangeError) -> Refusal {
     let what = e.failure();
     Refusal::internal(class, format!("upstream group '{}' {what}", group.name))
 }
+
+/// Why a body that did not come whole in time was cut.
+const BODY_LATE: &str =
+    "the upstream did not send its whole answer within the group's response_timeout_ms";
 
 /// Sleeps for `period`, or forever when there is none.
 pub(crate) async fn sleep_or_never(period: Option<Duration>) {

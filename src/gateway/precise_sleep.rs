@@ -26,6 +26,14 @@ pub async fn sleep_until(deadline: Instant) {
     tokio::time::sleep_until(deadline).await
 }
 
+/// `sleep_until` `at`, or forever when there is none.
+pub async fn sleep_until_or_never(at: Option<Instant>) {
+    match at {
+        Some(at) => sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
 #[cfg(target_os = "linux")]
 mod timerfd {
     use nix::sys::time::TimeSpec;

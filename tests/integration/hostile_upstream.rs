@@ -133,6 +133,35 @@ fn an_answer_that_trickles_or_stalls_is_given_up_at_the_response_timeout() {
         assert_eq!((status, &body["id"]), (504, &json!(5)), "{what}: {body}");
         within(what, started);
     }
+    // A body relayed as it comes (chunked, or too long to be read whole) whose header went
+    // out: the response is cut at the timeout, not left open.
+    let chunked = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\na\r\n{\"jsonrpc\"\r\n";
+    let long = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2097152\r\n\r\n{\"jsonrpc\"";
+    for (what, head) in [("chunked", chunked), ("long", long)] {
+        let upstream = ScriptedUpstream::start(move |_: &Seen| Answer::raw(head));
+        let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+            c.upstreams[0].response_timeout_ms = 300
+        });
+        let started = Instant::now();
+        let init =
+            json!({"jsonrpc": "2.0", "id": 5, "method": "initialize", "params": {}}).to_string();
+        let request = format!(
+            "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+             accept: application/json, text/event-stream\r\ncontent-length: {}\r\n\r\n{init}",
+            init.len()
+        );
+        let mut client = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+        client
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        std::io::Write::write_all(&mut client, request.as_bytes()).unwrap();
+        let mut answer = Vec::new();
+        // Ended (closed or reset) before the client's 5 s read timeout.
+        let _ = std::io::Read::read_to_end(&mut client, &mut answer);
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 200"), "{what}: {answer}");
+        within(what, started);
+    }
     let upstream = ScriptedUpstream::start(serving_calls(move |_| stalled()));
     let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
         c.upstreams[0].response_timeout_ms = 300

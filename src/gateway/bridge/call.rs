@@ -20,6 +20,7 @@ use super::{
 };
 use crate::config::{Limits, QuietWindowFor};
 use crate::gateway::learnt::SessionReplay;
+use crate::gateway::precise_sleep::sleep_until_or_never;
 use crate::gateway::reaper::{Abandoned, NotWatched, Whose};
 use crate::gateway::{peers, Arrival, Gateway, UpstreamSide};
 use crate::metrics::InUse;
@@ -706,14 +707,6 @@ async fn wait(call: &Call<'_>, session: &mut ServerSession, io: &mut Io<'_>, flo
             }
             Woke::Input(Input::StreamEnded(stream_of(source)))
         }
-    }
-}
-
-/// Sleeps until `at` (precisely: a round's quiet window is a millisecond), or forever.
-async fn sleep_until_or_never(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(t) => crate::gateway::precise_sleep::sleep_until(t).await,
-        None => std::future::pending().await,
     }
 }
 
