@@ -868,21 +868,21 @@ pub fn parse_endpoint_url(url: &str) -> Result<EndpointUrl, String> {
     let port_text = authority
         .get(bracketed.len()..)
         .and_then(|p| p.strip_prefix(':'));
-    let port = match port_text.map(str::parse::<u16>) {
+    // An empty port is the scheme's (RFC 3986 §3.2.3). What is not a port is not shown:
+    // it may be part of a password.
+    let port = match port_text.filter(|p| !p.is_empty()).map(str::parse::<u16>) {
         None if tls => 443,
         None => 80,
         Some(Ok(port)) if port > 0 => port,
-        Some(_) => {
-            let text = port_text.unwrap_or_default();
-            return Err(format!("'{shown}' has port {text}, outside 1-65535"));
-        }
+        Some(_) => return Err(format!("'{shown}' has a port that is not 1-65535")),
     };
     let path = match uri.path_and_query().map(|p| p.as_str()) {
         None | Some("") => "/".to_string(),
         Some(p) => p.to_string(),
     };
     Ok(EndpointUrl {
-        authority: authority.to_string(),
+        // An empty port is dropped, as the scheme's is.
+        authority: authority.strip_suffix(':').unwrap_or(authority).to_string(),
         host,
         port,
         path,
@@ -892,15 +892,13 @@ pub fn parse_endpoint_url(url: &str) -> Result<EndpointUrl, String> {
 
 /// `url` as messages show it: without its query, fragment or userinfo.
 fn shown_url(url: &str) -> String {
-    let url = url.split(['?', '#']).next().unwrap_or_default();
     let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
+        return url.split(['?', '#']).next().unwrap_or_default().to_string();
     };
-    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-    let host = authority
-        .rsplit_once('@')
-        .map_or(authority, |(_, host)| host);
-    format!("{scheme}://{host}{path}")
+    // Anything before an `@` may be userinfo, with a password that holds `/`, `?` or `#`.
+    let rest = rest.rsplit_once('@').map_or(rest, |(_, after)| after);
+    let rest = rest.split(['?', '#']).next().unwrap_or_default();
+    format!("{scheme}://{rest}")
 }
 
 impl Config {
@@ -1276,10 +1274,16 @@ pub fn same_port(a: &str, b: &str) -> bool {
     let (Ok(a), Ok(b)) = (a.parse::<SocketAddr>(), b.parse::<SocketAddr>()) else {
         return a == b;
     };
+    // An IPv4-mapped IPv6 address binds its IPv4 address.
+    let (a, b) = (canonical(a), canonical(b));
     let covers = |wide: &SocketAddr, other: &SocketAddr| {
         wide.ip().is_unspecified() && (wide.is_ipv6() || other.is_ipv4())
     };
     a.port() == b.port() && a.port() != 0 && (a.ip() == b.ip() || covers(&a, &b) || covers(&b, &a))
+}
+
+fn canonical(addr: SocketAddr) -> SocketAddr {
+    SocketAddr::new(addr.ip().to_canonical(), addr.port())
 }
 
 fn check_addr(path: &str, addr: &str) -> Result<(), ConfigError> {
@@ -1653,6 +1657,7 @@ mod tests {
             ("[::]:9", "127.0.0.1:9"),
             ("[::1]:9", "[::]:9"),
             ("[::]:9", "0.0.0.0:9"),
+            ("[::ffff:127.0.0.1]:9", "127.0.0.1:9"),
         ] {
             assert!(same_port(a, b), "{a} {b}");
             let config = Config {
@@ -1693,7 +1698,22 @@ mod tests {
             assert!(!refused.contains("s3cret"), "{refused}");
         }
         let ports = parse_endpoint_url("http://svc:99999/mcp").unwrap_err();
-        assert!(ports.contains("outside 1-65535"), "{ports}");
+        assert!(ports.contains("not 1-65535"), "{ports}");
+        // A password holding a character that ends the authority.
+        for url in [
+            "http://us:pa/ss@svc/mcp",
+            "http://us:p?ss@svc/mcp",
+            "http://us:p#ss@svc/",
+        ] {
+            let refused = parse_endpoint_url(url).unwrap_err();
+            assert!(
+                !refused.contains("pa") && !refused.contains("ss"),
+                "{refused}"
+            );
+        }
+        let empty = parse_endpoint_url("http://svc:/mcp").unwrap();
+        assert_eq!((empty.port, empty.authority.as_str()), (80, "svc"));
+        assert_eq!(parse_endpoint_url("https://[::1]:/mcp").unwrap().port, 443);
         assert!(parse_endpoint_url("http://svc:0/mcp").is_err());
         let query = parse_endpoint_url("http://svc:8/mcp?apiKey=k").unwrap();
         assert_eq!((query.port, query.path.as_str()), (8, "/mcp?apiKey=k"));

@@ -39,7 +39,8 @@ impl HostPolicy {
             return Ok(());
         };
         let allowed_name = |name: Option<&str>| {
-            name.is_some_and(|n| allowed.iter().any(|a| a.eq_ignore_ascii_case(n)))
+            name.map(canonical)
+                .is_some_and(|n| allowed.iter().any(|a| a.eq_ignore_ascii_case(&n)))
         };
         if !allowed_name(host.and_then(authority_host)) {
             return Err(format!("Host '{}' is not allowed", host.unwrap_or("")));
@@ -65,22 +66,39 @@ pub fn allowed_host(entry: &str) -> Result<String, String> {
     let unbracketed = entry.strip_prefix('[').and_then(|e| e.strip_suffix(']'));
     if let Some(v6) = unbracketed
         .or(Some(entry))
-        .filter(|e| e.parse::<Ipv6Addr>().is_ok())
+        .and_then(|e| e.parse::<Ipv6Addr>().ok())
     {
-        return Ok(v6.to_ascii_lowercase());
+        return Ok(v6.to_string());
     }
+    let name_char = |c: char| c.is_ascii_alphanumeric() || "-._".contains(c);
     let problem = if entry.is_empty() {
         "is empty"
     } else if entry.contains("://") || entry.contains('/') {
         "is a URL: give the host name alone"
+    } else if entry.contains('[') || entry.contains(']') {
+        "has brackets, which hold only an IPv6 address"
     } else if entry.contains(':') {
         "has a port: give the host name alone (any port is accepted)"
-    } else if malformed_host(Some(entry), true).is_some() {
+    } else if entry.contains('*') {
+        "has a wildcard, which is not matched: list each name"
+    } else if entry.contains(',') || entry.contains(' ') {
+        "holds several names: give one per entry"
+    } else if !entry.is_ascii() {
+        "is not ASCII: give an internationalized name in its xn-- form"
+    } else if !entry.chars().all(name_char) {
         "is not a host name"
     } else {
         return Ok(entry.to_ascii_lowercase());
     };
     Err(format!("'{entry}' {problem}"))
+}
+
+/// A host name as the policy compares it: an IPv6 address in its canonical form.
+fn canonical(name: &str) -> std::borrow::Cow<'_, str> {
+    match name.parse::<Ipv6Addr>() {
+        Ok(v6) => v6.to_string().into(),
+        Err(_) => name.into(),
+    }
 }
 
 /// Why a request's `Host` is malformed, if it is (RFC 9112 §3.2: answered 400, whatever
@@ -136,14 +154,26 @@ mod tests {
             ("https://mcp.example.com", "is a URL"),
             ("mcp.example.com/mcp", "is a URL"),
             ("", "is empty"),
-            ("a b", "is not a host name"),
+            ("a b", "holds several names"),
+            ("a.example,b.example", "holds several names"),
+            ("[10.1.2.3]", "has brackets"),
+            ("[example.org]", "has brackets"),
+            ("*.example.com", "has a wildcard"),
+            ("exa$mple.com", "is not a host name"),
+            ("bücher.example", "xn-- form"),
         ] {
             let refused = allowed_host(entry).unwrap_err();
             assert!(refused.contains(problem), "{refused}");
         }
-        let bracketed =
-            HostPolicy::for_listener("0.0.0.0:8080".parse().unwrap(), &["[::1]".into()]);
-        assert!(bracketed.check(Some("[::1]:8080"), None).is_ok());
+        assert_eq!(allowed_host("0:0:0:0:0:0:0:1").unwrap(), "::1");
+        assert_eq!(allowed_host("example.org.").unwrap(), "example.org.");
+        for listed in ["[::1]", "0:0:0:0:0:0:0:1"] {
+            let listen = "0.0.0.0:8080".parse().unwrap();
+            let policy = HostPolicy::for_listener(listen, &[listed.into()]);
+            for host in ["[::1]:8080", "[0:0:0:0:0:0:0:1]", "[::0001]"] {
+                assert!(policy.check(Some(host), None).is_ok(), "{listed} {host}");
+            }
+        }
     }
 
     #[test]
