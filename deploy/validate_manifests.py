@@ -23,6 +23,8 @@ from kubernetes_validate import utils as kv
 
 GATEWAY_IMAGE = "mrtr-gateway"
 NOT_IN_KUSTOMIZATION = {"secret.example.yaml"}
+# Listeners take every address of the Pod: IPv4 only, or (Linux, dual-stack) both families.
+WILDCARDS = {"0.0.0.0", "[::]"}
 
 problems = []
 
@@ -87,8 +89,8 @@ def check_gateway(where, deployment, configmaps, services):
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         for key, port_name in (("listen", "mcp"), ("admin_listen", "admin")):
             host, port = port_of(config[key])
-            if host != "0.0.0.0" or port != ports[port_name]:
-                problem(where, f"{key} {config[key]} must be 0.0.0.0:{ports[port_name]}")
+            if host not in WILDCARDS or port != ports[port_name]:
+                problem(where, f"{key} {config[key]} must be 0.0.0.0 or [::] at port {ports[port_name]}")
         check_peers(where, c, config.get("peers") or {}, ports)
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         for name, svc in services.items():
@@ -121,8 +123,8 @@ def check_peers(where, container, peers, ports):
     if not peers.get("listen"):
         return
     host, port = port_of(peers["listen"])
-    if host != "0.0.0.0" or port != ports.get("peer"):
-        problem(where, f"peers.listen {peers['listen']} must be 0.0.0.0 at the container port `peer`")
+    if host not in WILDCARDS or port != ports.get("peer"):
+        problem(where, f"peers.listen {peers['listen']} must be 0.0.0.0 or [::] at the container port `peer`")
     env = {e["name"]: e for e in container.get("env") or []}
     advertise = env.get("MRTR_GATEWAY_PEER_ADVERTISE", {}).get("value", "")
     if not peers.get("advertise") and advertise != f"[$(POD_IP)]:{port}":
