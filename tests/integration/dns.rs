@@ -297,8 +297,16 @@ fn dns_discovered_pods_take_new_sessions_and_pods_that_left_are_refused() {
     let message = resumed["error"]["message"].as_str().unwrap_or_default();
     assert!(message.contains("left the group"), "{resumed}");
     let state_rejections = "mrtr_gateway_request_state_rejections_total";
-    let rejected = metric_with(&gw.admin, state_rejections, "unknown_endpoint");
-    assert_eq!(rejected, Some(0.0), "the state itself was good");
+    for reason in [
+        "malformed",
+        "tampered",
+        "bad_payload",
+        "other_group",
+        "binding",
+    ] {
+        let rejected = metric_with(&gw.admin, state_rejections, reason);
+        assert_eq!(rejected, Some(0.0), "the state itself was good: {reason}");
+    }
     assert_eq!(
         tripwire.count(),
         0,
