@@ -1379,6 +1379,12 @@ impl Flow {
         if held {
             // The held flow ends here: its session with it.
             self.give_up(&retry.call, "an answer could not be delivered");
+            if nothing_posted && failure.never_delivered() {
+                // Nothing reached the call (a 401 for a token that expired): the same
+                // state, sent again, hears that its flow is lost (-32012), not that it
+                // is spent.
+                self.commands.push_back(Command::ReleaseClaim);
+            }
         } else if nothing_posted && failure.never_delivered() {
             // The upstream has no answer of this state's: the same state may be retried.
             self.commands.push_back(Command::ReleaseClaim);

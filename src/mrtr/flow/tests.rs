@@ -1320,6 +1320,31 @@ fn a_group_forced_resumable_whose_event_ids_repeat_gets_a_clear_error() {
     assert!(h.log.contains(&Command::DeleteSession));
 }
 
+/// A held round's retry whose first answer the upstream refuses (401: the caller's token
+/// expired): the client hears the challenge; the held flow ends, and since nothing
+/// reached the call its state is not spent: sent again once re-authorized, it hears the
+/// flow is lost (-32012, issue the call again), not that its state is invalid.
+#[test]
+fn a_held_retry_denied_before_any_answer_went_up_leaves_its_state_unspent() {
+    let first = held_round();
+    let Ending::InputRequired { input_requests, .. } = first.ending() else {
+        unreachable!()
+    };
+    let mut upstream = Upstream::default();
+    let denied = Failure::denied(401, Some("Bearer".into()), "requires authorization");
+    upstream.posts.push_back(Err(denied));
+    let h = Harness::retry(
+        config(),
+        upstream,
+        first.state(),
+        json!({"elicitation_0": accept("Ada")}),
+        Some(input_requests.clone()),
+    );
+    assert!(h.log.contains(&Command::ReleaseClaim), "{:?}", h.log);
+    assert!(h.log.contains(&Command::DeleteSession), "{:?}", h.log);
+    assert_eq!(h.refusal().class, Class::Unauthorized);
+}
+
 #[test]
 fn a_held_retry_whose_holder_is_gone_loses_the_flow() {
     let first = held_round();
