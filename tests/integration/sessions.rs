@@ -310,6 +310,38 @@ fn session_delete_says_what_the_upstream_did() {
     );
 }
 
+/// `session/delete` reaches an upstream that authenticates every request with the
+/// credentials of the request that asks for it, as every other exchange of the session
+/// does: its DELETE went without them, was refused 401, and the session stayed.
+#[test]
+fn session_delete_carries_the_callers_credentials() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if seen.header("x-api-key") != Some("k-1") {
+            return Answer::status(401, &[("www-authenticate", "ApiKey")], b"");
+        }
+        legacy_basics(seen, "s1").unwrap_or_else(|| Answer::status(405, &[], b""))
+    });
+    let gw = legacy_gateway(&upstream.url());
+    let raw = Raw::new(&gw.url);
+    let key = [("x-api-key", "k-1")];
+    let created = raw.modern_with(1, "session/create", json!({}), json!({}), &key);
+    assert_eq!(created.status, 200);
+    let meta = json!({"_meta": {"mcp/session": {"id": cookie_of(&created.json())["id"]}}});
+    let deleted = raw.modern_with(2, "session/delete", meta, json!({}), &key);
+    let deleted = deleted.json();
+    assert_eq!(deleted["result"]["deleted"], true, "{deleted}");
+    let delete = upstream
+        .requests()
+        .into_iter()
+        .find(|s| s.method == "DELETE");
+    assert_eq!(
+        delete
+            .and_then(|d| d.header("x-api-key").map(str::to_string))
+            .as_deref(),
+        Some("k-1")
+    );
+}
+
 #[test]
 fn session_delete_ends_the_upstream_session_and_revokes_the_cookie() {
     let (_upstream, url) = start_upstream(Upstream::Python);

@@ -274,7 +274,7 @@ async fn serve_inner(
         Kind::SessionCreate => {
             session::create(gw, session, group, &request, reply, principal).await
         }
-        Kind::SessionDelete => session::delete(gw, session, group, attached, reply).await,
+        Kind::SessionDelete => session::delete(gw, session, group, &request, attached, reply).await,
     })
 }
 
@@ -548,8 +548,7 @@ pub(crate) async fn upstream_for<'g>(
     attached: Option<&session::Attached>,
 ) -> Result<LegacySession<'g>, SessionError> {
     if let Some(attached) = attached {
-        let mut upstream = attached.upstream(gw, group);
-        upstream.caller = caller(request);
+        let upstream = attached.upstream(gw, group, request);
         gw.runtime.metrics.upstream_session("reused");
         return Ok(upstream);
     }

@@ -28,7 +28,12 @@ pub(crate) struct Attached {
 
 impl Attached {
     /// The upstream session, to run a request in; it is never deleted by a flow.
-    pub fn upstream<'g>(&self, gw: &'g Gateway, group: &'g UpstreamGroup) -> LegacySession<'g> {
+    pub fn upstream<'g>(
+        &self,
+        gw: &'g Gateway,
+        group: &'g UpstreamGroup,
+        request: &ModernRequest,
+    ) -> LegacySession<'g> {
         let mut upstream = LegacySession::resume(
             &gw.upstreams.client,
             self.endpoint.clone(),
@@ -37,6 +42,8 @@ impl Attached {
             self.cookie.version,
         );
         upstream.persistent = true;
+        // Every exchange carries the credentials of the request it is made for.
+        upstream.caller = super::caller(request);
         upstream
     }
 }
@@ -212,6 +219,7 @@ pub(super) async fn delete(
     gw: &Gateway,
     session: &mut ServerSession,
     group: &UpstreamGroup,
+    request: &ModernRequest,
     attached: Option<&Attached>,
     reply: ClientReply,
 ) -> Outcome {
@@ -222,7 +230,7 @@ pub(super) async fn delete(
     };
     // A session the upstream did not end (a denied DELETE, an upstream down) lives on,
     // and so does its cookie: the client is told why.
-    let deleted = match attached.upstream(gw, group).end().await {
+    let deleted = match attached.upstream(gw, group, request).end().await {
         Ok(deleted) => deleted,
         Err(e) => return super::upstream_failed(gw, reply, session, group, &e).await,
     };
