@@ -8,7 +8,7 @@
 use super::{respond, Gateway};
 use crate::outcome::{Class, Outcome, Refusal};
 use crate::protocol::jsonrpc::code;
-use crate::protocol::oauth::{self, WellKnown, PROTECTED_RESOURCE};
+use crate::protocol::oauth::{self, PublicResource, WellKnown, PROTECTED_RESOURCE};
 use crate::upstream::{Endpoint, UpstreamGroup};
 use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
@@ -48,7 +48,7 @@ async fn answer(gw: &Gateway, session: &mut ServerSession, wanted: WellKnown<'_>
     }
     let (WellKnown::ProtectedResource { for_path } | WellKnown::AuthorizationServer { for_path }) =
         wanted;
-    let Some(group) = group_for(gw, for_path) else {
+    let Some(group) = group_for(gw, session, for_path) else {
         let text = format!("no MCP endpoint at '{for_path}' to describe");
         return not_found(session, text).await;
     };
@@ -61,10 +61,35 @@ async fn answer(gw: &Gateway, session: &mut ServerSession, wanted: WellKnown<'_>
     }
 }
 
-/// The group a discovery path is for: the one serving that path; for the root, the group
-/// at `/` or else the only group.
-fn group_for<'g>(gw: &'g Gateway, for_path: &str) -> Option<&'g UpstreamGroup> {
+/// The group a discovery path is for: the one whose public URL has that path, as the
+/// challenges name it (behind a proxy that strips a prefix, or on another host, it is
+/// not the gateway's path; of several, the one on the request's host); else the one
+/// serving that path; for the root, the group at `/` or else the only group.
+fn group_for<'g>(
+    gw: &'g Gateway,
+    session: &ServerSession,
+    for_path: &str,
+) -> Option<&'g UpstreamGroup> {
     let groups = &gw.upstreams.groups;
+    let public: Vec<(&UpstreamGroup, PublicResource)> = (groups.groups.iter())
+        .map(|g| (g, gw.admission.public_resource(session, g)))
+        .filter(|(_, public)| public.path() == for_path.trim_end_matches('/'))
+        .collect();
+    let host = super::request_host(session).unwrap_or_default();
+    let on_host = |p: &PublicResource| {
+        p.origin()
+            .rsplit_once("://")
+            .is_some_and(|(_, a)| a == host)
+    };
+    match public.as_slice() {
+        [(one, _)] => return Some(one),
+        [] => {}
+        several => {
+            if let Some((group, _)) = several.iter().find(|(_, p)| on_host(p)) {
+                return Some(group);
+            }
+        }
+    }
     if !for_path.is_empty() {
         return groups.by_path(for_path);
     }

@@ -60,6 +60,16 @@ impl PublicResource {
 
     /// Where its metadata is: the well-known prefix inserted between the origin and the
     /// path (RFC 9728 §3.1).
+    /// The resource's path (no trailing `/`; empty for the root).
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// `scheme://authority`.
+    pub fn origin(&self) -> &str {
+        &self.origin
+    }
+
     pub fn metadata_url(&self) -> String {
         format!("{}{PROTECTED_RESOURCE}{}", self.origin, self.path)
     }

@@ -120,6 +120,48 @@ fn a_client_without_a_token_is_challenged_with_metadata_the_gateway_serves() {
     assert_eq!(root_document["resource"], gw.url.as_str());
 }
 
+/// Behind a proxy that strips a path prefix, or on another host, a group's public URL
+/// is not the gateway's path: its metadata is served where its challenge says it is
+/// (`/.well-known/oauth-protected-resource` + the public path), naming the public URL.
+#[test]
+fn metadata_is_served_at_the_public_path_the_challenge_names() {
+    let tripwire = Tripwire::start();
+    let metadata = json!({"authorization_servers": ["https://idp.test"]});
+    let gw = TestGateway::start_with(&[&tripwire.url()], &test_keys(), |c| {
+        c.public_url = Some("https://mcp.test/prefix".into());
+        c.upstreams[0].resource_metadata = Some(metadata.clone());
+        for (name, public) in [
+            ("other", "https://tools.test/"),
+            ("third", "https://tools.test/t3"),
+        ] {
+            let mut group =
+                mrtr_gateway::config::UpstreamGroupConfig::new(name, vec![tripwire.url()]);
+            group.path = format!("/{name}");
+            group.public_url = Some(public.into());
+            group.resource_metadata = Some(metadata.clone());
+            group.health_check_interval_ms = 0;
+            c.upstreams.push(group);
+        }
+    });
+    for (public_path, resource) in [
+        ("/prefix/mcp", "https://mcp.test/prefix/mcp"),
+        ("", "https://tools.test"),
+        ("/t3", "https://tools.test/t3"),
+    ] {
+        let url = format!(
+            "{}/.well-known/oauth-protected-resource{public_path}",
+            origin(&gw.url)
+        );
+        let document: Value = ureq::get(&url)
+            .call()
+            .unwrap_or_else(|e| panic!("{url}: {e}"))
+            .into_json()
+            .unwrap();
+        assert_eq!(document["resource"], resource, "{url}: {document}");
+    }
+    assert_eq!(tripwire.count(), 0, "nothing was fetched upstream");
+}
+
 /// The `http` steps a client driver printed: (method, URL, status).
 fn exchanges(lines: &[Value]) -> Vec<(String, String, u64)> {
     lines
