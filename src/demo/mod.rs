@@ -86,6 +86,9 @@ impl Reply {
 enum Answer {
     Reply(Reply),
     Stream(Arc<EventStream>, usize),
+    /// The session's standalone GET stream: the session takes another once it ends (its
+    /// client left), as SDK servers do.
+    Standalone(Arc<EventStream>, Arc<DemoSession>),
 }
 
 fn result(id: &Value, result: Value) -> Value {
@@ -314,7 +317,7 @@ impl DemoServer {
                     "Conflict: Only one SSE stream is allowed per session",
                 ))
             }
-            None => Answer::Stream(session.open_stream(), 0),
+            None => Answer::Standalone(session.open_stream(), session.clone()),
         }
     }
 }
@@ -410,6 +413,10 @@ impl HttpServerApp for DemoServer {
         match self.route(&mut http).await {
             Answer::Reply(reply) => write_reply(&mut http, reply).await,
             Answer::Stream(stream, from) => write_stream(&mut http, &stream, from).await,
+            Answer::Standalone(stream, session) => {
+                write_stream(&mut http, &stream, 0).await;
+                session.standalone_open.store(false, Ordering::Release);
+            }
         }
         let settings = HttpPersistentSettings::for_session(&http);
         let stream = http.finish().await.ok()??;

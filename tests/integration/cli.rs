@@ -153,6 +153,45 @@ fn demo_walkthrough_works_as_printed() {
     );
 }
 
+/// The demo server takes one standalone GET stream per session at a time (409 for a
+/// second), and another once the first one's client has left, as SDK servers do: it
+/// refused every later one for the session's life.
+#[test]
+fn the_demo_server_takes_a_new_get_stream_once_the_last_one_closed() {
+    let port = free_port();
+    let child = binary()
+        .args(["demo-server", "--listen", &format!("127.0.0.1:{port}")])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _proc = Proc::adopt(child, "demo server");
+    wait_until("demo server", Duration::from_secs(10), || port_open(port));
+    let raw = Raw::new(&format!("http://127.0.0.1:{port}/mcp"));
+    let session = raw.initialize(serde_json::json!({}));
+    let get = |session: &str| {
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let request = format!(
+            "GET /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\naccept: text/event-stream\r\n\
+             mcp-session-id: {session}\r\nmcp-protocol-version: 2025-11-25\r\n\r\n"
+        );
+        std::io::Write::write_all(&mut stream, request.as_bytes()).unwrap();
+        let mut status = [0u8; 12];
+        std::io::Read::read_exact(&mut stream, &mut status).unwrap();
+        (String::from_utf8_lossy(&status[9..]).to_string(), stream)
+    };
+    let (first, open) = get(&session);
+    assert_eq!(first, "200");
+    assert_eq!(get(&session).0, "409", "one at a time");
+    drop(open);
+    wait_until("a new GET stream", Duration::from_secs(5), || {
+        get(&session).0 == "200"
+    });
+}
+
 /// Pingora binds the MCP listener only once its service runs, and gives up on an address
 /// in use after half a minute of retries while the rest of the process (the admin
 /// listener, ready) stays up. `run` must refuse at start instead.
