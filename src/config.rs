@@ -454,7 +454,7 @@ impl PeerOptions {
     /// The advertised address: `advertise`, else `listen` unless it is a wildcard.
     pub fn advertised(&self) -> Option<SocketAddr> {
         let addr = match (&self.advertise, &self.listen) {
-            (Some(advertise), _) => advertised_addr(advertise)?,
+            (Some(advertise), _) => peer_addr(advertise)?,
             (None, listen) => listen.as_ref()?.parse().ok()?,
         };
         (!addr.ip().is_unspecified()).then_some(addr)
@@ -473,11 +473,7 @@ impl PeerOptions {
                 ));
             }
         }
-        if let Some(advertise) = self
-            .advertise
-            .as_ref()
-            .filter(|a| advertised_addr(a).is_none())
-        {
+        if let Some(advertise) = self.advertise.as_ref().filter(|a| peer_addr(a).is_none()) {
             return Err(ConfigError::at(
                 "peers.advertise",
                 format!("'{advertise}' is not an IP:PORT socket address"),
@@ -509,14 +505,16 @@ impl PeerOptions {
 
     fn validate_static(&self) -> Result<(), ConfigError> {
         for (i, member) in self.members.iter().enumerate() {
-            check_addr(&format!("peers.members[{i}]"), member)?;
+            if peer_addr(member).is_none() {
+                return Err(ConfigError::at(
+                    format!("peers.members[{i}]"),
+                    format!("'{member}' is not an IP:PORT socket address"),
+                ));
+            }
         }
         let advertised = self.advertised().map(|a| a.to_string());
         if let (false, Some(me)) = (self.members.is_empty(), advertised) {
-            let listed = self
-                .members
-                .iter()
-                .filter_map(|m| m.parse::<SocketAddr>().ok());
+            let listed = self.members.iter().filter_map(|m| peer_addr(m));
             if !listed.map(|m| m.to_string()).any(|m| m == me) {
                 return Err(ConfigError::at(
                     "peers.members",
@@ -1256,10 +1254,10 @@ fn validate_dns_discovery(at: &str, group: &UpstreamGroupConfig) -> Result<(), C
     Ok(())
 }
 
-/// An advertised peer address: IP:PORT, where an IPv4 address may be bracketed as an IPv6
-/// one must (`[10.0.0.5]:9091`), so that one template, `[$(POD_IP)]:9091`, serves pods of
-/// either family.
-fn advertised_addr(text: &str) -> Option<SocketAddr> {
+/// A peer address (advertised, or a member): IP:PORT, where an IPv4 address may be
+/// bracketed as an IPv6 one must (`[10.0.0.5]:9091`), so that one template,
+/// `[$(POD_IP)]:9091`, serves pods of either family.
+pub fn peer_addr(text: &str) -> Option<SocketAddr> {
     text.parse().ok().or_else(|| {
         let (host, port) = text.rsplit_once(':')?;
         let v4: std::net::Ipv4Addr = host.strip_prefix('[')?.strip_suffix(']')?.parse().ok()?;
@@ -1634,6 +1632,17 @@ mod tests {
         ] {
             assert_eq!(advertised(text).unwrap(), Some(addr.parse().unwrap()));
         }
+        let members = PeerOptions {
+            listen: Some("0.0.0.0:9091".into()),
+            advertise: Some("[10.0.0.5]:9091".into()),
+            members: vec!["[10.0.0.5]:9091".into(), "10.0.0.6:9091".into()],
+            ..PeerOptions::default()
+        };
+        let config = Config {
+            peers: members.clone(),
+            ..Config::default()
+        };
+        assert!(members.validate(&config).is_ok());
         for bad in [
             "fd00::5:9091",
             "[10.0.0.5:9091",
