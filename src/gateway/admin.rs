@@ -226,12 +226,15 @@ struct Accepted {
 }
 
 impl Places {
-    fn accepted(&self) -> Accepted {
+    /// `tcp`'s place, as having spoken if its first bytes are there already: in a burst,
+    /// the accept loop runs ahead of the connections' tasks, and a request waiting to be
+    /// read must not count as silence.
+    fn accepted(&self, tcp: &tokio::net::TcpStream) -> Accepted {
         let (sender, let_go) = oneshot::channel();
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let place = Place {
             let_go: sender,
-            spoke: false,
+            spoke: bytes_waiting(tcp),
         };
         self.lock().insert(id, place);
         Accepted { id, let_go }
@@ -264,6 +267,23 @@ impl Places {
     }
 }
 
+/// Whether bytes (or the peer's close) are waiting on `tcp` now; nothing is taken.
+fn bytes_waiting(tcp: &tokio::net::TcpStream) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut byte = 0u8;
+    // SAFETY: recv(2) on the descriptor `tcp` owns, open for this call, peeking at most
+    // one byte into a local without waiting.
+    let peeked = unsafe {
+        libc::recv(
+            tcp.as_raw_fd(),
+            (&mut byte as *mut u8).cast(),
+            1,
+            libc::MSG_PEEK | libc::MSG_DONTWAIT,
+        )
+    };
+    peeked >= 0
+}
+
 #[async_trait]
 impl<A: ServerApp + Send + Sync + 'static> BackgroundService for OwnListener<A> {
     async fn start(&self, shutdown: ShutdownWatch) {
@@ -291,7 +311,7 @@ impl<A: ServerApp + Send + Sync + 'static> BackgroundService for OwnListener<A> 
                 }
             };
             let (app, shutdown, places) = (self.app.clone(), shutdown.clone(), places.clone());
-            let (limit, accepted) = (self.connection_time, places.accepted());
+            let (limit, accepted) = (self.connection_time, places.accepted(&tcp));
             tokio::spawn(async move {
                 let Accepted { id, let_go } = accepted;
                 let served = async {
@@ -398,6 +418,30 @@ mod tests {
         };
         let answer = tokio::time::timeout(within, probe).await;
         answer.map(|read| read.unwrap())
+    }
+
+    /// A connection whose first bytes are there when it is accepted has spoken, though
+    /// its task has not looked yet: a full peer listener does not let it go.
+    #[tokio::test]
+    async fn a_connection_with_bytes_waiting_at_its_accept_has_spoken() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let places = Places::default();
+        let mut spoke = TcpStream::connect(addr).await.unwrap();
+        spoke.write_all(b"P").await.unwrap();
+        let (accepted_spoke, _) = listener.accept().await.unwrap();
+        let _first = places.accepted(&accepted_spoke);
+        assert!(
+            !places.make_room(MakeRoom::Silent),
+            "a spoken place was let go"
+        );
+        let _silent = TcpStream::connect(addr).await.unwrap();
+        let (accepted_silent, _) = listener.accept().await.unwrap();
+        let _second = places.accepted(&accepted_silent);
+        assert!(
+            places.make_room(MakeRoom::Silent),
+            "the silent place is let go"
+        );
     }
 
     /// Connections opened and left silent do not keep a probe out, on either listener:
