@@ -621,9 +621,13 @@ async fn pump(
     let keepalive = (sse && gw.config.sse_keepalive_ms > 0)
         .then(|| Duration::from_millis(gw.config.sse_keepalive_ms));
     let mut position = BoundaryTracker::default();
-    let whole_by =
-        (!upstream.is_sse()).then(|| tokio::time::Instant::now() + upstream.answer_within());
+    // What is left of the response timeout for the upstream to send the rest of a body
+    // that is not SSE: only time spent waiting on the upstream counts, not time spent
+    // writing to a client that reads slowly (`client_write_timeout_ms` bounds that).
+    let mut upstream_time = (!upstream.is_sse()).then(|| upstream.answer_within());
     loop {
+        let waiting_since = tokio::time::Instant::now();
+        let whole_by = upstream_time.map(|left| waiting_since + left);
         let at_boundary = sse && position.between_events();
         if endless && at_boundary && gw.runtime.drain.is_draining() {
             let _ = respond::write_body(session, Bytes::new(), true).await;
@@ -648,6 +652,9 @@ async fn pump(
                 continue;
             }
         };
+        if let Some(left) = upstream_time.as_mut() {
+            *left = left.saturating_sub(waiting_since.elapsed());
+        }
         match chunk {
             Ok(Some(bytes)) => {
                 let bytes = match rewrite.as_mut() {

@@ -175,6 +175,50 @@ fn an_answer_that_trickles_or_stalls_is_given_up_at_the_response_timeout() {
     within("a bridged call's answer", started);
 }
 
+/// A large JSON answer the upstream sends at once, to a client that reads it slowly: the
+/// response timeout bounds the upstream's sending, not the client's reading
+/// (`client_write_timeout_ms` does), so the answer arrives whole.
+#[test]
+fn a_slow_reader_gets_a_large_answer_whole_past_the_response_timeout() {
+    let size = 16 << 20;
+    let body = format!(
+        r#"{{"jsonrpc":"2.0","id":5,"result":{{"x":"{}"}}}}"#,
+        "a".repeat(size)
+    );
+    let head = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n",
+        body.len()
+    );
+    let answer = format!("{head}{body}\r\n0\r\n\r\n");
+    let upstream = ScriptedUpstream::start(move |_: &Seen| Answer::raw(answer.as_bytes()));
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].response_timeout_ms = 300
+    });
+    let init = json!({"jsonrpc": "2.0", "id": 5, "method": "initialize", "params": {}}).to_string();
+    let request = format!(
+        "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+         accept: application/json, text/event-stream\r\nconnection: close\r\n\
+         content-length: {}\r\n\r\n{init}",
+        init.len()
+    );
+    let mut client = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    std::io::Write::write_all(&mut client, request.as_bytes()).unwrap();
+    let mut status = [0u8; 12];
+    std::io::Read::read_exact(&mut client, &mut status).unwrap();
+    assert_eq!(&status, b"HTTP/1.1 200");
+    // The slow reader: nothing read for three response timeouts, while the gateway's
+    // writes to it wait.
+    std::thread::sleep(Duration::from_millis(900));
+    let mut rest = Vec::new();
+    let read = std::io::Read::read_to_end(&mut client, &mut rest);
+    assert!(read.is_ok(), "{read:?}");
+    let relayed = rest.iter().filter(|b| **b == b'a').count();
+    assert!(relayed >= size, "the answer was cut: {} bytes", rest.len());
+}
+
 /// A 2026-07-28 request the gateway answers in one exchange (`tools/list`) over an SSE
 /// answer that first sends a log notification and a keep-alive event of its own type:
 /// the answer is the response, not the first message; and a bridged call's stream that
