@@ -8,7 +8,7 @@
 use super::{respond, Gateway};
 use crate::outcome::{Class, Outcome, Refusal};
 use crate::protocol::jsonrpc::code;
-use crate::protocol::oauth::{self, PublicResource, WellKnown, PROTECTED_RESOURCE};
+use crate::protocol::oauth::{self, WellKnown, PROTECTED_RESOURCE};
 use crate::upstream::{Endpoint, UpstreamGroup};
 use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
@@ -63,32 +63,32 @@ async fn answer(gw: &Gateway, session: &mut ServerSession, wanted: WellKnown<'_>
 
 /// The group a discovery path is for: the one whose public URL has that path, as the
 /// challenges name it (behind a proxy that strips a prefix, or on another host, it is
-/// not the gateway's path; of several, the one on the request's host); else the one
-/// serving that path; for the root, the group at `/` or else the only group.
+/// not the gateway's path); of several, one whose configured public URL is on the
+/// request's host, then one whose public URL is the request's own; else the one serving
+/// that path; for the root, the group at `/` or else the only group.
 fn group_for<'g>(
     gw: &'g Gateway,
     session: &ServerSession,
     for_path: &str,
 ) -> Option<&'g UpstreamGroup> {
     let groups = &gw.upstreams.groups;
-    let public: Vec<(&UpstreamGroup, PublicResource)> = (groups.groups.iter())
+    let host = super::request_host(session).unwrap_or_default();
+    let configured =
+        |g: &UpstreamGroup| g.public_url.is_some() || gw.admission.public_url.is_some();
+    let ranked: Vec<((bool, bool), &UpstreamGroup)> = (groups.groups.iter())
         .map(|g| (g, gw.admission.public_resource(session, g)))
         .filter(|(_, public)| public.path() == for_path.trim_end_matches('/'))
+        .map(|(g, public)| {
+            let on_host = same_authority(public.origin(), host);
+            ((configured(g) && on_host, on_host), g)
+        })
         .collect();
-    let host = super::request_host(session).unwrap_or_default();
-    let on_host = |p: &PublicResource| {
-        p.origin()
-            .rsplit_once("://")
-            .is_some_and(|(_, a)| a == host)
-    };
-    match public.as_slice() {
-        [(one, _)] => return Some(one),
-        [] => {}
-        several => {
-            if let Some((group, _)) = several.iter().find(|(_, p)| on_host(p)) {
-                return Some(group);
-            }
-        }
+    // The first of the best (ties keep the configuration's order); of several on other
+    // hosts, none.
+    let best = ranked.iter().rev().max_by_key(|(rank, _)| *rank);
+    match (best, ranked.len()) {
+        (Some((_, group)), 1) | (Some(((_, true), group)), _) => return Some(group),
+        _ => {}
     }
     if !for_path.is_empty() {
         return groups.by_path(for_path);
@@ -96,6 +96,17 @@ fn group_for<'g>(
     groups
         .by_path("/")
         .or_else(|| (groups.groups.len() == 1).then(|| &groups.groups[0]))
+}
+
+/// Whether `origin` (`scheme://authority`) is on `host` (a `Host` header): case aside,
+/// and a scheme's default port written or not.
+fn same_authority(origin: &str, host: &str) -> bool {
+    let Some((scheme, authority)) = origin.split_once("://") else {
+        return false;
+    };
+    let default = if scheme == "https" { ":443" } else { ":80" };
+    let bare = |a: &str| a.strip_suffix(default).unwrap_or(a).to_ascii_lowercase();
+    bare(authority) == bare(host)
 }
 
 /// The group's protected-resource metadata, naming its public URL as `resource`.

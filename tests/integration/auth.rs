@@ -160,6 +160,35 @@ fn metadata_is_served_at_the_public_path_the_challenge_names() {
         assert_eq!(document["resource"], resource, "{url}: {document}");
     }
     assert_eq!(tripwire.count(), 0, "nothing was fetched upstream");
+
+    // A group whose public URL follows the request's host, listed before one configured
+    // on that host with the same path: the configured one is the challenge's.
+    let gw = TestGateway::start_with(&[&tripwire.url()], &test_keys(), |c| {
+        c.allowed_hosts = vec!["b.test".into(), "127.0.0.1".into()];
+        c.upstreams[0].resource_metadata = Some(metadata.clone());
+        let mut two = mrtr_gateway::config::UpstreamGroupConfig::new("two", vec![tripwire.url()]);
+        two.path = "/two".into();
+        two.public_url = Some("https://b.test/mcp".into());
+        two.resource_metadata = Some(metadata.clone());
+        two.health_check_interval_ms = 0;
+        c.upstreams.push(two);
+    });
+    for host in ["b.test", "B.TEST:443"] {
+        let request = format!(
+            "GET /.well-known/oauth-protected-resource/mcp HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n"
+        );
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        std::io::Write::write_all(&mut stream, request.as_bytes()).unwrap();
+        let mut answer = String::new();
+        let _ = std::io::Read::read_to_string(&mut stream, &mut answer);
+        assert!(
+            answer.contains(r#""resource":"https://b.test/mcp""#),
+            "{host}: {answer}"
+        );
+    }
 }
 
 /// The `http` steps a client driver printed: (method, URL, status).
