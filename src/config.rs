@@ -868,10 +868,14 @@ pub fn parse_endpoint_url(url: &str) -> Result<EndpointUrl, String> {
         .and_then(|p| p.strip_prefix(':'));
     // An empty port is the scheme's (RFC 3986 §3.2.3). What is not a port is not shown:
     // it may be part of a password.
-    let port = match port_text.filter(|p| !p.is_empty()).map(str::parse::<u16>) {
+    let digits = |p: &str| p.bytes().all(|b| b.is_ascii_digit());
+    let port = match port_text
+        .filter(|p| !p.is_empty())
+        .map(|p| (digits(p), p.parse::<u16>()))
+    {
         None if tls => 443,
         None => 80,
-        Some(Ok(port)) if port > 0 => port,
+        Some((true, Ok(port))) if port > 0 => port,
         Some(_) => return Err(format!("'{shown}' has a port that is not 1-65535")),
     };
     let path = match uri.path_and_query().map(|p| p.as_str()) {
@@ -1724,6 +1728,7 @@ mod tests {
         assert_eq!((empty.port, empty.authority.as_str()), (80, "svc"));
         assert_eq!(parse_endpoint_url("https://[::1]:/mcp").unwrap().port, 443);
         assert!(parse_endpoint_url("http://svc:0/mcp").is_err());
+        assert!(parse_endpoint_url("http://svc:+80/mcp").is_err());
         let query = parse_endpoint_url("http://svc:8/mcp?apiKey=k").unwrap();
         assert_eq!((query.port, query.path.as_str()), (8, "/mcp?apiKey=k"));
     }

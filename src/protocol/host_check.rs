@@ -71,7 +71,7 @@ pub fn allowed_host(entry: &str) -> Result<String, String> {
         return Ok(v6.to_string());
     }
     let name_char = |c: char| c.is_ascii_alphanumeric() || "-._".contains(c);
-    let problem = if entry.is_empty() {
+    let problem = if entry.trim_end_matches('.').is_empty() {
         "is empty"
     } else if entry.contains("://") || entry.contains('/') {
         "is a URL: give the host name alone"
@@ -88,16 +88,18 @@ pub fn allowed_host(entry: &str) -> Result<String, String> {
     } else if !entry.chars().all(name_char) {
         "is not a host name"
     } else {
-        return Ok(entry.to_ascii_lowercase());
+        // A fully qualified name's trailing dot names the same host.
+        return Ok(entry.trim_end_matches('.').to_ascii_lowercase());
     };
     Err(format!("'{entry}' {problem}"))
 }
 
-/// A host name as the policy compares it: an IPv6 address in its canonical form.
+/// A host name as the policy compares it: an IPv6 address in its canonical form, a name
+/// without a trailing dot.
 fn canonical(name: &str) -> std::borrow::Cow<'_, str> {
     match name.parse::<Ipv6Addr>() {
         Ok(v6) => v6.to_string().into(),
-        Err(_) => name.into(),
+        Err(_) => name.trim_end_matches('.').into(),
     }
 }
 
@@ -154,6 +156,7 @@ mod tests {
             ("https://mcp.example.com", "is a URL"),
             ("mcp.example.com/mcp", "is a URL"),
             ("", "is empty"),
+            (".", "is empty"),
             ("a b", "holds several names"),
             ("a.example,b.example", "holds several names"),
             ("[10.1.2.3]", "has brackets"),
@@ -166,7 +169,12 @@ mod tests {
             assert!(refused.contains(problem), "{refused}");
         }
         assert_eq!(allowed_host("0:0:0:0:0:0:0:1").unwrap(), "::1");
-        assert_eq!(allowed_host("example.org.").unwrap(), "example.org.");
+        assert_eq!(allowed_host("example.org.").unwrap(), "example.org");
+        let listen = "0.0.0.0:8080".parse().unwrap();
+        let dotted = HostPolicy::for_listener(listen, &["example.org.".into()]);
+        for host in ["example.org", "example.org.:8080"] {
+            assert!(dotted.check(Some(host), None).is_ok(), "{host}");
+        }
         for listed in ["[::1]", "0:0:0:0:0:0:0:1"] {
             let listen = "0.0.0.0:8080".parse().unwrap();
             let policy = HostPolicy::for_listener(listen, &[listed.into()]);
