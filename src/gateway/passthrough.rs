@@ -95,11 +95,11 @@ async fn serve_inner(
     let id = parsed.and_then(Body::id).cloned();
     let mut route = match route(gw, session, group, binding) {
         Ok(route) => route,
-        Err(refusal) => return refuse(session, id.as_ref(), refusal).await,
+        Err(refusal) => return refuse(session, legacy, id.as_ref(), refusal).await,
     };
     let resumption = match resumption(gw, session, group, &route, binding, legacy).await {
         Ok(resumption) => resumption,
-        Err(refusal) => return refuse(session, id.as_ref(), refusal).await,
+        Err(refusal) => return refuse(session, legacy, id.as_ref(), refusal).await,
     };
     let method = &session.req_header().method;
     let stream = match (&resumption, method == http::Method::GET) {
@@ -117,7 +117,7 @@ async fn serve_inner(
         Ok(body) => body,
         Err(e) => {
             let refusal = Refusal::new(Class::BadRequest, code::INVALID_REQUEST, e.to_string());
-            return refuse(session, id.as_ref(), refusal).await;
+            return refuse(session, legacy, id.as_ref(), refusal).await;
         }
     };
     // An `initialize` whose answer cannot be relayed has its session ended, naming the
@@ -173,7 +173,7 @@ async fn serve_inner(
             Some(next) => route.endpoint = next,
             None => {
                 tracing::warn!(group = %group.name, error = %Report(&e), "upstream exchange failed");
-                return refuse(session, id.as_ref(), upstream_refusal(group, &e)).await;
+                return refuse(session, legacy, id.as_ref(), upstream_refusal(group, &e)).await;
             }
         }
     };
@@ -185,7 +185,7 @@ async fn serve_inner(
             let version = initialize.map_or_else(Revision::default, |b| requested_revision(&b));
             end_unrelayed_session(gw, session, group, &route, upstream_session, version).await;
         }
-        return refuse(session, id.as_ref(), coded_against_identity(group)).await;
+        return refuse(session, legacy, id.as_ref(), coded_against_identity(group)).await;
     }
     if let Some(sid) = uncarried_session(&route, response.header()) {
         gw.upstreams.client.finish(response).await;
@@ -193,7 +193,13 @@ async fn serve_inner(
             let version = initialize.map_or_else(Revision::default, |b| requested_revision(&b));
             end_unrelayed_session(gw, session, group, &route, sid, version).await;
         }
-        return refuse(session, id.as_ref(), uncarried_session_refusal(group)).await;
+        return refuse(
+            session,
+            legacy,
+            id.as_ref(),
+            uncarried_session_refusal(group),
+        )
+        .await;
     }
     count_session_event(gw, session, &route, response.header());
     let header = client_response_header(gw, session, group, &route, binding, response.header());
@@ -386,8 +392,19 @@ fn route(
 }
 
 /// Answers with `refusal`, as a JSON-RPC error in reply to `id`.
-async fn refuse(session: &mut ServerSession, id: Option<&Value>, refusal: Refusal) -> Outcome {
-    let status = refusal.class.status();
+/// Answers the client with `refusal`: under its class's status, except that a 2026-07-28
+/// client (not `legacy`) gets a failure on the server's side as 200 carrying the error, as
+/// a bridged one does (`bridge::reply`; README, "Errors 2026-07-28 clients see").
+async fn refuse(
+    session: &mut ServerSession,
+    legacy: bool,
+    id: Option<&Value>,
+    refusal: Refusal,
+) -> Outcome {
+    let status = match refusal.class.status() {
+        server_side if server_side >= 500 && !legacy => 200,
+        status => status,
+    };
     respond::error(session, status, id, refusal.code, &refusal.message).await;
     Outcome::Refused(refusal)
 }
@@ -591,7 +608,7 @@ async fn relay_whole(
                 ExchangeFailure::Timeout => Refusal::internal(Class::UpstreamTimeout, BODY_LATE),
                 _ => Refusal::internal(Class::UpstreamError, "the upstream broke off the body"),
             };
-            return refuse(session, id, refusal).await;
+            return refuse(session, true, id, refusal).await;
         }
     };
     let body = concat(rewrite.push(body), rewrite.finish());

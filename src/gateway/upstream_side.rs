@@ -264,16 +264,8 @@ impl UpstreamSide {
             UpstreamEra::Legacy => false,
             UpstreamEra::Modern => true,
             UpstreamEra::Auto => {
-                let probed = self
-                    .modern_only
-                    .lock()
-                    .expect("era cache lock")
-                    .get(&group.name)
-                    .copied();
-                match probed {
-                    Some(Probed::Verdict { modern_only, .. }) => return modern_only,
-                    Some(Probed::RetryAfter(at)) if Instant::now() < at => return false,
-                    _ => {}
+                if let Some(known) = self.relays_as_known(group) {
+                    return known;
                 }
                 let probed = match self.probe_modern_only(group, &asker()).await {
                     Probe::Verdict(modern_only) => Probed::Verdict {
@@ -296,6 +288,24 @@ impl UpstreamSide {
                         ..
                     }
                 )
+            }
+        }
+    }
+
+    /// Whether 2026-07-28 requests to `group` are relayed, as known now without a probe;
+    /// `None` for an `era: auto` group whose upstream has not been probed (or is to be
+    /// probed again).
+    pub fn relays_as_known(&self, group: &UpstreamGroup) -> Option<bool> {
+        match group.era {
+            UpstreamEra::Legacy => Some(false),
+            UpstreamEra::Modern => Some(true),
+            UpstreamEra::Auto => {
+                let known = self.modern_only.lock().expect("era cache lock");
+                match known.get(&group.name).copied() {
+                    Some(Probed::Verdict { modern_only, .. }) => Some(modern_only),
+                    Some(Probed::RetryAfter(at)) if Instant::now() < at => Some(false),
+                    _ => None,
+                }
             }
         }
     }

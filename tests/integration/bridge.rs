@@ -581,6 +581,80 @@ fn an_upstream_that_answers_mrtr_itself_is_relayed_unchanged_when_configured() {
     assert_eq!(lines.last().unwrap()["text"], "City: Lisbon");
 }
 
+/// A group relayed to a 2026-07-28 server gets every message unchanged: a notification
+/// and a method the bridge does not know (`subscriptions/listen`) reach the server, which
+/// answers them itself. The gateway's own failures reach the client as 200 carrying the
+/// error, as a bridged one's do. A retry carrying a state the gateway sealed when the
+/// group was bridged (the upstream redeployed as a 2026-07-28 server) is the gateway's to
+/// answer: the call is lost (-32012), and the server never sees the state.
+#[test]
+fn a_relayed_group_gets_every_message_and_the_gateways_own_states_stay_home() {
+    use crate::resumption::{call_hostile, resumable_server, Asks, Resumes};
+    use crate::scripted::{Answer, ScriptedUpstream, Seen};
+    let modern = ScriptedUpstream::start(|seen: &Seen| {
+        let message = seen.json().unwrap_or_default();
+        match message.get("id") {
+            Some(id) => Answer::json(
+                200,
+                &json!({"jsonrpc": "2.0", "id": id, "result": {"relayed": message["method"]}}),
+            ),
+            None => Answer::status(202, &[], b""),
+        }
+    });
+    let relay = |url: &str| {
+        TestGateway::start_with(&[url], &test_keys(), |c| {
+            c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Modern;
+            c.upstreams[0].health_check_interval_ms = 0;
+        })
+    };
+    let gw = relay(&modern.url());
+    let raw = Raw::new(&gw.url);
+    let listen = raw.modern(1, "subscriptions/listen", json!({}), json!({}));
+    assert_eq!(listen.status, 200);
+    assert_eq!(listen.json()["result"]["relayed"], "subscriptions/listen");
+    let (mut headers, mut note) = modern_request(
+        0,
+        "notifications/cancelled",
+        json!({"requestId": 1}),
+        json!({}),
+    );
+    note.as_object_mut().unwrap().remove("id");
+    headers.retain(|(name, _)| *name != "accept");
+    let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    assert_eq!(
+        raw.request("POST", &headers, Some(&note.to_string()))
+            .status,
+        202
+    );
+    let reached = |method: &str| {
+        modern
+            .requests()
+            .iter()
+            .any(|s| s.json().is_some_and(|m| m["method"] == method))
+    };
+    assert!(reached("subscriptions/listen") && reached("notifications/cancelled"));
+
+    let down = relay(&format!("http://127.0.0.1:{}/mcp", free_port()));
+    let failed = Raw::new(&down.url).modern(2, "tools/list", json!({}), json!({}));
+    assert_eq!(failed.status, 200, "a 2026-07-28 client reads the error");
+    assert_eq!(failed.json()["error"]["code"], -32603);
+
+    let legacy = resumable_server(Resumes::Primed, true, Asks::AfterPriming);
+    let bridged = TestGateway::start(&[&legacy.url()], &test_keys());
+    let (_, first) = call_hostile(&Raw::new(&bridged.url), 3, json!({}));
+    let retry = answer(&first, json!({"name": "Ada"}));
+    let (status, lost) = call_hostile(&raw, 4, retry);
+    assert_eq!(
+        (status, &lost["error"]["code"]),
+        (200, &json!(-32012)),
+        "{lost}"
+    );
+    assert!(
+        !reached("tools/call"),
+        "the gateway's state reached the server"
+    );
+}
+
 /// An `era: auto` group whose upstream is redeployed as a server of the other era (a
 /// legacy server upgraded to a 2026-07-28-only SDK, or back) follows it: what the
 /// upstream answers puts the verdict in doubt once it is ten seconds old, and the next

@@ -252,7 +252,7 @@ pub(crate) fn resumable_server(resumes: Resumes, scoped: bool, asks: Asks) -> Sc
     })
 }
 
-fn call_hostile(raw: &Raw, id: u64, extra: Value) -> (u16, Value) {
+pub(crate) fn call_hostile(raw: &Raw, id: u64, extra: Value) -> (u16, Value) {
     let params = tool_params("hostile", extra);
     let reply = raw.modern(id, "tools/call", params, json!({"elicitation": {}}));
     (reply.status, reply.json())

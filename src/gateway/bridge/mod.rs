@@ -28,7 +28,10 @@ use crate::metrics::method_label;
 use crate::mrtr::data_session::META_KEY;
 pub(crate) use crate::mrtr::flow::fresh_call_id;
 use crate::mrtr::flow::Failure;
-use crate::mrtr::modern::{ModernHeaders, ModernRequest, SUPPORTED_VERSIONS};
+use crate::mrtr::modern::{
+    gateway_code as scode, ModernHeaders, ModernRequest, SUPPORTED_VERSIONS,
+};
+use crate::mrtr::state::FlowState;
 use crate::outcome::Report;
 use crate::outcome::{Class, Outcome, Refusal};
 use crate::protocol::jsonrpc::{self, code, Body};
@@ -186,6 +189,16 @@ async fn serve_inner(
     incoming: &Incoming,
 ) -> Served {
     let principal = &incoming.principal;
+    // A 2026-07-28 upstream gets every message unchanged: notifications, and methods the
+    // bridge does not know (`subscriptions/listen`, extensions), as known without a probe.
+    let method = message["method"].as_str();
+    let bridged = method.map(|m| Kind::of(m).is_some() && message.get("id").is_some());
+    if bridged == Some(false)
+        && incoming.arrival != Arrival::Peer
+        && gw.upstreams.relays_as_known(group) == Some(true)
+    {
+        return Served::Relay;
+    }
     let (Some(method), Some(id)) = (message["method"].as_str(), message.get("id")) else {
         if message.get("method").is_some() {
             respond::write(session, 202, "application/json", Bytes::new()).await;
@@ -240,6 +253,13 @@ async fn serve_inner(
     // Only a request that passed validation may make the gateway probe the upstream.
     let asking = || asker(group, &request, principal);
     if gw.upstreams.relays(group, asking).await {
+        if is_retry(&kind, &request) && sealed_here(gw, &request) {
+            // A flow bridged before the upstream became a 2026-07-28 server: its state
+            // means nothing to that server.
+            let text = format!("upstream group '{}' now speaks protocol version 2026-07-28 and no longer has this bridged call: issue the call again", group.name);
+            let refusal = Refusal::new(Class::UpstreamError, scode::FLOW_LOST, text);
+            return Served::Done(reply.refuse(session, refusal).await);
+        }
         return Served::Relay;
     }
     let reply = ClientReply {
@@ -276,6 +296,12 @@ async fn serve_inner(
         }
         Kind::SessionDelete => session::delete(gw, session, group, &request, attached, reply).await,
     })
+}
+
+/// Whether a request's `requestState` is one this gateway sealed (it opens with its keys).
+fn sealed_here(gw: &Gateway, request: &ModernRequest) -> bool {
+    let state = request.params.get("requestState").and_then(Value::as_str);
+    state.is_some_and(|text| FlowState::open_unbound(&gw.sealing.keys.load(), text).is_ok())
 }
 
 /// Whether a request retries an interactive call (it carries a `requestState`).
