@@ -206,9 +206,31 @@ async fn serve_inner(
     let rewrite = id_tag
         .filter(|_| !coded)
         .map(|tag| BodyRewrite::new(gw, &route, binding, &response, stream, tag));
+    let status = response.header().status.as_u16();
     let outcome = relay(gw, session, header, &mut response, rewrite, id.as_ref()).await;
     gw.upstreams.client.finish(response).await;
-    outcome
+    counted_as(status, outcome)
+}
+
+/// What a relayed answer counts as: one the upstream sent with an error status counts as
+/// that error (its 401 as `unauthorized`), though relayed as it came.
+fn counted_as(status: u16, relayed: Outcome) -> Outcome {
+    let class = match status {
+        401 => Class::Unauthorized,
+        403 => Class::Forbidden,
+        404 => Class::SessionEnded,
+        413 => Class::TooLarge,
+        400..=499 => Class::BadRequest,
+        500..=599 => Class::UpstreamError,
+        _ => return relayed,
+    };
+    match relayed {
+        Outcome::Ok => {
+            let text = format!("the upstream answered HTTP {status}");
+            Outcome::Refused(Refusal::new(class, code::INTERNAL_ERROR, text))
+        }
+        other => other,
+    }
 }
 
 /// Where a legacy client's GET resumes: the stream and the upstream's own event id in

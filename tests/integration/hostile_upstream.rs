@@ -175,6 +175,36 @@ fn an_answer_that_trickles_or_stalls_is_given_up_at_the_response_timeout() {
     within("a bridged call's answer", started);
 }
 
+/// An answer relayed with an error status counts as that error, not as `ok`: the
+/// upstream's 401 to a legacy `initialize` is `unauthorized`, its 500 `upstream_error`.
+#[test]
+fn a_relayed_error_status_counts_as_that_error() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        let method = seen.json().unwrap_or_default()["method"].clone();
+        match method.as_str() {
+            Some("initialize") => Answer::status(401, &[("www-authenticate", "Bearer")], b""),
+            _ => Answer::status(500, &[], b""),
+        }
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {}});
+    assert_eq!(raw.post(None, &init).status, 401);
+    let ping = json!({"jsonrpc": "2.0", "id": 2, "method": "ping"});
+    assert_eq!(raw.post(None, &ping).status, 500);
+    let counted = |labels: &str| metric_with(&gw.admin, "mrtr_gateway_requests_total", labels);
+    let unauthorized = r#"era="legacy",method="initialize",outcome="unauthorized""#;
+    assert_eq!(counted(unauthorized), Some(1.0));
+    assert_eq!(
+        counted(r#"era="legacy",method="ping",outcome="upstream_error""#),
+        Some(1.0)
+    );
+    assert_eq!(
+        counted(r#"era="legacy",method="initialize",outcome="ok""#),
+        None
+    );
+}
+
 /// A large JSON answer the upstream sends at once, to a client that reads it slowly: the
 /// response timeout bounds the upstream's sending, not the client's reading
 /// (`client_write_timeout_ms` does), so the answer arrives whole.
