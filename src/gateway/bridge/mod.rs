@@ -199,7 +199,7 @@ async fn serve_inner(
     {
         return Served::Relay;
     }
-    let (Some(method), Some(id)) = (message["method"].as_str(), message.get("id")) else {
+    let (Some(method), Some(id)) = (method, message.get("id")) else {
         if message.get("method").is_some() {
             respond::write(session, 202, "application/json", Bytes::new()).await;
             return Served::Done(Outcome::Ok);
