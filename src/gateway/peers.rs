@@ -48,7 +48,7 @@ impl Peers {
                 options
                     .members
                     .iter()
-                    .filter_map(|m| m.parse().ok())
+                    .filter_map(|m| crate::config::peer_addr(m))
                     .collect(),
             ),
             Discovery::Dns => Members::Dns(Arc::new(Self::dns_balancer(options, resolver)?)),
