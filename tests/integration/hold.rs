@@ -365,7 +365,9 @@ fn a_held_flows_retry_from_a_client_already_gone_is_not_continued() {
     let gw = &replicas[0];
     let caps = json!({"elicitation": {}});
     let ask = json!({"name": "ask", "arguments": {}});
-    let asked = Raw::new(&gw.url).modern(1, "tools/call", ask.clone(), caps.clone());
+    // With a credential: the held call's end upstream carries it.
+    let key = [("x-api-key", "k-9")];
+    let asked = Raw::new(&gw.url).modern_with(1, "tools/call", ask.clone(), caps.clone(), &key);
     let asked = asked.json();
     assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 1.0, "{asked}");
     let mut params = ask;
@@ -395,6 +397,16 @@ fn a_held_flows_retry_from_a_client_already_gone_is_not_continued() {
     wait_until("the held call ended", Duration::from_secs(10), || {
         upstream.requests().iter().any(|s| s.method == "DELETE")
     });
+    let delete = upstream
+        .requests()
+        .into_iter()
+        .find(|s| s.method == "DELETE");
+    let key_sent = delete.as_ref().and_then(|d| d.header("x-api-key"));
+    assert_eq!(
+        key_sent,
+        Some("k-9"),
+        "the DELETE carries the held round's credential"
+    );
     let answered = |s: &Seen| s.json().is_some_and(|m| m.get("result").is_some());
     assert!(
         !upstream.requests().iter().any(answered),

@@ -35,7 +35,9 @@ use crate::mrtr::translate::{Relay, RoundLimits};
 use crate::outcome::{Class, Outcome, Refusal, Report};
 use crate::protocol::jsonrpc::code;
 use crate::upstream::exchange::{Connection, ExchangeFailure, Response};
-use crate::upstream::legacy_session::{read_single, LegacySession, SessionError, SessionFailure};
+use crate::upstream::legacy_session::{
+    read_single, Caller, LegacySession, SessionError, SessionFailure,
+};
 use crate::upstream::UpstreamGroup;
 use pingora::protocols::http::ServerSession;
 use serde_json::{json, Map, Value};
@@ -1172,6 +1174,11 @@ async fn hold(
             id,
             version: upstream.version,
             cancel,
+            // Its own exchanges carry no trace of the request that held it.
+            caller: Caller {
+                headers: upstream.caller.headers.clone(),
+                ..Caller::default()
+            },
         });
     let held = Held::new(
         flow.flow_id(),

@@ -18,7 +18,7 @@ use super::streams::Streams;
 use crate::gateway::Gateway;
 use crate::mrtr::state::now_secs;
 use crate::protocol::revision::Revision;
-use crate::upstream::legacy_session::LegacySession;
+use crate::upstream::legacy_session::{Caller, LegacySession};
 use crate::upstream::{Endpoint, Timeouts};
 use async_trait::async_trait;
 use pingora::server::ShutdownWatch;
@@ -83,6 +83,7 @@ impl Held {
             id,
             version,
             cancel,
+            caller,
         }) = self.session
         else {
             return;
@@ -90,7 +91,9 @@ impl Held {
         if cancel.is_none() {
             gw.flows.reaper.forget(&self.endpoint, id.as_str());
         }
-        let upstream = LegacySession::resume(client, self.endpoint, &self.timeouts, id, version);
+        let mut upstream =
+            LegacySession::resume(client, self.endpoint, &self.timeouts, id, version);
+        upstream.caller = caller;
         match cancel {
             Some(cancel) => upstream.cancel_best_effort(&cancel, "abandoned").await,
             None => upstream.reap().await,
@@ -107,6 +110,9 @@ pub(super) struct HeldSession {
     /// A data-layer session's call is cancelled with this notification (the session
     /// outlives its flows); a session of the flow's own is deleted.
     pub cancel: Option<Value>,
+    /// The headers of the round that held it (its credentials): an upstream that
+    /// authenticates every request refuses the cancellation or DELETE without them.
+    pub caller: Caller,
 }
 
 /// Why a flow could not be held; its round ends with an error.
