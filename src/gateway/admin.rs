@@ -158,11 +158,20 @@ pub struct OwnListener<A> {
     pub app: Arc<A>,
     /// Bound when the server is built, so a taken port fails the start.
     socket: std::sync::Mutex<Option<std::net::TcpListener>>,
-    /// Longest a connection is served; `None`: as long as it lasts.
-    connection_time: Option<Duration>,
+    bounds: ConnectionBounds,
     max_connections: usize,
-    make_room: MakeRoom,
     name: &'static str,
+}
+
+/// How long an own listener's connections are served, and which one a full listener
+/// lets go.
+#[derive(Clone, Copy, Debug)]
+pub struct ConnectionBounds {
+    /// Longest a connection is served; `None`: as long as it lasts.
+    pub connection_time: Option<Duration>,
+    /// Longest a new connection may stay silent (`limits.header_timeout_ms`).
+    pub first_byte_within: Duration,
+    pub make_room: MakeRoom,
 }
 
 /// Which connection a full listener lets go for a newcomer. Connections opened and left
@@ -183,17 +192,15 @@ impl<A> OwnListener<A> {
         name: &'static str,
         app: A,
         addr: &str,
-        connection_time: Option<Duration>,
-        make_room: MakeRoom,
+        bounds: ConnectionBounds,
     ) -> std::io::Result<OwnListener<A>> {
         let socket = std::net::TcpListener::bind(addr)?;
         socket.set_nonblocking(true)?;
         Ok(OwnListener {
             app: Arc::new(app),
             socket: std::sync::Mutex::new(Some(socket)),
-            connection_time,
+            bounds,
             max_connections: MAX_OWN_CONNECTIONS,
-            make_room,
             name,
         })
     }
@@ -240,10 +247,11 @@ impl Places {
         Accepted { id, let_go }
     }
 
-    fn spoke(&self, id: u64) {
-        if let Some(place) = self.lock().get_mut(&id) {
-            place.spoke = true;
-        }
+    /// Marks a place as having spoken; `false` if it was let go meanwhile (its connection
+    /// is then not served: a request begun would be cut).
+    fn spoke(&self, id: u64) -> bool {
+        let mut open = self.lock();
+        open.get_mut(&id).map(|place| place.spoke = true).is_some()
     }
 
     fn left(&self, id: u64) {
@@ -303,7 +311,7 @@ impl<A: ServerApp + Send + Sync + 'static> BackgroundService for OwnListener<A> 
                 Err(_) => {
                     // Full: the connection let go gives its slot up at once; with none,
                     // the newcomer waits for a connection to end.
-                    places.make_room(self.make_room);
+                    places.make_room(self.bounds.make_room);
                     let Ok(slot) = slots.clone().acquire_owned().await else {
                         return;
                     };
@@ -311,21 +319,21 @@ impl<A: ServerApp + Send + Sync + 'static> BackgroundService for OwnListener<A> 
                 }
             };
             let (app, shutdown, places) = (self.app.clone(), shutdown.clone(), places.clone());
-            let (limit, accepted) = (self.connection_time, places.accepted(&tcp));
+            let (bounds, accepted) = (self.bounds, places.accepted(&tcp));
             tokio::spawn(async move {
                 let Accepted { id, let_go } = accepted;
                 let served = async {
                     // `peek` completes only on a byte or the close (`readable` may wake
                     // spuriously).
                     let mut byte = [0u8; 1];
-                    if tcp.peek(&mut byte).await.is_ok() {
-                        places.spoke(id);
+                    let first = tokio::time::timeout(bounds.first_byte_within, tcp.peek(&mut byte));
+                    if matches!(first.await, Ok(Ok(_))) && places.spoke(id) {
                         let stream: pingora::protocols::Stream = Box::new(Stream::from(tcp));
                         serve_connection(app, stream, shutdown).await;
                     }
                 };
                 let bounded = async {
-                    match limit {
+                    match bounds.connection_time {
                         Some(limit) => {
                             let _ = tokio::time::timeout(limit, served).await;
                         }
@@ -374,8 +382,12 @@ mod tests {
 
     /// A listener serving 4 connections at most, with `policy`, and its address.
     fn listening(policy: MakeRoom) -> std::net::SocketAddr {
-        let time = Some(Duration::from_secs(30));
-        let listener = OwnListener::bind("test", Hello, "127.0.0.1:0", time, policy)
+        let bounds = ConnectionBounds {
+            connection_time: Some(Duration::from_secs(30)),
+            first_byte_within: Duration::from_secs(30),
+            make_room: policy,
+        };
+        let listener = OwnListener::bind("test", Hello, "127.0.0.1:0", bounds)
             .unwrap()
             .with_max_connections(4);
         let addr = {
@@ -430,6 +442,8 @@ mod tests {
         let mut spoke = TcpStream::connect(addr).await.unwrap();
         spoke.write_all(b"P").await.unwrap();
         let (accepted_spoke, _) = listener.accept().await.unwrap();
+        // The byte is in: what `accepted` peeks at without waiting.
+        accepted_spoke.peek(&mut [0u8; 1]).await.unwrap();
         let _first = places.accepted(&accepted_spoke);
         assert!(
             !places.make_room(MakeRoom::Silent),
@@ -466,8 +480,14 @@ mod tests {
         let answer = probe(admin, SECONDS_5).await.expect("answered within 5 s");
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
         let peer = listening(MakeRoom::Silent);
-        let _stalled = stalled(peer, b"POST /m").await;
+        let mut stalled = stalled(peer, b"POST /m").await;
         let waited = probe(peer, Duration::from_secs(1)).await;
         assert!(waited.is_err(), "a spoken connection was let go");
+        // Once they end, a newcomer is served.
+        stalled.clear();
+        let answer = probe(peer, SECONDS_5)
+            .await
+            .expect("answered once a place freed");
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     }
 }

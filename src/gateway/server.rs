@@ -6,7 +6,9 @@
 //! `spawn` runs the same server on a thread with a shutdown channel, for tests and for
 //! `demo`.
 
-use super::admin::{AdminApp, DrainWatch, MakeRoom, OwnListener, ADMIN_CONNECTION_TIME};
+use super::admin::{
+    AdminApp, ConnectionBounds, DrainWatch, MakeRoom, OwnListener, ADMIN_CONNECTION_TIME,
+};
 use super::bridge::hold::HeldSweeper;
 use super::bridge::one_shot::KeptSweeper;
 use super::bridge::warm::WarmSweeper;
@@ -106,24 +108,29 @@ pub fn build(
         reaper: gateway.flows.reaper.clone(),
         held: gateway.flows.held.clone(),
     };
-    let admin = OwnListener::bind(
-        "admin",
-        admin_app,
-        &admin_listen,
-        Some(ADMIN_CONNECTION_TIME),
-        MakeRoom::SilentThenOldest,
-    )
-    .map_err(|e| {
-        ConfigError::at(
-            "admin_listen",
-            format!("cannot listen on {admin_listen}: {e}"),
-        )
-    })?;
+    let first_byte_within = Duration::from_millis(gateway.config.limits.header_timeout_ms);
+    let admin_bounds = ConnectionBounds {
+        connection_time: Some(ADMIN_CONNECTION_TIME),
+        first_byte_within,
+        make_room: MakeRoom::SilentThenOldest,
+    };
+    let admin =
+        OwnListener::bind("admin", admin_app, &admin_listen, admin_bounds).map_err(|e| {
+            ConfigError::at(
+                "admin_listen",
+                format!("cannot listen on {admin_listen}: {e}"),
+            )
+        })?;
     server.add_service(mcp);
     server.add_service(background_service("admin", admin));
     if let Some(addr) = &peer_listen {
         let app = Listener::new(gateway.clone(), Arrival::Peer, None);
-        let peer = OwnListener::bind("peer", app, addr, None, MakeRoom::Silent).map_err(|e| {
+        let peer_bounds = ConnectionBounds {
+            connection_time: None,
+            first_byte_within,
+            make_room: MakeRoom::Silent,
+        };
+        let peer = OwnListener::bind("peer", app, addr, peer_bounds).map_err(|e| {
             ConfigError::at("peers.listen", format!("cannot listen on {addr}: {e}"))
         })?;
         server.add_service(background_service("peer listener", peer));
