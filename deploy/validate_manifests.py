@@ -7,7 +7,7 @@
 - Every kustomization.yaml lists files that exist, and every manifest but the Secret
   example is listed by one.
 - Each gateway Deployment agrees with the gateway.yaml of the ConfigMap it mounts: the
-  listeners are on 0.0.0.0 at the container's ports (the peer listener's too, with the
+  listeners are on 0.0.0.0 or [::] at the container's ports (the peer listener's too, with the
   advertised address from the Pod IP), the name of each Service reaching the MCP port is
   in allowed_hosts, preStop + grace period + shutdown timeout fit in
   terminationGracePeriodSeconds, and a server beside the gateway is stopped after it.

@@ -148,8 +148,9 @@ const STATE_REASONS: &[&str] = &[
     "other_session",
     "replayed",
 ];
-/// Why a session token or a data-layer session's cookie is refused once open.
-const SESSION_REASONS: &[&str] = &["expired", "principal", "other_group", "unknown_endpoint"];
+/// Why a session token is refused once open. (A data-layer session's cookie refused
+/// counts in `data_sessions_total{event="rejected"}`.)
+const SESSION_REASONS: &[&str] = &["principal", "other_group", "unknown_endpoint"];
 
 /// Latency buckets for upstream exchanges, in seconds: 1 ms to 30 s.
 const LATENCY_BUCKETS: &[f64] = &[

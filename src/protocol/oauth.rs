@@ -58,8 +58,6 @@ impl PublicResource {
         format!("{}{}", self.origin, self.path)
     }
 
-    /// Where its metadata is: the well-known prefix inserted between the origin and the
-    /// path (RFC 9728 §3.1).
     /// The resource's path (no trailing `/`; empty for the root).
     pub fn path(&self) -> &str {
         &self.path
@@ -70,6 +68,8 @@ impl PublicResource {
         &self.origin
     }
 
+    /// Where its metadata is: the well-known prefix inserted between the origin and the
+    /// path (RFC 9728 §3.1).
     pub fn metadata_url(&self) -> String {
         format!("{}{PROTECTED_RESOURCE}{}", self.origin, self.path)
     }

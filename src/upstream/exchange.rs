@@ -313,7 +313,9 @@ impl UpstreamClient {
             // with its challenge) and closed: that answer, there to read, is the
             // exchange's, not a failure (nor a reason to send the request again).
             Err(failed)
-                if failed.reached == Reached::Nothing && answered_early(&mut http).await =>
+                if failed.reached == Reached::Nothing
+                    && failed.fault.failure == ExchangeFailure::Broken
+                    && answered_early(&mut http).await =>
             {
                 return Ok((http, Written::Cut));
             }
@@ -435,13 +437,6 @@ impl HeaderKind {
     }
 }
 
-/// Writes `request` and its `body` with one flush, so a small request leaves in one
-/// segment (pingora's client flushes its header before the body: two writes per POST, and
-/// a second read at the upstream). The session is rebuilt on the same connection, as
-/// pingora builds it, to read the response. A write that fails sent the request short of
-/// its end, which no upstream acts on (a body shorter than its `Content-Length` is no
-/// request): nothing ran, and it may be made again. A write that times out is not made
-/// again, as after any timeout.
 /// Whether a request went out whole, or was cut short by an upstream that answered it
 /// early and closed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -461,7 +456,14 @@ async fn answered_early(http: &mut HttpSession) -> bool {
     matches!(header, Ok(Ok(())))
 }
 
-/// Writes the request in one write, within `limit`; the session is handed back either way.
+/// Writes `request` and its `body` with one flush, within `limit`, so a small request
+/// leaves in one segment (pingora's client flushes its header before the body: two writes
+/// per POST, and a second read at the upstream). The session is rebuilt on the same
+/// connection, as pingora builds it, and handed back either way. A write that fails sent
+/// the request short of its end, which no upstream acts on (a body shorter than its
+/// `Content-Length` is no request): nothing ran; unless the upstream answered early
+/// (`answered_early`), it may be made again. A write that times out is not made again, as
+/// after any timeout.
 async fn write_request(
     http: HttpSession,
     limit: Duration,
