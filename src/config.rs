@@ -555,7 +555,13 @@ impl PeerOptions {
 pub fn split_host_port(text: &str) -> Option<(&str, u16)> {
     let (host, port) = text.rsplit_once(':')?;
     let host = host.trim_start_matches('[').trim_end_matches(']');
-    Some((host, port.parse().ok()?)).filter(|(h, _)| !h.is_empty())
+    Some((host, port_number(port)?)).filter(|(h, _)| !h.is_empty())
+}
+
+/// A port written as digits only (`u16`'s parser also takes a leading `+`).
+fn port_number(text: &str) -> Option<u16> {
+    let digits = !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit());
+    digits.then(|| text.parse().ok()).flatten()
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -868,14 +874,10 @@ pub fn parse_endpoint_url(url: &str) -> Result<EndpointUrl, String> {
         .and_then(|p| p.strip_prefix(':'));
     // An empty port is the scheme's (RFC 3986 §3.2.3). What is not a port is not shown:
     // it may be part of a password.
-    let digits = |p: &str| p.bytes().all(|b| b.is_ascii_digit());
-    let port = match port_text
-        .filter(|p| !p.is_empty())
-        .map(|p| (digits(p), p.parse::<u16>()))
-    {
+    let port = match port_text.filter(|p| !p.is_empty()).map(port_number) {
         None if tls => 443,
         None => 80,
-        Some((true, Ok(port))) if port > 0 => port,
+        Some(Some(port)) if port > 0 => port,
         Some(_) => return Err(format!("'{shown}' has a port that is not 1-65535")),
     };
     let path = match uri.path_and_query().map(|p| p.as_str()) {
@@ -895,7 +897,12 @@ pub fn parse_endpoint_url(url: &str) -> Result<EndpointUrl, String> {
 /// `url` as messages show it: without its query, fragment or userinfo.
 fn shown_url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
-        return url.split(['?', '#']).next().unwrap_or_default().to_string();
+        let rest = url.rsplit_once('@').map_or(url, |(_, after)| after);
+        return rest
+            .split(['?', '#'])
+            .next()
+            .unwrap_or_default()
+            .to_string();
     };
     // Anything before an `@` may be userinfo, with a password that holds `/`, `?` or `#`.
     let rest = rest.rsplit_once('@').map_or(rest, |(_, after)| after);
@@ -1222,7 +1229,10 @@ fn check_public_url(path: &str, url: &str) -> Result<(), ConfigError> {
         Some(_) => Ok(()),
         None => Err(ConfigError::at(
             path,
-            format!("'{url}' must be an absolute http:// or https:// URL without a query"),
+            format!(
+                "'{}' must be an absolute http:// or https:// URL without a query",
+                shown_url(url)
+            ),
         )),
     }
 }
@@ -1265,7 +1275,7 @@ pub fn peer_addr(text: &str) -> Option<SocketAddr> {
     text.parse().ok().or_else(|| {
         let (host, port) = text.rsplit_once(':')?;
         let v4: std::net::Ipv4Addr = host.strip_prefix('[')?.strip_suffix(']')?.parse().ok()?;
-        Some(SocketAddr::new(v4.into(), port.parse().ok()?))
+        Some(SocketAddr::new(v4.into(), port_number(port)?))
     })
 }
 
@@ -1729,6 +1739,10 @@ mod tests {
         assert_eq!(parse_endpoint_url("https://[::1]:/mcp").unwrap().port, 443);
         assert!(parse_endpoint_url("http://svc:0/mcp").is_err());
         assert!(parse_endpoint_url("http://svc:+80/mcp").is_err());
+        assert_eq!(split_host_port("svc:+9091"), None);
+        assert_eq!(peer_addr("[10.0.0.5]:+9091"), None);
+        let schemeless = parse_endpoint_url("admin:s3cret@svc:8080/mcp").unwrap_err();
+        assert!(!schemeless.contains("s3cret"), "{schemeless}");
         let query = parse_endpoint_url("http://svc:8/mcp?apiKey=k").unwrap();
         assert_eq!((query.port, query.path.as_str()), (8, "/mcp?apiKey=k"));
     }
