@@ -167,10 +167,11 @@ fn metrics_after_a_flow_and_a_refused_state_hold_every_named_metric() {
         let labels = format!("era=\"legacy\",method=\"{method}\"");
         metric_with(a, requests, &labels)
     };
+    // A request is counted once its answer is out: the client may read it first.
     wait_until(
-        "the GET stream's request counted",
+        "the GET stream's and the DELETE's requests counted",
         Duration::from_secs(5),
-        || labelled("GET").is_some(),
+        || labelled("GET").is_some() && labelled("DELETE").is_some(),
     );
     assert_eq!(labelled("DELETE"), Some(1.0));
     assert_eq!(
