@@ -177,13 +177,7 @@ fn metadata_is_served_at_the_public_path_the_challenge_names() {
         let request = format!(
             "GET /.well-known/oauth-protected-resource/mcp HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n"
         );
-        let mut stream = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
-        stream
-            .set_read_timeout(Some(Duration::from_secs(5)))
-            .unwrap();
-        std::io::Write::write_all(&mut stream, request.as_bytes()).unwrap();
-        let mut answer = String::new();
-        let _ = std::io::Read::read_to_string(&mut stream, &mut answer);
+        let answer = raw_exchange(gw.port, request.as_bytes(), Duration::from_secs(5));
         assert!(
             answer.contains(r#""resource":"https://b.test/mcp""#),
             "{host}: {answer}"

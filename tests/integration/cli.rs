@@ -170,18 +170,12 @@ fn the_demo_server_takes_a_new_get_stream_once_the_last_one_closed() {
     let raw = Raw::new(&format!("http://127.0.0.1:{port}/mcp"));
     let session = raw.initialize(serde_json::json!({}));
     let get = |session: &str| {
-        let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-        stream
-            .set_read_timeout(Some(Duration::from_secs(5)))
-            .unwrap();
         let request = format!(
             "GET /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\naccept: text/event-stream\r\n\
              mcp-session-id: {session}\r\nmcp-protocol-version: 2025-11-25\r\n\r\n"
         );
-        std::io::Write::write_all(&mut stream, request.as_bytes()).unwrap();
-        let mut status = [0u8; 12];
-        std::io::Read::read_exact(&mut stream, &mut status).unwrap();
-        (String::from_utf8_lossy(&status[9..]).to_string(), stream)
+        let (status, stream) = raw_status(port, request.as_bytes(), Duration::from_secs(5));
+        (status[9..].to_string(), stream)
     };
     let (first, open) = get(&session);
     assert_eq!(first, "200");

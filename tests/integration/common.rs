@@ -764,6 +764,36 @@ pub fn send_and_leave(port: u16, id: u64, params: Value, capabilities: Value) {
     drop(send_and_stay(port, id, params, capabilities));
 }
 
+/// A raw client connection to `port` on loopback that has sent `request` whole; its
+/// reads give up after `read_within`.
+pub fn raw_send(port: u16, request: &[u8], read_within: Duration) -> TcpStream {
+    use std::io::Write;
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    stream
+        .set_read_timeout(Some(read_within))
+        .expect("read timeout");
+    stream.write_all(request).expect("send the request");
+    stream
+}
+
+/// `raw_send`, then everything the server sends until it closes (or `read_within`
+/// passes without a byte), as text.
+pub fn raw_exchange(port: u16, request: &[u8], read_within: Duration) -> String {
+    let mut stream = raw_send(port, request, read_within);
+    let mut answer = Vec::new();
+    let _ = stream.read_to_end(&mut answer);
+    String::from_utf8_lossy(&answer).into_owned()
+}
+
+/// `raw_send`, then the status line's first twelve bytes (`HTTP/1.1 200`), with the
+/// connection to read the rest from.
+pub fn raw_status(port: u16, request: &[u8], read_within: Duration) -> (String, TcpStream) {
+    let mut stream = raw_send(port, request, read_within);
+    let mut status = [0u8; 12];
+    stream.read_exact(&mut status).expect("a status line");
+    (String::from_utf8_lossy(&status).into_owned(), stream)
+}
+
 /// `send_and_leave` whose client stays until the returned connection is dropped.
 pub fn send_and_stay(
     port: u16,
@@ -771,13 +801,8 @@ pub fn send_and_stay(
     params: Value,
     capabilities: Value,
 ) -> std::net::TcpStream {
-    use std::io::Write;
     let request = raw_modern_request(id, "tools/call", params, capabilities, "");
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
-    stream
-        .write_all(request.as_bytes())
-        .expect("send the request");
-    stream
+    raw_send(port, request.as_bytes(), Duration::from_secs(60))
 }
 
 /// A metric's value from the admin listener's `/metrics`: the first series of `name`

@@ -150,15 +150,8 @@ fn an_answer_that_trickles_or_stalls_is_given_up_at_the_response_timeout() {
              accept: application/json, text/event-stream\r\ncontent-length: {}\r\n\r\n{init}",
             init.len()
         );
-        let mut client = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
-        client
-            .set_read_timeout(Some(Duration::from_secs(5)))
-            .unwrap();
-        std::io::Write::write_all(&mut client, request.as_bytes()).unwrap();
-        let mut answer = Vec::new();
         // Ended (closed or reset) before the client's 5 s read timeout.
-        let _ = std::io::Read::read_to_end(&mut client, &mut answer);
-        let answer = String::from_utf8_lossy(&answer);
+        let answer = raw_exchange(gw.port, request.as_bytes(), Duration::from_secs(5));
         assert!(answer.starts_with("HTTP/1.1 200"), "{what}: {answer}");
         within(what, started);
     }
@@ -231,14 +224,8 @@ fn a_slow_reader_gets_a_large_answer_whole_past_the_response_timeout() {
          content-length: {}\r\n\r\n{init}",
         init.len()
     );
-    let mut client = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
-    client
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .unwrap();
-    std::io::Write::write_all(&mut client, request.as_bytes()).unwrap();
-    let mut status = [0u8; 12];
-    std::io::Read::read_exact(&mut client, &mut status).unwrap();
-    assert_eq!(&status, b"HTTP/1.1 200");
+    let (status, mut client) = raw_status(gw.port, request.as_bytes(), Duration::from_secs(20));
+    assert_eq!(status, "HTTP/1.1 200");
     // The slow reader: nothing read for three response timeouts, while the gateway's
     // writes to it wait.
     std::thread::sleep(Duration::from_millis(900));

@@ -1019,13 +1019,7 @@ fn the_most_verbose_logs_carry_no_secrets() {
          transfer-encoding: chunked\r\nconnection: close\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n",
         body.len()
     );
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    std::io::Write::write_all(&mut stream, chunked.as_bytes()).unwrap();
-    let mut answer = String::new();
-    let _ = std::io::Read::read_to_string(&mut stream, &mut answer);
+    let answer = raw_exchange(gw.port, chunked.as_bytes(), Duration::from_secs(10));
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     let session = answer
         .lines()
@@ -1043,15 +1037,9 @@ fn the_most_verbose_logs_carry_no_secrets() {
          {\"jsonrpc\":\"2.0\",\"id\":2,\"method\":\"ping\",\"params\":{\"a\":\"ch0nked-s3cret\"}}\
          POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\nauthorization: Bearer p1pelined-t0ken\r\n\
          content-length: 2\r\n\r\n{}";
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", gw.port)).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    std::io::Write::write_all(&mut stream, malformed.as_bytes()).unwrap();
-    let mut refused = [0u8; 12];
-    std::io::Read::read_exact(&mut stream, &mut refused).unwrap();
+    let (refused, _stream) = raw_status(gw.port, malformed.as_bytes(), Duration::from_secs(10));
     assert_eq!(
-        &refused, b"HTTP/1.1 400",
+        refused, "HTTP/1.1 400",
         "a malformed chunked body is refused"
     );
     let mut text = String::new();
