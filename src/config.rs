@@ -379,6 +379,69 @@ impl Default for BridgeOptions {
     }
 }
 
+impl BridgeOptions {
+    /// Refuses a bound of 0 where it would refuse every flow, or keep nothing of a
+    /// feature left on: (field, value, the feature it bounds while that is on).
+    fn check_nonzero(&self) -> Result<(), ConfigError> {
+        let warm = ("warm_sessions_per_shape", self.warm_sessions_per_shape > 0);
+        let one_shot = (
+            "one_shot_session_idle_seconds",
+            self.one_shot_session_idle_seconds > 0,
+        );
+        let bounds = [
+            ("round_silence_seconds", self.round_silence_seconds, None),
+            (
+                "data_session_ttl_seconds",
+                self.data_session_ttl_seconds,
+                None,
+            ),
+            (
+                "max_watched_sessions",
+                self.max_watched_sessions as u64,
+                None,
+            ),
+            (
+                "max_watched_sessions_per_principal",
+                self.max_watched_sessions_per_principal as u64,
+                None,
+            ),
+            ("max_used_states", self.max_used_states as u64, None),
+            (
+                "max_held_flows_per_principal",
+                self.max_held_flows_per_principal as u64,
+                None,
+            ),
+            (
+                "warm_session_idle_seconds",
+                self.warm_session_idle_seconds,
+                Some(warm),
+            ),
+            (
+                "max_warm_sessions",
+                self.max_warm_sessions as u64,
+                Some(warm),
+            ),
+            (
+                "max_one_shot_sessions",
+                self.max_one_shot_sessions as u64,
+                Some(one_shot),
+            ),
+        ];
+        for (name, value, feature) in bounds {
+            let problem = match feature {
+                _ if value > 0 => continue,
+                None => "must be above 0".to_string(),
+                Some((_, false)) => continue,
+                Some((on, true)) => {
+                    format!("must be above 0 while bridge.{on} is (0 there turns it off)")
+                }
+            };
+            return Err(ConfigError::at(format!("bridge.{name}"), problem));
+        }
+        Ok(())
+    }
+}
+
 /// Process options handed to Pingora.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -1015,12 +1078,6 @@ impl Config {
                 "must be at least bridge.request_state_ttl_seconds, which must be above 0",
             ));
         }
-        if b.round_silence_seconds == 0 {
-            return Err(ConfigError::at(
-                "bridge.round_silence_seconds",
-                "must be at least 1",
-            ));
-        }
         if b.resume_poll_ms < 100 {
             return Err(ConfigError::at(
                 "bridge.resume_poll_ms",
@@ -1033,52 +1090,10 @@ impl Config {
                 "must be 0 to 10000",
             ));
         }
-        if b.warm_sessions_per_shape > 0 && b.warm_session_idle_seconds == 0 {
-            return Err(ConfigError::at(
-                "bridge.warm_session_idle_seconds",
-                "must be above 0 while bridge.warm_sessions_per_shape is",
-            ));
-        }
-        if b.data_session_ttl_seconds == 0 {
-            return Err(ConfigError::at(
-                "bridge.data_session_ttl_seconds",
-                "must be above 0",
-            ));
-        }
         if let Some(resolver) = &self.dns_resolver {
             check_addr("dns_resolver", resolver)?;
         }
-        // A table of no places would refuse every flow that needs one.
-        for (name, places) in [
-            ("max_watched_sessions", b.max_watched_sessions),
-            (
-                "max_watched_sessions_per_principal",
-                b.max_watched_sessions_per_principal,
-            ),
-            ("max_used_states", b.max_used_states),
-        ] {
-            if places == 0 {
-                return Err(ConfigError::at(format!("bridge.{name}"), "must be above 0"));
-            }
-        }
-        if b.one_shot_session_idle_seconds > 0 && b.max_one_shot_sessions == 0 {
-            return Err(ConfigError::at(
-                "bridge.max_one_shot_sessions",
-                "must be above 0 while bridge.one_shot_session_idle_seconds is (0 there keeps no sessions)",
-            ));
-        }
-        if b.warm_sessions_per_shape > 0 && b.max_warm_sessions == 0 {
-            return Err(ConfigError::at(
-                "bridge.max_warm_sessions",
-                "must be above 0 while bridge.warm_sessions_per_shape is (0 there turns them off)",
-            ));
-        }
-        if b.max_held_flows_per_principal == 0 {
-            return Err(ConfigError::at(
-                "bridge.max_held_flows_per_principal",
-                "must be above 0",
-            ));
-        }
+        b.check_nonzero()?;
         if b.max_held_flows == 0 || b.max_held_bytes_per_flow < 1024 {
             return Err(ConfigError::at(
                 "bridge.max_held_flows",
@@ -1367,12 +1382,22 @@ mod tests {
             "max_used_states",
             "max_one_shot_sessions",
             "max_warm_sessions",
+            "warm_session_idle_seconds",
+            "round_silence_seconds",
+            "data_session_ttl_seconds",
+            "max_held_flows_per_principal",
         ] {
             let refused = load(&format!("{key}: 0")).unwrap_err();
             assert_eq!(refused.path, format!("bridge.{key}"));
         }
+        let refused = load("max_warm_sessions: 0").unwrap_err();
+        assert!(
+            refused.problem.contains("bridge.warm_sessions_per_shape"),
+            "{refused}"
+        );
         assert!(load("one_shot_session_idle_seconds: 0\n  max_one_shot_sessions: 0").is_ok());
         assert!(load("warm_sessions_per_shape: 0\n  max_warm_sessions: 0").is_ok());
+        assert!(load("warm_sessions_per_shape: 0\n  warm_session_idle_seconds: 0").is_ok());
     }
 
     #[test]

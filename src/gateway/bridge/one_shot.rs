@@ -51,10 +51,11 @@ impl Kept {
     /// `session` kept as of `now`; `None` if the upstream gave it no session id (it keeps
     /// no sessions).
     pub fn of(group: &str, session: &LegacySession<'_>, now: Instant) -> Option<Kept> {
+        let session_id = session.session_id.clone()?;
         Some(Kept {
             group: group.into(),
             endpoint: session.endpoint.addr,
-            session_id: session.session_id.clone()?,
+            session_id,
             version: session.version,
             caller: Arc::new(session.caller.clone()),
             last_used: now,
