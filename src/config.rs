@@ -947,6 +947,13 @@ pub fn parse_endpoint_url(url: &str) -> Result<EndpointUrl, String> {
         None | Some("") => "/".to_string(),
         Some(p) => p.to_string(),
     };
+    let most = crate::protocol::target::MAX_TARGET_BYTES;
+    if path.len() > most {
+        return Err(format!(
+            "'{shown}' has a path and query of {} bytes, above the {most} a request target may have",
+            path.len()
+        ));
+    }
     Ok(EndpointUrl {
         // An empty port is dropped, as the scheme's is.
         authority: authority.strip_suffix(':').unwrap_or(authority).to_string(),
@@ -1648,6 +1655,12 @@ mod tests {
             .unwrap_err()
             .contains("https://"));
         assert!(parse_endpoint_url("not a url").is_err());
+        let long = format!("http://svc/mcp?apiKey=k3y&pad={}", "a".repeat(8 << 10));
+        let refused = parse_endpoint_url(&long).unwrap_err();
+        assert!(
+            refused.contains("8192") && !refused.contains("k3y"),
+            "{refused}"
+        );
     }
 
     #[test]

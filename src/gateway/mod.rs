@@ -153,6 +153,9 @@ impl Gateway {
         // Every response header asks it whether to close the connection after it.
         let drain = self.runtime.drain.clone();
         session.req_header_mut().extensions_mut().insert(drain);
+        if let Some(message) = target_too_long(session) {
+            return refuse_and_close(session, 414, code::INVALID_REQUEST, &message).await;
+        }
         if let Err(message) = check_header_limits(session, &self.config.limits) {
             return refuse_and_close(session, 431, code::INVALID_REQUEST, &message).await;
         }
@@ -409,6 +412,19 @@ pub fn request_scheme(session: &ServerSession) -> Scheme {
 }
 
 /// Refuses requests with more headers, or more header bytes, than the limits allow.
+/// A request target (path and query) longer than `MAX_TARGET_BYTES`, which the upstream
+/// request could not carry once the endpoint's own path and query are added.
+fn target_too_long(session: &ServerSession) -> Option<String> {
+    let most = crate::protocol::target::MAX_TARGET_BYTES;
+    let uri = &session.req_header().uri;
+    let bytes = uri
+        .path_and_query()
+        .map_or(0, |target| target.as_str().len());
+    (bytes > most).then(|| {
+        format!("the request target (path and query) is {bytes} bytes, above the limit of {most}")
+    })
+}
+
 fn check_header_limits(
     session: &ServerSession,
     limits: &crate::config::Limits,

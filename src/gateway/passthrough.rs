@@ -443,6 +443,8 @@ fn upstream_request(
     let method = client.method.as_str();
     // The client's query came as part of its request URI, so the target is one too.
     let target = upstream_target(&route.endpoint.path, client.uri.query());
+    // The method is one the gateway serves; the target, an endpoint's and a client's
+    // query of at most `MAX_TARGET_BYTES` each, both valid URI parts.
     let mut req = RequestHeader::build(method, target.as_bytes(), Some(16))
         .expect("method and target are valid");
     for (name, value) in headers::forwardable(&client.headers) {

@@ -6,6 +6,12 @@
 
 use std::borrow::Cow;
 
+/// Longest request target (path and query) a client may send, and an endpoint URL may
+/// configure: 8 KiB, as nginx's default header buffers and uvicorn allow. Together they
+/// stay far below the 64 KiB an upstream request's target may have (`http::Uri`), so an
+/// upstream target always builds.
+pub const MAX_TARGET_BYTES: usize = 8 << 10;
+
 /// `endpoint` (a configured path and query) with the parameters of `client_query` (the
 /// query of the client's request URI, without `?`) appended, less those whose name the
 /// endpoint's query already has.

@@ -277,6 +277,8 @@ impl<'a> LegacySession<'a> {
     fn request(&self, method: &str, body_len: usize, last_event_id: Option<&str>) -> RequestHeader {
         // The client's query came as part of its request URI, so the target is one too.
         let target = upstream_target(&self.endpoint.path, self.caller.headers.query());
+        // The endpoint's path and the client's query are at most `MAX_TARGET_BYTES` each
+        // (configuration, admission), and valid URI parts.
         let mut req = RequestHeader::build(method, target.as_bytes(), Some(16))
             .expect("valid method and target");
         for (name, value) in self.caller.headers.iter() {

@@ -283,3 +283,36 @@ fn a_modern_body_that_fails_the_full_parse_gets_the_reason() {
     assert!(message.contains("batches"), "{body}");
     assert_eq!(tripwire.count(), 0, "a refused body reached the upstream");
 }
+
+/// A request target longer than 8 KiB is refused 414 before anything goes upstream: with
+/// the endpoint's own query added, one near the 64 KiB a URI may have could not be sent
+/// on, and building it failed where it could not fail.
+#[test]
+fn an_overlong_request_target_gets_414_and_reaches_no_upstream() {
+    let tripwire = Tripwire::start();
+    let endpoint = format!("{}?apiKey=0per4tor-k3y", tripwire.url());
+    let gw = TestGateway::start(&[&endpoint], &test_keys());
+    let body = r#"{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18","capabilities":{},"clientInfo":{"name":"c","version":"1"}}}"#;
+    for length in [9_000, 65_400] {
+        let request = format!(
+            "POST /mcp?q={} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+             accept: application/json, text/event-stream\r\ncontent-length: {}\r\n\r\n{body}",
+            "a".repeat(length),
+            body.len()
+        );
+        let answer = raw_exchange(gw.port, request.as_bytes(), Duration::from_secs(5));
+        assert!(answer.starts_with("HTTP/1.1 414"), "{length}: {answer}");
+        let json = &answer[answer.find("\r\n\r\n").expect("a body") + 4..];
+        let error: Value = serde_json::from_str(json).expect("a JSON-RPC error");
+        assert_eq!(error["error"]["code"], -32600, "{error}");
+        let message = error["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("8192"), "{message}");
+    }
+    assert_eq!(
+        tripwire.count(),
+        0,
+        "an overlong target reached the upstream"
+    );
+    let reply = Raw::new(&gw.url).post(None, &serde_json::from_str(body).unwrap());
+    assert_eq!(reply.status, 502, "the gateway still serves");
+}
