@@ -605,7 +605,13 @@ fn connect_failure(e: &pingora::Error) -> ExchangeFailure {
     }
 }
 
-fn read_error(e: pingora::BError) -> Fault {
+fn read_error(mut e: pingora::BError) -> Fault {
+    // Pingora's error for a response header it cannot parse quotes the bytes it read
+    // (`buf: …`): the upstream's `Set-Cookie`, its session id. Only the parse error
+    // (`cause`) is kept for the logs.
+    if e.etype == pingora::ErrorType::InvalidHTTPHeader {
+        e.context = None;
+    }
     let failure = if is_timeout(&e) {
         ExchangeFailure::Timeout
     } else {

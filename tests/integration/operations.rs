@@ -1214,3 +1214,50 @@ fn a_warm_session_still_opening_at_sigterm_is_deleted() {
     gw.wait_for_exit();
     assert_eq!(count("DELETE"), 3, "every session opened was deleted");
 }
+
+/// A response header the gateway cannot parse is logged as such, without its bytes:
+/// pingora's error quotes the raw header it read, with the upstream's `Set-Cookie` and
+/// the session id the gateway otherwise seals. Relayed and bridged requests alike.
+#[test]
+fn an_unparsable_upstream_header_is_logged_without_its_bytes() {
+    let upstream = ScriptedUpstream::start(|_: &Seen| {
+        Answer::raw(
+            "HTTP/1.1 200 OK\r\nset-cookie: upstr3am-c00kie\r\nmcp-session-id: s3ssion-0f-upstr3am\r\n\
+             not a header line\r\n\r\n",
+        )
+        .then_close()
+    });
+    let dir = TempDir(std::env::temp_dir().join(format!("mrtr-badheader-{}", free_port())));
+    std::fs::create_dir_all(&dir.0).unwrap();
+    let log = dir.0.join("gateway.log");
+    let gw = GatewayProcess::start_logging(&upstream.url(), Some(&log));
+    let raw = Raw::new(&gw.url);
+    let initialize = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "c", "version": "1"}}});
+    assert_eq!(raw.post(None, &initialize).status, 502, "relayed");
+    let call = json!({"name": "echo", "arguments": {}});
+    let bridged = raw.modern(2, "tools/call", call, json!({}));
+    assert!(bridged.status >= 200, "bridged");
+    let mut text = String::new();
+    wait_until(
+        "both requests' access lines",
+        Duration::from_secs(5),
+        || {
+            text = std::fs::read_to_string(&log).unwrap_or_default();
+            text.matches("mrtr_gateway::access").count() >= 2
+        },
+    );
+    assert!(upstream.count() >= 2, "both reached the upstream");
+    assert!(
+        text.contains("broke the exchange"),
+        "the failure is logged: {text}"
+    );
+    let squeezed = |s: &str| -> String { s.chars().filter(char::is_ascii_alphanumeric).collect() };
+    for secret in ["upstr3am-c00kie", "s3ssion-0f-upstr3am"] {
+        assert!(
+            !squeezed(&text).contains(&squeezed(secret)),
+            "an upstream header reached the logs: {text}"
+        );
+    }
+}
