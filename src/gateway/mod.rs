@@ -162,6 +162,9 @@ impl Gateway {
         if let Some(message) = unsupported_coding(session) {
             return refuse_and_close(session, 501, code::INVALID_REQUEST, &message).await;
         }
+        if let Some(message) = coded_body(session) {
+            return refuse_and_close(session, 415, code::INVALID_REQUEST, &message).await;
+        }
         let http11 = session.req_header().version == http::Version::HTTP_11;
         let host = request_host(session);
         if let Some(message) = (arrival == Arrival::Client)
@@ -491,21 +494,37 @@ const LINGER: Duration = Duration::from_secs(1);
 /// Why a request's transfer coding is refused (RFC 9112 §6.1: 501), if it is: the only
 /// one the gateway reads is `chunked`, once.
 fn unsupported_coding(session: &ServerSession) -> Option<String> {
-    let values = session
-        .req_header()
-        .headers
-        .get_all(http::header::TRANSFER_ENCODING);
-    let codings: Vec<String> = (values.iter())
-        .flat_map(|value| value.to_str().unwrap_or("?").split(','))
-        .map(|coding| coding.trim().to_ascii_lowercase())
-        .filter(|coding| !coding.is_empty())
-        .collect();
+    let codings = codings(session, http::header::TRANSFER_ENCODING);
     (!codings.is_empty() && codings != ["chunked"]).then(|| {
         format!(
             "the request's Transfer-Encoding '{}' is not supported: send the body chunked or with a Content-Length",
             codings.join(", ")
         )
     })
+}
+
+/// A request body in a content coding (`Content-Encoding: gzip`): the gateway reads every
+/// body as JSON-RPC, so it would check one message and forward another under a header
+/// that tells the upstream to decode it (RFC 9110 §15.5.16: 415).
+fn coded_body(session: &ServerSession) -> Option<String> {
+    let mut codings = codings(session, http::header::CONTENT_ENCODING);
+    codings.retain(|coding| coding != "identity");
+    (!codings.is_empty()).then(|| {
+        format!(
+            "the request's Content-Encoding '{}' is not supported: send the body uncoded",
+            codings.join(", ")
+        )
+    })
+}
+
+/// The codings a request's `header` lists, over all its lines, lower-cased.
+fn codings(session: &ServerSession, header: http::HeaderName) -> Vec<String> {
+    let values = session.req_header().headers.get_all(header);
+    (values.iter())
+        .flat_map(|value| value.to_str().unwrap_or("?").split(','))
+        .map(|coding| coding.trim().to_ascii_lowercase())
+        .filter(|coding| !coding.is_empty())
+        .collect()
 }
 
 /// Answers with an error and closes the connection. The unread body is drained for a

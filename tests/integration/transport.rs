@@ -474,7 +474,7 @@ fn every_challenge_of_a_denial_reaches_the_client_whatever_its_bytes() {
 }
 
 /// A request line the gateway cannot frame or place: a transfer coding other than one
-/// `chunked` (RFC 9112 §6.1: 501), an HTTP/1.1 request without a Host, or with one no
+/// `chunked` (RFC 9112 §6.1: 501), a content coding (RFC 9110 §15.5.16: 415), an HTTP/1.1 request without a Host, or with one no
 /// host name has or whose port is not one (§3.2: 400). Each is answered with a JSON-RPC
 /// error, its connection closed, and nothing reaches the upstream.
 pub(crate) fn unframed_or_unplaced_request_case() -> usize {
@@ -482,6 +482,13 @@ pub(crate) fn unframed_or_unplaced_request_case() -> usize {
     let gw = TestGateway::start(&[&upstream.url()], &test_keys());
     let body = list_body(2).to_string();
     let chunked = format!("{:x}\r\n{body}\r\n0\r\n\r\n", body.len());
+    let coded = |coding: &str| {
+        format!(
+            "host: 127.0.0.1\r\ncontent-encoding: {coding}\r\ncontent-length: {}\r\n",
+            body.len()
+        )
+    };
+    let (gzip, identity_br) = (coded("gzip"), coded("identity, br"));
     let cases = [
         (
             "host: 127.0.0.1\r\ntransfer-encoding: gzip, chunked\r\n",
@@ -498,6 +505,9 @@ pub(crate) fn unframed_or_unplaced_request_case() -> usize {
             &chunked,
             "501",
         ),
+        // A coded body: checked as JSON, it would reach an upstream told to decode it.
+        (&gzip[..], &body, "415"),
+        (&identity_br[..], &body, "415"),
         ("content-length: 0\r\n", &String::new(), "400"),
         (
             "host: 127.0.0.1, evil.example\r\ncontent-length: 0\r\n",
