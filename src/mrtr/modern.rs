@@ -133,6 +133,16 @@ fn header_mismatch(message: impl Into<String>) -> Refusal {
     Refusal::new(Class::BadRequest, code::HEADER_MISMATCH, message)
 }
 
+fn unsupported_version(version: &str) -> Refusal {
+    let shown: String = version.chars().take(64).collect();
+    Refusal::new(
+        Class::BadRequest,
+        code::UNSUPPORTED_PROTOCOL_VERSION,
+        format!("Unsupported protocol version '{shown}'"),
+    )
+    .with_data(serde_json::json!({"supported": SUPPORTED_VERSIONS, "requested": shown}))
+}
+
 fn invalid_params(message: impl Into<String>) -> Refusal {
     Refusal::new(
         Class::BadRequest,
@@ -210,6 +220,13 @@ impl ModernRequest {
             Some(Value::Object(p)) => p.clone(),
             Some(_) => return Err(invalid_params("params must be an object")),
         };
+        // A version the gateway does not speak is told so first: its other requirements
+        // are not this revision's to state.
+        if let Some(h) = headers.protocol_version {
+            if !SUPPORTED_VERSIONS.contains(&h) && !LEGACY_VERSIONS.contains(&h) {
+                return Err(unsupported_version(h));
+            }
+        }
         let meta = params
             .get("_meta")
             .and_then(Value::as_object)
@@ -241,13 +258,7 @@ impl ModernRequest {
             }
         }
         if !SUPPORTED_VERSIONS.contains(&version) {
-            let refusal = Refusal::new(
-                Class::BadRequest,
-                code::UNSUPPORTED_PROTOCOL_VERSION,
-                format!("Unsupported protocol version '{version}'"),
-            )
-            .with_data(serde_json::json!({"supported": SUPPORTED_VERSIONS, "requested": version}));
-            return Err(refusal);
+            return Err(unsupported_version(version));
         }
         let client_capabilities = meta
             .get(META_CAPABILITIES)
@@ -537,6 +548,14 @@ mod tests {
             (400, code::UNSUPPORTED_PROTOCOL_VERSION)
         );
         assert_eq!(r.data.unwrap()["supported"], json!([MODERN_VERSION]));
+        // Told before what the body lacks, which only 2026-07-28 requires.
+        for unknown in ["1999-01-01", "x", ""] {
+            let mut h = headers("tools/call", Some("ask"));
+            h.protocol_version = Some(unknown);
+            let r = v(&json!({"name": "ask"}), h);
+            assert_eq!(r.code, code::UNSUPPORTED_PROTOCOL_VERSION, "{unknown}");
+            assert!(r.message.contains(&format!("'{unknown}'")), "{}", r.message);
+        }
         let no_caps = json!({"name": "ask", "_meta": {META_VERSION: MODERN_VERSION}});
         assert_eq!(v(&no_caps, headers("tools/call", Some("ask"))).code, -32602);
         assert_eq!(
