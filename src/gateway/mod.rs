@@ -27,7 +27,7 @@ use crate::keys::{KeyRing, SharedKeyRing};
 use crate::metrics::Metrics;
 use crate::mrtr::modern::{era, Era};
 use crate::principal::Unauthenticated;
-use crate::protocol::headers::MCP_SESSION_ID;
+use crate::protocol::headers::{LAST_EVENT_ID, MCP_SESSION_ID};
 use crate::protocol::jsonrpc::{self, code, Body};
 use crate::protocol::oauth::WellKnown;
 use crate::protocol::scheme::Scheme;
@@ -222,7 +222,10 @@ impl Gateway {
             let message = format!("method {method} is not allowed; use POST, GET or DELETE");
             return respond::method_not_allowed(session, ENDPOINT_METHODS, &message).await;
         }
-        if let Some(name) = self.admission.repeated_principal_header(session) {
+        let repeated = [MCP_SESSION_ID, LAST_EVENT_ID]
+            .into_iter()
+            .find(|name| session.req_header().headers.get_all(*name).iter().count() > 1);
+        if let Some(name) = repeated.or(self.admission.repeated_principal_header(session)) {
             let message = format!("the {name} header appears more than once; send one");
             return respond::error(session, 400, None, code::INVALID_REQUEST, &message).await;
         }

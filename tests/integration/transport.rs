@@ -393,24 +393,33 @@ fn a_mirrored_header_sent_twice_with_different_values_is_refused() {
     );
 }
 
-/// Two `Authorization` headers name two callers: which one the request is bound to would
-/// be anyone's guess (an upstream may read the other), so it gets 400 and goes nowhere.
+/// Two `Authorization` headers name two callers, two `Mcp-Session-Id` or `Last-Event-ID`
+/// headers two sessions or positions: which one the request is bound to would be
+/// anyone's guess (an upstream may read the other), so it gets 400 and goes nowhere.
 #[test]
-fn a_request_with_two_authorization_headers_is_refused() {
+fn a_request_naming_two_callers_sessions_or_positions_is_refused() {
     let tripwire = Tripwire::start();
     let gw = TestGateway::start(&[&tripwire.url()], &test_keys());
     let body = initialize_body().to_string();
-    let headers = format!(
-        "host: 127.0.0.1\r\nconnection: close\r\nauthorization: Bearer alice\r\n\
-         authorization: Bearer bob\r\ncontent-length: {}\r\n",
-        body.len()
-    );
-    let (answer, _) = post_raw_to_close(gw.port, &headers, &body);
-    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
-    assert!(
-        answer.contains("the authorization header appears more than once"),
-        "{answer}"
-    );
+    for (name, twice) in [
+        (
+            "authorization",
+            "authorization: Bearer alice\r\nauthorization: Bearer bob",
+        ),
+        ("mcp-session-id", "mcp-session-id: s1\r\nmcp-session-id: s2"),
+        ("last-event-id", "last-event-id: 1\r\nlast-event-id: 2"),
+    ] {
+        let headers = format!(
+            "host: 127.0.0.1\r\nconnection: close\r\n{twice}\r\ncontent-length: {}\r\n",
+            body.len()
+        );
+        let (answer, _) = post_raw_to_close(gw.port, &headers, &body);
+        assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+        assert!(
+            answer.contains(&format!("the {name} header appears more than once")),
+            "{answer}"
+        );
+    }
     assert_eq!(
         tripwire.count(),
         0,
