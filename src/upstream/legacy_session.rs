@@ -534,7 +534,6 @@ impl<'a> LegacySession<'a> {
         }
     }
 
-    /// Ends the session of a flow its client abandoned (best effort).
     /// Whether the upstream no longer has the session: it refuses a `ping` in it as an
     /// unknown session. A session that answers, or fails any other way, is not gone.
     pub async fn is_gone(&self) -> bool {
@@ -548,6 +547,7 @@ impl<'a> LegacySession<'a> {
         }
     }
 
+    /// Ends the session of a flow its client abandoned (best effort).
     pub async fn reap(&self) {
         let _ = self.delete_counting("reaped").await;
     }

@@ -721,3 +721,25 @@ fn session_deleted_during_a_call(server: Upstream) {
     let (status, ended) = running.join().expect("the call's thread");
     assert_session_ended(status, &ended);
 }
+
+/// An upstream session whose id the gateway cannot carry in a cookie (over 256 bytes)
+/// cannot back a data-layer session: `session/create` is refused, and the session it
+/// opened is deleted rather than left to the upstream's idle timer.
+#[test]
+fn a_session_create_refused_for_its_upstream_id_deletes_that_session() {
+    let long_id = "s".repeat(300);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        legacy_basics(seen, &long_id).unwrap_or_else(|| Answer::status(405, &[], b""))
+    });
+    let gw = legacy_gateway(&upstream.url());
+    let created = Raw::new(&gw.url).modern(1, "session/create", json!({}), json!({}));
+    let refused = created.json();
+    let message = refused["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("no usable sessions"), "{refused}");
+    let seen = upstream.wait_for(3, Duration::from_secs(5));
+    let delete = seen.iter().find(|s| s.method == "DELETE");
+    assert!(
+        delete.is_some_and(|d| d.header("mcp-session-id").is_some_and(|id| id.len() == 300)),
+        "the session opened was not deleted: {seen:?}"
+    );
+}
