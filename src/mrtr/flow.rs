@@ -164,15 +164,16 @@ impl Failure {
         matches!(self.kind, FailureKind::Gone | FailureKind::Unreachable)
     }
 
-    /// The request provably did not reach the upstream, or was refused there.
+    /// The request provably did not reach the upstream, or was refused there. A 5xx
+    /// proves neither: a proxy's 502 or 504 may follow a server that took the request.
     pub fn never_delivered(&self) -> bool {
-        matches!(
-            self.kind,
-            FailureKind::Unreachable
-                | FailureKind::Refused(_)
-                | FailureKind::Denied(_)
-                | FailureKind::Gone
-        )
+        match self.kind {
+            FailureKind::Refused(status) => status < 500,
+            kind => matches!(
+                kind,
+                FailureKind::Unreachable | FailureKind::Denied(_) | FailureKind::Gone
+            ),
+        }
     }
 
     /// The client's error for this failure of `group`'s upstream.

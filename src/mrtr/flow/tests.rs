@@ -2051,23 +2051,29 @@ fn an_answer_that_provably_never_arrived_releases_the_claim() {
         "the call waits for the same state again"
     );
     assert_eq!(h.refusal().class, Class::UpstreamError);
-    // A timeout may have delivered it: the claim stays, and the call ends upstream, so
-    // that no replica resumes it and posts the answer a second time.
-    let mut upstream = Upstream::default();
-    upstream.posts.push_back(Err(Failure::new(
-        FailureKind::Timeout,
-        "no response in time",
-    )));
-    let mut h = retry_of(
-        &first,
-        config(),
-        upstream,
-        json!({"elicitation_0": accept("Ada")}),
-    );
-    h.event(Stream::Call, Some("c3"), &json!(""));
-    assert!(!h.log.contains(&Command::ReleaseClaim));
-    assert!(h.log.contains(&Command::DeleteSession));
-    assert_eq!(h.refusal().class, Class::UpstreamTimeout);
+    // A timeout, or a proxy's 502 or 504, may have delivered it: the claim stays, and
+    // the call ends upstream, so that no replica resumes it and posts the answer a
+    // second time.
+    for (failure, class) in [
+        (FailureKind::Timeout, Class::UpstreamTimeout),
+        (FailureKind::Refused(502), Class::UpstreamError),
+        (FailureKind::Refused(504), Class::UpstreamError),
+    ] {
+        let mut upstream = Upstream::default();
+        upstream
+            .posts
+            .push_back(Err(Failure::new(failure, "no answer from the server")));
+        let mut h = retry_of(
+            &first,
+            config(),
+            upstream,
+            json!({"elicitation_0": accept("Ada")}),
+        );
+        h.event(Stream::Call, Some("c3"), &json!(""));
+        assert!(!h.log.contains(&Command::ReleaseClaim), "{failure:?}");
+        assert!(h.log.contains(&Command::DeleteSession), "{failure:?}");
+        assert_eq!(h.refusal().class, class);
+    }
 }
 
 #[test]
