@@ -154,7 +154,7 @@ fn limit<F: std::future::Future>(f: F) -> tokio::time::Timeout<F> {
 }
 
 /// Answers the first stream of an HTTP/2 connection over the cap 503, then closes the
-/// connection (GOAWAY) once the answer went out. The connection is driven all along: an
+/// connection (GOAWAY) once the answer went out, or after `REFUSAL_READ_LIMIT`. The connection is driven all along: an
 /// HTTP/2 stream's frames move only while its connection is polled.
 async fn refuse_h2(stream: Stream) {
     let Ok(Ok(mut connection)) = limit(v2::server::handshake(stream, None)).await else {
@@ -173,9 +173,16 @@ async fn refuse_h2(stream: Stream) {
             let _ = session.finish().await;
         };
         let driven = std::future::poll_fn(|cx| connection.poll_closed(cx));
-        tokio::select! {
-            _ = answer => {}
-            _ = driven => return,
+        let refused = async {
+            tokio::select! {
+                _ = answer => true,
+                _ = driven => false,
+            }
+        };
+        // Bounded: a client that opens no flow-control window would hold the answer, and
+        // the connection, uncounted, for ever.
+        if let Ok(false) = limit(refused).await {
+            return;
         }
     }
     connection.graceful_shutdown();

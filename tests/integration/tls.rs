@@ -747,6 +747,45 @@ fn the_connection_cap_counts_tls_connections_and_answers_http2_ones_503() {
     assert_eq!(tripwire.count(), 0);
 }
 
+/// An HTTP/2 connection over the cap whose client opens no flow-control window: the 503's
+/// body can never go out, and the connection is closed anyway, not held uncounted.
+#[test]
+fn an_http2_connection_over_the_cap_that_takes_no_data_is_closed() {
+    let tripwire = Tripwire::start();
+    let tls = TlsGateway::start(&tripwire.url(), |c| c.limits.max_client_connections = 1);
+    let (h1, h2) = (tls.client(&["http/1.1"]), tls.client(&["h2"]));
+    let (port, url, admin) = (tls.gw.port, tls.url.clone(), tls.gw.admin.clone());
+    runtime().block_on(async move {
+        let _held = tls_connect(&h1, port).await;
+        wait_off_runtime("the first TLS connection to hold the slot", move || {
+            metric(&admin, "mrtr_gateway_client_connections") == 1.0
+        })
+        .await;
+        let io = hyper_util::rt::TokioIo::new(tls_connect(&h2, port).await);
+        let (mut sender, connection) =
+            hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                .initial_stream_window_size(0)
+                .handshake::<_, Full<Bytes>>(io)
+                .await
+                .expect("an HTTP/2 handshake");
+        let connection = tokio::spawn(connection);
+        let mut request = http::Request::post(&url);
+        for (name, value) in legacy_headers(None) {
+            request = request.header(name, value);
+        }
+        let request = request
+            .body(Full::new(Bytes::from(initialize().to_string())))
+            .expect("a request");
+        let response = sender.send_request(request).await.expect("a response");
+        assert_eq!(response.status(), 503);
+        // Its body is never read: no window is ever opened.
+        let closed = tokio::time::timeout(Duration::from_secs(10), connection).await;
+        assert!(closed.is_ok(), "the refused connection is still open");
+        drop(response);
+    });
+    assert_eq!(tripwire.count(), 0);
+}
+
 /// A TLS client that stops reading loses its response at the write timeout as a plain
 /// one does: closing the connection must not wait for ever to write its close_notify
 /// behind the queued bytes it will never read.
