@@ -27,6 +27,8 @@ use tokio::sync::{oneshot, watch, Semaphore};
 const MAX_OWN_CONNECTIONS: usize = 1024;
 /// Longest an admin connection is served.
 pub const ADMIN_CONNECTION_TIME: Duration = Duration::from_secs(10);
+/// How long an own listener waits after a failed accept before the next.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(20);
 
 /// Where a graceful shutdown stands. Streams end cleanly when it begins: a bridged round
 /// hands its flow to another replica, a relayed SSE stream ends between two events. A
@@ -303,8 +305,15 @@ impl<A: ServerApp + Send + Sync + 'static> BackgroundService for OwnListener<A> 
         let slots = Arc::new(Semaphore::new(self.max_connections));
         let places = Arc::new(Places::default());
         loop {
-            let Ok((tcp, _)) = listener.accept().await else {
-                continue;
+            let tcp = match listener.accept().await {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    // Out of descriptors (EMFILE) fails every accept until one is freed:
+                    // a moment's wait, not a spin at full CPU.
+                    tracing::debug!(listener = self.name, error = %e, "accept failed");
+                    tokio::time::sleep(ACCEPT_BACKOFF).await;
+                    continue;
+                }
             };
             let slot = match slots.clone().try_acquire_owned() {
                 Ok(slot) => slot,
