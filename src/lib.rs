@@ -19,3 +19,6 @@ pub mod protocol;
 pub mod seal;
 pub mod tls;
 pub mod upstream;
+
+#[cfg(test)]
+pub(crate) mod test_alloc;

@@ -2,8 +2,9 @@
 //! and responses without materialising params or results, building error bodies, and
 //! reading JSON text as JavaScript writes it (`from_slice_lenient`).
 
-use serde::de::{DeserializeOwned, IgnoredAny};
+use serde::de::{DeserializeOwned, DeserializeSeed, IgnoredAny, SeqAccess, Visitor};
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 /// Standard JSON-RPC error codes used by the gateway.
@@ -77,31 +78,69 @@ pub struct Invalid {
 }
 
 #[derive(Deserialize)]
-struct Envelope {
+struct Envelope<'a> {
     jsonrpc: Option<String>,
-    /// `Some(Value::Null)` for an explicit `"id": null`, which is not a valid request id.
-    #[serde(default, deserialize_with = "present")]
-    id: Option<Value>,
+    /// As sent, not yet built: `Some` for an explicit `"id": null` too, which is not a
+    /// valid request id; one that is an array or object is refused unbuilt.
+    #[serde(borrow, default, deserialize_with = "present")]
+    id: Option<&'a RawValue>,
     method: Option<String>,
     result: Option<IgnoredAny>,
     error: Option<IgnoredAny>,
 }
 
-fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
-    Value::deserialize(d).map(Some)
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue>::deserialize(d).map(Some)
+}
+
+/// A batch's messages, refused past `max` before the rest is built: what is past it is
+/// only checked as JSON (`IgnoredAny`), so a body of a million `{}` costs no million
+/// envelopes. `None`: more than `max`.
+struct BoundedBatch(usize);
+
+impl<'de> DeserializeSeed<'de> for BoundedBatch {
+    type Value = Option<Vec<Envelope<'de>>>;
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for BoundedBatch {
+    type Value = Option<Vec<Envelope<'de>>>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "a batch of JSON-RPC messages")
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(item) = seq.next_element::<Envelope<'de>>()? {
+            if items.len() == self.0 {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                return Ok(None);
+            }
+            items.push(item);
+        }
+        Ok(Some(items))
+    }
 }
 
 /// Classifies a POSTed body. The longest batch accepted is `max_batch`.
 pub fn classify(body: &[u8], max_batch: usize) -> Result<Body, Invalid> {
     let first = body.iter().find(|b| !b.is_ascii_whitespace());
     if first == Some(&b'[') {
-        let items: Vec<Envelope> = serde_json::from_slice(body).map_err(parse_error)?;
-        if items.is_empty() || items.len() > max_batch {
+        let mut json = serde_json::Deserializer::from_slice(body);
+        let items = BoundedBatch(max_batch)
+            .deserialize(&mut json)
+            .and_then(|items| json.end().map(|()| items))
+            .map_err(parse_error)?;
+        let Some(items) = items.filter(|items| !items.is_empty()) else {
             return Err(invalid(
                 None,
                 format!("a batch must hold 1 to {max_batch} messages"),
             ));
-        }
+        };
         let messages = items.into_iter().map(message).collect::<Result<_, _>>()?;
         return Ok(Body::Batch(messages));
     }
@@ -140,18 +179,20 @@ fn valid_id(id: &Value) -> bool {
 }
 
 fn message(e: Envelope) -> Result<Message, Invalid> {
+    let not_an_id = || invalid(None, "\"id\" must be a string or an integer".into());
+    // An array or object is no id, and is not built to be told so.
+    let id = match e.id.map(RawValue::get) {
+        Some(text) if text.starts_with(['[', '{']) => return Err(not_an_id()),
+        Some(text) => Some(serde_json::from_str::<Value>(text).map_err(|_| not_an_id())?),
+        None => None,
+    };
     if e.jsonrpc.as_deref() != Some("2.0") {
-        return Err(invalid(e.id, "\"jsonrpc\" must be \"2.0\"".into()));
+        return Err(invalid(id, "\"jsonrpc\" must be \"2.0\"".into()));
     }
-    if let Some(id) = &e.id {
-        if !valid_id(id) {
-            return Err(invalid(
-                None,
-                "\"id\" must be a string or an integer".into(),
-            ));
-        }
+    if id.as_ref().is_some_and(|id| !valid_id(id)) {
+        return Err(not_an_id());
     }
-    match (e.method, e.id, e.result.is_some() || e.error.is_some()) {
+    match (e.method, id, e.result.is_some() || e.error.is_some()) {
         (Some(method), _, true) => Err(invalid(
             None,
             format!("a message with method '{method}' cannot carry result or error"),
@@ -324,6 +365,41 @@ mod tests {
         let long = format!("[{m},{m},{m}]");
         assert!(classify(long.as_bytes(), 2).is_err());
         assert!(classify(b"[]", 2).is_err());
+        // Past the bound the rest is only checked as JSON, and the bound is what is told.
+        let huge = format!("[{}{{}}]", "{},".repeat(1 << 20));
+        let (refused, bytes) = crate::test_alloc::allocated_by(|| classify(huge.as_bytes(), 2));
+        let e = refused.unwrap_err();
+        assert!(e.message.contains("1 to 2 messages"), "{}", e.message);
+        assert!(
+            bytes < 64 << 10,
+            "a refused batch of 3 MiB allocated {bytes} bytes"
+        );
+        let broken = format!("[{m},{m},{m},{{]");
+        assert_eq!(
+            classify(broken.as_bytes(), 2).unwrap_err().code,
+            code::PARSE_ERROR
+        );
+        assert_eq!(
+            classify(format!("[{m}] x").as_bytes(), 2).unwrap_err().code,
+            code::PARSE_ERROR
+        );
+    }
+
+    #[test]
+    fn an_id_that_is_a_container_is_refused_unbuilt() {
+        let id = format!("[{}0]", "0,".repeat(1 << 20));
+        let body = format!(r#"{{"jsonrpc":"2.0","id":{id},"method":"x"}}"#);
+        let (refused, bytes) = crate::test_alloc::allocated_by(|| classify(body.as_bytes(), 2));
+        assert!(bytes < 64 << 10, "an id of 2 MiB allocated {bytes} bytes");
+        let e = refused.unwrap_err();
+        assert!(e.message.contains("\"id\" must be"), "{}", e.message);
+        assert_eq!(e.id, None);
+        let body = r#"{"jsonrpc":"2.0","id":{"a":1},"method":"x"}"#;
+        assert!(classify(body.as_bytes(), 2).is_err());
+        let body = r#"{"jsonrpc":"2.0","id": "a" ,"method":"x"}"#;
+        assert!(
+            matches!(classify(body.as_bytes(), 2), Ok(Body::Single(Message::Request { id, .. })) if id == "a")
+        );
     }
 
     #[test]
