@@ -77,6 +77,11 @@ use std::time::{Duration, Instant};
 
 /// How often the flow follows an upstream that closes the call's stream mid-call.
 const MAX_STREAM_ENDS: usize = 8;
+/// Most bytes of events held while a resumed stream settles, each event counted with
+/// `EVENT_OVERHEAD` more: what a tool sent while its client was away is replayed, but an
+/// upstream that replays without end in the settling time is refused, not held.
+const MAX_SETTLE_BYTES: usize = 32 << 20;
+const EVENT_OVERHEAD: usize = 256;
 /// Longest `retry` hint honoured.
 const MAX_RETRY: Duration = Duration::from_secs(10);
 /// The wait before reopening a stream the upstream ended, without a `retry` hint.
@@ -559,8 +564,9 @@ struct Retry {
     /// When the call's stream was last asked to reopen (`Phase::Reopening`).
     reopened_at: Option<Instant>,
     /// Events read while the resumed stream settled (replayed on the call's stream, or
-    /// on the session's), for the round.
+    /// on the session's), for the round; and their bytes, against `MAX_SETTLE_BYTES`.
     replayed: Vec<(Stream, Event)>,
+    replayed_bytes: usize,
     /// The resumed stream ended while it settled (after replaying something).
     call_ended: bool,
     to_post: VecDeque<(Pending, Value)>,
@@ -1260,6 +1266,14 @@ impl Flow {
         now: Instant,
     ) -> Phase {
         let priming = stream == Stream::Call && event.id.is_some() && event.data.is_empty();
+        retry.replayed_bytes += event.data.len() + EVENT_OVERHEAD;
+        if retry.replayed_bytes > MAX_SETTLE_BYTES {
+            let failure = Failure::new(
+                FailureKind::Broken,
+                format!("replayed more than {MAX_SETTLE_BYTES} bytes of events while the call's stream resumed"),
+            );
+            return self.unresumable(retry, Err(failure), now);
+        }
         retry.replayed.push((stream, event));
         if !priming {
             return Phase::Settling { retry, until };
@@ -2256,6 +2270,7 @@ impl Retry {
             session_reopened: false,
             reopened_at: None,
             replayed: Vec::new(),
+            replayed_bytes: 0,
             call_ended: false,
             to_post: VecDeque::new(),
             answered: Vec::new(),

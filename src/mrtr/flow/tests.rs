@@ -2343,3 +2343,28 @@ fn a_data_session_call_whose_stream_breaks_asks_whether_its_session_ended() {
         "{failed:?}"
     );
 }
+
+#[test]
+fn a_resumption_that_replays_without_end_is_refused_not_held() {
+    let first = first_round();
+    let mut h = answered(&first, "Ada");
+    let progress = json!({"jsonrpc": "2.0", "method": "notifications/message",
+        "params": {"level": "info", "data": "x".repeat(1 << 20)}});
+    for n in 0..40 {
+        if h.ending.is_some() {
+            break;
+        }
+        h.event(Stream::Session, Some(&format!("g{n}")), &progress);
+    }
+    assert!(h.posted().is_empty(), "no answer went up");
+    assert!(
+        h.log.contains(&Command::ReleaseClaim),
+        "the state stays usable"
+    );
+    let refusal = h.refusal();
+    assert!(
+        refusal.message.contains("bytes of events"),
+        "{}",
+        refusal.message
+    );
+}
