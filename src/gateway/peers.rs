@@ -124,6 +124,7 @@ pub async fn forward(
         path,
         // The peer listener speaks plain HTTP: keep it on the replicas' own network.
         tls: None,
+        peer: true,
     };
     let timeouts = Timeouts {
         connect: gw.flows.peers.connect_timeout,
@@ -166,6 +167,7 @@ async fn watch_owner(gw: &Gateway, owner: SocketAddr) -> String {
         authority: owner.to_string(),
         path: ALIVE_PATH.to_string(),
         tls: None,
+        peer: true,
     };
     let timeouts = Timeouts {
         connect: gw.flows.peers.connect_timeout.min(ALIVE_WITHIN),

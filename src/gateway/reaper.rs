@@ -601,6 +601,7 @@ mod tests {
             authority: format!("127.0.0.1:{port}"),
             path: "/mcp".into(),
             tls: None,
+            peer: false,
         }
     }
 

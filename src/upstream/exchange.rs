@@ -260,7 +260,10 @@ impl UpstreamClient {
         http.read_timeout = timeouts.stream_idle;
         self.metrics
             .upstream_duration
-            .with_label_values(&[endpoint.authority.as_str()])
+            .with_label_values(&[match endpoint.peer {
+                true => "peer",
+                false => endpoint.authority.as_str(),
+            }])
             .observe(started.elapsed().as_secs_f64());
         Ok(Response {
             http: Box::new(http),

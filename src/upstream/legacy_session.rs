@@ -721,6 +721,7 @@ mod tests {
             authority: addr.to_string(),
             path: "/mcp".into(),
             tls: None,
+            peer: false,
         };
         let timeouts = Timeouts {
             connect: Duration::from_secs(2),

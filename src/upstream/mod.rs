@@ -33,6 +33,9 @@ pub struct Endpoint {
     pub path: String,
     /// How to speak TLS to it (`https://`); `None`: plain HTTP.
     pub tls: Option<EndpointTls>,
+    /// Another replica's peer listener, not an upstream: its exchanges are timed under
+    /// one `peer` label, so that replicas replaced by the hundred add no series.
+    pub peer: bool,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -160,6 +163,7 @@ impl UpstreamGroup {
             endpoints.push(Endpoint {
                 addr,
                 tls: endpoint_tls(&parsed, tls),
+                peer: false,
                 authority: parsed.authority,
                 path: parsed.path,
             });
@@ -236,6 +240,7 @@ impl UpstreamGroup {
                 authority: authority.clone(),
                 path: path.clone(),
                 tls: tls.clone(),
+                peer: false,
             }),
         }
     }

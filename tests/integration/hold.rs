@@ -97,7 +97,17 @@ fn official_clients_complete_held_flows_with_rounds_on_alternating_replicas() {
     assert_every_round_held_and_resumed(&replicas);
     assert!(forwarded >= 4.0, "retries crossed replicas: {forwarded}");
     assert_eq!(sum(&replicas, |g| forwards(g, "owner_gone")), 0.0);
+    // Forwards are timed under one label, not one series per replica address.
+    let latency = "mrtr_gateway_upstream_request_duration_seconds_count";
+    let by_peer = sum(&replicas, |g| {
+        metric_with(&g.admin, latency, "upstream=\"peer\"").unwrap_or(0.0)
+    });
+    assert!(by_peer >= forwarded, "{by_peer} forwards timed as peer");
     for gw in &replicas {
+        let text = ureq::get(&format!("{}/metrics", gw.admin)).call().unwrap();
+        let text = text.into_string().unwrap();
+        let series = text.lines().filter(|l| l.starts_with(latency)).count();
+        assert!(series <= 2, "the upstream's series and the peers': {text}");
         assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 0.0);
         assert_resumable(gw, false, "the Python SDK server without an event store");
     }

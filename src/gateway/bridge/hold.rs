@@ -326,6 +326,7 @@ mod tests {
                 authority: "127.0.0.1:1".into(),
                 path: "/mcp".into(),
                 tls: None,
+                peer: false,
             },
             Timeouts {
                 connect: Duration::from_secs(1),

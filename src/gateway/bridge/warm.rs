@@ -383,6 +383,7 @@ mod tests {
                 authority: "127.0.0.1:3001".into(),
                 path: "/mcp".into(),
                 tls: None,
+                peer: false,
             },
             timeouts: Timeouts {
                 connect: Duration::from_secs(1),
