@@ -52,6 +52,9 @@ const RECLAIMS_REMEMBERED: usize = 1024;
 struct Target {
     endpoint: Endpoint,
     timeouts: Timeouts,
+    /// Owners on it: the last one released drops it, so that endpoints gone from DNS
+    /// (pods replaced) do not stay in the table for good.
+    owners: u32,
 }
 
 /// What the reaper ends at a flow's deadline.
@@ -147,13 +150,14 @@ type OwnerKey = (u32, [u8; 32], Revision, Option<[u8; 32]>);
 impl Owners {
     /// The owner of `whose.principal`'s sessions on `target` of `version` deleted with
     /// `whose.headers`, counted once more.
-    fn acquire(&mut self, target: u32, whose: Whose<'_>, version: Revision) -> u32 {
+    /// `true` with it: the owner is new.
+    fn acquire(&mut self, target: u32, whose: Whose<'_>, version: Revision) -> (u32, bool) {
         let digest = whose.headers.digest();
         let key = (target, digest, version, whose.principal);
         if let Some(&index) = self.index.get(&key) {
             if let Some(owner) = self.slots.get_mut(index as usize) {
                 owner.watching += 1;
-                return index;
+                return (index, false);
             }
         }
         let index = self.slots.insert(Owner {
@@ -165,20 +169,21 @@ impl Owners {
             watching: 1,
         }) as u32;
         self.index.insert(key, index);
-        index
+        (index, true)
     }
 
-    /// Counts `index` once less; the last release drops its headers.
-    fn release(&mut self, index: u32) {
-        let Some(owner) = self.slots.get_mut(index as usize) else {
-            return;
-        };
+    /// Counts `index` once less; the last release drops its headers, and returns its
+    /// target.
+    fn release(&mut self, index: u32) -> Option<u32> {
+        let owner = self.slots.get_mut(index as usize)?;
         owner.watching -= 1;
-        if owner.watching == 0 {
-            let owner = self.slots.remove(index as usize);
-            let key = (owner.target, owner.digest, owner.version, owner.principal);
-            self.index.remove(&key);
+        if owner.watching > 0 {
+            return None;
         }
+        let owner = self.slots.remove(index as usize);
+        let key = (owner.target, owner.digest, owner.version, owner.principal);
+        self.index.remove(&key);
+        Some(owner.target)
     }
 
     fn get(&self, index: u32) -> Option<&Owner> {
@@ -193,7 +198,7 @@ impl Owners {
 /// The watched sessions, whose they are, and the targets they live on.
 #[derive(Default)]
 struct Table {
-    targets: Vec<Target>,
+    targets: Slab<Target>,
     owners: Owners,
     watched: HashTable<Watched>,
     /// How many watched entries each principal's owners have.
@@ -203,24 +208,36 @@ struct Table {
 
 impl Table {
     fn find(&self, endpoint: &Endpoint) -> Option<u32> {
-        let same = |t: &Target| t.endpoint == *endpoint;
-        self.targets.iter().position(same).map(|i| i as u32)
+        let mut targets = self.targets.iter();
+        let (index, _) = targets.find(|(_, t)| t.endpoint == *endpoint)?;
+        Some(index as u32)
     }
 
-    fn intern(&mut self, endpoint: &Endpoint, timeouts: &Timeouts) -> u32 {
-        match self.find(endpoint) {
+    /// The owner of `whose` sessions on `endpoint`, counted once more (its target kept,
+    /// or added, with `timeouts`).
+    fn acquire(
+        &mut self,
+        endpoint: &Endpoint,
+        timeouts: &Timeouts,
+        whose: Whose<'_>,
+        version: Revision,
+    ) -> (u32, u32) {
+        let target = match self.find(endpoint) {
             Some(i) => {
                 self.targets[i as usize].timeouts = *timeouts;
                 i
             }
-            None => {
-                self.targets.push(Target {
-                    endpoint: endpoint.clone(),
-                    timeouts: *timeouts,
-                });
-                (self.targets.len() - 1) as u32
-            }
+            None => self.targets.insert(Target {
+                endpoint: endpoint.clone(),
+                timeouts: *timeouts,
+                owners: 0,
+            }) as u32,
+        };
+        let (owner, new) = self.owners.acquire(target, whose, version);
+        if new {
+            self.targets[target as usize].owners += 1;
         }
+        (target, owner)
     }
 
     /// Removes the entry of `key` on `target`, if watched, and releases its owner.
@@ -247,7 +264,16 @@ impl Table {
                 }
             }
         }
-        self.owners.release(owner);
+        let Some(target) = self.owners.release(owner) else {
+            return;
+        };
+        let Some(on_target) = self.targets.get_mut(target as usize) else {
+            return;
+        };
+        on_target.owners -= 1;
+        if on_target.owners == 0 {
+            self.targets.remove(target as usize);
+        }
     }
 
     /// How many entries `principal` has.
@@ -321,8 +347,8 @@ impl Reaper {
     ) -> Result<(), NotWatched> {
         let (key, whose) = (what.into().key().into_boxed_str(), whose.into());
         let mut table = self.table.lock().expect("reaper lock");
-        let target = table.intern(endpoint, timeouts);
-        if !table.remove(target, &key) {
+        let watched = table.find(endpoint);
+        if !watched.is_some_and(|target| table.remove(target, &key)) {
             if table.watched.len() >= self.capacity {
                 return Err(NotWatched::Full);
             }
@@ -330,7 +356,7 @@ impl Reaper {
                 return Err(NotWatched::PrincipalFull);
             }
         }
-        let owner = table.owners.acquire(target, whose, version);
+        let (target, owner) = table.acquire(endpoint, timeouts, whose, version);
         let deadline = u32::try_from(deadline).unwrap_or(u32::MAX);
         table.insert(
             target,
@@ -720,6 +746,34 @@ mod tests {
         let anyone = r.candidates(None);
         assert_eq!(anyone.len(), RECLAIM_CHECKS);
         assert_eq!(anyone[0].key, "bob", "the whole table's first due");
+    }
+
+    /// Endpoints come and go (pods replaced under `discovery: dns`): one whose last
+    /// session is forgotten, or taken when due, leaves the table.
+    #[test]
+    fn an_endpoint_without_sessions_leaves_the_table() {
+        let r = Reaper::new(1_000, 1_000);
+        for port in 1..=200 {
+            r.watch(&endpoint(port), &timeouts(), "s", &nobody(), v(), 100)
+                .expect("room");
+            r.watch(&endpoint(port), &timeouts(), "t", &nobody(), v(), 300)
+                .expect("room");
+        }
+        for port in 1..=200 {
+            r.forget(&endpoint(port), "s");
+        }
+        let targets = || r.table.lock().unwrap().targets.len();
+        assert_eq!(targets(), 200, "each still has a session watched");
+        assert_eq!(r.take_due(400).len(), 200);
+        assert_eq!(targets(), 0);
+        r.watch(&endpoint(7), &timeouts(), "u", &nobody(), v(), 500)
+            .expect("room");
+        let due = r.take_due(600);
+        assert_eq!(
+            due[0].endpoint,
+            endpoint(7),
+            "a target made again is its own"
+        );
     }
 
     #[test]
