@@ -1334,6 +1334,69 @@ fn a_failed_store_probe_is_not_retried_by_every_resumption() {
     assert_eq!(probes, 1, "{RESUMPTIONS} resumptions each probed again");
 }
 
+/// An upstream that stops answering in the middle of the store probe (its second
+/// throwaway session's `initialize` is never answered) does not hold the resumption that
+/// waits for the probe for its response timeout: the probe gives up within seconds, the
+/// verdict is unknown, the GET stream reopens fresh, and the session the probe opened is
+/// deleted.
+#[test]
+fn a_store_probe_that_stops_being_answered_gives_up_within_seconds() {
+    let initializes = AtomicUsize::new(0);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let initialize = seen.jsonrpc_method().as_deref() == Some("initialize");
+        if initialize && initializes.fetch_add(1, Ordering::SeqCst) == 2 {
+            return Answer::silent();
+        }
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        let log = |id: &str| {
+            json!({"jsonrpc": "2.0", "method": "notifications/message",
+                "params": {"level": "info", "data": id}})
+        };
+        match (seen.method.as_str(), seen.header("last-event-id")) {
+            // The probe's ping: its answer primes the stream with an id.
+            ("POST", _) => {
+                let result = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {}});
+                Answer::sse(&[]).event(Some("p1"), &result).end()
+            }
+            ("GET", None) => Answer::sse(&[]).event(Some("g1"), &log("g1")).end(),
+            ("GET", Some(_)) => Answer::sse(&[]).event(Some("g2"), &log("g2")).end(),
+            _ => Answer::status(405, &[], b""),
+        }
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].response_timeout_ms = 60_000;
+    });
+    let raw = Raw::new(&gw.url);
+    let session = raw.initialize(json!({}));
+    let get = |position: Option<&str>| {
+        let mut headers = vec![
+            ("accept", "text/event-stream"),
+            ("mcp-session-id", session.as_str()),
+            ("mcp-protocol-version", "2025-11-25"),
+        ];
+        headers.extend(position.map(|p| ("last-event-id", p)));
+        let mut reply = raw.request("GET", &headers, None);
+        assert_eq!(reply.status, 200);
+        reply.next_message().expect("the GET stream's event")
+    };
+    let (position, _) = get(None);
+    let started = Instant::now();
+    let (_, message) = get(Some(&position.expect("an event id")));
+    assert_eq!(message["params"]["data"], "g1", "reopened fresh: {message}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the resumption waited {:?} for the probe",
+        started.elapsed()
+    );
+    wait_until(
+        "the probe's session deleted",
+        Duration::from_secs(5),
+        || upstream.requests().iter().any(|s| s.method == "DELETE"),
+    );
+}
+
 /// A scripted server whose `tools/call` streams what `call` gives, whose resumptions
 /// (GETs with `Last-Event-ID`) the upstream takes and never answers, and whose session
 /// GET stream is open and empty.

@@ -26,6 +26,11 @@ const FIRST_ID_LIMIT: Duration = Duration::from_secs(1);
 /// How long the foreign resumption is watched: a store that keeps sessions apart ends it
 /// (or refuses it) at once.
 const FOREIGN_WATCH: Duration = Duration::from_millis(300);
+/// Longest a probe runs before its verdict is taken as unknown (its throwaway sessions
+/// then deleted within `ABANDON_LIMIT` each): every first resumption of the group waits
+/// for it, and an upstream that stopped answering would hold them for its response
+/// timeout at each step. A probe that works takes milliseconds.
+const PROBE_LIMIT: Duration = Duration::from_secs(3);
 /// How long after a failed probe (a throwaway session that did not open) the group's
 /// store is taken as unknown without probing again, so that a stream of resumptions
 /// does not cost the upstream two sessions each while it cannot open them.
@@ -100,21 +105,24 @@ async fn probe(
             .map(|(session, _)| session)
         }
     };
-    let Some(first) = open().await else {
+    let deadline = Instant::now() + PROBE_LIMIT;
+    let Ok(Some(first)) = tokio::time::timeout_at(deadline, open()).await else {
         return SessionReplay::Unknown;
     };
-    let verdict = match first_event_id(&first).await {
-        None => SessionReplay::Unavailable,
-        Some(id) => match open().await {
-            None => SessionReplay::Unknown,
-            Some(second) => {
-                let verdict = resumes_foreign(&second, &id).await;
-                second.delete().await;
+    let verdict = match tokio::time::timeout_at(deadline, first_event_id(&first)).await {
+        Err(_) => SessionReplay::Unknown,
+        Ok(None) => SessionReplay::Unavailable,
+        Ok(Some(id)) => match tokio::time::timeout_at(deadline, open()).await {
+            Ok(Some(second)) => {
+                let resumed = tokio::time::timeout_at(deadline, resumes_foreign(&second, &id));
+                let verdict = resumed.await.unwrap_or(SessionReplay::Unknown);
+                second.abandon().await;
                 verdict
             }
+            _ => SessionReplay::Unknown,
         },
     };
-    first.delete().await;
+    first.abandon().await;
     verdict
 }
 
