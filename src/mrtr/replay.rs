@@ -41,6 +41,11 @@ pub enum Claim {
 pub struct UsedStates {
     used: HashMap<StateDigest, u64>,
     capacity: usize,
+    /// No entry expires before this: a full table is swept only once something may have
+    /// expired, not on every claim (a sweep walks the whole table under its lock).
+    earliest: u64,
+    /// Sweeps of the full table so far.
+    sweeps: u64,
 }
 
 impl UsedStates {
@@ -48,6 +53,8 @@ impl UsedStates {
         UsedStates {
             used: HashMap::new(),
             capacity,
+            earliest: u64::MAX,
+            sweeps: 0,
         }
     }
 
@@ -59,13 +66,30 @@ impl UsedStates {
             }
         }
         if self.used.len() >= self.capacity {
-            self.used.retain(|_, until| *until > now);
+            if now >= self.earliest {
+                self.sweep(now);
+            }
             if self.used.len() >= self.capacity {
                 return Claim::Full;
             }
         }
         self.used.insert(state, expires_at);
+        self.earliest = self.earliest.min(expires_at);
         Claim::Fresh
+    }
+
+    /// Drops the entries expired at `now`, and notes when the next one expires.
+    fn sweep(&mut self, now: u64) {
+        let mut earliest = u64::MAX;
+        self.used.retain(|_, until| {
+            let live = *until > now;
+            if live {
+                earliest = earliest.min(*until);
+            }
+            live
+        });
+        self.earliest = earliest;
+        self.sweeps += 1;
     }
 
     /// Forgets a claim whose answers provably never reached the upstream, so the client
@@ -137,7 +161,13 @@ mod tests {
         assert_eq!(used.claim(digest("a"), 10, 0), Claim::Fresh);
         assert_eq!(used.claim(digest("b"), 100, 0), Claim::Fresh);
         assert_eq!(used.claim(digest("c"), 100, 5), Claim::Full);
+        assert_eq!(used.sweeps, 0, "nothing could have expired yet");
+        for n in 0..100 {
+            assert_eq!(used.claim(digest(&format!("d{n}")), 100, 9), Claim::Full);
+        }
+        assert_eq!(used.sweeps, 0, "a full table is not walked on every claim");
         assert_eq!(used.claim(digest("c"), 100, 20), Claim::Fresh, "a expired");
+        assert_eq!(used.sweeps, 1);
         assert_eq!(used.len(), 2);
         assert_eq!(used.claim(digest("b"), 100, 20), Claim::Replayed);
     }
