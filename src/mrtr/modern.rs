@@ -162,6 +162,9 @@ pub struct ModernHeaders<'a> {
     /// One of the three headers above that mirror the body, if the request carries it
     /// more than once with different values (which one a reader takes is anyone's guess).
     pub repeated: Option<&'static str>,
+    /// One of them, if the request carries it with bytes that are not visible ASCII
+    /// (read as absent above).
+    pub unreadable: Option<&'static str>,
 }
 
 /// A validated 2026-07-28 request.
@@ -238,6 +241,11 @@ impl ModernRequest {
                 "the {name} header appears more than once, with different values"
             )));
         }
+        if let Some(name) = headers.unreadable {
+            return Err(header_mismatch(format!(
+                "the {name} header is not visible ASCII: send other text as =?base64?…?= (the base64 of its UTF-8)"
+            )));
+        }
         let version = meta
             .get(META_VERSION)
             .and_then(Value::as_str)
@@ -260,13 +268,19 @@ impl ModernRequest {
         if !SUPPORTED_VERSIONS.contains(&version) {
             return Err(unsupported_version(version));
         }
-        let client_capabilities = meta
-            .get(META_CAPABILITIES)
-            .and_then(Value::as_object)
-            .cloned()
-            .ok_or_else(|| {
-                invalid_params(format!("params._meta[\"{META_CAPABILITIES}\"] is required"))
-            })?;
+        let client_capabilities = match meta.get(META_CAPABILITIES) {
+            Some(Value::Object(capabilities)) => capabilities.clone(),
+            Some(_) => {
+                return Err(invalid_params(format!(
+                    "params._meta[\"{META_CAPABILITIES}\"] must be an object"
+                )))
+            }
+            None => {
+                return Err(invalid_params(format!(
+                    "params._meta[\"{META_CAPABILITIES}\"] is required"
+                )))
+            }
+        };
         match headers.method {
             Some(m) if m == method => {}
             Some(m) => {
@@ -600,6 +614,27 @@ mod tests {
         assert!(refused
             .message
             .contains("the Mcp-Name header appears more than once"));
+        let unreadable = ModernHeaders {
+            unreadable: Some("Mcp-Name"),
+            ..headers("tools/call", None)
+        };
+        let refused =
+            ModernRequest::validate(json!(1), "tools/call", Some(&params), unreadable).unwrap_err();
+        assert_eq!(refused.code, code::HEADER_MISMATCH);
+        assert!(
+            refused.message.contains("not visible ASCII"),
+            "{}",
+            refused.message
+        );
+        let caps =
+            json!({"name": "ask", "_meta": {META_VERSION: MODERN_VERSION, META_CAPABILITIES: 5}});
+        let h = headers("tools/call", Some("ask"));
+        let refused = ModernRequest::validate(json!(1), "tools/call", Some(&caps), h).unwrap_err();
+        assert!(
+            refused.message.contains("must be an object"),
+            "{}",
+            refused.message
+        );
     }
 
     #[test]

@@ -80,7 +80,7 @@ pub enum WrapError {
 impl fmt::Display for WrapError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            WrapError::IdTooLong => write!(f, "a request id is longer than {MAX_CLIENT_ID} bytes"),
+            WrapError::IdTooLong => write!(f, "a request id is longer than {MAX_CLIENT_ID} bytes as JSON text (quotes and escapes included)"),
             WrapError::NotMessages => f.write_str("the body is not JSON-RPC messages"),
         }
     }

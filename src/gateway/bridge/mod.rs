@@ -181,6 +181,9 @@ enum Served {
     Relay,
 }
 
+/// The headers that mirror a 2026-07-28 request's body.
+const MIRRORED: [&str; 3] = ["MCP-Protocol-Version", "Mcp-Method", "Mcp-Name"];
+
 async fn serve_inner(
     gw: &Gateway,
     session: &mut ServerSession,
@@ -221,9 +224,10 @@ async fn serve_inner(
         name: header("mcp-name"),
         traceparent: header("traceparent"),
         tracestate: header("tracestate"),
-        repeated: ["MCP-Protocol-Version", "Mcp-Method", "Mcp-Name"]
+        repeated: MIRRORED.into_iter().find(|name| differs(name)),
+        unreadable: MIRRORED
             .into_iter()
-            .find(|name| differs(name)),
+            .find(|name| (session.get_header(*name)).is_some_and(|value| value.to_str().is_err())),
     };
     let accepts_sse = header("accept").is_some_and(|a| a.contains("text/event-stream"));
     let reply = ClientReply {
