@@ -58,9 +58,9 @@ pub struct UpstreamSide {
     /// The pooled client; it counts into the gateway's metrics. Shared with the work a
     /// request leaves behind (deleting its session, warming the next).
     pub client: Arc<UpstreamClient>,
-    /// Each group's InitializeResult, from the latest session opened there: it names the
+    /// Each group's `serverInfo`, from the latest session opened there: it names the
     /// server in every modern result.
-    initialize_results: Mutex<HashMap<String, Value>>,
+    server_infos: Mutex<HashMap<String, Value>>,
     /// For `era: auto` groups, what the probe found.
     modern_only: Mutex<HashMap<String, Probed>>,
     /// What this replica learnt about each group's upstream: refused resumptions (with
@@ -89,7 +89,7 @@ impl UpstreamSide {
                 UpstreamClient::new(metrics)
                     .with_max_message(config.limits.max_upstream_message_bytes),
             ),
-            initialize_results: Mutex::default(),
+            server_infos: Mutex::default(),
             modern_only: Mutex::default(),
             learnt: Learnt::default(),
             kept_sessions: KeptSessions::new(
@@ -105,12 +105,17 @@ impl UpstreamSide {
         }
     }
 
+    /// Keeps the `serverInfo` of an InitializeResult of `group` (taken out of the lock:
+    /// only that part, and cloned before it is taken).
     pub fn remember_initialize(&self, group: &UpstreamGroup, result: &Value) {
-        let mut cache = self
-            .initialize_results
-            .lock()
-            .expect("initialize cache lock");
-        cache.insert(group.name.clone(), result.clone());
+        let info = result["serverInfo"].clone();
+        let mut cache = self.server_infos.lock().expect("server info cache lock");
+        match cache.get_mut(&group.name) {
+            Some(known) => *known = info,
+            None => {
+                cache.insert(group.name.clone(), info);
+            }
+        }
     }
 
     /// Opens an upstream session on a healthy endpoint of `group` with the client's
@@ -363,13 +368,10 @@ impl UpstreamSide {
 
     /// The upstream's serverInfo for modern results, once known.
     pub fn server_info(&self, group: &UpstreamGroup) -> Value {
-        let cache = self
-            .initialize_results
-            .lock()
-            .expect("initialize cache lock");
-        cache
-            .get(&group.name)
-            .map(|r| r["serverInfo"].clone())
-            .unwrap_or_else(|| json!({"name": group.name, "version": "unknown"}))
+        let cache = self.server_infos.lock().expect("server info cache lock");
+        match cache.get(&group.name) {
+            Some(info) if !info.is_null() => info.clone(),
+            _ => json!({"name": group.name, "version": "unknown"}),
+        }
     }
 }
