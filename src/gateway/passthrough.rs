@@ -806,6 +806,7 @@ fn coded_against_identity(group: &UpstreamGroup) -> Refusal {
 fn upstream_refusal(group: &UpstreamGroup, e: &ExchangeError) -> Refusal {
     let class = match e.failure() {
         ExchangeFailure::Timeout => Class::UpstreamTimeout,
+        ExchangeFailure::NoDescriptor => Class::Overloaded,
         _ => Class::UpstreamError,
     };
     let what = e.failure();

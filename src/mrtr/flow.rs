@@ -134,6 +134,9 @@ pub enum FailureKind {
     NoEndpoint,
     /// The endpoint did not take the connection.
     Unreachable,
+    /// This replica could not open a connection (out of file descriptors): nothing was
+    /// sent, and the upstream has lost nothing.
+    NotSent,
     /// The upstream no longer has the session (HTTP 404, or a 401 without a challenge).
     Gone,
     /// The upstream refused the request with this status.
@@ -176,7 +179,10 @@ impl Failure {
             FailureKind::Refused(status) => status < 500,
             kind => matches!(
                 kind,
-                FailureKind::Unreachable | FailureKind::Denied(_) | FailureKind::Gone
+                FailureKind::Unreachable
+                    | FailureKind::NotSent
+                    | FailureKind::Denied(_)
+                    | FailureKind::Gone
             ),
         }
     }
@@ -197,6 +203,7 @@ impl Failure {
         let class = match self.kind {
             FailureKind::NoEndpoint => Class::NoUpstream,
             FailureKind::Timeout => Class::UpstreamTimeout,
+            FailureKind::NotSent => Class::Overloaded,
             _ => Class::UpstreamError,
         };
         let text = format!("upstream group '{group}' failed: {}", self.message);

@@ -52,6 +52,9 @@ pub enum Connection {
 pub enum ExchangeFailure {
     /// Could not connect (refused, unreachable, connect timeout).
     Connect,
+    /// Could not open a connection on this side: the replica is out of file descriptors
+    /// (EMFILE, ENFILE). Nothing was sent, and the upstream is not at fault.
+    NoDescriptor,
     /// The endpoint's certificate did not verify (an unknown issuer, expired, not valid
     /// for the endpoint's name): nothing was sent.
     Untrusted,
@@ -76,6 +79,10 @@ impl fmt::Display for ExchangeFailure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             ExchangeFailure::Connect => write!(f, "is unreachable"),
+            ExchangeFailure::NoDescriptor => write!(
+                f,
+                "could not be connected to: this gateway replica has no file descriptor free; retry later"
+            ),
             ExchangeFailure::Untrusted => {
                 write!(f, "presented a certificate the gateway does not trust")
             }
@@ -601,11 +608,36 @@ impl Failed {
 /// What a failed connection attempt was: a TLS handshake that failed (the certificate
 /// did not verify, or otherwise), or no connection.
 fn connect_failure(e: &pingora::Error) -> ExchangeFailure {
+    if out_of_descriptors(e) {
+        return ExchangeFailure::NoDescriptor;
+    }
     match handshake_failure(e) {
         Some(HandshakeFailure::Untrusted) => ExchangeFailure::Untrusted,
         Some(HandshakeFailure::Failed) => ExchangeFailure::Handshake,
         None => ExchangeFailure::Connect,
     }
+}
+
+/// Whether a connection failed for want of a file descriptor on this side: an I/O error
+/// EMFILE or ENFILE anywhere in its causes.
+fn out_of_descriptors(e: &pingora::Error) -> bool {
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = e.cause.as_deref().map(|c| c as _);
+    while let Some(error) = cause {
+        let errno = error
+            .downcast_ref::<std::io::Error>()
+            .and_then(std::io::Error::raw_os_error);
+        if matches!(errno, Some(libc::EMFILE | libc::ENFILE)) {
+            return true;
+        }
+        // A pingora error among the causes (itself, or boxed) keeps its own in `cause`.
+        let inner = (error.downcast_ref::<pingora::Error>())
+            .or_else(|| error.downcast_ref::<pingora::BError>().map(|e| &**e));
+        cause = match inner {
+            Some(inner) => inner.cause.as_deref().map(|c| c as _),
+            None => error.source(),
+        };
+    }
+    false
 }
 
 fn read_error(mut e: pingora::BError) -> Fault {
@@ -896,6 +928,21 @@ mod tests {
         };
         assert_eq!(http.resp_header().map(|h| h.status.as_u16()), Some(413));
         assert_eq!(written, Written::Cut);
+    }
+
+    /// A replica out of descriptors is not an unreachable upstream: a retry told its call
+    /// is lost would issue it again while the upstream still runs it.
+    #[test]
+    fn a_connection_without_a_descriptor_is_told_from_an_unreachable_upstream() {
+        use pingora::ErrorType::{ConnectRefused, SocketError};
+        let errno = std::io::Error::from_raw_os_error;
+        let emfile = pingora::Error::because(SocketError, "socket", errno(libc::EMFILE));
+        assert_eq!(connect_failure(&emfile), ExchangeFailure::NoDescriptor);
+        let inner = pingora::Error::because(SocketError, "socket", errno(libc::ENFILE));
+        let wrapped = pingora::Error::because(ConnectRefused, "connect", inner);
+        assert_eq!(connect_failure(&wrapped), ExchangeFailure::NoDescriptor);
+        let refused = pingora::Error::because(ConnectRefused, "connect", errno(libc::ECONNREFUSED));
+        assert_eq!(connect_failure(&refused), ExchangeFailure::Connect);
     }
 
     #[test]

@@ -1267,6 +1267,7 @@ fn failure(e: &SessionError) -> Failure {
             return Failure::denied(*status, challenge.clone(), e.failure().to_string());
         }
         SessionFailure::Exchange(ExchangeFailure::Connect) => FailureKind::Unreachable,
+        SessionFailure::Exchange(ExchangeFailure::NoDescriptor) => FailureKind::NotSent,
         SessionFailure::Exchange(ExchangeFailure::Timeout) => FailureKind::Timeout,
         SessionFailure::Exchange(_) | SessionFailure::Protocol(_) => FailureKind::Broken,
     };

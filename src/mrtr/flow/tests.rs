@@ -2033,24 +2033,28 @@ fn a_request_the_client_cannot_take_is_refused_upstream_before_the_call_ends() {
 #[test]
 fn an_answer_that_provably_never_arrived_releases_the_claim() {
     let first = first_round();
-    let mut upstream = Upstream::default();
-    upstream.posts.push_back(Err(Failure::new(
-        FailureKind::Refused(400),
-        "refused (HTTP 400)",
-    )));
-    let mut h = retry_of(
-        &first,
-        config(),
-        upstream,
-        json!({"elicitation_0": accept("Ada")}),
-    );
-    h.event(Stream::Call, Some("c3"), &json!(""));
-    assert!(h.log.contains(&Command::ReleaseClaim));
-    assert!(
-        !h.log.contains(&Command::DeleteSession),
-        "the call waits for the same state again"
-    );
-    assert_eq!(h.refusal().class, Class::UpstreamError);
+    for (failure, class) in [
+        (FailureKind::Refused(400), Class::UpstreamError),
+        (FailureKind::NotSent, Class::Overloaded),
+    ] {
+        let mut upstream = Upstream::default();
+        upstream
+            .posts
+            .push_back(Err(Failure::new(failure, "not taken")));
+        let mut h = retry_of(
+            &first,
+            config(),
+            upstream,
+            json!({"elicitation_0": accept("Ada")}),
+        );
+        h.event(Stream::Call, Some("c3"), &json!(""));
+        assert!(h.log.contains(&Command::ReleaseClaim), "{failure:?}");
+        assert!(
+            !h.log.contains(&Command::DeleteSession),
+            "the call waits for the same state again"
+        );
+        assert_eq!(h.refusal().class, class);
+    }
     // A timeout, or a proxy's 502 or 504, may have delivered it: the claim stays, and
     // the call ends upstream, so that no replica resumes it and posts the answer a
     // second time.
