@@ -26,6 +26,7 @@ fuzz_target!(|input: &[u8]| {
         traceparent: fields.next(),
         tracestate: fields.next(),
         repeated: fields.next().map(|_| "Mcp-Name"),
+        unreadable: fields.next().map(|_| "Mcp-Method"),
     };
     let lenient = jsonrpc::from_slice_lenient::<Value>(body);
     if let Ok(strict) = serde_json::from_slice::<Value>(body) {
