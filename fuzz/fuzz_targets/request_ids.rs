@@ -1,6 +1,7 @@
 //! Legacy request ids wrapped on the way up and unwrapped on the way back
 //! (`protocol::request_ids`) on arbitrary bytes: wrapping never panics and gives JSON
-//! whose request id unwraps to the client's; unwrapping never panics, holds back a
+//! whose request id unwraps to the client's (as an answer's `id`, not as content);
+//! unwrapping never panics, holds back a
 //! bounded amount, and gives the same bytes however the body is split into chunks.
 #![no_main]
 
@@ -52,9 +53,13 @@ fuzz_target!(|input: &[u8]| {
     };
     if let (Some(id), Some(sent)) = (original.get("id"), wrapped.get("id")) {
         if original.get("method").is_some() && id != sent {
-            let back = unwrap(sent.to_string().as_bytes(), 7);
-            let back: Value = serde_json::from_slice(&back).expect("an unwrapped id is JSON");
-            assert_eq!(&back, id, "the id did not come back");
+            let answer = serde_json::json!({"jsonrpc": "2.0", "id": sent, "result": {}});
+            let back = unwrap(answer.to_string().as_bytes(), 7);
+            let back: Value = serde_json::from_slice(&back).expect("an unwrapped answer is JSON");
+            assert_eq!(&back["id"], id, "the id did not come back");
+            // The same text as content is left as it is.
+            let echoed = serde_json::json!({"result": {"text": sent}}).to_string();
+            assert_eq!(unwrap(echoed.as_bytes(), 5), echoed.as_bytes(), "content unwrapped");
         }
     }
 });

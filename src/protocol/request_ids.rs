@@ -176,7 +176,13 @@ fn span(text: &str, raw: &RawValue) -> std::ops::Range<usize> {
 pub struct Unwrap {
     tag: IdTag,
     held: Vec<u8>,
+    /// The last bytes given out (at most `KEY_LOOKBACK`): what precedes a mark at the
+    /// start of the next chunk.
+    recent: Vec<u8>,
 }
+
+/// How far back from a mark its `"id":` key is looked for.
+const KEY_LOOKBACK: usize = 16;
 
 impl Unwrap {
     /// Unwraps the ids wrapped under `tag`: the upstream session's, or the one the
@@ -185,12 +191,14 @@ impl Unwrap {
         Unwrap {
             tag,
             held: Vec::new(),
+            recent: Vec::new(),
         }
     }
 
     /// The bytes of `chunk` that can go to the client now.
     pub fn push(&mut self, chunk: Bytes) -> Bytes {
         if self.held.is_empty() && !may_hold_mark(&chunk) {
+            remember_tail(&mut self.recent, &chunk);
             return chunk;
         }
         let input = if self.held.is_empty() {
@@ -200,19 +208,55 @@ impl Unwrap {
             &self.held[..]
         };
         let mut out = Vec::with_capacity(input.len());
-        let kept = unwrap_into(input, &self.tag, &mut out, false);
+        let kept = unwrap_into(input, &self.tag, &self.recent, &mut out, false);
         let rest = input[kept..].to_vec();
         self.held = rest;
+        remember_tail(&mut self.recent, &out);
         out.into()
     }
 
     /// What was held back, at the end of the body.
     pub fn finish(&mut self) -> Bytes {
         let mut out = Vec::with_capacity(self.held.len());
-        unwrap_into(&self.held, &self.tag, &mut out, true);
+        unwrap_into(&self.held, &self.tag, &self.recent, &mut out, true);
         self.held.clear();
+        self.recent.clear();
         out.into()
     }
+}
+
+/// Keeps the last `KEY_LOOKBACK` bytes of what `recent` and then `given` were.
+fn remember_tail(recent: &mut Vec<u8>, given: &[u8]) {
+    if given.len() >= KEY_LOOKBACK {
+        recent.clear();
+        recent.extend_from_slice(&given[given.len() - KEY_LOOKBACK..]);
+        return;
+    }
+    recent.extend_from_slice(given);
+    let excess = recent.len().saturating_sub(KEY_LOOKBACK);
+    recent.drain(..excess);
+}
+
+/// Whether the bytes before a mark (`before`: the end of `recent`, then `out`) make it
+/// the value of an `"id"` member: a message's id, the only place a client's id comes back
+/// in. The same text anywhere else (a tool's text content that echoes it) is content.
+fn follows_id_key(recent: &[u8], out: &[u8]) -> bool {
+    let mut tail = [0u8; KEY_LOOKBACK];
+    let from_out = out.len().min(KEY_LOOKBACK);
+    let from_recent = (KEY_LOOKBACK - from_out).min(recent.len());
+    let len = from_recent + from_out;
+    tail[..from_recent].copy_from_slice(&recent[recent.len() - from_recent..]);
+    tail[from_recent..len].copy_from_slice(&out[out.len() - from_out..]);
+    let is_space = |b: &u8| matches!(b, b' ' | b'\t' | b'\r' | b'\n');
+    let before = &tail[..len];
+    let Some(colon) = before.iter().rposition(|b| !is_space(b)) else {
+        return false;
+    };
+    if before[colon] != b':' {
+        return false;
+    }
+    let key_end = before[..colon].iter().rposition(|b| !is_space(b));
+    key_end.is_some_and(|end| before[..=end].ends_with(b"\"id\""))
 }
 
 /// Whether `chunk` holds a mark, or ends with the start of one.
@@ -228,15 +272,20 @@ fn mark_begun_at_end(bytes: &[u8]) -> usize {
         .unwrap_or(0)
 }
 
-/// Copies `input` to `out` with its ids wrapped under `tag` unwrapped; returns how much of
+/// Copies `input` to `out` with its ids wrapped under `tag` unwrapped (those that are an
+/// `"id"` member's value, `recent` being what was given out before); returns how much of
 /// `input` it consumed (all of it at the end of the body, else up to a wrapped id not yet
 /// whole).
-fn unwrap_into(input: &[u8], tag: &IdTag, out: &mut Vec<u8>, at_end: bool) -> usize {
+fn unwrap_into(input: &[u8], tag: &IdTag, recent: &[u8], out: &mut Vec<u8>, at_end: bool) -> usize {
     let mut at = 0;
     while let Some(found) = MARK_FINDER.find(&input[at..]) {
         let start = at + found;
         out.extend_from_slice(&input[at..start]);
-        match read_wrapped(&input[start..], tag) {
+        let wrapped = match follows_id_key(recent, out) {
+            true => read_wrapped(&input[start..], tag),
+            false => Wrapped::Not,
+        };
+        match wrapped {
             Wrapped::Id(len, original) => {
                 out.extend_from_slice(original.as_bytes());
                 at = start + len;
@@ -433,6 +482,25 @@ mod tests {
             assert_eq!(String::from_utf8(got).unwrap(), expected, "cut at {cut}");
         }
         // Byte by byte, in one pass.
+        let every_byte: Vec<usize> = (1..text.len()).collect();
+        let got = unwrap_in_pieces(text.as_bytes(), &every_byte);
+        assert_eq!(String::from_utf8(got).unwrap(), expected);
+    }
+
+    /// A tool that echoes its request's (wrapped) id as text gets its text back as sent:
+    /// only a message's `"id"` member is the client's id.
+    #[test]
+    fn only_id_members_are_unwrapped_and_content_keeps_its_text() {
+        let out = wrapped(json!({"jsonrpc": "2.0", "id": 6, "method": "tools/call"}));
+        let id = out["id"].to_string();
+        let text = format!(
+            "data: {{\"jsonrpc\":\"2.0\",\"id\" : {id},\"result\":{{\"content\":[{{\"type\":\"text\",\"text\":{id}}}],\"ids\":[{id}]}}}}\n\n"
+        );
+        let expected = text.replacen(&id, "6", 1);
+        for cut in 0..=text.len() {
+            let got = unwrap_in_pieces(text.as_bytes(), &[cut]);
+            assert_eq!(String::from_utf8(got).unwrap(), expected, "cut at {cut}");
+        }
         let every_byte: Vec<usize> = (1..text.len()).collect();
         let got = unwrap_in_pieces(text.as_bytes(), &every_byte);
         assert_eq!(String::from_utf8(got).unwrap(), expected);
