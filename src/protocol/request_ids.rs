@@ -11,8 +11,9 @@
 //! where the tag is a digest of the upstream session id (`IdTag`; a
 //! request outside any session, `initialize`, gets a random one). `notifications/cancelled`
 //! names the wrapped id too. What the upstream sends back is unwrapped as it streams
-//! (`Unwrap`): each such JSON string under the exchange's own tag becomes the client's id
-//! again; one under another tag is content (text a user stored upstream, say) and passes
+//! (`Unwrap`): each such JSON string under the exchange's own tag that is an `"id"`
+//! member's value becomes the client's id again; one under another tag, or anywhere else
+//! (text a user stored upstream, a tool echoing its request's id), is content and passes
 //! as it is. Nothing is kept: any replica unwraps what another wrapped.
 
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
