@@ -13,6 +13,7 @@ use crate::config::{split_host_port, ConfigError, Discovery, PeerOptions};
 use crate::outcome::Outcome;
 use crate::protocol::headers;
 use crate::upstream::dns::{self, DnsDiscovery};
+use crate::upstream::exchange::ExchangeFailure;
 use crate::upstream::{Endpoint, Timeouts};
 use bytes::Bytes;
 use pingora::http::RequestHeader;
@@ -99,18 +100,29 @@ impl Peers {
     }
 }
 
+/// Why a retry was not forwarded to the replica holding its flow.
+#[derive(Debug)]
+pub enum NotForwarded {
+    /// The owner left the peer set, or does not answer: the flow is lost with it.
+    OwnerGone(String),
+    /// This replica could not open a connection (out of file descriptors): nothing was
+    /// sent, and the owner may well hold the flow still.
+    NoDescriptor,
+}
+
 /// Forwards the client's request (its headers and the body already read) to `owner`'s peer
 /// listener, on the path the client used, and relays the response. The owner's answer,
-/// success or error, is the client's. `Err` says why the owner could not be reached (it
-/// left the peer set, or does not answer): the flow is lost with it.
+/// success or error, is the client's. `Err` says why it was not forwarded.
 pub async fn forward(
     gw: &Gateway,
     session: &mut ServerSession,
     owner: SocketAddr,
     body: &Bytes,
-) -> Result<Outcome, String> {
+) -> Result<Outcome, NotForwarded> {
     if !gw.flows.peers.contains(owner) {
-        return Err(format!("{owner} is not in the peer set"));
+        return Err(NotForwarded::OwnerGone(format!(
+            "{owner} is not in the peer set"
+        )));
     }
     // The client's query too: the owner carries it upstream like the client's headers.
     let uri = &session.req_header().uri;
@@ -140,9 +152,12 @@ pub async fn forward(
     let sent = tokio::select! {
         sent = gw.upstreams.client.send(&endpoint, &timeouts, request, body.clone()) => sent,
         _ = session.read_body_or_idle(true) => return Ok(Outcome::ClientGone),
-        stopped = watch_owner(gw, owner) => return Err(stopped),
+        stopped = watch_owner(gw, owner) => return Err(NotForwarded::OwnerGone(stopped)),
     };
-    let mut response = sent.map_err(|e| e.to_string())?;
+    let mut response = sent.map_err(|e| match e.failure() {
+        ExchangeFailure::NoDescriptor => NotForwarded::NoDescriptor,
+        _ => NotForwarded::OwnerGone(e.to_string()),
+    })?;
     let header = passthrough::relayed_header(session, response.header());
     let outcome = passthrough::relay(gw, session, header, &mut response, None, None).await;
     gw.upstreams.client.finish(response).await;
@@ -190,6 +205,8 @@ async fn watch_owner(gw: &Gateway, owner: SocketAddr) -> String {
                 misses = 0;
                 gw.upstreams.client.finish(response).await;
             }
+            // This replica's want of descriptors says nothing of the owner.
+            Ok(Err(e)) if e.failure() == ExchangeFailure::NoDescriptor => {}
             _ => misses += 1,
         }
         if misses >= ALIVE_MISSES {

@@ -499,7 +499,14 @@ async fn to_holder(
                     .inc();
                 return Outcome::Forwarded;
             }
-            Err(why) => why,
+            Err(peers::NotForwarded::OwnerGone(why)) => why,
+            Err(peers::NotForwarded::NoDescriptor) => {
+                // Nothing went to the owner, which may hold the flow still: the same
+                // retry may be sent again, unclaimed here.
+                let text = "this gateway replica has no file descriptor free to reach the replica holding the flow; send the same retry again later";
+                let refusal = Refusal::internal(Class::Overloaded, text);
+                return reply.refuse(session, refusal).await;
+            }
         },
     };
     gw.runtime
