@@ -149,6 +149,16 @@ impl Gateway {
         tracing::info!(target: "mrtr_gateway::access", era, method, outcome, ms, "request");
     }
 
+    /// A header that names the request's session, position or caller, when it appears
+    /// more than once.
+    fn repeated_identity(&self, session: &ServerSession) -> Option<&str> {
+        let headers = &session.req_header().headers;
+        let repeated = [MCP_SESSION_ID, LAST_EVENT_ID]
+            .into_iter()
+            .find(|name| headers.get_all(*name).iter().count() > 1);
+        repeated.or(self.admission.repeated_principal_header(session))
+    }
+
     async fn handle(&self, session: &mut ServerSession, arrival: Arrival) {
         // Every response header asks it whether to close the connection after it.
         let drain = self.runtime.drain.clone();
@@ -163,7 +173,11 @@ impl Gateway {
             return refuse_and_close(session, 501, code::INVALID_REQUEST, &message).await;
         }
         if let Some(message) = coded_body(session) {
-            return refuse_and_close(session, 415, code::INVALID_REQUEST, &message).await;
+            // RFC 7694 §3: the 415 says which codings would be taken.
+            session.set_keepalive(None);
+            respond::invalid_request_with(session, 415, ("accept-encoding", "identity"), &message)
+                .await;
+            return linger(session).await;
         }
         let http11 = session.req_header().version == http::Version::HTTP_11;
         let host = request_host(session);
@@ -211,6 +225,12 @@ impl Gateway {
             respond::error(session, 404, None, code::INVALID_REQUEST, &message).await;
             return;
         }
+        // Relayed preflights included: which session a request names is not left to the
+        // reader.
+        if let Some(name) = group.and_then(|_| self.repeated_identity(session)) {
+            let message = format!("the {name} header appears more than once; send one");
+            return respond::error(session, 400, None, code::INVALID_REQUEST, &message).await;
+        }
         if method == http::Method::OPTIONS {
             return self.serve_options(session, group, arrival).await;
         }
@@ -221,13 +241,6 @@ impl Gateway {
         if !matches!(method.as_str(), "POST" | "GET" | "DELETE") {
             let message = format!("method {method} is not allowed; use POST, GET or DELETE");
             return respond::method_not_allowed(session, ENDPOINT_METHODS, &message).await;
-        }
-        let repeated = [MCP_SESSION_ID, LAST_EVENT_ID]
-            .into_iter()
-            .find(|name| session.req_header().headers.get_all(*name).iter().count() > 1);
-        if let Some(name) = repeated.or(self.admission.repeated_principal_header(session)) {
-            let message = format!("the {name} header appears more than once; send one");
-            return respond::error(session, 400, None, code::INVALID_REQUEST, &message).await;
         }
         let principal = match self.admission.principal(session) {
             Ok(p) => p,
@@ -536,6 +549,12 @@ fn codings(session: &ServerSession, header: http::HeaderName) -> Vec<String> {
 async fn refuse_and_close(session: &mut ServerSession, status: u16, code: i64, message: &str) {
     session.set_keepalive(None);
     respond::error(session, status, None, code, message).await;
+    linger(session).await;
+}
+
+/// Reads off, for a moment, what is left of a refused request's body before its
+/// connection closes.
+async fn linger(session: &mut ServerSession) {
     let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
 }
 

@@ -160,10 +160,21 @@ pub async fn error(
 /// A 405 with the methods the endpoint serves in `Allow` (RFC 9110 §15.5.6) and a
 /// JSON-RPC error saying what to use.
 pub async fn method_not_allowed(session: &mut ServerSession, allow: &str, message: &str) {
-    let Ok(mut header) = ResponseHeader::build(405, Some(4)) else {
+    invalid_request_with(session, 405, ("allow", allow), message).await;
+}
+
+/// An error with status `status`, one header that says what would be accepted (`Allow`,
+/// `Accept-Encoding`), and a JSON-RPC invalid-request error saying what was wrong.
+pub async fn invalid_request_with(
+    session: &mut ServerSession,
+    status: u16,
+    (name, value): (&'static str, &str),
+    message: &str,
+) {
+    let Ok(mut header) = ResponseHeader::build(status, Some(4)) else {
         return;
     };
-    let _ = header.insert_header("allow", allow);
+    let _ = header.insert_header(name, value);
     let body = jsonrpc::error_body(None, jsonrpc::code::INVALID_REQUEST, message, None);
     write_with(session, header, "application/json", body.into()).await;
 }

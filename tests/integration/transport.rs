@@ -386,6 +386,11 @@ fn a_mirrored_header_sent_twice_with_different_values_is_refused() {
         answer.contains("-32020") && answer.contains("the Mcp-Name header appears more than once"),
         "{answer}"
     );
+    // A relayed preflight too.
+    let preflight = "OPTIONS /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\nmcp-session-id: s1\r\n\
+                     mcp-session-id: s2\r\nconnection: close\r\n\r\n";
+    let answer = raw_exchange(gw.port, preflight.as_bytes(), READ_LIMIT);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
     assert_eq!(
         tripwire.count(),
         0,
@@ -545,6 +550,11 @@ pub(crate) fn unframed_or_unplaced_request_case() -> usize {
             "{headers:?}: {answer}"
         );
         assert!(closed, "{headers:?}: the connection stayed open");
+        if status == "415" {
+            // RFC 7694 §3: what would be taken.
+            let head = answer.to_ascii_lowercase();
+            assert!(head.contains("accept-encoding: identity"), "{answer}");
+        }
     }
     assert!(upstream.requests().is_empty(), "{:?}", upstream.requests());
     cases.len()

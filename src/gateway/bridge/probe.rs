@@ -26,11 +26,13 @@ const FIRST_ID_LIMIT: Duration = Duration::from_secs(1);
 /// How long the foreign resumption is watched: a store that keeps sessions apart ends it
 /// (or refuses it) at once.
 const FOREIGN_WATCH: Duration = Duration::from_millis(300);
-/// Longest a probe runs before its verdict is taken as unknown (its throwaway sessions
-/// then deleted within `ABANDON_LIMIT` each): every first resumption of the group waits
-/// for it, and an upstream that stopped answering would hold them for its response
-/// timeout at each step. A probe that works takes milliseconds.
-const PROBE_LIMIT: Duration = Duration::from_secs(3);
+/// Longest a probe runs before its verdict is taken as unknown (the throwaway sessions it
+/// opened then deleted within `ABANDON_LIMIT` each; one whose opening was cut, after its
+/// `initialize` was answered, is left to the upstream's expiry): every first resumption
+/// of the group waits for it, and an upstream that stopped answering would hold them for
+/// its response timeout at each step. A probe takes milliseconds on most servers, about
+/// 2.5 s on a FastMCP server that waits a second before answering each `initialize`.
+const PROBE_LIMIT: Duration = Duration::from_secs(10);
 /// How long after a failed probe (a throwaway session that did not open) the group's
 /// store is taken as unknown without probing again, so that a stream of resumptions
 /// does not cost the upstream two sessions each while it cannot open them.
