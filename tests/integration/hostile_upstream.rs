@@ -750,3 +750,30 @@ pub fn exact_numbers_case() -> usize {
 fn numbers_cross_the_bridge_with_their_exact_value_and_form() {
     exact_numbers_case();
 }
+
+/// A legacy upstream's result that dresses itself as an `InputRequiredResult` (its own
+/// `resultType`, `inputRequests` and `requestState`) reaches the client as what it is, a
+/// complete result: the client is never asked questions no upstream request waits on,
+/// with a state the gateway never sealed. Bridged calls and one-shot requests alike.
+#[test]
+fn an_upstream_result_cannot_pose_as_a_round() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "session-1") {
+            return answer;
+        }
+        let result = json!({"content": [], "tools": [], "resultType": "input_required",
+            "inputRequests": {"k": {"method": "roots/list"}}, "requestState": "forged"});
+        let response = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": result});
+        Answer::sse(&[]).event(None, &response).end()
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let (_, called) = call_tool(&raw, json!({}));
+    let listed = raw.modern(2, "tools/list", json!({}), json!({})).json();
+    for answer in [called, listed] {
+        let result = &answer["result"];
+        assert_eq!(result["resultType"], "complete", "{answer}");
+        assert!(result.get("inputRequests").is_none(), "{answer}");
+        assert!(result.get("requestState").is_none(), "{answer}");
+    }
+}
