@@ -55,18 +55,35 @@ pub enum Action {
 fn required_capability(method: &str, params: &Value) -> Value {
     match method {
         "elicitation/create" if params["mode"] == "url" => json!({"elicitation": {"url": {}}}),
-        "elicitation/create" => json!({"elicitation": {}}),
+        "elicitation/create" => json!({"elicitation": {"form": {}}}),
+        "sampling/createMessage" if uses_tools(params) => json!({"sampling": {"tools": {}}}),
         "sampling/createMessage" => json!({"sampling": {}}),
         _ => json!({"roots": {}}),
     }
 }
 
+/// A sampling request that offers the model tools (`tools`, `toolChoice`), which only a
+/// client declaring `sampling.tools` may be sent (2025-11-25).
+fn uses_tools(params: &Value) -> bool {
+    ["tools", "toolChoice"]
+        .iter()
+        .any(|key| params.get(key).is_some_and(|v| !v.is_null()))
+}
+
+/// Whether the client declared what `method` with `params` needs. An `elicitation` that
+/// names no mode is form mode's (as before modes existed); one that names modes has form
+/// mode only if it names it.
 fn declared(capabilities: &Map<String, Value>, method: &str, params: &Value) -> bool {
+    let sub = |capability: &str, key: &str| {
+        (capabilities.get(capability)).is_some_and(|c| c.get(key).is_some())
+    };
     match method {
-        "elicitation/create" if params["mode"] == "url" => capabilities
-            .get("elicitation")
-            .is_some_and(|e| e.get("url").is_some()),
-        "elicitation/create" => capabilities.contains_key("elicitation"),
+        "elicitation/create" if params["mode"] == "url" => sub("elicitation", "url"),
+        "elicitation/create" => capabilities.get("elicitation").is_some_and(|e| {
+            e.as_object()
+                .is_none_or(|modes| modes.is_empty() || modes.contains_key("form"))
+        }),
+        "sampling/createMessage" if uses_tools(params) => sub("sampling", "tools"),
         "sampling/createMessage" => capabilities.contains_key("sampling"),
         _ => capabilities.contains_key("roots"),
     }
@@ -731,7 +748,7 @@ mod tests {
             actions[1],
             Action::MissingCapability {
                 method: "elicitation/create".into(),
-                required: json!({"elicitation": {}})
+                required: json!({"elicitation": {"form": {}}})
             }
         );
         let url = json!({"jsonrpc": "2.0", "id": 2, "method": "elicitation/create", "params": {"mode": "url", "url": "https://x", "message": "m", "elicitationId": "e"}});
@@ -743,6 +760,42 @@ mod tests {
             .on_message(json!({"jsonrpc": "2.0", "id": 3, "method": "tasks/result", "params": {}}));
         assert!(matches!(&custom[..], [Action::AnswerUpstream(a)] if a["error"]["code"] == -32601));
         assert!(!r.has_questions());
+    }
+
+    /// Form mode needs `elicitation` naming no mode or naming `form`; a sampling request
+    /// offering tools needs `sampling.tools` (2025-11-25).
+    #[test]
+    fn sub_capabilities_are_checked_where_the_request_needs_them() {
+        let missing = |caps: Value, message: Value| {
+            let actions = round(caps).on_message(message);
+            actions.iter().find_map(|a| match a {
+                Action::MissingCapability { required, .. } => Some(required.clone()),
+                _ => None,
+            })
+        };
+        let form = elicit(1, json!({}));
+        assert_eq!(missing(json!({"elicitation": {}}), form.clone()), None);
+        assert_eq!(
+            missing(json!({"elicitation": {"form": {}}}), form.clone()),
+            None
+        );
+        assert_eq!(
+            missing(json!({"elicitation": {"url": {}}}), form),
+            Some(json!({"elicitation": {"form": {}}}))
+        );
+        let sample = |params: Value| json!({"jsonrpc": "2.0", "id": 2, "method": "sampling/createMessage", "params": params});
+        let plain = sample(json!({"messages": [], "maxTokens": 10}));
+        let tools = sample(json!({"messages": [], "maxTokens": 10, "tools": [{"name": "t"}]}));
+        let choice =
+            sample(json!({"messages": [], "maxTokens": 10, "toolChoice": {"mode": "auto"}}));
+        assert_eq!(missing(json!({"sampling": {}}), plain), None);
+        for offered in [tools.clone(), choice] {
+            assert_eq!(
+                missing(json!({"sampling": {}}), offered),
+                Some(json!({"sampling": {"tools": {}}}))
+            );
+        }
+        assert_eq!(missing(json!({"sampling": {"tools": {}}}), tools), None);
     }
 
     fn relaying(relay: Relay) -> Round {
