@@ -7,7 +7,7 @@
 
 use super::hold::{Held, HeldSession, NotHeld};
 use super::one_shot::Shape;
-use super::reply::{decorate, ClientReply};
+use super::reply::{decorate_as_is, ClientReply};
 use super::session::{self, Attached};
 use super::streams::{
     answer_of, next_chunk, open_session_stream, resume_call, PendingResponse, SessionStream,
@@ -1345,7 +1345,7 @@ async fn finish(
                     .with_label_values(&[request.method.as_str()])
                     .inc();
             }
-            let result = decorate(result, server_info, false);
+            let result = decorate_as_is(result, server_info, false);
             if !reply.result(session, result).await {
                 // The state never reached the client: the flow is abandoned (the reaper
                 // ends it at its deadline).

@@ -165,15 +165,24 @@ impl ClientReply {
     }
 }
 
-/// Adds what every 2026-07-28 result carries. A legacy upstream's result is complete
-/// whatever it says: a `resultType` of its own (with `inputRequests` and a
-/// `requestState` the gateway never checked or sealed) would ask the client questions
-/// no upstream request waits on, so those three members are the gateway's to set.
+/// A complete result as the client gets it: what every 2026-07-28 result carries added.
+/// A legacy upstream's result is complete whatever it says: a `resultType` of its own
+/// (with `inputRequests` and a `requestState` the gateway never checked or sealed) would
+/// ask the client questions no upstream request waits on, so those three members are
+/// the gateway's to set.
 pub fn decorate(mut result: Value, server_info: &Value, cacheable: bool) -> Value {
     if let Some(r) = result.as_object_mut() {
         r.insert("resultType".into(), json!("complete"));
         r.remove("inputRequests");
         r.remove("requestState");
+    }
+    decorate_as_is(result, server_info, cacheable)
+}
+
+/// Adds what every 2026-07-28 result carries to one the gateway made (its own
+/// `InputRequiredResult`), whose `resultType` stands.
+pub fn decorate_as_is(mut result: Value, server_info: &Value, cacheable: bool) -> Value {
+    if let Some(r) = result.as_object_mut() {
         if cacheable {
             r.entry("ttlMs").or_insert(json!(0));
             r.entry("cacheScope").or_insert(json!("private"));
