@@ -172,6 +172,13 @@ impl Failure {
         matches!(self.kind, FailureKind::Gone | FailureKind::Unreachable)
     }
 
+    /// The upstream refused the request as such (a 4xx other than a denial, a conflict
+    /// or a throttle, which later may pass): the same request will be refused again.
+    pub fn refused_for_good(&self) -> bool {
+        matches!(self.kind, FailureKind::Refused(status)
+            if (400..500).contains(&status) && !matches!(status, 408 | 409 | 425 | 429))
+    }
+
     /// The request provably did not reach the upstream, or was refused there. A 5xx
     /// proves neither: a proxy's 502 or 504 may follow a server that took the request.
     pub fn never_delivered(&self) -> bool {
@@ -1327,6 +1334,14 @@ impl Flow {
             Err(failure) if failure.is_lost() && !data_session => {
                 self.lost(Lost::Upstream, &retry.pending, &retry.responses, now)
             }
+            Err(failure) if failure.refused_for_good() && !data_session => {
+                // As an empty resumption: the call waits for answers it will never get.
+                self.give_up(
+                    &retry.call,
+                    "the upstream refused to resume the call's stream",
+                );
+                self.lost(Lost::Unresumable, &retry.pending, &retry.responses, now)
+            }
             Err(failure) => self.finish(Ending::Refused(self.refusal_for(&failure))),
             Ok(()) if data_session => {
                 let failure = Failure::new(
@@ -2087,7 +2102,7 @@ impl Flow {
         if !self.config.restartable || self.config.data_session {
             let what = match cause {
                 Lost::Upstream => format!("upstream group '{group}' lost this call between rounds (its session is gone, or its endpoint is down or has left the group; a call that an earlier retry of this requestState completed on another replica looks the same)"),
-                Lost::Unresumable => format!("upstream group '{group}' no longer has this call's events (a Last-Event-ID resumption came back empty; the group's later calls are held)"),
+                Lost::Unresumable => format!("upstream group '{group}' no longer has this call's events (a Last-Event-ID resumption was refused or came back empty; the group's later calls are held)"),
                 Lost::Holder => format!("the gateway replica holding this call's upstream streams is gone or no longer holds them (upstream group '{group}' cannot resume streams, so its calls are held)"),
             };
             let text = format!("{what}, and the tool is not marked restartable, so it is not run again: issue the call again");

@@ -1062,23 +1062,36 @@ fn a_resumption_that_ends_after_replaying_something_is_followed() {
 }
 
 #[test]
-fn a_refused_resumption_releases_the_claim_and_teaches_the_group() {
+fn a_refused_resumption_loses_the_call_ends_its_session_and_teaches_the_group() {
     let first = first_round();
-    let mut upstream = Upstream::default();
-    upstream.call_opens.push_back(Err(Failure::new(
-        FailureKind::Refused(400),
-        "refused (HTTP 400)",
-    )));
-    let h = retry_of(
-        &first,
-        config(),
-        upstream,
-        json!({"elicitation_0": accept("Ada")}),
-    );
+    let refused = |status: u16| {
+        let mut upstream = Upstream::default();
+        let failure = Failure::new(FailureKind::Refused(status), "refused");
+        upstream.call_opens.push_back(Err(failure));
+        retry_of(
+            &first,
+            config(),
+            upstream,
+            json!({"elicitation_0": accept("Ada")}),
+        )
+    };
+    let h = refused(400);
     assert!(h
         .log
         .contains(&Command::Learn(Learnt::ReplayRefused { empty: false })));
     assert!(h.log.contains(&Command::ReleaseClaim));
+    assert!(
+        h.log.contains(&Command::DeleteSession),
+        "the call ends upstream"
+    );
+    assert!(h.posted().is_empty());
+    let refusal = h.refusal();
+    assert_eq!(refusal.code, gcode::FLOW_LOST);
+    assert!(refusal.message.contains("was refused"), "{refusal}");
+    // A refusal that may pass later (a throttle, a conflict) leaves the state good.
+    let h = refused(429);
+    assert!(h.log.contains(&Command::ReleaseClaim));
+    assert!(!h.log.contains(&Command::DeleteSession));
     assert_eq!(h.refusal().class, Class::UpstreamError);
 }
 
