@@ -1693,6 +1693,9 @@ impl Flow {
                 self.learn(Learnt::AsksAtOnce);
             }
             r.quiet_until = Some(now + self.quiet_window(&r));
+        } else if r.round.question_count() == 0 {
+            // The server cancelled what it had asked: nothing to end the round for.
+            r.quiet_until = None;
         }
         if r.round.is_full() && r.posting.is_none() {
             return self.end_round(r, RoundEnd::Questions { draining: false });

@@ -375,14 +375,37 @@ impl Round {
         }
     }
 
-    fn on_notification(&self, method: &str, message: Value) -> Vec<Action> {
+    fn on_notification(&mut self, method: &str, message: Value) -> Vec<Action> {
         match method {
             "notifications/progress" => self.on_progress(message),
+            "notifications/cancelled" => {
+                self.on_cancelled(&message);
+                Vec::new()
+            }
             "notifications/message" if self.relay.wants_log(&message) => {
                 vec![Action::Notify(message)]
             }
             _ => Vec::new(),
         }
+    }
+
+    /// The server cancelled a request of its own: a question of the round still to be
+    /// asked is not asked, and never answered (2025-11-25: a cancelled request gets no
+    /// response); the same request replayed later is not asked again.
+    fn on_cancelled(&mut self, message: &Value) {
+        let cancelled = message["params"].get("requestId");
+        let Some(id) = cancelled.and_then(UpstreamId::from_json) else {
+            return;
+        };
+        let Some(at) = self.pending.iter().position(|p| p.upstream_id == id) else {
+            return;
+        };
+        let question = self.pending.remove(at);
+        if let Some(request) = self.input_requests.remove(&question.key) {
+            let bytes = question.key.len() + request.to_string().len();
+            self.question_bytes = self.question_bytes.saturating_sub(bytes);
+        }
+        self.answered.push(id);
     }
 
     /// The call's progress (the call went up with its own id as the progress token, so
@@ -796,6 +819,31 @@ mod tests {
             );
         }
         assert_eq!(missing(json!({"sampling": {"tools": {}}}), tools), None);
+    }
+
+    #[test]
+    fn a_question_the_server_cancels_is_not_asked_nor_asked_again() {
+        let mut r = round(json!({"elicitation": {}}));
+        let cancel = |id: i64| {
+            json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                "params": {"requestId": id, "reason": "no longer needed"}})
+        };
+        assert!(r.on_message(elicit(1, json!({}))).is_empty());
+        assert!(r.on_message(cancel(1)).is_empty());
+        assert!(r.on_message(elicit(2, json!({}))).is_empty());
+        assert!(
+            r.on_message(cancel(99)).is_empty(),
+            "not a question of the round"
+        );
+        assert_eq!(r.question_count(), 1);
+        let ids: Vec<_> = r.pending().iter().map(|p| p.upstream_id.clone()).collect();
+        assert_eq!(ids, [UpstreamId::Number(2)]);
+        assert!(r.on_message(elicit(1, json!({}))).is_empty(), "replayed");
+        assert_eq!(
+            r.question_count(),
+            1,
+            "a cancelled request is not asked again"
+        );
     }
 
     fn relaying(relay: Relay) -> Round {

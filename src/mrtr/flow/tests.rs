@@ -2385,3 +2385,26 @@ fn a_resumption_that_replays_without_end_is_refused_not_held() {
         refusal.message
     );
 }
+
+#[test]
+fn a_round_whose_only_question_is_cancelled_reads_on() {
+    let mut h = Harness::new_call(config(), Upstream::default());
+    let id = h.call_id();
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
+    let cancel = json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+        "params": {"requestId": 0, "reason": "decided alone"}});
+    h.event(Stream::Call, Some("c3"), &cancel);
+    h.advance(Duration::from_millis(50));
+    assert!(
+        h.ending.is_none(),
+        "no round of no questions: {:?}",
+        h.ending
+    );
+    h.event(Stream::Call, Some("c4"), &result(id, "blue"));
+    assert!(matches!(h.ending(), Ending::Complete { .. }));
+    assert!(
+        h.posted().is_empty(),
+        "the cancelled question is never answered"
+    );
+}
