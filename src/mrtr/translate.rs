@@ -339,6 +339,17 @@ impl Round {
     }
 
     fn on_message_from(&mut self, message: Value, origin: Origin) -> Vec<Action> {
+        // A batch (2025-03-26 let servers send one): each message in turn.
+        let message = match message {
+            Value::Array(batch) => {
+                let mut actions = Vec::new();
+                for message in batch.into_iter().filter(|m| !m.is_array()) {
+                    actions.extend(self.on_message_from(message, origin));
+                }
+                return actions;
+            }
+            message => message,
+        };
         let method = message
             .get("method")
             .and_then(Value::as_str)
@@ -819,6 +830,25 @@ mod tests {
             );
         }
         assert_eq!(missing(json!({"sampling": {"tools": {}}}), tools), None);
+    }
+
+    /// A 2025-03-26 server may send a batch: its questions are asked and its answer taken
+    /// as if sent one by one (a batch within a batch is not JSON-RPC, and is ignored).
+    #[test]
+    fn a_batch_from_the_server_is_read_message_by_message() {
+        let mut r = round(json!({"elicitation": {}}));
+        let batch = json!([
+            elicit(1, json!({})),
+            elicit(2, json!({})),
+            [elicit(3, json!({}))]
+        ]);
+        assert!(r.on_message(batch).is_empty());
+        assert_eq!(r.question_count(), 2);
+        let log = json!({"jsonrpc": "2.0", "method": "notifications/message",
+            "params": {"level": "info", "data": "x"}});
+        let done = json!({"jsonrpc": "2.0", "id": 1, "result": {"content": []}});
+        let actions = round(json!({})).on_message(json!([log, done.clone()]));
+        assert_eq!(actions, [Action::Complete(done)]);
     }
 
     #[test]
