@@ -62,6 +62,34 @@ fn required_capability(method: &str, params: &Value) -> Value {
     }
 }
 
+/// A member a question must have: its name, the test its value must pass, and what that
+/// test asks for, in words.
+type Required = (&'static str, fn(&Value) -> bool, &'static str);
+
+/// What a question lacks that its schema requires (2025-11-25), if anything: a client
+/// is never asked one it could not show.
+fn malformed_question(method: &str, params: &Value) -> Option<String> {
+    let required: &[Required] = match method {
+        "elicitation/create" if params["mode"] == "url" => &[
+            ("message", Value::is_string, "a string"),
+            ("url", Value::is_string, "a string"),
+        ],
+        "elicitation/create" => &[
+            ("message", Value::is_string, "a string"),
+            ("requestedSchema", Value::is_object, "an object"),
+        ],
+        "sampling/createMessage" => &[
+            ("messages", Value::is_array, "an array"),
+            ("maxTokens", Value::is_u64, "a non-negative integer"),
+        ],
+        _ => &[],
+    };
+    let (name, _, what) = required
+        .iter()
+        .find(|(name, holds, _)| !params.get(*name).is_some_and(holds))?;
+    Some(format!("{method} needs params.{name}, {what}"))
+}
+
 /// A sampling request that offers the model tools (`tools`, `toolChoice`), which only a
 /// client declaring `sampling.tools` may be sent (2025-11-25).
 fn uses_tools(params: &Value) -> bool {
@@ -492,6 +520,10 @@ impl Round {
                 },
             ];
         }
+        if let Some(problem) = malformed_question(method, &params) {
+            // Refused as the client would refuse it; the tool may go on without.
+            return vec![refuse(code::INVALID_PARAMS, &problem)];
+        }
         let fingerprint = self.restartable.then(|| fingerprint(method, &params));
         if let Some(answer) = fingerprint.and_then(|fp| self.known_answer(fp)) {
             self.answered.push(upstream_id);
@@ -849,6 +881,57 @@ mod tests {
         let done = json!({"jsonrpc": "2.0", "id": 1, "result": {"content": []}});
         let actions = round(json!({})).on_message(json!([log, done.clone()]));
         assert_eq!(actions, [Action::Complete(done)]);
+    }
+
+    /// A question its schema would refuse is refused upstream (-32602 naming what it
+    /// lacks) and not asked: the client could not show it.
+    #[test]
+    fn a_malformed_question_is_refused_upstream_not_asked() {
+        let caps = json!({"elicitation": {"form": {}, "url": {}}, "sampling": {}});
+        let ask = |method: &str, params: Value| {
+            let mut r = round(caps.clone());
+            let message = json!({"jsonrpc": "2.0", "id": 4, "method": method, "params": params});
+            (r.on_message(message), r.question_count())
+        };
+        for (method, params, lacks) in [
+            ("elicitation/create", json!({}), "params.message"),
+            (
+                "elicitation/create",
+                json!({"message": "m"}),
+                "params.requestedSchema",
+            ),
+            (
+                "elicitation/create",
+                json!({"mode": "url", "message": "m"}),
+                "params.url",
+            ),
+            (
+                "sampling/createMessage",
+                json!({"messages": []}),
+                "params.maxTokens",
+            ),
+            (
+                "sampling/createMessage",
+                json!({"maxTokens": 5}),
+                "params.messages",
+            ),
+        ] {
+            let (actions, asked) = ask(method, params);
+            assert_eq!(asked, 0, "{method}: asked");
+            let [Action::AnswerUpstream(refusal)] = &actions[..] else {
+                panic!("{method}: {actions:?}");
+            };
+            assert_eq!(refusal["error"]["code"], -32602);
+            let text = refusal["error"]["message"].as_str().unwrap_or_default();
+            assert!(text.contains(lacks), "{text}");
+        }
+        let sampling = json!({"messages": [], "maxTokens": 5});
+        assert_eq!(ask("sampling/createMessage", sampling), (vec![], 1));
+        assert_eq!(
+            ask("roots/list", json!({})).1,
+            0,
+            "roots: not declared here"
+        );
     }
 
     #[test]
