@@ -124,6 +124,10 @@ pub struct Limits {
     pub max_body_bytes: usize,
     /// Most messages in one JSON-RPC batch.
     pub max_batch: usize,
+    /// Most JSON values (each number, string, array, object and member) a 2026-07-28
+    /// request body may hold (413 above it): the gateway builds the message it reads,
+    /// and a body of small values costs some 60 bytes of memory per value.
+    pub max_json_values: usize,
     /// Most request headers (431 above it).
     pub max_header_count: usize,
     /// Most bytes of request header names and values together (431 above it).
@@ -173,6 +177,7 @@ impl Default for Limits {
         Limits {
             max_body_bytes: 4 << 20,
             max_batch: 64,
+            max_json_values: 250_000,
             max_header_count: 100,
             max_header_bytes: 32 << 10,
             header_timeout_ms: 10_000,
@@ -210,6 +215,7 @@ impl Limits {
         let message_bytes = self.max_upstream_message_bytes as u64;
         at_least("max_upstream_message_bytes", message_bytes, 64 << 10)?;
         at_least("max_batch", self.max_batch as u64, 1)?;
+        at_least("max_json_values", self.max_json_values as u64, 1_000)?;
         at_least("max_header_count", self.max_header_count as u64, 8)?;
         at_least("max_header_bytes", self.max_header_bytes as u64, 1024)?;
         at_least("header_timeout_ms", self.header_timeout_ms, 100)?;

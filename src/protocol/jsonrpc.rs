@@ -218,6 +218,35 @@ pub fn error_body(id: Option<&Value>, code: i64, message: &str, data: Option<Val
     serde_json::to_vec(&body).expect("a JSON value always serializes")
 }
 
+/// Whether JSON text holds more than `most` values, counted without building any: each
+/// `[`, `{`, `,` and `:` outside strings starts one more (a close estimate of what
+/// parsing it would allocate). Stops counting past `most`.
+pub fn holds_more_values_than(text: &[u8], most: usize) -> bool {
+    let (mut values, mut in_string, mut escaped) = (1usize, false, false);
+    for &byte in text {
+        if in_string {
+            match byte {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match byte {
+            b'"' => in_string = true,
+            b'[' | b'{' | b',' | b':' => {
+                values += 1;
+                if values > most {
+                    return true;
+                }
+            }
+            _ => {}
+        }
+    }
+    false
+}
+
 /// Parses JSON text as JavaScript writes it. `JSON.stringify` escapes a lone UTF-16
 /// surrogate (a string cut inside an emoji) as `\ud83d`, which JSON's grammar allows
 /// (RFC 8259 §8.2) but a Rust string cannot hold: text that does not parse is parsed
@@ -383,6 +412,19 @@ mod tests {
             classify(format!("[{m}] x").as_bytes(), 2).unwrap_err().code,
             code::PARSE_ERROR
         );
+    }
+
+    #[test]
+    fn values_are_counted_outside_strings_only() {
+        let body = br#"{"a":[1,2,{"b":"x,y:[{\"}"}]}"#;
+        assert!(
+            !holds_more_values_than(body, 8),
+            "punctuation in a string is text"
+        );
+        assert!(holds_more_values_than(body, 7));
+        let many = format!("[{}0]", "0,".repeat(1000));
+        assert!(holds_more_values_than(many.as_bytes(), 1000));
+        assert!(!holds_more_values_than(many.as_bytes(), 1002));
     }
 
     #[test]

@@ -316,3 +316,25 @@ fn an_overlong_request_target_gets_414_and_reaches_no_upstream() {
     let reply = Raw::new(&gw.url).post(None, &serde_json::from_str(body).unwrap());
     assert_eq!(reply.status, 502, "the gateway still serves");
 }
+
+/// A 2026-07-28 body of many small values (4 MiB of numbers builds into some 130 MB) is
+/// refused 413 naming `limits.max_json_values` before it is built; a body as large whose
+/// values are few (one long string) is read.
+#[test]
+fn a_body_of_too_many_json_values_is_refused_unbuilt() {
+    let tripwire = Tripwire::start();
+    let gw = TestGateway::start(&[&tripwire.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let many = vec![0; 300_000];
+    let params = json!({"name": "echo", "arguments": {"numbers": many}});
+    let reply = raw.modern(1, "tools/call", params, json!({}));
+    assert_eq!(reply.status, 413);
+    let body = reply.json();
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("limits.max_json_values"), "{body}");
+    assert_eq!(tripwire.count(), 0, "a refused body reached the upstream");
+    let long = "x".repeat(1 << 20);
+    let params = json!({"name": "echo", "arguments": {"text": long}});
+    let reply = raw.modern(2, "tools/call", params, json!({}));
+    assert_ne!(reply.status, 413, "one long string is one value");
+}

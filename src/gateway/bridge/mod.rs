@@ -123,6 +123,16 @@ pub async fn serve(
     incoming: Incoming,
 ) {
     let started = std::time::Instant::now();
+    let most = gw.config.limits.max_json_values;
+    if jsonrpc::holds_more_values_than(&incoming.body, most) {
+        let text = format!(
+            "the request body holds more than {most} JSON values, the most the gateway reads (limits.max_json_values)"
+        );
+        respond::error(session, 413, None, code::INVALID_REQUEST, &text).await;
+        let refusal = Refusal::new(Class::TooLarge, code::INVALID_REQUEST, text);
+        gw.record("modern", "other", &Outcome::Refused(refusal), started);
+        return;
+    }
     let message = match parse_single(&incoming) {
         Ok(message) => message,
         Err(text) => {
