@@ -1306,17 +1306,7 @@ fn a_failed_store_probe_is_not_retried_by_every_resumption() {
     let gw = TestGateway::start(&[&upstream.url()], &test_keys());
     let raw = Raw::new(&gw.url);
     let session = raw.initialize(json!({}));
-    let get = |position: Option<&str>| {
-        let mut headers = vec![
-            ("accept", "text/event-stream"),
-            ("mcp-session-id", session.as_str()),
-            ("mcp-protocol-version", "2025-11-25"),
-        ];
-        headers.extend(position.map(|p| ("last-event-id", p)));
-        let mut reply = raw.request("GET", &headers, None);
-        assert_eq!(reply.status, 200);
-        reply.next_message().expect("the GET stream's event")
-    };
+    let get = |position: Option<&str>| first_session_event(&raw, &session, position);
     let (position, _) = get(None);
     let position = position.expect("an event id");
     for _ in 0..RESUMPTIONS {
@@ -1370,17 +1360,7 @@ fn a_store_probe_that_stops_being_answered_gives_up_within_seconds() {
     });
     let raw = Raw::new(&gw.url);
     let session = raw.initialize(json!({}));
-    let get = |position: Option<&str>| {
-        let mut headers = vec![
-            ("accept", "text/event-stream"),
-            ("mcp-session-id", session.as_str()),
-            ("mcp-protocol-version", "2025-11-25"),
-        ];
-        headers.extend(position.map(|p| ("last-event-id", p)));
-        let mut reply = raw.request("GET", &headers, None);
-        assert_eq!(reply.status, 200);
-        reply.next_message().expect("the GET stream's event")
-    };
+    let get = |position: Option<&str>| first_session_event(&raw, &session, position);
     let (position, _) = get(None);
     let started = Instant::now();
     let (_, message) = get(Some(&position.expect("an event id")));
@@ -1395,6 +1375,24 @@ fn a_store_probe_that_stops_being_answered_gives_up_within_seconds() {
         Duration::from_secs(5),
         || upstream.requests().iter().any(|s| s.method == "DELETE"),
     );
+}
+
+/// The first event of a legacy session's GET stream, opened fresh or resumed after
+/// `position`: its id and message.
+fn first_session_event(
+    raw: &Raw,
+    session: &str,
+    position: Option<&str>,
+) -> (Option<String>, Value) {
+    let mut headers = vec![
+        ("accept", "text/event-stream"),
+        ("mcp-session-id", session),
+        ("mcp-protocol-version", "2025-11-25"),
+    ];
+    headers.extend(position.map(|p| ("last-event-id", p)));
+    let mut reply = raw.request("GET", &headers, None);
+    assert_eq!(reply.status, 200);
+    reply.next_message().expect("the GET stream's event")
 }
 
 /// A scripted server whose `tools/call` streams what `call` gives, whose resumptions
