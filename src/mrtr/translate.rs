@@ -521,7 +521,8 @@ impl Round {
             ];
         }
         if let Some(problem) = malformed_question(method, &params) {
-            // Refused as the client would refuse it; the tool may go on without.
+            // Refused as the client would refuse it, once; the tool may go on without.
+            self.answered.push(upstream_id);
             return vec![refuse(code::INVALID_PARAMS, &problem)];
         }
         let fingerprint = self.restartable.then(|| fingerprint(method, &params));
