@@ -2124,6 +2124,9 @@ impl Flow {
         for known in &mut self.common.known {
             known.used = false;
         }
+        // The state that led here runs the call again: it stays claimed, or a replay of
+        // it on this replica would run the tool a second time.
+        self.commands.retain(|c| *c != Command::ReleaseClaim);
         self.commands.push_back(Command::Note(Note::Restarted));
         self.common.round += 1;
         self.start(now)
