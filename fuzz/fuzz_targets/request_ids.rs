@@ -59,7 +59,11 @@ fuzz_target!(|input: &[u8]| {
             assert_eq!(&back["id"], id, "the id did not come back");
             // The same text as content is left as it is.
             let echoed = serde_json::json!({"result": {"text": sent}}).to_string();
-            assert_eq!(unwrap(echoed.as_bytes(), 5), echoed.as_bytes(), "content unwrapped");
+            assert_eq!(
+                unwrap(echoed.as_bytes(), 5),
+                echoed.as_bytes(),
+                "content unwrapped"
+            );
         }
     }
 });
