@@ -34,9 +34,10 @@ pub const MAX_UPSTREAM_EVENT_ID: usize = 512;
 static ID_FINDER: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
     std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"id"));
 
-/// The longest `Last-Event-ID` the gateway opens.
+/// The longest `Last-Event-ID` the gateway opens: the longest upstream id, after the
+/// byte that marks its stream, sealed under the longest key id.
 pub fn max_sealed_event_id() -> usize {
-    seal::sealed_len(MAX_KID_LEN, MAX_UPSTREAM_EVENT_ID)
+    seal::sealed_len(MAX_KID_LEN, 1 + MAX_UPSTREAM_EVENT_ID)
 }
 
 /// The stream an event came on.
@@ -265,7 +266,8 @@ impl EventIds {
     fn write_id_line(&self, out: &mut Vec<u8>) {
         let value = &self.held[ID_FIELD.len()..];
         let value = value.strip_prefix(b" ").unwrap_or(value);
-        if value.contains(&0) {
+        // `id:` without a space lets one more byte into the line's bound.
+        if value.len() > MAX_UPSTREAM_EVENT_ID || value.contains(&0) {
             return out.push(b':');
         }
         // An empty id clears the client's position.
@@ -485,6 +487,31 @@ mod tests {
         // A CR, a line left out, then a blank line: still a blank line, not a CRLF.
         let out = through(sealing("alice"), b"data: a\rid: \0\n\n", &[]);
         assert_eq!(out, b"data: a\r:\n\n");
+    }
+
+    /// The longest id sealed, under the longest key id, written with or without the
+    /// space after `id:`, opens when the client sends it back; one byte more is left out.
+    #[test]
+    fn the_longest_id_sealed_under_the_longest_key_id_opens() {
+        let kid = "k".repeat(MAX_KID_LEN);
+        let ring = Arc::new(KeyRing::from_keys(vec![Key::new(&kid, &[7; 32]).unwrap()]).unwrap());
+        let longest = "e".repeat(MAX_UPSTREAM_EVENT_ID);
+        for line in [format!("id: {longest}"), format!("id:{longest}")] {
+            let rewrite = Rewrite {
+                ring: ring.clone(),
+                binding: bound("s"),
+                stream: Stream::Call,
+            };
+            let body = format!("{line}\ndata: x\n\n");
+            let ids = ids_in(&through(EventIds::new(rewrite), body.as_bytes(), &[]));
+            assert_eq!(ids.len(), 1, "{line}");
+            assert!(ids[0].len() <= max_sealed_event_id());
+            let position = open(&ring, &bound("s"), &ids[0]).expect("it opens");
+            assert_eq!(position.upstream_id, longest.as_bytes());
+        }
+        let over = format!("id:{longest}e\ndata: x\n\n");
+        let out = through(sealing("s"), over.as_bytes(), &[]);
+        assert_eq!(out, b":\ndata: x\n\n");
     }
 
     #[test]
