@@ -397,6 +397,17 @@ mod tests {
         out
     }
 
+    /// `text` unwraps to `expected` cut in two anywhere, and cut byte by byte in one pass.
+    fn assert_unwraps_cut_anywhere(text: &str, expected: &str) {
+        for cut in 0..=text.len() {
+            let got = unwrap_in_pieces(text.as_bytes(), &[cut]);
+            assert_eq!(String::from_utf8(got).unwrap(), expected, "cut at {cut}");
+        }
+        let every_byte: Vec<usize> = (1..text.len()).collect();
+        let got = unwrap_in_pieces(text.as_bytes(), &every_byte);
+        assert_eq!(String::from_utf8(got).unwrap(), expected);
+    }
+
     #[test]
     fn ids_of_one_session_differ_from_another_sessions_and_map_back() {
         let call =
@@ -478,14 +489,7 @@ mod tests {
             out["id"]
         );
         let expected = text.replace(out["id"].to_string().as_str(), "\"k-1\"");
-        for cut in 0..=text.len() {
-            let got = unwrap_in_pieces(text.as_bytes(), &[cut]);
-            assert_eq!(String::from_utf8(got).unwrap(), expected, "cut at {cut}");
-        }
-        // Byte by byte, in one pass.
-        let every_byte: Vec<usize> = (1..text.len()).collect();
-        let got = unwrap_in_pieces(text.as_bytes(), &every_byte);
-        assert_eq!(String::from_utf8(got).unwrap(), expected);
+        assert_unwraps_cut_anywhere(&text, &expected);
     }
 
     /// A tool that echoes its request's (wrapped) id as text gets its text back as sent:
@@ -498,13 +502,7 @@ mod tests {
             "data: {{\"jsonrpc\":\"2.0\",\"id\" : {id},\"result\":{{\"content\":[{{\"type\":\"text\",\"text\":{id}}}],\"ids\":[{id}]}}}}\n\n"
         );
         let expected = text.replacen(&id, "6", 1);
-        for cut in 0..=text.len() {
-            let got = unwrap_in_pieces(text.as_bytes(), &[cut]);
-            assert_eq!(String::from_utf8(got).unwrap(), expected, "cut at {cut}");
-        }
-        let every_byte: Vec<usize> = (1..text.len()).collect();
-        let got = unwrap_in_pieces(text.as_bytes(), &every_byte);
-        assert_eq!(String::from_utf8(got).unwrap(), expected);
+        assert_unwraps_cut_anywhere(&text, &expected);
     }
 
     #[test]

@@ -361,6 +361,17 @@ async fn h2_connect(connector: &TlsConnector, port: u16) -> H2 {
     sender
 }
 
+/// A POST of `body` to `url` with `headers`, for an HTTP/2 connection.
+fn h2_request(url: &str, headers: &[(&str, String)], body: &Value) -> http::Request<Full<Bytes>> {
+    let mut request = http::Request::post(url);
+    for (name, value) in headers {
+        request = request.header(*name, value);
+    }
+    request
+        .body(Full::new(Bytes::from(body.to_string())))
+        .expect("a request")
+}
+
 /// Posts `body` with `headers` over HTTP/2; the status, headers and JSON-RPC messages
 /// (the JSON body, or every SSE event's data).
 async fn h2_post(
@@ -369,14 +380,10 @@ async fn h2_post(
     headers: &[(&str, String)],
     body: &Value,
 ) -> (u16, http::HeaderMap, Vec<Value>) {
-    let mut request = http::Request::post(url);
-    for (name, value) in headers {
-        request = request.header(*name, value);
-    }
-    let request = request
-        .body(Full::new(Bytes::from(body.to_string())))
-        .expect("a request");
-    let response = h2.send_request(request).await.expect("a response");
+    let response = h2
+        .send_request(h2_request(url, headers, body))
+        .await
+        .expect("a response");
     assert_eq!(response.version(), http::Version::HTTP_2);
     let (parts, body) = response.into_parts();
     let bytes = body.collect().await.expect("the body").to_bytes();
@@ -769,13 +776,7 @@ fn an_http2_connection_over_the_cap_that_takes_no_data_is_closed() {
                 .await
                 .expect("an HTTP/2 handshake");
         let connection = tokio::spawn(connection);
-        let mut request = http::Request::post(&url);
-        for (name, value) in legacy_headers(None) {
-            request = request.header(name, value);
-        }
-        let request = request
-            .body(Full::new(Bytes::from(initialize().to_string())))
-            .expect("a request");
+        let request = h2_request(&url, &legacy_headers(None), &initialize());
         let response = sender.send_request(request).await.expect("a response");
         assert_eq!(response.status(), 503);
         // Its body is never read: no window is ever opened.
