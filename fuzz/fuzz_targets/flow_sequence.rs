@@ -127,6 +127,7 @@ fn prior(kind: u8, data_session: bool) -> FlowState {
                 round_start: Some("c1".into()),
                 session_from: Some("g1".into()),
                 session_replayable: true,
+                session_read_until: Some("g2".into()),
             },
         },
         2 => Waiting::Held {

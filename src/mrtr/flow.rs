@@ -28,7 +28,10 @@
 //! as many questions as it may, or in error; its questions go to the client with the
 //! state the next retry resumes from: resumable, or held by this replica. A question that
 //! missed its round is replayed before the next round's answers go up, and teaches the
-//! shell that the call asks at once. The session's GET stream replays nothing where the
+//! shell that the call asks at once. A retry that leaves a question unanswered resumes
+//! its stream from before the round's first question on it: up to where the round ended,
+//! the stream replays what that round read, whose notifications the client had then and
+//! whose pings the gateway answered then, so only its questions count again. The session's GET stream replays nothing where the
 //! group's event store is shared by sessions (it reopens fresh), so there a round that
 //! would end with questions first pings the session (`Command::Barrier`): the upstream
 //! answers after whatever it had queued, on either stream, written before its answer,
@@ -570,6 +573,10 @@ struct Retry {
     /// The call stream's position to resume from, and the session stream's.
     from: Option<String>,
     session_from: Option<String>,
+    /// Where the round before ended on each stream (call, session), when the stream is
+    /// resumed from before it (a question of it was left unanswered): the events up to
+    /// it are replayed.
+    read_until: ReadUntil,
     all_answered: bool,
     /// Empty resumptions so far.
     empties: u32,
@@ -634,6 +641,10 @@ struct Reading {
     replay_teaches: bool,
     /// The input being taken comes from `replayed`.
     taking_replayed: bool,
+    /// The event an earlier round ended at on each stream, while the stream replays what
+    /// that round read: what those events said went to the client then and was answered
+    /// then, so only their questions count again.
+    earlier_until: ReadUntil,
     /// The gateway began draining before the round could be resumed elsewhere (no event
     /// id seen yet): it is handed over as soon as it can be.
     drain_pending: bool,
@@ -1175,10 +1186,13 @@ impl Flow {
         {
             return self.unanswerable(&retry);
         }
-        retry.from = match call_unanswered {
-            true => positions.round_start,
-            false => positions.last_event_id,
+        (retry.from, retry.read_until.call) = match call_unanswered {
+            true => (positions.round_start, positions.last_event_id),
+            false => (positions.last_event_id, None),
         };
+        if session_unanswered {
+            retry.read_until.session = positions.session_read_until;
+        }
         retry.session_from = positions.session_from;
         self.reopen_call(Box::new(retry), now)
     }
@@ -1450,6 +1464,7 @@ impl Flow {
             answered,
             then,
             session_from,
+            read_until,
             drain_pending,
             ..
         } = *retry;
@@ -1486,6 +1501,7 @@ impl Flow {
                 let positions = (from, session_from);
                 let mut reading = self.reading_for(call, Some(positions), true, true, now);
                 reading.drain_pending = drain_pending;
+                reading.earlier_until = read_until;
                 reading.round.skip(answered);
                 reading.replayed = replayed
                     .into_iter()
@@ -1541,6 +1557,7 @@ impl Flow {
             replayed: VecDeque::new(),
             replay_teaches: false,
             taking_replayed: false,
+            earlier_until: ReadUntil::default(),
             drain_pending: false,
         })
     }
@@ -1635,6 +1652,7 @@ impl Flow {
             (Stream::Session, Some(id)) => r.round.saw_session_event(id),
             _ => {}
         }
+        let earlier = r.earlier_until.read_earlier(stream, &event);
         if stream == Stream::Call {
             r.call_events += 1;
             r.last_activity = now;
@@ -1663,6 +1681,8 @@ impl Flow {
         let mut end = None;
         for action in actions {
             match action {
+                // Told and answered when an earlier round read it.
+                Action::Notify(_) | Action::AnswerUpstream(_) if earlier => {}
                 Action::Notify(n) => self.commands.push_back(Command::Notify(n)),
                 Action::AnswerUpstream(a) => {
                     self.commands.push_back(Command::Post(a));
@@ -1933,6 +1953,11 @@ impl Flow {
                     round_start: r.round.round_start().map(str::to_string),
                     session_from: r.round.session_resume_from().map(str::to_string),
                     session_replayable: r.round.session_replayable(),
+                    session_read_until: r
+                        .round
+                        .session_replayable()
+                        .then(|| r.round.session_last_event_id().map(str::to_string))
+                        .flatten(),
                 };
                 let state = self.state(Waiting::Resumable {
                     call: r.call.clone(),
@@ -2292,6 +2317,7 @@ impl Retry {
             responses,
             from: None,
             session_from: None,
+            read_until: ReadUntil::default(),
             all_answered,
             drain_pending: false,
             empties: 0,
@@ -2304,6 +2330,33 @@ impl Retry {
             answered: Vec::new(),
             then,
         }
+    }
+}
+
+/// The event an earlier round ended at, on each stream resumed from before it.
+#[derive(Clone, Debug, Default)]
+struct ReadUntil {
+    call: Option<String>,
+    session: Option<String>,
+}
+
+impl ReadUntil {
+    /// Whether an event read on `stream` is one an earlier round read: the stream
+    /// replays up to the event that round ended at, and a priming event (no data) says
+    /// it is live, whichever comes first.
+    fn read_earlier(&mut self, stream: Stream, event: &Event) -> bool {
+        let until = match stream {
+            Stream::Call => &mut self.call,
+            Stream::Session => &mut self.session,
+        };
+        let Some(id) = until else {
+            return false;
+        };
+        if event.id.as_deref() == Some(id.as_str()) || event.data.is_empty() {
+            *until = None;
+            return !event.data.is_empty();
+        }
+        true
     }
 }
 

@@ -210,6 +210,11 @@ pub struct Positions {
     /// them). Sealed in the round's extension.
     #[serde(skip)]
     pub session_replayable: bool,
+    /// Where the round ended on the GET stream, when `session_from` is before it: a
+    /// resumption from `session_from` replays what the round read up to here. Sealed in
+    /// an extension of its own, after the round's.
+    #[serde(skip)]
+    pub session_read_until: Option<String>,
 }
 
 /// A round's extension, sealed after the revision in a state with questions (resumable
@@ -392,12 +397,15 @@ impl FlowState {
             .map(|p| p.key.len() + id_len(&p.upstream_id))
             .sum();
         let event_ids = match &self.waiting {
-            Waiting::Resumable { positions: p, .. } => {
-                [&p.last_event_id, &p.round_start, &p.session_from]
-                    .iter()
-                    .filter_map(|id| id.as_ref().map(String::len))
-                    .sum()
-            }
+            Waiting::Resumable { positions: p, .. } => [
+                &p.last_event_id,
+                &p.round_start,
+                &p.session_from,
+                &p.session_read_until,
+            ]
+            .iter()
+            .filter_map(|id| id.as_ref().map(String::len))
+            .sum(),
             _ => 0,
         };
         let session = self.waiting.call().map_or(0, |c| c.session.len());
@@ -422,25 +430,34 @@ impl FlowState {
 
     /// `plain`, a sealed layout of the state, followed by its extensions: the call's
     /// session revision, when there is a call; then, for a round with questions, what
-    /// they were and where they came from.
+    /// they were and where they came from; then, for a resumable round whose GET stream
+    /// replays its questions, where the round ended on that stream.
     fn extended(&self, plain: Vec<u8>) -> Vec<u8> {
         let serialized = "an extension always serializes";
         let Some(call) = self.waiting.call() else {
             return plain;
         };
         let plain = postcard::to_extend(&call.version, plain).expect(serialized);
-        let (pending, session_replayable) = match &self.waiting {
+        let (pending, session_replayable, session_read_until) = match &self.waiting {
             Waiting::Resumable {
                 pending, positions, ..
-            } => (pending, positions.session_replayable),
-            Waiting::Held { pending, .. } => (pending, false),
+            } => (
+                pending,
+                positions.session_replayable,
+                positions.session_read_until.as_ref(),
+            ),
+            Waiting::Held { pending, .. } => (pending, false, None),
             Waiting::Deferred { .. } | Waiting::Reissue { .. } => return plain,
         };
         let round = RoundExtension {
             asked: pending.iter().map(|p| p.asked).collect(),
             session_replayable,
         };
-        postcard::to_extend(&round, plain).expect(serialized)
+        let plain = postcard::to_extend(&round, plain).expect(serialized);
+        match session_read_until {
+            Some(until) => postcard::to_extend(until, plain).expect(serialized),
+            None => plain,
+        }
     }
 
     /// Sets what the extensions after a sealed layout (`rest`) say, where there are some.
@@ -456,12 +473,14 @@ impl FlowState {
             Waiting::Held { pending, .. } => (pending, None),
             Waiting::Deferred { .. } | Waiting::Reissue { .. } => return Ok(()),
         };
-        let round = seal::extension::<RoundExtension>(rest)?.unwrap_or_default();
+        let (round, rest) = seal::next_extension::<RoundExtension>(rest)?;
+        let round = round.unwrap_or_default();
         for (pending, asked) in pending.iter_mut().zip(round.asked) {
             pending.asked = asked;
         }
         if let Some(positions) = positions {
             positions.session_replayable = round.session_replayable;
+            positions.session_read_until = seal::extension::<String>(rest)?;
         }
         Ok(())
     }
@@ -865,6 +884,16 @@ mod tests {
                 kind: Some(QuestionKind::Sampling),
                 on_session: true,
             };
+        }
+        let sealed = state.seal(&ring(), &b);
+        assert_eq!(
+            FlowState::open(&ring(), &b, &sealed, 1_900_000_000).unwrap(),
+            state
+        );
+        // Where the round ended on the GET stream follows, when a resumption replays it;
+        // a release before it reads the state as it did (the rest left).
+        if let Waiting::Resumable { positions, .. } = &mut state.waiting {
+            positions.session_read_until = Some("g-3".into());
         }
         let sealed = state.seal(&ring(), &b);
         assert_eq!(

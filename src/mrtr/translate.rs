@@ -253,6 +253,11 @@ impl Round {
             .or(self.session_last_event_id.as_deref())
     }
 
+    /// The last event id read on the session's GET stream.
+    pub fn session_last_event_id(&self) -> Option<&str> {
+        self.session_last_event_id.as_deref()
+    }
+
     /// Feeds one message read on the session's GET stream (after `saw_session_event`).
     pub fn on_session_message(&mut self, message: Value) -> Vec<Action> {
         self.on_message_from(message, Origin::Session)

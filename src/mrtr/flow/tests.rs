@@ -827,6 +827,104 @@ fn a_question_left_unanswered_is_replayed_from_the_rounds_start() {
     assert_eq!(state.round, 1, "the round is not over");
 }
 
+/// A retry that leaves a question unanswered replays the call's stream from before the
+/// round's first question: what the round told the client (a log message) and what the
+/// gateway answered for it (a ping) went out then, and only the question counts again.
+/// What the stream sends after the replay is the round's own.
+#[test]
+fn a_partial_retry_neither_tells_nor_answers_again_what_the_round_before_read() {
+    let mut with_logs = config();
+    with_logs.relay.log_level = Some(crate::mrtr::modern::LogLevel::Debug);
+    let log = |text: &str| {
+        json!({"jsonrpc": "2.0", "method": "notifications/message",
+               "params": {"level": "info", "data": text}})
+    };
+    let ping = json!({"jsonrpc": "2.0", "id": 9, "method": "ping"});
+    let notified = |h: &Harness| -> Vec<Value> {
+        h.log
+            .iter()
+            .filter_map(|c| match c {
+                Command::Notify(n) => Some(n["params"]["data"].clone()),
+                _ => None,
+            })
+            .collect()
+    };
+    // After the replay: the live log alone is told, the one answer alone goes up, and
+    // the unanswered question is asked again.
+    let after_the_replay = |h: &mut Harness, answered: i64, asked: &str| {
+        h.advance(Duration::from_millis(10));
+        assert_eq!(
+            notified(h),
+            [json!("second")],
+            "the replayed log is not told again"
+        );
+        let posted = h.posted();
+        assert_eq!(
+            posted.len(),
+            1,
+            "the answer only, no second pong: {posted:?}"
+        );
+        assert_eq!(posted[0]["id"], answered);
+        let Ending::InputRequired { input_requests, .. } = h.ending() else {
+            panic!("{:?}", h.ending());
+        };
+        assert_eq!(input_requests.keys().collect::<Vec<_>>(), [asked]);
+    };
+    let mut h = Harness::new_call(with_logs.clone(), Upstream::default());
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
+    h.event(Stream::Call, Some("c3"), &log("first"));
+    h.event(Stream::Call, Some("c4"), &ping);
+    h.event(Stream::Call, Some("c5"), &question(1, "Size?"));
+    h.advance(Duration::from_millis(10));
+    assert_eq!(notified(&h), [json!("first")]);
+    assert_eq!(
+        h.posted(),
+        [json!({"jsonrpc": "2.0", "id": 9, "result": {}})]
+    );
+    let first = h;
+
+    let partial = json!({"elicitation_1": accept("L")});
+    let mut h = retry_of(&first, with_logs.clone(), Upstream::default(), partial);
+    assert!(h.log.iter().any(is_open(Stream::Call, Some("c1"))));
+    for (id, message) in [
+        ("c2", question(0, "Color?")),
+        ("c3", log("first")),
+        ("c4", ping.clone()),
+        ("c5", question(1, "Size?")),
+    ] {
+        h.event(Stream::Call, Some(id), &message);
+    }
+    h.event(Stream::Call, Some("c6"), &json!(""));
+    h.event(Stream::Call, Some("c7"), &log("second"));
+    after_the_replay(&mut h, 1, "elicitation_0");
+
+    // The same on the session's GET stream, resumed from before its question.
+    let mut h = Harness::new_call(with_logs.clone(), Upstream::default());
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
+    h.event(Stream::Session, Some("g1"), &log("hello"));
+    h.event(Stream::Session, Some("g2"), &question(1, "Size?"));
+    h.event(Stream::Session, Some("g3"), &log("first"));
+    h.event(Stream::Session, Some("g4"), &ping);
+    h.advance(Duration::from_millis(10));
+    assert_eq!(notified(&h), [json!("hello"), json!("first")]);
+    let first = h;
+    let partial = json!({"elicitation_0": accept("red")});
+    let mut h = retry_of(&first, with_logs, Upstream::default(), partial);
+    assert!(h.log.iter().any(is_open(Stream::Session, Some("g1"))));
+    for (id, message) in [
+        ("g2", question(1, "Size?")),
+        ("g3", log("first")),
+        ("g4", ping.clone()),
+    ] {
+        h.event(Stream::Session, Some(id), &message);
+    }
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    h.event(Stream::Session, Some("g5"), &log("second"));
+    after_the_replay(&mut h, 0, "elicitation_1");
+}
+
 /// A server that sends no priming event puts the round's first question first on the
 /// call's stream: no position replays it. A retry that leaves it unanswered is told so at
 /// once, nothing goes upstream, and the same state with the answer goes on.
