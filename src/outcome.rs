@@ -3,6 +3,7 @@
 //! HTTP status, its JSON-RPC code and its message, so no call site picks them apart.
 
 use crate::protocol::jsonrpc::code;
+use crate::upstream::exchange::ExchangeFailure;
 use serde_json::Value;
 use std::fmt;
 
@@ -101,6 +102,19 @@ impl Class {
             Class::OverLimit | Class::UpstreamError => 502,
             Class::NoUpstream | Class::Overloaded => 503,
             Class::UpstreamTimeout => 504,
+        }
+    }
+}
+
+impl From<ExchangeFailure> for Class {
+    /// What a client is told of an upstream exchange that failed: a timeout is the
+    /// upstream's, a replica out of descriptors is busy, anything else is an upstream
+    /// error.
+    fn from(failure: ExchangeFailure) -> Class {
+        match failure {
+            ExchangeFailure::Timeout => Class::UpstreamTimeout,
+            ExchangeFailure::NoDescriptor => Class::Overloaded,
+            _ => Class::UpstreamError,
         }
     }
 }

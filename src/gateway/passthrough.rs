@@ -804,13 +804,11 @@ fn coded_against_identity(group: &UpstreamGroup) -> Refusal {
 
 /// What the client is told when its request's exchange with `group` failed.
 fn upstream_refusal(group: &UpstreamGroup, e: &ExchangeError) -> Refusal {
-    let class = match e.failure() {
-        ExchangeFailure::Timeout => Class::UpstreamTimeout,
-        ExchangeFailure::NoDescriptor => Class::Overloaded,
-        _ => Class::UpstreamError,
-    };
     let what = e.failure();
-    Refusal::internal(class, format!("upstream group '{}' {what}", group.name))
+    Refusal::internal(
+        Class::from(what),
+        format!("upstream group '{}' {what}", group.name),
+    )
 }
 
 /// Why a body that did not come whole in time was cut.

@@ -130,14 +130,7 @@ pub async fn forward(
         .path_and_query()
         .map_or(uri.path(), |p| p.as_str())
         .to_string();
-    let endpoint = Endpoint {
-        addr: owner,
-        authority: owner.to_string(),
-        path,
-        // The peer listener speaks plain HTTP: keep it on the replicas' own network.
-        tls: None,
-        peer: true,
-    };
+    let endpoint = peer_endpoint(owner, path);
     let timeouts = Timeouts {
         connect: gw.flows.peers.connect_timeout,
         // The owner answers when its round ends: bounded by the flow's own limits.
@@ -174,16 +167,22 @@ const ALIVE_EVERY: Duration = Duration::from_secs(3);
 const ALIVE_WITHIN: Duration = Duration::from_secs(2);
 const ALIVE_MISSES: u32 = 2;
 
+/// `path` at another replica's peer listener, which speaks plain HTTP: keep it on the
+/// replicas' own network.
+fn peer_endpoint(owner: SocketAddr, path: String) -> Endpoint {
+    Endpoint {
+        addr: owner,
+        authority: owner.to_string(),
+        path,
+        tls: None,
+        peer: true,
+    }
+}
+
 /// Returns once `owner` has failed `ALIVE_MISSES` checks in a row, saying so. Any HTTP
 /// answer counts (a release without the alive path answers 404).
 async fn watch_owner(gw: &Gateway, owner: SocketAddr) -> String {
-    let endpoint = Endpoint {
-        addr: owner,
-        authority: owner.to_string(),
-        path: ALIVE_PATH.to_string(),
-        tls: None,
-        peer: true,
-    };
+    let endpoint = peer_endpoint(owner, ALIVE_PATH.to_string());
     let timeouts = Timeouts {
         connect: gw.flows.peers.connect_timeout.min(ALIVE_WITHIN),
         response: ALIVE_WITHIN,

@@ -379,8 +379,7 @@ pub(crate) async fn upstream_failed(
     }
     let class = match e.failure() {
         SessionFailure::NoEndpoint => Class::NoUpstream,
-        SessionFailure::Exchange(ExchangeFailure::Timeout) => Class::UpstreamTimeout,
-        SessionFailure::Exchange(ExchangeFailure::NoDescriptor) => Class::Overloaded,
+        SessionFailure::Exchange(failure) => Class::from(*failure),
         _ => Class::UpstreamError,
     };
     if e.failure().doubts_legacy_era() {
