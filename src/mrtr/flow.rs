@@ -1380,11 +1380,15 @@ impl Flow {
         self.finish(Ending::ClientGone)
     }
 
-    /// Posts the retry's answers, in the order of the questions, then goes on.
+    /// Posts the retry's answers, in the order of the questions, then goes on. A question
+    /// the server cancelled while the client was away (its cancellation replayed before
+    /// the answers go up) gets none: a cancelled request gets no response (2025-11-25).
     fn answer(&mut self, mut retry: Retry, now: Instant) -> Phase {
+        let cancelled = cancelled_in(&retry.replayed);
         retry.to_post = retry
             .pending
             .iter()
+            .filter(|p| !cancelled.contains(&p.upstream_id))
             .filter_map(|p| retry.responses.get(&p.key).map(|a| (p.clone(), a.clone())))
             .collect();
         self.next_answer(Box::new(retry), now)
@@ -2331,6 +2335,25 @@ impl Retry {
             then,
         }
     }
+}
+
+/// The ids of the server's requests cancelled in `replayed` (`notifications/cancelled`,
+/// alone or in a batch).
+fn cancelled_in(replayed: &[(Stream, Event)]) -> Vec<UpstreamId> {
+    let cancelled = |m: &Value| {
+        (m["method"] == "notifications/cancelled")
+            .then(|| UpstreamId::from_json(&m["params"]["requestId"]))
+            .flatten()
+    };
+    replayed
+        .iter()
+        .filter(|(_, e)| e.data.contains("notifications/cancelled"))
+        .filter_map(|(_, e)| jsonrpc::from_slice_lenient::<Value>(e.data.as_bytes()).ok())
+        .flat_map(|m| match m {
+            Value::Array(batch) => batch.iter().filter_map(cancelled).collect(),
+            m => cancelled(&m).into_iter().collect::<Vec<_>>(),
+        })
+        .collect()
 }
 
 /// The event an earlier round ended at, on each stream resumed from before it.

@@ -321,6 +321,17 @@ fn is_open(stream: Stream, after: Option<&str>) -> impl Fn(&Command) -> bool + '
     }
 }
 
+/// A first round that asked two questions (ids 0 and 1) on the call's stream, events `c2`
+/// and `c3`.
+fn two_questions_round() -> Harness {
+    let mut h = Harness::new_call(config(), Upstream::default());
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
+    h.event(Stream::Call, Some("c3"), &question(1, "Size?"));
+    h.advance(Duration::from_millis(10));
+    h
+}
+
 /// A first round that asked one question (id 0) on the call's stream, event `c2`.
 fn first_round() -> Harness {
     let mut h = Harness::new_call(config(), Upstream::default());
@@ -716,6 +727,30 @@ fn a_question_replayed_after_a_ping_is_asked_once_the_ping_is_answered() {
     assert_eq!(input_requests.keys().collect::<Vec<_>>(), ["elicitation_1"]);
 }
 
+/// A question the server cancelled after the round ended (its client took too long, say)
+/// is not answered when the retry comes: the cancellation is replayed before the answers
+/// go up. The other answers go up, and the call goes on.
+#[test]
+fn a_question_cancelled_while_the_client_was_away_is_not_answered() {
+    let first = two_questions_round();
+    let id = first.call_id();
+    let both = json!({"elicitation_0": accept("red"), "elicitation_1": accept("L")});
+    let mut h = retry_of(&first, config(), Upstream::default(), both);
+    let cancelled = json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                           "params": {"requestId": 0, "reason": "timed out"}});
+    h.event(Stream::Call, Some("c4"), &cancelled);
+    h.event(Stream::Call, Some("c5"), &json!(""));
+    let posted = h.posted();
+    assert_eq!(posted.len(), 1, "the other answer only: {posted:?}");
+    assert_eq!(posted[0]["id"], 1);
+    h.event(Stream::Call, Some("c6"), &result(id, "done"));
+    assert!(
+        matches!(h.ending(), Ending::Complete { .. }),
+        "{:?}",
+        h.ending()
+    );
+}
+
 #[test]
 fn a_result_replayed_before_the_priming_event_is_read_once_the_answers_are_up() {
     let first = first_round();
@@ -796,12 +831,7 @@ fn the_wait_for_priming_counts_from_the_call_streams_resumption() {
 
 #[test]
 fn a_question_left_unanswered_is_replayed_from_the_rounds_start() {
-    let mut h = Harness::new_call(config(), Upstream::default());
-    h.event(Stream::Call, Some("c1"), &json!(""));
-    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
-    h.event(Stream::Call, Some("c3"), &question(1, "Size?"));
-    h.advance(Duration::from_millis(10));
-    let first = h;
+    let first = two_questions_round();
     let mut h = answered(&first, "red");
     assert!(
         h.log.iter().any(is_open(Stream::Call, Some("c1"))),
