@@ -5,7 +5,10 @@
 //! left unanswered, single use across replicas, and load shedding by held flows.
 
 use crate::common::*;
-use crate::scripted::{assert_call_cancelled_in_its_session, holding_server, Seen};
+use crate::scripted::{
+    assert_call_cancelled_in_its_session, holding_script, holding_server, Answer, ScriptedUpstream,
+    Seen,
+};
 use mrtr_gateway::config::{Config, UpstreamEra};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -363,6 +366,23 @@ fn a_client_that_leaves_a_forwarded_retry_cancels_the_call_at_the_owner() {
     );
 }
 
+/// Asks `ask` of `gw` (holding) with `x-api-key: key`, and gives the parameters of the
+/// retry that answers its question.
+fn held_with_key(gw: &TestGateway, caps: &Value, key: &str) -> Value {
+    let ask = json!({"name": "ask", "arguments": {}});
+    let key = [("x-api-key", key)];
+    let asked = Raw::new(&gw.url).modern_with(1, "tools/call", ask.clone(), caps.clone(), &key);
+    let asked = asked.json();
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 1.0, "{asked}");
+    let mut params = ask;
+    let retry = answer(&asked, json!({"name": "Kim"}));
+    params
+        .as_object_mut()
+        .unwrap()
+        .extend(retry.as_object().unwrap().clone());
+    params
+}
+
 /// A held flow's retry whose client has already gone when the owner reads it (a
 /// forwarding replica that gave up on a frozen owner and told its client the call was
 /// lost, to issue it again) is not continued: no answer goes up, and the held call ends.
@@ -374,18 +394,8 @@ fn a_held_flows_retry_from_a_client_already_gone_is_not_continued() {
     let replicas = peered(&upstream.url(), 1, |_| {});
     let gw = &replicas[0];
     let caps = json!({"elicitation": {}});
-    let ask = json!({"name": "ask", "arguments": {}});
     // With a credential: the held call's end upstream carries it.
-    let key = [("x-api-key", "k-9")];
-    let asked = Raw::new(&gw.url).modern_with(1, "tools/call", ask.clone(), caps.clone(), &key);
-    let asked = asked.json();
-    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 1.0, "{asked}");
-    let mut params = ask;
-    let retry = answer(&asked, json!({"name": "Kim"}));
-    params
-        .as_object_mut()
-        .unwrap()
-        .extend(retry.as_object().unwrap().clone());
+    let params = held_with_key(gw, &caps, "k-9");
     let request = raw_modern_request(2, "tools/call", params, caps, "");
     // The request and the client's close arrive together: corked, the data waits, and the
     // shutdown sends it with the FIN.
@@ -740,4 +750,33 @@ fn an_expired_held_call_in_a_data_layer_session_is_cancelled_upstream() {
     assert_eq!(asked["result"]["resultType"], "input_required", "{asked}");
     assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 1.0);
     assert_call_cancelled_in_its_session(&upstream, &gw.admin, "abandoned");
+}
+
+/// A held flow's retry whose credential the upstream denies (a token that expired while
+/// the client was away) ends the held call upstream with the credential of the round that
+/// held it: the retry's own, just refused, would leave the session to the upstream's
+/// expiry.
+#[test]
+fn a_held_retry_the_upstream_denies_ends_the_call_as_the_holding_round() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if seen.header("x-api-key") == Some("k-expired") {
+            let challenge = [("www-authenticate", "Bearer realm=\"mcp\"")];
+            return Answer::status(401, &challenge, b"");
+        }
+        holding_script(seen)
+    });
+    let replicas = peered(&upstream.url(), 1, |_| {});
+    let gw = &replicas[0];
+    let caps = json!({"elicitation": {}});
+    let params = held_with_key(gw, &caps, "k-9");
+    let expired = [("x-api-key", "k-expired")];
+    let denied = Raw::new(&gw.url).modern_with(2, "tools/call", params, caps, &expired);
+    assert_eq!(denied.status, 401, "the client hears the denial");
+    wait_until("the held call ended", Duration::from_secs(10), || {
+        upstream
+            .requests()
+            .iter()
+            .any(|s| s.method == "DELETE" && s.header("x-api-key") == Some("k-9"))
+    });
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 0.0);
 }

@@ -356,23 +356,26 @@ pub fn legacy_basics(seen: &Seen, session: &str) -> Option<Answer> {
 /// id (so the call cannot be resumed and the gateway holds it), then works on after the
 /// answer (202), sending nothing more; its GET stream is empty, other posts get 405.
 pub fn holding_server() -> ScriptedUpstream {
-    ScriptedUpstream::start(|seen: &Seen| {
-        if let Some(answer) = legacy_basics(seen, "s1") {
-            return answer;
-        }
-        if seen.method == "GET" {
-            return Answer::sse(&[]);
-        }
-        if seen.json().is_some_and(|m| m.get("result").is_some()) {
-            return Answer::status(202, &[], b"");
-        }
-        if seen.jsonrpc_method().as_deref() != Some("tools/call") {
-            return Answer::status(405, &[], b"");
-        }
-        let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
-            "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
-        Answer::sse(&[]).event(None, &question)
-    })
+    ScriptedUpstream::start(holding_script)
+}
+
+/// `holding_server`'s answer to each request.
+pub fn holding_script(seen: &Seen) -> Answer {
+    if let Some(answer) = legacy_basics(seen, "s1") {
+        return answer;
+    }
+    if seen.method == "GET" {
+        return Answer::sse(&[]);
+    }
+    if seen.json().is_some_and(|m| m.get("result").is_some()) {
+        return Answer::status(202, &[], b"");
+    }
+    if seen.jsonrpc_method().as_deref() != Some("tools/call") {
+        return Answer::status(405, &[], b"");
+    }
+    let question = json!({"jsonrpc": "2.0", "id": 0, "method": "elicitation/create",
+        "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
+    Answer::sse(&[]).event(None, &question)
 }
 
 /// A legacy server whose every call answers at once with a `bytes`-long text result.

@@ -74,6 +74,10 @@ struct Io<'g> {
     /// A session of this shape opens ahead of demand once the client has its answer:
     /// the upstream is busy with this call until then.
     warm_after: Option<Shape>,
+    /// A held flow's retry: the credentials of the round that held it, which end the
+    /// call upstream if the upstream denies the retry's own (a token that expired while
+    /// the client was away).
+    holder_caller: Option<Caller>,
 }
 
 pub(super) async fn interactive(
@@ -221,6 +225,7 @@ async fn continue_flow(
                 upstream.persistent = upstream_call.data_session;
                 let io = Io {
                     streams: held.streams,
+                    holder_caller: held.session.map(|s| s.caller),
                     ..Io::new(Some(upstream), Some(used))
                 };
                 let questions = Some(held.questions);
@@ -302,6 +307,7 @@ impl Io<'_> {
             near_end_told: false,
             client_gone_told: false,
             warm_after: None,
+            holder_caller: None,
         }
     }
 }
@@ -778,8 +784,18 @@ async fn execute<'g>(
         Command::OpenSession => Some(open_session(call, io).await),
         Command::PostCall { id } => post_call(call, io, id),
         Command::Post(message) => {
-            let upstream = io.upstream.as_ref()?;
+            let upstream = io.upstream.as_mut()?;
             let posted = upstream.post_and_expect_accepted(&message).await;
+            let denied = |e: &SessionError| matches!(e.failure(), SessionFailure::Denied { .. });
+            if let Some(holder) = posted
+                .as_ref()
+                .err()
+                .filter(|e| denied(e))
+                .and(io.holder_caller.take())
+            {
+                // Whatever follows (the call's end) goes up as the holding round did.
+                upstream.caller = holder;
+            }
             Some(Input::Posted(posted.map_err(|e| failure(&e))))
         }
         Command::Barrier { id } => {
