@@ -15,7 +15,8 @@ use mrtr_gateway::mrtr::flow::{
 };
 use mrtr_gateway::mrtr::modern::LogLevel;
 use mrtr_gateway::mrtr::state::{
-    Asked, FlowState, HeldAt, Pending, Positions, QuestionKind, UpstreamCall, UpstreamId, Waiting,
+    Asked, FlowState, HeldAt, Pending, Positions, QuestionKind, ReadBefore, UpstreamCall,
+    UpstreamId, Waiting,
 };
 use mrtr_gateway::mrtr::translate::{Relay, RoundLimits};
 use mrtr_gateway::outcome::{Class, Refusal};
@@ -127,7 +128,10 @@ fn prior(kind: u8, data_session: bool) -> FlowState {
                 round_start: Some("c1".into()),
                 session_from: Some("g1".into()),
                 session_replayable: true,
-                session_read_until: Some("g2".into()),
+                read_before: ReadBefore {
+                    call: 1,
+                    session: 1,
+                },
             },
         },
         2 => Waiting::Held {

@@ -28,10 +28,10 @@
 //! as many questions as it may, or in error; its questions go to the client with the
 //! state the next retry resumes from: resumable, or held by this replica. A question that
 //! missed its round is replayed before the next round's answers go up, and teaches the
-//! shell that the call asks at once. A retry that leaves a question unanswered resumes
-//! its stream from before the round's first question on it: up to where the round ended,
-//! the stream replays what that round read, whose notifications the client had then and
-//! whose pings the gateway answered then, so only its questions count again. The session's GET stream replays nothing where the
+//! shell that the call asks at once. A stream resumed from before the round's first
+//! question on it (one left unanswered; on the GET stream, any) first replays the events
+//! the round read (the state counts them): the client had their notifications then and
+//! the gateway answered their pings then, so only the questions still pending count. The session's GET stream replays nothing where the
 //! group's event store is shared by sessions (it reopens fresh), so there a round that
 //! would end with questions first pings the session (`Command::Barrier`): the upstream
 //! answers after whatever it had queued, on either stream, written before its answer,
@@ -64,7 +64,7 @@
 //! or when the grace period ends, and the flow is told which.
 
 use super::state::{
-    FlowState, HeldAt, Known, Pending, Positions, UpstreamCall, UpstreamId, Waiting,
+    FlowState, HeldAt, Known, Pending, Positions, ReadBefore, UpstreamCall, UpstreamId, Waiting,
 };
 use super::translate::{Action, Relay, Round, RoundLimits};
 use crate::config::ResumeMode;
@@ -573,10 +573,9 @@ struct Retry {
     /// The call stream's position to resume from, and the session stream's.
     from: Option<String>,
     session_from: Option<String>,
-    /// Where the round before ended on each stream (call, session), when the stream is
-    /// resumed from before it (a question of it was left unanswered): the events up to
-    /// it are replayed.
-    read_until: ReadUntil,
+    /// How many events each stream replays that the round before read: those from the
+    /// round's start, on a stream resumed from there.
+    read_before: ReadBefore,
     all_answered: bool,
     /// Empty resumptions so far.
     empties: u32,
@@ -641,10 +640,11 @@ struct Reading {
     replay_teaches: bool,
     /// The input being taken comes from `replayed`.
     taking_replayed: bool,
-    /// The event an earlier round ended at on each stream, while the stream replays what
-    /// that round read: what those events said went to the client then and was answered
-    /// then, so only their questions count again.
-    earlier_until: ReadUntil,
+    /// How many events each stream has yet to replay that an earlier round read: what
+    /// they said went to the client then and was answered then, so only the questions
+    /// still pending (`earlier_pending`) count again.
+    earlier: ReadBefore,
+    earlier_pending: Vec<UpstreamId>,
     /// The gateway began draining before the round could be resumed elsewhere (no event
     /// id seen yet): it is handed over as soon as it can be.
     drain_pending: bool,
@@ -1186,13 +1186,22 @@ impl Flow {
         {
             return self.unanswerable(&retry);
         }
-        (retry.from, retry.read_until.call) = match call_unanswered {
-            true => (positions.round_start, positions.last_event_id),
-            false => (positions.last_event_id, None),
+        retry.from = match call_unanswered {
+            true => positions.round_start,
+            false => positions.last_event_id,
         };
-        if session_unanswered {
-            retry.read_until.session = positions.session_read_until;
-        }
+        retry.read_before = ReadBefore {
+            call: if call_unanswered {
+                positions.read_before.call
+            } else {
+                0
+            },
+            session: if session_replays {
+                positions.read_before.session
+            } else {
+                0
+            },
+        };
         retry.session_from = positions.session_from;
         self.reopen_call(Box::new(retry), now)
     }
@@ -1381,8 +1390,10 @@ impl Flow {
     }
 
     /// Posts the retry's answers, in the order of the questions, then goes on. A question
-    /// the server cancelled while the client was away (its cancellation replayed before
-    /// the answers go up) gets none: a cancelled request gets no response (2025-11-25).
+    /// the server cancelled while the client was away (its cancellation replayed while
+    /// the resumed stream settled, before its priming event) gets none: a cancelled
+    /// request gets no response (2025-11-25). From a server that does not prime, the
+    /// answers go up before anything is replayed.
     fn answer(&mut self, mut retry: Retry, now: Instant) -> Phase {
         let cancelled = cancelled_in(&retry.replayed);
         retry.to_post = retry
@@ -1468,7 +1479,7 @@ impl Flow {
             answered,
             then,
             session_from,
-            read_until,
+            read_before,
             drain_pending,
             ..
         } = *retry;
@@ -1505,7 +1516,8 @@ impl Flow {
                 let positions = (from, session_from);
                 let mut reading = self.reading_for(call, Some(positions), true, true, now);
                 reading.drain_pending = drain_pending;
-                reading.earlier_until = read_until;
+                reading.earlier = read_before;
+                reading.earlier_pending = pending.iter().map(|p| p.upstream_id.clone()).collect();
                 reading.round.skip(answered);
                 reading.replayed = replayed
                     .into_iter()
@@ -1561,7 +1573,8 @@ impl Flow {
             replayed: VecDeque::new(),
             replay_teaches: false,
             taking_replayed: false,
-            earlier_until: ReadUntil::default(),
+            earlier: ReadBefore::default(),
+            earlier_pending: Vec::new(),
             drain_pending: false,
         })
     }
@@ -1656,7 +1669,7 @@ impl Flow {
             (Stream::Session, Some(id)) => r.round.saw_session_event(id),
             _ => {}
         }
-        let earlier = r.earlier_until.read_earlier(stream, &event);
+        let earlier = read_earlier(&mut r.earlier, stream, &event);
         if stream == Stream::Call {
             r.call_events += 1;
             r.last_activity = now;
@@ -1679,9 +1692,16 @@ impl Flow {
         };
         let asked = r.round.question_count();
         let actions = match stream {
+            // Answered, refused or cancelled when an earlier round read it.
+            _ if earlier && request_not_in(&message, &r.earlier_pending) => Vec::new(),
             Stream::Call => r.round.on_message(message),
             Stream::Session => r.round.on_session_message(message),
         };
+        match (stream, &event.id) {
+            (_, None) => {}
+            (Stream::Call, Some(_)) => r.round.saw_call_message(),
+            (Stream::Session, Some(_)) => r.round.saw_session_message(),
+        }
         let mut end = None;
         for action in actions {
             match action {
@@ -1957,11 +1977,7 @@ impl Flow {
                     round_start: r.round.round_start().map(str::to_string),
                     session_from: r.round.session_resume_from().map(str::to_string),
                     session_replayable: r.round.session_replayable(),
-                    session_read_until: r
-                        .round
-                        .session_replayable()
-                        .then(|| r.round.session_last_event_id().map(str::to_string))
-                        .flatten(),
+                    read_before: r.round.read_before(),
                 };
                 let state = self.state(Waiting::Resumable {
                     call: r.call.clone(),
@@ -2321,7 +2337,7 @@ impl Retry {
             responses,
             from: None,
             session_from: None,
-            read_until: ReadUntil::default(),
+            read_before: ReadBefore::default(),
             all_answered,
             drain_pending: false,
             empties: 0,
@@ -2345,9 +2361,10 @@ fn cancelled_in(replayed: &[(Stream, Event)]) -> Vec<UpstreamId> {
             .then(|| UpstreamId::from_json(&m["params"]["requestId"]))
             .flatten()
     };
+    // Each event read whole: a server may escape the method's `/` (`\/`), or any letter.
     replayed
         .iter()
-        .filter(|(_, e)| e.data.contains("notifications/cancelled"))
+        .filter(|(_, e)| e.is_message() && !e.data.is_empty())
         .filter_map(|(_, e)| jsonrpc::from_slice_lenient::<Value>(e.data.as_bytes()).ok())
         .flat_map(|m| match m {
             Value::Array(batch) => batch.iter().filter_map(cancelled).collect(),
@@ -2356,31 +2373,29 @@ fn cancelled_in(replayed: &[(Stream, Event)]) -> Vec<UpstreamId> {
         .collect()
 }
 
-/// The event an earlier round ended at, on each stream resumed from before it.
-#[derive(Clone, Debug, Default)]
-struct ReadUntil {
-    call: Option<String>,
-    session: Option<String>,
+/// Whether `message` is a request (not a batch) whose id is none of `pending`.
+fn request_not_in(message: &Value, pending: &[UpstreamId]) -> bool {
+    let id = message.get("method").and(message.get("id"));
+    id.is_some_and(|id| !UpstreamId::from_json(id).is_some_and(|id| pending.contains(&id)))
 }
 
-impl ReadUntil {
-    /// Whether an event read on `stream` is one an earlier round read: the stream
-    /// replays up to the event that round ended at, and a priming event (no data) says
-    /// it is live, whichever comes first.
-    fn read_earlier(&mut self, stream: Stream, event: &Event) -> bool {
-        let until = match stream {
-            Stream::Call => &mut self.call,
-            Stream::Session => &mut self.session,
-        };
-        let Some(id) = until else {
-            return false;
-        };
-        if event.id.as_deref() == Some(id.as_str()) || event.data.is_empty() {
-            *until = None;
-            return !event.data.is_empty();
-        }
-        true
+/// Whether an event read on `stream` is one an earlier round read (`left` counts those
+/// still to come): a replayed event carries a message and an id; an event without data
+/// (a priming event) says the stream is live.
+fn read_earlier(left: &mut ReadBefore, stream: Stream, event: &Event) -> bool {
+    let left = match stream {
+        Stream::Call => &mut left.call,
+        Stream::Session => &mut left.session,
+    };
+    if *left == 0 || event.id.is_none() || !event.is_message() {
+        return false;
     }
+    if event.data.is_empty() {
+        *left = 0;
+        return false;
+    }
+    *left -= 1;
+    true
 }
 
 /// Why a call whose client never continued it is cancelled: its held entry or its

@@ -210,11 +210,20 @@ pub struct Positions {
     /// them). Sealed in the round's extension.
     #[serde(skip)]
     pub session_replayable: bool,
-    /// Where the round ended on the GET stream, when `session_from` is before it: a
-    /// resumption from `session_from` replays what the round read up to here. Sealed in
-    /// an extension of its own, after the round's.
+    /// How many of the events a resumption from the round's start replays the round
+    /// read. Sealed in an extension of its own, after the round's.
     #[serde(skip)]
-    pub session_read_until: Option<String>,
+    pub read_before: ReadBefore,
+}
+
+/// How many events carrying a message a stream sent from its first question of a round
+/// on, to the round's end (none on a stream that asked nothing): a retry resuming the
+/// stream from before that question is replayed them first, and what they told the
+/// client, or what the gateway answered for them, went out in that round.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadBefore {
+    pub call: u32,
+    pub session: u32,
 }
 
 /// A round's extension, sealed after the revision in a state with questions (resumable
@@ -397,15 +406,12 @@ impl FlowState {
             .map(|p| p.key.len() + id_len(&p.upstream_id))
             .sum();
         let event_ids = match &self.waiting {
-            Waiting::Resumable { positions: p, .. } => [
-                &p.last_event_id,
-                &p.round_start,
-                &p.session_from,
-                &p.session_read_until,
-            ]
-            .iter()
-            .filter_map(|id| id.as_ref().map(String::len))
-            .sum(),
+            Waiting::Resumable { positions: p, .. } => {
+                [&p.last_event_id, &p.round_start, &p.session_from]
+                    .iter()
+                    .filter_map(|id| id.as_ref().map(String::len))
+                    .sum()
+            }
             _ => 0,
         };
         let session = self.waiting.call().map_or(0, |c| c.session.len());
@@ -430,23 +436,19 @@ impl FlowState {
 
     /// `plain`, a sealed layout of the state, followed by its extensions: the call's
     /// session revision, when there is a call; then, for a round with questions, what
-    /// they were and where they came from; then, for a resumable round whose GET stream
-    /// replays its questions, where the round ended on that stream.
+    /// they were and where they came from, and how many events a resumption from the
+    /// round's start replays that it read.
     fn extended(&self, plain: Vec<u8>) -> Vec<u8> {
         let serialized = "an extension always serializes";
         let Some(call) = self.waiting.call() else {
             return plain;
         };
         let plain = postcard::to_extend(&call.version, plain).expect(serialized);
-        let (pending, session_replayable, session_read_until) = match &self.waiting {
+        let (pending, session_replayable, read_before) = match &self.waiting {
             Waiting::Resumable {
                 pending, positions, ..
-            } => (
-                pending,
-                positions.session_replayable,
-                positions.session_read_until.as_ref(),
-            ),
-            Waiting::Held { pending, .. } => (pending, false, None),
+            } => (pending, positions.session_replayable, positions.read_before),
+            Waiting::Held { pending, .. } => (pending, false, ReadBefore::default()),
             Waiting::Deferred { .. } | Waiting::Reissue { .. } => return plain,
         };
         let round = RoundExtension {
@@ -454,10 +456,7 @@ impl FlowState {
             session_replayable,
         };
         let plain = postcard::to_extend(&round, plain).expect(serialized);
-        match session_read_until {
-            Some(until) => postcard::to_extend(until, plain).expect(serialized),
-            None => plain,
-        }
+        postcard::to_extend(&read_before, plain).expect(serialized)
     }
 
     /// Sets what the extensions after a sealed layout (`rest`) say, where there are some.
@@ -480,7 +479,7 @@ impl FlowState {
         }
         if let Some(positions) = positions {
             positions.session_replayable = round.session_replayable;
-            positions.session_read_until = seal::extension::<String>(rest)?;
+            positions.read_before = seal::extension::<ReadBefore>(rest)?.unwrap_or_default();
         }
         Ok(())
     }
@@ -864,10 +863,10 @@ mod tests {
                 state
             );
         }
-        // Eight bytes more than without the extensions: the revision's four, and the
-        // round's: one question (its kind and stream, two) and a flag, with a length.
+        // Ten bytes more than without the extensions: the revision's four, the round's
+        // (one question, its kind and stream, two; a flag; a length), and two counts.
         let without = postcard::to_allocvec(&([0u8; 32], &state)).unwrap().len();
-        assert_eq!(state.plaintext_len(), without + 8);
+        assert_eq!(state.plaintext_len(), without + 10);
     }
 
     #[test]
@@ -890,16 +889,30 @@ mod tests {
             FlowState::open(&ring(), &b, &sealed, 1_900_000_000).unwrap(),
             state
         );
-        // Where the round ended on the GET stream follows, when a resumption replays it;
-        // a release before it reads the state as it did (the rest left).
+        // How many events a resumption replays that the round read follows; a release
+        // before it reads the state as it did (the rest left).
         if let Waiting::Resumable { positions, .. } = &mut state.waiting {
-            positions.session_read_until = Some("g-3".into());
+            positions.read_before = ReadBefore {
+                call: 2,
+                session: 300,
+            };
         }
         let sealed = state.seal(&ring(), &b);
         assert_eq!(
             FlowState::open(&ring(), &b, &sealed, 1_900_000_000).unwrap(),
             state
         );
+        // As the release before reads it: the layout, the revision, the round's
+        // extension, and the rest left.
+        let plain = seal::open(&ring(), Purpose::RequestState, b"", &sealed, usize::MAX).unwrap();
+        let ((_, layout), rest): (([u8; 32], FlowState), _) =
+            postcard::take_from_bytes(&plain).unwrap();
+        let (revision, rest) = seal::next_extension::<Revision>(rest).unwrap();
+        let round = seal::extension::<RoundExtension>(rest).unwrap().unwrap();
+        assert_eq!(revision, state.waiting.call().map(|c| c.version));
+        assert_eq!(round.asked, [state.waiting.pending()[0].asked]);
+        assert!(round.session_replayable);
+        assert_eq!(layout.flow_id, state.flow_id);
         // A release that seals the revision alone: its states say nothing of the kinds,
         // and count every question as the call stream's.
         let plain = postcard::to_allocvec(&(&b, &state)).unwrap();

@@ -5,7 +5,7 @@
 //! the flow.
 
 use super::modern::LogLevel;
-use super::state::{fingerprint, Asked, Known, Pending, QuestionKind, UpstreamId};
+use super::state::{fingerprint, Asked, Known, Pending, QuestionKind, ReadBefore, UpstreamId};
 use crate::protocol::jsonrpc::code;
 use serde_json::{json, Map, Value};
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
@@ -192,6 +192,8 @@ pub struct Round {
     call_asked: bool,
     /// Whether the session's GET stream has asked a question this round.
     session_asked: bool,
+    /// Events carrying a message read on each stream since its first question.
+    read_since_asked: ReadBefore,
     /// Digests of the event ids seen on either stream this round (the first
     /// `MAX_IDS_COMPARED`), and whether one came twice.
     seen_ids: Vec<u64>,
@@ -227,6 +229,7 @@ impl Round {
             session_round_start: None,
             call_asked: false,
             session_asked: false,
+            read_since_asked: ReadBefore::default(),
             seen_ids: Vec::new(),
             id_repeated: false,
         }
@@ -251,11 +254,6 @@ impl Round {
         self.session_round_start
             .as_deref()
             .or(self.session_last_event_id.as_deref())
-    }
-
-    /// The last event id read on the session's GET stream.
-    pub fn session_last_event_id(&self) -> Option<&str> {
-        self.session_last_event_id.as_deref()
     }
 
     /// Feeds one message read on the session's GET stream (after `saw_session_event`).
@@ -302,6 +300,28 @@ impl Round {
     pub fn saw_call_event(&mut self, id: &str) {
         self.note_id(id);
         self.previous_event_id = self.last_event_id.replace(id.to_string());
+    }
+
+    /// Counts an event carrying a message, with an id, read on the call's stream (after
+    /// the message, if any, was fed): from the stream's first question on.
+    pub fn saw_call_message(&mut self) {
+        if self.call_asked {
+            self.read_since_asked.call = self.read_since_asked.call.saturating_add(1);
+        }
+    }
+
+    /// As `saw_call_message`, on the session's GET stream.
+    pub fn saw_session_message(&mut self) {
+        if self.session_asked {
+            self.read_since_asked.session = self.read_since_asked.session.saturating_add(1);
+        }
+    }
+
+    /// How many events carrying a message each stream sent from its first question of
+    /// the round on: what a resumption from `round_start` (or the GET stream's) replays
+    /// that this round read.
+    pub fn read_before(&self) -> ReadBefore {
+        self.read_since_asked
     }
 
     /// The call-stream position just before this round's first question: replaying from

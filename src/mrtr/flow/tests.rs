@@ -734,21 +734,26 @@ fn a_question_replayed_after_a_ping_is_asked_once_the_ping_is_answered() {
 fn a_question_cancelled_while_the_client_was_away_is_not_answered() {
     let first = two_questions_round();
     let id = first.call_id();
-    let both = json!({"elicitation_0": accept("red"), "elicitation_1": accept("L")});
-    let mut h = retry_of(&first, config(), Upstream::default(), both);
     let cancelled = json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
                            "params": {"requestId": 0, "reason": "timed out"}});
-    h.event(Stream::Call, Some("c4"), &cancelled);
-    h.event(Stream::Call, Some("c5"), &json!(""));
-    let posted = h.posted();
-    assert_eq!(posted.len(), 1, "the other answer only: {posted:?}");
-    assert_eq!(posted[0]["id"], 1);
-    h.event(Stream::Call, Some("c6"), &result(id, "done"));
-    assert!(
-        matches!(h.ending(), Ending::Complete { .. }),
-        "{:?}",
-        h.ending()
-    );
+    // As PHP's `json_encode` writes it by default.
+    let escaped =
+        r#"{"jsonrpc":"2.0","method":"notifications\/cancelled","params":{"requestId":0}}"#;
+    for cancellation in [cancelled, json!(escaped)] {
+        let both = json!({"elicitation_0": accept("red"), "elicitation_1": accept("L")});
+        let mut h = retry_of(&first, config(), Upstream::default(), both);
+        h.event(Stream::Call, Some("c4"), &cancellation);
+        h.event(Stream::Call, Some("c5"), &json!(""));
+        let posted = h.posted();
+        assert_eq!(posted.len(), 1, "the other answer only: {posted:?}");
+        assert_eq!(posted[0]["id"], 1);
+        h.event(Stream::Call, Some("c6"), &result(id, "done"));
+        assert!(
+            matches!(h.ending(), Ending::Complete { .. }),
+            "{:?}",
+            h.ending()
+        );
+    }
 }
 
 #[test]
@@ -857,28 +862,49 @@ fn a_question_left_unanswered_is_replayed_from_the_rounds_start() {
     assert_eq!(state.round, 1, "the round is not over");
 }
 
+/// A config whose requests ask for every log message.
+fn with_logs() -> FlowConfig {
+    let mut with_logs = config();
+    with_logs.relay.log_level = Some(crate::mrtr::modern::LogLevel::Debug);
+    with_logs
+}
+
+fn log(text: &str) -> Value {
+    json!({"jsonrpc": "2.0", "method": "notifications/message",
+           "params": {"level": "info", "data": text}})
+}
+
+fn ping(id: i64) -> Value {
+    json!({"jsonrpc": "2.0", "id": id, "method": "ping"})
+}
+
+/// The data of each log message told the client.
+fn notified(h: &Harness) -> Vec<Value> {
+    h.log
+        .iter()
+        .filter_map(|c| match c {
+            Command::Notify(n) => Some(n["params"]["data"].clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The answers to pings posted upstream.
+fn pongs(h: &Harness) -> usize {
+    h.posted()
+        .iter()
+        .filter(|p| p["result"] == json!({}))
+        .count()
+}
+
 /// A retry that leaves a question unanswered replays the call's stream from before the
 /// round's first question: what the round told the client (a log message) and what the
 /// gateway answered for it (a ping) went out then, and only the question counts again.
 /// What the stream sends after the replay is the round's own.
 #[test]
 fn a_partial_retry_neither_tells_nor_answers_again_what_the_round_before_read() {
-    let mut with_logs = config();
-    with_logs.relay.log_level = Some(crate::mrtr::modern::LogLevel::Debug);
-    let log = |text: &str| {
-        json!({"jsonrpc": "2.0", "method": "notifications/message",
-               "params": {"level": "info", "data": text}})
-    };
-    let ping = json!({"jsonrpc": "2.0", "id": 9, "method": "ping"});
-    let notified = |h: &Harness| -> Vec<Value> {
-        h.log
-            .iter()
-            .filter_map(|c| match c {
-                Command::Notify(n) => Some(n["params"]["data"].clone()),
-                _ => None,
-            })
-            .collect()
-    };
+    let with_logs = with_logs();
+    let ping = ping(9);
     // After the replay: the live log alone is told, the one answer alone goes up, and
     // the unanswered question is asked again.
     let after_the_replay = |h: &mut Harness, answered: i64, asked: &str| {
@@ -953,6 +979,93 @@ fn a_partial_retry_neither_tells_nor_answers_again_what_the_round_before_read() 
     h.event(Stream::Call, Some("c3"), &json!(""));
     h.event(Stream::Session, Some("g5"), &log("second"));
     after_the_replay(&mut h, 0, "elicitation_1");
+}
+
+/// A retry that answers every question still resumes the GET stream from before its
+/// question (the store keeps sessions apart): what the stream replays that the round read
+/// is not told or answered again.
+#[test]
+fn a_full_retry_neither_tells_nor_answers_again_what_the_get_stream_replays() {
+    let mut h = Harness::new_call(with_logs(), Upstream::default());
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
+    h.event(Stream::Session, Some("g1"), &log("hello"));
+    h.event(Stream::Session, Some("g2"), &question(1, "Size?"));
+    h.event(Stream::Session, Some("g3"), &log("first"));
+    h.event(Stream::Session, Some("g4"), &ping(9));
+    h.advance(Duration::from_millis(10));
+    assert_eq!(notified(&h), [json!("hello"), json!("first")]);
+    let first = h;
+    let both = json!({"elicitation_0": accept("red"), "elicitation_1": accept("L")});
+    let mut h = retry_of(&first, with_logs(), Upstream::default(), both);
+    assert!(h.log.iter().any(is_open(Stream::Session, Some("g1"))));
+    h.event(Stream::Session, Some("g2"), &question(1, "Size?"));
+    h.event(Stream::Session, Some("g3"), &log("first"));
+    h.event(Stream::Session, Some("g4"), &ping(9));
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    h.event(Stream::Session, Some("g5"), &log("second"));
+    h.advance(Duration::from_millis(1));
+    assert_eq!(notified(&h), [json!("second")]);
+    assert_eq!(pongs(&h), 0, "the replayed ping is not answered again");
+    assert_eq!(h.posted().len(), 2, "the two answers");
+}
+
+/// Two partial retries: the question the first answered lies after the round's start,
+/// and the second replays from there. It is not asked again, nor answered twice: in the
+/// replay, only the questions still pending count.
+#[test]
+fn a_question_an_earlier_retry_answered_is_not_asked_again() {
+    let first = two_questions_round();
+    let only_1 = json!({"elicitation_1": accept("L")});
+    let mut h = retry_of(&first, config(), Upstream::default(), only_1);
+    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
+    h.event(Stream::Call, Some("c3"), &question(1, "Size?"));
+    h.event(Stream::Call, Some("c4"), &json!(""));
+    assert_eq!(h.posted().len(), 1);
+    h.event(Stream::Call, Some("c5"), &question(2, "Shape?"));
+    h.advance(Duration::from_millis(10));
+    let second = h;
+    let only_2 = json!({"elicitation_2": accept("round")});
+    let mut h = retry_of(&second, config(), Upstream::default(), only_2);
+    assert!(h.log.iter().any(is_open(Stream::Call, Some("c1"))));
+    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
+    h.event(Stream::Call, Some("c3"), &question(1, "Size?"));
+    h.event(Stream::Call, Some("c5"), &question(2, "Shape?"));
+    h.event(Stream::Call, Some("c6"), &json!(""));
+    h.advance(Duration::from_millis(10));
+    let Ending::InputRequired { input_requests, .. } = h.ending() else {
+        panic!("{:?}", h.ending());
+    };
+    assert_eq!(input_requests.keys().collect::<Vec<_>>(), ["elicitation_0"]);
+    assert_eq!(h.posted().len(), 1, "the second retry's answer only");
+}
+
+/// A round that ends on a priming event (the Python SDK stores one with no message, and
+/// never replays it): the replay holds only the events that carried a message, and what
+/// the server sent after them while the client was away is told and answered.
+#[test]
+fn what_a_server_sent_while_the_client_was_away_is_told_after_the_replay() {
+    let first = two_questions_round();
+    let only_0 = json!({"elicitation_0": accept("red")});
+    let mut h = retry_of(&first, with_logs(), Upstream::default(), only_0);
+    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
+    h.event(Stream::Call, Some("c3"), &question(1, "Size?"));
+    h.event(Stream::Call, Some("c4"), &json!(""));
+    assert_eq!(h.posted().len(), 1);
+    h.event(Stream::Session, Some("g1"), &log("on get"));
+    h.event(Stream::Session, Some("g2"), &question(2, "Shape?"));
+    h.advance(Duration::from_millis(10));
+    let second = h;
+    let only_2 = json!({"elicitation_2": accept("round")});
+    let mut h = retry_of(&second, with_logs(), Upstream::default(), only_2);
+    assert!(h.log.iter().any(is_open(Stream::Call, Some("c2"))));
+    h.event(Stream::Call, Some("c3"), &question(1, "Size?"));
+    h.event(Stream::Call, Some("c5"), &log("while away"));
+    h.event(Stream::Call, Some("c6"), &ping(9));
+    h.event(Stream::Call, Some("c7"), &json!(""));
+    h.advance(Duration::from_millis(1));
+    assert_eq!(notified(&h), [json!("while away")]);
+    assert_eq!(pongs(&h), 1, "the new ping is answered");
 }
 
 /// A server that sends no priming event puts the round's first question first on the
