@@ -149,7 +149,10 @@ pub enum FailureKind {
     Denied(u16),
     /// No answer in time.
     Timeout,
-    /// Anything else: a broken exchange, an answer against the protocol.
+    /// The connection broke or closed under the exchange (a reset, an upstream
+    /// restarting): nothing says what the upstream would have answered.
+    Cut,
+    /// Anything else: an answer against the protocol.
     Broken,
 }
 
@@ -1273,7 +1276,8 @@ impl Flow {
         now: Instant,
     ) -> Phase {
         if let Err(failure) = result {
-            if matches!(failure.kind, FailureKind::Refused(_) | FailureKind::Broken) {
+            // What the upstream answered, not what befell the connection, or a throttle.
+            if failure.refused_for_good() || failure.kind == FailureKind::Broken {
                 self.learn(Learnt::ReplayRefused { empty: false });
             }
             return self.unresumable(retry, Err(failure), now);

@@ -154,6 +154,9 @@ pub(crate) enum Resumes {
     Empty,
     /// Primes the stream, then says nothing more.
     Silent,
+    /// Resets the connection before any answer, once (an upstream restarting); primed
+    /// after that.
+    CutOnce,
 }
 
 /// Where the scripted server's call asks its question.
@@ -179,6 +182,7 @@ pub(crate) fn resumable_server(resumes: Resumes, scoped: bool, asks: Asks) -> Sc
     let sessions = AtomicUsize::new(0);
     let answered = Gate::new();
     let call_id = Mutex::new(Value::Null);
+    let cut = AtomicBool::new(false);
     ScriptedUpstream::start(move |seen: &Seen| {
         let sid = seen
             .header("mcp-session-id")
@@ -215,7 +219,12 @@ pub(crate) fn resumable_server(resumes: Resumes, scoped: bool, asks: Asks) -> Sc
                 "content": [{"type": "text", "text": "done"}]}});
             let primed = Answer::sse(&[]).event(Some(&format!("{sid}-c3")), &json!(""));
             return match resumes {
-                Resumes::Primed => primed.wait(&answered).event(None, &result).end(),
+                Resumes::CutOnce if !cut.swap(true, Ordering::SeqCst) => {
+                    Answer::silent().then_reset()
+                }
+                Resumes::Primed | Resumes::CutOnce => {
+                    primed.wait(&answered).event(None, &result).end()
+                }
                 Resumes::Empty => Answer::sse(&[]).end(),
                 Resumes::Silent => primed,
             };
@@ -426,6 +435,32 @@ fn an_empty_resumption_loses_the_flow_clearly_and_holds_the_groups_later_flows()
         "the dead call's session deleted",
         Duration::from_secs(5),
         || upstream.requests().iter().any(|s| s.method == "DELETE"),
+    );
+}
+
+/// A resumption whose connection is cut before any answer (an upstream restarting) says
+/// nothing of the group's store: the retry fails with its state still good, the same state
+/// then completes, and the group's flows stay resumable.
+#[test]
+fn a_resumption_cut_by_a_restarting_upstream_leaves_the_group_resumable() {
+    let upstream = resumable_server(Resumes::CutOnce, true, Asks::AfterPriming);
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let (_, first) = call_hostile(&raw, 1, json!({}));
+    let resumable = || metric_with(&gw.admin, "mrtr_gateway_upstream_resumable", "default");
+    assert_eq!(resumable(), Some(1.0), "the first round waits resumable");
+    let retry = answer(&first, json!({"name": "x"}));
+    let (status, cut) = call_hostile(&raw, 2, retry.clone());
+    assert_eq!(status, 200, "{cut}");
+    let message = cut["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("resuming the call's stream"), "{cut}");
+    assert_eq!(resumable(), Some(1.0), "the group's flows stay resumable");
+    assert!(!upstream.requests().iter().any(is_answer), "nothing posted");
+    let (status, done) = call_hostile(&raw, 3, retry);
+    assert_eq!(
+        (status, &done["result"]["content"][0]["text"]),
+        (200, &json!("done")),
+        "the same state goes on: {done}"
     );
 }
 

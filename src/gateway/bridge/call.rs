@@ -1057,7 +1057,11 @@ async fn reopen(
     streams.session_opening = opening;
     let result = resumed
         .map(|response| streams.replace_call(response))
-        .map_err(|e| failure(&e));
+        .map_err(|e| {
+            let mut failed = failure(&e);
+            failed.message = format!("resuming the call's stream: {}", failed.message);
+            failed
+        });
     Input::Reopened { result, call_at }
 }
 
@@ -1292,6 +1296,9 @@ fn failure(e: &SessionError) -> Failure {
         SessionFailure::Exchange(ExchangeFailure::Connect) => FailureKind::Unreachable,
         SessionFailure::Exchange(ExchangeFailure::NoDescriptor) => FailureKind::NotSent,
         SessionFailure::Exchange(ExchangeFailure::Timeout) => FailureKind::Timeout,
+        SessionFailure::Exchange(ExchangeFailure::Broken | ExchangeFailure::Unanswered) => {
+            FailureKind::Cut
+        }
         SessionFailure::Exchange(_) | SessionFailure::Protocol(_) => FailureKind::Broken,
     };
     Failure::new(kind, e.failure().to_string())

@@ -1305,9 +1305,9 @@ fn a_resumption_that_ends_after_replaying_something_is_followed() {
 #[test]
 fn a_refused_resumption_loses_the_call_ends_its_session_and_teaches_the_group() {
     let first = first_round();
-    let refused = |status: u16| {
+    let failed = |kind: FailureKind| {
         let mut upstream = Upstream::default();
-        let failure = Failure::new(FailureKind::Refused(status), "refused");
+        let failure = Failure::new(kind, "refused");
         upstream.call_opens.push_back(Err(failure));
         retry_of(
             &first,
@@ -1316,10 +1316,13 @@ fn a_refused_resumption_loses_the_call_ends_its_session_and_teaches_the_group() 
             json!({"elicitation_0": accept("Ada")}),
         )
     };
+    let refused = |status| failed(FailureKind::Refused(status));
+    let teaches = |h: &Harness| {
+        h.log
+            .contains(&Command::Learn(Learnt::ReplayRefused { empty: false }))
+    };
     let h = refused(400);
-    assert!(h
-        .log
-        .contains(&Command::Learn(Learnt::ReplayRefused { empty: false })));
+    assert!(teaches(&h));
     assert!(h.log.contains(&Command::ReleaseClaim));
     assert!(
         h.log.contains(&Command::DeleteSession),
@@ -1329,11 +1332,17 @@ fn a_refused_resumption_loses_the_call_ends_its_session_and_teaches_the_group() 
     let refusal = h.refusal();
     assert_eq!(refusal.code, gcode::FLOW_LOST);
     assert!(refusal.message.contains("was refused"), "{refusal}");
-    // A refusal that may pass later (a throttle, a conflict) leaves the state good.
-    let h = refused(429);
-    assert!(h.log.contains(&Command::ReleaseClaim));
-    assert!(!h.log.contains(&Command::DeleteSession));
-    assert_eq!(h.refusal().class, Class::UpstreamError);
+    // A refusal that may pass later (a throttle, a conflict, a server error), or a
+    // connection cut under the resumption (an upstream restarting), leaves the state
+    // good, and teaches nothing of the group's resumptions.
+    for h in [refused(429), refused(503), failed(FailureKind::Cut)] {
+        assert!(h.log.contains(&Command::ReleaseClaim));
+        assert!(!h.log.contains(&Command::DeleteSession));
+        assert_eq!(h.refusal().class, Class::UpstreamError);
+        assert!(!teaches(&h), "{:?}", h.log);
+    }
+    // An answer against the protocol does.
+    assert!(teaches(&failed(FailureKind::Broken)));
 }
 
 fn challenge() -> Option<String> {
