@@ -20,6 +20,9 @@ use std::sync::Arc;
 /// Longest wait for the DELETE of a session nobody will use (`LegacySession::abandon`),
 /// and for the upstream to take a call's cancellation (`cancel`).
 const ABANDON_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
+/// How much longer than the response timeout a late answer to `initialize` is awaited,
+/// to end the session it opens.
+const LATE_INITIALIZE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// A session value's parts, owned: what a detached exchange takes along.
 struct Detached {
@@ -212,13 +215,8 @@ impl<'a> LegacySession<'a> {
         };
         let init = json!({"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": {
             "protocolVersion": Revision::REQUESTED.to_string(), "capabilities": capabilities, "clientInfo": client_info}});
-        let mut response = session.post(&init).await?;
-        session.session_id = response
-            .header()
-            .headers
-            .get(MCP_SESSION_ID)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string);
+        let mut response = session.post_initialize(client, init).await?;
+        session.session_id = session_id_of(&response);
         let message = read_single(&mut response).await;
         // An SSE answer's stream ends just after its message (SDK servers close it).
         client.release(response, timeouts.response).await;
@@ -234,6 +232,37 @@ impl<'a> LegacySession<'a> {
                 Err(e)
             }
         }
+    }
+
+    /// POSTs `initialize`. An answer not in within the response timeout fails the open,
+    /// but is still awaited in the background, up to `LATE_INITIALIZE_PATIENCE` more: an
+    /// upstream that was only slow opens the session all the same, and nobody else will
+    /// ever learn its id, so the session it names is ended.
+    async fn post_initialize(
+        &self,
+        client: &Arc<UpstreamClient>,
+        init: Value,
+    ) -> Result<Response, SessionError> {
+        let patience = self.timeouts.response + LATE_INITIALIZE_PATIENCE;
+        let mut answer = Box::pin(self.post_detached(client.clone(), init, patience));
+        if let Ok(answered) = tokio::time::timeout(self.timeouts.response, &mut answer).await {
+            return answered;
+        }
+        let ender = self.detached(client.clone(), *self.timeouts);
+        tokio::spawn(async move {
+            let Ok(response) = answer.await else {
+                return;
+            };
+            let session_id = session_id_of(&response);
+            ender.client.finish(response).await;
+            if let Some(id) = session_id {
+                let mut late = ender.session();
+                late.session_id = Some(id);
+                ender.client.metrics.upstream_session("opened");
+                late.abandon().await;
+            }
+        });
+        Err(ExchangeError::late(Some(self.endpoint.addr)).into())
     }
 
     /// Checks the answer to `initialize` and sends `notifications/initialized`; returns
@@ -577,6 +606,12 @@ impl<'a> LegacySession<'a> {
             }
         }
     }
+}
+
+/// The session id a response names (`Mcp-Session-Id`), if readable.
+fn session_id_of(response: &Response) -> Option<String> {
+    let id = response.header().headers.get(MCP_SESSION_ID)?;
+    id.to_str().ok().map(str::to_string)
 }
 
 /// Reads the single JSON-RPC message of a response: a JSON body, or the first message

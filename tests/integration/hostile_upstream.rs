@@ -777,3 +777,36 @@ fn an_upstream_result_cannot_pose_as_a_round() {
         assert!(result.get("requestState").is_none(), "{answer}");
     }
 }
+
+/// An upstream that answers `initialize` only after the group's response timeout (a pause,
+/// an overloaded pod) still opens the session: the call fails in time, and the session the
+/// late answer names is ended rather than left to the upstream's expiry (SDK servers keep
+/// sessions until they are deleted).
+#[test]
+fn a_session_whose_initialize_answered_late_is_ended() {
+    let late = Duration::from_millis(600);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let initialize = seen.jsonrpc_method().as_deref() == Some("initialize");
+        match legacy_basics(seen, "late-1") {
+            Some(answer) if initialize => Answer::silent().pause(late).bytes(answer.pieces_bytes()),
+            Some(answer) => answer,
+            None => Answer::status(405, &[], b""),
+        }
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].response_timeout_ms = 200;
+        c.bridge.warm_sessions_per_shape = 0;
+    });
+    let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        error_message(&body).contains("opening a session (initialize): did not answer in time"),
+        "{body}"
+    );
+    wait_until("the late session ended", Duration::from_secs(10), || {
+        upstream
+            .requests()
+            .iter()
+            .any(|s| s.method == "DELETE" && s.header("mcp-session-id") == Some("late-1"))
+    });
+}
