@@ -216,6 +216,7 @@ fn answer(
         Command::Get(StreamGet::Reopen { .. }) => Some(Input::Reopened {
             result: ok_or_fail(b),
             call_at: now,
+            session_resumed: b.next() % 2 == 0,
         }),
         Command::PostCall { id } => {
             seen.last_call_id = Some(*id);

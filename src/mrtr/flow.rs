@@ -258,6 +258,8 @@ pub enum Input {
     Reopened {
         result: Result<(), Failure>,
         call_at: Instant,
+        /// The session's stream resumes after its position (not fresh, nor absent).
+        session_resumed: bool,
     },
     /// `PostCall`: the upstream's answer to the call.
     CallPosted(Result<CallReply, Failure>),
@@ -919,7 +921,18 @@ impl Flow {
                 self.commands.push_back(Command::ReleaseClaim);
                 self.shutting_down("before the retry's answers went upstream; send the same retry again: its requestState is still good")
             }
-            (Phase::Reopening(retry), Input::Reopened { result, call_at }) => {
+            (
+                Phase::Reopening(mut retry),
+                Input::Reopened {
+                    result,
+                    call_at,
+                    session_resumed,
+                },
+            ) => {
+                if !session_resumed {
+                    // A fresh stream replays nothing: every event on it is new.
+                    retry.read_before.session = 0;
+                }
                 self.call_reopened(retry, result, call_at.min(now), now)
             }
             (Phase::Reopening(retry), Input::StreamOpened { result, .. }) => {
@@ -1695,11 +1708,16 @@ impl Flow {
             return self.end_round(r, RoundEnd::broken(why));
         };
         let asked = r.round.question_count();
-        let actions = match stream {
-            // Answered, refused or cancelled when an earlier round read it.
-            _ if earlier && request_not_in(&message, &r.earlier_pending) => Vec::new(),
-            Stream::Call => r.round.on_message(message),
-            Stream::Session => r.round.on_session_message(message),
+        // Requests an earlier round read, other than questions still pending, were
+        // answered, refused or cancelled then.
+        let message = match earlier {
+            true => without_requests_answered(message, &r.earlier_pending),
+            false => Some(message),
+        };
+        let actions = match (stream, message) {
+            (_, None) => Vec::new(),
+            (Stream::Call, Some(message)) => r.round.on_message(message),
+            (Stream::Session, Some(message)) => r.round.on_session_message(message),
         };
         match (stream, &event.id) {
             (_, None) => {}
@@ -2377,10 +2395,21 @@ fn cancelled_in(replayed: &[(Stream, Event)]) -> Vec<UpstreamId> {
         .collect()
 }
 
-/// Whether `message` is a request (not a batch) whose id is none of `pending`.
-fn request_not_in(message: &Value, pending: &[UpstreamId]) -> bool {
-    let id = message.get("method").and(message.get("id"));
-    id.is_some_and(|id| !UpstreamId::from_json(id).is_some_and(|id| pending.contains(&id)))
+/// `message` without the requests whose id is none of `pending` (`None` if it was one),
+/// a batch's taken out one by one.
+fn without_requests_answered(message: Value, pending: &[UpstreamId]) -> Option<Value> {
+    let answered = |m: &Value| {
+        let id = m.get("method").and(m.get("id"));
+        id.is_some_and(|id| !UpstreamId::from_json(id).is_some_and(|id| pending.contains(&id)))
+    };
+    match message {
+        Value::Array(mut batch) => {
+            batch.retain(|m| !answered(m));
+            Some(Value::Array(batch))
+        }
+        message if answered(&message) => None,
+        message => Some(message),
+    }
 }
 
 /// Whether an event read on `stream` is one an earlier round read (`left` counts those

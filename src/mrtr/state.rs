@@ -477,9 +477,12 @@ impl FlowState {
         for (pending, asked) in pending.iter_mut().zip(round.asked) {
             pending.asked = asked;
         }
+        // Written for held rounds too (as nothing), so that what follows it, in a later
+        // release, is found in one place whatever the phase.
+        let read_before = seal::extension::<ReadBefore>(rest)?.unwrap_or_default();
         if let Some(positions) = positions {
             positions.session_replayable = round.session_replayable;
-            positions.read_before = seal::extension::<ReadBefore>(rest)?.unwrap_or_default();
+            positions.read_before = read_before;
         }
         Ok(())
     }

@@ -1015,7 +1015,7 @@ async fn open_stream(
         (Stream::Session, after) => {
             io.streams.replace_session(None);
             let opened = session_stream(call, upstream, after.as_deref(), Connection::Pooled);
-            let (stream, opening) = opened.await;
+            let (stream, opening, _) = opened.await;
             io.streams.replace_session(stream);
             io.streams.session_opening = opening;
             Ok(())
@@ -1040,6 +1040,7 @@ async fn reopen(
         return Input::Reopened {
             result,
             call_at: Instant::now(),
+            session_resumed: false,
         };
     };
     (streams.call, streams.session) = (None, None);
@@ -1052,7 +1053,7 @@ async fn reopen(
         )
     })
     .await;
-    let (session, opening) = session;
+    let (session, opening, session_resumed) = session;
     streams.replace_session(session);
     streams.session_opening = opening;
     let result = resumed
@@ -1062,34 +1063,40 @@ async fn reopen(
             failed.message = format!("resuming the call's stream: {}", failed.message);
             failed
         });
-    Input::Reopened { result, call_at }
+    Input::Reopened {
+        result,
+        call_at,
+        session_resumed,
+    }
 }
 
 /// The session's GET stream, if the upstream opens one within `SESSION_STREAM_PATIENCE`,
 /// or its GET still going; a server found to keep a closed one (409 to a new GET) is
 /// asked once, others again briefly. A retry's replaces the stream the round closed: on a
-/// `Connection::New`.
+/// `Connection::New`. Also says whether it resumes after `after` (not when it is fresh).
 async fn session_stream(
     call: &Call<'_>,
     upstream: &LegacySession<'_>,
     after: Option<&str>,
     connection: Connection,
-) -> (Option<Response>, Option<PendingResponse>) {
+) -> (Option<Response>, Option<PendingResponse>, bool) {
     let (upstreams, group) = (&call.gw.upstreams, &call.group.name);
     let patient = !upstreams.learnt.get(group).session_stream_kept;
     let client = &upstreams.client;
     let patience = SESSION_STREAM_PATIENCE;
-    match open_session_stream(upstream, client, after, patient, connection, patience).await {
-        SessionStream::Open(stream) => (Some(stream), None),
+    let (opened, resumed) =
+        open_session_stream(upstream, client, after, patient, connection, patience).await;
+    match opened {
+        SessionStream::Open(stream) => (Some(stream), None, resumed),
         SessionStream::Opening(get) => {
             tracing::info!(group = %group, "the upstream is slow to open the session's GET stream; the flow goes on, and the stream joins when it opens");
-            (None, Some(get))
+            (None, Some(get), resumed)
         }
         SessionStream::None { kept } => {
             if kept && patient {
                 upstreams.note_session_stream_kept(call.group);
             }
-            (None, None)
+            (None, None, false)
         }
     }
 }

@@ -207,7 +207,9 @@ pub(super) enum SessionStream {
 /// refuses the resumption). A second GET in one session gets 409 while the server still
 /// holds the previous round's, so a conflict is tried again a few times, briefly, when
 /// `patient`; a stream that replaces the previous round's goes on a new `connection`.
-/// A GET not answered within `patience` is handed back still going.
+/// A GET not answered within `patience` is handed back still going. Also says whether
+/// the stream (or the GET still going) resumes after `after`: not when there was none,
+/// nor when the upstream refused it and the stream is fresh.
 pub(super) async fn open_session_stream(
     upstream: &LegacySession<'_>,
     client: &Arc<UpstreamClient>,
@@ -215,29 +217,30 @@ pub(super) async fn open_session_stream(
     patient: bool,
     connection: Connection,
     patience: Duration,
-) -> SessionStream {
+) -> (SessionStream, bool) {
     let deadline = tokio::time::Instant::now() + patience;
     let mut after = after;
     for attempt in 0..=CONFLICT_RETRIES {
         let position = after.map(str::to_string);
         let mut get: PendingResponse =
             Box::pin(upstream.get_detached(client.clone(), position, connection));
+        let resumed = after.is_some();
         let Ok(got) = tokio::time::timeout_at(deadline, &mut get).await else {
-            return SessionStream::Opening(get);
+            return (SessionStream::Opening(get), resumed);
         };
         match got {
-            Ok(response) => return SessionStream::Open(response),
+            Ok(response) => return (SessionStream::Open(response), resumed),
             Err(e) if is_conflict(&e) => match conflict_backoff(attempt).filter(|_| patient) {
                 Some(wait) => tokio::time::sleep(wait).await,
-                None => return SessionStream::None { kept: true },
+                None => return (SessionStream::None { kept: true }, false),
             },
             Err(e) if matches!(e.failure(), SessionFailure::Refused(_)) && after.is_some() => {
                 after = None
             }
-            Err(_) => return SessionStream::None { kept: false },
+            Err(_) => return (SessionStream::None { kept: false }, false),
         }
     }
-    SessionStream::None { kept: false }
+    (SessionStream::None { kept: false }, false)
 }
 
 #[cfg(test)]

@@ -133,7 +133,7 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
                         SESSION_STREAM_PATIENCE,
                     );
                     let stream = tokio::select! {
-                        opened = opened => match opened {
+                        opened = opened => match opened.0 {
                             SessionStream::Open(stream) => Some(stream),
                             _ => None,
                         },

@@ -75,6 +75,9 @@ struct Upstream {
     session_stream_lag: Duration,
     /// Whether a `Barrier` ping is answered at once (else the test answers it).
     barrier_answered: bool,
+    /// Whether a retry's session stream resumes after its position (else it is fresh:
+    /// the upstream refused the position).
+    session_resumes: bool,
 }
 
 impl Default for Upstream {
@@ -99,6 +102,7 @@ impl Default for Upstream {
             }),
             session_stream_lag: Duration::ZERO,
             barrier_answered: true,
+            session_resumes: true,
         }
     }
 }
@@ -138,6 +142,7 @@ impl Upstream {
             Command::Get(StreamGet::Reopen { .. }) => Some(Input::Reopened {
                 result: self.call_opens.pop_front().unwrap_or(Ok(())),
                 call_at: now.checked_sub(self.session_stream_lag).unwrap_or(now),
+                session_resumed: self.session_resumes,
             }),
             Command::PostCall { .. } if self.answer_withheld => None,
             Command::PostCall { id } => {
@@ -1010,34 +1015,84 @@ fn a_full_retry_neither_tells_nor_answers_again_what_the_get_stream_replays() {
     assert_eq!(h.posted().len(), 2, "the two answers");
 }
 
+/// A retry whose GET stream the upstream would not resume (its store forgot the
+/// position) gets a fresh one, which replays nothing: every event on it is new, told and
+/// answered, and its question asked.
+#[test]
+fn a_fresh_get_stream_in_place_of_a_resumed_one_is_read_as_new() {
+    let mut h = Harness::new_call(with_logs(), Upstream::default());
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
+    h.event(Stream::Session, Some("g1"), &log("hello"));
+    h.event(Stream::Session, Some("g2"), &question(1, "Size?"));
+    h.event(Stream::Session, Some("g3"), &log("first"));
+    h.event(Stream::Session, Some("g4"), &ping(9));
+    h.advance(Duration::from_millis(10));
+    let first = h;
+    let both = json!({"elicitation_0": accept("red"), "elicitation_1": accept("L")});
+    let fresh = Upstream {
+        session_resumes: false,
+        ..Upstream::default()
+    };
+    let mut h = retry_of(&first, with_logs(), fresh, both);
+    assert!(h.log.iter().any(is_open(Stream::Session, Some("g1"))));
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    h.event(Stream::Session, Some("x1"), &log("live"));
+    h.event(Stream::Session, Some("x2"), &ping(10));
+    h.event(Stream::Session, Some("x3"), &question(11, "Shape?"));
+    h.advance(Duration::from_millis(10));
+    assert_eq!(notified(&h), [json!("live")]);
+    assert_eq!(pongs(&h), 1);
+    let Ending::InputRequired { input_requests, .. } = h.ending() else {
+        panic!("{:?}", h.ending());
+    };
+    assert_eq!(
+        input_requests.keys().collect::<Vec<_>>(),
+        ["elicitation_11"]
+    );
+}
+
 /// Two partial retries: the question the first answered lies after the round's start,
 /// and the second replays from there. It is not asked again, nor answered twice: in the
 /// replay, only the questions still pending count.
 #[test]
 fn a_question_an_earlier_retry_answered_is_not_asked_again() {
-    let first = two_questions_round();
-    let only_1 = json!({"elicitation_1": accept("L")});
-    let mut h = retry_of(&first, config(), Upstream::default(), only_1);
-    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
-    h.event(Stream::Call, Some("c3"), &question(1, "Size?"));
-    h.event(Stream::Call, Some("c4"), &json!(""));
-    assert_eq!(h.posted().len(), 1);
-    h.event(Stream::Call, Some("c5"), &question(2, "Shape?"));
-    h.advance(Duration::from_millis(10));
-    let second = h;
-    let only_2 = json!({"elicitation_2": accept("round")});
-    let mut h = retry_of(&second, config(), Upstream::default(), only_2);
-    assert!(h.log.iter().any(is_open(Stream::Call, Some("c1"))));
-    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
-    h.event(Stream::Call, Some("c3"), &question(1, "Size?"));
-    h.event(Stream::Call, Some("c5"), &question(2, "Shape?"));
-    h.event(Stream::Call, Some("c6"), &json!(""));
-    h.advance(Duration::from_millis(10));
-    let Ending::InputRequired { input_requests, .. } = h.ending() else {
-        panic!("{:?}", h.ending());
-    };
-    assert_eq!(input_requests.keys().collect::<Vec<_>>(), ["elicitation_0"]);
-    assert_eq!(h.posted().len(), 1, "the second retry's answer only");
+    // Alone, and in a batch (2025-03-26 let servers send one).
+    for batched in [false, true] {
+        let size = match batched {
+            true => json!([question(1, "Size?")]),
+            false => question(1, "Size?"),
+        };
+        let mut h = Harness::new_call(config(), Upstream::default());
+        h.event(Stream::Call, Some("c1"), &json!(""));
+        h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
+        h.event(Stream::Call, Some("c3"), &size);
+        h.advance(Duration::from_millis(10));
+        let first = h;
+        let only_1 = json!({"elicitation_1": accept("L")});
+        let mut h = retry_of(&first, config(), Upstream::default(), only_1);
+        h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
+        h.event(Stream::Call, Some("c3"), &size);
+        h.event(Stream::Call, Some("c4"), &json!(""));
+        assert_eq!(h.posted().len(), 1);
+        h.event(Stream::Call, Some("c5"), &question(2, "Shape?"));
+        h.advance(Duration::from_millis(10));
+        let second = h;
+        let only_2 = json!({"elicitation_2": accept("round")});
+        let mut h = retry_of(&second, config(), Upstream::default(), only_2);
+        assert!(h.log.iter().any(is_open(Stream::Call, Some("c1"))));
+        h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
+        h.event(Stream::Call, Some("c3"), &size);
+        h.event(Stream::Call, Some("c5"), &question(2, "Shape?"));
+        h.event(Stream::Call, Some("c6"), &json!(""));
+        h.advance(Duration::from_millis(10));
+        let Ending::InputRequired { input_requests, .. } = h.ending() else {
+            panic!("{:?}", h.ending());
+        };
+        let asked: Vec<_> = input_requests.keys().collect();
+        assert_eq!(asked, ["elicitation_0"], "batched: {batched}");
+        assert_eq!(h.posted().len(), 1, "the second retry's answer only");
+    }
 }
 
 /// A round that ends on a priming event (the Python SDK stores one with no message, and
