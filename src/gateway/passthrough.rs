@@ -24,7 +24,7 @@ use crate::protocol::target::upstream_target;
 use crate::protocol::trace::TraceContext;
 use crate::protocol::{forwarded, oauth};
 use crate::upstream::exchange::{Connection, ExchangeError, ExchangeFailure, Response};
-use crate::upstream::legacy_session::{Caller, LegacySession};
+use crate::upstream::legacy_session::{send_initialize, Caller, LegacySession};
 use crate::upstream::{Endpoint, UpstreamGroup};
 use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
@@ -147,17 +147,24 @@ async fn serve_inner(
         if let Some((_, upstream_id)) = &resumption {
             let _ = request.insert_header(LAST_EVENT_ID, upstream_id.clone());
         }
-        let sent = gw
-            .upstreams
-            .client
-            .send_on(
-                connection,
-                &route.endpoint,
-                &group.timeouts,
-                request,
-                body.clone(),
-            )
-            .await;
+        let client = &gw.upstreams.client;
+        let (endpoint, timeouts) = (&route.endpoint, &group.timeouts);
+        let sent = match &initialize {
+            // A session a late answer opens is ended: the client never learns of it.
+            Some(init) => {
+                let version = requested_revision(init);
+                let caller = Caller {
+                    headers: gw.admission.end_to_end(session, group),
+                    ..Caller::default()
+                };
+                let sending = (request, body.clone());
+                send_initialize(client, endpoint, timeouts, sending, version, caller).await
+            }
+            None => {
+                let sending = client.send_on(connection, endpoint, timeouts, request, body.clone());
+                sending.await
+            }
+        };
         let e = match sent {
             Ok(response) => break response,
             Err(e) => e,

@@ -249,19 +249,7 @@ impl<'a> LegacySession<'a> {
             return answered;
         }
         let ender = self.detached(client.clone(), *self.timeouts);
-        tokio::spawn(async move {
-            let Ok(response) = answer.await else {
-                return;
-            };
-            let session_id = session_id_of(&response);
-            ender.client.finish(response).await;
-            if let Some(id) = session_id {
-                let mut late = ender.session();
-                late.session_id = Some(id);
-                ender.client.metrics.upstream_session("opened");
-                late.abandon().await;
-            }
-        });
+        end_late_session(answer, ender);
         Err(ExchangeError::late(Some(self.endpoint.addr)).into())
     }
 
@@ -606,6 +594,72 @@ impl<'a> LegacySession<'a> {
             }
         }
     }
+}
+
+/// Ends, in the background, the session that a late answer to `initialize` opens:
+/// `answer` is the exchange still awaiting the header (for `LATE_INITIALIZE_PATIENCE`
+/// beyond the response timeout, which has passed), `ender` the session's way to the
+/// upstream (endpoint, timeouts, the caller's credentials), its id still unknown.
+fn end_late_session<E: Send + 'static>(
+    answer: impl std::future::Future<Output = Result<Response, E>> + Send + 'static,
+    ender: Detached,
+) {
+    tokio::spawn(async move {
+        let Ok(response) = answer.await else {
+            return;
+        };
+        let session_id = session_id_of(&response);
+        ender.client.finish(response).await;
+        if let Some(id) = session_id {
+            let mut late = ender.session();
+            late.session_id = Some(id);
+            ender.client.metrics.upstream_session("opened");
+            late.abandon().await;
+        }
+    });
+}
+
+/// Sends a legacy client's `initialize` as pass-through does (`request` and `body` as
+/// they go upstream), within the response timeout; a later answer fails it as late, and
+/// the session it opens, which the client will never learn of, is ended (as
+/// `LegacySession::open` does for its own). `caller` carries the client's credentials.
+pub async fn send_initialize(
+    client: &Arc<UpstreamClient>,
+    endpoint: &Endpoint,
+    timeouts: &Timeouts,
+    (request, body): (RequestHeader, Bytes),
+    version: Revision,
+    caller: Caller,
+) -> Result<Response, ExchangeError> {
+    let patient = Timeouts {
+        response: timeouts.response + LATE_INITIALIZE_PATIENCE,
+        ..*timeouts
+    };
+    let (sending, to) = (client.clone(), endpoint.clone());
+    let mut answer = Box::pin(async move {
+        sending
+            .send_on(Connection::Pooled, &to, &patient, request, body)
+            .await
+    });
+    if let Ok(answered) = tokio::time::timeout(timeouts.response, &mut answer).await {
+        // Only the header could have waited that long: the answer after it comes in the
+        // usual time.
+        return answered.map(|mut response| {
+            response.answer_within = timeouts.response;
+            response
+        });
+    }
+    let ender = Detached {
+        client: client.clone(),
+        timeouts: *timeouts,
+        endpoint: endpoint.clone(),
+        session_id: None,
+        version,
+        caller,
+        persistent: false,
+    };
+    end_late_session(answer, ender);
+    Err(ExchangeError::late(Some(endpoint.addr)))
 }
 
 /// The session id a response names (`Mcp-Session-Id`), if readable.

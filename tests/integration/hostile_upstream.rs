@@ -779,9 +779,11 @@ fn an_upstream_result_cannot_pose_as_a_round() {
 }
 
 /// An upstream that answers `initialize` only after the group's response timeout (a pause,
-/// an overloaded pod) still opens the session: the call fails in time, and the session the
-/// late answer names is ended rather than left to the upstream's expiry (SDK servers keep
-/// sessions until they are deleted).
+/// an overloaded pod) still opens the session: the request fails in time, and the session
+/// the late answer names is ended rather than left to the upstream's expiry (SDK servers
+/// keep sessions until they are deleted). So for a bridged call's session, and for a
+/// legacy client's `initialize` through pass-through, whose client never learns the id;
+/// the DELETE carries the client's credentials.
 #[test]
 fn a_session_whose_initialize_answered_late_is_ended() {
     let late = Duration::from_millis(600);
@@ -797,16 +799,40 @@ fn a_session_whose_initialize_answered_late_is_ended() {
         c.upstreams[0].response_timeout_ms = 200;
         c.bridge.warm_sessions_per_shape = 0;
     });
+    let deletes = || {
+        let requests = upstream.requests();
+        let ended =
+            |s: &&Seen| s.method == "DELETE" && s.header("mcp-session-id") == Some("late-1");
+        requests
+            .iter()
+            .filter(ended)
+            .cloned()
+            .collect::<Vec<Seen>>()
+    };
     let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
     assert_eq!(status, 200, "{body}");
     assert!(
         error_message(&body).contains("opening a session (initialize): did not answer in time"),
         "{body}"
     );
-    wait_until("the late session ended", Duration::from_secs(10), || {
-        upstream
-            .requests()
-            .iter()
-            .any(|s| s.method == "DELETE" && s.header("mcp-session-id") == Some("late-1"))
+    wait_until("the bridged session ended", Duration::from_secs(10), || {
+        !deletes().is_empty()
     });
+
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "late", "version": "1"}}});
+    let headers = [
+        ("content-type", "application/json"),
+        ("accept", "application/json, text/event-stream"),
+        ("x-api-key", "k-7"),
+    ];
+    let legacy = Raw::new(&gw.url).request("POST", &headers, Some(&init.to_string()));
+    assert_eq!(legacy.status, 504, "the legacy client hears the timeout");
+    let as_the_client = |s: &Seen| s.header("x-api-key") == Some("k-7");
+    wait_until(
+        "the pass-through session ended",
+        Duration::from_secs(10),
+        || deletes().iter().any(as_the_client),
+    );
 }
