@@ -150,8 +150,9 @@ async fn serve_inner(
         let client = &gw.upstreams.client;
         let (endpoint, timeouts) = (&route.endpoint, &group.timeouts);
         let sent = match &initialize {
-            // A session a late answer opens is ended: the client never learns of it.
-            Some(init) => {
+            // A session a late answer opens is ended: the client never learns of it. An
+            // `initialize` sent within a session is not: the session is the client's.
+            Some(init) if route.upstream_session.is_none() => {
                 let version = requested_revision(init);
                 let caller = Caller {
                     headers: gw.admission.end_to_end(session, group),
@@ -160,7 +161,7 @@ async fn serve_inner(
                 let sending = (request, body.clone());
                 send_initialize(client, endpoint, timeouts, sending, version, caller).await
             }
-            None => {
+            _ => {
                 let sending = client.send_on(connection, endpoint, timeouts, request, body.clone());
                 sending.await
             }

@@ -149,8 +149,9 @@ pub enum FailureKind {
     Denied(u16),
     /// No answer in time.
     Timeout,
-    /// The connection broke or closed under the exchange (a reset, an upstream
-    /// restarting): nothing says what the upstream would have answered.
+    /// The exchange failed below HTTP (a reset, a close, a TLS handshake: an upstream
+    /// restarting, a certificate rotated): nothing says what the upstream would have
+    /// answered.
     Cut,
     /// Anything else: an answer against the protocol.
     Broken,

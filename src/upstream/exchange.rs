@@ -114,7 +114,12 @@ pub struct ExchangeError {
 impl ExchangeError {
     /// No (whole) answer from `endpoint` in time.
     pub fn late(endpoint: Option<SocketAddr>) -> ExchangeError {
-        Fault::new(ExchangeFailure::Timeout).at(endpoint)
+        ExchangeError::new(ExchangeFailure::Timeout, endpoint)
+    }
+
+    /// `failure`, with `endpoint`, without a source.
+    pub fn new(failure: ExchangeFailure, endpoint: Option<SocketAddr>) -> ExchangeError {
+        Fault::new(failure).at(endpoint)
     }
 
     pub fn failure(&self) -> ExchangeFailure {
@@ -176,7 +181,13 @@ pub struct UpstreamClient {
     pub metrics: Arc<Metrics>,
     /// Largest message read whole from a response (`Response::max_message`).
     max_message: usize,
+    /// Late answers to `initialize` awaited in the background, to end the sessions they
+    /// open (`legacy_session`): each holds a connection, so they are bounded.
+    pub late_answers: Arc<tokio::sync::Semaphore>,
 }
+
+/// How many late answers to `initialize` are awaited at once.
+pub const MAX_LATE_ANSWERS: usize = 256;
 
 impl UpstreamClient {
     pub fn new(metrics: Arc<Metrics>) -> UpstreamClient {
@@ -185,6 +196,7 @@ impl UpstreamClient {
             idle: IdleConnections::new(metrics.upstream_idle_connections.clone()),
             metrics,
             max_message: crate::config::DEFAULT_MAX_UPSTREAM_MESSAGE_BYTES,
+            late_answers: Arc::new(tokio::sync::Semaphore::new(MAX_LATE_ANSWERS)),
         }
     }
 

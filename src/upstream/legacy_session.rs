@@ -245,7 +245,7 @@ impl<'a> LegacySession<'a> {
     ) -> Result<Response, SessionError> {
         let patience = self.timeouts.response + LATE_INITIALIZE_PATIENCE;
         let mut answer = Box::pin(self.post_detached(client.clone(), init, patience));
-        if let Ok(answered) = tokio::time::timeout(self.timeouts.response, &mut answer).await {
+        if let Ok(answered) = tokio::time::timeout(in_time(self.timeouts), &mut answer).await {
             return answered;
         }
         let ender = self.detached(client.clone(), *self.timeouts);
@@ -596,6 +596,12 @@ impl<'a> LegacySession<'a> {
     }
 }
 
+/// How long an `initialize` may take before it fails as late: the connection's own time
+/// (a connect that fails within it goes to another endpoint), then the response's.
+fn in_time(timeouts: &Timeouts) -> std::time::Duration {
+    timeouts.connect + timeouts.response
+}
+
 /// Ends, in the background, the session that a late answer to `initialize` opens:
 /// `answer` is the exchange still awaiting the header (for `LATE_INITIALIZE_PATIENCE`
 /// beyond the response timeout, which has passed), `ender` the session's way to the
@@ -604,7 +610,13 @@ fn end_late_session<E: Send + 'static>(
     answer: impl std::future::Future<Output = Result<Response, E>> + Send + 'static,
     ender: Detached,
 ) {
+    // Each holds a connection: past the bound, one is given up as the timeout left it.
+    let Ok(permit) = ender.client.late_answers.clone().try_acquire_owned() else {
+        tracing::info!("too many late answers to initialize awaited; one more is given up, and the session it may open is left to the upstream");
+        return;
+    };
     tokio::spawn(async move {
+        let _permit = permit;
         let Ok(response) = answer.await else {
             return;
         };
@@ -641,7 +653,7 @@ pub async fn send_initialize(
             .send_on(Connection::Pooled, &to, &patient, request, body)
             .await
     });
-    if let Ok(answered) = tokio::time::timeout(timeouts.response, &mut answer).await {
+    if let Ok(answered) = tokio::time::timeout(in_time(timeouts), &mut answer).await {
         // Only the header could have waited that long: the answer after it comes in the
         // usual time.
         return answered.map(|mut response| {

@@ -787,22 +787,35 @@ fn an_upstream_result_cannot_pose_as_a_round() {
 #[test]
 fn a_session_whose_initialize_answered_late_is_ended() {
     let late = Duration::from_millis(600);
+    // `initialize` is answered late with session `late-1`; a client named `on-time` is
+    // answered at once with `kept-1`, and its `initialize` again within that session late.
     let upstream = ScriptedUpstream::start(move |seen: &Seen| {
         let initialize = seen.jsonrpc_method().as_deref() == Some("initialize");
-        match legacy_basics(seen, "late-1") {
-            Some(answer) if initialize => Answer::silent().pause(late).bytes(answer.pieces_bytes()),
+        let on_time = seen
+            .json()
+            .is_some_and(|m| m["params"]["clientInfo"]["name"] == "on-time");
+        let session = match seen.header("mcp-session-id") {
+            Some("kept-1") => "kept-1",
+            _ if on_time => "kept-1",
+            _ => "late-1",
+        };
+        match legacy_basics(seen, session) {
+            Some(answer) if initialize && !on_time => {
+                Answer::silent().pause(late).bytes(answer.pieces_bytes())
+            }
             Some(answer) => answer,
             None => Answer::status(405, &[], b""),
         }
     });
+    // Late: past the connection's time and the response's (300 ms here).
     let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].connect_timeout_ms = 100;
         c.upstreams[0].response_timeout_ms = 200;
         c.bridge.warm_sessions_per_shape = 0;
     });
-    let deletes = || {
+    let deletes = |of: &str| {
         let requests = upstream.requests();
-        let ended =
-            |s: &&Seen| s.method == "DELETE" && s.header("mcp-session-id") == Some("late-1");
+        let ended = |s: &&Seen| s.method == "DELETE" && s.header("mcp-session-id") == Some(of);
         requests
             .iter()
             .filter(ended)
@@ -816,23 +829,37 @@ fn a_session_whose_initialize_answered_late_is_ended() {
         "{body}"
     );
     wait_until("the bridged session ended", Duration::from_secs(10), || {
-        !deletes().is_empty()
+        !deletes("late-1").is_empty()
     });
 
-    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {},
-        "clientInfo": {"name": "late", "version": "1"}}});
+    let init = |name: &str| {
+        json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+            "protocolVersion": "2025-11-25", "capabilities": {},
+            "clientInfo": {"name": name, "version": "1"}}})
+    };
+    let raw = Raw::new(&gw.url);
+    // Within a session of its own, a late answer names that session: it is left alone.
+    let kept = raw.post(None, &init("on-time"));
+    assert_eq!(kept.status, 200);
+    let token = kept.session.expect("a session token");
+    let again = raw.post(Some(&token), &init("again"));
+    assert_eq!(again.status, 504, "the legacy client hears the timeout");
+    // Outside any session: a client that never learns the id.
     let headers = [
         ("content-type", "application/json"),
         ("accept", "application/json, text/event-stream"),
         ("x-api-key", "k-7"),
     ];
-    let legacy = Raw::new(&gw.url).request("POST", &headers, Some(&init.to_string()));
+    let legacy = raw.request("POST", &headers, Some(&init("late").to_string()));
     assert_eq!(legacy.status, 504, "the legacy client hears the timeout");
     let as_the_client = |s: &Seen| s.header("x-api-key") == Some("k-7");
     wait_until(
         "the pass-through session ended",
         Duration::from_secs(10),
-        || deletes().iter().any(as_the_client),
+        || deletes("late-1").iter().any(as_the_client),
+    );
+    assert!(
+        deletes("kept-1").is_empty(),
+        "the client's own session was ended"
     );
 }

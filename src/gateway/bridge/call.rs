@@ -1303,9 +1303,12 @@ fn failure(e: &SessionError) -> Failure {
         SessionFailure::Exchange(ExchangeFailure::Connect) => FailureKind::Unreachable,
         SessionFailure::Exchange(ExchangeFailure::NoDescriptor) => FailureKind::NotSent,
         SessionFailure::Exchange(ExchangeFailure::Timeout) => FailureKind::Timeout,
-        SessionFailure::Exchange(ExchangeFailure::Broken | ExchangeFailure::Unanswered) => {
-            FailureKind::Cut
-        }
+        SessionFailure::Exchange(
+            ExchangeFailure::Broken
+            | ExchangeFailure::Unanswered
+            | ExchangeFailure::Handshake
+            | ExchangeFailure::Untrusted,
+        ) => FailureKind::Cut,
         SessionFailure::Exchange(_) | SessionFailure::Protocol(_) => FailureKind::Broken,
     };
     Failure::new(kind, e.failure().to_string())
@@ -1435,4 +1438,32 @@ fn count_state_rejection(gw: &Gateway, group: &UpstreamGroup, reason: &'static s
 /// travels in the state, so every round on every replica logs the same one.
 fn name_flow(flow_id: u64) {
     tracing::Span::current().record("flow", format!("{flow_id:016x}"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::upstream::exchange::ExchangeError;
+
+    /// What befell the connection (a reset, a close, a TLS handshake: an upstream
+    /// restarting, a certificate rotated) is told apart from an answer against the
+    /// protocol: only the latter teaches that a group cannot resume.
+    #[test]
+    fn a_failure_below_http_is_a_cut_and_an_answer_against_the_protocol_is_not() {
+        let kind = |f| failure(&SessionError::from(ExchangeError::new(f, None))).kind;
+        for below_http in [
+            ExchangeFailure::Broken,
+            ExchangeFailure::Unanswered,
+            ExchangeFailure::Handshake,
+            ExchangeFailure::Untrusted,
+        ] {
+            assert_eq!(kind(below_http), FailureKind::Cut, "{below_http:?}");
+        }
+        for answered in [
+            ExchangeFailure::Protocol("101"),
+            ExchangeFailure::TooLarge(9),
+        ] {
+            assert_eq!(kind(answered), FailureKind::Broken, "{answered:?}");
+        }
+    }
 }
