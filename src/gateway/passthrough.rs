@@ -154,7 +154,7 @@ async fn serve_inner(
             // `initialize` sent within a session is not: the session is the client's.
             Some(init) if route.upstream_session.is_none() => {
                 let version = requested_revision(init);
-                let caller = Caller {
+                let caller = || Caller {
                     headers: gw.admission.end_to_end(session, group),
                     ..Caller::default()
                 };

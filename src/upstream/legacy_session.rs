@@ -244,13 +244,9 @@ impl<'a> LegacySession<'a> {
         init: Value,
     ) -> Result<Response, SessionError> {
         let patience = self.timeouts.response + LATE_INITIALIZE_PATIENCE;
-        let mut answer = Box::pin(self.post_detached(client.clone(), init, patience));
-        if let Ok(answered) = tokio::time::timeout(in_time(self.timeouts), &mut answer).await {
-            return answered;
-        }
-        let ender = self.detached(client.clone(), *self.timeouts);
-        end_late_session(answer, ender);
-        Err(ExchangeError::late(Some(self.endpoint.addr)).into())
+        let answer = self.post_detached(client.clone(), init, patience);
+        let ender = || self.detached(client.clone(), *self.timeouts);
+        initialize_in_time(answer, &self.endpoint, self.timeouts, ender).await
     }
 
     /// Checks the answer to `initialize` and sends `notifications/initialized`; returns
@@ -602,6 +598,23 @@ fn in_time(timeouts: &Timeouts) -> std::time::Duration {
     timeouts.connect + timeouts.response
 }
 
+/// Awaits `answer`, the exchange of an `initialize` with `endpoint`, while it is in time
+/// (`in_time`). Past that the request fails as late, and `answer` goes on in the
+/// background (`end_late_session`), with the way to end its session that `ender` gives.
+async fn initialize_in_time<E: From<ExchangeError> + Send + 'static>(
+    answer: impl std::future::Future<Output = Result<Response, E>> + Send + 'static,
+    endpoint: &Endpoint,
+    timeouts: &Timeouts,
+    ender: impl FnOnce() -> Detached,
+) -> Result<Response, E> {
+    let mut answer = Box::pin(answer);
+    if let Ok(answered) = tokio::time::timeout(in_time(timeouts), &mut answer).await {
+        return answered;
+    }
+    end_late_session(answer, ender());
+    Err(ExchangeError::late(Some(endpoint.addr)).into())
+}
+
 /// Ends, in the background, the session that a late answer to `initialize` opens:
 /// `answer` is the exchange still awaiting the header (for `LATE_INITIALIZE_PATIENCE`
 /// beyond the response timeout, which has passed), `ender` the session's way to the
@@ -634,44 +647,39 @@ fn end_late_session<E: Send + 'static>(
 /// Sends a legacy client's `initialize` as pass-through does (`request` and `body` as
 /// they go upstream), within the response timeout; a later answer fails it as late, and
 /// the session it opens, which the client will never learn of, is ended (as
-/// `LegacySession::open` does for its own). `caller` carries the client's credentials.
+/// `LegacySession::open` does for its own), with the credentials `caller` gives: the
+/// client's.
 pub async fn send_initialize(
     client: &Arc<UpstreamClient>,
     endpoint: &Endpoint,
     timeouts: &Timeouts,
     (request, body): (RequestHeader, Bytes),
     version: Revision,
-    caller: Caller,
+    caller: impl FnOnce() -> Caller,
 ) -> Result<Response, ExchangeError> {
     let patient = Timeouts {
         response: timeouts.response + LATE_INITIALIZE_PATIENCE,
         ..*timeouts
     };
-    let (sending, to) = (client.clone(), endpoint.clone());
-    let mut answer = Box::pin(async move {
-        sending
-            .send_on(Connection::Pooled, &to, &patient, request, body)
-            .await
-    });
-    if let Ok(answered) = tokio::time::timeout(in_time(timeouts), &mut answer).await {
-        // Only the header could have waited that long: the answer after it comes in the
-        // usual time.
-        return answered.map(|mut response| {
-            response.answer_within = timeouts.response;
+    let (sending, to, answer_within) = (client.clone(), endpoint.clone(), timeouts.response);
+    let answer = async move {
+        let sent = sending.send_on(Connection::Pooled, &to, &patient, request, body);
+        // Only the header waits that long: the answer after it comes in the usual time.
+        sent.await.map(|mut response| {
+            response.answer_within = answer_within;
             response
-        });
-    }
-    let ender = Detached {
+        })
+    };
+    let ender = || Detached {
         client: client.clone(),
         timeouts: *timeouts,
         endpoint: endpoint.clone(),
         session_id: None,
         version,
-        caller,
+        caller: caller(),
         persistent: false,
     };
-    end_late_session(answer, ender);
-    Err(ExchangeError::late(Some(endpoint.addr)))
+    initialize_in_time(answer, endpoint, timeouts, ender).await
 }
 
 /// The session id a response names (`Mcp-Session-Id`), if readable.
