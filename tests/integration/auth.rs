@@ -108,8 +108,7 @@ fn a_client_without_a_token_is_challenged_with_metadata_the_gateway_serves() {
     assert_eq!(document["authorization_servers"][0], server.issuer.as_str());
 
     // A legacy client gets the upstream's 401 too, with the same challenge rewritten.
-    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}});
+    let init = legacy_initialize("t");
     let legacy = raw.post(None, &init);
     assert_eq!(legacy.status, 401);
     let legacy_challenge = legacy.www_authenticate.clone().expect("WWW-Authenticate");

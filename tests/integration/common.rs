@@ -758,6 +758,13 @@ pub fn raw_modern_request(
     request
 }
 
+/// A legacy client's `initialize` (2025-11-25, no capabilities) naming it `client`.
+pub fn legacy_initialize(client: &str) -> Value {
+    serde_json::json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": client, "version": "1"}}})
+}
+
 /// Sends a whole 2026-07-28 request to the gateway on `port` and closes the connection
 /// at once, as a client that goes away before its answer does.
 pub fn send_and_leave(port: u16, id: u64, params: Value, capabilities: Value) {

@@ -90,8 +90,7 @@ fn a_listed_origin_gets_its_preflights_answered_and_every_answer_granted() {
     assert_eq!(body["result"]["resultType"], "input_required", "{body}");
 
     // A legacy session through pass-through, and the gateway's own refusal.
-    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t", "version": "1"}}});
+    let init = legacy_initialize("t");
     let mut headers = vec![
         ("content-type", "application/json"),
         ("accept", "application/json, text/event-stream"),
@@ -140,10 +139,7 @@ fn a_star_grants_no_opaque_origin() {
     let answered = preflight(&raw, APP);
     assert_eq!(answered.status, 204);
     assert_eq!(answered.header_values("access-control-allow-origin"), [APP]);
-    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {},
-        "clientInfo": {"name": "page", "version": "1"}}})
-    .to_string();
+    let init = legacy_initialize("page").to_string();
     for opaque in ["null", "file://"] {
         let preflighted = preflight(&raw, opaque);
         assert_eq!(preflighted.status, 403, "preflight from {opaque}");

@@ -323,9 +323,7 @@ fn dns_discovered_pods_take_new_sessions_and_pods_that_left_are_refused() {
     // 5. Every pod is gone: no endpoint for new sessions, and old tokens are refused.
     dns.answer(ips(&[]));
     dns.wait_applied();
-    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {},
-        "clientInfo": {"name": "dns-test", "version": "1"}}});
+    let init = legacy_initialize("dns-test");
     assert_eq!(
         raw.post(None, &init).status,
         503,

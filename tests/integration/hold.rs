@@ -449,8 +449,7 @@ fn the_peer_listener_serves_only_retries_of_held_flows() {
     let peer = Raw::new(&format!("http://127.0.0.1:{peer_port}/mcp"));
     let list = peer.modern(1, "tools/list", json!({}), json!({}));
     assert_eq!(list.status, 403);
-    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "x", "version": "1"}}});
+    let init = legacy_initialize("x");
     assert_eq!(peer.post(None, &init).status, 403);
     let first_call = peer.modern(2, "tools/call", json!({"name": "t"}), json!({}));
     assert_eq!(first_call.status, 403);

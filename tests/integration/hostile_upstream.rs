@@ -835,17 +835,12 @@ fn a_session_whose_initialize_answered_late_is_ended() {
         !deletes("late-1").is_empty()
     });
 
-    let init = |name: &str| {
-        json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-            "protocolVersion": "2025-11-25", "capabilities": {},
-            "clientInfo": {"name": name, "version": "1"}}})
-    };
     let raw = Raw::new(&gw.url);
     // Within a session of its own, a late answer names that session: it is left alone.
-    let kept = raw.post(None, &init("on-time"));
+    let kept = raw.post(None, &legacy_initialize("on-time"));
     assert_eq!(kept.status, 200);
     let token = kept.session.expect("a session token");
-    let again = raw.post(Some(&token), &init("again"));
+    let again = raw.post(Some(&token), &legacy_initialize("again"));
     assert_eq!(again.status, 504, "the legacy client hears the timeout");
     // Outside any session: a client that never learns the id.
     let headers = [
@@ -853,7 +848,11 @@ fn a_session_whose_initialize_answered_late_is_ended() {
         ("accept", "application/json, text/event-stream"),
         ("x-api-key", "k-7"),
     ];
-    let legacy = raw.request("POST", &headers, Some(&init("late").to_string()));
+    let legacy = raw.request(
+        "POST",
+        &headers,
+        Some(&legacy_initialize("late").to_string()),
+    );
     assert_eq!(legacy.status, 504, "the legacy client hears the timeout");
     let as_the_client = |s: &Seen| s.header("x-api-key") == Some("k-7");
     wait_until(

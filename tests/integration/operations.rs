@@ -630,9 +630,7 @@ fn a_response_written_while_draining_closes_its_connection() {
     });
     let mut gw = GatewayProcess::start(&upstream.url());
     let raw = Raw::new(&gw.url);
-    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {},
-        "clientInfo": {"name": "t", "version": "1"}}});
+    let init = legacy_initialize("t");
     let in_flight = std::thread::spawn(move || raw.post(None, &init));
     wait_until("the request went up", Duration::from_secs(10), || {
         !upstream.requests().is_empty()
@@ -1009,10 +1007,7 @@ fn the_most_verbose_logs_carry_no_secrets() {
     std::fs::create_dir_all(&dir.0).unwrap();
     let log = dir.0.join("trace.log");
     let gw = GatewayProcess::start_logging_at(&url, Some(&log), "trace");
-    let body = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {},
-        "clientInfo": {"name": "trace-test", "version": "1"}}})
-    .to_string();
+    let body = legacy_initialize("trace-test").to_string();
     let chunked = format!(
         "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
          accept: application/json, text/event-stream\r\nauthorization: Bearer tr4ce-t0ken\r\n\
@@ -1232,9 +1227,7 @@ fn an_unparsable_upstream_header_is_logged_without_its_bytes() {
     let log = dir.0.join("gateway.log");
     let gw = GatewayProcess::start_logging(&upstream.url(), Some(&log));
     let raw = Raw::new(&gw.url);
-    let initialize = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {},
-        "clientInfo": {"name": "c", "version": "1"}}});
+    let initialize = legacy_initialize("c");
     assert_eq!(raw.post(None, &initialize).status, 502, "relayed");
     let call = json!({"name": "echo", "arguments": {}});
     let bridged = raw.modern(2, "tools/call", call, json!({}));

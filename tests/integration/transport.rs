@@ -94,12 +94,6 @@ fn post(version: &str, extra: &str, body: &Value) -> String {
     )
 }
 
-fn initialize_body() -> Value {
-    json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-        "protocolVersion": "2025-11-25", "capabilities": {},
-        "clientInfo": {"name": "raw", "version": "1"}}})
-}
-
 fn list_body(id: u64) -> Value {
     json!({"jsonrpc": "2.0", "id": id, "method": "tools/list"})
 }
@@ -255,7 +249,11 @@ fn an_unrelayed_answer_to_initialize_ends_the_session_it_opened() {
         ("accept-encoding", "gzip"),
         ("authorization", "Bearer user-token"),
     ];
-    let reply = Raw::new(&gw.url).request("POST", &headers, Some(&initialize_body().to_string()));
+    let reply = Raw::new(&gw.url).request(
+        "POST",
+        &headers,
+        Some(&legacy_initialize("raw").to_string()),
+    );
     assert_eq!(reply.status, 502);
     assert_eq!(reply.session, None, "a session was handed out");
     let deletes: Vec<Seen> = upstream
@@ -288,7 +286,7 @@ fn a_session_id_the_gateway_cannot_carry_is_refused_and_its_session_ended() {
             Answer::status(200, &[], b"")
         });
         let gw = TestGateway::start(&[&upstream.url()], &test_keys());
-        let reply = Raw::new(&gw.url).post(None, &initialize_body());
+        let reply = Raw::new(&gw.url).post(None, &legacy_initialize("raw"));
         let (status, session) = (reply.status, reply.session.clone());
         let body = reply.json();
         assert_eq!((status, session), (502, None), "{body}");
@@ -307,7 +305,7 @@ fn a_session_id_the_gateway_cannot_carry_is_refused_and_its_session_ended() {
 pub(crate) fn cl_te_smuggling_case() -> usize {
     let upstream = sse_lister();
     let gw = TestGateway::start(&[&upstream.url()], &test_keys());
-    let body = initialize_body().to_string();
+    let body = legacy_initialize("raw").to_string();
     let smuggled = post("HTTP/1.1", "x-forwarded-user: admin\r\n", &list_body(2));
     let headers = "host: 127.0.0.1\r\ncontent-length: 4\r\ntransfer-encoding: chunked\r\n";
     let chunked = format!("{:x}\r\n{body}\r\n0\r\n\r\n{smuggled}", body.len());
@@ -405,7 +403,7 @@ fn a_mirrored_header_sent_twice_with_different_values_is_refused() {
 fn a_request_naming_two_callers_sessions_or_positions_is_refused() {
     let tripwire = Tripwire::start();
     let gw = TestGateway::start(&[&tripwire.url()], &test_keys());
-    let body = initialize_body().to_string();
+    let body = legacy_initialize("raw").to_string();
     for (name, twice) in [
         (
             "authorization",
@@ -453,7 +451,7 @@ fn every_challenge_of_a_denial_reaches_the_client_whatever_its_bytes() {
             .map(str::to_string)
             .collect()
     };
-    let body = initialize_body().to_string();
+    let body = legacy_initialize("raw").to_string();
     let legacy = format!(
         "host: 127.0.0.1\r\nconnection: close\r\ncontent-length: {}\r\n",
         body.len()
@@ -597,7 +595,7 @@ pub(crate) fn http10_framing_case() -> usize {
 
     let mut stream = connect(gw.port);
     stream
-        .write_all(post("HTTP/1.0", "", &initialize_body()).as_bytes())
+        .write_all(post("HTTP/1.0", "", &legacy_initialize("raw")).as_bytes())
         .unwrap();
     let (answer, closed) = read_to_close(&mut stream);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
@@ -606,7 +604,7 @@ pub(crate) fn http10_framing_case() -> usize {
     let mut stream = connect(gw.port);
     let keep = "connection: keep-alive\r\n";
     stream
-        .write_all(post("HTTP/1.0", keep, &initialize_body()).as_bytes())
+        .write_all(post("HTTP/1.0", keep, &legacy_initialize("raw")).as_bytes())
         .unwrap();
     let (head, _) = read_response(&mut stream);
     assert!(
@@ -614,7 +612,7 @@ pub(crate) fn http10_framing_case() -> usize {
         "{head}"
     );
     stream
-        .write_all(post("HTTP/1.0", keep, &initialize_body()).as_bytes())
+        .write_all(post("HTTP/1.0", keep, &legacy_initialize("raw")).as_bytes())
         .unwrap();
     let (head, body) = read_response(&mut stream);
     assert!(head.starts_with("http/1.1 200"), "{head}");
@@ -1199,7 +1197,7 @@ pub(crate) fn forwarded_headers_case() -> usize {
             }
         });
         let before = upstream.count();
-        let (head, _) = post_once(gw.port, spoofed, &initialize_body());
+        let (head, _) = post_once(gw.port, spoofed, &legacy_initialize("raw"));
         assert!(head.starts_with("http/1.1 200"), "{head}");
         let seen = &upstream.wait_for(before + 1, READ_LIMIT)[before];
         let names = [
@@ -1238,7 +1236,7 @@ pub(crate) fn connection_cap_case() -> usize {
         gauge() == 2.0
     });
     let mut over = connect(gw.port);
-    over.write_all(post("HTTP/1.1", "", &initialize_body()).as_bytes())
+    over.write_all(post("HTTP/1.1", "", &legacy_initialize("raw")).as_bytes())
         .unwrap();
     let (answer, closed) = read_to_close(&mut over);
     let (head, body) = answer
@@ -1260,7 +1258,7 @@ pub(crate) fn connection_cap_case() -> usize {
     wait_until("the idle connections released", READ_LIMIT, || {
         gauge() == 0.0
     });
-    let (head, _) = post_once(gw.port, "", &initialize_body());
+    let (head, _) = post_once(gw.port, "", &legacy_initialize("raw"));
     assert!(
         head.starts_with("http/1.1 200"),
         "a freed slot is served: {head}"
@@ -1285,11 +1283,11 @@ pub(crate) fn client_idle_case() -> usize {
         c.limits.header_timeout_ms = 300;
     });
     let mut stream = connect(gw.port);
-    let (head, _) = ask(&mut stream, &initialize_body());
+    let (head, _) = ask(&mut stream, &legacy_initialize("raw"));
     assert!(head.starts_with("http/1.1 200"), "{head}");
     // Idle for longer than a request's header may take.
     std::thread::sleep(Duration::from_millis(700));
-    let (head, _) = ask(&mut stream, &initialize_body());
+    let (head, _) = ask(&mut stream, &legacy_initialize("raw"));
     assert!(
         head.starts_with("http/1.1 200"),
         "the kept-alive connection closed before the idle timeout: {head}"
@@ -1305,7 +1303,7 @@ pub(crate) fn client_idle_case() -> usize {
         c.limits.client_idle_timeout_ms = 300;
     });
     let mut stream = connect(gw.port);
-    let (head, _) = ask(&mut stream, &initialize_body());
+    let (head, _) = ask(&mut stream, &legacy_initialize("raw"));
     assert_eq!(
         header_value(&head, "connection"),
         Some("keep-alive"),
@@ -1334,7 +1332,7 @@ pub(crate) fn crowded_listener_case() -> usize {
     });
     let gauge = || metric(&gw.admin, "mrtr_gateway_client_connections");
     let mut kept = connect(gw.port);
-    let (head, _) = ask(&mut kept, &initialize_body());
+    let (head, _) = ask(&mut kept, &legacy_initialize("raw"));
     assert_eq!(
         header_value(&head, "connection"),
         Some("keep-alive"),
@@ -1351,7 +1349,7 @@ pub(crate) fn crowded_listener_case() -> usize {
         gauge() == 2.0
     });
     let mut newcomer = connect(gw.port);
-    let (head, _) = ask(&mut newcomer, &initialize_body());
+    let (head, _) = ask(&mut newcomer, &legacy_initialize("raw"));
     assert!(head.starts_with("http/1.1 200"), "{head}");
     assert_eq!(
         header_value(&head, "connection"),
