@@ -190,16 +190,15 @@ async fn serve_inner(
         let opened = session_opened(&route, response.header());
         gw.upstreams.client.finish(response).await;
         if let Some(upstream_session) = opened {
-            let version = initialize.map_or_else(Revision::default, |b| requested_revision(&b));
-            end_unrelayed_session(gw, session, group, &route, upstream_session, version).await;
+            let asked = initialize.as_deref();
+            end_unrelayed_session(gw, session, group, &route, upstream_session, asked).await;
         }
         return refuse(session, legacy, id.as_ref(), coded_against_identity(group)).await;
     }
     if let Some(sid) = uncarried_session(&route, response.header()) {
         gw.upstreams.client.finish(response).await;
         if let Some(sid) = sid {
-            let version = initialize.map_or_else(Revision::default, |b| requested_revision(&b));
-            end_unrelayed_session(gw, session, group, &route, sid, version).await;
+            end_unrelayed_session(gw, session, group, &route, sid, initialize.as_deref()).await;
         }
         return refuse(
             session,
@@ -208,6 +207,19 @@ async fn serve_inner(
             uncarried_session_refusal(group),
         )
         .await;
+    }
+    // A session-less `initialize` whose client left while it was sent has opened a
+    // session nobody will learn of.
+    let opened = initialize
+        .as_deref()
+        .and(session_opened(&route, response.header()));
+    if let Some(upstream_session) = opened {
+        if respond::client_left(session).await {
+            gw.upstreams.client.finish(response).await;
+            let asked = initialize.as_deref();
+            end_unrelayed_session(gw, session, group, &route, upstream_session, asked).await;
+            return Outcome::ClientGone;
+        }
     }
     count_session_event(gw, session, &route, response.header());
     let header = client_response_header(gw, session, group, &route, binding, response.header());
@@ -784,15 +796,17 @@ fn requested_revision(body: &[u8]) -> Revision {
 }
 
 /// Ends an upstream session the client never learnt of, since its response was not
-/// relayed: nobody else would. `version` is the revision the client asked for.
+/// relayed: nobody else would. `initialize` is the client's, naming the revision the
+/// session's requests must name.
 async fn end_unrelayed_session(
     gw: &Gateway,
     session: &ServerSession,
     group: &UpstreamGroup,
     route: &Route,
     upstream_session: String,
-    version: Revision,
+    initialize: Option<&[u8]>,
 ) {
+    let version = initialize.map_or_else(Revision::default, requested_revision);
     gw.runtime.metrics.upstream_session("opened");
     let client = &gw.upstreams.client;
     let endpoint = route.endpoint.clone();

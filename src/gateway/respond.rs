@@ -10,6 +10,7 @@ use pingora::http::ResponseHeader;
 use pingora::protocols::http::ServerSession;
 use serde_json::Value;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Writes a whole response; returns whether the client took it (a failed write means it
 /// left, or stopped reading: there is nothing to add).
@@ -119,6 +120,12 @@ pub fn given_up(session: &ServerSession) -> bool {
     session.req_header().extensions.get::<GivenUp>().is_some()
 }
 
+/// Whether the client has closed its connection already: one read, without waiting.
+pub async fn client_left(session: &mut ServerSession) -> bool {
+    let read = tokio::time::timeout(Duration::ZERO, session.read_body_or_idle(true)).await;
+    matches!(read, Ok(Err(_)))
+}
+
 /// Sets SO_LINGER to 0 s on the socket `fd`: its close sends a reset, and frees what it
 /// had queued.
 fn reset_on_close(fd: i32) {
@@ -143,7 +150,7 @@ fn reset_on_close(fd: i32) {
 }
 
 /// The longest `abort` waits for a connection's orderly shutdown.
-const SHUTDOWN_WITHIN: std::time::Duration = std::time::Duration::from_secs(1);
+const SHUTDOWN_WITHIN: Duration = Duration::from_secs(1);
 
 /// A JSON-RPC error with an HTTP status.
 pub async fn error(

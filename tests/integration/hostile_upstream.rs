@@ -865,3 +865,40 @@ fn a_session_whose_initialize_answered_late_is_ended() {
         "the client's own session was ended"
     );
 }
+
+/// A legacy client that leaves while its `initialize` is on its way (a timeout of its
+/// own, a closed tab) never learns of the session the answer opens: the gateway ends it,
+/// with the client's credentials, rather than leave it to the upstream's expiry.
+#[test]
+fn a_session_whose_initialize_client_left_is_ended() {
+    let answer = Gate::new();
+    let held = answer.clone();
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let initialize = seen.jsonrpc_method().as_deref() == Some("initialize");
+        match legacy_basics(seen, "left-1") {
+            Some(sent) if initialize => Answer::silent().wait(&held).bytes(sent.pieces_bytes()),
+            Some(sent) => sent,
+            None => Answer::status(405, &[], b""),
+        }
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let body = legacy_initialize("leaving").to_string();
+    let request = format!(
+        "POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+         accept: application/json, text/event-stream\r\nx-api-key: k-8\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let client = raw_send(gw.port, request.as_bytes(), Duration::from_secs(10));
+    upstream.wait_for(1, Duration::from_secs(10));
+    drop(client);
+    answer.open();
+    let ended = |s: &Seen| {
+        s.method == "DELETE"
+            && s.header("mcp-session-id") == Some("left-1")
+            && s.header("x-api-key") == Some("k-8")
+    };
+    wait_until("the session ended", Duration::from_secs(10), || {
+        upstream.requests().iter().any(ended)
+    });
+}

@@ -22,7 +22,7 @@ use crate::config::{Limits, QuietWindowFor};
 use crate::gateway::learnt::SessionReplay;
 use crate::gateway::precise_sleep::sleep_until_or_never;
 use crate::gateway::reaper::{Abandoned, NotWatched, Whose};
-use crate::gateway::{peers, Arrival, Gateway, UpstreamSide};
+use crate::gateway::{peers, respond, Arrival, Gateway, UpstreamSide};
 use crate::metrics::InUse;
 use crate::mrtr::flow::{
     CallReply, Command, Ending, Failure, FailureKind, Flow, FlowConfig, Input, Learnt, Lost, Note,
@@ -541,8 +541,7 @@ async fn gone_and_held(
     at: &HeldAt,
     flow_id: u64,
 ) -> (bool, Option<Box<Held>>) {
-    let read = tokio::time::timeout(Duration::ZERO, session.read_body_or_idle(true)).await;
-    let gone = matches!(read, Ok(Err(_)));
+    let gone = respond::client_left(session).await;
     (gone, gw.flows.held.take(at.slot, flow_id))
 }
 
