@@ -337,6 +337,22 @@ fn two_questions_round() -> Harness {
     h
 }
 
+/// A first round (`with_logs`) that asked a question (id 0) on the call's stream, event
+/// `c2`, and one (id 1) on the session's GET stream between a log message and a ping:
+/// `g1` log "hello", `g2` question, `g3` log "first", `g4` ping (id 9).
+fn get_stream_round() -> Harness {
+    let mut h = Harness::new_call(with_logs(), Upstream::default());
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
+    h.event(Stream::Session, Some("g1"), &log("hello"));
+    h.event(Stream::Session, Some("g2"), &question(1, "Size?"));
+    h.event(Stream::Session, Some("g3"), &log("first"));
+    h.event(Stream::Session, Some("g4"), &ping(9));
+    h.advance(Duration::from_millis(10));
+    assert_eq!(notified(&h), [json!("hello"), json!("first")]);
+    h
+}
+
 /// A first round that asked one question (id 0) on the call's stream, event `c2`.
 fn first_round() -> Harness {
     let mut h = Harness::new_call(config(), Upstream::default());
@@ -961,16 +977,7 @@ fn a_partial_retry_neither_tells_nor_answers_again_what_the_round_before_read() 
     after_the_replay(&mut h, 1, "elicitation_0");
 
     // The same on the session's GET stream, resumed from before its question.
-    let mut h = Harness::new_call(with_logs.clone(), Upstream::default());
-    h.event(Stream::Call, Some("c1"), &json!(""));
-    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
-    h.event(Stream::Session, Some("g1"), &log("hello"));
-    h.event(Stream::Session, Some("g2"), &question(1, "Size?"));
-    h.event(Stream::Session, Some("g3"), &log("first"));
-    h.event(Stream::Session, Some("g4"), &ping);
-    h.advance(Duration::from_millis(10));
-    assert_eq!(notified(&h), [json!("hello"), json!("first")]);
-    let first = h;
+    let first = get_stream_round();
     let partial = json!({"elicitation_0": accept("red")});
     let mut h = retry_of(&first, with_logs, Upstream::default(), partial);
     assert!(h.log.iter().any(is_open(Stream::Session, Some("g1"))));
@@ -991,16 +998,7 @@ fn a_partial_retry_neither_tells_nor_answers_again_what_the_round_before_read() 
 /// is not told or answered again.
 #[test]
 fn a_full_retry_neither_tells_nor_answers_again_what_the_get_stream_replays() {
-    let mut h = Harness::new_call(with_logs(), Upstream::default());
-    h.event(Stream::Call, Some("c1"), &json!(""));
-    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
-    h.event(Stream::Session, Some("g1"), &log("hello"));
-    h.event(Stream::Session, Some("g2"), &question(1, "Size?"));
-    h.event(Stream::Session, Some("g3"), &log("first"));
-    h.event(Stream::Session, Some("g4"), &ping(9));
-    h.advance(Duration::from_millis(10));
-    assert_eq!(notified(&h), [json!("hello"), json!("first")]);
-    let first = h;
+    let first = get_stream_round();
     let both = json!({"elicitation_0": accept("red"), "elicitation_1": accept("L")});
     let mut h = retry_of(&first, with_logs(), Upstream::default(), both);
     assert!(h.log.iter().any(is_open(Stream::Session, Some("g1"))));
@@ -1020,15 +1018,7 @@ fn a_full_retry_neither_tells_nor_answers_again_what_the_get_stream_replays() {
 /// answered, and its question asked.
 #[test]
 fn a_fresh_get_stream_in_place_of_a_resumed_one_is_read_as_new() {
-    let mut h = Harness::new_call(with_logs(), Upstream::default());
-    h.event(Stream::Call, Some("c1"), &json!(""));
-    h.event(Stream::Call, Some("c2"), &question(0, "Color?"));
-    h.event(Stream::Session, Some("g1"), &log("hello"));
-    h.event(Stream::Session, Some("g2"), &question(1, "Size?"));
-    h.event(Stream::Session, Some("g3"), &log("first"));
-    h.event(Stream::Session, Some("g4"), &ping(9));
-    h.advance(Duration::from_millis(10));
-    let first = h;
+    let first = get_stream_round();
     let both = json!({"elicitation_0": accept("red"), "elicitation_1": accept("L")});
     let fresh = Upstream {
         session_resumes: false,
