@@ -83,6 +83,7 @@ fn config(b: &mut Bytes) -> FlowConfig {
             _ => ResumeMode::Hold,
         },
         replay_refused: false,
+        resumptions_failing: false,
         primes: match (flags >> 6) % 3 {
             0 => None,
             1 => Some(true),

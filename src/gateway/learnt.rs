@@ -13,6 +13,8 @@ use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// Most tools (and prompts, resources) remembered as asking several questions at once,
 /// over all groups: beyond it, others are not remembered, and their rounds keep ending as
@@ -56,6 +58,26 @@ pub struct GroupLearnt {
     /// got 409 for as long as the gateway tried): a GET stream is then reopened with one
     /// attempt, since waiting for the server to let go of the old one never paid.
     pub session_stream_kept: bool,
+    /// Resumptions that failed without an answer saying why (`Learnt::ResumptionFailed`
+    /// of `mrtr::flow`) since the last one that worked: how many, and since when.
+    pub failing_resumptions: Option<(u32, Instant)>,
+}
+
+/// How many resumptions in a row, failing for how long, show that a group's upstream
+/// cannot resume (a broken event store), rather than that it restarted: a restart cuts
+/// the resumptions of a few seconds, and any that works in between starts the count anew.
+pub const FAILED_RESUMPTIONS_IN_A_ROW: u32 = 5;
+pub const FAILING_RESUMPTIONS_FOR: Duration = Duration::from_secs(60);
+
+impl GroupLearnt {
+    /// Counts a resumption that failed at `now` without an answer saying why; true once
+    /// they have failed often enough, for long enough.
+    pub fn note_resumption_failed(&mut self, now: Instant) -> bool {
+        let (count, since) = self.failing_resumptions.get_or_insert((0, now));
+        *count = count.saturating_add(1);
+        *count >= FAILED_RESUMPTIONS_IN_A_ROW
+            && now.duration_since(*since) >= FAILING_RESUMPTIONS_FOR
+    }
 }
 
 /// Every group's learnt facts, by group name.
@@ -127,6 +149,28 @@ mod tests {
         assert_eq!(before.resumption_primes, None);
         assert_eq!(learnt.get("g").resumption_primes, Some(true));
         assert_eq!(learnt.get("other"), GroupLearnt::default());
+    }
+
+    #[test]
+    fn resumptions_failing_often_and_long_show_an_upstream_that_cannot_resume() {
+        let start = Instant::now();
+        let mut facts = GroupLearnt::default();
+        // A burst, as an upstream restarting cuts: many, but within seconds.
+        for n in 0..2 * FAILED_RESUMPTIONS_IN_A_ROW {
+            let at = start + Duration::from_millis(u64::from(n) * 100);
+            assert!(!facts.note_resumption_failed(at));
+        }
+        // A minute on, still failing: the store is broken.
+        assert!(facts.note_resumption_failed(start + FAILING_RESUMPTIONS_FOR));
+        // Long, but few: four over minutes say nothing yet; the fifth does.
+        let mut facts = GroupLearnt::default();
+        for n in 1..FAILED_RESUMPTIONS_IN_A_ROW {
+            assert!(!facts.note_resumption_failed(start + FAILING_RESUMPTIONS_FOR * n));
+        }
+        assert!(facts.note_resumption_failed(start + FAILING_RESUMPTIONS_FOR * 9));
+        // One that worked starts the count anew.
+        facts.failing_resumptions = None;
+        assert!(!facts.note_resumption_failed(start + FAILING_RESUMPTIONS_FOR * 10));
     }
 
     #[test]

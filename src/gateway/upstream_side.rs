@@ -193,6 +193,20 @@ impl UpstreamSide {
         }
     }
 
+    /// Records a resumption that failed without an answer saying why (cut, a server
+    /// error, no answer in time): once they have failed often and long enough, with none
+    /// working in between, the upstream cannot resume (`note_replay_refused`).
+    pub fn note_resumption_failed(&self, group: &UpstreamGroup) {
+        let now = tokio::time::Instant::now();
+        let mut for_good = false;
+        self.learnt.update(&group.name, |facts| {
+            for_good = facts.note_resumption_failed(now);
+        });
+        if for_good {
+            self.note_replay_refused(group, "resumptions failing without an answer for a minute");
+        }
+    }
+
     /// Records that the group's upstream keeps a session's GET stream after the gateway
     /// closed it: its GET streams are reopened with one attempt from now on.
     pub fn note_session_stream_kept(&self, group: &UpstreamGroup) {

@@ -186,6 +186,15 @@ impl Failure {
             if (400..500).contains(&status) && !matches!(status, 408 | 409 | 425 | 429))
     }
 
+    /// The upstream gave no answer that says why the request failed: the exchange was
+    /// cut below HTTP, failed with a server error, or had no answer in time.
+    pub fn unexplained(&self) -> bool {
+        match self.kind {
+            FailureKind::Refused(status) => (500..600).contains(&status),
+            kind => matches!(kind, FailureKind::Cut | FailureKind::Timeout),
+        }
+    }
+
     /// The request provably did not reach the upstream, or was refused there. A 5xx
     /// proves neither: a proxy's 502 or 504 may follow a server that took the request.
     pub fn never_delivered(&self) -> bool {
@@ -392,6 +401,12 @@ pub enum Learnt {
     /// ids do not name its events, so its calls cannot be resumed by them. With
     /// `resume: auto` its flows are held from then on.
     EventIdRepeated,
+    /// A resumption failed without an answer that says the upstream cannot resume: cut
+    /// below HTTP, a server error, or no answer in time. One alone says nothing (an
+    /// upstream restarting); the shell learns from a run of them.
+    ResumptionFailed,
+    /// A resumption worked after some failed (`Config::resumptions_failing`).
+    ResumptionWorked,
     /// Whether its resumed streams are primed once live.
     Primes(bool),
     /// The call asked a question before the previous round's answers went up (it was
@@ -473,6 +488,9 @@ pub struct FlowConfig {
     /// The group's `resume` setting, and what is known of it.
     pub resume: ResumeMode,
     pub replay_refused: bool,
+    /// Resumptions of the group's upstream have failed since the last one that worked
+    /// (`Learnt::ResumptionFailed`).
+    pub resumptions_failing: bool,
     pub primes: Option<bool>,
     /// The group's store keeps sessions apart: a GET stream may be resumed.
     pub session_replay_scoped: bool,
@@ -1293,8 +1311,13 @@ impl Flow {
             // What the upstream answered, not what befell the connection, or a throttle.
             if failure.refused_for_good() || failure.kind == FailureKind::Broken {
                 self.learn(Learnt::ReplayRefused { empty: false });
+            } else if failure.unexplained() {
+                self.learn(Learnt::ResumptionFailed);
             }
             return self.unresumable(retry, Err(failure), now);
+        }
+        if self.config.resumptions_failing {
+            self.learn(Learnt::ResumptionWorked);
         }
         if self.config.primes == Some(false) {
             return self.answer(*retry, now);
@@ -2328,7 +2351,8 @@ impl Flow {
                 self.config.replay_refused = true
             }
             Learnt::Primes(primes) => self.config.primes = Some(primes),
-            Learnt::Resumable(_) | Learnt::AsksAtOnce => {}
+            Learnt::ResumptionWorked => self.config.resumptions_failing = false,
+            Learnt::Resumable(_) | Learnt::AsksAtOnce | Learnt::ResumptionFailed => {}
         }
         self.commands.push_back(Command::Learn(learnt));
     }

@@ -362,6 +362,7 @@ fn config(call: &Call<'_>, session_replay_scoped: bool) -> FlowConfig {
         max_flow_seconds: bridge.max_flow_seconds,
         resume: group.resume,
         replay_refused: learnt.replay_refused,
+        resumptions_failing: learnt.failing_resumptions.is_some(),
         primes: learnt.resumption_primes,
         session_replay_scoped,
         shedding: shedding(gw),
@@ -1280,6 +1281,12 @@ fn learn(upstreams: &UpstreamSide, group: &UpstreamGroup, request: &ModernReques
             group,
             "one event id twice in a round, so its ids do not name its events",
         ),
+        Learnt::ResumptionFailed => upstreams.note_resumption_failed(group),
+        Learnt::ResumptionWorked => {
+            upstreams
+                .learnt
+                .update(&group.name, |facts| facts.failing_resumptions = None);
+        }
         Learnt::Primes(primes) => {
             upstreams
                 .learnt

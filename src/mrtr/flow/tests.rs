@@ -34,6 +34,7 @@ fn config() -> FlowConfig {
         max_flow_seconds: 1800,
         resume: ResumeMode::Auto,
         replay_refused: false,
+        resumptions_failing: false,
         primes: Some(true),
         session_replay_scoped: true,
         shedding: false,
@@ -1388,6 +1389,52 @@ fn a_refused_resumption_loses_the_call_ends_its_session_and_teaches_the_group() 
     }
     // An answer against the protocol does.
     assert!(teaches(&failed(FailureKind::Broken)));
+}
+
+/// A resumption cut, or failing with a server error or no answer in time, is counted for
+/// the shell to learn from a run of them; one that works after them ends the run. A
+/// throttle counts as neither.
+#[test]
+fn resumptions_failing_without_an_answer_are_told_and_so_is_one_that_works_after() {
+    let first = first_round();
+    let answers = || json!({"elicitation_0": accept("Ada")});
+    let reopened = |kind: Option<FailureKind>, failing: bool| {
+        let mut upstream = Upstream::default();
+        if let Some(kind) = kind {
+            upstream
+                .call_opens
+                .push_back(Err(Failure::new(kind, "failed")));
+        }
+        let config = FlowConfig {
+            resumptions_failing: failing,
+            ..config()
+        };
+        let h = retry_of(&first, config, upstream, answers());
+        let learnt: Vec<Learnt> = h
+            .log
+            .iter()
+            .filter_map(|c| match c {
+                Command::Learn(l) => Some(*l),
+                _ => None,
+            })
+            .collect();
+        learnt
+    };
+    for kind in [
+        FailureKind::Cut,
+        FailureKind::Timeout,
+        FailureKind::Refused(500),
+        FailureKind::Refused(503),
+    ] {
+        assert_eq!(
+            reopened(Some(kind), false),
+            [Learnt::ResumptionFailed],
+            "{kind:?}"
+        );
+    }
+    assert_eq!(reopened(Some(FailureKind::Refused(429)), false), []);
+    assert_eq!(reopened(None, true), [Learnt::ResumptionWorked]);
+    assert_eq!(reopened(None, false), [], "nothing to end");
 }
 
 fn challenge() -> Option<String> {
