@@ -143,6 +143,18 @@ fn unsupported_version(version: &str) -> Refusal {
     .with_data(serde_json::json!({"supported": SUPPORTED_VERSIONS, "requested": shown}))
 }
 
+/// Refuses an `MCP-Protocol-Version` header naming a version the gateway does not speak
+/// (-32022, listing those it does). It is told first, before the method is looked up:
+/// the request's other requirements are not this revision's to state.
+pub fn check_header_version(header: Option<&str>) -> Result<(), Refusal> {
+    match header {
+        Some(h) if !SUPPORTED_VERSIONS.contains(&h) && !LEGACY_VERSIONS.contains(&h) => {
+            Err(unsupported_version(h))
+        }
+        _ => Ok(()),
+    }
+}
+
 fn invalid_params(message: impl Into<String>) -> Refusal {
     Refusal::new(
         Class::BadRequest,
@@ -223,13 +235,7 @@ impl ModernRequest {
             Some(Value::Object(p)) => p.clone(),
             Some(_) => return Err(invalid_params("params must be an object")),
         };
-        // A version the gateway does not speak is told so first: its other requirements
-        // are not this revision's to state.
-        if let Some(h) = headers.protocol_version {
-            if !SUPPORTED_VERSIONS.contains(&h) && !LEGACY_VERSIONS.contains(&h) {
-                return Err(unsupported_version(h));
-            }
-        }
+        check_header_version(headers.protocol_version)?;
         let meta = params
             .get("_meta")
             .and_then(Value::as_object)

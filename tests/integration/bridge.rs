@@ -296,6 +296,17 @@ fn the_modern_surface_refuses_bad_requests_in_the_spec_form() {
             -32022,
         ),
         (
+            // The version is told first, whatever the method: `initialize` is not one of
+            // 2026-07-28, but a future one is not this revision's to judge.
+            "unsupported version, initialize",
+            vec![("mcp-protocol-version", "2099-01-01")],
+            json!({"jsonrpc": "2.0", "id": 5, "method": "initialize", "params": {
+                "protocolVersion": "2099-01-01", "capabilities": {},
+                "clientInfo": {"name": "future", "version": "1"}}}),
+            400,
+            -32022,
+        ),
+        (
             "unknown method",
             vec![
                 ("mcp-protocol-version", "2026-07-28"),

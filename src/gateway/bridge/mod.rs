@@ -29,7 +29,7 @@ use crate::mrtr::data_session::META_KEY;
 pub(crate) use crate::mrtr::flow::fresh_call_id;
 use crate::mrtr::flow::Failure;
 use crate::mrtr::modern::{
-    gateway_code as scode, ModernHeaders, ModernRequest, SUPPORTED_VERSIONS,
+    check_header_version, gateway_code as scode, ModernHeaders, ModernRequest, SUPPORTED_VERSIONS,
 };
 use crate::mrtr::state::FlowState;
 use crate::outcome::Report;
@@ -247,6 +247,9 @@ async fn serve_inner(
         streams: gw.runtime.metrics.active_client_streams.clone(),
         cookie: None,
     };
+    if let Err(refusal) = check_header_version(headers.protocol_version) {
+        return Served::Done(reply.refuse(session, refusal).await);
+    }
     let Some(kind) = Kind::of(method) else {
         let text = format!("Method not found: {method}");
         reply
