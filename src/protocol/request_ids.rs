@@ -151,8 +151,13 @@ impl<'a> Envelope<'a> {
         let Some(params) = self.params.filter(|_| method == "notifications/cancelled") else {
             return Ok(None);
         };
-        let cancellation: Option<Cancellation> = serde_json::from_str(params.get()).ok();
-        Ok(cancellation.and_then(|c| c.request_id))
+        match serde_json::from_str::<Cancellation>(params.get()) {
+            Ok(cancellation) => Ok(cancellation.request_id),
+            // An object that does not read as one names a member twice: refused, as a
+            // message naming its own id twice is (which `requestId` would go up?).
+            Err(_) if params.get().starts_with('{') => Err(WrapError::NotMessages),
+            Err(_) => Ok(None),
+        }
     }
 }
 
@@ -462,6 +467,11 @@ mod tests {
             out[2]["id"], 9,
             "a response to the server keeps the server's id"
         );
+        // A cancellation naming its request twice goes up neither wrapped nor raw.
+        let twice = br#"{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":1,"requestId":2}}"#;
+        assert_eq!(wrap_body(twice, &tag()), Err(WrapError::NotMessages));
+        let not_an_object = br#"{"jsonrpc":"2.0","method":"notifications/cancelled","params":"x"}"#;
+        assert_eq!(wrap_body(not_an_object, &tag()), Ok(None));
         for untouched in [
             json!({"jsonrpc": "2.0", "method": "notifications/initialized"}),
             json!({"jsonrpc": "2.0", "id": "s1", "result": {"action": "accept"}}),
