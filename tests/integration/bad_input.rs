@@ -273,6 +273,8 @@ fn a_modern_body_that_fails_the_full_parse_gets_the_reason() {
     let body = raw.request("POST", &headers, Some(&deep)).json();
     let message = body["error"]["message"].as_str().unwrap_or_default();
     assert!(message.contains("recursion limit"), "{body}");
+    assert!(message.contains("nested at most 128 deep"), "{body}");
+    assert_eq!(body["id"], 1, "the id the envelope check read: {body}");
     assert!(!message.contains("responses"), "{body}");
     let batch =
         json!([{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "add"}}]);

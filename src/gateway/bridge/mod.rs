@@ -136,7 +136,8 @@ pub async fn serve(
     let message = match parse_single(&incoming) {
         Ok(message) => message,
         Err(text) => {
-            respond::error(session, 400, None, code::INVALID_REQUEST, &text).await;
+            let id = incoming.parsed.id();
+            respond::error(session, 400, id, code::INVALID_REQUEST, &text).await;
             let refusal = Refusal::new(Class::BadRequest, code::INVALID_REQUEST, text);
             gw.record("modern", "other", &Outcome::Refused(refusal), started);
             return;
@@ -180,7 +181,13 @@ fn parse_single(incoming: &Incoming) -> Result<Value, String> {
         );
     }
     jsonrpc::from_slice_lenient(&incoming.body).map_err(|e| {
-        format!("the request body is not a JSON-RPC message the gateway can read: {e}")
+        // serde_json's own bound, which keeps a body from exhausting a worker's stack.
+        let depth = if e.to_string().starts_with("recursion limit exceeded") {
+            " (it reads values nested at most 128 deep)"
+        } else {
+            ""
+        };
+        format!("the request body is not a JSON-RPC message the gateway can read{depth}: {e}")
     })
 }
 
