@@ -309,6 +309,11 @@ pub struct BridgeOptions {
     pub one_shot_session_idle_seconds: u64,
     /// Most sessions kept for one-shot methods; beyond it the least recently used goes.
     pub max_one_shot_sessions: usize,
+    /// Most of those kept for one principal's shapes (requests without one count only
+    /// against `max_one_shot_sessions`); beyond it the principal's own least recently
+    /// used goes, so that a client sending ever new capabilities cannot push the others'
+    /// sessions out.
+    pub max_one_shot_sessions_per_principal: usize,
     /// Upstream sessions initialized ahead of demand for interactive calls, per shape
     /// (group, declared capabilities, client, principal, credentials): a new call takes
     /// one instead of waiting for `initialize`, and starts opening its replacement. Each
@@ -368,6 +373,7 @@ impl Default for BridgeOptions {
             round_silence_seconds: 45,
             one_shot_session_idle_seconds: 300,
             max_one_shot_sessions: 1024,
+            max_one_shot_sessions_per_principal: 16,
             warm_sessions_per_shape: 2,
             max_warm_sessions: 256,
             warm_session_idle_seconds: 30,
@@ -430,6 +436,11 @@ impl BridgeOptions {
             (
                 "max_one_shot_sessions",
                 self.max_one_shot_sessions as u64,
+                Some(one_shot),
+            ),
+            (
+                "max_one_shot_sessions_per_principal",
+                self.max_one_shot_sessions_per_principal as u64,
                 Some(one_shot),
             ),
         ];
@@ -1394,6 +1405,7 @@ mod tests {
             "max_watched_sessions_per_principal",
             "max_used_states",
             "max_one_shot_sessions",
+            "max_one_shot_sessions_per_principal",
             "max_warm_sessions",
             "warm_session_idle_seconds",
             "round_silence_seconds",

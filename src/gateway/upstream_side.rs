@@ -51,6 +51,8 @@ pub struct Asker {
     pub client_info: Value,
     pub caller: Caller,
     pub shape: Shape,
+    /// The principal whose share of the kept sessions its shape takes (`None`: anonymous).
+    pub owner: Option<[u8; 32]>,
 }
 
 pub struct UpstreamSide {
@@ -94,6 +96,7 @@ impl UpstreamSide {
             learnt: Learnt::default(),
             kept_sessions: KeptSessions::new(
                 config.bridge.max_one_shot_sessions,
+                config.bridge.max_one_shot_sessions_per_principal,
                 Duration::from_secs(config.bridge.one_shot_session_idle_seconds),
             ),
             background_deletes: Arc::new(Semaphore::new(MAX_BACKGROUND_DELETES)),
@@ -268,7 +271,7 @@ impl UpstreamSide {
         let kept = Kept::of(&group.name, &session, Instant::now());
         match kept.filter(|_| self.kept_sessions.enabled()) {
             Some(kept) => {
-                let older = self.kept_sessions.keep(asker.shape, kept);
+                let older = self.kept_sessions.keep(asker.shape, asker.owner, kept);
                 one_shot::retire(&self.client, group, older.into_iter().collect()).await;
             }
             None => session.delete().await,

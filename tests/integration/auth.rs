@@ -389,6 +389,88 @@ fn every_upstream_exchange_of_a_flow_carries_the_query_of_the_request_behind_it(
     }
 }
 
+/// One principal's one-shot requests keep at most its share of sessions: a client that
+/// sends ever new capabilities pushes out its own kept sessions, never another
+/// principal's, which goes on serving it without a new `initialize`.
+#[test]
+fn one_principal_pushes_out_only_its_own_kept_sessions() {
+    use crate::scripted::{legacy_basics, Answer, ScriptedUpstream, Seen};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // A session per initialize (s0, s1, …), each listing no tools.
+    let opened = AtomicUsize::new(0);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        if seen.jsonrpc_method().as_deref() == Some("tools/list") {
+            let tools = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}});
+            return Answer::json(200, &tools);
+        }
+        let sid = match seen.header("mcp-session-id") {
+            Some(sid) => sid.to_string(),
+            None => format!("s{}", opened.fetch_add(1, Ordering::SeqCst)),
+        };
+        legacy_basics(seen, &sid).unwrap_or_else(|| Answer::status(405, &[], b""))
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.bridge.max_one_shot_sessions_per_principal = 2;
+    });
+    let raw = Raw::new(&gw.url);
+    let list = |id: u64, key: &str, capabilities: Value| {
+        let bearer = format!("Bearer {key}");
+        let headers = [("authorization", bearer.as_str())];
+        let listed = raw.modern_with(id, "tools/list", json!({}), capabilities, &headers);
+        assert_eq!(listed.status, 200, "tools/list as {key}");
+        assert_eq!(
+            listed.json()["result"]["tools"],
+            json!([]),
+            "tools/list as {key}"
+        );
+    };
+    let initialized_as = |key: &str| {
+        let bearer = format!("Bearer {key}");
+        let requests = upstream.requests().into_iter();
+        requests
+            .filter(|s| {
+                s.json()
+                    .is_some_and(|m| m["method"] == "notifications/initialized")
+            })
+            .filter(|s| s.header("authorization") == Some(bearer.as_str()))
+            .filter_map(|s| s.header("mcp-session-id").map(str::to_string))
+            .collect::<Vec<String>>()
+    };
+    let deleted = || {
+        let requests = upstream.requests().into_iter();
+        let deletes = requests.filter(|s| s.method == "DELETE");
+        deletes
+            .filter_map(|s| s.header("mcp-session-id").map(str::to_string))
+            .collect::<Vec<String>>()
+    };
+    list(1, "other", json!({}));
+    let others = initialized_as("other");
+    assert_eq!(others.len(), 1);
+    for n in 0..4 {
+        list(2 + n, "many", json!({"experimental": {"n": n}}));
+    }
+    let many = initialized_as("many");
+    assert_eq!(many.len(), 4, "one session per shape");
+    wait_until(
+        "the first two of many's deleted",
+        Duration::from_secs(5),
+        || {
+            let deleted = deleted();
+            many[..2].iter().all(|sid| deleted.contains(sid))
+        },
+    );
+    assert!(
+        !deleted().contains(&others[0]),
+        "another principal's kept session went"
+    );
+    list(9, "other", json!({}));
+    assert_eq!(
+        initialized_as("other"),
+        others,
+        "its kept session served it again"
+    );
+}
+
 /// A session kept for one-shot requests is deleted with the credentials it was opened
 /// with, when it is let go: an upstream that authenticates every request refuses a
 /// DELETE without them, and the session stays.

@@ -15,7 +15,7 @@ use super::streams::{
 };
 use super::warm;
 use super::{
-    end_session, end_session_later, finish_with, upstream_for, upstream_params,
+    counted_principal, end_session, end_session_later, finish_with, upstream_for, upstream_params,
     with_progress_token, Incoming,
 };
 use crate::config::{Limits, QuietWindowFor};
@@ -1161,13 +1161,6 @@ async fn barrier(call: &Call<'_>, upstream: &LegacySession<'_>, id: i64) {
         Ok(Err(e)) => tracing::debug!(error = %e, "the round's barrier ping failed"),
         Err(_) => tracing::debug!("the round's barrier ping went unanswered"),
     }
-}
-
-/// The principal whose share of a per-replica table a flow takes: `None` for anonymous
-/// requests, which share one principal and count only against the whole table.
-fn counted_principal(gw: &Gateway, principal: &[u8; 32]) -> Option<[u8; 32]> {
-    let anonymous = gw.admission.authenticator.load().anonymous() == Some(*principal);
-    (!anonymous).then_some(*principal)
 }
 
 /// The client's answer when the reaper would not watch its flow.

@@ -275,7 +275,7 @@ async fn serve_inner(
         return Served::Done(refused_on_peer_listener(session).await);
     }
     // Only a request that passed validation may make the gateway probe the upstream.
-    let asking = || asker(group, &request, principal);
+    let asking = || asker(gw, group, &request, principal);
     if gw.upstreams.relays(group, asking).await {
         if is_retry(&kind, &request) && sealed_here(gw, &request) {
             // A flow bridged before the upstream became a 2026-07-28 server: its state
@@ -343,13 +343,26 @@ pub(crate) fn caller(request: &ModernRequest) -> Caller {
 
 /// Who `request` asks the upstream as, for `principal`: its declared capabilities,
 /// client and credentials, and the one-shot shape they make.
-fn asker(group: &UpstreamGroup, request: &ModernRequest, principal: &[u8; 32]) -> Asker {
+fn asker(
+    gw: &Gateway,
+    group: &UpstreamGroup,
+    request: &ModernRequest,
+    principal: &[u8; 32],
+) -> Asker {
     Asker {
         capabilities: Value::Object(request.client_capabilities.clone()),
         client_info: client_info(request),
         caller: caller(request),
         shape: one_shot_shape(group, request, principal),
+        owner: counted_principal(gw, principal),
     }
+}
+
+/// The principal whose share of a per-replica table a request takes: `None` for
+/// anonymous requests, which share one principal and count only against the whole table.
+pub(super) fn counted_principal(gw: &Gateway, principal: &[u8; 32]) -> Option<[u8; 32]> {
+    let anonymous = gw.admission.authenticator.load().anonymous() == Some(*principal);
+    (!anonymous).then_some(*principal)
 }
 
 /// The shape of the upstream session `request`'s one-shot methods run on.
@@ -453,7 +466,7 @@ async fn discover(
     reply: ClientReply,
     principal: &[u8; 32],
 ) -> Outcome {
-    let asker = asker(group, request, principal);
+    let asker = asker(gw, group, request, principal);
     let init = match gw.upstreams.initialize_result(group, &asker).await {
         Ok(init) => init,
         Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
@@ -490,7 +503,7 @@ async fn one_shot(
     let mut retired = Vec::new();
     let kept = gw.upstreams.kept_sessions.take_live(&shape, Instant::now());
     let kept = kept.unwrap_or_else(|idle| {
-        retired.push(idle);
+        retired.push(*idle);
         None
     });
     let timeouts = &group.timeouts;
@@ -527,7 +540,10 @@ async fn one_shot(
         &answer,
         one_shot::Kept::of(&group.name, &upstream, Instant::now()),
     ) {
-        (Ok(_), Some(kept)) => retired.extend(gw.upstreams.kept_sessions.keep(shape, kept)),
+        (Ok(_), Some(kept)) => {
+            let owner = counted_principal(gw, principal);
+            retired.extend(gw.upstreams.kept_sessions.keep(shape, owner, kept))
+        }
         _ => end_session(&gw.flows.reaper, &upstream).await,
     }
     let outcome = answered(gw, session, group, reply, answer).await;

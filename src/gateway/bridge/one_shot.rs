@@ -45,6 +45,8 @@ pub struct Kept {
     /// One count for the table's entry, and one for each request running on it (a copy
     /// taken by `take_live` lives as long as its request).
     users: Arc<()>,
+    /// The principal whose share it takes (`None`: anonymous, counted only in all).
+    owner: Option<[u8; 32]>,
 }
 
 impl Kept {
@@ -60,6 +62,7 @@ impl Kept {
             caller: Arc::new(session.caller.clone()),
             last_used: now,
             users: Arc::new(()),
+            owner: None,
         })
     }
 
@@ -69,18 +72,21 @@ impl Kept {
     }
 }
 
-/// The kept sessions, by shape; bounded, the least recently used going first.
+/// The kept sessions, by shape; bounded in all and per principal, the least recently
+/// used going first.
 pub struct KeptSessions {
     sessions: Mutex<HashMap<Shape, Kept>>,
     max: usize,
+    max_per_principal: usize,
     idle: Duration,
 }
 
 impl KeptSessions {
-    pub fn new(max: usize, idle: Duration) -> KeptSessions {
+    pub fn new(max: usize, max_per_principal: usize, idle: Duration) -> KeptSessions {
         KeptSessions {
             sessions: Mutex::default(),
             max,
+            max_per_principal,
             idle,
         }
     }
@@ -110,38 +116,45 @@ impl KeptSessions {
 
     /// The session kept for `shape` at `now`, unless it idled past the limit with no
     /// request running on it: that one is handed back as `Err` for its owner to delete.
-    pub fn take_live(&self, shape: &Shape, now: Instant) -> Result<Option<Kept>, Kept> {
+    pub fn take_live(&self, shape: &Shape, now: Instant) -> Result<Option<Kept>, Box<Kept>> {
         let mut sessions = self.sessions.lock().expect("kept sessions lock");
         let Some(kept) = sessions.get_mut(shape) else {
             return Ok(None);
         };
         if now.saturating_duration_since(kept.last_used) > self.idle && !kept.in_use() {
-            return Err(sessions.remove(shape).expect("present"));
+            return Err(Box::new(sessions.remove(shape).expect("present")));
         }
         kept.last_used = now;
         Ok(Some(kept.clone()))
     }
 
-    /// Keeps a session for `shape`; returns what no longer fits for its owner to delete:
-    /// this session, if the shape has one kept already (requests may be running on that
-    /// one, which deleting it would cut; this one has served only the request that opened
-    /// it), or past the bound the least recently used of the others no request runs on
-    /// (none while every one is in use: the table is over its bound until one is free).
-    pub fn keep(&self, shape: Shape, kept: Kept) -> Option<Kept> {
+    /// Keeps a session for `shape`, of `owner`'s share (`None`: anonymous); returns what
+    /// no longer fits for its owner to delete: this session, if the shape has one kept
+    /// already (requests may be running on that one, which deleting it would cut; this
+    /// one has served only the request that opened it); past the owner's share, the least
+    /// recently used of its sessions no request runs on; past the bound, the least
+    /// recently used of all no request runs on (none while every one is in use: the table
+    /// is over its bound until one is free).
+    pub fn keep(&self, shape: Shape, owner: Option<[u8; 32]>, mut kept: Kept) -> Option<Kept> {
         let mut sessions = self.sessions.lock().expect("kept sessions lock");
         if sessions.contains_key(&shape) {
             return Some(kept);
         }
+        kept.owner = owner;
         sessions.insert(shape, kept);
-        if sessions.len() <= self.max {
-            return None;
-        }
-        let oldest = sessions
-            .iter()
-            .filter(|(_, k)| !k.in_use())
-            .min_by_key(|(_, k)| k.last_used)
-            .map(|(shape, _)| *shape)?;
-        sessions.remove(&oldest)
+        let owned = |k: &Kept| owner.is_some() && k.owner == owner;
+        let least_recent = |only_owned: bool| {
+            sessions
+                .iter()
+                .filter(|(_, k)| !k.in_use() && (!only_owned || owned(k)))
+                .min_by_key(|(_, k)| k.last_used)
+                .map(|(shape, _)| *shape)
+        };
+        let over_share = sessions.values().filter(|k| owned(k)).count() > self.max_per_principal;
+        let over_bound = sessions.len() > self.max;
+        let going = (over_share.then(|| least_recent(true)).flatten())
+            .or_else(|| over_bound.then(|| least_recent(false)).flatten())?;
+        sessions.remove(&going)
     }
 
     /// Takes the sessions idle past the limit that no request runs on, for deletion.
@@ -284,8 +297,19 @@ mod tests {
         }
     }
 
-    /// Keeps session `sid` for shape `[shape; 32]` of group "g" at `at`.
+    /// Keeps session `sid` for shape `[shape; 32]` of group "g" at `at`, anonymous.
     fn keep_at(kept: &KeptSessions, shape: u8, sid: &str, at: Instant) -> Option<Kept> {
+        keep_as(kept, None, shape, sid, at)
+    }
+
+    /// `keep_at`, of `owner`'s share.
+    fn keep_as(
+        kept: &KeptSessions,
+        owner: Option<u8>,
+        shape: u8,
+        sid: &str,
+        at: Instant,
+    ) -> Option<Kept> {
         let session = Kept {
             group: "g".into(),
             endpoint: addr(),
@@ -294,14 +318,39 @@ mod tests {
             caller: Arc::default(),
             last_used: at,
             users: Arc::new(()),
+            owner: None,
         };
-        kept.keep([shape; 32], session)
+        kept.keep([shape; 32], owner.map(|o| [o; 32]), session)
+    }
+
+    /// A principal sending ever new shapes (capabilities, client names) pushes out only
+    /// its own sessions; anonymous ones count only against the whole table.
+    #[test]
+    fn one_principal_keeps_only_its_share() {
+        let t0 = Instant::now();
+        let kept = KeptSessions::new(4, 2, Duration::from_secs(60));
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        assert!(keep_as(&kept, Some(1), 1, "other", at(0)).is_none());
+        assert!(keep_as(&kept, Some(9), 2, "m1", at(1)).is_none());
+        assert!(keep_as(&kept, Some(9), 3, "m2", at(2)).is_none());
+        let pushed = keep_as(&kept, Some(9), 4, "m3", at(3)).unwrap();
+        assert_eq!(
+            pushed.session_id, "m1",
+            "its own least recent, not the older other's"
+        );
+        let pushed = keep_as(&kept, Some(9), 5, "m4", at(4)).unwrap();
+        assert_eq!(pushed.session_id, "m2");
+        assert!(kept.take_live(&[1; 32], at(5)).unwrap().is_some(), "kept");
+        // Anonymous sessions share no principal: only the whole bounds them.
+        assert!(keep_as(&kept, None, 6, "a1", at(6)).is_none());
+        let pushed = keep_as(&kept, None, 7, "a2", at(7)).unwrap();
+        assert_eq!(pushed.session_id, "m3", "the least recent of all");
     }
 
     #[test]
     fn kept_sessions_are_bounded_idle_ones_handed_back_and_forgotten_ones_dropped() {
         let t0 = Instant::now();
-        let kept = KeptSessions::new(2, Duration::from_secs(60));
+        let kept = KeptSessions::new(2, 2, Duration::from_secs(60));
         let keep = |shape: u8, sid: &str, at: Instant| keep_at(&kept, shape, sid, at);
         assert!(keep(1, "a", t0).is_none());
         assert!(keep(2, "b", t0).is_none());
@@ -329,7 +378,7 @@ mod tests {
     #[test]
     fn a_kept_session_in_use_is_never_let_go() {
         let t0 = Instant::now();
-        let kept = KeptSessions::new(2, Duration::from_secs(60));
+        let kept = KeptSessions::new(2, 2, Duration::from_secs(60));
         let keep = |shape: u8, sid: &str, at: Instant| keep_at(&kept, shape, sid, at);
         assert!(keep(1, "a", t0).is_none());
         let running = kept.take_live(&[1; 32], t0).unwrap().unwrap();
