@@ -83,7 +83,6 @@ fn config(b: &mut Bytes) -> FlowConfig {
             _ => ResumeMode::Hold,
         },
         replay_refused: false,
-        resumptions_failing: false,
         primes: match (flags >> 6) % 3 {
             0 => None,
             1 => Some(true),

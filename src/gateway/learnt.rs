@@ -58,25 +58,60 @@ pub struct GroupLearnt {
     /// got 409 for as long as the gateway tried): a GET stream is then reopened with one
     /// attempt, since waiting for the server to let go of the old one never paid.
     pub session_stream_kept: bool,
-    /// Resumptions that failed without an answer saying why (`Learnt::ResumptionFailed`
-    /// of `mrtr::flow`) since the last one that worked: how many, and since when.
-    pub failing_resumptions: Option<(u32, Instant)>,
+    /// Resumptions failing one after another without an answer saying why.
+    pub failing_resumptions: Option<FailingResumptions>,
 }
 
-/// How many resumptions in a row, failing for how long, show that a group's upstream
-/// cannot resume (a broken event store), rather than that it restarted: a restart cuts
-/// the resumptions of a few seconds, and any that works in between starts the count anew.
+/// A run of resumptions that failed without an answer saying why (`Learnt::ResumptionFailed`
+/// of `mrtr::flow`: cut, a server error, no answer in time), none working in between.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FailingResumptions {
+    pub count: u32,
+    pub first_at: Instant,
+    pub last_at: Instant,
+    /// A round of the group reached its questions since the first: the upstream serves
+    /// calls, only its resumptions fail.
+    pub served: bool,
+}
+
+/// When a run of failed resumptions shows that a group's upstream cannot resume (a broken
+/// event store), rather than that it restarted or is down: this many in a row, over at
+/// least this long, while the upstream served other calls' rounds. A restart cuts a few
+/// seconds of resumptions, and one that works starts the count anew; an upstream that is
+/// down serves no round.
 pub const FAILED_RESUMPTIONS_IN_A_ROW: u32 = 5;
 pub const FAILING_RESUMPTIONS_FOR: Duration = Duration::from_secs(60);
+/// A failure this long after the run's last starts a run of its own: old ones are
+/// forgotten.
+pub const FAILING_RESUMPTIONS_GAP: Duration = Duration::from_secs(600);
 
 impl GroupLearnt {
     /// Counts a resumption that failed at `now` without an answer saying why; true once
-    /// they have failed often enough, for long enough.
+    /// the run shows the upstream cannot resume.
     pub fn note_resumption_failed(&mut self, now: Instant) -> bool {
-        let (count, since) = self.failing_resumptions.get_or_insert((0, now));
-        *count = count.saturating_add(1);
-        *count >= FAILED_RESUMPTIONS_IN_A_ROW
-            && now.duration_since(*since) >= FAILING_RESUMPTIONS_FOR
+        let fresh = FailingResumptions {
+            count: 0,
+            first_at: now,
+            last_at: now,
+            served: false,
+        };
+        let mut run = self
+            .failing_resumptions
+            .filter(|run| now.saturating_duration_since(run.last_at) <= FAILING_RESUMPTIONS_GAP)
+            .unwrap_or(fresh);
+        run.count = run.count.saturating_add(1);
+        run.last_at = now;
+        self.failing_resumptions = Some(run);
+        run.count >= FAILED_RESUMPTIONS_IN_A_ROW
+            && now.saturating_duration_since(run.first_at) >= FAILING_RESUMPTIONS_FOR
+            && run.served
+    }
+
+    /// A round of the group ended with its questions: the upstream serves calls.
+    pub fn note_round_served(&mut self) {
+        if let Some(run) = self.failing_resumptions.as_mut() {
+            run.served = true;
+        }
     }
 }
 
@@ -151,26 +186,43 @@ mod tests {
         assert_eq!(learnt.get("other"), GroupLearnt::default());
     }
 
+    /// A run teaches only when long, many, recent, and while the upstream served other
+    /// rounds; one that worked ends it.
     #[test]
-    fn resumptions_failing_often_and_long_show_an_upstream_that_cannot_resume() {
+    fn resumptions_failing_often_and_long_while_others_are_served_show_a_broken_store() {
         let start = Instant::now();
+        let at = |ms: u64| start + Duration::from_millis(ms);
+        let minute = FAILING_RESUMPTIONS_FOR.as_millis() as u64;
         let mut facts = GroupLearnt::default();
-        // A burst, as an upstream restarting cuts: many, but within seconds.
-        for n in 0..2 * FAILED_RESUMPTIONS_IN_A_ROW {
-            let at = start + Duration::from_millis(u64::from(n) * 100);
-            assert!(!facts.note_resumption_failed(at));
+        // A burst, as an upstream restarting cuts: many, but within a second.
+        for n in 0..2 * u64::from(FAILED_RESUMPTIONS_IN_A_ROW) {
+            assert!(!facts.note_resumption_failed(at(n * 100)));
         }
-        // A minute on, still failing: the store is broken.
-        assert!(facts.note_resumption_failed(start + FAILING_RESUMPTIONS_FOR));
-        // Long, but few: four over minutes say nothing yet; the fifth does.
+        // A minute on, with nothing served in between (an upstream down): still nothing.
+        assert!(!facts.note_resumption_failed(at(minute)));
+        // Once other calls' rounds are served, a failure still coming teaches.
+        facts.note_round_served();
+        assert!(facts.note_resumption_failed(at(minute + 1)));
+
+        // A failure long after the run's last starts a run of its own.
         let mut facts = GroupLearnt::default();
-        for n in 1..FAILED_RESUMPTIONS_IN_A_ROW {
-            assert!(!facts.note_resumption_failed(start + FAILING_RESUMPTIONS_FOR * n));
+        for n in 0..u64::from(FAILED_RESUMPTIONS_IN_A_ROW) {
+            assert!(!facts.note_resumption_failed(at(n * 100)));
         }
-        assert!(facts.note_resumption_failed(start + FAILING_RESUMPTIONS_FOR * 9));
-        // One that worked starts the count anew.
-        facts.failing_resumptions = None;
-        assert!(!facts.note_resumption_failed(start + FAILING_RESUMPTIONS_FOR * 10));
+        facts.note_round_served();
+        let gap = FAILING_RESUMPTIONS_GAP.as_millis() as u64;
+        assert!(!facts.note_resumption_failed(at(gap + 1000)), "forgotten");
+        assert_eq!(facts.failing_resumptions.map(|r| r.count), Some(1));
+        assert!(!facts.failing_resumptions.unwrap().served);
+
+        // Few, however long: nothing yet.
+        let mut facts = GroupLearnt::default();
+        facts.note_round_served();
+        for n in 1..u64::from(FAILED_RESUMPTIONS_IN_A_ROW) {
+            assert!(!facts.note_resumption_failed(at(n * minute)));
+            facts.note_round_served();
+        }
+        assert!(facts.note_resumption_failed(at(5 * minute)));
     }
 
     #[test]

@@ -405,7 +405,8 @@ pub enum Learnt {
     /// below HTTP, a server error, or no answer in time. One alone says nothing (an
     /// upstream restarting); the shell learns from a run of them.
     ResumptionFailed,
-    /// A resumption worked after some failed (`Config::resumptions_failing`).
+    /// A resumption worked: the call's stream came back and settled (its priming event,
+    /// or the settling time passed), ending any run of failed ones.
     ResumptionWorked,
     /// Whether its resumed streams are primed once live.
     Primes(bool),
@@ -488,9 +489,6 @@ pub struct FlowConfig {
     /// The group's `resume` setting, and what is known of it.
     pub resume: ResumeMode,
     pub replay_refused: bool,
-    /// Resumptions of the group's upstream have failed since the last one that worked
-    /// (`Learnt::ResumptionFailed`).
-    pub resumptions_failing: bool,
     pub primes: Option<bool>,
     /// The group's store keeps sessions apart: a GET stream may be resumed.
     pub session_replay_scoped: bool,
@@ -967,6 +965,9 @@ impl Flow {
                 Phase::Settling { retry, .. } | Phase::Backoff { retry, .. },
                 Input::StreamBroken { failure, .. },
             ) => {
+                if failure.unexplained() {
+                    self.learn(Learnt::ResumptionFailed);
+                }
                 self.commands.push_back(Command::CloseStreams);
                 self.give_up(&retry.call, "the call's stream failed");
                 self.finish(Ending::Refused(self.refusal_for(&failure)))
@@ -1010,7 +1011,7 @@ impl Flow {
                 if self.config.primes.is_none() {
                     self.learn(Learnt::Primes(false));
                 }
-                self.answer(*retry, now)
+                self.resumed(*retry, now)
             }
             Phase::Backoff { retry, until } if now >= until => self.reopen_call(retry, now),
             Phase::Posting {
@@ -1316,11 +1317,8 @@ impl Flow {
             }
             return self.unresumable(retry, Err(failure), now);
         }
-        if self.config.resumptions_failing {
-            self.learn(Learnt::ResumptionWorked);
-        }
         if self.config.primes == Some(false) {
-            return self.answer(*retry, now);
+            return self.resumed(*retry, now);
         }
         let limit = if self.config.primes == Some(true) {
             SETTLE_PRIMED
@@ -1359,7 +1357,13 @@ impl Flow {
         if self.config.primes != Some(true) {
             self.learn(Learnt::Primes(true));
         }
-        self.answer(*retry, now)
+        self.resumed(*retry, now)
+    }
+
+    /// The call's stream is back and settled: the answers go up.
+    fn resumed(&mut self, retry: Retry, now: Instant) -> Phase {
+        self.learn(Learnt::ResumptionWorked);
+        self.answer(retry, now)
     }
 
     /// The resumed stream ended while it settled: empty, the upstream has nothing after
@@ -1372,7 +1376,7 @@ impl Flow {
             .any(|(stream, _)| *stream == Stream::Call)
         {
             retry.call_ended = true;
-            return self.answer(*retry, now);
+            return self.resumed(*retry, now);
         }
         if retry.empties < EMPTY_RETRIES {
             let until = now + EMPTY_BACKOFF * 2u32.pow(retry.empties);
@@ -2351,8 +2355,10 @@ impl Flow {
                 self.config.replay_refused = true
             }
             Learnt::Primes(primes) => self.config.primes = Some(primes),
-            Learnt::ResumptionWorked => self.config.resumptions_failing = false,
-            Learnt::Resumable(_) | Learnt::AsksAtOnce | Learnt::ResumptionFailed => {}
+            Learnt::Resumable(_)
+            | Learnt::AsksAtOnce
+            | Learnt::ResumptionFailed
+            | Learnt::ResumptionWorked => {}
         }
         self.commands.push_back(Command::Learn(learnt));
     }

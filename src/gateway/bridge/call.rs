@@ -362,7 +362,6 @@ fn config(call: &Call<'_>, session_replay_scoped: bool) -> FlowConfig {
         max_flow_seconds: bridge.max_flow_seconds,
         resume: group.resume,
         replay_refused: learnt.replay_refused,
-        resumptions_failing: learnt.failing_resumptions.is_some(),
         primes: learnt.resumption_primes,
         session_replay_scoped,
         shedding: shedding(gw),
@@ -1261,7 +1260,12 @@ async fn hold(
 
 fn learn(upstreams: &UpstreamSide, group: &UpstreamGroup, request: &ModernRequest, learnt: Learnt) {
     match learnt {
-        Learnt::Resumable(resumable) => upstreams.note_resumable(group, resumable),
+        Learnt::Resumable(resumable) => {
+            upstreams.note_resumable(group, resumable);
+            upstreams
+                .learnt
+                .update(&group.name, |facts| facts.note_round_served());
+        }
         Learnt::ReplayRefused { empty } => {
             let how = if empty {
                 "an empty stream"

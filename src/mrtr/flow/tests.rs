@@ -34,7 +34,6 @@ fn config() -> FlowConfig {
         max_flow_seconds: 1800,
         resume: ResumeMode::Auto,
         replay_refused: false,
-        resumptions_failing: false,
         primes: Some(true),
         session_replay_scoped: true,
         shedding: false,
@@ -1392,33 +1391,31 @@ fn a_refused_resumption_loses_the_call_ends_its_session_and_teaches_the_group() 
 }
 
 /// A resumption cut, or failing with a server error or no answer in time, is counted for
-/// the shell to learn from a run of them; one that works after them ends the run. A
+/// the shell to learn from a run of them, whether its GET failed or its stream broke
+/// while it settled; one that comes back and settles is told too, ending the run. A
 /// throttle counts as neither.
 #[test]
-fn resumptions_failing_without_an_answer_are_told_and_so_is_one_that_works_after() {
+fn resumptions_failing_without_an_answer_are_told_and_so_are_those_that_work() {
     let first = first_round();
-    let answers = || json!({"elicitation_0": accept("Ada")});
-    let reopened = |kind: Option<FailureKind>, failing: bool| {
+    let learnt = |h: &Harness| -> Vec<Learnt> {
+        let learnt = h.log.iter().filter_map(|c| match c {
+            Command::Learn(l) => Some(*l),
+            _ => None,
+        });
+        learnt.collect()
+    };
+    let reopened = |kind: Option<FailureKind>| {
         let mut upstream = Upstream::default();
         if let Some(kind) = kind {
-            upstream
-                .call_opens
-                .push_back(Err(Failure::new(kind, "failed")));
+            let failed = Err(Failure::new(kind, "failed"));
+            upstream.call_opens.push_back(failed);
         }
-        let config = FlowConfig {
-            resumptions_failing: failing,
-            ..config()
-        };
-        let h = retry_of(&first, config, upstream, answers());
-        let learnt: Vec<Learnt> = h
-            .log
-            .iter()
-            .filter_map(|c| match c {
-                Command::Learn(l) => Some(*l),
-                _ => None,
-            })
-            .collect();
-        learnt
+        retry_of(
+            &first,
+            config(),
+            upstream,
+            json!({"elicitation_0": accept("Ada")}),
+        )
     };
     for kind in [
         FailureKind::Cut,
@@ -1426,15 +1423,22 @@ fn resumptions_failing_without_an_answer_are_told_and_so_is_one_that_works_after
         FailureKind::Refused(500),
         FailureKind::Refused(503),
     ] {
-        assert_eq!(
-            reopened(Some(kind), false),
-            [Learnt::ResumptionFailed],
-            "{kind:?}"
-        );
+        let h = reopened(Some(kind));
+        assert_eq!(learnt(&h), [Learnt::ResumptionFailed], "{kind:?}");
     }
-    assert_eq!(reopened(Some(FailureKind::Refused(429)), false), []);
-    assert_eq!(reopened(None, true), [Learnt::ResumptionWorked]);
-    assert_eq!(reopened(None, false), [], "nothing to end");
+    assert_eq!(learnt(&reopened(Some(FailureKind::Refused(429)))), []);
+    // Back, but not yet settled: nothing; its priming event says it worked.
+    let mut h = reopened(None);
+    assert_eq!(learnt(&h), []);
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    assert_eq!(learnt(&h), [Learnt::ResumptionWorked]);
+    // Back, then cut before it settled.
+    let mut h = reopened(None);
+    h.feed(Input::StreamBroken {
+        stream: Stream::Call,
+        failure: Failure::new(FailureKind::Cut, "reset"),
+    });
+    assert_eq!(learnt(&h), [Learnt::ResumptionFailed]);
 }
 
 fn challenge() -> Option<String> {
