@@ -309,10 +309,10 @@ pub struct BridgeOptions {
     pub one_shot_session_idle_seconds: u64,
     /// Most sessions kept for one-shot methods; beyond it the least recently used goes.
     pub max_one_shot_sessions: usize,
-    /// Most of those kept for one principal's shapes (requests without one count only
-    /// against `max_one_shot_sessions`); beyond it the principal's own least recently
-    /// used goes, so that a client sending ever new capabilities cannot push the others'
-    /// sessions out.
+    /// Most of those kept for one principal's shapes in one group (requests without one
+    /// count only against `max_one_shot_sessions`); beyond it the principal's own least
+    /// recently used in that group goes, so that a client sending ever new capabilities
+    /// cannot push the others' sessions out.
     pub max_one_shot_sessions_per_principal: usize,
     /// Upstream sessions initialized ahead of demand for interactive calls, per shape
     /// (group, declared capabilities, client, principal, credentials): a new call takes

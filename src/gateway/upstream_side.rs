@@ -272,7 +272,7 @@ impl UpstreamSide {
         match kept.filter(|_| self.kept_sessions.enabled()) {
             Some(kept) => {
                 let older = self.kept_sessions.keep(asker.shape, asker.owner, kept);
-                one_shot::retire(&self.client, group, older.into_iter().collect()).await;
+                one_shot::retire(&self.client, &self.groups, older.into_iter().collect()).await;
             }
             None => session.delete().await,
         }

@@ -294,6 +294,10 @@ impl Upstreams {
     pub fn by_path(&self, path: &str) -> Option<&UpstreamGroup> {
         self.groups.iter().find(|g| g.path == path)
     }
+
+    pub fn by_name(&self, name: &str) -> Option<&UpstreamGroup> {
+        self.groups.iter().find(|g| *g.name == *name)
+    }
 }
 
 #[cfg(test)]

@@ -389,16 +389,12 @@ fn every_upstream_exchange_of_a_flow_carries_the_query_of_the_request_behind_it(
     }
 }
 
-/// One principal's one-shot requests keep at most its share of sessions: a client that
-/// sends ever new capabilities pushes out its own kept sessions, never another
-/// principal's, which goes on serving it without a new `initialize`.
-#[test]
-fn one_principal_pushes_out_only_its_own_kept_sessions() {
+/// A legacy server opening a session per initialize (s0, s1, …), each listing no tools.
+fn listing_server() -> crate::scripted::ScriptedUpstream {
     use crate::scripted::{legacy_basics, Answer, ScriptedUpstream, Seen};
     use std::sync::atomic::{AtomicUsize, Ordering};
-    // A session per initialize (s0, s1, …), each listing no tools.
     let opened = AtomicUsize::new(0);
-    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+    ScriptedUpstream::start(move |seen: &Seen| {
         if seen.jsonrpc_method().as_deref() == Some("tools/list") {
             let tools = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}});
             return Answer::json(200, &tools);
@@ -408,7 +404,47 @@ fn one_principal_pushes_out_only_its_own_kept_sessions() {
             None => format!("s{}", opened.fetch_add(1, Ordering::SeqCst)),
         };
         legacy_basics(seen, &sid).unwrap_or_else(|| Answer::status(405, &[], b""))
+    })
+}
+
+/// A kept session that a request of another group pushes out is deleted in its own group:
+/// at its endpoint's path, not the path of the group that pushed it.
+#[test]
+fn a_kept_session_pushed_out_by_another_group_is_deleted_in_its_own() {
+    let upstream = listing_server();
+    let other_url = upstream.url().replace("/mcp", "/other-mcp");
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.bridge.max_one_shot_sessions = 1;
+        let mut two = mrtr_gateway::config::UpstreamGroupConfig::new("two", vec![other_url]);
+        two.path = "/two".into();
+        two.health_check_interval_ms = 0;
+        c.upstreams.push(two);
     });
+    let list = |url: &str| {
+        let listed = Raw::new(url).modern(1, "tools/list", json!({}), json!({}));
+        assert_eq!(
+            listed.json()["result"]["tools"],
+            json!([]),
+            "tools/list at {url}"
+        );
+    };
+    list(&gw.url);
+    let two = gw.url.replace("/mcp", "/two");
+    list(&two);
+    let deleted = || {
+        let mut requests = upstream.requests().into_iter();
+        requests.find(|s| s.method == "DELETE" && s.header("mcp-session-id") == Some("s0"))
+    };
+    wait_until("s0 deleted", Duration::from_secs(5), || deleted().is_some());
+    assert_eq!(deleted().unwrap().path, "/mcp", "deleted in its own group");
+}
+
+/// One principal's one-shot requests keep at most its share of sessions: a client that
+/// sends ever new capabilities pushes out its own kept sessions, never another
+/// principal's, which goes on serving it without a new `initialize`.
+#[test]
+fn one_principal_pushes_out_only_its_own_kept_sessions() {
+    let upstream = listing_server();
     let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
         c.bridge.max_one_shot_sessions_per_principal = 2;
     });

@@ -525,7 +525,7 @@ async fn one_shot(
                 answer => {
                     gw.runtime.metrics.upstream_session("reused");
                     let outcome = answered(gw, session, group, reply, answer).await;
-                    one_shot::retire(&gw.upstreams.client, group, retired).await;
+                    one_shot::retire(&gw.upstreams.client, &gw.upstreams.groups, retired).await;
                     return outcome;
                 }
             }
@@ -547,7 +547,7 @@ async fn one_shot(
         _ => end_session(&gw.flows.reaper, &upstream).await,
     }
     let outcome = answered(gw, session, group, reply, answer).await;
-    one_shot::retire(&gw.upstreams.client, group, retired).await;
+    one_shot::retire(&gw.upstreams.client, &gw.upstreams.groups, retired).await;
     outcome
 }
 

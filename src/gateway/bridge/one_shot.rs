@@ -18,7 +18,7 @@
 use crate::protocol::revision::Revision;
 use crate::upstream::exchange::UpstreamClient;
 use crate::upstream::legacy_session::{Caller, LegacySession};
-use crate::upstream::{Timeouts, UpstreamGroup};
+use crate::upstream::{Timeouts, UpstreamGroup, Upstreams};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -141,8 +141,11 @@ impl KeptSessions {
             return Some(kept);
         }
         kept.owner = owner;
+        let group = kept.group.clone();
         sessions.insert(shape, kept);
-        let owned = |k: &Kept| owner.is_some() && k.owner == owner;
+        // A principal's share is per group: one that reaches many groups keeps its share
+        // in each.
+        let owned = |k: &Kept| owner.is_some() && k.owner == owner && k.group == group;
         let least_recent = |only_owned: bool| {
             sessions
                 .iter()
@@ -219,9 +222,13 @@ pub fn resume<'g>(
     ))
 }
 
-/// Deletes kept sessions that were let go (idle, replaced, or over the bound).
-pub async fn retire(client: &UpstreamClient, group: &UpstreamGroup, retired: Vec<Kept>) {
+/// Deletes kept sessions that were let go (idle, replaced, or over a bound), each in its
+/// own group, which may not be the group of the request that let it go.
+pub async fn retire(client: &UpstreamClient, groups: &Upstreams, retired: Vec<Kept>) {
     for kept in retired {
+        let Some(group) = groups.by_name(&kept.group) else {
+            continue;
+        };
         if let Some(mut upstream) = resume(client, group, &group.timeouts, &kept) {
             upstream.caller = Caller::clone(&kept.caller);
             upstream.delete().await;
@@ -260,16 +267,7 @@ impl pingora::services::background::BackgroundService for KeptSweeper {
 impl KeptSweeper {
     async fn retire_all(&self, sessions: Vec<Kept>) {
         let upstreams = &self.gw.upstreams;
-        for kept in sessions {
-            if let Some(group) = upstreams
-                .groups
-                .groups
-                .iter()
-                .find(|g| *g.name == *kept.group)
-            {
-                retire(&upstreams.client, group, vec![kept]).await;
-            }
-        }
+        retire(&upstreams.client, &upstreams.groups, sessions).await;
     }
 }
 
@@ -310,8 +308,20 @@ mod tests {
         sid: &str,
         at: Instant,
     ) -> Option<Kept> {
+        keep_in(kept, "g", owner, shape, sid, at)
+    }
+
+    /// `keep_as`, in `group`.
+    fn keep_in(
+        kept: &KeptSessions,
+        group: &str,
+        owner: Option<u8>,
+        shape: u8,
+        sid: &str,
+        at: Instant,
+    ) -> Option<Kept> {
         let session = Kept {
-            group: "g".into(),
+            group: group.into(),
             endpoint: addr(),
             session_id: sid.into(),
             version: Revision::REQUESTED,
@@ -324,11 +334,11 @@ mod tests {
     }
 
     /// A principal sending ever new shapes (capabilities, client names) pushes out only
-    /// its own sessions; anonymous ones count only against the whole table.
+    /// its own sessions of that group; anonymous ones count only against the whole table.
     #[test]
     fn one_principal_keeps_only_its_share() {
         let t0 = Instant::now();
-        let kept = KeptSessions::new(4, 2, Duration::from_secs(60));
+        let kept = KeptSessions::new(5, 2, Duration::from_secs(60));
         let at = |s: u64| t0 + Duration::from_secs(s);
         assert!(keep_as(&kept, Some(1), 1, "other", at(0)).is_none());
         assert!(keep_as(&kept, Some(9), 2, "m1", at(1)).is_none());
@@ -341,6 +351,8 @@ mod tests {
         let pushed = keep_as(&kept, Some(9), 5, "m4", at(4)).unwrap();
         assert_eq!(pushed.session_id, "m2");
         assert!(kept.take_live(&[1; 32], at(5)).unwrap().is_some(), "kept");
+        // Its share in another group is its own.
+        assert!(keep_in(&kept, "h", Some(9), 8, "h1", at(5)).is_none());
         // Anonymous sessions share no principal: only the whole bounds them.
         assert!(keep_as(&kept, None, 6, "a1", at(6)).is_none());
         let pushed = keep_as(&kept, None, 7, "a2", at(7)).unwrap();
