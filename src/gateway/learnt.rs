@@ -136,7 +136,12 @@ impl Learnt {
     /// Applies `learn` to the group's facts; returns them as they were before.
     pub fn update(&self, group: &str, learn: impl FnOnce(&mut GroupLearnt)) -> GroupLearnt {
         let mut groups = self.groups.lock().expect("learnt lock");
-        let facts = groups.entry(group.to_string()).or_default();
+        // Looked up by name first: rounds update their group's facts, which are nearly
+        // always there, and the name is copied only for a group's first.
+        if !groups.contains_key(group) {
+            groups.insert(group.to_string(), GroupLearnt::default());
+        }
+        let facts = groups.get_mut(group).expect("inserted");
         let before = *facts;
         learn(facts);
         before
