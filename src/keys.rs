@@ -146,6 +146,8 @@ impl KeyRing {
     /// Blank entries and lines starting with `#` are skipped.
     pub fn parse(text: &str) -> Result<KeyRing, KeyError> {
         let mut keys: Vec<Key> = Vec::new();
+        // A file saved by an editor that marks UTF-8 (a Windows one) starts with U+FEFF.
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         let entries = text
             .split([',', '\n'])
             .map(str::trim)
@@ -272,6 +274,9 @@ mod tests {
         assert_eq!(ring.current().kid(), "a");
         assert!(ring.find(b"b").is_some());
         assert!(ring.find(b"c").is_none());
+        assert_eq!(ring.kids().collect::<Vec<_>>(), ["a", "b"]);
+        // As a Windows editor saves it: a byte-order mark, CRLF line ends.
+        let ring = KeyRing::parse(&format!("\u{feff}{a}\r\n{b}\r\n")).unwrap();
         assert_eq!(ring.kids().collect::<Vec<_>>(), ["a", "b"]);
     }
 
