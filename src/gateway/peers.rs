@@ -103,8 +103,10 @@ impl Peers {
 /// Why a retry was not forwarded to the replica holding its flow.
 #[derive(Debug)]
 pub enum NotForwarded {
-    /// The owner left the peer set, or does not answer: the flow is lost with it.
-    OwnerGone(String),
+    /// The owner left the peer set, or does not answer: the flow is lost with it. `sent`:
+    /// the retry may have reached it (it failed or stopped answering after the
+    /// connection opened), and its answers the call.
+    OwnerGone { why: String, sent: bool },
     /// This replica could not open a connection (out of file descriptors): nothing was
     /// sent, and the owner may well hold the flow still.
     NoDescriptor,
@@ -120,9 +122,8 @@ pub async fn forward(
     body: &Bytes,
 ) -> Result<Outcome, NotForwarded> {
     if !gw.flows.peers.contains(owner) {
-        return Err(NotForwarded::OwnerGone(format!(
-            "{owner} is not in the peer set"
-        )));
+        let why = format!("{owner} is not in the peer set");
+        return Err(NotForwarded::OwnerGone { why, sent: false });
     }
     // The client's query too: the owner carries it upstream like the client's headers.
     let uri = &session.req_header().uri;
@@ -145,11 +146,14 @@ pub async fn forward(
     let sent = tokio::select! {
         sent = gw.upstreams.client.send(&endpoint, &timeouts, request, body.clone()) => sent,
         _ = session.read_body_or_idle(true) => return Ok(Outcome::ClientGone),
-        stopped = watch_owner(gw, owner) => return Err(NotForwarded::OwnerGone(stopped)),
+        why = watch_owner(gw, owner) => return Err(NotForwarded::OwnerGone { why, sent: true }),
     };
     let mut response = sent.map_err(|e| match e.failure() {
         ExchangeFailure::NoDescriptor => NotForwarded::NoDescriptor,
-        _ => NotForwarded::OwnerGone(e.to_string()),
+        failure => NotForwarded::OwnerGone {
+            why: e.to_string(),
+            sent: failure != ExchangeFailure::Connect,
+        },
     })?;
     let header = passthrough::relayed_header(session, response.header());
     let outcome = passthrough::relay(gw, session, header, &mut response, None, None).await;

@@ -510,6 +510,9 @@ pub enum Lost {
     Unresumable,
     /// The replica holding the call's streams is gone or no longer holds them.
     Holder,
+    /// The replica holding the call's streams stopped answering while it continued this
+    /// retry: the answers may have reached the call, which may have run to its end.
+    HolderMidRetry,
 }
 
 /// One request of a bridged call.
@@ -2202,8 +2205,15 @@ impl Flow {
                 Lost::Upstream => format!("upstream group '{group}' lost this call between rounds (its session is gone, or its endpoint is down or has left the group; a call that an earlier retry of this requestState completed on another replica looks the same)"),
                 Lost::Unresumable => format!("upstream group '{group}' no longer has this call's events (a Last-Event-ID resumption was refused or came back empty; the group's later calls are held)"),
                 Lost::Holder => format!("the gateway replica holding this call's upstream streams is gone or no longer holds them (upstream group '{group}' cannot resume streams, so its calls are held)"),
+                Lost::HolderMidRetry => format!("the gateway replica holding this call's upstream streams stopped answering while it continued this retry (upstream group '{group}' cannot resume streams, so its calls are held), after this retry's answers may have reached the call, which may have run to its end there"),
             };
-            let text = format!("{what}, and the tool is not marked restartable, so it is not run again: issue the call again");
+            let next = match cause {
+                Lost::HolderMidRetry => "check whether it ran before issuing it again",
+                _ => "issue the call again",
+            };
+            let text = format!(
+                "{what}, and the tool is not marked restartable, so it is not run again: {next}"
+            );
             let refusal = Refusal::new(Class::UpstreamError, gcode::FLOW_LOST, text);
             return self.finish(Ending::Refused(refusal));
         }

@@ -203,6 +203,10 @@ fn a_dead_owner_gives_the_documented_error_promptly_and_a_fresh_call_succeeds() 
     let text = reply["error"]["message"].as_str().unwrap();
     assert!(text.contains("replica holding this call"), "{text}");
     assert!(text.contains("issue the call again"), "{text}");
+    assert!(
+        !text.contains("may have run"),
+        "nothing reached the dead owner: {text}"
+    );
     assert!(took < Duration::from_secs(3), "the error took {took:?}");
     assert_eq!(forwards(b, "owner_gone"), 1.0);
     println!("a dead owner: -32012 after {took:?}: {text}");
@@ -678,7 +682,9 @@ fn a_state_naming_an_owner_outside_the_peer_set_is_never_forwarded() {
 
 /// A retry forwarded to an owner that takes the connection but answers nothing (a frozen
 /// process: the kernel still completes the handshake) loses the flow within seconds, not
-/// when the flow's deadline ends the wait half an hour later.
+/// when the flow's deadline ends the wait half an hour later. The retry reached the owner,
+/// which may have posted its answers before it froze: the client is told the call may
+/// have run, not to issue it again blindly.
 #[test]
 fn a_retry_forwarded_to_an_owner_that_stopped_answering_ends_within_seconds() {
     let upstream = Tripwire::start();
@@ -693,6 +699,9 @@ fn a_retry_forwarded_to_an_owner_that_stopped_answering_ends_within_seconds() {
     let reply = ask_name(&Raw::new(&replicas[0].url), 1, answers);
     let took = started.elapsed();
     assert_eq!(reply["error"]["code"], -32012, "{reply}");
+    let text = reply["error"]["message"].as_str().unwrap_or_default();
+    assert!(text.contains("may have run to its end"), "{text}");
+    assert!(text.contains("check whether it ran"), "{text}");
     assert!(took < Duration::from_secs(13), "the error took {took:?}");
     assert_eq!(forwards(&replicas[0], "owner_gone"), 1.0);
     assert_eq!(upstream.count(), 0, "nothing went upstream");

@@ -494,8 +494,11 @@ async fn to_holder(
         tracing::info!("a retry for another replica's flow on the peer listener");
         return super::refused_on_peer_listener(session).await;
     }
-    let why = match owner {
-        None => "held by a replica without a peer listener".to_string(),
+    let (why, lost) = match owner {
+        None => (
+            "held by a replica without a peer listener".to_string(),
+            Lost::Holder,
+        ),
         Some(owner) => match peers::forward(gw, session, owner, &call.incoming.body).await {
             Ok(_) => {
                 gw.runtime
@@ -505,7 +508,14 @@ async fn to_holder(
                     .inc();
                 return Outcome::Forwarded;
             }
-            Err(peers::NotForwarded::OwnerGone(why)) => why,
+            Err(peers::NotForwarded::OwnerGone { why, sent }) => (
+                why,
+                if sent {
+                    Lost::HolderMidRetry
+                } else {
+                    Lost::Holder
+                },
+            ),
             Err(peers::NotForwarded::NoDescriptor) => {
                 // Nothing went to the owner, which may hold the flow still: the same
                 // retry may be sent again, unclaimed here.
@@ -528,8 +538,7 @@ async fn to_holder(
         return refused.answer(gw, session, reply, call.group).await;
     }
     let responses = input_responses(call.request);
-    let (lost, now) = (Lost::Holder, Instant::now());
-    let flow = Flow::call_lost(config(call, false), state, responses, lost, now);
+    let flow = Flow::call_lost(config(call, false), state, responses, lost, Instant::now());
     drive(call, session, reply, flow, Io::new(None, Some(used))).await
 }
 
