@@ -414,7 +414,7 @@ impl Metrics {
         ] {
             self.held_events.with_label_values(&[event]);
         }
-        for outcome in ["ok", "owner_gone"] {
+        for outcome in ["ok", "owner_gone", "shutting_down"] {
             self.peer_forwards.with_label_values(&[outcome]);
         }
         for method in ["tools/call", "prompts/get", "resources/read"] {

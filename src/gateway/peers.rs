@@ -110,6 +110,10 @@ pub enum NotForwarded {
     /// This replica could not open a connection (out of file descriptors): nothing was
     /// sent, and the owner may well hold the flow still.
     NoDescriptor,
+    /// This replica reached the end of its grace period while the owner continued the
+    /// retry: the exchange is dropped, and the owner, seeing its connection close,
+    /// cancels the call as it would for a client of its own.
+    ShuttingDown,
 }
 
 /// Forwards the client's request (its headers and the body already read) to `owner`'s peer
@@ -142,8 +146,10 @@ pub async fn forward(
     // The owner answers when its round ends, which may be long: a client that leaves
     // meanwhile drops the exchange, and the owner, seeing its connection close, cancels
     // the call as it would for a client of its own. An owner that stops answering
-    // anything (frozen, or hung) loses the flow as one that is gone does.
+    // anything (frozen, or hung) loses the flow as one that is gone does. So does this
+    // replica's shutdown: near its grace period's end, the client is told.
     let sent = tokio::select! {
+        () = gw.runtime.drain.wait_near_end() => return Err(NotForwarded::ShuttingDown),
         sent = gw.upstreams.client.send(&endpoint, &timeouts, request, body.clone()) => sent,
         _ = session.read_body_or_idle(true) => return Ok(Outcome::ClientGone),
         why = watch_owner(gw, owner) => return Err(NotForwarded::OwnerGone { why, sent: true }),

@@ -383,13 +383,18 @@ impl GatewayProcess {
         json_log: Option<&std::path::Path>,
         rust_log: &str,
     ) -> GatewayProcess {
-        Self::start_full(upstream, json_log, rust_log, None)
+        Self::start_full(upstream, json_log, rust_log, None, "")
+    }
+
+    /// Starts the binary with `extra` appended to its configuration (YAML).
+    fn start_with(upstream: &str, extra: &str) -> GatewayProcess {
+        Self::start_full(upstream, None, "info", None, extra)
     }
 
     /// Starts the binary with its keys in `keys_file` (watched), not the environment, and a
     /// grace period of a minute.
     fn start_with_keys_file(upstream: &str, keys_file: &std::path::Path) -> GatewayProcess {
-        Self::start_full(upstream, None, "info", Some(keys_file))
+        Self::start_full(upstream, None, "info", Some(keys_file), "")
     }
 
     fn start_full(
@@ -397,6 +402,7 @@ impl GatewayProcess {
         json_log: Option<&std::path::Path>,
         rust_log: &str,
         keys_file: Option<&std::path::Path>,
+        extra: &str,
     ) -> GatewayProcess {
         let (port, admin_port) = (free_port(), free_port());
         let dir = std::env::temp_dir().join(format!("mrtr-drain-{port}"));
@@ -415,6 +421,7 @@ impl GatewayProcess {
                 keys.display()
             ));
         }
+        config.push_str(extra);
         let file = dir.join("gateway.yaml");
         std::fs::write(&file, config).unwrap();
         let mut command = Command::new(env!("CARGO_BIN_EXE_mrtr-gateway"));
@@ -514,6 +521,65 @@ fn flows_still_held_when_the_grace_period_ends_have_their_sessions_deleted() {
         deleted(&upstream),
         "the held flow's session was left open upstream"
     );
+}
+
+/// A replica that forwarded a retry to the replica holding its flow, and is shut down
+/// while the owner continues it (the tool works on after its answer), tells its client so
+/// near the end of its grace period, rather than close the connection without a word;
+/// the owner, its connection gone, ends the call upstream.
+#[test]
+fn a_forwarding_replica_shutting_down_tells_its_client_and_the_owner_ends_the_call() {
+    let upstream = holding_server();
+    let (owner_peer, forwarder_peer) = (free_port(), free_port());
+    let members = format!("[\"127.0.0.1:{owner_peer}\", \"127.0.0.1:{forwarder_peer}\"]");
+    let owner = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.peers.listen = Some(format!("127.0.0.1:{owner_peer}"));
+        c.peers.members = vec![
+            format!("127.0.0.1:{owner_peer}"),
+            format!("127.0.0.1:{forwarder_peer}"),
+        ];
+    });
+    let peers = format!("peers: {{listen: \"127.0.0.1:{forwarder_peer}\", members: {members}}}\n");
+    let mut forwarder = GatewayProcess::start_with(&upstream.url(), &peers);
+    let ask = json!({"name": "ask"});
+    let caps = json!({"elicitation": {}});
+    let asked = Raw::new(&owner.url).modern(1, "tools/call", ask.clone(), caps.clone());
+    let asked = asked.json();
+    assert_eq!(
+        metric(&owner.admin, "mrtr_gateway_held_flows"),
+        1.0,
+        "{asked}"
+    );
+    let mut retry = ask;
+    let answers = answer(&asked, json!({"name": "Kim"}));
+    retry
+        .as_object_mut()
+        .unwrap()
+        .extend(answers.as_object().unwrap().clone());
+    let url = forwarder.url.clone();
+    let retried =
+        std::thread::spawn(move || Raw::new(&url).modern(2, "tools/call", retry, caps).json());
+    // The owner took the retry and posted its answer: the tool works on.
+    wait_until("the answer went up", Duration::from_secs(10), || {
+        let requests = upstream.requests();
+        requests
+            .iter()
+            .any(|s| s.json().is_some_and(|m| m.get("result").is_some()))
+    });
+    forwarder.begin_drain();
+    let reply = retried.join().expect("the client got an answer");
+    assert_eq!(reply["error"]["code"], -32603, "{reply}");
+    let text = reply["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        text.contains("shutting down while the replica holding"),
+        "{reply}"
+    );
+    assert!(text.contains("check whether it ran"), "{reply}");
+    wait_until("the owner ended the call", Duration::from_secs(10), || {
+        upstream.requests().iter().any(|s| s.method == "DELETE")
+    });
+    forwarder.wait_for_exit();
 }
 
 /// SIGQUIT drains as SIGTERM does. Pingora's default takes it for a socket handover to a

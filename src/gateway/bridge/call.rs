@@ -516,6 +516,13 @@ async fn to_holder(
                     Lost::Holder
                 },
             ),
+            Err(peers::NotForwarded::ShuttingDown) => {
+                let forwards = &gw.runtime.metrics.peer_forwards;
+                forwards.with_label_values(&["shutting_down"]).inc();
+                let text = "this gateway replica is shutting down while the replica holding the call continued this retry; the call was ended there, after this retry's answers may have reached it: check whether it ran before issuing it again";
+                let refusal = Refusal::internal(Class::Overloaded, text);
+                return reply.refuse(session, refusal).await;
+            }
             Err(peers::NotForwarded::NoDescriptor) => {
                 // Nothing went to the owner, which may hold the flow still: the same
                 // retry may be sent again, unclaimed here.
