@@ -560,14 +560,29 @@ async fn linger(session: &mut ServerSession) {
 
 /// Answers a request whose header could not be parsed (a malformed request line or
 /// header, or a target longer than a URI may be) 400, as pingora's proxy does, then closes
-/// the connection. Pingora's error text quotes the raw header, credentials included: it is
-/// neither logged nor sent.
-async fn refuse_unreadable_header(session: &mut ServerSession) {
-    tracing::info!("client request header not parsed: refused 400");
-    let message = "the request header could not be parsed: a malformed request line or \
-                   header, or a request target longer than 65534 bytes";
+/// the connection; one with more header lines than the parser reads (`error`'s cause,
+/// httparse's), 431, as one over `limits.max_header_count` is. Pingora's error text quotes
+/// the raw header, credentials included: it is neither logged nor sent.
+async fn refuse_unreadable_header(session: &mut ServerSession, error: &pingora::Error) {
+    let too_many = error
+        .cause
+        .as_ref()
+        .is_some_and(|cause| cause.to_string() == "too many headers");
+    let (status, message) = if too_many {
+        (
+            431,
+            "the request header has more lines than the gateway reads (256)",
+        )
+    } else {
+        (
+            400,
+            "the request header could not be parsed: a malformed request line or header, or a \
+             request target longer than 65534 bytes",
+        )
+    };
+    tracing::info!(status, "client request header not parsed: refused");
     let body = jsonrpc::error_body(None, code::INVALID_REQUEST, message, None);
-    let Ok(mut header) = pingora::http::ResponseHeader::build(400, Some(3)) else {
+    let Ok(mut header) = pingora::http::ResponseHeader::build(status, Some(3)) else {
         return session.shutdown().await;
     };
     let _ = header.insert_header("content-type", "application/json");
@@ -662,7 +677,7 @@ impl HttpServerApp for Listener {
         match tokio::time::timeout(header_timeout, session.read_request()).await {
             Ok(Ok(true)) => {}
             Ok(Err(e)) if e.etype == pingora::ErrorType::InvalidHTTPHeader => {
-                refuse_unreadable_header(&mut session).await;
+                refuse_unreadable_header(&mut session, &e).await;
                 return None;
             }
             _ => return None,

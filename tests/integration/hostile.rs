@@ -490,13 +490,23 @@ fn the_hostile_input_corpus_gets_documented_errors_and_reaches_no_upstream() {
         .as_str()
         .unwrap()
         .contains("headers"));
+    // Past what the HTTP parser reads (256 lines): the same 431, not a parse error.
+    let lines: String = (0..300).map(|i| format!("x-pad-{i}: 1\r\n")).collect();
+    let request =
+        format!("POST /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\n{lines}content-length: 2\r\n\r\n{{}}");
+    let answer = raw_exchange(gw.port, request.as_bytes(), Duration::from_secs(5));
+    assert!(answer.starts_with("HTTP/1.1 431"), "{answer}");
+    assert!(
+        answer.contains("more lines than the gateway reads"),
+        "{answer}"
+    );
     let fat = "y".repeat(9000);
     let reply = raw.request("POST", &[("x-fat", fat.as_str())], Some("{}"));
     assert_eq!(reply.status, 431);
     assert_session_refused(&raw, &"A".repeat(2000), "oversized session token");
     table.row(
-        "oversized: requestState, inputResponses (bytes, entries), body, headers (count, bytes), session id",
-        7,
+        "oversized: requestState, inputResponses (bytes, entries), body, headers (count, past the parser, bytes), session id",
+        8,
         "-32602 naming the limit / 413 / 431 / 404",
     );
 
