@@ -66,6 +66,10 @@ impl Drain {
         *self.0.borrow() >= Stage::Draining
     }
 
+    pub fn is_near_end(&self) -> bool {
+        *self.0.borrow() >= Stage::NearEnd
+    }
+
     /// Completes once draining has begun.
     pub async fn wait(&self) {
         self.wait_for(Stage::Draining).await

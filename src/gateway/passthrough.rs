@@ -227,7 +227,16 @@ async fn serve_inner(
         .filter(|_| !coded)
         .map(|tag| BodyRewrite::new(gw, &route, binding, &response, stream, tag));
     let status = response.header().status.as_u16();
-    let outcome = relay(gw, session, header, &mut response, rewrite, id.as_ref()).await;
+    let outcome = relay(
+        gw,
+        session,
+        header,
+        &mut response,
+        rewrite,
+        id.as_ref(),
+        None,
+    )
+    .await;
     gw.upstreams.client.finish(response).await;
     counted_as(status, outcome)
 }
@@ -590,7 +599,9 @@ const MAX_WHOLE_BODY: usize = 1 << 20;
 
 /// Streams the upstream body to the client as it arrives, until either side ends, with
 /// a legacy client's body rewritten as it goes (`BodyRewrite`); `id` is the client's
-/// request's, for an error answered instead of a body that did not come whole.
+/// request's, for an error answered instead of a body that did not come whole. With a
+/// `last_word` (an SSE event), a POST's SSE stream still running when this replica's grace
+/// period nears its end ends with it, between two events (`Outcome::Drained`).
 pub(crate) async fn relay(
     gw: &Gateway,
     session: &mut ServerSession,
@@ -598,6 +609,7 @@ pub(crate) async fn relay(
     upstream: &mut Response,
     mut rewrite: Option<BodyRewrite>,
     id: Option<&Value>,
+    last_word: Option<&Bytes>,
 ) -> Outcome {
     if gw.admission.cors.is_gateways() {
         cors::strip_upstreams(&mut header);
@@ -626,7 +638,8 @@ pub(crate) async fn relay(
     let _streaming = InUse::new(&gw.runtime.metrics.active_client_streams);
     // A session's GET stream never ends by itself; a POST's stream ends with its response.
     let endless = sse && session.req_header().method == http::Method::GET;
-    pump(gw, session, upstream, sse, endless, rewrite).await
+    let last_word = last_word.filter(|_| sse && !endless);
+    pump(gw, session, upstream, (sse, endless), rewrite, last_word).await
 }
 
 fn content_length(header: &ResponseHeader) -> Option<usize> {
@@ -675,9 +688,9 @@ async fn pump(
     gw: &Gateway,
     session: &mut ServerSession,
     upstream: &mut Response,
-    sse: bool,
-    endless: bool,
+    (sse, endless): (bool, bool),
     mut rewrite: Option<BodyRewrite>,
+    last_word: Option<&Bytes>,
 ) -> Outcome {
     let keepalive = (sse && gw.config.sse_keepalive_ms > 0)
         .then(|| Duration::from_millis(gw.config.sse_keepalive_ms));
@@ -699,6 +712,12 @@ async fn pump(
             chunk = upstream.next_chunk() => chunk,
             _ = session.read_body_or_idle(true) => return Outcome::ClientGone,
             _ = gw.runtime.drain.wait(), if endless && at_boundary => continue,
+            () = gw.runtime.drain.wait_near_end(), if at_boundary && last_word.is_some() => {
+                let last = last_word.cloned().unwrap_or_default();
+                let _ = respond::write_body(session, last, true).await;
+                session.set_keepalive(None);
+                return Outcome::Drained;
+            }
             _ = precise_sleep::sleep_until_or_never(whole_by) => {
                 tracing::warn!("upstream body not sent whole within the response timeout");
                 respond::abort(session).await;

@@ -110,21 +110,28 @@ pub enum NotForwarded {
     /// This replica could not open a connection (out of file descriptors): nothing was
     /// sent, and the owner may well hold the flow still.
     NoDescriptor,
-    /// This replica reached the end of its grace period while the owner continued the
-    /// retry: the exchange is dropped, and the owner, seeing its connection close,
-    /// cancels the call as it would for a client of its own.
-    ShuttingDown,
+    /// This replica is in its grace period's last stretch. `sent`: the owner was
+    /// continuing the retry, and the exchange is dropped (the owner, seeing its
+    /// connection close, cancels the call as it would for a client of its own); else
+    /// nothing was sent, and the owner holds the flow still.
+    ShuttingDown { sent: bool },
 }
 
 /// Forwards the client's request (its headers and the body already read) to `owner`'s peer
 /// listener, on the path the client used, and relays the response. The owner's answer,
-/// success or error, is the client's. `Err` says why it was not forwarded.
+/// success or error, is the client's; a streamed one this replica's shutdown cuts ends
+/// with `last_word` (an SSE event), and `Outcome::Drained`. `Err` says why it was not
+/// forwarded.
 pub async fn forward(
     gw: &Gateway,
     session: &mut ServerSession,
     owner: SocketAddr,
     body: &Bytes,
+    last_word: &Bytes,
 ) -> Result<Outcome, NotForwarded> {
+    if gw.runtime.drain.is_near_end() {
+        return Err(NotForwarded::ShuttingDown { sent: false });
+    }
     if !gw.flows.peers.contains(owner) {
         let why = format!("{owner} is not in the peer set");
         return Err(NotForwarded::OwnerGone { why, sent: false });
@@ -149,7 +156,7 @@ pub async fn forward(
     // anything (frozen, or hung) loses the flow as one that is gone does. So does this
     // replica's shutdown: near its grace period's end, the client is told.
     let sent = tokio::select! {
-        () = gw.runtime.drain.wait_near_end() => return Err(NotForwarded::ShuttingDown),
+        () = gw.runtime.drain.wait_near_end() => return Err(NotForwarded::ShuttingDown { sent: true }),
         sent = gw.upstreams.client.send(&endpoint, &timeouts, request, body.clone()) => sent,
         _ = session.read_body_or_idle(true) => return Ok(Outcome::ClientGone),
         why = watch_owner(gw, owner) => return Err(NotForwarded::OwnerGone { why, sent: true }),
@@ -162,7 +169,9 @@ pub async fn forward(
         },
     })?;
     let header = passthrough::relayed_header(session, response.header());
-    let outcome = passthrough::relay(gw, session, header, &mut response, None, None).await;
+    let last_word = Some(last_word);
+    let relayed = passthrough::relay(gw, session, header, &mut response, None, None, last_word);
+    let outcome = relayed.await;
     gw.upstreams.client.finish(response).await;
     Ok(outcome)
 }

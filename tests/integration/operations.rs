@@ -525,22 +525,31 @@ fn flows_still_held_when_the_grace_period_ends_have_their_sessions_deleted() {
 
 /// A replica that forwarded a retry to the replica holding its flow, and is shut down
 /// while the owner continues it (the tool works on after its answer), tells its client so
-/// near the end of its grace period, rather than close the connection without a word;
-/// the owner, its connection gone, ends the call upstream.
+/// near the end of its grace period, rather than close the connection without a word:
+/// whether the owner's answer has not begun, or streams already (the owner's keep-alive
+/// comments). The owner, its connection gone, ends the call upstream.
 #[test]
 fn a_forwarding_replica_shutting_down_tells_its_client_and_the_owner_ends_the_call() {
+    for keepalive_ms in [15_000, 300] {
+        forwarding_replica_shut_down(keepalive_ms);
+    }
+}
+
+fn forwarding_replica_shut_down(keepalive_ms: u64) {
     let upstream = holding_server();
     let (owner_peer, forwarder_peer) = (free_port(), free_port());
-    let members = format!("[\"127.0.0.1:{owner_peer}\", \"127.0.0.1:{forwarder_peer}\"]");
+    let peer = |port: u16| format!("127.0.0.1:{port}");
     let owner = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
         c.upstreams[0].era = UpstreamEra::Legacy;
-        c.peers.listen = Some(format!("127.0.0.1:{owner_peer}"));
-        c.peers.members = vec![
-            format!("127.0.0.1:{owner_peer}"),
-            format!("127.0.0.1:{forwarder_peer}"),
-        ];
+        c.sse_keepalive_ms = keepalive_ms;
+        c.peers.listen = Some(peer(owner_peer));
+        c.peers.members = vec![peer(owner_peer), peer(forwarder_peer)];
     });
-    let peers = format!("peers: {{listen: \"127.0.0.1:{forwarder_peer}\", members: {members}}}\n");
+    let members = format!("[\"{}\", \"{}\"]", peer(owner_peer), peer(forwarder_peer));
+    let peers = format!(
+        "peers: {{listen: \"{}\", members: {members}}}\n",
+        peer(forwarder_peer)
+    );
     let mut forwarder = GatewayProcess::start_with(&upstream.url(), &peers);
     let ask = json!({"name": "ask"});
     let caps = json!({"elicitation": {}});
@@ -558,8 +567,13 @@ fn a_forwarding_replica_shutting_down_tells_its_client_and_the_owner_ends_the_ca
         .unwrap()
         .extend(answers.as_object().unwrap().clone());
     let url = forwarder.url.clone();
-    let retried =
-        std::thread::spawn(move || Raw::new(&url).modern(2, "tools/call", retry, caps).json());
+    let retried = std::thread::spawn(move || {
+        let mut reply = Raw::new(&url).modern(2, "tools/call", retry, caps);
+        match reply.content_type.starts_with("text/event-stream") {
+            true => reply.next_message().map(|(_, message)| message),
+            false => Some(reply.json()),
+        }
+    });
     // The owner took the retry and posted its answer: the tool works on.
     wait_until("the answer went up", Duration::from_secs(10), || {
         let requests = upstream.requests();
@@ -569,7 +583,9 @@ fn a_forwarding_replica_shutting_down_tells_its_client_and_the_owner_ends_the_ca
     });
     forwarder.begin_drain();
     let reply = retried.join().expect("the client got an answer");
+    let reply = reply.expect("a message before the stream ended");
     assert_eq!(reply["error"]["code"], -32603, "{reply}");
+    assert_eq!(reply["id"], 2, "{reply}");
     let text = reply["error"]["message"].as_str().unwrap_or_default();
     assert!(
         text.contains("shutting down while the replica holding"),

@@ -33,7 +33,8 @@ use crate::mrtr::replay::{self, Claim, StateDigest};
 use crate::mrtr::state::{binding, now_ms, now_secs, FlowState, HeldAt, UpstreamCall, Waiting};
 use crate::mrtr::translate::{Relay, RoundLimits};
 use crate::outcome::{Class, Outcome, Refusal, Report};
-use crate::protocol::jsonrpc::code;
+use crate::protocol::jsonrpc::{self, code};
+use crate::protocol::sse::Event;
 use crate::upstream::exchange::{Connection, ExchangeFailure, Response};
 use crate::upstream::legacy_session::{
     read_single, Caller, LegacySession, SessionError, SessionFailure,
@@ -476,6 +477,9 @@ fn input_responses(request: &ModernRequest) -> Map<String, Value> {
         .unwrap_or_default()
 }
 
+/// What the client of a forwarded retry is told when this replica's shutdown cuts it.
+const CUT_BY_SHUTDOWN: &str = "this gateway replica is shutting down while the replica holding the call continued this retry; the call was ended there, after this retry's answers may have reached it: check whether it ran before issuing it again";
+
 /// The retry of a flow held by another replica: forwarded to it, whose answer the client
 /// gets; or, when it cannot be reached (or this request came from a peer that thought
 /// this replica held it), the flow is lost with it.
@@ -494,43 +498,58 @@ async fn to_holder(
         tracing::info!("a retry for another replica's flow on the peer listener");
         return super::refused_on_peer_listener(session).await;
     }
+    // How a streamed answer this replica's shutdown cuts ends: with the call's error.
+    let id = Some(&call.request.id);
+    let ended = jsonrpc::error_body(id, code::INTERNAL_ERROR, CUT_BY_SHUTDOWN, None);
+    let ended = Event::message(None, String::from_utf8_lossy(&ended).into_owned());
+    let last_word = bytes::Bytes::from(ended.encode());
     let (why, lost) = match owner {
         None => (
             "held by a replica without a peer listener".to_string(),
             Lost::Holder,
         ),
-        Some(owner) => match peers::forward(gw, session, owner, &call.incoming.body).await {
-            Ok(_) => {
-                gw.runtime
-                    .metrics
-                    .peer_forwards
-                    .with_label_values(&["ok"])
-                    .inc();
-                return Outcome::Forwarded;
+        Some(owner) => {
+            match peers::forward(gw, session, owner, &call.incoming.body, &last_word).await {
+                Ok(Outcome::Drained) => {
+                    let forwards = &gw.runtime.metrics.peer_forwards;
+                    forwards.with_label_values(&["shutting_down"]).inc();
+                    return Outcome::Drained;
+                }
+                Ok(_) => {
+                    gw.runtime
+                        .metrics
+                        .peer_forwards
+                        .with_label_values(&["ok"])
+                        .inc();
+                    return Outcome::Forwarded;
+                }
+                Err(peers::NotForwarded::OwnerGone { why, sent }) => (
+                    why,
+                    if sent {
+                        Lost::HolderMidRetry
+                    } else {
+                        Lost::Holder
+                    },
+                ),
+                Err(peers::NotForwarded::ShuttingDown { sent }) => {
+                    let forwards = &gw.runtime.metrics.peer_forwards;
+                    forwards.with_label_values(&["shutting_down"]).inc();
+                    let text = match sent {
+                    true => CUT_BY_SHUTDOWN,
+                    false => "this gateway replica is shutting down and sent nothing to the replica holding the call: send the same retry again, to another replica; its requestState is still good",
+                };
+                    let refusal = Refusal::internal(Class::Overloaded, text);
+                    return reply.refuse(session, refusal).await;
+                }
+                Err(peers::NotForwarded::NoDescriptor) => {
+                    // Nothing went to the owner, which may hold the flow still: the same
+                    // retry may be sent again, unclaimed here.
+                    let text = "this gateway replica has no file descriptor free to reach the replica holding the flow; send the same retry again later";
+                    let refusal = Refusal::internal(Class::Overloaded, text);
+                    return reply.refuse(session, refusal).await;
+                }
             }
-            Err(peers::NotForwarded::OwnerGone { why, sent }) => (
-                why,
-                if sent {
-                    Lost::HolderMidRetry
-                } else {
-                    Lost::Holder
-                },
-            ),
-            Err(peers::NotForwarded::ShuttingDown) => {
-                let forwards = &gw.runtime.metrics.peer_forwards;
-                forwards.with_label_values(&["shutting_down"]).inc();
-                let text = "this gateway replica is shutting down while the replica holding the call continued this retry; the call was ended there, after this retry's answers may have reached it: check whether it ran before issuing it again";
-                let refusal = Refusal::internal(Class::Overloaded, text);
-                return reply.refuse(session, refusal).await;
-            }
-            Err(peers::NotForwarded::NoDescriptor) => {
-                // Nothing went to the owner, which may hold the flow still: the same
-                // retry may be sent again, unclaimed here.
-                let text = "this gateway replica has no file descriptor free to reach the replica holding the flow; send the same retry again later";
-                let refusal = Refusal::internal(Class::Overloaded, text);
-                return reply.refuse(session, refusal).await;
-            }
-        },
+        }
     };
     gw.runtime
         .metrics
