@@ -66,19 +66,21 @@ pub struct GroupLearnt {
 /// of `mrtr::flow`: cut, a server error, no answer in time), none working in between.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FailingResumptions {
-    pub count: u32,
-    pub first_at: Instant,
-    pub last_at: Instant,
-    /// A round of the group reached its questions since the first: the upstream serves
-    /// calls, only its resumptions fail.
+    /// A round of the group reached its questions during the run: the upstream serves
+    /// calls, and only the failures from then on count.
     pub served: bool,
+    /// The failures since it was served, and when the first of them came.
+    pub count: u32,
+    pub first_at: Option<Instant>,
+    /// The run's latest failure, served or not.
+    pub last_at: Instant,
 }
 
 /// When a run of failed resumptions shows that a group's upstream cannot resume (a broken
-/// event store), rather than that it restarted or is down: this many in a row, over at
-/// least this long, while the upstream served other calls' rounds. A restart cuts a few
-/// seconds of resumptions, and one that works starts the count anew; an upstream that is
-/// down serves no round.
+/// event store), rather than that it restarted or is down: this many in a row while the
+/// upstream served other calls' rounds, over at least this long. A restart cuts a few
+/// seconds of resumptions before its rounds are served again, and one that works starts
+/// the count anew; an upstream that is down serves no round.
 pub const FAILED_RESUMPTIONS_IN_A_ROW: u32 = 5;
 pub const FAILING_RESUMPTIONS_FOR: Duration = Duration::from_secs(60);
 /// A failure this long after the run's last starts a run of its own: old ones are
@@ -90,21 +92,25 @@ impl GroupLearnt {
     /// the run shows the upstream cannot resume.
     pub fn note_resumption_failed(&mut self, now: Instant) -> bool {
         let fresh = FailingResumptions {
-            count: 0,
-            first_at: now,
-            last_at: now,
             served: false,
+            count: 0,
+            first_at: None,
+            last_at: now,
         };
         let mut run = self
             .failing_resumptions
             .filter(|run| now.saturating_duration_since(run.last_at) <= FAILING_RESUMPTIONS_GAP)
             .unwrap_or(fresh);
-        run.count = run.count.saturating_add(1);
         run.last_at = now;
+        if run.served {
+            run.count = run.count.saturating_add(1);
+            run.first_at.get_or_insert(now);
+        }
         self.failing_resumptions = Some(run);
-        run.count >= FAILED_RESUMPTIONS_IN_A_ROW
-            && now.saturating_duration_since(run.first_at) >= FAILING_RESUMPTIONS_FOR
-            && run.served
+        let lasted = run
+            .first_at
+            .is_some_and(|first| now.saturating_duration_since(first) >= FAILING_RESUMPTIONS_FOR);
+        run.count >= FAILED_RESUMPTIONS_IN_A_ROW && lasted
     }
 
     /// A round of the group ended with its questions: the upstream serves calls.
@@ -191,43 +197,44 @@ mod tests {
         assert_eq!(learnt.get("other"), GroupLearnt::default());
     }
 
-    /// A run teaches only when long, many, recent, and while the upstream served other
-    /// rounds; one that worked ends it.
+    /// A run teaches only when its failures, counted once the upstream served other
+    /// rounds, are many and last; a pause forgets it; one that worked ends it.
     #[test]
     fn resumptions_failing_often_and_long_while_others_are_served_show_a_broken_store() {
         let start = Instant::now();
         let at = |ms: u64| start + Duration::from_millis(ms);
         let minute = FAILING_RESUMPTIONS_FOR.as_millis() as u64;
+        let n = u64::from(FAILED_RESUMPTIONS_IN_A_ROW);
         let mut facts = GroupLearnt::default();
-        // A burst, as an upstream restarting cuts: many, but within a second.
-        for n in 0..2 * u64::from(FAILED_RESUMPTIONS_IN_A_ROW) {
-            assert!(!facts.note_resumption_failed(at(n * 100)));
+        // A burst, as an upstream restarting cuts, then nothing served for a minute (an
+        // upstream down): nothing.
+        for i in 0..2 * n {
+            assert!(!facts.note_resumption_failed(at(i * 100)));
         }
-        // A minute on, with nothing served in between (an upstream down): still nothing.
         assert!(!facts.note_resumption_failed(at(minute)));
-        // Once other calls' rounds are served, a failure still coming teaches.
+        // Served again: the burst does not count, and one more failure a minute and a
+        // half in says nothing either.
         facts.note_round_served();
-        assert!(facts.note_resumption_failed(at(minute + 1)));
+        assert!(!facts.note_resumption_failed(at(minute + minute / 2)));
+        // Failures still coming while calls are served, for a minute: a broken store.
+        for i in 1..n - 1 {
+            assert!(!facts.note_resumption_failed(at(minute + minute / 2 + i * 1000)));
+        }
+        assert!(facts.note_resumption_failed(at(3 * minute)));
+
+        // Many while served, but within seconds: not yet.
+        let mut facts = GroupLearnt::default();
+        assert!(!facts.note_resumption_failed(at(0)));
+        facts.note_round_served();
+        for i in 1..=2 * n {
+            assert!(!facts.note_resumption_failed(at(i * 100)));
+        }
 
         // A failure long after the run's last starts a run of its own.
-        let mut facts = GroupLearnt::default();
-        for n in 0..u64::from(FAILED_RESUMPTIONS_IN_A_ROW) {
-            assert!(!facts.note_resumption_failed(at(n * 100)));
-        }
-        facts.note_round_served();
         let gap = FAILING_RESUMPTIONS_GAP.as_millis() as u64;
-        assert!(!facts.note_resumption_failed(at(gap + 1000)), "forgotten");
-        assert_eq!(facts.failing_resumptions.map(|r| r.count), Some(1));
-        assert!(!facts.failing_resumptions.unwrap().served);
-
-        // Few, however long: nothing yet.
-        let mut facts = GroupLearnt::default();
-        facts.note_round_served();
-        for n in 1..u64::from(FAILED_RESUMPTIONS_IN_A_ROW) {
-            assert!(!facts.note_resumption_failed(at(n * minute)));
-            facts.note_round_served();
-        }
-        assert!(facts.note_resumption_failed(at(5 * minute)));
+        assert!(!facts.note_resumption_failed(at(gap + 10_000)));
+        let run = facts.failing_resumptions.unwrap();
+        assert_eq!((run.served, run.count), (false, 0));
     }
 
     #[test]

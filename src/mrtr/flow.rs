@@ -406,7 +406,9 @@ pub enum Learnt {
     /// upstream restarting); the shell learns from a run of them.
     ResumptionFailed,
     /// A resumption worked: the call's stream came back and settled (its priming event,
-    /// or the settling time passed), ending any run of failed ones.
+    /// or the settling time passed; from a server known not to prime, once it answered),
+    /// ending any run of failed ones. One that ends while it settles says neither: the
+    /// call's end replayed and a cut look alike.
     ResumptionWorked,
     /// Whether its resumed streams are primed once live.
     Primes(bool),
@@ -968,9 +970,6 @@ impl Flow {
                 Phase::Settling { retry, .. } | Phase::Backoff { retry, .. },
                 Input::StreamBroken { failure, .. },
             ) => {
-                if failure.unexplained() {
-                    self.learn(Learnt::ResumptionFailed);
-                }
                 self.commands.push_back(Command::CloseStreams);
                 self.give_up(&retry.call, "the call's stream failed");
                 self.finish(Ending::Refused(self.refusal_for(&failure)))
@@ -1379,7 +1378,7 @@ impl Flow {
             .any(|(stream, _)| *stream == Stream::Call)
         {
             retry.call_ended = true;
-            return self.resumed(*retry, now);
+            return self.answer(*retry, now);
         }
         if retry.empties < EMPTY_RETRIES {
             let until = now + EMPTY_BACKOFF * 2u32.pow(retry.empties);
