@@ -879,6 +879,18 @@ pub fn tool_params(name: &str, extra: Value) -> Value {
     params
 }
 
+/// Calls the holding upstream's `ask` tool through `gw` as a 2026-07-28 client declaring
+/// `caps`, with `headers`; asserts the replica holds the flow, and returns the retry's
+/// params answering its question with the name Kim.
+pub fn held_ask_retry(gw: &TestGateway, caps: &Value, headers: &[(&str, &str)]) -> Value {
+    let ask = serde_json::json!({"name": "ask", "arguments": {}});
+    let raw = Raw::new(&gw.url);
+    let asked = raw.modern_with(1, "tools/call", ask, caps.clone(), headers);
+    let asked = asked.json();
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 1.0, "{asked}");
+    tool_params("ask", answer(&asked, serde_json::json!({"name": "Kim"})))
+}
+
 /// Calls `tool` as a 2026-07-28 client that can answer elicitations, with `extra` params
 /// (`arguments`, a retry's `inputResponses` and `requestState`); returns the JSON body.
 pub fn call_tool(raw: &Raw, id: u64, tool: &str, extra: Value) -> Value {

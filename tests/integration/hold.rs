@@ -334,29 +334,7 @@ fn a_client_that_leaves_a_forwarded_retry_cancels_the_call_at_the_owner() {
     let upstream = holding_server();
     let replicas = peered(&upstream.url(), 2, |_| {});
     let caps = json!({"elicitation": {}});
-    let asked = Raw::new(&replicas[0].url)
-        .modern(
-            1,
-            "tools/call",
-            json!({"name": "ask", "arguments": {}}),
-            caps.clone(),
-        )
-        .json();
-    assert_eq!(
-        metric(&replicas[0].admin, "mrtr_gateway_held_flows"),
-        1.0,
-        "{asked}"
-    );
-    let retry = answer(&asked, json!({"name": "Kim"}));
-    let params = json!({"name": "ask", "arguments": {}})
-        .as_object()
-        .unwrap()
-        .clone();
-    let mut params = Value::Object(params);
-    params
-        .as_object_mut()
-        .unwrap()
-        .extend(retry.as_object().unwrap().clone());
+    let params = held_ask_retry(&replicas[0], &caps, &[]);
     let client = send_and_stay(replicas[1].port, 2, params, caps);
     let answered = |s: &Seen| s.json().is_some_and(|m| m.get("result").is_some());
     wait_until("the answer upstream", Duration::from_secs(10), || {
@@ -368,23 +346,6 @@ fn a_client_that_leaves_a_forwarded_retry_cancels_the_call_at_the_owner() {
         Duration::from_secs(10),
         || upstream.requests().iter().any(|s| s.method == "DELETE"),
     );
-}
-
-/// Asks `ask` of `gw` (holding) with `x-api-key: key`, and gives the parameters of the
-/// retry that answers its question.
-fn held_with_key(gw: &TestGateway, caps: &Value, key: &str) -> Value {
-    let ask = json!({"name": "ask", "arguments": {}});
-    let key = [("x-api-key", key)];
-    let asked = Raw::new(&gw.url).modern_with(1, "tools/call", ask.clone(), caps.clone(), &key);
-    let asked = asked.json();
-    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 1.0, "{asked}");
-    let mut params = ask;
-    let retry = answer(&asked, json!({"name": "Kim"}));
-    params
-        .as_object_mut()
-        .unwrap()
-        .extend(retry.as_object().unwrap().clone());
-    params
 }
 
 /// A held flow's retry whose client has already gone when the owner reads it (a
@@ -399,7 +360,7 @@ fn a_held_flows_retry_from_a_client_already_gone_is_not_continued() {
     let gw = &replicas[0];
     let caps = json!({"elicitation": {}});
     // With a credential: the held call's end upstream carries it.
-    let params = held_with_key(gw, &caps, "k-9");
+    let params = held_ask_retry(gw, &caps, &[("x-api-key", "k-9")]);
     let request = raw_modern_request(2, "tools/call", params, caps, "");
     // The request and the client's close arrive together: corked, the data waits, and the
     // shutdown sends it with the FIN.
@@ -776,7 +737,7 @@ fn a_held_retry_the_upstream_denies_ends_the_call_as_the_holding_round() {
     let replicas = peered(&upstream.url(), 1, |_| {});
     let gw = &replicas[0];
     let caps = json!({"elicitation": {}});
-    let params = held_with_key(gw, &caps, "k-9");
+    let params = held_ask_retry(gw, &caps, &[("x-api-key", "k-9")]);
     let expired = [("x-api-key", "k-expired")];
     let denied = Raw::new(&gw.url).modern_with(2, "tools/call", params, caps, &expired);
     assert_eq!(denied.status, 401, "the client hears the denial");

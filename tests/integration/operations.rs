@@ -551,21 +551,8 @@ fn forwarding_replica_shut_down(keepalive_ms: u64) {
         peer(forwarder_peer)
     );
     let mut forwarder = GatewayProcess::start_with(&upstream.url(), &peers);
-    let ask = json!({"name": "ask"});
     let caps = json!({"elicitation": {}});
-    let asked = Raw::new(&owner.url).modern(1, "tools/call", ask.clone(), caps.clone());
-    let asked = asked.json();
-    assert_eq!(
-        metric(&owner.admin, "mrtr_gateway_held_flows"),
-        1.0,
-        "{asked}"
-    );
-    let mut retry = ask;
-    let answers = answer(&asked, json!({"name": "Kim"}));
-    retry
-        .as_object_mut()
-        .unwrap()
-        .extend(answers.as_object().unwrap().clone());
+    let retry = held_ask_retry(&owner, &caps, &[]);
     let url = forwarder.url.clone();
     let retried = std::thread::spawn(move || {
         let mut reply = Raw::new(&url).modern(2, "tools/call", retry, caps);
