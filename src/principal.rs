@@ -141,6 +141,8 @@ impl JwtVerifier {
             let mut v = Validation::new(algorithms[0]);
             v.algorithms = algorithms;
             v.leeway = config.leeway_seconds;
+            // jsonwebtoken checks `nbf` only when asked to.
+            v.validate_nbf = true;
             v.set_required_spec_claims(&["exp", "iss", "sub"]);
             if !config.issuers.is_empty() {
                 v.set_issuer(&config.issuers);
@@ -342,6 +344,14 @@ mod tests {
                     SECRET,
                 )),
                 "the bearer token has expired",
+            ),
+            (
+                Some(token(
+                    Some("hs"),
+                    json!({"iss": "https://idp", "sub": "a", "exp": now + 7200, "nbf": now + 3600}),
+                    SECRET,
+                )),
+                "the bearer token is not valid yet",
             ),
             (
                 Some(token(
