@@ -535,6 +535,11 @@ pub struct Flow {
     warm_session: bool,
     /// When a round still reading ends, at the flow's deadline (`max_flow_seconds`).
     ends_at: Instant,
+    /// When this request's flow was made, on its clock (the wall clock's `config.now_ms`),
+    /// and the time of the input being handled: a state's expiry counts from when it is
+    /// issued, however long the round ran.
+    began: Instant,
+    clock: Instant,
 }
 
 #[derive(Clone, Debug)]
@@ -801,6 +806,8 @@ impl Flow {
             started: false,
             resumed_data_call: None,
             warm_session: false,
+            began: now,
+            clock: now,
         }
     }
 
@@ -884,6 +891,7 @@ impl Flow {
 
     /// Feeds what happened.
     pub fn handle(&mut self, input: Input, now: Instant) {
+        self.clock = self.clock.max(now);
         let phase = std::mem::replace(&mut self.phase, Phase::Done);
         self.phase = match (phase, input) {
             (
@@ -1007,6 +1015,7 @@ impl Flow {
 
     /// Feeds the time; due at `poll_timeout`.
     pub fn handle_timeout(&mut self, now: Instant) {
+        self.clock = self.clock.max(now);
         let phase = std::mem::replace(&mut self.phase, Phase::Done);
         self.phase = match phase {
             Phase::Settling { retry, until } if now >= until => {
@@ -2282,11 +2291,13 @@ impl Flow {
         Phase::Done
     }
 
-    /// A state of this flow waiting as `waiting`, expiring a round's TTL from now but never
-    /// past the flow's deadline.
+    /// A state of this flow waiting as `waiting`, expiring a round's TTL from now (in
+    /// whole seconds, rounded up: never sooner) but never past the flow's deadline.
     fn state(&self, waiting: Waiting) -> FlowState {
-        let expires_at = (self.config.now_secs + self.config.request_state_ttl_seconds)
-            .min(self.common.flow_deadline);
+        let ran = self.clock.saturating_duration_since(self.began).as_millis() as u64;
+        let issued = (self.config.now_ms + ran).div_ceil(1000);
+        let expires_at =
+            (issued + self.config.request_state_ttl_seconds).min(self.common.flow_deadline);
         FlowState {
             group: self.config.group.clone(),
             flow_id: self.common.flow_id,

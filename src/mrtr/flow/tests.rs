@@ -400,8 +400,27 @@ fn a_new_call_opens_the_session_stream_before_posting_and_asks_after_the_quiet_w
     assert_eq!(positions.last_event_id.as_deref(), Some("c2"));
     assert_eq!(positions.round_start.as_deref(), Some("c1"));
     assert_eq!(state.round, 1);
-    assert_eq!(state.expires_at, 1_000_600);
+    // Issued 10 ms into the flow: the TTL counts from the next whole second.
+    assert_eq!(state.expires_at, 1_000_601);
     assert!(!h.log.contains(&Command::DeleteSession));
+}
+
+/// A round that runs longer than the TTL before its question comes still issues a state
+/// good for the whole TTL: its expiry counts from when it is issued, not from the request.
+#[test]
+fn a_state_is_good_for_its_ttl_from_when_it_is_issued() {
+    let mut config = config();
+    config.request_state_ttl_seconds = 5;
+    let mut h = Harness::new_call(config, Upstream::default());
+    h.event(Stream::Call, Some("c1"), &json!(""));
+    h.advance(Duration::from_millis(7_250));
+    h.event(Stream::Call, Some("c2"), &question(0, "Name?"));
+    h.advance(Duration::from_millis(10));
+    let Ending::InputRequired { state, .. } = h.ending() else {
+        panic!("{:?}", h.ending());
+    };
+    // Issued 7.26 s after the request came (at 1,000,000 s): good until 5 s after 1,000,008.
+    assert_eq!(state.expires_at, 1_000_013);
 }
 
 #[test]
