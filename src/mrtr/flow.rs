@@ -533,6 +533,9 @@ pub struct Flow {
     resumed_data_call: Option<Value>,
     /// The session was initialized ahead of demand and no call has gone out on it yet.
     warm_session: bool,
+    /// This request runs a lost call again (a restartable tool): the state that led here
+    /// stays claimed once the call goes out.
+    rerun: bool,
     /// When a round still reading ends, at the flow's deadline (`max_flow_seconds`).
     ends_at: Instant,
     /// When this request's flow was made, on its clock (the wall clock's `config.now_ms`),
@@ -806,6 +809,7 @@ impl Flow {
             started: false,
             resumed_data_call: None,
             warm_session: false,
+            rerun: false,
             began: now,
             clock: now,
         }
@@ -908,7 +912,8 @@ impl Flow {
                 self.session_opened(call, warm, session_stream, now)
             }
             (Phase::Opening, Input::SessionFailed(failure)) => {
-                self.finish(Ending::Refused(self.refusal_for(&failure)))
+                let refusal = self.refusal_before_call(&failure);
+                self.finish(Ending::Refused(refusal))
             }
             (Phase::OpeningSessionStream { call }, Input::StreamOpened { .. }) => {
                 self.post_call(call, now)
@@ -1176,12 +1181,13 @@ impl Flow {
             }
             Err(failure) => {
                 self.commands.push_back(Command::CloseStreams);
-                if failure.never_delivered() {
-                    self.delete_session(&call);
-                } else {
+                if !failure.never_delivered() {
                     self.give_up(&call, "the call's response failed");
+                    return self.finish(Ending::Refused(self.refusal_for(&failure)));
                 }
-                return self.finish(Ending::Refused(self.refusal_for(&failure)));
+                self.delete_session(&call);
+                let refusal = self.refusal_before_call(&failure);
+                return self.finish(Ending::Refused(refusal));
             }
         };
         let call_open = reply == CallReply::Stream;
@@ -2240,6 +2246,7 @@ impl Flow {
         // The state that led here runs the call again: it stays claimed, or a replay of
         // it on this replica would run the tool a second time.
         self.commands.retain(|c| *c != Command::ReleaseClaim);
+        self.rerun = true;
         self.commands.push_back(Command::Note(Note::Restarted));
         self.common.round += 1;
         self.start(now)
@@ -2271,6 +2278,18 @@ impl Flow {
             Err(gone) if gone.kind == FailureKind::Gone => self.failed_during_call(gone),
             _ => self.failed_during_call(failed),
         }
+    }
+
+    /// The client's error for a failure before the call reached the upstream. A re-run
+    /// then ran nothing: its state's claim is released, so the same retry runs it again.
+    fn refusal_before_call(&mut self, failure: &Failure) -> Refusal {
+        let mut refusal = self.refusal_for(failure);
+        if self.rerun {
+            self.commands.push_back(Command::ReleaseClaim);
+            let again = "; the tool was not run again: send the same retry again, its requestState is still good";
+            refusal.message.push_str(again);
+        }
+        refusal
     }
 
     fn refusal_for(&self, failure: &Failure) -> Refusal {

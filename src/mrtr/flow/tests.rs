@@ -1572,6 +1572,53 @@ fn a_lost_call_of_a_restartable_tool_runs_again_asking_only_what_is_new() {
     assert_eq!(state.round, 2);
 }
 
+/// A re-run that never reached the upstream (its session could not be opened, or its
+/// call was not delivered) ran nothing: the state that led to it stays good, so the same
+/// retry runs the call again once the upstream is back.
+#[test]
+fn a_rerun_that_never_reached_the_upstream_leaves_its_state_good() {
+    let mut restartable = config();
+    restartable.restartable = true;
+    let mut first = Harness::new_call(restartable.clone(), Upstream::default());
+    first.event(Stream::Call, Some("c1"), &question(0, "Where?"));
+    first.advance(Duration::from_millis(10));
+    let refused = || Failure::new(FailureKind::Unreachable, "is unreachable");
+    let not_sent = || Failure::new(FailureKind::NotSent, "no connection could be opened");
+    let lost = || Err(Failure::new(FailureKind::Gone, "the session is gone"));
+    let cases = [
+        (
+            "the session",
+            Upstream {
+                open_failure: Some(refused()),
+                ..Upstream::default()
+            },
+        ),
+        (
+            "the call",
+            Upstream {
+                call_failures: VecDeque::from([not_sent()]),
+                ..Upstream::default()
+            },
+        ),
+    ];
+    for (what, mut upstream) in cases {
+        upstream.call_opens.push_back(lost());
+        let responses = json!({"elicitation_0": accept("Lisbon")});
+        let h = retry_of(&first, restartable.clone(), upstream, responses);
+        assert!(h.log.contains(&Command::Note(Note::Restarted)), "{what}");
+        assert!(
+            h.log.contains(&Command::ReleaseClaim),
+            "{what}: {:?}",
+            h.log
+        );
+        let message = &h.refusal().message;
+        assert!(
+            message.contains("its requestState is still good"),
+            "{what}: {message}"
+        );
+    }
+}
+
 #[test]
 fn a_lost_call_of_any_other_tool_ends_with_flow_lost() {
     let first = first_round();
