@@ -961,3 +961,26 @@ fn a_finished_flows_streams_keep_their_connections() {
         );
     }
 }
+
+/// A replica whose replay guard is full (every state it acted on is remembered until it
+/// expires) refuses a retry as overloaded, saying which bound is full, and lets nothing
+/// through unguarded; the same state completes once there is room.
+#[test]
+fn a_full_replay_guard_refuses_retries_naming_its_bound() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.bridge.max_used_states = 1;
+    });
+    let raw = Raw::new(&gw.url);
+    let first = call_tool(&raw, 1, "ask_name", json!({}));
+    let second = call_tool(&raw, 2, "ask_name", json!({}));
+    let done = call_tool(&raw, 3, "ask_name", answer(&first, json!({"name": "Kim"})));
+    assert!(done["result"].get("content").is_some(), "{done}");
+    let refused = call_tool(&raw, 4, "ask_name", answer(&second, json!({"name": "Ada"})));
+    assert_eq!(refused["error"]["code"], -32603, "{refused}");
+    let text = refused["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        text.contains("replay guard is full") && text.contains("bridge.max_used_states"),
+        "{refused}"
+    );
+}

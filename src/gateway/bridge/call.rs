@@ -161,7 +161,7 @@ impl NotClaimed {
         match self {
             NotClaimed::Replayed => refuse_state(gw, session, reply, group, "replayed").await,
             NotClaimed::Full => {
-                let text = "too many retries are in flight on this replica (bridge.max_used_states); retry later";
+                let text = "this replica's replay guard is full: it remembers every requestState it acted on until that state expires, and holds bridge.max_used_states of them; retry later";
                 refuse(session, reply, Refusal::internal(Class::Overloaded, text)).await
             }
         }
