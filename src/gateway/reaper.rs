@@ -14,13 +14,15 @@
 //! the server no longer runs, which receivers ignore). Such entries still take room in
 //! the table: when it (or a principal's share) is full, `reclaim` asks the upstream, with
 //! a `ping` in each of the oldest sessions, which ones it no longer has, and frees them.
+//! An end the upstream could not take (down, restarting) is sent again a few times
+//! (`RETRY_AFTER`), from a bounded list beside the table.
 
 use crate::mrtr::flow::{cancellation, NOT_CONTINUED};
 use crate::mrtr::state::now_secs;
 use crate::protocol::headers::EndToEnd;
 use crate::protocol::revision::Revision;
 use crate::upstream::exchange::UpstreamClient;
-use crate::upstream::legacy_session::LegacySession;
+use crate::upstream::legacy_session::{LegacySession, SessionError};
 use crate::upstream::{Endpoint, Timeouts};
 use async_trait::async_trait;
 use hashbrown::HashTable;
@@ -35,6 +37,13 @@ use std::time::Duration;
 
 /// How often due sessions are looked for.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
+/// A DELETE or cancellation that failed without an answer saying why (the upstream down
+/// or restarting, a cut, a server error) is sent again after each of these delays in
+/// turn (seconds), then given up on with a warning: the SDK servers keep a session until
+/// it is deleted.
+const RETRY_AFTER: [u64; 4] = [5, 20, 60, 180];
+/// The most that wait to be sent again; beyond, the oldest is given up on.
+const MAX_RETRYING: usize = 4096;
 /// Most sessions one `reclaim` asks about, the longest it takes, and how long after one
 /// that freed nothing another may run for the same share of the table (a caller that
 /// fills its share with flows it abandoned must not make every call it sends cost the
@@ -310,6 +319,15 @@ pub struct Reaper {
     /// Each share of the table (a principal's, or `None`: the whole) being reclaimed now,
     /// or whose last reclaim freed nothing.
     reclaims: Mutex<HashMap<Option<[u8; 32]>, Reclaim>>,
+    /// Ends that failed and are tried again (`RETRY_AFTER`), in the order they failed.
+    retrying: Mutex<Vec<Retrying>>,
+}
+
+/// An end to send again at `at` (seconds since the epoch), after `failed` attempts.
+struct Retrying {
+    due: Due,
+    failed: usize,
+    at: u64,
 }
 
 /// Where a share's reclaims stand.
@@ -328,6 +346,7 @@ impl Reaper {
             capacity,
             per_principal,
             reclaims: Mutex::default(),
+            retrying: Mutex::default(),
         }
     }
 
@@ -525,35 +544,74 @@ impl Reaper {
         out
     }
 
-    /// Ends every session and call due at `now`; returns how many.
+    /// Ends every session and call due at `now`, and those due to be tried again;
+    /// returns how many it tried.
     pub async fn sweep(&self, client: &UpstreamClient, now: u64) -> usize {
-        let due = self.take_due(now);
-        let reaped = due.len();
-        for Due {
-            endpoint,
-            timeouts,
-            key,
-            headers,
-            version,
-        } in due
-        {
-            let (session, call) = match key.split_once(CALL_SEPARATOR) {
-                Some((session, call)) => (session.to_owned(), Some(call)),
-                None => (key.clone(), None),
-            };
-            let mut upstream = LegacySession::resume(client, endpoint, &timeouts, session, version);
-            upstream.caller.headers = headers;
-            match call.map(serde_json::from_str::<Value>) {
-                None => upstream.reap().await,
-                Some(Ok(id)) => {
-                    let cancelled = cancellation(id, NOT_CONTINUED);
-                    upstream.cancel_best_effort(&cancelled, "abandoned").await
-                }
-                // Written by `Abandoned::key` from a JSON value, so never.
-                Some(Err(_)) => {}
+        let mut due: Vec<(Due, usize)> = self.take_due(now).into_iter().map(|d| (d, 0)).collect();
+        due.extend(self.take_retries(now));
+        let tried = due.len();
+        for (due, failed) in due {
+            if let Err(e) = end(client, &due).await {
+                self.retry_later(due, failed, &e, now);
             }
         }
-        reaped
+        tried
+    }
+
+    /// Removes and returns the ends due to be tried again at `now`, with their failures.
+    fn take_retries(&self, now: u64) -> Vec<(Due, usize)> {
+        let mut retrying = self.retrying.lock().expect("reaper retries lock");
+        retrying
+            .extract_if(.., |r| r.at <= now)
+            .map(|r| (r.due, r.failed))
+            .collect()
+    }
+
+    /// Keeps an end that failed (`failed` times before) to be tried again, when the
+    /// upstream may take it later and it has tries left.
+    fn retry_later(&self, due: Due, failed: usize, e: &SessionError, now: u64) {
+        let report = crate::outcome::Report(e);
+        if !e.may_pass_later() {
+            // Refused as such (a 404 for a session the flow's end on another replica
+            // deleted already): sending it again would change nothing.
+            tracing::debug!(error = %report, "the upstream refused to end an abandoned flow's session or call");
+            return;
+        }
+        let Some(after) = RETRY_AFTER.get(failed) else {
+            tracing::warn!(error = %report, tries = failed + 1, "an abandoned flow's upstream session or call could not be ended; the upstream's own expiry is left to end it");
+            return;
+        };
+        tracing::info!(error = %report, after_seconds = after, "an abandoned flow's upstream session or call could not be ended yet; trying again");
+        let mut retrying = self.retrying.lock().expect("reaper retries lock");
+        if retrying.len() >= MAX_RETRYING {
+            retrying.remove(0);
+            tracing::warn!("too many ends of abandoned flows wait to be tried again; the oldest is given up on");
+        }
+        retrying.push(Retrying {
+            due,
+            failed: failed + 1,
+            at: now + after,
+        });
+    }
+}
+
+/// Sends the end of an abandoned flow: its session's DELETE, or its call's cancellation.
+async fn end(client: &UpstreamClient, due: &Due) -> Result<(), SessionError> {
+    let (session, call) = match due.key.split_once(CALL_SEPARATOR) {
+        Some((session, call)) => (session.to_owned(), Some(call)),
+        None => (due.key.clone(), None),
+    };
+    let (endpoint, timeouts) = (due.endpoint.clone(), &due.timeouts);
+    let mut upstream = LegacySession::resume(client, endpoint, timeouts, session, due.version);
+    upstream.caller.headers = due.headers.clone();
+    match call.map(serde_json::from_str::<Value>) {
+        None => upstream.reap().await,
+        Some(Ok(id)) => {
+            let cancelled = cancellation(id, NOT_CONTINUED);
+            upstream.cancel(&cancelled, "abandoned").await
+        }
+        // Written by `Abandoned::key` from a JSON value, so never.
+        Some(Err(_)) => Ok(()),
     }
 }
 
@@ -606,9 +664,9 @@ impl BackgroundService for ReaperService {
         loop {
             tokio::select! {
                 _ = tick.tick() => {
-                    let reaped = self.reaper.sweep(&client, now_secs()).await;
-                    if reaped > 0 {
-                        tracing::info!(reaped, "ended the upstream sessions and calls of abandoned flows");
+                    let tried = self.reaper.sweep(&client, now_secs()).await;
+                    if tried > 0 {
+                        tracing::info!(tried, "ending the upstream sessions and calls of abandoned flows");
                     }
                 }
                 _ = shutdown.changed() => return,

@@ -130,6 +130,22 @@ impl SessionError {
         &self.failure
     }
 
+    /// Nothing the upstream answered says why the request failed (it could not be
+    /// reached, the exchange was cut or timed out, a server error): the same request may
+    /// pass later.
+    pub fn may_pass_later(&self) -> bool {
+        use crate::upstream::exchange::ExchangeFailure as E;
+        match &self.failure {
+            SessionFailure::NoEndpoint => true,
+            SessionFailure::Refused(status) => *status >= 500,
+            SessionFailure::Exchange(e) => matches!(
+                e,
+                E::Connect | E::NoDescriptor | E::Timeout | E::Broken | E::Unanswered
+            ),
+            _ => false,
+        }
+    }
+
     /// `group` has no healthy endpoint.
     pub fn no_endpoint(group: &str) -> SessionError {
         SessionError {
@@ -560,9 +576,10 @@ impl<'a> LegacySession<'a> {
         }
     }
 
-    /// Ends the session of a flow its client abandoned (best effort).
-    pub async fn reap(&self) {
-        let _ = self.delete_counting("reaped").await;
+    /// Ends the session of a flow its client abandoned (best effort); `Err` when it may
+    /// still be there.
+    pub async fn reap(&self) -> Result<(), SessionError> {
+        self.delete_counting("reaped").await
     }
 
     async fn delete_counting(&self, event: &'static str) -> Result<(), SessionError> {

@@ -1614,3 +1614,38 @@ fn a_question_on_a_session_stream_slow_to_open_is_asked() {
     let (_, done) = call_hostile(&raw, 2, answer(&first, json!({"name": "x"})));
     assert_eq!(done["result"]["content"][0]["text"], "done", "{done}");
 }
+
+/// An abandoned flow's DELETE that the upstream cannot take at the flow's deadline (it is
+/// restarting: a 503) is sent again later: the SDK servers keep a session until it is
+/// deleted, so one failed attempt would leave it there for good.
+#[test]
+fn an_abandoned_flows_delete_that_failed_is_sent_again() {
+    let calls = OneQuestionCalls::default();
+    let deletes = Arc::new(AtomicUsize::new(0));
+    let seen_deletes = deletes.clone();
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| match seen.method.as_str() {
+        "DELETE" if seen_deletes.fetch_add(1, Ordering::SeqCst) == 0 => {
+            Answer::status(503, &[], b"restarting")
+        }
+        "GET" => Answer::sse(&[]),
+        _ => calls.post(seen),
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.bridge.request_state_ttl_seconds = 1;
+        c.bridge.max_flow_seconds = 2;
+    });
+    let first = call_tool(&Raw::new(&gw.url), 1, "ask", json!({}));
+    assert_eq!(first["result"]["resultType"], "input_required", "{first}");
+    wait_until(
+        "the session deleted at the second attempt",
+        Duration::from_secs(30),
+        || metric_with(&gw.admin, "mrtr_gateway_upstream_sessions_total", "reaped") == Some(1.0),
+    );
+    assert_eq!(
+        deletes.load(Ordering::SeqCst),
+        2,
+        "{:?}",
+        upstream.requests()
+    );
+}

@@ -96,7 +96,9 @@ impl Held {
         upstream.caller = caller;
         match cancel {
             Some(cancel) => upstream.cancel_best_effort(&cancel, "abandoned").await,
-            None => upstream.reap().await,
+            None => {
+                let _ = upstream.reap().await;
+            }
         }
     }
 }
