@@ -354,6 +354,12 @@ impl BodyRewrite {
         self.request_ids.push(chunk)
     }
 
+    /// Whether a response to the client's request went by: a client that leaves after
+    /// it left with its answer.
+    fn answered(&self) -> bool {
+        self.request_ids.unwrapped() > 0
+    }
+
     fn finish(&mut self) -> Bytes {
         let rest = self
             .event_ids
@@ -710,7 +716,7 @@ async fn pump(
         }
         let chunk = tokio::select! {
             chunk = upstream.next_chunk() => chunk,
-            _ = session.read_body_or_idle(true) => return Outcome::ClientGone,
+            _ = session.read_body_or_idle(true) => return left(rewrite.as_ref(), endless),
             _ = gw.runtime.drain.wait(), if endless && at_boundary => continue,
             () = gw.runtime.drain.wait_near_end(), if at_boundary && last_word.is_some() => {
                 let last = last_word.cloned().unwrap_or_default();
@@ -746,7 +752,7 @@ async fn pump(
                 }
                 position.push(&bytes);
                 if respond::write_body(session, bytes, false).await.is_err() {
-                    return Outcome::ClientGone;
+                    return left(rewrite.as_ref(), endless);
                 }
             }
             Ok(None) => {
@@ -767,6 +773,13 @@ async fn pump(
             }
         }
     }
+}
+
+/// How a relay the client left ends: a POST's stream that already carried the answer to
+/// its request (a server may keep it open a while after) was answered; anything else was
+/// left before its answer.
+fn left(rewrite: Option<&BodyRewrite>, endless: bool) -> Outcome {
+    Outcome::answered(!endless && rewrite.is_some_and(BodyRewrite::answered))
 }
 
 /// An upstream's `Mcp-Session-Id` value, when it is one a session token can carry.

@@ -185,6 +185,8 @@ pub struct Unwrap {
     /// The last bytes given out (at most `KEY_LOOKBACK`): what precedes a mark at the
     /// start of the next chunk.
     recent: Vec<u8>,
+    /// Ids unwrapped so far: responses to the client's requests given out.
+    unwrapped: usize,
 }
 
 /// How far back from a mark its `"id":` key is looked for.
@@ -198,7 +200,13 @@ impl Unwrap {
             tag,
             held: Vec::new(),
             recent: Vec::new(),
+            unwrapped: 0,
         }
+    }
+
+    /// How many wrapped ids (responses to the client's requests) were given back so far.
+    pub fn unwrapped(&self) -> usize {
+        self.unwrapped
     }
 
     /// The bytes of `chunk` that can go to the client now.
@@ -214,7 +222,8 @@ impl Unwrap {
             &self.held[..]
         };
         let mut out = Vec::with_capacity(input.len());
-        let kept = unwrap_into(input, &self.tag, &self.recent, &mut out, false);
+        let found = &mut self.unwrapped;
+        let kept = unwrap_into(input, &self.tag, &self.recent, (&mut out, found), false);
         let rest = input[kept..].to_vec();
         self.held = rest;
         remember_tail(&mut self.recent, &out);
@@ -224,7 +233,8 @@ impl Unwrap {
     /// What was held back, at the end of the body.
     pub fn finish(&mut self) -> Bytes {
         let mut out = Vec::with_capacity(self.held.len());
-        unwrap_into(&self.held, &self.tag, &self.recent, &mut out, true);
+        let found = &mut self.unwrapped;
+        unwrap_into(&self.held, &self.tag, &self.recent, (&mut out, found), true);
         self.held.clear();
         self.recent.clear();
         out.into()
@@ -281,8 +291,14 @@ fn mark_begun_at_end(bytes: &[u8]) -> usize {
 /// Copies `input` to `out` with its ids wrapped under `tag` unwrapped (those that are an
 /// `"id"` member's value, `recent` being what was given out before); returns how much of
 /// `input` it consumed (all of it at the end of the body, else up to a wrapped id not yet
-/// whole).
-fn unwrap_into(input: &[u8], tag: &IdTag, recent: &[u8], out: &mut Vec<u8>, at_end: bool) -> usize {
+/// whole), and counts the ids it unwrapped in `unwrapped`.
+fn unwrap_into(
+    input: &[u8],
+    tag: &IdTag,
+    recent: &[u8],
+    (out, unwrapped): (&mut Vec<u8>, &mut usize),
+    at_end: bool,
+) -> usize {
     let mut at = 0;
     while let Some(found) = MARK_FINDER.find(&input[at..]) {
         let start = at + found;
@@ -295,6 +311,7 @@ fn unwrap_into(input: &[u8], tag: &IdTag, recent: &[u8], out: &mut Vec<u8>, at_e
             Wrapped::Id(len, original) => {
                 out.extend_from_slice(original.as_bytes());
                 at = start + len;
+                *unwrapped += 1;
             }
             Wrapped::Incomplete if !at_end => return start,
             Wrapped::Incomplete | Wrapped::Not => {
@@ -391,6 +408,11 @@ mod tests {
 
     /// Unwraps `text` pushed in pieces cut at `cuts`.
     fn unwrap_in_pieces(text: &[u8], cuts: &[usize]) -> Vec<u8> {
+        unwrap_counting(text, cuts).0
+    }
+
+    /// `unwrap_in_pieces`, and how many ids it unwrapped.
+    fn unwrap_counting(text: &[u8], cuts: &[usize]) -> (Vec<u8>, usize) {
         let mut unwrap = Unwrap::new(tag());
         let mut out = Vec::new();
         let mut from = 0;
@@ -399,7 +421,7 @@ mod tests {
             from = cut;
         }
         out.extend_from_slice(&unwrap.finish());
-        out
+        (out, unwrap.unwrapped())
     }
 
     /// `text` unwraps to `expected` cut in two anywhere, and cut byte by byte in one pass.
@@ -513,6 +535,13 @@ mod tests {
         );
         let expected = text.replacen(&id, "6", 1);
         assert_unwraps_cut_anywhere(&text, &expected);
+        for cut in 0..=text.len() {
+            let (_, unwrapped) = unwrap_counting(text.as_bytes(), &[cut]);
+            assert_eq!(
+                unwrapped, 1,
+                "one response to the client went by (cut at {cut})"
+            );
+        }
     }
 
     #[test]

@@ -1603,3 +1603,42 @@ fn a_relayed_response_cut_at_the_write_timeout_closes_its_connection() {
     assert!(closed, "the connection stayed open after the cut");
     assert!(got.len() < 12 << 20, "the body came whole");
 }
+
+/// A legacy client that closes a call's SSE stream once it has read the call's result
+/// (the server keeping the stream open a while after it, as the Python SDK's servers
+/// do) was answered: the request counts as `ok`, not as a client gone before its answer.
+#[test]
+fn a_client_leaving_a_stream_after_its_answer_counts_as_answered() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(answer) = legacy_basics(seen, "s1") {
+            return answer;
+        }
+        let body = seen.json().unwrap_or_default();
+        match body["method"].as_str() {
+            Some("tools/call") => {
+                let result = json!({"jsonrpc": "2.0", "id": body["id"],
+                    "result": {"content": [{"type": "text", "text": "done"}]}});
+                Answer::sse(&[]).event(Some("e1"), &result)
+            }
+            _ => Answer::status(405, &[], b""),
+        }
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let session = raw.initialize(json!({}));
+    let call = json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+        "params": {"name": "x", "arguments": {}}});
+    let mut reply = raw.post(Some(&session), &call);
+    let (_, result) = reply.next_message().expect("the call's result");
+    assert_eq!(result["id"], 7, "{result}");
+    drop(reply);
+    let counted = |outcome: &str| {
+        let labels = format!("era=\"legacy\",method=\"tools/call\",outcome=\"{outcome}\"");
+        metric_with(&gw.admin, "mrtr_gateway_requests_total", &labels)
+    };
+    wait_until("the call counted", Duration::from_secs(10), || {
+        counted("ok").is_some() || counted("client_gone").is_some()
+    });
+    assert_eq!(counted("ok"), Some(1.0));
+    assert_eq!(counted("client_gone"), None);
+}
