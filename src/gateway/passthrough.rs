@@ -701,6 +701,8 @@ async fn pump(
     let keepalive = (sse && gw.config.sse_keepalive_ms > 0)
         .then(|| Duration::from_millis(gw.config.sse_keepalive_ms));
     let mut position = BoundaryTracker::default();
+    // The client has every byte of an SSE response to its request (`left`).
+    let mut answered = false;
     // What is left of the response timeout for the upstream to send the rest of a body
     // that is not SSE: only time spent waiting on the upstream counts, not time spent
     // writing to a client that reads slowly (`client_write_timeout_ms` bounds that).
@@ -716,7 +718,7 @@ async fn pump(
         }
         let chunk = tokio::select! {
             chunk = upstream.next_chunk() => chunk,
-            _ = session.read_body_or_idle(true) => return left(rewrite.as_ref(), endless),
+            _ = session.read_body_or_idle(true) => return Outcome::answered(answered),
             _ = gw.runtime.drain.wait(), if endless && at_boundary => continue,
             () = gw.runtime.drain.wait_near_end(), if at_boundary && last_word.is_some() => {
                 let last = last_word.cloned().unwrap_or_default();
@@ -732,7 +734,7 @@ async fn pump(
             _ = sleep_or_never(keepalive), if at_boundary => {
                 let comment = Bytes::from_static(sse::KEEP_ALIVE);
                 if respond::write_body(session, comment, false).await.is_err() {
-                    return Outcome::ClientGone;
+                    return Outcome::answered(answered);
                 }
                 gw.runtime.metrics.sse_keepalives.inc();
                 continue;
@@ -752,8 +754,12 @@ async fn pump(
                 }
                 position.push(&bytes);
                 if respond::write_body(session, bytes, false).await.is_err() {
-                    return left(rewrite.as_ref(), endless);
+                    return Outcome::answered(answered);
                 }
+                answered |= sse
+                    && !endless
+                    && position.between_events()
+                    && rewrite.as_ref().is_some_and(BodyRewrite::answered);
             }
             Ok(None) => {
                 let rest = rewrite
@@ -773,13 +779,6 @@ async fn pump(
             }
         }
     }
-}
-
-/// How a relay the client left ends: a POST's stream that already carried the answer to
-/// its request (a server may keep it open a while after) was answered; anything else was
-/// left before its answer.
-fn left(rewrite: Option<&BodyRewrite>, endless: bool) -> Outcome {
-    Outcome::answered(!endless && rewrite.is_some_and(BodyRewrite::answered))
 }
 
 /// An upstream's `Mcp-Session-Id` value, when it is one a session token can carry.
