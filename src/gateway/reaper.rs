@@ -21,8 +21,9 @@ use crate::mrtr::flow::{cancellation, NOT_CONTINUED};
 use crate::mrtr::state::now_secs;
 use crate::protocol::headers::EndToEnd;
 use crate::protocol::revision::Revision;
+use crate::upstream::exchange::ExchangeFailure;
 use crate::upstream::exchange::UpstreamClient;
-use crate::upstream::legacy_session::{LegacySession, SessionError};
+use crate::upstream::legacy_session::{LegacySession, SessionError, SessionFailure};
 use crate::upstream::{Endpoint, Timeouts};
 use async_trait::async_trait;
 use hashbrown::HashTable;
@@ -44,6 +45,10 @@ const SWEEP_EVERY: Duration = Duration::from_secs(1);
 const RETRY_AFTER: [u64; 4] = [5, 20, 60, 180];
 /// The most that wait to be sent again; beyond, the oldest is given up on.
 const MAX_RETRYING: usize = 4096;
+/// Ends sent at once by a sweep, and the longest each may take: an upstream that hangs
+/// holds neither the others nor the next sweep for its response timeouts.
+const ENDS_AT_ONCE: usize = 16;
+const END_WITHIN: Duration = Duration::from_secs(10);
 /// Most sessions one `reclaim` asks about, the longest it takes, and how long after one
 /// that freed nothing another may run for the same share of the table (a caller that
 /// fills its share with flows it abandoned must not make every call it sends cost the
@@ -546,14 +551,39 @@ impl Reaper {
 
     /// Ends every session and call due at `now`, and those due to be tried again;
     /// returns how many it tried.
-    pub async fn sweep(&self, client: &UpstreamClient, now: u64) -> usize {
+    pub async fn sweep(&self, client: &Arc<UpstreamClient>, now: u64) -> usize {
         let mut due: Vec<(Due, usize)> = self.take_due(now).into_iter().map(|d| (d, 0)).collect();
         due.extend(self.take_retries(now));
         let tried = due.len();
-        for (due, failed) in due {
-            if let Err(e) = end(client, &due).await {
-                self.retry_later(due, failed, &e, now);
+        let mut due = due.into_iter();
+        let mut ends = tokio::task::JoinSet::new();
+        let mut given_up = 0;
+        loop {
+            while ends.len() < ENDS_AT_ONCE {
+                let Some((due, failed)) = due.next() else {
+                    break;
+                };
+                let client = client.clone();
+                ends.spawn(async move {
+                    let ended = match tokio::time::timeout(END_WITHIN, end(&client, &due)).await {
+                        Ok(ended) => ended.err(),
+                        Err(_) => {
+                            let timeout = SessionFailure::Exchange(ExchangeFailure::Timeout);
+                            Some(SessionError::at(Some(due.endpoint.addr), timeout))
+                        }
+                    };
+                    (due, failed, ended)
+                });
             }
+            let Some(joined) = ends.join_next().await else {
+                break;
+            };
+            if let Ok((due, failed, Some(e))) = joined {
+                given_up += self.retry_later(due, failed, &e);
+            }
+        }
+        if given_up > 0 {
+            tracing::warn!(given_up, "ends of abandoned flows the upstream could not take were given up on; the upstream's own session expiry is left to end them");
         }
         tried
     }
@@ -568,30 +598,32 @@ impl Reaper {
     }
 
     /// Keeps an end that failed (`failed` times before) to be tried again, when the
-    /// upstream may take it later and it has tries left.
-    fn retry_later(&self, due: Due, failed: usize, e: &SessionError, now: u64) {
+    /// upstream may take it later and it has tries left; returns how many ends were
+    /// given up on (this one, or the oldest waiting when the list is full).
+    fn retry_later(&self, due: Due, failed: usize, e: &SessionError) -> usize {
         let report = crate::outcome::Report(e);
         if !e.may_pass_later() {
             // Refused as such (a 404 for a session the flow's end on another replica
             // deleted already): sending it again would change nothing.
             tracing::debug!(error = %report, "the upstream refused to end an abandoned flow's session or call");
-            return;
+            return 0;
         }
         let Some(after) = RETRY_AFTER.get(failed) else {
-            tracing::warn!(error = %report, tries = failed + 1, "an abandoned flow's upstream session or call could not be ended; the upstream's own expiry is left to end it");
-            return;
+            tracing::info!(error = %report, tries = failed + 1, "an abandoned flow's upstream session or call could not be ended");
+            return 1;
         };
         tracing::info!(error = %report, after_seconds = after, "an abandoned flow's upstream session or call could not be ended yet; trying again");
         let mut retrying = self.retrying.lock().expect("reaper retries lock");
-        if retrying.len() >= MAX_RETRYING {
+        let evicted = usize::from(retrying.len() >= MAX_RETRYING);
+        if evicted > 0 {
             retrying.remove(0);
-            tracing::warn!("too many ends of abandoned flows wait to be tried again; the oldest is given up on");
         }
         retrying.push(Retrying {
             due,
             failed: failed + 1,
-            at: now + after,
+            at: now_secs() + after,
         });
+        evicted
     }
 }
 
@@ -659,7 +691,7 @@ pub struct ReaperService {
 #[async_trait]
 impl BackgroundService for ReaperService {
     async fn start(&self, mut shutdown: ShutdownWatch) {
-        let client = UpstreamClient::new(self.metrics.clone());
+        let client = Arc::new(UpstreamClient::new(self.metrics.clone()));
         let mut tick = tokio::time::interval(SWEEP_EVERY);
         loop {
             tokio::select! {
@@ -712,6 +744,48 @@ mod tests {
             http::HeaderValue::from_static(token),
         );
         headers
+    }
+
+    /// An end the upstream may take later (it could not be reached, a 5xx, a throttle) is
+    /// kept to be sent again, once per delay of `RETRY_AFTER`, and not before its time;
+    /// then it is given up on. One refused as such (a 404) is not kept.
+    #[test]
+    fn an_end_that_may_pass_later_is_tried_again_a_bounded_number_of_times() {
+        let reaper = Reaper::new(10, 10);
+        let due = || Due {
+            endpoint: endpoint(1),
+            timeouts: timeouts(),
+            key: "s1".into(),
+            headers: nobody(),
+            version: v(),
+        };
+        let failing = |failure| SessionError::at(None, failure);
+        let down = || failing(SessionFailure::Exchange(ExchangeFailure::Connect));
+        for refused in [SessionFailure::Gone, SessionFailure::Refused(404)] {
+            assert_eq!(reaper.retry_later(due(), 0, &failing(refused)), 0);
+        }
+        assert!(
+            reaper.take_retries(u64::MAX).is_empty(),
+            "a refusal is final"
+        );
+        let mut failed = 0;
+        loop {
+            let given_up = reaper.retry_later(due(), failed, &down());
+            assert!(reaper.take_retries(0).is_empty(), "not before its time");
+            let kept = reaper.take_retries(u64::MAX);
+            if given_up == 1 {
+                assert!(kept.is_empty());
+                break;
+            }
+            assert_eq!(kept.len(), 1);
+            failed = kept[0].1;
+        }
+        assert_eq!(failed, RETRY_AFTER.len(), "each delay once");
+        for status in [429, 503] {
+            let refused = failing(SessionFailure::Refused(status));
+            assert_eq!(reaper.retry_later(due(), 0, &refused), 0);
+        }
+        assert_eq!(reaper.take_retries(u64::MAX).len(), 2);
     }
 
     /// One reclaim per share at a time, and none for a while after one freed nothing (the

@@ -137,7 +137,7 @@ impl SessionError {
         use crate::upstream::exchange::ExchangeFailure as E;
         match &self.failure {
             SessionFailure::NoEndpoint => true,
-            SessionFailure::Refused(status) => *status >= 500,
+            SessionFailure::Refused(status) => *status >= 500 || matches!(status, 408 | 425 | 429),
             SessionFailure::Exchange(e) => matches!(
                 e,
                 E::Connect | E::NoDescriptor | E::Timeout | E::Broken | E::Unanswered
