@@ -948,7 +948,13 @@ impl Flow {
             (Phase::OpeningSessionStream { call }, Input::GraceEnding) => {
                 self.commands.push_back(Command::CloseStreams);
                 self.give_up(&call, "the gateway replica is shutting down");
-                self.shutting_down("before the call went upstream: issue it again")
+                if self.rerun {
+                    // Nothing ran again: the state that led here goes on elsewhere.
+                    self.commands.push_back(Command::ReleaseClaim);
+                    self.shutting_down("before the call went upstream again; send the same retry again: its requestState is still good")
+                } else {
+                    self.shutting_down("before the call went upstream: issue it again")
+                }
             }
             (Phase::Reopening(_), Input::GraceEnding) => {
                 // Nothing went up: the same state goes on elsewhere.

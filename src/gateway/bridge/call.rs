@@ -195,7 +195,8 @@ async fn continue_flow(
     used: StateDigest,
 ) -> Outcome {
     let gw = call.gw;
-    let now = Instant::now();
+    // Each flow takes the time after its config (the wall clock of its state's expiry),
+    // once the awaits before it are over.
     let Some(upstream_call) = state.waiting.call().cloned() else {
         // Deferred: the call starts now.
         let flow = Flow::retry(
@@ -203,7 +204,7 @@ async fn continue_flow(
             state,
             responses,
             None,
-            now,
+            Instant::now(),
         );
         return drive(call, session, reply, flow, Io::new(None, Some(used))).await;
     };
@@ -230,13 +231,20 @@ async fn continue_flow(
                     ..Io::new(Some(upstream), Some(used))
                 };
                 let questions = Some(held.questions);
-                let flow = Flow::retry(config(call, false), state, responses, questions, now);
+                let flow = Flow::retry(
+                    config(call, false),
+                    state,
+                    responses,
+                    questions,
+                    Instant::now(),
+                );
                 return drive(call, session, reply, flow, io).await;
             }
             (_, None) => {
                 gw.runtime.metrics.held_event("lost");
                 let lost = Lost::Holder;
-                let flow = Flow::call_lost(config(call, false), state, responses, lost, now);
+                let flow =
+                    Flow::call_lost(config(call, false), state, responses, lost, Instant::now());
                 return drive(call, session, reply, flow, Io::new(None, Some(used))).await;
             }
         },
@@ -251,7 +259,7 @@ async fn continue_flow(
             "the call's upstream endpoint has left the group"
         );
         let lost = Lost::Upstream;
-        let flow = Flow::call_lost(config(call, false), state, responses, lost, now);
+        let flow = Flow::call_lost(config(call, false), state, responses, lost, Instant::now());
         return drive(call, session, reply, flow, Io::new(None, Some(used))).await;
     };
     let mut upstream = resume(call, endpoint, &upstream_call);
@@ -270,7 +278,7 @@ async fn continue_flow(
         }
         _ => false,
     };
-    let flow = Flow::retry(config(call, scoped), state, responses, None, now);
+    let flow = Flow::retry(config(call, scoped), state, responses, None, Instant::now());
     drive(
         call,
         session,
@@ -329,6 +337,7 @@ fn config(call: &Call<'_>, session_replay_scoped: bool) -> FlowConfig {
     let limits = &gw.config.limits;
     let learnt = gw.upstreams.learnt.get(&group.name);
     let kid_len = gw.sealing.keys.load().current().kid().len();
+    let wall_ms = now_ms();
     FlowConfig {
         group: group.name.clone(),
         method: request.method.clone(),
@@ -366,8 +375,8 @@ fn config(call: &Call<'_>, session_replay_scoped: bool) -> FlowConfig {
         primes: learnt.resumption_primes,
         session_replay_scoped,
         shedding: shedding(gw),
-        now_secs: now_secs(),
-        now_ms: now_ms(),
+        now_secs: wall_ms / 1000,
+        now_ms: wall_ms,
         flow_id: rand::random(),
     }
 }

@@ -1617,6 +1617,22 @@ fn a_rerun_that_never_reached_the_upstream_leaves_its_state_good() {
             "{what}: {message}"
         );
     }
+    // The replica shutting down while the re-run's session stream opens: nothing ran.
+    let mut upstream = Upstream {
+        session_stream_withheld: true,
+        ..Upstream::default()
+    };
+    upstream.call_opens.push_back(lost());
+    let responses = json!({"elicitation_0": accept("Lisbon")});
+    let mut h = retry_of(&first, restartable, upstream, responses);
+    h.feed(Input::GraceEnding);
+    assert!(h.log.contains(&Command::ReleaseClaim), "{:?}", h.log);
+    let message = &h.refusal().message;
+    assert!(
+        message.contains("its requestState is still good"),
+        "{message}"
+    );
+    assert!(!h.log.iter().any(|c| matches!(c, Command::PostCall { .. })));
 }
 
 #[test]
