@@ -1526,14 +1526,19 @@ fn a_denied_retry_keeps_its_call_for_an_authenticated_retry_of_the_same_state() 
     assert!(matches!(again.ending(), Ending::Complete { .. }));
 }
 
-#[test]
-fn a_lost_call_of_a_restartable_tool_runs_again_asking_only_what_is_new() {
+/// The first round of a restartable tool's call: it asked "Where?" and ended.
+fn restartable_first_round() -> (FlowConfig, Harness) {
     let mut restartable = config();
     restartable.restartable = true;
-    let mut h = Harness::new_call(restartable.clone(), Upstream::default());
-    h.event(Stream::Call, Some("c1"), &question(0, "Where?"));
-    h.advance(Duration::from_millis(10));
-    let first = h;
+    let mut first = Harness::new_call(restartable.clone(), Upstream::default());
+    first.event(Stream::Call, Some("c1"), &question(0, "Where?"));
+    first.advance(Duration::from_millis(10));
+    (restartable, first)
+}
+
+#[test]
+fn a_lost_call_of_a_restartable_tool_runs_again_asking_only_what_is_new() {
+    let (restartable, first) = restartable_first_round();
     let mut upstream = Upstream::default();
     upstream.call_opens.push_back(Err(Failure::new(
         FailureKind::Gone,
@@ -1577,11 +1582,7 @@ fn a_lost_call_of_a_restartable_tool_runs_again_asking_only_what_is_new() {
 /// retry runs the call again once the upstream is back.
 #[test]
 fn a_rerun_that_never_reached_the_upstream_leaves_its_state_good() {
-    let mut restartable = config();
-    restartable.restartable = true;
-    let mut first = Harness::new_call(restartable.clone(), Upstream::default());
-    first.event(Stream::Call, Some("c1"), &question(0, "Where?"));
-    first.advance(Duration::from_millis(10));
+    let (restartable, first) = restartable_first_round();
     let refused = || Failure::new(FailureKind::Unreachable, "is unreachable");
     let not_sent = || Failure::new(FailureKind::NotSent, "no connection could be opened");
     let lost = || Err(Failure::new(FailureKind::Gone, "the session is gone"));
