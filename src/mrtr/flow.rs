@@ -105,6 +105,8 @@ const SETTLE_UNKNOWN: Duration = Duration::from_millis(300);
 /// first event withholds it until the question is answered, while one that sends it at
 /// once takes a few milliseconds even when busy.
 const WITHHELD_AFTER: Duration = Duration::from_millis(100);
+/// What a refusal tells the client when nothing of its retry reached the upstream.
+const SAME_RETRY_AGAIN: &str = "send the same retry again: its requestState is still good";
 
 /// How long before the flow's deadline a round still reading ends: the replica that
 /// opened the flow deletes its session at the deadline (its reaper cannot know that a
@@ -950,8 +952,7 @@ impl Flow {
                 self.give_up(&call, "the gateway replica is shutting down");
                 if self.rerun {
                     // Nothing ran again: the state that led here goes on elsewhere.
-                    self.commands.push_back(Command::ReleaseClaim);
-                    self.shutting_down("before the call went upstream again; send the same retry again: its requestState is still good")
+                    self.release_claim_shutting_down("before the call went upstream again")
                 } else {
                     self.shutting_down("before the call went upstream: issue it again")
                 }
@@ -959,8 +960,7 @@ impl Flow {
             (Phase::Reopening(_), Input::GraceEnding) => {
                 // Nothing went up: the same state goes on elsewhere.
                 self.commands.push_back(Command::CloseStreams);
-                self.commands.push_back(Command::ReleaseClaim);
-                self.shutting_down("before the retry's answers went upstream; send the same retry again: its requestState is still good")
+                self.release_claim_shutting_down("before the retry's answers went upstream")
             }
             (
                 Phase::Reopening(mut retry),
@@ -2292,10 +2292,17 @@ impl Flow {
         let mut refusal = self.refusal_for(failure);
         if self.rerun {
             self.commands.push_back(Command::ReleaseClaim);
-            let again = "; the tool was not run again: send the same retry again, its requestState is still good";
-            refusal.message.push_str(again);
+            let again = format!("; the tool was not run again: {SAME_RETRY_AGAIN}");
+            refusal.message.push_str(&again);
         }
         refusal
+    }
+
+    /// The replica shuts down `when` nothing of the retry reached the upstream: the
+    /// state's claim is released, so the same retry goes on at another replica.
+    fn release_claim_shutting_down(&mut self, when: &str) -> Phase {
+        self.commands.push_back(Command::ReleaseClaim);
+        self.shutting_down(&format!("{when}; {SAME_RETRY_AGAIN}"))
     }
 
     fn refusal_for(&self, failure: &Failure) -> Refusal {
