@@ -701,7 +701,8 @@ async fn pump(
     let keepalive = (sse && gw.config.sse_keepalive_ms > 0)
         .then(|| Duration::from_millis(gw.config.sse_keepalive_ms));
     let mut position = BoundaryTracker::default();
-    // The client has every byte of an SSE response to its request (`left`).
+    // The client has every byte of an event that answers its request: a client that
+    // leaves after this left with its answer.
     let mut answered = false;
     // What is left of the response timeout for the upstream to send the rest of a body
     // that is not SSE: only time spent waiting on the upstream counts, not time spent
@@ -756,10 +757,11 @@ async fn pump(
                 if respond::write_body(session, bytes, false).await.is_err() {
                     return Outcome::answered(answered);
                 }
-                answered |= sse
-                    && !endless
-                    && position.between_events()
-                    && rewrite.as_ref().is_some_and(BodyRewrite::answered);
+                answered = answered
+                    || sse
+                        && !endless
+                        && position.between_events()
+                        && rewrite.as_ref().is_some_and(BodyRewrite::answered);
             }
             Ok(None) => {
                 let rest = rewrite
