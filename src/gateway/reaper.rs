@@ -17,7 +17,7 @@
 //! An end the upstream could not take (down, restarting) is sent again a few times
 //! (`RETRY_AFTER`), from a bounded list beside the table.
 
-use crate::mrtr::flow::{cancellation, NOT_CONTINUED};
+use crate::mrtr::flow::{cancellation, Failure, NOT_CONTINUED};
 use crate::mrtr::state::now_secs;
 use crate::protocol::headers::EndToEnd;
 use crate::protocol::revision::Revision;
@@ -328,11 +328,22 @@ pub struct Reaper {
     retrying: Mutex<Vec<Retrying>>,
 }
 
-/// An end to send again at `at` (seconds since the epoch), after `failed` attempts.
+/// An end to send at `at` (seconds since the epoch), after `failed` attempts.
 struct Retrying {
     due: Due,
     failed: usize,
     at: u64,
+}
+
+impl Retrying {
+    /// `due`'s first attempt, at `now`.
+    fn first(due: Due, now: u64) -> Retrying {
+        Retrying {
+            due,
+            failed: 0,
+            at: now,
+        }
+    }
 }
 
 /// Where a share's reclaims stand.
@@ -552,7 +563,8 @@ impl Reaper {
     /// Ends every session and call due at `now`, and those due to be tried again;
     /// returns how many it tried.
     pub async fn sweep(&self, client: &Arc<UpstreamClient>, now: u64) -> usize {
-        let mut due: Vec<(Due, usize)> = self.take_due(now).into_iter().map(|d| (d, 0)).collect();
+        let first = self.take_due(now).into_iter();
+        let mut due: Vec<Retrying> = first.map(|due| Retrying::first(due, now)).collect();
         due.extend(self.take_retries(now));
         let tried = due.len();
         let mut due = due.into_iter();
@@ -560,7 +572,7 @@ impl Reaper {
         let mut given_up = 0;
         loop {
             while ends.len() < ENDS_AT_ONCE {
-                let Some((due, failed)) = due.next() else {
+                let Some(Retrying { due, failed, .. }) = due.next() else {
                     break;
                 };
                 let client = client.clone();
@@ -588,13 +600,10 @@ impl Reaper {
         tried
     }
 
-    /// Removes and returns the ends due to be tried again at `now`, with their failures.
-    fn take_retries(&self, now: u64) -> Vec<(Due, usize)> {
+    /// Removes and returns the ends due to be tried again at `now`.
+    fn take_retries(&self, now: u64) -> Vec<Retrying> {
         let mut retrying = self.retrying.lock().expect("reaper retries lock");
-        retrying
-            .extract_if(.., |r| r.at <= now)
-            .map(|r| (r.due, r.failed))
-            .collect()
+        retrying.extract_if(.., |r| r.at <= now).collect()
     }
 
     /// Keeps an end that failed (`failed` times before) to be tried again, when the
@@ -602,7 +611,7 @@ impl Reaper {
     /// given up on (this one, or the oldest waiting when the list is full).
     fn retry_later(&self, due: Due, failed: usize, e: &SessionError) -> usize {
         let report = crate::outcome::Report(e);
-        if !e.may_pass_later() {
+        if !Failure::from(e).may_pass_later() {
             // Refused as such (a 404 for a session the flow's end on another replica
             // deleted already): sending it again would change nothing.
             tracing::debug!(error = %report, "the upstream refused to end an abandoned flow's session or call");
@@ -778,7 +787,7 @@ mod tests {
                 break;
             }
             assert_eq!(kept.len(), 1);
-            failed = kept[0].1;
+            failed = kept[0].failed;
         }
         assert_eq!(failed, RETRY_AFTER.len(), "each delay once");
         for status in [429, 503] {

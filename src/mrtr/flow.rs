@@ -197,6 +197,18 @@ impl Failure {
         }
     }
 
+    /// Nothing says the same request will fail again: the upstream could not be reached,
+    /// gave no answer that explains the failure, or refused it for now (a timeout, a
+    /// conflict, a throttle).
+    pub fn may_pass_later(&self) -> bool {
+        self.unexplained()
+            || match self.kind {
+                FailureKind::NoEndpoint | FailureKind::Unreachable | FailureKind::NotSent => true,
+                FailureKind::Refused(status) => matches!(status, 408 | 409 | 425 | 429),
+                _ => false,
+            }
+    }
+
     /// The request provably did not reach the upstream, or was refused there. A 5xx
     /// proves neither: a proxy's 502 or 504 may follow a server that took the request.
     pub fn never_delivered(&self) -> bool {

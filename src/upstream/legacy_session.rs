@@ -130,22 +130,6 @@ impl SessionError {
         &self.failure
     }
 
-    /// Nothing the upstream answered says why the request failed (it could not be
-    /// reached, the exchange was cut or timed out, a server error): the same request may
-    /// pass later.
-    pub fn may_pass_later(&self) -> bool {
-        use crate::upstream::exchange::ExchangeFailure as E;
-        match &self.failure {
-            SessionFailure::NoEndpoint => true,
-            SessionFailure::Refused(status) => *status >= 500 || matches!(status, 408 | 425 | 429),
-            SessionFailure::Exchange(e) => matches!(
-                e,
-                E::Connect | E::NoDescriptor | E::Timeout | E::Broken | E::Unanswered
-            ),
-            _ => false,
-        }
-    }
-
     /// `group` has no healthy endpoint.
     pub fn no_endpoint(group: &str) -> SessionError {
         SessionError {

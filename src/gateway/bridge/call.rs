@@ -1340,25 +1340,32 @@ fn learn(upstreams: &UpstreamSide, group: &UpstreamGroup, request: &ModernReques
 /// The flow's view of an upstream failure; the detail (endpoint, cause) goes to the log.
 fn failure(e: &SessionError) -> Failure {
     tracing::info!(error = %Report(e), "upstream exchange of a bridged call failed");
-    let kind = match e.failure() {
-        SessionFailure::NoEndpoint => FailureKind::NoEndpoint,
-        SessionFailure::Gone => FailureKind::Gone,
-        SessionFailure::Refused(status) => FailureKind::Refused(*status),
-        SessionFailure::Denied { status, challenge } => {
-            return Failure::denied(*status, challenge.clone(), e.failure().to_string());
-        }
-        SessionFailure::Exchange(ExchangeFailure::Connect) => FailureKind::Unreachable,
-        SessionFailure::Exchange(ExchangeFailure::NoDescriptor) => FailureKind::NotSent,
-        SessionFailure::Exchange(ExchangeFailure::Timeout) => FailureKind::Timeout,
-        SessionFailure::Exchange(
-            ExchangeFailure::Broken
-            | ExchangeFailure::Unanswered
-            | ExchangeFailure::Handshake
-            | ExchangeFailure::Untrusted,
-        ) => FailureKind::Cut,
-        SessionFailure::Exchange(_) | SessionFailure::Protocol(_) => FailureKind::Broken,
-    };
-    Failure::new(kind, e.failure().to_string())
+    Failure::from(e)
+}
+
+/// The flow's view of an upstream failure: what it decides on, and its message.
+impl From<&SessionError> for Failure {
+    fn from(e: &SessionError) -> Failure {
+        let kind = match e.failure() {
+            SessionFailure::NoEndpoint => FailureKind::NoEndpoint,
+            SessionFailure::Gone => FailureKind::Gone,
+            SessionFailure::Refused(status) => FailureKind::Refused(*status),
+            SessionFailure::Denied { status, challenge } => {
+                return Failure::denied(*status, challenge.clone(), e.failure().to_string());
+            }
+            SessionFailure::Exchange(ExchangeFailure::Connect) => FailureKind::Unreachable,
+            SessionFailure::Exchange(ExchangeFailure::NoDescriptor) => FailureKind::NotSent,
+            SessionFailure::Exchange(ExchangeFailure::Timeout) => FailureKind::Timeout,
+            SessionFailure::Exchange(
+                ExchangeFailure::Broken
+                | ExchangeFailure::Unanswered
+                | ExchangeFailure::Handshake
+                | ExchangeFailure::Untrusted,
+            ) => FailureKind::Cut,
+            SessionFailure::Exchange(_) | SessionFailure::Protocol(_) => FailureKind::Broken,
+        };
+        Failure::new(kind, e.failure().to_string())
+    }
 }
 
 /// Answers the client as the flow ended.
