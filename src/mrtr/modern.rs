@@ -348,39 +348,21 @@ pub fn check_answers(pending: &[Pending], responses: &Map<String, Value>) -> Res
 /// schema's `ElicitResult`, `CreateMessageResult` or `ListRootsResult`, their required
 /// members): one that has not is refused, naming what is wrong, before it goes upstream.
 pub fn check_answer(key: &str, kind: QuestionKind, answer: &Value) -> Result<(), Refusal> {
-    let is_str = |name: &str, allowed: &[&str]| {
-        answer
-            .get(name)
-            .and_then(Value::as_str)
-            .is_some_and(|v| allowed.is_empty() || allowed.contains(&v))
-    };
     let (fits, method, needs) = match kind {
         QuestionKind::Elicitation => (
-            is_str("action", &["accept", "decline", "cancel"])
-                && answer.get("content").is_none_or(Value::is_object),
+            is_elicit_result(answer),
             "elicitation/create",
-            "an action of \"accept\", \"decline\" or \"cancel\", and content, if any, an object",
+            "an action of \"accept\", \"decline\" or \"cancel\", and content, if any, an object whose values are strings, numbers, booleans or arrays of strings",
         ),
         QuestionKind::Sampling => (
-            is_str("role", &["user", "assistant"])
-                && is_str("model", &[])
-                && answer
-                    .get("content")
-                    .is_some_and(|c| c.is_object() || c.is_array()),
+            is_create_message_result(answer),
             "sampling/createMessage",
-            "a role of \"user\" or \"assistant\", content and a model",
+            "a role of \"user\" or \"assistant\", a model, and content: a block or an array of blocks, each text (with text), image or audio (with data and mimeType), tool_use (with id, name and an input object) or tool_result (with toolUseId and a content array)",
         ),
         QuestionKind::Roots => (
-            answer
-                .get("roots")
-                .and_then(Value::as_array)
-                .is_some_and(|roots| {
-                    roots
-                        .iter()
-                        .all(|root| root.get("uri").is_some_and(Value::is_string))
-                }),
+            is_list_roots_result(answer),
             "roots/list",
-            "roots, an array of objects each with a uri",
+            "roots, an array of objects each with a uri that starts with file:// and a name, if any, a string",
         ),
     };
     if fits {
@@ -391,6 +373,67 @@ pub fn check_answer(key: &str, kind: QuestionKind, answer: &Value) -> Result<(),
         "inputResponses[{}] answers {method}: its result needs {needs}",
         Value::from(key)
     )))
+}
+
+/// `value[name]` is a string, one of `allowed` unless that is empty.
+fn str_member(value: &Value, name: &str, allowed: &[&str]) -> bool {
+    value
+        .get(name)
+        .and_then(Value::as_str)
+        .is_some_and(|v| allowed.is_empty() || allowed.contains(&v))
+}
+
+/// The schema's `ElicitResult`: an action, and content of primitive values.
+fn is_elicit_result(answer: &Value) -> bool {
+    let primitive = |v: &Value| match v {
+        Value::String(_) | Value::Number(_) | Value::Bool(_) => true,
+        Value::Array(items) => items.iter().all(Value::is_string),
+        _ => false,
+    };
+    str_member(answer, "action", &["accept", "decline", "cancel"])
+        && match answer.get("content") {
+            None => true,
+            Some(Value::Object(content)) => content.values().all(primitive),
+            Some(_) => false,
+        }
+}
+
+/// The schema's `CreateMessageResult`: a role, a model, and content of sampling blocks.
+fn is_create_message_result(answer: &Value) -> bool {
+    let block = |b: &Value| match b.get("type").and_then(Value::as_str) {
+        Some("text") => str_member(b, "text", &[]),
+        Some("image" | "audio") => str_member(b, "data", &[]) && str_member(b, "mimeType", &[]),
+        Some("tool_use") => {
+            str_member(b, "id", &[])
+                && str_member(b, "name", &[])
+                && b.get("input").is_some_and(Value::is_object)
+        }
+        Some("tool_result") => {
+            str_member(b, "toolUseId", &[]) && b.get("content").is_some_and(Value::is_array)
+        }
+        _ => false,
+    };
+    str_member(answer, "role", &["user", "assistant"])
+        && str_member(answer, "model", &[])
+        && match answer.get("content") {
+            Some(Value::Array(blocks)) => !blocks.is_empty() && blocks.iter().all(block),
+            Some(one) => block(one),
+            None => false,
+        }
+}
+
+/// The schema's `ListRootsResult`: roots whose uris are `file://` URIs.
+fn is_list_roots_result(answer: &Value) -> bool {
+    let root = |r: &Value| {
+        r.get("uri")
+            .and_then(Value::as_str)
+            .is_some_and(|uri| uri.starts_with("file://"))
+            && r.get("name").is_none_or(Value::is_string)
+    };
+    answer
+        .get("roots")
+        .and_then(Value::as_array)
+        .is_some_and(|roots| roots.iter().all(root))
 }
 
 fn check_name(
@@ -676,6 +719,40 @@ mod tests {
         ));
         assert!(fits(Roots, json!({"roots": []})));
         assert!(!fits(Roots, json!({"roots": [{"name": "a"}]})));
+        let root = |uri: &str| json!({"roots": [{"uri": uri}]});
+        assert!(
+            !fits(Roots, root("https://example.com/a")),
+            "not a file:// uri"
+        );
+        assert!(!fits(
+            Roots,
+            json!({"roots": [{"uri": "file:///a", "name": 1}]})
+        ));
+        assert!(fits(
+            Elicitation,
+            json!({"action": "accept", "content": {"s": "a", "b": true, "tags": ["x"]}})
+        ));
+        let nested = json!({"action": "accept", "content": {"where": {"city": "Lisbon"}}});
+        assert!(!fits(Elicitation, nested), "a value that is not primitive");
+        let sampled =
+            |content: Value| json!({"role": "assistant", "content": content, "model": "m"});
+        for block in [
+            json!({"type": "image", "data": "AA==", "mimeType": "image/png"}),
+            json!({"type": "tool_use", "id": "t1", "name": "f", "input": {}}),
+            json!({"type": "tool_result", "toolUseId": "t1", "content": []}),
+        ] {
+            assert!(fits(Sampling, sampled(block.clone())), "{block}");
+        }
+        for block in [
+            json!({"type": "text"}),
+            json!({"text": "hi"}),
+            json!({"type": "image", "data": "AA=="}),
+            json!({"type": "video", "data": "AA==", "mimeType": "video/mp4"}),
+            json!([]),
+            json!("hi"),
+        ] {
+            assert!(!fits(Sampling, sampled(block.clone())), "{block}");
+        }
         let pending = |kind| Pending {
             key: "k".into(),
             upstream_id: crate::mrtr::state::UpstreamId::Number(0),
