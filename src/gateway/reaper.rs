@@ -600,6 +600,16 @@ impl Reaper {
         tried
     }
 
+    /// Sends `due` now, for an abandoned flow this replica ends itself; one that fails
+    /// as the upstream may take later is tried again by the sweeps.
+    pub async fn end_now(&self, client: &UpstreamClient, due: Due) {
+        if let Err(e) = end(client, &due).await {
+            if self.retry_later(due, 0, &e) > 0 {
+                tracing::warn!("an abandoned flow's end was given up on to keep the list of ends to try again bounded");
+            }
+        }
+    }
+
     /// Removes and returns the ends due to be tried again at `now`.
     fn take_retries(&self, now: u64) -> Vec<Retrying> {
         let mut retrying = self.retrying.lock().expect("reaper retries lock");
@@ -681,13 +691,32 @@ impl Drop for ReclaimTurn<'_> {
 }
 
 /// A session due for its DELETE, or a call for its cancellation.
-struct Due {
+pub struct Due {
     endpoint: Endpoint,
     timeouts: Timeouts,
     /// `Abandoned::key`.
     key: String,
     headers: EndToEnd,
     version: Revision,
+}
+
+impl Due {
+    /// The DELETE of `session` (of `version`) at `endpoint`, sent with `headers`.
+    pub fn delete(
+        endpoint: Endpoint,
+        timeouts: Timeouts,
+        session: String,
+        headers: EndToEnd,
+        version: Revision,
+    ) -> Due {
+        Due {
+            endpoint,
+            timeouts,
+            key: session,
+            headers,
+            version,
+        }
+    }
 }
 
 /// Runs the sweeps until shutdown.

@@ -15,6 +15,7 @@
 //! streams and deletes its upstream session.
 
 use super::streams::Streams;
+use crate::gateway::reaper::Due;
 use crate::gateway::Gateway;
 use crate::mrtr::state::now_secs;
 use crate::protocol::revision::Revision;
@@ -88,18 +89,18 @@ impl Held {
         else {
             return;
         };
-        if cancel.is_none() {
-            gw.flows.reaper.forget(&self.endpoint, id.as_str());
-        }
+        let Some(cancel) = cancel else {
+            // Its own session: deleted now, and again later if the upstream cannot take
+            // the DELETE yet (the SDK servers keep a session until it is deleted).
+            let reaper = &gw.flows.reaper;
+            reaper.forget(&self.endpoint, id.as_str());
+            let due = Due::delete(self.endpoint, self.timeouts, id, caller.headers, version);
+            return reaper.end_now(client, due).await;
+        };
         let mut upstream =
             LegacySession::resume(client, self.endpoint, &self.timeouts, id, version);
         upstream.caller = caller;
-        match cancel {
-            Some(cancel) => upstream.cancel_best_effort(&cancel, "abandoned").await,
-            None => {
-                let _ = upstream.reap().await;
-            }
-        }
+        upstream.cancel_best_effort(&cancel, "abandoned").await;
     }
 }
 
