@@ -339,6 +339,11 @@ pub struct BridgeOptions {
     /// replays; beyond it, retries are refused (overloaded) rather than let through
     /// unguarded.
     pub max_used_states: usize,
+    /// Most of those one principal's retries take (requests without one count only
+    /// against `max_used_states`); beyond it the principal's retries are refused
+    /// (overloaded, naming this limit), so that one caller cannot fill the guard for
+    /// every other.
+    pub max_used_states_per_principal: usize,
     /// How long a data-layer session's cookie stays valid after the last response that
     /// carried it (each response refreshes it).
     pub data_session_ttl_seconds: u64,
@@ -381,6 +386,7 @@ impl Default for BridgeOptions {
             max_watched_sessions: 100_000,
             max_watched_sessions_per_principal: 10_000,
             max_used_states: 200_000,
+            max_used_states_per_principal: 100_000,
             data_session_ttl_seconds: 3600,
             shed_above_active_rounds: 0,
             shed_above_held_flows: 0,
@@ -418,6 +424,11 @@ impl BridgeOptions {
                 None,
             ),
             ("max_used_states", self.max_used_states as u64, None),
+            (
+                "max_used_states_per_principal",
+                self.max_used_states_per_principal as u64,
+                None,
+            ),
             (
                 "max_held_flows_per_principal",
                 self.max_held_flows_per_principal as u64,
@@ -1404,6 +1415,7 @@ mod tests {
             "max_watched_sessions",
             "max_watched_sessions_per_principal",
             "max_used_states",
+            "max_used_states_per_principal",
             "max_one_shot_sessions",
             "max_one_shot_sessions_per_principal",
             "max_warm_sessions",

@@ -109,7 +109,10 @@ impl Gateway {
                 bridge.max_watched_sessions_per_principal,
             )),
         };
-        let used_states = crate::mrtr::replay::UsedStates::new(bridge.max_used_states);
+        let used_states = crate::mrtr::replay::UsedStates::new(
+            bridge.max_used_states,
+            bridge.max_used_states_per_principal,
+        );
         let metrics = Arc::new(Metrics::new());
         metrics.keys_loaded.set(keys.kids().count() as i64);
         let sealing = Sealing {

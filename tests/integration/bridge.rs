@@ -962,6 +962,37 @@ fn a_finished_flows_streams_keep_their_connections() {
     }
 }
 
+/// One caller's retries take at most its share of the replay guard: past it, its retries
+/// are refused as overloaded naming the bound, while another caller's still complete.
+#[test]
+fn one_caller_takes_at_most_its_share_of_the_replay_guard() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.bridge.max_used_states_per_principal = 1;
+    });
+    let raw = Raw::new(&gw.url);
+    let ask_as = |id: u64, who: &str, extra: Value| ask_name_as(&raw, id, who, extra);
+    let (first, second, bobs) = (
+        ask_as(1, "alice", json!({})),
+        ask_as(2, "alice", json!({})),
+        ask_as(3, "bob", json!({})),
+    );
+    let done = ask_as(4, "alice", answer(&first, json!({"name": "Kim"})));
+    assert!(done["result"].get("content").is_some(), "{done}");
+    let refused = ask_as(5, "alice", answer(&second, json!({"name": "Ada"})));
+    assert_eq!(refused["error"]["code"], -32603, "{refused}");
+    let text = refused["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        text.contains("bridge.max_used_states_per_principal"),
+        "{refused}"
+    );
+    let done = ask_as(6, "bob", answer(&bobs, json!({"name": "Bo"})));
+    assert!(
+        done["result"].get("content").is_some(),
+        "another caller: {done}"
+    );
+}
+
 /// A replica whose replay guard is full (every state it acted on is remembered until it
 /// expires) refuses a retry as overloaded, saying which bound is full, and lets nothing
 /// through unguarded; the same state completes once there is room.

@@ -136,7 +136,7 @@ pub(super) async fn interactive(
             return to_holder(&call, session, reply, state, used, owner).await;
         }
     }
-    if let Err(refused) = claim(gw, used, &state) {
+    if let Err(refused) = claim(&call, used, &state) {
         return refused.answer(gw, session, reply, group).await;
     }
     continue_flow(&call, session, reply, state, answers, used).await
@@ -148,6 +148,8 @@ enum NotClaimed {
     Replayed,
     /// The table of used states is full.
     Full,
+    /// The caller's share of it is.
+    PrincipalFull,
 }
 
 impl NotClaimed {
@@ -164,23 +166,30 @@ impl NotClaimed {
                 let text = "this replica's replay guard is full: it remembers every requestState it acted on until that state expires, and holds bridge.max_used_states of them; retry later";
                 refuse(session, reply, Refusal::internal(Class::Overloaded, text)).await
             }
+            NotClaimed::PrincipalFull => {
+                let text = "this caller's share of this replica's replay guard is full: it remembers every requestState the caller's retries acted on until that state expires, and holds bridge.max_used_states_per_principal of them per caller; retry later";
+                refuse(session, reply, Refusal::internal(Class::Overloaded, text)).await
+            }
         }
     }
 }
 
 /// Claims `state` (whose digest is `used`) on this replica: a state is used once per
 /// replica, whatever the retry then does with it.
-fn claim(gw: &Gateway, used: StateDigest, state: &FlowState) -> Result<(), NotClaimed> {
+fn claim(call: &Call<'_>, used: StateDigest, state: &FlowState) -> Result<(), NotClaimed> {
+    let gw = call.gw;
+    let principal = counted_principal(gw, &call.incoming.principal);
     let claim = gw
         .sealing
         .used_states
         .lock()
         .expect("used-states lock")
-        .claim(used, state.expires_at, now_secs());
+        .claim(used, state.expires_at, principal.as_ref(), now_secs());
     match claim {
         Claim::Fresh => Ok(()),
         Claim::Replayed => Err(NotClaimed::Replayed),
         Claim::Full => Err(NotClaimed::Full),
+        Claim::PrincipalFull => Err(NotClaimed::PrincipalFull),
     }
 }
 
@@ -569,7 +578,7 @@ async fn to_holder(
     tracing::info!(flow = flow_id, owner = ?owner, %why, "the replica holding the flow cannot continue it");
     // The lost flow may run its tool again (a restartable one): once per state here, as
     // any retry is.
-    if let Err(refused) = claim(gw, used, &state) {
+    if let Err(refused) = claim(call, used, &state) {
         return refused.answer(gw, session, reply, call.group).await;
     }
     let responses = input_responses(call.request);
