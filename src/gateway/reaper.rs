@@ -604,9 +604,15 @@ impl Reaper {
     /// as the upstream may take later is tried again by the sweeps.
     pub async fn end_now(&self, client: &UpstreamClient, due: Due) {
         if let Err(e) = end(client, &due).await {
-            if self.retry_later(due, 0, &e) > 0 {
-                tracing::warn!("an abandoned flow's end was given up on to keep the list of ends to try again bounded");
-            }
+            self.end_again_later(due, &e);
+        }
+    }
+
+    /// Keeps `due`, which failed with `e` at its first attempt, for the sweeps to send
+    /// again when the upstream may take it later.
+    pub fn end_again_later(&self, due: Due, e: &SessionError) {
+        if self.retry_later(due, 0, e) > 0 {
+            tracing::warn!("an end of a flow's upstream session or call was given up on, to keep the list of ends to try again bounded");
         }
     }
 
@@ -628,10 +634,10 @@ impl Reaper {
             return 0;
         }
         let Some(after) = RETRY_AFTER.get(failed) else {
-            tracing::info!(error = %report, tries = failed + 1, "an abandoned flow's upstream session or call could not be ended");
+            tracing::info!(error = %report, tries = failed + 1, "a flow's upstream session or call could not be ended");
             return 1;
         };
-        tracing::info!(error = %report, after_seconds = after, "an abandoned flow's upstream session or call could not be ended yet; trying again");
+        tracing::info!(error = %report, after_seconds = after, "a flow's upstream session or call could not be ended yet; trying again");
         let mut retrying = self.retrying.lock().expect("reaper retries lock");
         let evicted = usize::from(retrying.len() >= MAX_RETRYING);
         if evicted > 0 {

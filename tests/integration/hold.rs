@@ -6,8 +6,8 @@
 
 use crate::common::*;
 use crate::scripted::{
-    assert_call_cancelled_in_its_session, holding_script, holding_server, Answer, ScriptedUpstream,
-    Seen,
+    assert_call_cancelled_in_its_session, holding_script, holding_server, Answer,
+    FirstDeleteRefused, ScriptedUpstream, Seen,
 };
 use mrtr_gateway::config::{Config, UpstreamEra};
 use serde_json::{json, Value};
@@ -709,15 +709,12 @@ fn one_caller_holds_at_most_its_share_of_the_held_flows() {
 /// is sent again later: the SDK servers keep a session until it is deleted.
 #[test]
 fn an_expired_held_flows_delete_that_failed_is_sent_again() {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
-    let deletes = Arc::new(AtomicUsize::new(0));
-    let seen_deletes = deletes.clone();
+    let deletes = std::sync::Arc::new(FirstDeleteRefused::default());
+    let script_deletes = deletes.clone();
     let upstream = ScriptedUpstream::start(move |seen: &Seen| {
-        if seen.method == "DELETE" && seen_deletes.fetch_add(1, Ordering::SeqCst) == 0 {
-            return Answer::status(503, &[], b"restarting");
-        }
-        holding_script(seen)
+        script_deletes
+            .answer(seen)
+            .unwrap_or_else(|| holding_script(seen))
     });
     let replicas = peered(&upstream.url(), 1, |c| {
         c.bridge.request_state_ttl_seconds = 1;
@@ -726,18 +723,8 @@ fn an_expired_held_flows_delete_that_failed_is_sent_again() {
     let asked = call_tool(&Raw::new(&gw.url), 1, "ask", json!({}));
     assert_eq!(asked["result"]["resultType"], "input_required", "{asked}");
     assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 1.0, "held");
-    wait_until(
-        "the session deleted at the second attempt",
-        Duration::from_secs(30),
-        || metric_with(&gw.admin, "mrtr_gateway_upstream_sessions_total", "reaped") == Some(1.0),
-    );
+    deletes.assert_deleted_at_second_attempt(gw, &upstream);
     assert_eq!(held_event(gw, "expired"), 1.0);
-    assert_eq!(
-        deletes.load(Ordering::SeqCst),
-        2,
-        "{:?}",
-        upstream.requests()
-    );
 }
 
 /// A held call in a data-layer session whose client never continues it is cancelled by

@@ -6,7 +6,9 @@
 //! the other one, driven by the official Python and TypeScript clients.
 
 use crate::common::*;
-use crate::scripted::{legacy_basics, Answer, Gate, OneQuestionCalls, ScriptedUpstream, Seen};
+use crate::scripted::{
+    legacy_basics, Answer, FirstDeleteRefused, Gate, OneQuestionCalls, ScriptedUpstream, Seen,
+};
 use mrtr_gateway::config::UpstreamEra;
 use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};
@@ -1615,21 +1617,49 @@ fn a_question_on_a_session_stream_slow_to_open_is_asked() {
     assert_eq!(done["result"]["content"][0]["text"], "done", "{done}");
 }
 
+/// A server whose calls ask one question (`OneQuestionCalls`, resumed with "done") and
+/// whose first DELETE is refused with 503, as while it restarts.
+fn one_question_upstream_refusing_first_delete() -> (ScriptedUpstream, Arc<FirstDeleteRefused>) {
+    let calls = OneQuestionCalls::default();
+    let deletes = Arc::new(FirstDeleteRefused::default());
+    let script_deletes = deletes.clone();
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        if let Some(refused) = script_deletes.answer(seen) {
+            return refused;
+        }
+        match seen.method.as_str() {
+            "GET" if seen.header("last-event-id").is_some() => {
+                calls.resumed(seen.header("mcp-session-id").unwrap_or_default(), "done")
+            }
+            "GET" => Answer::sse(&[]),
+            _ => calls.post(seen),
+        }
+    });
+    (upstream, deletes)
+}
+
+/// A completed flow's DELETE that the upstream cannot take (it is restarting: a 503) is
+/// sent again later: the SDK servers keep a session until it is deleted.
+#[test]
+fn a_completed_flows_delete_that_failed_is_sent_again() {
+    let (upstream, deletes) = one_question_upstream_refusing_first_delete();
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+    });
+    let raw = Raw::new(&gw.url);
+    let first = call_tool(&raw, 1, "ask", json!({}));
+    assert_eq!(first["result"]["resultType"], "input_required", "{first}");
+    let done = call_tool(&raw, 2, "ask", answer(&first, json!({"name": "x"})));
+    assert_eq!(done["result"]["content"][0]["text"], "done", "{done}");
+    deletes.assert_deleted_at_second_attempt(&gw, &upstream);
+}
+
 /// An abandoned flow's DELETE that the upstream cannot take at the flow's deadline (it is
 /// restarting: a 503) is sent again later: the SDK servers keep a session until it is
 /// deleted, so one failed attempt would leave it there for good.
 #[test]
 fn an_abandoned_flows_delete_that_failed_is_sent_again() {
-    let calls = OneQuestionCalls::default();
-    let deletes = Arc::new(AtomicUsize::new(0));
-    let seen_deletes = deletes.clone();
-    let upstream = ScriptedUpstream::start(move |seen: &Seen| match seen.method.as_str() {
-        "DELETE" if seen_deletes.fetch_add(1, Ordering::SeqCst) == 0 => {
-            Answer::status(503, &[], b"restarting")
-        }
-        "GET" => Answer::sse(&[]),
-        _ => calls.post(seen),
-    });
+    let (upstream, deletes) = one_question_upstream_refusing_first_delete();
     let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
         c.upstreams[0].era = UpstreamEra::Legacy;
         c.bridge.request_state_ttl_seconds = 1;
@@ -1637,15 +1667,5 @@ fn an_abandoned_flows_delete_that_failed_is_sent_again() {
     });
     let first = call_tool(&Raw::new(&gw.url), 1, "ask", json!({}));
     assert_eq!(first["result"]["resultType"], "input_required", "{first}");
-    wait_until(
-        "the session deleted at the second attempt",
-        Duration::from_secs(30),
-        || metric_with(&gw.admin, "mrtr_gateway_upstream_sessions_total", "reaped") == Some(1.0),
-    );
-    assert_eq!(
-        deletes.load(Ordering::SeqCst),
-        2,
-        "{:?}",
-        upstream.requests()
-    );
+    deletes.assert_deleted_at_second_attempt(&gw, &upstream);
 }

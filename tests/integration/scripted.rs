@@ -378,6 +378,38 @@ pub fn holding_script(seen: &Seen) -> Answer {
     Answer::sse(&[]).event(None, &question)
 }
 
+/// Counts a script's DELETEs and refuses the first with 503, as an upstream restarting
+/// does; the rest go on to the script.
+#[derive(Default)]
+pub struct FirstDeleteRefused(AtomicUsize);
+
+impl FirstDeleteRefused {
+    /// The 503 for the first DELETE, `None` for anything else.
+    pub fn answer(&self, seen: &Seen) -> Option<Answer> {
+        let first = seen.method == "DELETE" && self.0.fetch_add(1, Ordering::SeqCst) == 0;
+        first.then(|| Answer::status(503, &[], b"restarting"))
+    }
+
+    /// The reaper sent the refused DELETE again, and the upstream took it: the session
+    /// was deleted at the second attempt, and no DELETE came after.
+    pub fn assert_deleted_at_second_attempt(
+        &self,
+        gw: &crate::common::TestGateway,
+        upstream: &ScriptedUpstream,
+    ) {
+        crate::common::wait_until(
+            "the session deleted at the second attempt",
+            Duration::from_secs(30),
+            || {
+                let name = "mrtr_gateway_upstream_sessions_total";
+                crate::common::metric_with(&gw.admin, name, "reaped") == Some(1.0)
+            },
+        );
+        let deletes = self.0.load(Ordering::SeqCst);
+        assert_eq!(deletes, 2, "{:?}", upstream.requests());
+    }
+}
+
 /// A legacy server whose every call answers at once with a `bytes`-long text result.
 pub fn big_result_upstream(bytes: usize) -> ScriptedUpstream {
     let result = "x".repeat(bytes);

@@ -23,7 +23,7 @@ pub mod warm;
 use super::respond;
 use super::upstream_side::Asker;
 use super::{Arrival, Gateway};
-use crate::gateway::reaper::Reaper;
+use crate::gateway::reaper::{Due, Reaper};
 use crate::metrics::method_label;
 use crate::mrtr::data_session::META_KEY;
 pub(crate) use crate::mrtr::flow::fresh_call_id;
@@ -627,15 +627,37 @@ pub(crate) async fn upstream_for<'g>(
 }
 
 /// Deletes the flow's upstream session and stops the reaper watching it; a data-layer
-/// session's outlives the flow.
+/// session's outlives the flow. A DELETE the upstream cannot take now (it is restarting:
+/// no connection, a 5xx) is handed to the reaper to send again: the SDK servers keep a
+/// session until it is deleted.
 pub(crate) async fn end_session(reaper: &Reaper, upstream: &LegacySession<'_>) {
-    if upstream.persistent {
+    let Some(due) = session_end(upstream) else {
         return;
+    };
+    reaper.forget(
+        &upstream.endpoint,
+        upstream.session_id.as_deref().unwrap_or_default(),
+    );
+    if let Err(e) = upstream.end().await {
+        reaper.end_again_later(due, &e);
     }
-    upstream.delete().await;
-    if let Some(sid) = &upstream.session_id {
-        reaper.forget(&upstream.endpoint, sid.as_str());
-    }
+}
+
+/// The DELETE that ends `upstream`'s session, unless it has none of the flow's own.
+fn session_end(upstream: &LegacySession<'_>) -> Option<Due> {
+    let sid = upstream
+        .session_id
+        .clone()
+        .filter(|_| !upstream.persistent)?;
+    let (endpoint, timeouts) = (upstream.endpoint.clone(), *upstream.timeouts);
+    let headers = upstream.caller.headers.clone();
+    Some(Due::delete(
+        endpoint,
+        timeouts,
+        sid,
+        headers,
+        upstream.version,
+    ))
 }
 
 /// How long a deleted session's streams are given to end once the DELETE is answered:
@@ -652,17 +674,20 @@ async fn end_session_later(gw: &Gateway, upstream: LegacySession<'_>, streams: s
     let client = gw.upstreams.client.clone();
     let permit = gw.upstreams.background_deletes.clone().try_acquire_owned();
     let session_id = upstream.session_id.clone().filter(|_| !upstream.persistent);
-    let (Ok(permit), Some(sid)) = (permit, session_id) else {
+    let (Ok(permit), Some(sid), Some(due)) = (permit, session_id, session_end(&upstream)) else {
         streams.close(&client).await;
         return end_session(&gw.flows.reaper, &upstream).await;
     };
-    gw.flows.reaper.forget(&upstream.endpoint, sid.as_str());
+    let reaper = gw.flows.reaper.clone();
+    reaper.forget(&upstream.endpoint, sid.as_str());
     let timeouts = *upstream.timeouts;
     let (endpoint, version, caller) = (upstream.endpoint, upstream.version, upstream.caller);
     tokio::spawn(async move {
         let mut session = LegacySession::resume(&client, endpoint, &timeouts, sid, version);
         session.caller = caller;
-        session.delete().await;
+        if let Err(e) = session.end().await {
+            reaper.end_again_later(due, &e);
+        }
         streams.drain(&client, STREAMS_END_WITH_SESSION).await;
         drop(permit);
     });
