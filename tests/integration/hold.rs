@@ -93,10 +93,11 @@ fn official_clients_complete_held_flows_with_rounds_on_alternating_replicas() {
     assert_eq!(lines.last().unwrap()["text"], "Trip to Lisbon for 3 nights");
     let forwarded = sum(&replicas, |g| forwards(g, "ok"));
     println!("retries forwarded to their owner {forwarded}");
-    // Ten rounds in all, or one more when the Python server's second parallel question
-    // (`two`) came after the quiet window and was asked in a round of its own.
+    // Ten rounds in all, or one more for each client whose run of `two` got the Python
+    // server's second parallel question after the quiet window, asked in a round of its
+    // own (both clients run `two`).
     let rounds = sum(&replicas, input_required_calls);
-    assert!((10.0..=11.0).contains(&rounds), "{rounds} rounds");
+    assert!((10.0..=12.0).contains(&rounds), "{rounds} rounds");
     assert_every_round_held_and_resumed(&replicas);
     assert!(forwarded >= 4.0, "retries crossed replicas: {forwarded}");
     assert_eq!(sum(&replicas, |g| forwards(g, "owner_gone")), 0.0);
