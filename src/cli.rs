@@ -204,6 +204,15 @@ pub fn load_keys(config: &mut Config) -> Result<KeyRing, String> {
     Ok(KeyRing::ephemeral())
 }
 
+/// A valid configuration may still leave a per-principal share dividing nothing.
+fn warn_of_shares_taking_the_whole(config: &Config) {
+    for (share, whole) in config.bridge.shares_taking_the_whole() {
+        tracing::warn!(
+            "bridge.{share} is at or above bridge.{whole}: one principal may take all of it"
+        );
+    }
+}
+
 fn config_error(e: ConfigError) -> String {
     format!("invalid configuration: {e}")
 }
@@ -219,6 +228,7 @@ fn run(
     };
     listeners.apply(&mut config, upstreams);
     config.validate().map_err(config_error)?;
+    warn_of_shares_taking_the_whole(&config);
     let keys = Arc::new(load_keys(&mut config)?);
     let (listen, admin) = (config.listen.clone(), config.admin_listen.clone());
     let scheme = config.listener_scheme();
@@ -336,6 +346,7 @@ fn check_config(file: &std::path::Path, peer_advertise: Option<String>) -> Resul
     let mut config = Config::load_unvalidated(file).map_err(config_error)?;
     config.apply_peer_overrides(None, peer_advertise);
     config.validate().map_err(config_error)?;
+    warn_of_shares_taking_the_whole(&config);
     crate::upstream::Upstreams::build(&config).map_err(config_error)?;
     if let Some(tls) = &config.tls {
         crate::tls::listener::ListenerCert::load(tls).map_err(config_error)?;

@@ -398,6 +398,35 @@ impl Default for BridgeOptions {
 }
 
 impl BridgeOptions {
+    /// The per-principal shares set at or above the whole they divide: each leaves one
+    /// principal free to take all of it, as (share, whole) key names.
+    pub fn shares_taking_the_whole(&self) -> Vec<(&'static str, &'static str)> {
+        [
+            (
+                ("max_watched_sessions_per_principal", "max_watched_sessions"),
+                self.max_watched_sessions_per_principal >= self.max_watched_sessions,
+            ),
+            (
+                ("max_used_states_per_principal", "max_used_states"),
+                self.max_used_states_per_principal >= self.max_used_states,
+            ),
+            (
+                ("max_held_flows_per_principal", "max_held_flows"),
+                self.max_held_flows_per_principal >= self.max_held_flows,
+            ),
+            (
+                (
+                    "max_one_shot_sessions_per_principal",
+                    "max_one_shot_sessions",
+                ),
+                self.max_one_shot_sessions_per_principal >= self.max_one_shot_sessions,
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(names, whole)| whole.then_some(names))
+        .collect()
+    }
+
     /// Refuses a bound of 0 where it would refuse every flow, or keep nothing of a
     /// feature left on: (field, value, the feature it bounds while that is on).
     fn check_nonzero(&self) -> Result<(), ConfigError> {
@@ -1404,6 +1433,24 @@ mod tests {
         let flow = "principal: {jwt: {jwks_file: /etc/jwks.json}}";
         assert!(matches!(principal(flow), Ok(PrincipalSource::Jwt(_))));
         assert!(principal("principal: {cookie: x}").is_err());
+    }
+
+    /// A share at or above its whole is named, so that the gateway can say it divides
+    /// nothing; the defaults divide every whole.
+    #[test]
+    fn shares_at_or_above_their_whole_are_named() {
+        assert!(BridgeOptions::default()
+            .shares_taking_the_whole()
+            .is_empty());
+        let options = BridgeOptions {
+            max_used_states: 1000,
+            max_used_states_per_principal: 1000,
+            ..BridgeOptions::default()
+        };
+        assert_eq!(
+            options.shares_taking_the_whole(),
+            [("max_used_states_per_principal", "max_used_states")]
+        );
     }
 
     /// A bound of zero places that would refuse every flow, or turn a feature into churn,
