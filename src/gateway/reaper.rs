@@ -17,7 +17,7 @@
 //! An end the upstream could not take (down, restarting) is sent again a few times
 //! (`RETRY_AFTER`), from a bounded list beside the table.
 
-use crate::mrtr::flow::{cancellation, Failure, NOT_CONTINUED};
+use crate::mrtr::flow::{cancellation, FailureKind, NOT_CONTINUED};
 use crate::mrtr::state::now_secs;
 use crate::protocol::headers::EndToEnd;
 use crate::protocol::revision::Revision;
@@ -33,6 +33,7 @@ use serde_json::Value;
 use slab::Slab;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -326,6 +327,9 @@ pub struct Reaper {
     reclaims: Mutex<HashMap<Option<[u8; 32]>, Reclaim>>,
     /// Ends that failed and are tried again (`RETRY_AFTER`), in the order they failed.
     retrying: Mutex<Vec<Retrying>>,
+    /// Ends given up on outside the sweeps (evicted from a full `retrying`), reported by
+    /// the next sweep.
+    given_up: AtomicUsize,
 }
 
 /// An end to send at `at` (seconds since the epoch), after `failed` attempts.
@@ -363,6 +367,7 @@ impl Reaper {
             per_principal,
             reclaims: Mutex::default(),
             retrying: Mutex::default(),
+            given_up: AtomicUsize::new(0),
         }
     }
 
@@ -569,7 +574,7 @@ impl Reaper {
         let tried = due.len();
         let mut due = due.into_iter();
         let mut ends = tokio::task::JoinSet::new();
-        let mut given_up = 0;
+        let mut given_up = self.given_up.swap(0, Ordering::Relaxed);
         loop {
             while ends.len() < ENDS_AT_ONCE {
                 let Some(Retrying { due, failed, .. }) = due.next() else {
@@ -595,25 +600,19 @@ impl Reaper {
             }
         }
         if given_up > 0 {
-            tracing::warn!(given_up, "ends of abandoned flows the upstream could not take were given up on; the upstream's own session expiry is left to end them");
+            tracing::warn!(given_up, "ends of flows' upstream sessions or calls were given up on, out of tries or to keep the list of ends to try again bounded; the upstream's own session expiry is left to end them");
         }
         tried
     }
 
-    /// Sends `due` now, for an abandoned flow this replica ends itself; one that fails
-    /// as the upstream may take later is tried again by the sweeps.
-    pub async fn end_now(&self, client: &UpstreamClient, due: Due) {
-        if let Err(e) = end(client, &due).await {
-            self.end_again_later(due, &e);
-        }
-    }
-
-    /// Keeps `due`, which failed with `e` at its first attempt, for the sweeps to send
-    /// again when the upstream may take it later.
-    pub fn end_again_later(&self, due: Due, e: &SessionError) {
-        if self.retry_later(due, 0, e) > 0 {
-            tracing::warn!("an end of a flow's upstream session or call was given up on, to keep the list of ends to try again bounded");
-        }
+    /// Keeps the DELETE of `upstream`'s session, which failed with `e` at its first
+    /// attempt, for the sweeps to send again when the upstream may take it later.
+    pub fn end_again_later(&self, upstream: &LegacySession<'_>, e: &SessionError) {
+        let Some(due) = Due::delete(upstream) else {
+            return;
+        };
+        let evicted = self.retry_later(due, 0, e);
+        self.given_up.fetch_add(evicted, Ordering::Relaxed);
     }
 
     /// Removes and returns the ends due to be tried again at `now`.
@@ -627,10 +626,10 @@ impl Reaper {
     /// given up on (this one, or the oldest waiting when the list is full).
     fn retry_later(&self, due: Due, failed: usize, e: &SessionError) -> usize {
         let report = crate::outcome::Report(e);
-        if !Failure::from(e).may_pass_later() {
+        if !FailureKind::from(e.failure()).may_pass_later() {
             // Refused as such (a 404 for a session the flow's end on another replica
             // deleted already): sending it again would change nothing.
-            tracing::debug!(error = %report, "the upstream refused to end an abandoned flow's session or call");
+            tracing::debug!(error = %report, "the upstream refused to end a flow's session or call");
             return 0;
         }
         let Some(after) = RETRY_AFTER.get(failed) else {
@@ -652,7 +651,7 @@ impl Reaper {
     }
 }
 
-/// Sends the end of an abandoned flow: its session's DELETE, or its call's cancellation.
+/// Sends the end of a flow: its session's DELETE, or its call's cancellation.
 async fn end(client: &UpstreamClient, due: &Due) -> Result<(), SessionError> {
     let (session, call) = match due.key.split_once(CALL_SEPARATOR) {
         Some((session, call)) => (session.to_owned(), Some(call)),
@@ -697,7 +696,7 @@ impl Drop for ReclaimTurn<'_> {
 }
 
 /// A session due for its DELETE, or a call for its cancellation.
-pub struct Due {
+struct Due {
     endpoint: Endpoint,
     timeouts: Timeouts,
     /// `Abandoned::key`.
@@ -707,21 +706,15 @@ pub struct Due {
 }
 
 impl Due {
-    /// The DELETE of `session` (of `version`) at `endpoint`, sent with `headers`.
-    pub fn delete(
-        endpoint: Endpoint,
-        timeouts: Timeouts,
-        session: String,
-        headers: EndToEnd,
-        version: Revision,
-    ) -> Due {
-        Due {
-            endpoint,
-            timeouts,
-            key: session,
-            headers,
-            version,
-        }
+    /// The DELETE of `upstream`'s session, as `upstream` sends it; none without one.
+    fn delete(upstream: &LegacySession<'_>) -> Option<Due> {
+        Some(Due {
+            endpoint: upstream.endpoint.clone(),
+            timeouts: *upstream.timeouts,
+            key: upstream.session_id.clone()?,
+            headers: upstream.caller.headers.clone(),
+            version: upstream.version,
+        })
     }
 }
 
@@ -742,7 +735,7 @@ impl BackgroundService for ReaperService {
                 _ = tick.tick() => {
                     let tried = self.reaper.sweep(&client, now_secs()).await;
                     if tried > 0 {
-                        tracing::info!(tried, "ending the upstream sessions and calls of abandoned flows");
+                        tracing::info!(tried, "ending the upstream sessions and calls of abandoned flows, and ends that failed before");
                     }
                 }
                 _ = shutdown.changed() => return,

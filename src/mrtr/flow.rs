@@ -159,6 +159,29 @@ pub enum FailureKind {
     Broken,
 }
 
+impl FailureKind {
+    /// The upstream gave no answer that says why the request failed: the exchange was
+    /// cut below HTTP, failed with a server error, or had no answer in time.
+    pub fn unexplained(self) -> bool {
+        match self {
+            FailureKind::Refused(status) => (500..600).contains(&status),
+            kind => matches!(kind, FailureKind::Cut | FailureKind::Timeout),
+        }
+    }
+
+    /// Nothing says the same request will fail again: the upstream could not be reached,
+    /// gave no answer that explains the failure, or refused it for now (a timeout, a
+    /// conflict, a throttle).
+    pub fn may_pass_later(self) -> bool {
+        self.unexplained()
+            || match self {
+                FailureKind::NoEndpoint | FailureKind::Unreachable | FailureKind::NotSent => true,
+                FailureKind::Refused(status) => matches!(status, 408 | 409 | 425 | 429),
+                _ => false,
+            }
+    }
+}
+
 impl Failure {
     pub fn new(kind: FailureKind, message: impl Into<String>) -> Failure {
         Failure {
@@ -186,27 +209,6 @@ impl Failure {
     pub fn refused_for_good(&self) -> bool {
         matches!(self.kind, FailureKind::Refused(status)
             if (400..500).contains(&status) && !matches!(status, 408 | 409 | 425 | 429))
-    }
-
-    /// The upstream gave no answer that says why the request failed: the exchange was
-    /// cut below HTTP, failed with a server error, or had no answer in time.
-    pub fn unexplained(&self) -> bool {
-        match self.kind {
-            FailureKind::Refused(status) => (500..600).contains(&status),
-            kind => matches!(kind, FailureKind::Cut | FailureKind::Timeout),
-        }
-    }
-
-    /// Nothing says the same request will fail again: the upstream could not be reached,
-    /// gave no answer that explains the failure, or refused it for now (a timeout, a
-    /// conflict, a throttle).
-    pub fn may_pass_later(&self) -> bool {
-        self.unexplained()
-            || match self.kind {
-                FailureKind::NoEndpoint | FailureKind::Unreachable | FailureKind::NotSent => true,
-                FailureKind::Refused(status) => matches!(status, 408 | 409 | 425 | 429),
-                _ => false,
-            }
     }
 
     /// The request provably did not reach the upstream, or was refused there. A 5xx
@@ -1347,7 +1349,7 @@ impl Flow {
             // What the upstream answered, not what befell the connection, or a throttle.
             if failure.refused_for_good() || failure.kind == FailureKind::Broken {
                 self.learn(Learnt::ReplayRefused { empty: false });
-            } else if failure.unexplained() {
+            } else if failure.kind.unexplained() {
                 self.learn(Learnt::ResumptionFailed);
             }
             return self.unresumable(retry, Err(failure), now);

@@ -1352,16 +1352,14 @@ fn failure(e: &SessionError) -> Failure {
     Failure::from(e)
 }
 
-/// The flow's view of an upstream failure: what it decides on, and its message.
-impl From<&SessionError> for Failure {
-    fn from(e: &SessionError) -> Failure {
-        let kind = match e.failure() {
+/// The flow's view of an upstream failure: what it decides on.
+impl From<&SessionFailure> for FailureKind {
+    fn from(failure: &SessionFailure) -> FailureKind {
+        match failure {
             SessionFailure::NoEndpoint => FailureKind::NoEndpoint,
             SessionFailure::Gone => FailureKind::Gone,
             SessionFailure::Refused(status) => FailureKind::Refused(*status),
-            SessionFailure::Denied { status, challenge } => {
-                return Failure::denied(*status, challenge.clone(), e.failure().to_string());
-            }
+            SessionFailure::Denied { status, .. } => FailureKind::Denied(*status),
             SessionFailure::Exchange(ExchangeFailure::Connect) => FailureKind::Unreachable,
             SessionFailure::Exchange(ExchangeFailure::NoDescriptor) => FailureKind::NotSent,
             SessionFailure::Exchange(ExchangeFailure::Timeout) => FailureKind::Timeout,
@@ -1372,8 +1370,22 @@ impl From<&SessionError> for Failure {
                 | ExchangeFailure::Untrusted,
             ) => FailureKind::Cut,
             SessionFailure::Exchange(_) | SessionFailure::Protocol(_) => FailureKind::Broken,
-        };
-        Failure::new(kind, e.failure().to_string())
+        }
+    }
+}
+
+/// The flow's view of an upstream failure: what it decides on, its message, and a
+/// denial's challenge.
+impl From<&SessionError> for Failure {
+    fn from(e: &SessionError) -> Failure {
+        let failure = e.failure();
+        Failure {
+            challenge: match failure {
+                SessionFailure::Denied { challenge, .. } => challenge.clone(),
+                _ => None,
+            },
+            ..Failure::new(FailureKind::from(failure), failure.to_string())
+        }
     }
 }
 

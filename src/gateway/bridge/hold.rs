@@ -15,7 +15,6 @@
 //! streams and deletes its upstream session.
 
 use super::streams::Streams;
-use crate::gateway::reaper::Due;
 use crate::gateway::Gateway;
 use crate::mrtr::state::now_secs;
 use crate::protocol::revision::Revision;
@@ -89,18 +88,23 @@ impl Held {
         else {
             return;
         };
-        let Some(cancel) = cancel else {
-            // Its own session: deleted now, and again later if the upstream cannot take
-            // the DELETE yet (the SDK servers keep a session until it is deleted).
-            let reaper = &gw.flows.reaper;
+        let reaper = &gw.flows.reaper;
+        if cancel.is_none() {
             reaper.forget(&self.endpoint, id.as_str());
-            let due = Due::delete(self.endpoint, self.timeouts, id, caller.headers, version);
-            return reaper.end_now(client, due).await;
-        };
+        }
         let mut upstream =
             LegacySession::resume(client, self.endpoint, &self.timeouts, id, version);
         upstream.caller = caller;
-        upstream.cancel_best_effort(&cancel, "abandoned").await;
+        match cancel {
+            Some(cancel) => upstream.cancel_best_effort(&cancel, "abandoned").await,
+            // Its own session: deleted now, and again later if the upstream cannot take
+            // the DELETE yet (the SDK servers keep a session until it is deleted).
+            None => {
+                if let Err(e) = upstream.reap().await {
+                    reaper.end_again_later(&upstream, &e);
+                }
+            }
+        }
     }
 }
 

@@ -23,7 +23,7 @@ pub mod warm;
 use super::respond;
 use super::upstream_side::Asker;
 use super::{Arrival, Gateway};
-use crate::gateway::reaper::{Due, Reaper};
+use crate::gateway::reaper::Reaper;
 use crate::metrics::method_label;
 use crate::mrtr::data_session::META_KEY;
 pub(crate) use crate::mrtr::flow::fresh_call_id;
@@ -627,37 +627,26 @@ pub(crate) async fn upstream_for<'g>(
 }
 
 /// Deletes the flow's upstream session and stops the reaper watching it; a data-layer
-/// session's outlives the flow. A DELETE the upstream cannot take now (it is restarting:
-/// no connection, a 5xx) is handed to the reaper to send again: the SDK servers keep a
-/// session until it is deleted.
+/// session's outlives the flow. A DELETE the upstream may take later (no connection, a
+/// cut or a failed TLS handshake, no answer in time, a 5xx, a 408, 409, 425 or 429) is
+/// handed to the reaper to send again: the SDK servers keep a session until it is
+/// deleted.
 pub(crate) async fn end_session(reaper: &Reaper, upstream: &LegacySession<'_>) {
-    let Some(due) = session_end(upstream) else {
+    let Some(sid) = own_session(upstream) else {
         return;
     };
-    reaper.forget(
-        &upstream.endpoint,
-        upstream.session_id.as_deref().unwrap_or_default(),
-    );
+    reaper.forget(&upstream.endpoint, sid);
     if let Err(e) = upstream.end().await {
-        reaper.end_again_later(due, &e);
+        reaper.end_again_later(upstream, &e);
     }
 }
 
-/// The DELETE that ends `upstream`'s session, unless it has none of the flow's own.
-fn session_end(upstream: &LegacySession<'_>) -> Option<Due> {
-    let sid = upstream
+/// `upstream`'s session, if it is one of the flow's own, which ends with the flow.
+fn own_session<'u>(upstream: &'u LegacySession<'_>) -> Option<&'u str> {
+    upstream
         .session_id
-        .clone()
-        .filter(|_| !upstream.persistent)?;
-    let (endpoint, timeouts) = (upstream.endpoint.clone(), *upstream.timeouts);
-    let headers = upstream.caller.headers.clone();
-    Some(Due::delete(
-        endpoint,
-        timeouts,
-        sid,
-        headers,
-        upstream.version,
-    ))
+        .as_deref()
+        .filter(|_| !upstream.persistent)
 }
 
 /// How long a deleted session's streams are given to end once the DELETE is answered:
@@ -673,20 +662,19 @@ const STREAMS_END_WITH_SESSION: std::time::Duration = std::time::Duration::from_
 async fn end_session_later(gw: &Gateway, upstream: LegacySession<'_>, streams: streams::Streams) {
     let client = gw.upstreams.client.clone();
     let permit = gw.upstreams.background_deletes.clone().try_acquire_owned();
-    let session_id = upstream.session_id.clone().filter(|_| !upstream.persistent);
-    let (Ok(permit), Some(sid), Some(due)) = (permit, session_id, session_end(&upstream)) else {
+    let (Ok(permit), Some(sid)) = (permit, own_session(&upstream)) else {
         streams.close(&client).await;
         return end_session(&gw.flows.reaper, &upstream).await;
     };
     let reaper = gw.flows.reaper.clone();
-    reaper.forget(&upstream.endpoint, sid.as_str());
-    let timeouts = *upstream.timeouts;
+    reaper.forget(&upstream.endpoint, sid);
+    let (sid, timeouts) = (sid.to_owned(), *upstream.timeouts);
     let (endpoint, version, caller) = (upstream.endpoint, upstream.version, upstream.caller);
     tokio::spawn(async move {
         let mut session = LegacySession::resume(&client, endpoint, &timeouts, sid, version);
         session.caller = caller;
         if let Err(e) = session.end().await {
-            reaper.end_again_later(due, &e);
+            reaper.end_again_later(&session, &e);
         }
         streams.drain(&client, STREAMS_END_WITH_SESSION).await;
         drop(permit);
