@@ -204,12 +204,10 @@ pub fn load_keys(config: &mut Config) -> Result<KeyRing, String> {
     Ok(KeyRing::ephemeral())
 }
 
-/// A valid configuration may still leave a per-principal share dividing nothing.
+/// A valid configuration may still set a per-principal share that divides nothing.
 fn warn_of_shares_taking_the_whole(config: &Config) {
-    for (share, whole) in config.bridge.shares_taking_the_whole() {
-        tracing::warn!(
-            "bridge.{share} is at or above bridge.{whole}: one principal may take all of it"
-        );
+    for (share, whole) in config.shares_taking_the_whole() {
+        tracing::warn!("bridge.{share} lets one principal take all of bridge.{whole}");
     }
 }
 

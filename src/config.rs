@@ -398,35 +398,6 @@ impl Default for BridgeOptions {
 }
 
 impl BridgeOptions {
-    /// The per-principal shares set at or above the whole they divide: each leaves one
-    /// principal free to take all of it, as (share, whole) key names.
-    pub fn shares_taking_the_whole(&self) -> Vec<(&'static str, &'static str)> {
-        [
-            (
-                ("max_watched_sessions_per_principal", "max_watched_sessions"),
-                self.max_watched_sessions_per_principal >= self.max_watched_sessions,
-            ),
-            (
-                ("max_used_states_per_principal", "max_used_states"),
-                self.max_used_states_per_principal >= self.max_used_states,
-            ),
-            (
-                ("max_held_flows_per_principal", "max_held_flows"),
-                self.max_held_flows_per_principal >= self.max_held_flows,
-            ),
-            (
-                (
-                    "max_one_shot_sessions_per_principal",
-                    "max_one_shot_sessions",
-                ),
-                self.max_one_shot_sessions_per_principal >= self.max_one_shot_sessions,
-            ),
-        ]
-        .into_iter()
-        .filter_map(|(names, whole)| whole.then_some(names))
-        .collect()
-    }
-
     /// Refuses a bound of 0 where it would refuse every flow, or keep nothing of a
     /// feature left on: (field, value, the feature it bounds while that is on).
     fn check_nonzero(&self) -> Result<(), ConfigError> {
@@ -1103,6 +1074,45 @@ impl Config {
             .map_err(|(i, problem)| ConfigError::at(format!("cors_allowed_origins[{i}]"), problem))
     }
 
+    /// The per-principal shares set so that one principal may take all of the whole
+    /// they divide, as (share, whole) key names: none when every request is one
+    /// principal (`principal: none`), nor for a feature that is off. A one-shot share is
+    /// per group, so it is taken once per group.
+    pub fn shares_taking_the_whole(&self) -> Vec<(&'static str, &'static str)> {
+        if self.principal == PrincipalSource::None {
+            return Vec::new();
+        }
+        let b = &self.bridge;
+        let one_shot = b.one_shot_session_idle_seconds > 0;
+        let groups = self.upstreams.len().max(1);
+        [
+            (
+                ("max_watched_sessions_per_principal", "max_watched_sessions"),
+                b.max_watched_sessions_per_principal >= b.max_watched_sessions,
+            ),
+            (
+                ("max_used_states_per_principal", "max_used_states"),
+                b.max_used_states_per_principal >= b.max_used_states,
+            ),
+            (
+                ("max_held_flows_per_principal", "max_held_flows"),
+                b.max_held_flows_per_principal >= b.max_held_flows,
+            ),
+            (
+                (
+                    "max_one_shot_sessions_per_principal",
+                    "max_one_shot_sessions",
+                ),
+                one_shot
+                    && b.max_one_shot_sessions_per_principal.saturating_mul(groups)
+                        >= b.max_one_shot_sessions,
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(names, whole)| whole.then_some(names))
+        .collect()
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         check_durations("", &serde_json::to_value(self).unwrap_or_default())?;
         check_addr("listen", &self.listen)?;
@@ -1435,21 +1445,39 @@ mod tests {
         assert!(principal("principal: {cookie: x}").is_err());
     }
 
-    /// A share at or above its whole is named, so that the gateway can say it divides
-    /// nothing; the defaults divide every whole.
+    /// A share that lets one principal take its whole is named, so that the gateway can
+    /// say it divides nothing; the defaults divide every whole, and nothing is named
+    /// where no share applies.
     #[test]
-    fn shares_at_or_above_their_whole_are_named() {
-        assert!(BridgeOptions::default()
-            .shares_taking_the_whole()
-            .is_empty());
-        let options = BridgeOptions {
-            max_used_states: 1000,
-            max_used_states_per_principal: 1000,
-            ..BridgeOptions::default()
-        };
+    fn shares_taking_their_whole_are_named() {
+        let load = |yaml: &str| Config::from_yaml(&format!("{yaml}\n{MINIMAL}")).unwrap();
+        assert!(load("").shares_taking_the_whole().is_empty());
+        let used = "bridge:\n  max_used_states: 1000\n  max_used_states_per_principal: 1000";
+        let named = [("max_used_states_per_principal", "max_used_states")];
+        assert_eq!(load(used).shares_taking_the_whole(), named);
+        let anonymous = load(&format!("principal: none\n{used}"));
+        assert!(
+            anonymous.shares_taking_the_whole().is_empty(),
+            "one principal"
+        );
+        let one_shot =
+            "bridge:\n  max_one_shot_sessions: 32\n  max_one_shot_sessions_per_principal: 16";
+        let one_shot_named = [(
+            "max_one_shot_sessions_per_principal",
+            "max_one_shot_sessions",
+        )];
+        assert!(
+            load(one_shot).shares_taking_the_whole().is_empty(),
+            "one group"
+        );
+        let off = "bridge:\n  max_one_shot_sessions: 0\n  one_shot_session_idle_seconds: 0";
+        assert!(load(off).shares_taking_the_whole().is_empty(), "off");
+        let mut two_groups = load(one_shot);
+        two_groups.upstreams.push(two_groups.upstreams[0].clone());
         assert_eq!(
-            options.shares_taking_the_whole(),
-            [("max_used_states_per_principal", "max_used_states")]
+            two_groups.shares_taking_the_whole(),
+            one_shot_named,
+            "16 in each of 2"
         );
     }
 
