@@ -605,6 +605,14 @@ impl Reaper {
         tried
     }
 
+    /// Deletes `upstream`'s session; a DELETE the upstream may take later is kept for
+    /// the sweeps to send again.
+    pub async fn delete(&self, upstream: &LegacySession<'_>) {
+        if let Err(e) = upstream.end().await {
+            self.end_again_later(upstream, &e);
+        }
+    }
+
     /// Keeps the DELETE of `upstream`'s session, which failed with `e` at its first
     /// attempt, for the sweeps to send again when the upstream may take it later.
     pub fn end_again_later(&self, upstream: &LegacySession<'_>, e: &SessionError) {
@@ -706,12 +714,16 @@ struct Due {
 }
 
 impl Due {
-    /// The DELETE of `upstream`'s session, as `upstream` sends it; none without one.
+    /// The DELETE of `upstream`'s session, as `upstream` sends it; none without one, or
+    /// for a data-layer session (which outlives its flows).
     fn delete(upstream: &LegacySession<'_>) -> Option<Due> {
         Some(Due {
             endpoint: upstream.endpoint.clone(),
             timeouts: *upstream.timeouts,
-            key: upstream.session_id.clone()?,
+            key: upstream
+                .session_id
+                .clone()
+                .filter(|_| !upstream.persistent)?,
             headers: upstream.caller.headers.clone(),
             version: upstream.version,
         })

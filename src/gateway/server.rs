@@ -152,6 +152,7 @@ pub fn build(
         WarmSweeper {
             warm: gateway.upstreams.warm.clone(),
             client: gateway.upstreams.client.clone(),
+            reaper: gateway.flows.reaper.clone(),
         },
     ));
     server.add_service(background_service(

@@ -16,11 +16,13 @@ use std::time::{Duration, Instant};
 
 /// A legacy upstream that numbers its sessions (`s1`, `s2`, ...), answers `tools/call`
 /// with JSON at once (or, in a session it was told to hold, once the test opens a gate),
-/// and answers 404 to any request in a session it was told to forget.
+/// answers 404 to any request in a session it was told to forget, and 503 to the first
+/// DELETE of a session it was told is caught restarting.
 struct Numbered {
     upstream: ScriptedUpstream,
     forgotten: Arc<Mutex<HashSet<String>>>,
     held: Arc<Mutex<Option<(String, Gate)>>>,
+    restarting: Arc<Mutex<HashSet<String>>>,
 }
 
 impl Numbered {
@@ -28,12 +30,21 @@ impl Numbered {
         let opened = Arc::new(AtomicUsize::new(0));
         let forgotten: Arc<Mutex<HashSet<String>>> = Arc::default();
         let held: Arc<Mutex<Option<(String, Gate)>>> = Arc::default();
+        let restarting: Arc<Mutex<HashSet<String>>> = Arc::default();
         let gone = forgotten.clone();
         let holding = held.clone();
+        let refusing = restarting.clone();
         let upstream = ScriptedUpstream::start(move |seen: &Seen| {
             let session = seen.header("mcp-session-id").map(str::to_string);
-            if session.is_some_and(|s| gone.lock().unwrap().contains(&s)) {
+            if session
+                .as_ref()
+                .is_some_and(|s| gone.lock().unwrap().contains(s))
+            {
                 return Answer::status(404, &[], b"");
+            }
+            let refused = |s: &String| refusing.lock().unwrap().remove(s);
+            if seen.method == "DELETE" && session.as_ref().is_some_and(refused) {
+                return Answer::status(503, &[], b"restarting");
             }
             if seen.method == "GET" {
                 return Answer::sse(&[]);
@@ -63,7 +74,20 @@ impl Numbered {
             upstream,
             forgotten,
             held,
+            restarting,
         }
+    }
+
+    /// Answers the first DELETE of session `sid` 503, as a server restarting does.
+    fn refuse_first_delete_of(&self, sid: &str) {
+        self.restarting.lock().unwrap().insert(sid.to_string());
+    }
+
+    /// How many DELETEs of session `sid` came.
+    fn deletes_of(&self, sid: &str) -> usize {
+        let requests = self.upstream.requests();
+        let of = |s: &&Seen| s.method == "DELETE" && s.header("mcp-session-id") == Some(sid);
+        requests.iter().filter(of).count()
     }
 
     /// Holds the answer to the call in session `sid` until the gate returned opens.
@@ -324,6 +348,24 @@ fn warm_sessions_that_idle_out_are_deleted() {
     warm_ready(&gw, 0.0);
     // The next call opens a session of its own.
     assert_eq!(call(&raw, 3, json!({}), &[]), "ran in s4");
+}
+
+/// An idle warm session's DELETE the upstream cannot take (it is restarting: a 503) is
+/// sent again later: the SDK servers keep a session until it is deleted.
+#[test]
+fn a_warm_sessions_delete_that_failed_is_sent_again() {
+    let numbered = Numbered::start();
+    numbered.refuse_first_delete_of("s3");
+    let gw = gateway(&numbered, |c| {
+        c.bridge.warm_session_idle_seconds = 1;
+    });
+    warmed(&gw, &Raw::new(&gw.url), &[]);
+    wait_until(
+        "the warm session's DELETE sent again",
+        Duration::from_secs(30),
+        || numbered.deletes_of("s3") == 2,
+    );
+    warm_ready(&gw, 0.0);
 }
 
 #[test]

@@ -636,9 +636,7 @@ pub(crate) async fn end_session(reaper: &Reaper, upstream: &LegacySession<'_>) {
         return;
     };
     reaper.forget(&upstream.endpoint, sid);
-    if let Err(e) = upstream.end().await {
-        reaper.end_again_later(upstream, &e);
-    }
+    reaper.delete(upstream).await;
 }
 
 /// `upstream`'s session, if it is one of the flow's own, which ends with the flow.
@@ -673,9 +671,7 @@ async fn end_session_later(gw: &Gateway, upstream: LegacySession<'_>, streams: s
     tokio::spawn(async move {
         let mut session = LegacySession::resume(&client, endpoint, &timeouts, sid, version);
         session.caller = caller;
-        if let Err(e) = session.end().await {
-            reaper.end_again_later(&session, &e);
-        }
+        reaper.delete(&session).await;
         streams.drain(&client, STREAMS_END_WITH_SESSION).await;
         drop(permit);
     });

@@ -25,6 +25,7 @@
 use super::one_shot::{KeptSessions, Shape};
 use super::streams::{open_session_stream, SessionStream, SESSION_STREAM_PATIENCE};
 use super::{caller, client_info};
+use crate::gateway::reaper::Reaper;
 use crate::gateway::Gateway;
 use crate::mrtr::modern::ModernRequest;
 use crate::protocol::revision::Revision;
@@ -165,18 +166,21 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
     });
 }
 
-/// Deletes `warm` upstream (best effort).
-async fn delete(client: &UpstreamClient, warm: Warm) {
+/// Deletes `warm` upstream; a DELETE the upstream may take later is handed to `reaper`
+/// to send again.
+async fn delete(client: &UpstreamClient, reaper: &Reaper, warm: Warm) {
     let (endpoint, timeouts, id) = (warm.endpoint, &warm.timeouts, warm.session_id);
     let mut session = LegacySession::resume(client, endpoint, timeouts, id, warm.version);
     session.caller = warm.caller;
-    session.delete().await;
+    reaper.delete(&session).await;
 }
 
 /// Deletes warm sessions that idled out, and every one at shutdown.
 pub struct WarmSweeper {
     pub warm: Arc<WarmSessions>,
     pub client: Arc<UpstreamClient>,
+    /// Sends again the DELETEs the upstream could not take.
+    pub reaper: Arc<Reaper>,
 }
 
 #[async_trait]
@@ -201,8 +205,8 @@ impl WarmSweeper {
     async fn delete_all(&self, sessions: Vec<Warm>) {
         let mut deleting = tokio::task::JoinSet::new();
         for warm in sessions {
-            let client = self.client.clone();
-            deleting.spawn(async move { delete(&client, warm).await });
+            let (client, reaper) = (self.client.clone(), self.reaper.clone());
+            deleting.spawn(async move { delete(&client, &reaper, warm).await });
         }
         while deleting.join_next().await.is_some() {}
     }
