@@ -71,14 +71,12 @@ pub struct Sealing {
     pub used_states: std::sync::Mutex<crate::mrtr::replay::UsedStates>,
 }
 
-/// The flows this replica holds or watches, and the replicas that hold the others.
+/// The flows this replica holds, and the replicas that hold the others.
 pub struct FlowTables {
     /// The flows this replica holds (hold mode).
     pub held: Arc<bridge::hold::HeldFlows>,
     /// The other replicas, to forward retries of flows they hold.
     pub peers: peers::Peers,
-    /// The upstream sessions of flows awaiting a retry, reaped when it does not come.
-    pub reaper: Arc<reaper::Reaper>,
 }
 
 /// What the process as a whole shares: metrics and the drain of a graceful shutdown.
@@ -104,11 +102,11 @@ impl Gateway {
                 bridge.max_held_bytes_per_flow,
             )),
             peers: peers::Peers::build(&config.peers, resolver)?,
-            reaper: Arc::new(reaper::Reaper::new(
-                bridge.max_watched_sessions,
-                bridge.max_watched_sessions_per_principal,
-            )),
         };
+        let reaper = Arc::new(reaper::Reaper::new(
+            bridge.max_watched_sessions,
+            bridge.max_watched_sessions_per_principal,
+        ));
         let used_states = crate::mrtr::replay::UsedStates::new(
             bridge.max_used_states,
             bridge.max_used_states_per_principal,
@@ -119,7 +117,7 @@ impl Gateway {
             keys: Arc::new(SharedKeyRing::new(keys)),
             used_states: std::sync::Mutex::new(used_states),
         };
-        let upstreams = UpstreamSide::new(&config, upstreams, metrics.clone());
+        let upstreams = UpstreamSide::new(&config, upstreams, metrics.clone(), reaper);
         Ok(Gateway {
             config,
             admission,

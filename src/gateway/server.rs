@@ -105,7 +105,7 @@ pub fn build(
     let admin_app = AdminApp {
         metrics: metrics.clone(),
         drain: gateway.runtime.drain.clone(),
-        reaper: gateway.flows.reaper.clone(),
+        reaper: gateway.upstreams.reaper.clone(),
         held: gateway.flows.held.clone(),
     };
     let first_byte_within = Duration::from_millis(gateway.config.limits.header_timeout_ms);
@@ -143,7 +143,7 @@ pub fn build(
     server.add_service(background_service(
         "abandoned-flow reaper",
         ReaperService {
-            reaper: gateway.flows.reaper.clone(),
+            reaper: gateway.upstreams.reaper.clone(),
             metrics: metrics.clone(),
         },
     ));
@@ -152,7 +152,7 @@ pub fn build(
         WarmSweeper {
             warm: gateway.upstreams.warm.clone(),
             client: gateway.upstreams.client.clone(),
-            reaper: gateway.flows.reaper.clone(),
+            reaper: gateway.upstreams.reaper.clone(),
         },
     ));
     server.add_service(background_service(

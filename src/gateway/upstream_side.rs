@@ -5,6 +5,7 @@
 use super::bridge::one_shot::{self, Kept, KeptSessions, Shape};
 use super::bridge::warm::WarmSessions;
 use super::learnt::Learnt;
+use super::reaper::Reaper;
 use crate::config::{Config, ResumeMode, UpstreamEra};
 use crate::metrics::Metrics;
 use crate::mrtr::modern::ModernRequest;
@@ -74,13 +75,21 @@ pub struct UpstreamSide {
     pub warm: Arc<WarmSessions>,
     /// Permits for finished flows' DELETEs sent in the background.
     pub background_deletes: Arc<Semaphore>,
+    /// The upstream sessions of flows awaiting a retry, reaped when it does not come, and
+    /// the DELETEs the upstream could not take yet, sent again.
+    pub reaper: Arc<Reaper>,
 }
 
 /// Most finished flows' session DELETEs in flight in the background at once.
 pub const MAX_BACKGROUND_DELETES: usize = 1024;
 
 impl UpstreamSide {
-    pub fn new(config: &Config, groups: Upstreams, metrics: Arc<Metrics>) -> UpstreamSide {
+    pub fn new(
+        config: &Config,
+        groups: Upstreams,
+        metrics: Arc<Metrics>,
+        reaper: Arc<Reaper>,
+    ) -> UpstreamSide {
         for group in &config.upstreams {
             let unknown = metrics.upstream_resumable.with_label_values(&[&group.name]);
             unknown.set(-1);
@@ -105,6 +114,7 @@ impl UpstreamSide {
                 config.bridge.max_warm_sessions,
                 Duration::from_secs(config.bridge.warm_session_idle_seconds),
             )),
+            reaper,
         }
     }
 
@@ -272,9 +282,9 @@ impl UpstreamSide {
         match kept.filter(|_| self.kept_sessions.enabled()) {
             Some(kept) => {
                 let older = self.kept_sessions.keep(asker.shape, asker.owner, kept);
-                one_shot::retire(&self.client, &self.groups, older.into_iter().collect()).await;
+                one_shot::retire(self, older.into_iter().collect()).await;
             }
-            None => session.delete().await,
+            None => self.reaper.delete(&session).await,
         }
         Ok(result)
     }

@@ -695,13 +695,40 @@ fn a_session_that_never_answers_a_reclaim_holds_up_no_other() {
 /// nothing more; not left until the table overflows.
 #[test]
 fn an_idle_kept_session_is_deleted_without_another_request() {
-    let upstream = ScriptedUpstream::start(|seen: &Seen| {
-        if seen.jsonrpc_method().as_deref() == Some("tools/list") {
-            let tools = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}});
-            return Answer::json(200, &tools);
-        }
-        legacy_basics(seen, "s1").unwrap_or_else(|| Answer::status(405, &[], b""))
+    let upstream = ScriptedUpstream::start(tools_list_only);
+    let _gw = kept_session_left_idle(&upstream);
+    wait_until("the idle session deleted", Duration::from_secs(15), || {
+        upstream.requests().iter().any(|s| s.method == "DELETE")
     });
+}
+
+/// An idle kept session's DELETE that the upstream cannot take (it is restarting: a 503)
+/// is sent again later: the SDK servers keep a session until it is deleted.
+#[test]
+fn an_idle_kept_sessions_delete_that_failed_is_sent_again() {
+    let deletes = Arc::new(FirstDeleteRefused::default());
+    let script_deletes = deletes.clone();
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        script_deletes
+            .answer(seen)
+            .unwrap_or_else(|| tools_list_only(seen))
+    });
+    let gw = kept_session_left_idle(&upstream);
+    deletes.assert_deleted_at_second_attempt(&gw, &upstream);
+}
+
+/// A legacy server in session `s1` whose only tool list is empty.
+fn tools_list_only(seen: &Seen) -> Answer {
+    if seen.jsonrpc_method().as_deref() == Some("tools/list") {
+        let tools = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}});
+        return Answer::json(200, &tools);
+    }
+    legacy_basics(seen, "s1").unwrap_or_else(|| Answer::status(405, &[], b""))
+}
+
+/// A gateway in front of `upstream` whose one-shot sessions idle out after a second,
+/// after one `tools/list` has opened one.
+fn kept_session_left_idle(upstream: &ScriptedUpstream) -> TestGateway {
     let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
         c.upstreams[0].era = UpstreamEra::Legacy;
         c.bridge.one_shot_session_idle_seconds = 1;
@@ -710,9 +737,7 @@ fn an_idle_kept_session_is_deleted_without_another_request() {
         .modern(1, "tools/list", json!({}), json!({}))
         .json();
     assert!(listed["result"]["tools"].is_array(), "{listed}");
-    wait_until("the idle session deleted", Duration::from_secs(15), || {
-        upstream.requests().iter().any(|s| s.method == "DELETE")
-    });
+    gw
 }
 
 #[test]

@@ -887,7 +887,7 @@ async fn execute<'g>(
                 headers: &upstream.caller.headers,
                 principal: counted_principal(gw, &call.incoming.principal),
             };
-            let reaper = &gw.flows.reaper;
+            let reaper = &gw.upstreams.reaper;
             let watch = || {
                 let version = upstream.version;
                 reaper.watch(
@@ -920,7 +920,7 @@ async fn execute<'g>(
             let upstream = io.upstream.as_ref()?;
             let session = upstream.session_id.as_deref()?;
             let what = Abandoned::Call { session, id: &call };
-            gw.flows.reaper.forget(&upstream.endpoint, what);
+            gw.upstreams.reaper.forget(&upstream.endpoint, what);
             None
         }
         Command::Hold {
@@ -989,7 +989,7 @@ fn take_streams(io: &mut Io<'_>) -> Streams {
 /// Deletes the flow's upstream session (unless it is a data-layer session's).
 async fn delete_session(call: &Call<'_>, io: &mut Io<'_>) {
     if let Some(upstream) = &io.upstream {
-        end_session(&call.gw.flows.reaper, upstream).await;
+        end_session(&call.gw.upstreams.reaper, upstream).await;
     }
 }
 

@@ -88,7 +88,7 @@ impl Held {
         else {
             return;
         };
-        let reaper = &gw.flows.reaper;
+        let reaper = &gw.upstreams.reaper;
         if cancel.is_none() {
             reaper.forget(&self.endpoint, id.as_str());
         }

@@ -496,7 +496,7 @@ async fn one_shot(
             Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
         };
         let answer = ask_once(gw, &upstream, request).await;
-        end_session(&gw.flows.reaper, &upstream).await;
+        end_session(&gw.upstreams.reaper, &upstream).await;
         return answered(gw, session, group, reply, answer).await;
     }
     let shape = one_shot_shape(group, request, principal);
@@ -525,7 +525,7 @@ async fn one_shot(
                 answer => {
                     gw.runtime.metrics.upstream_session("reused");
                     let outcome = answered(gw, session, group, reply, answer).await;
-                    one_shot::retire(&gw.upstreams.client, &gw.upstreams.groups, retired).await;
+                    one_shot::retire(&gw.upstreams, retired).await;
                     return outcome;
                 }
             }
@@ -544,10 +544,10 @@ async fn one_shot(
             let owner = counted_principal(gw, principal);
             retired.extend(gw.upstreams.kept_sessions.keep(shape, owner, kept))
         }
-        _ => end_session(&gw.flows.reaper, &upstream).await,
+        _ => end_session(&gw.upstreams.reaper, &upstream).await,
     }
     let outcome = answered(gw, session, group, reply, answer).await;
-    one_shot::retire(&gw.upstreams.client, &gw.upstreams.groups, retired).await;
+    one_shot::retire(&gw.upstreams, retired).await;
     outcome
 }
 
@@ -662,9 +662,9 @@ async fn end_session_later(gw: &Gateway, upstream: LegacySession<'_>, streams: s
     let permit = gw.upstreams.background_deletes.clone().try_acquire_owned();
     let (Ok(permit), Some(sid)) = (permit, own_session(&upstream)) else {
         streams.close(&client).await;
-        return end_session(&gw.flows.reaper, &upstream).await;
+        return end_session(&gw.upstreams.reaper, &upstream).await;
     };
-    let reaper = gw.flows.reaper.clone();
+    let reaper = gw.upstreams.reaper.clone();
     reaper.forget(&upstream.endpoint, sid);
     let (sid, timeouts) = (sid.to_owned(), *upstream.timeouts);
     let (endpoint, version, caller) = (upstream.endpoint, upstream.version, upstream.caller);

@@ -15,10 +15,11 @@
 //! session counts the requests running on it, and is deleted only when none is: past
 //! the bound, when it idles out (`KeptSweeper`), and at shutdown.
 
+use crate::gateway::upstream_side::UpstreamSide;
 use crate::protocol::revision::Revision;
 use crate::upstream::exchange::UpstreamClient;
 use crate::upstream::legacy_session::{Caller, LegacySession};
-use crate::upstream::{Timeouts, UpstreamGroup, Upstreams};
+use crate::upstream::{Timeouts, UpstreamGroup};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -223,15 +224,17 @@ pub fn resume<'g>(
 }
 
 /// Deletes kept sessions that were let go (idle, replaced, or over a bound), each in its
-/// own group, which may not be the group of the request that let it go.
-pub async fn retire(client: &UpstreamClient, groups: &Upstreams, retired: Vec<Kept>) {
+/// own group, which may not be the group of the request that let it go; a DELETE the
+/// upstream may take later is handed to the reaper to send again.
+pub async fn retire(upstreams: &UpstreamSide, retired: Vec<Kept>) {
+    let client = &upstreams.client;
     for kept in retired {
-        let Some(group) = groups.by_name(&kept.group) else {
+        let Some(group) = upstreams.groups.by_name(&kept.group) else {
             continue;
         };
         if let Some(mut upstream) = resume(client, group, &group.timeouts, &kept) {
             upstream.caller = Caller::clone(&kept.caller);
-            upstream.delete().await;
+            upstreams.reaper.delete(&upstream).await;
         }
     }
 }
@@ -266,8 +269,7 @@ impl pingora::services::background::BackgroundService for KeptSweeper {
 
 impl KeptSweeper {
     async fn retire_all(&self, sessions: Vec<Kept>) {
-        let upstreams = &self.gw.upstreams;
-        retire(&upstreams.client, &upstreams.groups, sessions).await;
+        retire(&self.gw.upstreams, sessions).await;
     }
 }
 
