@@ -616,11 +616,24 @@ impl Reaper {
     /// Keeps the DELETE of `upstream`'s session, which failed with `e` at its first
     /// attempt, for the sweeps to send again when the upstream may take it later.
     pub fn end_again_later(&self, upstream: &LegacySession<'_>, e: &SessionError) {
-        let Some(due) = Due::delete(upstream) else {
-            return;
-        };
-        let evicted = self.retry_later(due, 0, e);
-        self.given_up.fetch_add(evicted, Ordering::Relaxed);
+        self.keep_for_later(Due::delete(upstream), e);
+    }
+
+    /// Cancels an abandoned call in `upstream`'s data-layer session with `cancelled` (as
+    /// `flow::cancellation` builds it, `NOT_CONTINUED`); one the upstream may take later
+    /// is kept for the sweeps to send again.
+    pub async fn cancel_abandoned(&self, upstream: &LegacySession<'_>, cancelled: &Value) {
+        if let Err(e) = upstream.cancel(cancelled, "abandoned").await {
+            self.keep_for_later(Due::cancel(upstream, cancelled), &e);
+        }
+    }
+
+    /// Keeps `due`, which failed with `e` at its first attempt, for the sweeps.
+    fn keep_for_later(&self, due: Option<Due>, e: &SessionError) {
+        if let Some(due) = due {
+            let evicted = self.retry_later(due, 0, e);
+            self.given_up.fetch_add(evicted, Ordering::Relaxed);
+        }
     }
 
     /// Removes and returns the ends due to be tried again at `now`.
@@ -717,16 +730,30 @@ impl Due {
     /// The DELETE of `upstream`'s session, as `upstream` sends it; none without one, or
     /// for a data-layer session (which outlives its flows).
     fn delete(upstream: &LegacySession<'_>) -> Option<Due> {
-        Some(Due {
+        let session = upstream
+            .session_id
+            .clone()
+            .filter(|_| !upstream.persistent)?;
+        Some(Due::of(upstream, session))
+    }
+
+    /// The cancellation `cancelled` of a call in `upstream`'s session, as `upstream`
+    /// sends it; none without a session or a `requestId`.
+    fn cancel(upstream: &LegacySession<'_>, cancelled: &Value) -> Option<Due> {
+        let session = upstream.session_id.as_deref()?;
+        let id = cancelled.get("params")?.get("requestId")?;
+        Some(Due::of(upstream, Abandoned::Call { session, id }.key()))
+    }
+
+    /// The end keyed `key` (`Abandoned::key`) at `upstream`'s endpoint, with its headers.
+    fn of(upstream: &LegacySession<'_>, key: String) -> Due {
+        Due {
             endpoint: upstream.endpoint.clone(),
             timeouts: *upstream.timeouts,
-            key: upstream
-                .session_id
-                .clone()
-                .filter(|_| !upstream.persistent)?,
+            key,
             headers: upstream.caller.headers.clone(),
             version: upstream.version,
-        })
+        }
     }
 }
 

@@ -11,6 +11,8 @@ use crate::scripted::{
 };
 use mrtr_gateway::config::{Config, UpstreamEra};
 use serde_json::{json, Value};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Replicas in front of `url`, each with a peer listener, all knowing each other.
@@ -710,7 +712,7 @@ fn one_caller_holds_at_most_its_share_of_the_held_flows() {
 /// is sent again later: the SDK servers keep a session until it is deleted.
 #[test]
 fn an_expired_held_flows_delete_that_failed_is_sent_again() {
-    let deletes = std::sync::Arc::new(FirstDeleteRefused::default());
+    let deletes = Arc::new(FirstDeleteRefused::default());
     let script_deletes = deletes.clone();
     let upstream = ScriptedUpstream::start(move |seen: &Seen| {
         script_deletes
@@ -734,14 +736,50 @@ fn an_expired_held_flows_delete_that_failed_is_sent_again() {
 #[test]
 fn an_expired_held_call_in_a_data_layer_session_is_cancelled_upstream() {
     let upstream = holding_server();
-    let (replicas, cookie) = expiring_replica_and_session(&upstream.url());
-    let (gw, raw) = (&replicas[0], Raw::new(&replicas[0].url));
+    let gw = held_call_in_a_data_layer_session(&upstream);
+    assert_call_cancelled_in_its_session(&upstream, &gw.admin, "abandoned");
+}
+
+/// That cancellation, when the upstream cannot take it (it is restarting: a 503), is sent
+/// again later, as a DELETE is.
+#[test]
+fn an_expired_held_calls_cancellation_that_failed_is_sent_again() {
+    let refused = Arc::new(AtomicBool::new(false));
+    let refusing = refused.clone();
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let cancel = seen.jsonrpc_method().as_deref() == Some("notifications/cancelled");
+        if cancel && !refusing.swap(true, Ordering::SeqCst) {
+            return Answer::status(503, &[], b"restarting");
+        }
+        holding_script(seen)
+    });
+    let gw = held_call_in_a_data_layer_session(&upstream);
+    let cancels = || {
+        let requests = upstream.requests();
+        let cancel = |s: &&Seen| s.jsonrpc_method().as_deref() == Some("notifications/cancelled");
+        requests.iter().filter(cancel).count()
+    };
+    wait_until(
+        "the cancellation sent again",
+        Duration::from_secs(30),
+        || cancels() == 2,
+    );
+    assert!(refused.load(Ordering::SeqCst));
+    assert_call_cancelled_in_its_session(&upstream, &gw.admin, "abandoned");
+}
+
+/// A replica whose flows expire in a second, holding a call in a data-layer session of
+/// `upstream` (`holding_script`) that its client will not continue.
+fn held_call_in_a_data_layer_session(upstream: &ScriptedUpstream) -> TestGateway {
+    let (mut replicas, cookie) = expiring_replica_and_session(&upstream.url());
+    let gw = replicas.remove(0);
+    let raw = Raw::new(&gw.url);
     let caps = json!({"elicitation": {}});
     let ask = json!({"name": "ask", "arguments": {}, "_meta": {"mcp/session": {"id": cookie}}});
     let asked = raw.modern(2, "tools/call", ask, caps).json();
     assert_eq!(asked["result"]["resultType"], "input_required", "{asked}");
     assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 1.0);
-    assert_call_cancelled_in_its_session(&upstream, &gw.admin, "abandoned");
+    gw
 }
 
 /// A held flow's retry whose credential the upstream denies (a token that expired while

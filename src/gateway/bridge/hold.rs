@@ -96,9 +96,10 @@ impl Held {
             LegacySession::resume(client, self.endpoint, &self.timeouts, id, version);
         upstream.caller = caller;
         match cancel {
-            Some(cancel) => upstream.cancel_best_effort(&cancel, "abandoned").await,
+            Some(cancel) => reaper.cancel_abandoned(&upstream, &cancel).await,
             // Its own session: deleted now, and again later if the upstream cannot take
-            // the DELETE yet (the SDK servers keep a session until it is deleted).
+            // the DELETE yet (the SDK servers keep a session until it is deleted); a
+            // data-layer session's call likewise cancelled.
             None => {
                 if let Err(e) = upstream.reap().await {
                     reaper.end_again_later(&upstream, &e);
