@@ -624,6 +624,10 @@ impl Reaper {
     /// is kept for the sweeps to send again.
     pub async fn cancel_abandoned(&self, upstream: &LegacySession<'_>, cancelled: &Value) {
         if let Err(e) = upstream.cancel(cancelled, "abandoned").await {
+            if !FailureKind::from(e.failure()).may_pass_later() {
+                let error = crate::outcome::Report(&e);
+                tracing::info!(%error, "the upstream refused an abandoned call's cancellation");
+            }
             self.keep_for_later(Due::cancel(upstream, cancelled), &e);
         }
     }

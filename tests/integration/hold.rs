@@ -766,6 +766,16 @@ fn an_expired_held_calls_cancellation_that_failed_is_sent_again() {
     );
     assert!(refused.load(Ordering::SeqCst));
     assert_call_cancelled_in_its_session(&upstream, &gw.admin, "abandoned");
+    let requests = upstream.requests();
+    let cancel = |s: &&Seen| s.jsonrpc_method().as_deref() == Some("notifications/cancelled");
+    let sent: Vec<_> = requests.iter().filter(cancel).collect();
+    assert_eq!(
+        sent[1].json(),
+        sent[0].json(),
+        "the same cancellation again"
+    );
+    let session = |s: &Seen| s.header("mcp-session-id").map(str::to_owned);
+    assert_eq!(session(sent[1]), session(sent[0]), "in the same session");
 }
 
 /// A replica whose flows expire in a second, holding a call in a data-layer session of

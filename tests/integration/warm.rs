@@ -365,6 +365,10 @@ fn a_warm_sessions_delete_that_failed_is_sent_again() {
         Duration::from_secs(30),
         || numbered.deletes_of("s3") == 2,
     );
+    let reaped = || metric_with(&gw.admin, "mrtr_gateway_upstream_sessions_total", "reaped");
+    wait_until("the second DELETE taken", Duration::from_secs(5), || {
+        reaped() == Some(1.0)
+    });
     warm_ready(&gw, 0.0);
 }
 

@@ -95,11 +95,11 @@ impl Held {
         let mut upstream =
             LegacySession::resume(client, self.endpoint, &self.timeouts, id, version);
         upstream.caller = caller;
+        // Now, and again later if the upstream cannot take it yet.
         match cancel {
+            // A data-layer session's call: cancelled (the tool stops waiting).
             Some(cancel) => reaper.cancel_abandoned(&upstream, &cancel).await,
-            // Its own session: deleted now, and again later if the upstream cannot take
-            // the DELETE yet (the SDK servers keep a session until it is deleted); a
-            // data-layer session's call likewise cancelled.
+            // Its own session: deleted (the SDK servers keep a session until then).
             None => {
                 if let Err(e) = upstream.reap().await {
                     reaper.end_again_later(&upstream, &e);
