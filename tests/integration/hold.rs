@@ -712,13 +712,7 @@ fn one_caller_holds_at_most_its_share_of_the_held_flows() {
 /// is sent again later: the SDK servers keep a session until it is deleted.
 #[test]
 fn an_expired_held_flows_delete_that_failed_is_sent_again() {
-    let deletes = Arc::new(FirstDeleteRefused::default());
-    let script_deletes = deletes.clone();
-    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
-        script_deletes
-            .answer(seen)
-            .unwrap_or_else(|| holding_script(seen))
-    });
+    let (upstream, deletes) = FirstDeleteRefused::in_front_of(holding_script);
     let replicas = peered(&upstream.url(), 1, |c| {
         c.bridge.request_state_ttl_seconds = 1;
     });

@@ -706,13 +706,7 @@ fn an_idle_kept_session_is_deleted_without_another_request() {
 /// is sent again later: the SDK servers keep a session until it is deleted.
 #[test]
 fn an_idle_kept_sessions_delete_that_failed_is_sent_again() {
-    let deletes = Arc::new(FirstDeleteRefused::default());
-    let script_deletes = deletes.clone();
-    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
-        script_deletes
-            .answer(seen)
-            .unwrap_or_else(|| tools_list_only(seen))
-    });
+    let (upstream, deletes) = FirstDeleteRefused::in_front_of(tools_list_only);
     let gw = kept_session_left_idle(&upstream);
     deletes.assert_deleted_at_second_attempt(&gw, &upstream);
 }
@@ -1646,21 +1640,13 @@ fn a_question_on_a_session_stream_slow_to_open_is_asked() {
 /// whose first DELETE is refused with 503, as while it restarts.
 fn one_question_upstream_refusing_first_delete() -> (ScriptedUpstream, Arc<FirstDeleteRefused>) {
     let calls = OneQuestionCalls::default();
-    let deletes = Arc::new(FirstDeleteRefused::default());
-    let script_deletes = deletes.clone();
-    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
-        if let Some(refused) = script_deletes.answer(seen) {
-            return refused;
+    FirstDeleteRefused::in_front_of(move |seen: &Seen| match seen.method.as_str() {
+        "GET" if seen.header("last-event-id").is_some() => {
+            calls.resumed(seen.header("mcp-session-id").unwrap_or_default(), "done")
         }
-        match seen.method.as_str() {
-            "GET" if seen.header("last-event-id").is_some() => {
-                calls.resumed(seen.header("mcp-session-id").unwrap_or_default(), "done")
-            }
-            "GET" => Answer::sse(&[]),
-            _ => calls.post(seen),
-        }
-    });
-    (upstream, deletes)
+        "GET" => Answer::sse(&[]),
+        _ => calls.post(seen),
+    })
 }
 
 /// A completed flow's DELETE that the upstream cannot take (it is restarting: a 503) is

@@ -384,8 +384,21 @@ pub fn holding_script(seen: &Seen) -> Answer {
 pub struct FirstDeleteRefused(AtomicUsize);
 
 impl FirstDeleteRefused {
+    /// An upstream serving `script` behind a first DELETE refused, and the counter to
+    /// assert on.
+    pub fn in_front_of(
+        script: impl Fn(&Seen) -> Answer + Send + Sync + 'static,
+    ) -> (ScriptedUpstream, Arc<FirstDeleteRefused>) {
+        let deletes = Arc::new(FirstDeleteRefused::default());
+        let script_deletes = deletes.clone();
+        let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+            script_deletes.answer(seen).unwrap_or_else(|| script(seen))
+        });
+        (upstream, deletes)
+    }
+
     /// The 503 for the first DELETE, `None` for anything else.
-    pub fn answer(&self, seen: &Seen) -> Option<Answer> {
+    fn answer(&self, seen: &Seen) -> Option<Answer> {
         let first = seen.method == "DELETE" && self.0.fetch_add(1, Ordering::SeqCst) == 0;
         first.then(|| Answer::status(503, &[], b"restarting"))
     }
