@@ -734,10 +734,7 @@ impl Due {
     /// The DELETE of `upstream`'s session, as `upstream` sends it; none without one, or
     /// for a data-layer session (which outlives its flows).
     fn delete(upstream: &LegacySession<'_>) -> Option<Due> {
-        let session = upstream
-            .session_id
-            .clone()
-            .filter(|_| !upstream.persistent)?;
+        let session = upstream.own_session()?.to_owned();
         Some(Due::of(upstream, session))
     }
 

@@ -194,6 +194,12 @@ impl From<ExchangeError> for SessionError {
 }
 
 impl<'a> LegacySession<'a> {
+    /// The session's id if it is one of a flow's own, which ends with the flow: none for
+    /// a data-layer session, which outlives its flows.
+    pub fn own_session(&self) -> Option<&str> {
+        self.session_id.as_deref().filter(|_| !self.persistent)
+    }
+
     /// Opens a session: initialize, then notifications/initialized. Returns the
     /// InitializeResult.
     pub async fn open(

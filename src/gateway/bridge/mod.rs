@@ -632,19 +632,11 @@ pub(crate) async fn upstream_for<'g>(
 /// handed to the reaper to send again: the SDK servers keep a session until it is
 /// deleted.
 pub(crate) async fn end_session(reaper: &Reaper, upstream: &LegacySession<'_>) {
-    let Some(sid) = own_session(upstream) else {
+    let Some(sid) = upstream.own_session() else {
         return;
     };
     reaper.forget(&upstream.endpoint, sid);
     reaper.delete(upstream).await;
-}
-
-/// `upstream`'s session, if it is one of the flow's own, which ends with the flow.
-fn own_session<'u>(upstream: &'u LegacySession<'_>) -> Option<&'u str> {
-    upstream
-        .session_id
-        .as_deref()
-        .filter(|_| !upstream.persistent)
 }
 
 /// How long a deleted session's streams are given to end once the DELETE is answered:
@@ -660,7 +652,7 @@ const STREAMS_END_WITH_SESSION: std::time::Duration = std::time::Duration::from_
 async fn end_session_later(gw: &Gateway, upstream: LegacySession<'_>, streams: streams::Streams) {
     let client = gw.upstreams.client.clone();
     let permit = gw.upstreams.background_deletes.clone().try_acquire_owned();
-    let (Ok(permit), Some(sid)) = (permit, own_session(&upstream)) else {
+    let (Ok(permit), Some(sid)) = (permit, upstream.own_session()) else {
         streams.close(&client).await;
         return end_session(&gw.upstreams.reaper, &upstream).await;
     };
