@@ -150,9 +150,7 @@ pub fn build(
     server.add_service(background_service(
         "warm-session sweeper",
         WarmSweeper {
-            warm: gateway.upstreams.warm.clone(),
-            client: gateway.upstreams.client.clone(),
-            reaper: gateway.upstreams.reaper.clone(),
+            gw: gateway.clone(),
         },
     ));
     server.add_service(background_service(

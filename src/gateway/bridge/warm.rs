@@ -25,11 +25,10 @@
 use super::one_shot::{KeptSessions, Shape};
 use super::streams::{open_session_stream, SessionStream, SESSION_STREAM_PATIENCE};
 use super::{caller, client_info};
-use crate::gateway::reaper::Reaper;
 use crate::gateway::Gateway;
 use crate::mrtr::modern::ModernRequest;
 use crate::protocol::revision::Revision;
-use crate::upstream::exchange::{Connection, Response, UpstreamClient};
+use crate::upstream::exchange::{Connection, Response};
 use crate::upstream::legacy_session::{Caller, LegacySession};
 use crate::upstream::{Endpoint, Timeouts, UpstreamGroup};
 use async_trait::async_trait;
@@ -105,7 +104,7 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
         pool.failed(&shape);
         return;
     };
-    let client = gw.upstreams.client.clone();
+    let (client, reaper) = (gw.upstreams.client.clone(), gw.upstreams.reaper.clone());
     let timeouts = group.timeouts;
     let (caps, info) = (
         Value::Object(request.client_capabilities.clone()),
@@ -151,7 +150,7 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
                     };
                     if pool.opened(shape, warm).is_some() {
                         // The pool was drained for shutdown meanwhile: not kept upstream.
-                        session.delete().await;
+                        reaper.delete(&session).await;
                     }
                 }
                 // A server without sessions gains nothing from one opened ahead.
@@ -166,9 +165,10 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
     });
 }
 
-/// Deletes `warm` upstream; a DELETE the upstream may take later is handed to `reaper`
-/// to send again.
-async fn delete(client: &UpstreamClient, reaper: &Reaper, warm: Warm) {
+/// Deletes `warm` upstream; a DELETE the upstream may take later is handed to the
+/// reaper to send again.
+async fn delete(gw: &Gateway, warm: Warm) {
+    let (client, reaper) = (&gw.upstreams.client, &gw.upstreams.reaper);
     let (endpoint, timeouts, id) = (warm.endpoint, &warm.timeouts, warm.session_id);
     let mut session = LegacySession::resume(client, endpoint, timeouts, id, warm.version);
     session.caller = warm.caller;
@@ -177,26 +177,24 @@ async fn delete(client: &UpstreamClient, reaper: &Reaper, warm: Warm) {
 
 /// Deletes warm sessions that idled out, and every one at shutdown.
 pub struct WarmSweeper {
-    pub warm: Arc<WarmSessions>,
-    pub client: Arc<UpstreamClient>,
-    /// Sends again the DELETEs the upstream could not take.
-    pub reaper: Arc<Reaper>,
+    pub gw: Arc<Gateway>,
 }
 
 #[async_trait]
 impl BackgroundService for WarmSweeper {
     async fn start(&self, mut shutdown: ShutdownWatch) {
+        let upstreams = &self.gw.upstreams;
         let mut tick = tokio::time::interval(SWEEP_EVERY);
         loop {
             tokio::select! {
                 _ = tick.tick() => {
-                    self.delete_all(self.warm.expired(Instant::now())).await;
-                    self.client.metrics.warm_sessions.set(self.warm.ready() as i64);
+                    self.delete_all(upstreams.warm.expired(Instant::now())).await;
+                    upstreams.client.metrics.warm_sessions.set(upstreams.warm.ready() as i64);
                 }
                 _ = shutdown.changed() => break,
             }
         }
-        self.delete_all(self.warm.drain()).await;
+        self.delete_all(upstreams.warm.drain()).await;
     }
 }
 
@@ -205,8 +203,8 @@ impl WarmSweeper {
     async fn delete_all(&self, sessions: Vec<Warm>) {
         let mut deleting = tokio::task::JoinSet::new();
         for warm in sessions {
-            let (client, reaper) = (self.client.clone(), self.reaper.clone());
-            deleting.spawn(async move { delete(&client, &reaper, warm).await });
+            let gw = self.gw.clone();
+            deleting.spawn(async move { delete(&gw, warm).await });
         }
         while deleting.join_next().await.is_some() {}
     }
