@@ -613,9 +613,17 @@ impl Reaper {
         }
     }
 
+    /// Deletes the session of a flow its client abandoned (counted `reaped`); a DELETE
+    /// the upstream may take later is kept for the sweeps to send again.
+    pub async fn reap(&self, upstream: &LegacySession<'_>) {
+        if let Err(e) = upstream.reap().await {
+            self.end_again_later(upstream, &e);
+        }
+    }
+
     /// Keeps the DELETE of `upstream`'s session, which failed with `e` at its first
     /// attempt, for the sweeps to send again when the upstream may take it later.
-    pub fn end_again_later(&self, upstream: &LegacySession<'_>, e: &SessionError) {
+    fn end_again_later(&self, upstream: &LegacySession<'_>, e: &SessionError) {
         self.keep_for_later(Due::delete(upstream), e);
     }
 

@@ -100,11 +100,7 @@ impl Held {
             // A data-layer session's call: cancelled (the tool stops waiting).
             Some(cancel) => reaper.cancel_abandoned(&upstream, &cancel).await,
             // Its own session: deleted (the SDK servers keep a session until then).
-            None => {
-                if let Err(e) = upstream.reap().await {
-                    reaper.end_again_later(&upstream, &e);
-                }
-            }
+            None => reaper.reap(&upstream).await,
         }
     }
 }
