@@ -17,6 +17,7 @@
 //! An end the upstream could not take (down, restarting) is sent again a few times
 //! (`RETRY_AFTER`), from a bounded list beside the table.
 
+use super::admin::Drain;
 use crate::mrtr::flow::{cancellation, FailureKind, NOT_CONTINUED};
 use crate::mrtr::state::now_secs;
 use crate::protocol::headers::EndToEnd;
@@ -330,6 +331,9 @@ pub struct Reaper {
     /// Ends given up on outside the sweeps (evicted from a full `retrying`), reported by
     /// the next sweep.
     given_up: AtomicUsize,
+    /// An end was added to `retrying`: in the grace period's last stretch it is sent at
+    /// once, not at the next tick.
+    retry_kept: tokio::sync::Notify,
 }
 
 /// An end to send at `at` (seconds since the epoch), after `failed` attempts.
@@ -368,6 +372,7 @@ impl Reaper {
             reclaims: Mutex::default(),
             retrying: Mutex::default(),
             given_up: AtomicUsize::new(0),
+            retry_kept: tokio::sync::Notify::new(),
         }
     }
 
@@ -565,12 +570,16 @@ impl Reaper {
         out
     }
 
-    /// Ends every session and call due at `now`, and those due to be tried again;
-    /// returns how many it tried.
-    pub async fn sweep(&self, client: &Arc<UpstreamClient>, now: u64) -> usize {
+    /// Ends every session and call due at `now`, and those due to be tried again (when
+    /// `stopping`, in the grace period's last stretch: all of them, a last time); returns
+    /// how many it tried.
+    pub async fn sweep(&self, client: &Arc<UpstreamClient>, now: u64, stopping: bool) -> usize {
         let first = self.take_due(now).into_iter();
         let mut due: Vec<Retrying> = first.map(|due| Retrying::first(due, now)).collect();
-        due.extend(self.take_retries(now));
+        due.extend(match stopping {
+            false => self.take_retries(now),
+            true => self.take_retries_as_last(),
+        });
         let tried = due.len();
         let mut due = due.into_iter();
         let mut ends = tokio::task::JoinSet::new();
@@ -654,6 +663,17 @@ impl Reaper {
         retrying.extract_if(.., |r| r.at <= now).collect()
     }
 
+    /// Every end waiting to be sent again, each for its last try whatever its turn: the
+    /// replica is stopping, and will not be there for it.
+    fn take_retries_as_last(&self) -> Vec<Retrying> {
+        let mut retrying = self.retrying.lock().expect("reaper retries lock");
+        let mut last: Vec<Retrying> = retrying.drain(..).collect();
+        for retry in &mut last {
+            retry.failed = RETRY_AFTER.len();
+        }
+        last
+    }
+
     /// Keeps an end that failed (`failed` times before) to be tried again, when the
     /// upstream may take it later and it has tries left; returns how many ends were
     /// given up on (this one, or the oldest waiting when the list is full).
@@ -680,6 +700,7 @@ impl Reaper {
             failed: failed + 1,
             at: now_secs() + after,
         });
+        self.retry_kept.notify_one();
         evicted
     }
 }
@@ -766,27 +787,34 @@ impl Due {
     }
 }
 
-/// Runs the sweeps until shutdown.
+/// Runs the sweeps until the process ends: through the grace period, since the drain
+/// still ends sessions and calls (warm and kept sessions, held flows), whose ends that
+/// fail are kept here. When the grace period's last stretch begins, and whenever an end
+/// is kept in it, every end waiting to be sent again is sent at once, a last time, and
+/// counted as given up if it fails: the replica will not be there for its turn.
 pub struct ReaperService {
     pub reaper: Arc<Reaper>,
     /// The gateway's metrics, where reaped sessions are counted.
     pub metrics: Arc<crate::metrics::Metrics>,
+    pub drain: Arc<Drain>,
 }
 
 #[async_trait]
 impl BackgroundService for ReaperService {
-    async fn start(&self, mut shutdown: ShutdownWatch) {
+    async fn start(&self, _shutdown: ShutdownWatch) {
         let client = Arc::new(UpstreamClient::new(self.metrics.clone()));
         let mut tick = tokio::time::interval(SWEEP_EVERY);
         loop {
+            let stopping = self.drain.is_near_end();
             tokio::select! {
-                _ = tick.tick() => {
-                    let tried = self.reaper.sweep(&client, now_secs()).await;
-                    if tried > 0 {
-                        tracing::info!(tried, "ending the upstream sessions and calls of abandoned flows, and ends that failed before");
-                    }
-                }
-                _ = shutdown.changed() => return,
+                _ = tick.tick() => {}
+                () = self.drain.wait_near_end(), if !stopping => {}
+                () = self.reaper.retry_kept.notified(), if stopping => {}
+            }
+            let stopping = self.drain.is_near_end();
+            let tried = self.reaper.sweep(&client, now_secs(), stopping).await;
+            if tried > 0 {
+                tracing::info!(tried, stopping, "ending the upstream sessions and calls of abandoned flows, and ends that failed before");
             }
         }
     }
@@ -871,6 +899,31 @@ mod tests {
             assert_eq!(reaper.retry_later(due(), 0, &refused), 0);
         }
         assert_eq!(reaper.take_retries(u64::MAX).len(), 2);
+    }
+
+    /// A replica that stops sends every end waiting for its turn at once, for the last
+    /// time: one that fails again is given up on, not kept for a turn it will not see.
+    #[test]
+    fn a_stopping_replica_tries_every_waiting_end_a_last_time() {
+        let reaper = Reaper::new(10, 10);
+        let down = SessionError::at(None, SessionFailure::Exchange(ExchangeFailure::Connect));
+        for key in ["s1", "s2"] {
+            let due = Due {
+                endpoint: endpoint(1),
+                timeouts: timeouts(),
+                key: key.into(),
+                headers: nobody(),
+                version: v(),
+            };
+            assert_eq!(reaper.retry_later(due, 0, &down), 0);
+        }
+        let last = reaper.take_retries_as_last();
+        assert_eq!(last.len(), 2, "whatever their turn");
+        assert!(reaper.take_retries(u64::MAX).is_empty());
+        for Retrying { due, failed, .. } in last {
+            assert_eq!(reaper.retry_later(due, failed, &down), 1, "given up on");
+        }
+        assert!(reaper.take_retries(u64::MAX).is_empty(), "none kept");
     }
 
     /// One reclaim per share at a time, and none for a while after one freed nothing (the

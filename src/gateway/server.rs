@@ -145,6 +145,7 @@ pub fn build(
         ReaperService {
             reaper: gateway.upstreams.reaper.clone(),
             metrics: metrics.clone(),
+            drain: gateway.runtime.drain.clone(),
         },
     ));
     server.add_service(background_service(

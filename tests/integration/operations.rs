@@ -5,7 +5,8 @@
 
 use crate::common::*;
 use crate::scripted::{
-    holding_server, legacy_basics, Answer, Gate, OneQuestionCalls, ScriptedUpstream, Seen,
+    holding_script, holding_server, legacy_basics, Answer, FirstDeleteRefused, Gate,
+    OneQuestionCalls, ScriptedUpstream, Seen,
 };
 use mrtr_gateway::config::UpstreamEra;
 use serde_json::{json, Value};
@@ -521,6 +522,23 @@ fn flows_still_held_when_the_grace_period_ends_have_their_sessions_deleted() {
         deleted(&upstream),
         "the held flow's session was left open upstream"
     );
+}
+
+/// A held flow's DELETE at the end of the grace period that the upstream cannot take (it
+/// is restarting: a 503) is sent again before the process exits, rather than left for a
+/// turn the replica will not see.
+#[test]
+fn a_delete_that_failed_in_the_grace_periods_last_stretch_is_sent_again_before_exit() {
+    let (upstream, _) = FirstDeleteRefused::in_front_of(holding_script);
+    let mut gw = GatewayProcess::start(&upstream.url());
+    let caps = json!({"elicitation": {}});
+    let asked = Raw::new(&gw.url).modern(1, "tools/call", json!({"name": "ask"}), caps);
+    assert_eq!(asked.json()["result"]["resultType"], "input_required");
+    gw.begin_drain();
+    gw.wait_for_exit();
+    let methods: Vec<String> = upstream.requests().into_iter().map(|s| s.method).collect();
+    let deletes = methods.iter().filter(|m| *m == "DELETE").count();
+    assert_eq!(deletes, 2, "refused, then sent again: {methods:?}");
 }
 
 /// A replica that forwarded a retry to the replica holding its flow, and is shut down
