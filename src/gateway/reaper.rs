@@ -32,6 +32,7 @@ use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 use serde_json::Value;
 use slab::Slab;
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -269,6 +270,21 @@ impl Table {
         true
     }
 
+    /// The end of the entry keyed `key` (`Abandoned::key`) for `owner`: where it lives
+    /// and the headers it carries.
+    fn due(&self, key: String, owner: u32) -> Option<Due> {
+        let owner = self.owners.get(owner)?;
+        let target = &self.targets[owner.target as usize];
+        Some(Due {
+            endpoint: target.endpoint.clone(),
+            timeouts: target.timeouts,
+            key,
+            headers: owner.headers.clone(),
+            version: owner.version,
+            notice: Notice::ABANDONED,
+        })
+    }
+
     /// Counts a removed entry's owner, and its principal, once less.
     fn release(&mut self, owner: u32) {
         let principal = self.owners.get(owner).and_then(|o| o.principal);
@@ -457,6 +473,7 @@ impl Reaper {
                     key,
                     headers,
                     version,
+                    ..
                 } = candidate;
                 let mut upstream = LegacySession::resume(
                     &client,
@@ -527,17 +544,7 @@ impl Reaper {
                 first.pop();
             }
         }
-        let due = |(_, key, owner): (u32, &str, u32)| {
-            let owner = table.owners.get(owner)?;
-            let target = &table.targets[owner.target as usize];
-            Some(Due {
-                endpoint: target.endpoint.clone(),
-                timeouts: target.timeouts,
-                key: key.to_string(),
-                headers: owner.headers.clone(),
-                version: owner.version,
-            })
-        };
+        let due = |(_, key, owner): (u32, &str, u32)| table.due(key.to_string(), owner);
         first
             .into_sorted_vec()
             .into_iter()
@@ -555,16 +562,7 @@ impl Reaper {
             .collect();
         let mut out = Vec::with_capacity(due.len());
         for w in due {
-            if let Some(owner) = table.owners.get(w.owner) {
-                let target = &table.targets[owner.target as usize];
-                out.push(Due {
-                    endpoint: target.endpoint.clone(),
-                    timeouts: target.timeouts,
-                    key: w.key.into(),
-                    headers: owner.headers.clone(),
-                    version: owner.version,
-                });
-            }
+            out.extend(table.due(w.key.into(), w.owner));
             table.release(w.owner);
         }
         out
@@ -636,16 +634,16 @@ impl Reaper {
         self.keep_for_later(Due::delete(upstream), e);
     }
 
-    /// Cancels an abandoned call in `upstream`'s data-layer session with `cancelled` (as
-    /// `flow::cancellation` builds it, `NOT_CONTINUED`); one the upstream may take later
-    /// is kept for the sweeps to send again.
-    pub async fn cancel_abandoned(&self, upstream: &LegacySession<'_>, cancelled: &Value) {
-        if let Err(e) = upstream.cancel(cancelled, "abandoned").await {
+    /// Cancels a call in `upstream`'s data-layer session with `cancelled` (as
+    /// `flow::cancellation` builds it), counted under `why` (`abandoned`, `gave_up`);
+    /// one the upstream may take later is kept for the sweeps to send again, the same.
+    pub async fn cancel(&self, upstream: &LegacySession<'_>, cancelled: &Value, why: &'static str) {
+        if let Err(e) = upstream.cancel(cancelled, why).await {
             if !FailureKind::from(e.failure()).may_pass_later() {
                 let error = crate::outcome::Report(&e);
-                tracing::info!(%error, "the upstream refused an abandoned call's cancellation");
+                tracing::info!(%error, why, "the upstream refused a call's cancellation");
             }
-            self.keep_for_later(Due::cancel(upstream, cancelled), &e);
+            self.keep_for_later(Due::cancel(upstream, cancelled, why), &e);
         }
     }
 
@@ -717,8 +715,8 @@ async fn end(client: &UpstreamClient, due: &Due) -> Result<(), SessionError> {
     match call.map(serde_json::from_str::<Value>) {
         None => upstream.reap().await,
         Some(Ok(id)) => {
-            let cancelled = cancellation(id, NOT_CONTINUED);
-            upstream.cancel(&cancelled, "abandoned").await
+            let cancelled = cancellation(id, &due.notice.reason);
+            upstream.cancel(&cancelled, due.notice.why).await
         }
         // Written by `Abandoned::key` from a JSON value, so never.
         Some(Err(_)) => Ok(()),
@@ -757,6 +755,22 @@ struct Due {
     key: String,
     headers: EndToEnd,
     version: Revision,
+    /// What a call's cancellation says.
+    notice: Notice,
+}
+
+/// A call's cancellation: the reason it gives, and the label it is counted under.
+struct Notice {
+    reason: Cow<'static, str>,
+    why: &'static str,
+}
+
+impl Notice {
+    /// The reaper's own, for a call whose client did not continue it by its deadline.
+    const ABANDONED: Notice = Notice {
+        reason: Cow::Borrowed(NOT_CONTINUED),
+        why: "abandoned",
+    };
 }
 
 impl Due {
@@ -767,12 +781,19 @@ impl Due {
         Some(Due::of(upstream, session))
     }
 
-    /// The cancellation `cancelled` of a call in `upstream`'s session, as `upstream`
-    /// sends it; none without a session or a `requestId`.
-    fn cancel(upstream: &LegacySession<'_>, cancelled: &Value) -> Option<Due> {
+    /// The cancellation `cancelled` of a call in `upstream`'s session, counted under
+    /// `why`, as `upstream` sends it; none without a session or a `requestId`.
+    fn cancel(upstream: &LegacySession<'_>, cancelled: &Value, why: &'static str) -> Option<Due> {
         let session = upstream.session_id.as_deref()?;
-        let id = cancelled.get("params")?.get("requestId")?;
-        Some(Due::of(upstream, Abandoned::Call { session, id }.key()))
+        let params = cancelled.get("params")?;
+        let id = params.get("requestId")?;
+        let reason = match params.get("reason").and_then(Value::as_str) {
+            Some(reason) if reason != NOT_CONTINUED => Cow::Owned(reason.to_owned()),
+            _ => Cow::Borrowed(NOT_CONTINUED),
+        };
+        let mut due = Due::of(upstream, Abandoned::Call { session, id }.key());
+        due.notice = Notice { reason, why };
+        Some(due)
     }
 
     /// The end keyed `key` (`Abandoned::key`) at `upstream`'s endpoint, with its headers.
@@ -783,6 +804,7 @@ impl Due {
             key,
             headers: upstream.caller.headers.clone(),
             version: upstream.version,
+            notice: Notice::ABANDONED,
         }
     }
 }
@@ -834,6 +856,18 @@ mod tests {
         }
     }
 
+    /// The DELETE of session `key` at `endpoint(1)`, anonymous.
+    fn due(key: &str) -> Due {
+        Due {
+            endpoint: endpoint(1),
+            timeouts: timeouts(),
+            key: key.into(),
+            headers: nobody(),
+            version: v(),
+            notice: Notice::ABANDONED,
+        }
+    }
+
     fn timeouts() -> Timeouts {
         Timeouts {
             connect: Duration::from_millis(100),
@@ -865,17 +899,10 @@ mod tests {
     #[test]
     fn an_end_that_may_pass_later_is_tried_again_a_bounded_number_of_times() {
         let reaper = Reaper::new(10, 10);
-        let due = || Due {
-            endpoint: endpoint(1),
-            timeouts: timeouts(),
-            key: "s1".into(),
-            headers: nobody(),
-            version: v(),
-        };
         let failing = |failure| SessionError::at(None, failure);
         let down = || failing(SessionFailure::Exchange(ExchangeFailure::Connect));
         for refused in [SessionFailure::Gone, SessionFailure::Refused(404)] {
-            assert_eq!(reaper.retry_later(due(), 0, &failing(refused)), 0);
+            assert_eq!(reaper.retry_later(due("s1"), 0, &failing(refused)), 0);
         }
         assert!(
             reaper.take_retries(u64::MAX).is_empty(),
@@ -883,7 +910,7 @@ mod tests {
         );
         let mut failed = 0;
         loop {
-            let given_up = reaper.retry_later(due(), failed, &down());
+            let given_up = reaper.retry_later(due("s1"), failed, &down());
             assert!(reaper.take_retries(0).is_empty(), "not before its time");
             let kept = reaper.take_retries(u64::MAX);
             if given_up == 1 {
@@ -896,7 +923,7 @@ mod tests {
         assert_eq!(failed, RETRY_AFTER.len(), "each delay once");
         for status in [429, 503] {
             let refused = failing(SessionFailure::Refused(status));
-            assert_eq!(reaper.retry_later(due(), 0, &refused), 0);
+            assert_eq!(reaper.retry_later(due("s1"), 0, &refused), 0);
         }
         assert_eq!(reaper.take_retries(u64::MAX).len(), 2);
     }
@@ -908,14 +935,7 @@ mod tests {
         let reaper = Reaper::new(10, 10);
         let down = SessionError::at(None, SessionFailure::Exchange(ExchangeFailure::Connect));
         for key in ["s1", "s2"] {
-            let due = Due {
-                endpoint: endpoint(1),
-                timeouts: timeouts(),
-                key: key.into(),
-                headers: nobody(),
-                version: v(),
-            };
-            assert_eq!(reaper.retry_later(due, 0, &down), 0);
+            assert_eq!(reaper.retry_later(due(key), 0, &down), 0);
         }
         let last = reaper.take_retries_as_last();
         assert_eq!(last.len(), 2, "whatever their turn");

@@ -546,13 +546,6 @@ impl<'a> LegacySession<'a> {
         posted
     }
 
-    /// `cancel`, nobody waiting on it: whatever the upstream answers is only logged.
-    pub async fn cancel_best_effort(&self, cancelled: &Value, why: &'static str) {
-        if let Err(e) = self.cancel(cancelled, why).await {
-            tracing::info!(error = %crate::outcome::Report(&e), "the upstream did not take a call's cancellation");
-        }
-    }
-
     /// Whether the upstream no longer has the session: it refuses a `ping` in it as an
     /// unknown session. A session that answers, or fails any other way, is not gone.
     pub async fn is_gone(&self) -> bool {

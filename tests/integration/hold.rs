@@ -6,13 +6,11 @@
 
 use crate::common::*;
 use crate::scripted::{
-    assert_call_cancelled_in_its_session, holding_script, holding_server, Answer,
-    FirstDeleteRefused, ScriptedUpstream, Seen,
+    assert_call_cancelled_in_its_session, holding_script, holding_server, Answer, FirstRefused,
+    ScriptedUpstream, Seen,
 };
 use mrtr_gateway::config::{Config, UpstreamEra};
 use serde_json::{json, Value};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Replicas in front of `url`, each with a peer listener, all knowing each other.
@@ -712,7 +710,7 @@ fn one_caller_holds_at_most_its_share_of_the_held_flows() {
 /// is sent again later: the SDK servers keep a session until it is deleted.
 #[test]
 fn an_expired_held_flows_delete_that_failed_is_sent_again() {
-    let (upstream, deletes) = FirstDeleteRefused::in_front_of(holding_script);
+    let (upstream, deletes) = FirstRefused::deletes_in_front_of(holding_script);
     let replicas = peered(&upstream.url(), 1, |c| {
         c.bridge.request_state_ttl_seconds = 1;
     });
@@ -738,38 +736,10 @@ fn an_expired_held_call_in_a_data_layer_session_is_cancelled_upstream() {
 /// again later, as a DELETE is.
 #[test]
 fn an_expired_held_calls_cancellation_that_failed_is_sent_again() {
-    let refused = Arc::new(AtomicBool::new(false));
-    let refusing = refused.clone();
-    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
-        let cancel = seen.jsonrpc_method().as_deref() == Some("notifications/cancelled");
-        if cancel && !refusing.swap(true, Ordering::SeqCst) {
-            return Answer::status(503, &[], b"restarting");
-        }
-        holding_script(seen)
-    });
+    let (upstream, cancellations) = FirstRefused::cancellations_in_front_of(holding_script);
     let gw = held_call_in_a_data_layer_session(&upstream);
-    let cancels = || {
-        let requests = upstream.requests();
-        let cancel = |s: &&Seen| s.jsonrpc_method().as_deref() == Some("notifications/cancelled");
-        requests.iter().filter(cancel).count()
-    };
-    wait_until(
-        "the cancellation sent again",
-        Duration::from_secs(30),
-        || cancels() == 2,
-    );
-    assert!(refused.load(Ordering::SeqCst));
+    cancellations.assert_cancelled_again_the_same(&upstream);
     assert_call_cancelled_in_its_session(&upstream, &gw.admin, "abandoned");
-    let requests = upstream.requests();
-    let cancel = |s: &&Seen| s.jsonrpc_method().as_deref() == Some("notifications/cancelled");
-    let sent: Vec<_> = requests.iter().filter(cancel).collect();
-    assert_eq!(
-        sent[1].json(),
-        sent[0].json(),
-        "the same cancellation again"
-    );
-    let session = |s: &Seen| s.header("mcp-session-id").map(str::to_owned);
-    assert_eq!(session(sent[1]), session(sent[0]), "in the same session");
 }
 
 /// A replica whose flows expire in a second, holding a call in a data-layer session of

@@ -5,8 +5,8 @@
 
 use crate::common::*;
 use crate::scripted::{
-    holding_script, holding_server, legacy_basics, Answer, FirstDeleteRefused, Gate,
-    OneQuestionCalls, ScriptedUpstream, Seen,
+    holding_script, holding_server, legacy_basics, Answer, FirstRefused, Gate, OneQuestionCalls,
+    ScriptedUpstream, Seen,
 };
 use mrtr_gateway::config::UpstreamEra;
 use serde_json::{json, Value};
@@ -529,7 +529,7 @@ fn flows_still_held_when_the_grace_period_ends_have_their_sessions_deleted() {
 /// turn the replica will not see.
 #[test]
 fn a_delete_that_failed_in_the_grace_periods_last_stretch_is_sent_again_before_exit() {
-    let (upstream, _) = FirstDeleteRefused::in_front_of(holding_script);
+    let (upstream, _) = FirstRefused::deletes_in_front_of(holding_script);
     let mut gw = GatewayProcess::start(&upstream.url());
     let caps = json!({"elicitation": {}});
     let asked = Raw::new(&gw.url).modern(1, "tools/call", json!({"name": "ask"}), caps);

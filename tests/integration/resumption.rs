@@ -7,7 +7,7 @@
 
 use crate::common::*;
 use crate::scripted::{
-    legacy_basics, Answer, FirstDeleteRefused, Gate, OneQuestionCalls, ScriptedUpstream, Seen,
+    legacy_basics, Answer, FirstRefused, Gate, OneQuestionCalls, ScriptedUpstream, Seen,
 };
 use mrtr_gateway::config::UpstreamEra;
 use serde_json::{json, Value};
@@ -706,7 +706,7 @@ fn an_idle_kept_session_is_deleted_without_another_request() {
 /// is sent again later: the SDK servers keep a session until it is deleted.
 #[test]
 fn an_idle_kept_sessions_delete_that_failed_is_sent_again() {
-    let (upstream, deletes) = FirstDeleteRefused::in_front_of(tools_list_only);
+    let (upstream, deletes) = FirstRefused::deletes_in_front_of(tools_list_only);
     let gw = kept_session_left_idle(&upstream);
     deletes.assert_deleted_at_second_attempt(&gw, &upstream);
 }
@@ -1638,9 +1638,9 @@ fn a_question_on_a_session_stream_slow_to_open_is_asked() {
 
 /// A server whose calls ask one question (`OneQuestionCalls`, resumed with "done") and
 /// whose first DELETE is refused with 503, as while it restarts.
-fn one_question_upstream_refusing_first_delete() -> (ScriptedUpstream, Arc<FirstDeleteRefused>) {
+fn one_question_upstream_refusing_first_delete() -> (ScriptedUpstream, Arc<FirstRefused>) {
     let calls = OneQuestionCalls::default();
-    FirstDeleteRefused::in_front_of(move |seen: &Seen| match seen.method.as_str() {
+    FirstRefused::deletes_in_front_of(move |seen: &Seen| match seen.method.as_str() {
         "GET" if seen.header("last-event-id").is_some() => {
             calls.resumed(seen.header("mcp-session-id").unwrap_or_default(), "done")
         }

@@ -378,28 +378,48 @@ pub fn holding_script(seen: &Seen) -> Answer {
     Answer::sse(&[]).event(None, &question)
 }
 
-/// Counts a script's DELETEs and refuses the first with 503, as an upstream restarting
-/// does; the rest go on to the script.
-#[derive(Default)]
-pub struct FirstDeleteRefused(AtomicUsize);
+/// Counts a script's requests of one kind (DELETEs, or `notifications/cancelled`) and
+/// refuses the first with 503, as an upstream restarting does; the rest go on to the
+/// script.
+pub struct FirstRefused {
+    of_kind: fn(&Seen) -> bool,
+    seen: AtomicUsize,
+}
 
-impl FirstDeleteRefused {
+impl FirstRefused {
     /// An upstream serving `script` behind a first DELETE refused, and the counter to
     /// assert on.
-    pub fn in_front_of(
+    pub fn deletes_in_front_of(
         script: impl Fn(&Seen) -> Answer + Send + Sync + 'static,
-    ) -> (ScriptedUpstream, Arc<FirstDeleteRefused>) {
-        let deletes = Arc::new(FirstDeleteRefused::default());
-        let script_deletes = deletes.clone();
-        let upstream = ScriptedUpstream::start(move |seen: &Seen| {
-            script_deletes.answer(seen).unwrap_or_else(|| script(seen))
-        });
-        (upstream, deletes)
+    ) -> (ScriptedUpstream, Arc<FirstRefused>) {
+        Self::in_front_of(|seen| seen.method == "DELETE", script)
     }
 
-    /// The 503 for the first DELETE, `None` for anything else.
+    /// An upstream serving `script` behind a first call cancellation refused.
+    pub fn cancellations_in_front_of(
+        script: impl Fn(&Seen) -> Answer + Send + Sync + 'static,
+    ) -> (ScriptedUpstream, Arc<FirstRefused>) {
+        Self::in_front_of(is_cancellation, script)
+    }
+
+    fn in_front_of(
+        of_kind: fn(&Seen) -> bool,
+        script: impl Fn(&Seen) -> Answer + Send + Sync + 'static,
+    ) -> (ScriptedUpstream, Arc<FirstRefused>) {
+        let refused = Arc::new(FirstRefused {
+            of_kind,
+            seen: AtomicUsize::new(0),
+        });
+        let counting = refused.clone();
+        let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+            counting.answer(seen).unwrap_or_else(|| script(seen))
+        });
+        (upstream, refused)
+    }
+
+    /// The 503 for the first request of the kind, `None` for anything else.
     fn answer(&self, seen: &Seen) -> Option<Answer> {
-        let first = seen.method == "DELETE" && self.0.fetch_add(1, Ordering::SeqCst) == 0;
+        let first = (self.of_kind)(seen) && self.seen.fetch_add(1, Ordering::SeqCst) == 0;
         first.then(|| Answer::status(503, &[], b"restarting"))
     }
 
@@ -418,9 +438,32 @@ impl FirstDeleteRefused {
                 crate::common::metric_with(&gw.admin, name, "reaped") == Some(1.0)
             },
         );
-        let deletes = self.0.load(Ordering::SeqCst);
+        let deletes = self.seen.load(Ordering::SeqCst);
         assert_eq!(deletes, 2, "{:?}", upstream.requests());
     }
+
+    /// The refused cancellation was sent again, the same, in the same session.
+    pub fn assert_cancelled_again_the_same(&self, upstream: &ScriptedUpstream) {
+        crate::common::wait_until(
+            "the cancellation sent again",
+            Duration::from_secs(30),
+            || self.seen.load(Ordering::SeqCst) == 2,
+        );
+        let requests = upstream.requests();
+        let sent: Vec<&Seen> = requests.iter().filter(|s| is_cancellation(s)).collect();
+        assert_eq!(
+            sent[1].json(),
+            sent[0].json(),
+            "the same cancellation again"
+        );
+        let session = |s: &Seen| s.header("mcp-session-id").map(str::to_owned);
+        assert_eq!(session(sent[1]), session(sent[0]), "in the same session");
+    }
+}
+
+/// Whether `seen` is a call's cancellation (`notifications/cancelled`).
+pub fn is_cancellation(seen: &Seen) -> bool {
+    seen.jsonrpc_method().as_deref() == Some("notifications/cancelled")
 }
 
 /// A legacy server whose every call answers at once with a `bytes`-long text result.

@@ -7,7 +7,8 @@
 
 use crate::common::*;
 use crate::scripted::{
-    assert_call_cancelled_in_its_session, legacy_basics, Answer, ScriptedUpstream, Seen,
+    assert_call_cancelled_in_its_session, legacy_basics, Answer, FirstRefused, ScriptedUpstream,
+    Seen,
 };
 use mrtr_gateway::config::{SessionPolicy, ToolPolicy, UpstreamEra};
 use mrtr_gateway::keys::KeyRing;
@@ -574,14 +575,34 @@ fn two_calls_at_once_in_one_session_keep_their_own_questions() {
 /// closing the call's stream alone leaves the tool running in the server.
 #[test]
 fn a_call_whose_client_leaves_is_cancelled_by_id_in_its_session() {
-    let upstream = ScriptedUpstream::start(|seen: &Seen| {
-        if let Some(answer) = legacy_basics(seen, "s1") {
-            return answer;
-        }
-        // The tool runs on: its stream is primed and stays open.
-        Answer::sse(&[]).event(Some("c1"), &json!(""))
-    });
+    let upstream = ScriptedUpstream::start(tool_running_on);
     let gw = legacy_gateway(&upstream.url());
+    call_left_by_its_client(&gw, &upstream);
+    assert_call_cancelled_in_its_session(&upstream, &gw.admin, "gave_up");
+}
+
+/// That cancellation, when the upstream cannot take it (it is restarting: a 503), is sent
+/// again later, the same: the tool would otherwise run on until the session ends.
+#[test]
+fn a_cancellation_of_a_call_whose_client_left_that_failed_is_sent_again() {
+    let (upstream, cancellations) = FirstRefused::cancellations_in_front_of(tool_running_on);
+    let gw = legacy_gateway(&upstream.url());
+    call_left_by_its_client(&gw, &upstream);
+    cancellations.assert_cancelled_again_the_same(&upstream);
+    assert_call_cancelled_in_its_session(&upstream, &gw.admin, "gave_up");
+}
+
+/// A legacy server in session `s1` whose calls run on: their streams are primed and stay
+/// open.
+fn tool_running_on(seen: &Seen) -> Answer {
+    if let Some(answer) = legacy_basics(seen, "s1") {
+        return answer;
+    }
+    Answer::sse(&[]).event(Some("c1"), &json!(""))
+}
+
+/// Sends call `slow` in a new data-layer session of `gw`, and leaves once it is upstream.
+fn call_left_by_its_client(gw: &TestGateway, upstream: &ScriptedUpstream) {
     let raw = Raw::new(&gw.url);
     let cookie = cookie_of(&create(&raw, 1, json!({})));
     let params = json!({"name": "slow", "arguments": {},
@@ -593,7 +614,6 @@ fn a_call_whose_client_leaves_is_cancelled_by_id_in_its_session() {
         upstream.requests().iter().any(is_call)
     });
     drop(client);
-    assert_call_cancelled_in_its_session(&upstream, &gw.admin, "gave_up");
 }
 
 /// A call in a data-layer session that asks, and whose client never continues it, is

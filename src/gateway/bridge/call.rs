@@ -622,7 +622,8 @@ async fn drive<'g>(
                     close_streams(call, &mut io).await;
                 }
                 if let (Some(cancelled), Some(upstream)) = (cancel_pending, &io.upstream) {
-                    upstream.cancel_best_effort(&cancelled, "gave_up").await;
+                    let reaper = &call.gw.upstreams.reaper;
+                    reaper.cancel(upstream, &cancelled, "gave_up").await;
                 }
                 if let Some(shape) = io.warm_after.take() {
                     warm::warm_up(call.gw, call.group, call.request, shape);
@@ -937,10 +938,9 @@ async fn execute<'g>(
             None
         }
         Command::Cancel(cancelled) => {
-            io.upstream
-                .as_ref()?
-                .cancel_best_effort(&cancelled, "gave_up")
-                .await;
+            let upstream = io.upstream.as_ref()?;
+            let reaper = &gw.upstreams.reaper;
+            reaper.cancel(upstream, &cancelled, "gave_up").await;
             None
         }
         Command::ReleaseClaim => {
