@@ -52,6 +52,10 @@ const MAX_RETRYING: usize = 4096;
 /// holds neither the others nor the next sweep for its response timeouts.
 const ENDS_AT_ONCE: usize = 16;
 const END_WITHIN: Duration = Duration::from_secs(10);
+/// The same in the grace period's last stretch (4 s by default): an upstream that hangs
+/// must not keep the other last tries from going out before the process ends.
+const LAST_ENDS_AT_ONCE: usize = 64;
+const LAST_END_WITHIN: Duration = Duration::from_secs(1);
 /// Most sessions one `reclaim` asks about, the longest it takes, and how long after one
 /// that freed nothing another may run for the same share of the table (a caller that
 /// fills its share with flows it abandoned must not make every call it sends cost the
@@ -576,20 +580,24 @@ impl Reaper {
         let mut due: Vec<Retrying> = first.map(|due| Retrying::first(due, now)).collect();
         due.extend(match stopping {
             false => self.take_retries(now),
-            true => self.take_retries_as_last(),
+            true => self.take_all_retries(),
         });
+        let (at_once, within) = match stopping {
+            false => (ENDS_AT_ONCE, END_WITHIN),
+            true => (LAST_ENDS_AT_ONCE, LAST_END_WITHIN),
+        };
         let tried = due.len();
         let mut due = due.into_iter();
         let mut ends = tokio::task::JoinSet::new();
         let mut given_up = self.given_up.swap(0, Ordering::Relaxed);
         loop {
-            while ends.len() < ENDS_AT_ONCE {
+            while ends.len() < at_once {
                 let Some(Retrying { due, failed, .. }) = due.next() else {
                     break;
                 };
                 let client = client.clone();
                 ends.spawn(async move {
-                    let ended = match tokio::time::timeout(END_WITHIN, end(&client, &due)).await {
+                    let ended = match tokio::time::timeout(within, end(&client, &due)).await {
                         Ok(ended) => ended.err(),
                         Err(_) => {
                             let timeout = SessionFailure::Exchange(ExchangeFailure::Timeout);
@@ -603,7 +611,7 @@ impl Reaper {
                 break;
             };
             if let Ok((due, failed, Some(e))) = joined {
-                given_up += self.retry_later(due, failed, &e);
+                given_up += self.retry_later(due, failed, &e, stopping);
             }
         }
         if given_up > 0 {
@@ -650,7 +658,7 @@ impl Reaper {
     /// Keeps `due`, which failed with `e` at its first attempt, for the sweeps.
     fn keep_for_later(&self, due: Option<Due>, e: &SessionError) {
         if let Some(due) = due {
-            let evicted = self.retry_later(due, 0, e);
+            let evicted = self.retry_later(due, 0, e, false);
             self.given_up.fetch_add(evicted, Ordering::Relaxed);
         }
     }
@@ -661,21 +669,18 @@ impl Reaper {
         retrying.extract_if(.., |r| r.at <= now).collect()
     }
 
-    /// Every end waiting to be sent again, each for its last try whatever its turn: the
-    /// replica is stopping, and will not be there for it.
-    fn take_retries_as_last(&self) -> Vec<Retrying> {
+    /// Every end waiting to be sent again, whatever its turn: the replica is stopping, and
+    /// will not be there for it.
+    fn take_all_retries(&self) -> Vec<Retrying> {
         let mut retrying = self.retrying.lock().expect("reaper retries lock");
-        let mut last: Vec<Retrying> = retrying.drain(..).collect();
-        for retry in &mut last {
-            retry.failed = RETRY_AFTER.len();
-        }
-        last
+        retrying.drain(..).collect()
     }
 
     /// Keeps an end that failed (`failed` times before) to be tried again, when the
-    /// upstream may take it later and it has tries left; returns how many ends were
-    /// given up on (this one, or the oldest waiting when the list is full).
-    fn retry_later(&self, due: Due, failed: usize, e: &SessionError) -> usize {
+    /// upstream may take it later and it has tries left (none after its `last`); returns
+    /// how many ends were given up on (this one, or the oldest waiting when the list is
+    /// full).
+    fn retry_later(&self, due: Due, failed: usize, e: &SessionError, last: bool) -> usize {
         let report = crate::outcome::Report(e);
         if !FailureKind::from(e.failure()).may_pass_later() {
             // Refused as such (a 404 for a session the flow's end on another replica
@@ -683,7 +688,7 @@ impl Reaper {
             tracing::debug!(error = %report, "the upstream refused to end a flow's session or call");
             return 0;
         }
-        let Some(after) = RETRY_AFTER.get(failed) else {
+        let Some(after) = RETRY_AFTER.get(failed).filter(|_| !last) else {
             tracing::info!(error = %report, tries = failed + 1, "a flow's upstream session or call could not be ended");
             return 1;
         };
@@ -812,8 +817,9 @@ impl Due {
 /// Runs the sweeps until the process ends: through the grace period, since the drain
 /// still ends sessions and calls (warm and kept sessions, held flows), whose ends that
 /// fail are kept here. When the grace period's last stretch begins, and whenever an end
-/// is kept in it, every end waiting to be sent again is sent at once, a last time, and
-/// counted as given up if it fails: the replica will not be there for its turn.
+/// is kept in it, every end waiting to be sent again is sent at once, a last time (each
+/// within `LAST_END_WITHIN`), and counted as given up if the upstream still cannot take
+/// it: the replica will not be there for its turn.
 pub struct ReaperService {
     pub reaper: Arc<Reaper>,
     /// The gateway's metrics, where reaped sessions are counted.
@@ -902,7 +908,10 @@ mod tests {
         let failing = |failure| SessionError::at(None, failure);
         let down = || failing(SessionFailure::Exchange(ExchangeFailure::Connect));
         for refused in [SessionFailure::Gone, SessionFailure::Refused(404)] {
-            assert_eq!(reaper.retry_later(due("s1"), 0, &failing(refused)), 0);
+            assert_eq!(
+                reaper.retry_later(due("s1"), 0, &failing(refused), false),
+                0
+            );
         }
         assert!(
             reaper.take_retries(u64::MAX).is_empty(),
@@ -910,7 +919,7 @@ mod tests {
         );
         let mut failed = 0;
         loop {
-            let given_up = reaper.retry_later(due("s1"), failed, &down());
+            let given_up = reaper.retry_later(due("s1"), failed, &down(), false);
             assert!(reaper.take_retries(0).is_empty(), "not before its time");
             let kept = reaper.take_retries(u64::MAX);
             if given_up == 1 {
@@ -923,7 +932,7 @@ mod tests {
         assert_eq!(failed, RETRY_AFTER.len(), "each delay once");
         for status in [429, 503] {
             let refused = failing(SessionFailure::Refused(status));
-            assert_eq!(reaper.retry_later(due("s1"), 0, &refused), 0);
+            assert_eq!(reaper.retry_later(due("s1"), 0, &refused, false), 0);
         }
         assert_eq!(reaper.take_retries(u64::MAX).len(), 2);
     }
@@ -935,13 +944,15 @@ mod tests {
         let reaper = Reaper::new(10, 10);
         let down = SessionError::at(None, SessionFailure::Exchange(ExchangeFailure::Connect));
         for key in ["s1", "s2"] {
-            assert_eq!(reaper.retry_later(due(key), 0, &down), 0);
+            assert_eq!(reaper.retry_later(due(key), 0, &down, false), 0);
         }
-        let last = reaper.take_retries_as_last();
+        let last = reaper.take_all_retries();
         assert_eq!(last.len(), 2, "whatever their turn");
         assert!(reaper.take_retries(u64::MAX).is_empty());
         for Retrying { due, failed, .. } in last {
-            assert_eq!(reaper.retry_later(due, failed, &down), 1, "given up on");
+            assert_eq!(failed, 1, "the tries made");
+            let given_up = reaper.retry_later(due, failed, &down, true);
+            assert_eq!(given_up, 1, "given up on");
         }
         assert!(reaper.take_retries(u64::MAX).is_empty(), "none kept");
     }
