@@ -828,16 +828,15 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
 /// data-layer session outlives its calls); and that `admin` counted it under `why`.
 pub fn assert_call_cancelled_in_its_session(upstream: &ScriptedUpstream, admin: &str, why: &str) {
     use crate::common::{metric_with, wait_until};
-    let is_cancel = |s: &Seen| s.jsonrpc_method().as_deref() == Some("notifications/cancelled");
     wait_until("the call cancelled", Duration::from_secs(15), || {
-        upstream.requests().iter().any(is_cancel)
+        upstream.requests().iter().any(is_cancellation)
     });
     let requests = upstream.requests();
     let call = requests
         .iter()
         .find(|s| s.jsonrpc_method().as_deref() == Some("tools/call"))
         .expect("the call went up");
-    let cancel = requests.iter().find(|s| is_cancel(s)).unwrap();
+    let cancel = requests.iter().find(|s| is_cancellation(s)).unwrap();
     assert_eq!(
         cancel.json().unwrap()["params"]["requestId"],
         call.jsonrpc_id()

@@ -7,8 +7,8 @@
 
 use crate::common::*;
 use crate::scripted::{
-    assert_call_cancelled_in_its_session, legacy_basics, Answer, FirstRefused, ScriptedUpstream,
-    Seen,
+    assert_call_cancelled_in_its_session, is_cancellation, legacy_basics, Answer, FirstRefused,
+    ScriptedUpstream, Seen,
 };
 use mrtr_gateway::config::{SessionPolicy, ToolPolicy, UpstreamEra};
 use mrtr_gateway::keys::KeyRing;
@@ -688,7 +688,7 @@ fn a_call_whose_unresumable_session_is_deleted_meanwhile_is_told_the_session_end
 #[test]
 fn a_failed_call_is_answered_though_its_cancellation_goes_unanswered() {
     let upstream = ScriptedUpstream::start(|seen: &Seen| {
-        if seen.jsonrpc_method().as_deref() == Some("notifications/cancelled") {
+        if is_cancellation(seen) {
             return Answer::silent();
         }
         if let Some(answer) = legacy_basics(seen, "s1") {
@@ -713,9 +713,12 @@ fn a_failed_call_is_answered_though_its_cancellation_goes_unanswered() {
     let (status, failed) = answered.join().expect("the call's thread");
     assert_eq!(status, 200, "{failed}");
     assert_eq!(failed["error"]["code"], -32603, "{failed}");
-    let is_cancel = |s: &Seen| s.jsonrpc_method().as_deref() == Some("notifications/cancelled");
     assert_eq!(
-        upstream.requests().iter().filter(|s| is_cancel(s)).count(),
+        upstream
+            .requests()
+            .iter()
+            .filter(|s| is_cancellation(s))
+            .count(),
         1
     );
 }
