@@ -24,7 +24,7 @@ use crate::protocol::headers::EndToEnd;
 use crate::protocol::revision::Revision;
 use crate::upstream::exchange::ExchangeFailure;
 use crate::upstream::exchange::UpstreamClient;
-use crate::upstream::legacy_session::{LegacySession, SessionError, SessionFailure};
+use crate::upstream::legacy_session::{LegacySession, SessionError, SessionFailure, ABANDON_LIMIT};
 use crate::upstream::{Endpoint, Timeouts};
 use async_trait::async_trait;
 use hashbrown::HashTable;
@@ -634,6 +634,21 @@ impl Reaper {
         if let Err(e) = upstream.reap().await {
             self.end_again_later(upstream, &e);
         }
+    }
+
+    /// Deletes a session nobody will use, on the way to reporting a failure: within
+    /// `ABANDON_LIMIT`, so that an upstream that stopped answering does not hold the
+    /// report; a DELETE the upstream may take later is kept for the sweeps to send again.
+    pub async fn abandon(&self, upstream: &LegacySession<'_>) {
+        let e = match tokio::time::timeout(ABANDON_LIMIT, upstream.end()).await {
+            Ok(Ok(_)) => return,
+            Ok(Err(e)) => e,
+            Err(_) => {
+                let late = SessionFailure::Exchange(ExchangeFailure::Timeout);
+                SessionError::at(Some(upstream.endpoint.addr), late)
+            }
+        };
+        self.end_again_later(upstream, &e);
     }
 
     /// Keeps the DELETE of `upstream`'s session, which failed with `e` at its first

@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 /// Longest wait for the DELETE of a session nobody will use (`LegacySession::abandon`),
 /// and for the upstream to take a call's cancellation (`cancel`).
-const ABANDON_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
+pub const ABANDON_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 /// How much longer than the response timeout a late answer to `initialize` is awaited,
 /// to end the session it opens.
 const LATE_INITIALIZE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);

@@ -231,18 +231,48 @@ fn a_legacy_response_coded_against_identity_gets_a_clear_502() {
 /// session the upstream opened: the gateway ends it, with the client's credentials.
 #[test]
 fn an_unrelayed_answer_to_initialize_ends_the_session_it_opened() {
-    let upstream = ScriptedUpstream::start(|seen: &Seen| {
-        if seen.jsonrpc_method().as_deref() == Some("initialize") {
-            let headers = [
-                ("content-type", "application/json"),
-                ("content-encoding", "gzip"),
-                ("mcp-session-id", "opened-1"),
-            ];
-            return Answer::status(200, &headers, b"\x1f\x8b\x08\x00");
-        }
-        legacy_basics(seen, "opened-1").unwrap_or_else(|| Answer::status(405, &[], b""))
-    });
+    let upstream = ScriptedUpstream::start(initialize_answered_coded);
     let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    initialize_refused_as_coded(&gw);
+    let deletes: Vec<Seen> = upstream
+        .requests()
+        .into_iter()
+        .filter(|s| s.method == "DELETE")
+        .collect();
+    assert_eq!(deletes.len(), 1, "the opened session was left: {deletes:?}");
+    assert_eq!(deletes[0].header("mcp-session-id"), Some("opened-1"));
+    assert_eq!(
+        deletes[0].header("authorization"),
+        Some("Bearer user-token")
+    );
+}
+
+/// That DELETE, when the upstream cannot take it (it is restarting: a 503), is sent again
+/// later: nobody else knows of the session.
+#[test]
+fn an_unrelayed_sessions_delete_that_failed_is_sent_again() {
+    let (upstream, deletes) = FirstRefused::deletes_in_front_of(initialize_answered_coded);
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    initialize_refused_as_coded(&gw);
+    deletes.assert_deleted_at_second_attempt(&gw, &upstream);
+}
+
+/// A legacy server whose `initialize` opens session `opened-1` and answers gzip-coded.
+fn initialize_answered_coded(seen: &Seen) -> Answer {
+    if seen.jsonrpc_method().as_deref() == Some("initialize") {
+        let headers = [
+            ("content-type", "application/json"),
+            ("content-encoding", "gzip"),
+            ("mcp-session-id", "opened-1"),
+        ];
+        return Answer::status(200, &headers, b"\x1f\x8b\x08\x00");
+    }
+    legacy_basics(seen, "opened-1").unwrap_or_else(|| Answer::status(405, &[], b""))
+}
+
+/// A legacy client's `initialize` with a bearer token, accepting gzip, which `gw` refuses
+/// (502) as its upstream answers it coded, handing out no session.
+fn initialize_refused_as_coded(gw: &TestGateway) {
     let headers = [
         ("content-type", "application/json"),
         ("accept", "application/json, text/event-stream"),
@@ -256,17 +286,6 @@ fn an_unrelayed_answer_to_initialize_ends_the_session_it_opened() {
     );
     assert_eq!(reply.status, 502);
     assert_eq!(reply.session, None, "a session was handed out");
-    let deletes: Vec<Seen> = upstream
-        .requests()
-        .into_iter()
-        .filter(|s| s.method == "DELETE")
-        .collect();
-    assert_eq!(deletes.len(), 1, "the opened session was left: {deletes:?}");
-    assert_eq!(deletes[0].header("mcp-session-id"), Some("opened-1"));
-    assert_eq!(
-        deletes[0].header("authorization"),
-        Some("Bearer user-token")
-    );
 }
 
 /// An `initialize` answered with a session id no token can carry (over 256 characters,

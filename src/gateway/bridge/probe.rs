@@ -118,13 +118,13 @@ async fn probe(
             Ok(Some(second)) => {
                 let resumed = tokio::time::timeout_at(deadline, resumes_foreign(&second, &id));
                 let verdict = resumed.await.unwrap_or(SessionReplay::Unknown);
-                second.abandon().await;
+                upstreams.reaper.abandon(&second).await;
                 verdict
             }
             _ => SessionReplay::Unknown,
         },
     };
-    first.abandon().await;
+    upstreams.reaper.abandon(&first).await;
     verdict
 }
 
