@@ -27,8 +27,8 @@ pub struct Metrics {
     /// Upstream streams reopened with `Last-Event-ID`, by outcome (`ok`, `failed`).
     pub upstream_resumptions: IntCounterVec,
     /// Upstream sessions by event: `opened`, `reused` (a request in an existing one),
-    /// `warm` (a call took one opened ahead of demand), `deleted`, `reaped` (deleted at an
-    /// abandoned flow's deadline).
+    /// `warm` (a call took one opened ahead of demand), `deleted`, `reaped` (deleted by the
+    /// reaper: at an abandoned flow's deadline, at a held flow's end, or sent again).
     pub upstream_sessions: IntCounterVec,
     /// Data-layer sessions by event: `created`, `deleted`, `ended` (the upstream no
     /// longer had it), `rejected` (a cookie that did not open; the reason is logged).

@@ -22,6 +22,7 @@ use crate::mrtr::flow::{cancellation, FailureKind, NOT_CONTINUED};
 use crate::mrtr::state::now_secs;
 use crate::protocol::headers::EndToEnd;
 use crate::protocol::revision::Revision;
+use crate::protocol::session_token::SessionToken;
 use crate::upstream::exchange::ExchangeFailure;
 use crate::upstream::exchange::UpstreamClient;
 use crate::upstream::legacy_session::{LegacySession, SessionError, SessionFailure, ABANDON_LIMIT};
@@ -611,7 +612,8 @@ impl Reaper {
                 break;
             };
             if let Ok((due, failed, Some(e))) = joined {
-                given_up += self.retry_later(due, failed, &e, stopping);
+                // In the last stretch, a first attempt still gets its last try.
+                given_up += self.retry_later(due, failed, &e, stopping && failed > 0);
             }
         }
         if given_up > 0 {
@@ -700,14 +702,14 @@ impl Reaper {
         if !FailureKind::from(e.failure()).may_pass_later() {
             // Refused as such (a 404 for a session the flow's end on another replica
             // deleted already): sending it again would change nothing.
-            tracing::debug!(error = %report, "the upstream refused to end a flow's session or call");
+            tracing::debug!(error = %report, "the upstream refused to end a session or call");
             return 0;
         }
         let Some(after) = RETRY_AFTER.get(failed).filter(|_| !last) else {
-            tracing::info!(error = %report, tries = failed + 1, "a flow's upstream session or call could not be ended");
+            tracing::info!(error = %report, tries = failed + 1, "an upstream session or call could not be ended");
             return 1;
         };
-        tracing::info!(error = %report, after_seconds = after, "a flow's upstream session or call could not be ended yet; trying again");
+        tracing::info!(error = %report, after_seconds = after, "an upstream session or call could not be ended yet; trying again");
         let mut retrying = self.retrying.lock().expect("reaper retries lock");
         let evicted = usize::from(retrying.len() >= MAX_RETRYING);
         if evicted > 0 {
@@ -794,10 +796,13 @@ impl Notice {
 }
 
 impl Due {
-    /// The DELETE of `upstream`'s session, as `upstream` sends it; none without one, or
-    /// for a data-layer session (which outlives its flows).
+    /// The DELETE of `upstream`'s session, as `upstream` sends it; none without one, for
+    /// a data-layer session (which outlives its flows), or for an id no token can carry
+    /// (one an upstream may make as long as its header limit: not kept for retries).
     fn delete(upstream: &LegacySession<'_>) -> Option<Due> {
-        let session = upstream.own_session()?.to_owned();
+        let session = upstream.own_session()?;
+        SessionToken::validate_upstream_session(session).ok()?;
+        let session = session.to_owned();
         Some(Due::of(upstream, session))
     }
 

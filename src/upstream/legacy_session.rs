@@ -17,8 +17,8 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-/// Longest wait for the DELETE of a session nobody will use (`LegacySession::abandon`),
-/// and for the upstream to take a call's cancellation (`cancel`).
+/// Longest wait for the DELETE of a session nobody will use (`LegacySession::abandon`,
+/// the reaper's `abandon`), and for the upstream to take a call's cancellation (`cancel`).
 pub const ABANDON_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 /// How much longer than the response timeout a late answer to `initialize` is awaited,
 /// to end the session it opens.
