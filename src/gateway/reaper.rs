@@ -23,9 +23,8 @@ use crate::mrtr::state::now_secs;
 use crate::protocol::headers::EndToEnd;
 use crate::protocol::revision::Revision;
 use crate::protocol::session_token::SessionToken;
-use crate::upstream::exchange::ExchangeFailure;
 use crate::upstream::exchange::UpstreamClient;
-use crate::upstream::legacy_session::{LegacySession, SessionError, SessionFailure, ABANDON_LIMIT};
+use crate::upstream::legacy_session::{within, LegacySession, SessionError, ABANDON_LIMIT};
 use crate::upstream::{Endpoint, Timeouts};
 use async_trait::async_trait;
 use hashbrown::HashTable;
@@ -583,7 +582,7 @@ impl Reaper {
             false => self.take_retries(now),
             true => self.take_all_retries(),
         });
-        let (at_once, within) = match stopping {
+        let (at_once, limit) = match stopping {
             false => (ENDS_AT_ONCE, END_WITHIN),
             true => (LAST_ENDS_AT_ONCE, LAST_END_WITHIN),
         };
@@ -598,14 +597,8 @@ impl Reaper {
                 };
                 let client = client.clone();
                 ends.spawn(async move {
-                    let ended = match tokio::time::timeout(within, end(&client, &due)).await {
-                        Ok(ended) => ended.err(),
-                        Err(_) => {
-                            let timeout = SessionFailure::Exchange(ExchangeFailure::Timeout);
-                            Some(SessionError::at(Some(due.endpoint.addr), timeout))
-                        }
-                    };
-                    (due, failed, ended)
+                    let ended = within(limit, Some(due.endpoint.addr), end(&client, &due)).await;
+                    (due, failed, ended.err())
                 });
             }
             let Some(joined) = ends.join_next().await else {
@@ -642,15 +635,10 @@ impl Reaper {
     /// `ABANDON_LIMIT`, so that an upstream that stopped answering does not hold the
     /// report; a DELETE the upstream may take later is kept for the sweeps to send again.
     pub async fn abandon(&self, upstream: &LegacySession<'_>) {
-        let e = match tokio::time::timeout(ABANDON_LIMIT, upstream.end()).await {
-            Ok(Ok(_)) => return,
-            Ok(Err(e)) => e,
-            Err(_) => {
-                let late = SessionFailure::Exchange(ExchangeFailure::Timeout);
-                SessionError::at(Some(upstream.endpoint.addr), late)
-            }
-        };
-        self.end_again_later(upstream, &e);
+        let ended = within(ABANDON_LIMIT, Some(upstream.endpoint.addr), upstream.end()).await;
+        if let Err(e) = ended {
+            self.end_again_later(upstream, &e);
+        }
     }
 
     /// Keeps the DELETE of `upstream`'s session, which failed with `e` at its first
@@ -871,6 +859,8 @@ impl BackgroundService for ReaperService {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::upstream::exchange::ExchangeFailure;
+    use crate::upstream::legacy_session::SessionFailure;
 
     fn endpoint(port: u16) -> Endpoint {
         Endpoint {

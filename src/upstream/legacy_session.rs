@@ -533,13 +533,7 @@ impl<'a> LegacySession<'a> {
     /// one the upstream takes is counted under `why` (`gave_up`, `abandoned`).
     pub async fn cancel(&self, cancelled: &Value, why: &'static str) -> Result<(), SessionError> {
         let posting = self.post_and_expect_accepted(cancelled);
-        let posted = match tokio::time::timeout(ABANDON_LIMIT, posting).await {
-            Ok(posted) => posted,
-            Err(_) => {
-                let late = SessionFailure::Exchange(ExchangeFailure::Timeout);
-                Err(SessionError::at(Some(self.endpoint.addr), late))
-            }
-        };
+        let posted = within(ABANDON_LIMIT, Some(self.endpoint.addr), posting).await;
         if posted.is_ok() {
             self.client.metrics.upstream_cancelled(why);
         }
@@ -589,6 +583,19 @@ impl<'a> LegacySession<'a> {
                 Err(refused)
             }
         }
+    }
+}
+
+/// `exchange` with `endpoint` (`None`: a response read from memory), bounded by `limit`:
+/// one that takes longer fails as late.
+pub async fn within<T>(
+    limit: std::time::Duration,
+    endpoint: Option<SocketAddr>,
+    exchange: impl std::future::Future<Output = Result<T, SessionError>>,
+) -> Result<T, SessionError> {
+    match tokio::time::timeout(limit, exchange).await {
+        Ok(done) => done,
+        Err(_) => Err(ExchangeError::late(endpoint).into()),
     }
 }
 
@@ -692,10 +699,7 @@ fn session_id_of(response: &Response) -> Option<String> {
 /// event of an SSE body; within the exchange's answer time (`Response::answer_within`).
 pub async fn read_single(response: &mut Response) -> Result<Value, SessionError> {
     let at = response.endpoint();
-    match tokio::time::timeout(response.answer_within(), read_single_now(response)).await {
-        Ok(read) => read,
-        Err(_) => Err(ExchangeError::late(at).into()),
-    }
+    within(response.answer_within(), at, read_single_now(response)).await
 }
 
 async fn read_single_now(response: &mut Response) -> Result<Value, SessionError> {
