@@ -618,17 +618,13 @@ impl Reaper {
     /// Deletes `upstream`'s session; a DELETE the upstream may take later is kept for
     /// the sweeps to send again.
     pub async fn delete(&self, upstream: &LegacySession<'_>) {
-        if let Err(e) = upstream.end().await {
-            self.end_again_later(upstream, &e);
-        }
+        self.end_again_if_failed(upstream, upstream.end().await);
     }
 
     /// Deletes the session of a flow its client abandoned (counted `reaped`); a DELETE
     /// the upstream may take later is kept for the sweeps to send again.
     pub async fn reap(&self, upstream: &LegacySession<'_>) {
-        if let Err(e) = upstream.reap().await {
-            self.end_again_later(upstream, &e);
-        }
+        self.end_again_if_failed(upstream, upstream.reap().await);
     }
 
     /// Deletes a session nobody will use, on the way to reporting a failure: within
@@ -636,15 +632,15 @@ impl Reaper {
     /// report; a DELETE the upstream may take later is kept for the sweeps to send again.
     pub async fn abandon(&self, upstream: &LegacySession<'_>) {
         let ended = within(ABANDON_LIMIT, Some(upstream.endpoint.addr), upstream.end()).await;
-        if let Err(e) = ended {
-            self.end_again_later(upstream, &e);
-        }
+        self.end_again_if_failed(upstream, ended);
     }
 
-    /// Keeps the DELETE of `upstream`'s session, which failed with `e` at its first
-    /// attempt, for the sweeps to send again when the upstream may take it later.
-    fn end_again_later(&self, upstream: &LegacySession<'_>, e: &SessionError) {
-        self.keep_for_later(Due::delete(upstream), e);
+    /// Keeps the DELETE of `upstream`'s session, when its first attempt `ended` in a
+    /// failure, for the sweeps to send again when the upstream may take it later.
+    fn end_again_if_failed<T>(&self, upstream: &LegacySession<'_>, ended: Result<T, SessionError>) {
+        if let Err(e) = ended {
+            self.keep_for_later(Due::delete(upstream), &e);
+        }
     }
 
     /// Cancels a call in `upstream`'s data-layer session with `cancelled` (as
