@@ -929,20 +929,6 @@ async fn execute<'g>(
             expires_at,
             cancel_on_expiry,
         } => Some(hold(call, io, flow, questions, expires_at, cancel_on_expiry).await),
-        Command::CloseStreams => {
-            close_streams(call, io).await;
-            None
-        }
-        Command::DeleteSession => {
-            delete_session(call, io).await;
-            None
-        }
-        Command::Cancel(cancelled) => {
-            let upstream = io.upstream.as_ref()?;
-            let reaper = &gw.upstreams.reaper;
-            reaper.cancel(upstream, &cancelled, "gave_up").await;
-            None
-        }
         Command::ReleaseClaim => {
             if let Some(used) = io.claim.take() {
                 gw.sealing
@@ -966,8 +952,13 @@ async fn execute<'g>(
             tracing::info!("round handed over: draining");
             None
         }
-        // The driver carries these out itself.
-        Command::Get(_) | Command::Finish(_) => None,
+        // The driver carries these out itself: the ends (closing the streams, deleting the
+        // session, a cancellation) right before the next command, or after the finish.
+        Command::Get(_)
+        | Command::Finish(_)
+        | Command::CloseStreams
+        | Command::DeleteSession
+        | Command::Cancel(_) => None,
     }
 }
 
