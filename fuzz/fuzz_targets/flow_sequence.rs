@@ -229,9 +229,10 @@ fn answer(
         }
         // A failed data-layer session call's cancellation, posted before the client is
         // answered.
-        Command::CancelFirst(message) => {
+        Command::CancelFirst(cancel) => {
             assert!(config.data_session, "a cancellation outside a data session");
-            assert_eq!(message["method"], "notifications/cancelled");
+            let id = cancel.request_id.as_i64();
+            assert_eq!(id, seen.last_call_id, "another call cancelled");
             seen.cancelled = true;
             Some(Input::Posted(ok_or_fail(b)))
         }
@@ -248,12 +249,13 @@ fn answer(
             assert!(!config.data_session, "a data-layer session was deleted");
             None
         }
-        Command::Cancel(message) => {
+        Command::Cancel(cancel) => {
             assert!(
                 config.data_session,
                 "a cancellation outside a data-layer session"
             );
-            assert_eq!(message["method"], "notifications/cancelled");
+            let id = cancel.request_id.as_i64();
+            assert_eq!(id, seen.last_call_id, "another call cancelled");
             seen.cancelled = true;
             None
         }

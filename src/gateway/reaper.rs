@@ -18,7 +18,7 @@
 //! (`RETRY_AFTER`), from a bounded list beside the table.
 
 use super::admin::Drain;
-use crate::mrtr::flow::{cancellation, FailureKind, NOT_CONTINUED};
+use crate::mrtr::flow::{Cancellation, FailureKind, NOT_CONTINUED};
 use crate::mrtr::state::now_secs;
 use crate::protocol::headers::EndToEnd;
 use crate::protocol::revision::Revision;
@@ -32,7 +32,6 @@ use pingora::server::ShutdownWatch;
 use pingora::services::background::BackgroundService;
 use serde_json::Value;
 use slab::Slab;
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -276,16 +275,17 @@ impl Table {
 
     /// The end of the entry keyed `key` (`Abandoned::key`) for `owner`: where it lives
     /// and the headers it carries.
-    fn due(&self, key: String, owner: u32) -> Option<Due> {
+    fn due(&self, key: &str, owner: u32) -> Option<Due> {
         let owner = self.owners.get(owner)?;
         let target = &self.targets[owner.target as usize];
+        let (session, end) = End::of_key(key)?;
         Some(Due {
             endpoint: target.endpoint.clone(),
             timeouts: target.timeouts,
-            key,
+            session: session.to_owned(),
+            end,
             headers: owner.headers.clone(),
             version: owner.version,
-            notice: Notice::ABANDONED,
         })
     }
 
@@ -474,7 +474,7 @@ impl Reaper {
                 let Due {
                     endpoint,
                     timeouts,
-                    key,
+                    session,
                     headers,
                     version,
                     ..
@@ -483,19 +483,19 @@ impl Reaper {
                     &client,
                     endpoint.clone(),
                     &timeouts,
-                    key.clone(),
+                    session.clone(),
                     version,
                 );
                 upstream.caller.headers = headers;
                 let gone = tokio::time::timeout(RECLAIM_PING_WITHIN, upstream.is_gone()).await;
-                gone.unwrap_or(false).then_some((endpoint, key))
+                gone.unwrap_or(false).then_some((endpoint, session))
             });
         }
         let mut freed = 0;
         let deadline = tokio::time::Instant::now() + RECLAIM_WITHIN;
         while let Ok(Some(checked)) = tokio::time::timeout_at(deadline, checks.join_next()).await {
-            if let Ok(Some((endpoint, key))) = checked {
-                self.forget(&endpoint, key.as_str());
+            if let Ok(Some((endpoint, session))) = checked {
+                self.forget(&endpoint, session.as_str());
                 freed += 1;
             }
         }
@@ -548,7 +548,7 @@ impl Reaper {
                 first.pop();
             }
         }
-        let due = |(_, key, owner): (u32, &str, u32)| table.due(key.to_string(), owner);
+        let due = |(_, key, owner): (u32, &str, u32)| table.due(key, owner);
         first
             .into_sorted_vec()
             .into_iter()
@@ -566,7 +566,7 @@ impl Reaper {
             .collect();
         let mut out = Vec::with_capacity(due.len());
         for w in due {
-            out.extend(table.due(w.key.into(), w.owner));
+            out.extend(table.due(&w.key, w.owner));
             table.release(w.owner);
         }
         out
@@ -643,16 +643,21 @@ impl Reaper {
         }
     }
 
-    /// Cancels a call in `upstream`'s data-layer session with `cancelled` (as
-    /// `flow::cancellation` builds it), counted under `why` (`abandoned`, `gave_up`);
-    /// one the upstream may take later is kept for the sweeps to send again, the same.
-    pub async fn cancel(&self, upstream: &LegacySession<'_>, cancelled: &Value, why: &'static str) {
-        if let Err(e) = upstream.cancel(cancelled, why).await {
+    /// Cancels a call in `upstream`'s data-layer session with `cancel`, counted under
+    /// `why` (`abandoned`, `gave_up`); one the upstream may take later is kept for the
+    /// sweeps to send again, the same.
+    pub async fn cancel(
+        &self,
+        upstream: &LegacySession<'_>,
+        cancel: &Cancellation,
+        why: &'static str,
+    ) {
+        if let Err(e) = upstream.cancel(&cancel.to_json(), why).await {
             if !FailureKind::from(e.failure()).may_pass_later() {
                 let error = crate::outcome::Report(&e);
                 tracing::info!(%error, why, "the upstream refused a call's cancellation");
             }
-            self.keep_for_later(Due::cancel(upstream, cancelled, why), &e);
+            self.keep_for_later(Due::cancel(upstream, cancel, why), &e);
         }
     }
 
@@ -711,21 +716,12 @@ impl Reaper {
 
 /// Sends the end of a flow: its session's DELETE, or its call's cancellation.
 async fn end(client: &UpstreamClient, due: &Due) -> Result<(), SessionError> {
-    let (session, call) = match due.key.split_once(CALL_SEPARATOR) {
-        Some((session, call)) => (session.to_owned(), Some(call)),
-        None => (due.key.clone(), None),
-    };
-    let (endpoint, timeouts) = (due.endpoint.clone(), &due.timeouts);
-    let mut upstream = LegacySession::resume(client, endpoint, timeouts, session, due.version);
+    let (endpoint, session) = (due.endpoint.clone(), due.session.clone());
+    let mut upstream = LegacySession::resume(client, endpoint, &due.timeouts, session, due.version);
     upstream.caller.headers = due.headers.clone();
-    match call.map(serde_json::from_str::<Value>) {
-        None => upstream.reap().await,
-        Some(Ok(id)) => {
-            let cancelled = cancellation(id, &due.notice.reason);
-            upstream.cancel(&cancelled, due.notice.why).await
-        }
-        // Written by `Abandoned::key` from a JSON value, so never.
-        Some(Err(_)) => Ok(()),
+    match &due.end {
+        End::Session => upstream.reap().await,
+        End::Call { cancel, why } => upstream.cancel(&cancel.to_json(), why).await,
     }
 }
 
@@ -753,30 +749,43 @@ impl Drop for ReclaimTurn<'_> {
     }
 }
 
-/// A session due for its DELETE, or a call for its cancellation.
+/// A session due for its DELETE, or a call in it for its cancellation.
 struct Due {
     endpoint: Endpoint,
     timeouts: Timeouts,
-    /// `Abandoned::key`.
-    key: String,
+    session: String,
+    end: End,
     headers: EndToEnd,
     version: Revision,
-    /// What a call's cancellation says.
-    notice: Notice,
 }
 
-/// A call's cancellation: the reason it gives, and the label it is counted under.
-struct Notice {
-    reason: Cow<'static, str>,
-    why: &'static str,
+/// What a `Due` ends.
+enum End {
+    /// The session: deleted.
+    Session,
+    /// A call in it: cancelled with `cancel`, counted under `why`.
+    Call {
+        cancel: Cancellation,
+        why: &'static str,
+    },
 }
 
-impl Notice {
-    /// The reaper's own, for a call whose client did not continue it by its deadline.
-    const ABANDONED: Notice = Notice {
-        reason: Cow::Borrowed(NOT_CONTINUED),
-        why: "abandoned",
-    };
+impl End {
+    /// The end of the entry keyed `key` (`Abandoned::key`): a call's is the reaper's own,
+    /// for a call whose client did not continue it by its deadline. Returns the session
+    /// too; none for a key `Abandoned::key` did not write.
+    fn of_key(key: &str) -> Option<(&str, End)> {
+        let Some((session, id)) = key.split_once(CALL_SEPARATOR) else {
+            return Some((key, End::Session));
+        };
+        let request_id = serde_json::from_str(id).ok()?;
+        let cancel = Cancellation {
+            request_id,
+            reason: NOT_CONTINUED,
+        };
+        let why = "abandoned";
+        Some((session, End::Call { cancel, why }))
+    }
 }
 
 impl Due {
@@ -786,34 +795,30 @@ impl Due {
     fn delete(upstream: &LegacySession<'_>) -> Option<Due> {
         let session = upstream.own_session()?;
         SessionToken::validate_upstream_session(session).ok()?;
-        let session = session.to_owned();
-        Some(Due::of(upstream, session))
+        Some(Due::of(upstream, session.to_owned(), End::Session))
     }
 
-    /// The cancellation `cancelled` of a call in `upstream`'s session, counted under
-    /// `why`, as `upstream` sends it; none without a session or a `requestId`.
-    fn cancel(upstream: &LegacySession<'_>, cancelled: &Value, why: &'static str) -> Option<Due> {
-        let session = upstream.session_id.as_deref()?;
-        let params = cancelled.get("params")?;
-        let id = params.get("requestId")?;
-        let reason = match params.get("reason").and_then(Value::as_str) {
-            Some(reason) if reason != NOT_CONTINUED => Cow::Owned(reason.to_owned()),
-            _ => Cow::Borrowed(NOT_CONTINUED),
-        };
-        let mut due = Due::of(upstream, Abandoned::Call { session, id }.key());
-        due.notice = Notice { reason, why };
-        Some(due)
+    /// The cancellation `cancel` of a call in `upstream`'s session, counted under `why`,
+    /// as `upstream` sends it; none without a session.
+    fn cancel(
+        upstream: &LegacySession<'_>,
+        cancel: &Cancellation,
+        why: &'static str,
+    ) -> Option<Due> {
+        let session = upstream.session_id.clone()?;
+        let cancel = cancel.clone();
+        Some(Due::of(upstream, session, End::Call { cancel, why }))
     }
 
-    /// The end keyed `key` (`Abandoned::key`) at `upstream`'s endpoint, with its headers.
-    fn of(upstream: &LegacySession<'_>, key: String) -> Due {
+    /// The `end` of `session` at `upstream`'s endpoint, with its headers.
+    fn of(upstream: &LegacySession<'_>, session: String, end: End) -> Due {
         Due {
             endpoint: upstream.endpoint.clone(),
             timeouts: *upstream.timeouts,
-            key,
+            session,
+            end,
             headers: upstream.caller.headers.clone(),
             version: upstream.version,
-            notice: Notice::ABANDONED,
         }
     }
 }
@@ -868,15 +873,15 @@ mod tests {
         }
     }
 
-    /// The DELETE of session `key` at `endpoint(1)`, anonymous.
-    fn due(key: &str) -> Due {
+    /// The DELETE of session `session` at `endpoint(1)`, anonymous.
+    fn due(session: &str) -> Due {
         Due {
             endpoint: endpoint(1),
             timeouts: timeouts(),
-            key: key.into(),
+            session: session.into(),
+            end: End::Session,
             headers: nobody(),
             version: v(),
-            notice: Notice::ABANDONED,
         }
     }
 
@@ -1044,7 +1049,7 @@ mod tests {
         let keys: Vec<String> = r
             .candidates(Some(alice))
             .into_iter()
-            .map(|d| d.key)
+            .map(|d| d.session)
             .collect();
         let first: Vec<String> = (0..RECLAIM_CHECKS)
             .map(|i| format!("s{}", 1_000 + i))
@@ -1052,7 +1057,7 @@ mod tests {
         assert_eq!(keys, first, "the share's first due sessions, in order");
         let anyone = r.candidates(None);
         assert_eq!(anyone.len(), RECLAIM_CHECKS);
-        assert_eq!(anyone[0].key, "bob", "the whole table's first due");
+        assert_eq!(anyone[0].session, "bob", "the whole table's first due");
     }
 
     /// Endpoints come and go (pods replaced under `discovery: dns`): one whose last
@@ -1107,7 +1112,7 @@ mod tests {
         assert!(r.take_due(149).is_empty());
         let due = r.take_due(150);
         assert_eq!(due.len(), 1);
-        assert_eq!(due[0].key, "a");
+        assert_eq!(due[0].session, "a");
         assert_eq!(due[0].endpoint.addr, endpoint(1).addr);
         assert_eq!(r.watched(), 0);
     }
@@ -1138,10 +1143,18 @@ mod tests {
         assert_eq!(r.watched(), 3);
         r.forget(&endpoint(1), other);
         assert_eq!(r.watched(), 2);
-        let mut due = r.take_due(100);
-        due.sort_by(|x, y| x.key.cmp(&y.key));
-        let keys: Vec<&str> = due.iter().map(|d| d.key.as_str()).collect();
-        assert_eq!(keys, ["s", "s\n4294967296"]);
+        let mut ends: Vec<String> = (r.take_due(100).iter())
+            .map(|d| match &d.end {
+                End::Session => format!("DELETE {}", d.session),
+                End::Call { cancel, why } => {
+                    let id = &cancel.request_id;
+                    format!("cancel {id} in {} ({why}: {})", d.session, cancel.reason)
+                }
+            })
+            .collect();
+        ends.sort();
+        let cancelled = format!("cancel 4294967296 in s (abandoned: {NOT_CONTINUED})");
+        assert_eq!(ends, ["DELETE s".to_string(), cancelled]);
     }
 
     #[test]
@@ -1177,7 +1190,7 @@ mod tests {
             )
             .is_ok());
         let mut due = r.take_due(100);
-        due.sort_by(|x, y| x.key.cmp(&y.key));
+        due.sort_by(|x, y| x.session.cmp(&y.session));
         let credential = |d: &Due| {
             let names: Vec<_> = d.headers.iter().map(|(n, _)| n.as_str()).collect();
             assert_eq!(names, ["authorization"], "only the credentials");
@@ -1198,7 +1211,7 @@ mod tests {
             .watch(&endpoint(1), &timeouts(), "b", &nobody(), v(), 100)
             .is_ok());
         let mut due = r.take_due(100);
-        due.sort_by(|x, y| x.key.cmp(&y.key));
+        due.sort_by(|x, y| x.session.cmp(&y.session));
         assert_eq!(due[0].version, older);
         assert_eq!(due[1].version, Revision::REQUESTED);
     }

@@ -381,7 +381,7 @@ pub enum Command {
         expires_at: u64,
         /// In a data-layer session, the `notifications/cancelled` that ends the call if
         /// the entry expires unclaimed (the session, which outlives it, is not deleted).
-        cancel_on_expiry: Option<Value>,
+        cancel_on_expiry: Option<Cancellation>,
     },
     /// Close the flow's upstream streams (never cancelling the call).
     CloseStreams,
@@ -390,11 +390,11 @@ pub enum Command {
     /// Post this `notifications/cancelled` in the call's data-layer session once the
     /// client has its answer (best effort; no answer): the flow gave up on a call the
     /// session, which outlives its calls, may still be running.
-    Cancel(Value),
+    Cancel(Cancellation),
     /// Post this `notifications/cancelled` in the call's data-layer session now, within
     /// a short bound, and answer `Posted`: whether the session is still there decides the
     /// client's answer.
-    CancelFirst(Value),
+    CancelFirst(Cancellation),
     /// Release the retry's replay claim: the upstream got none of its answers.
     ReleaseClaim,
     /// Something learnt about the group's upstream.
@@ -2097,7 +2097,7 @@ impl Flow {
                     // The call's stream may have ended with its session (deleted by its
                     // client elsewhere): the cancellation goes up before the client is
                     // answered, and a 404 to it says the session ended.
-                    let cancel = cancellation(r.call.id.to_json(), "the call's stream failed");
+                    let cancel = Cancellation::of(&r.call, "the call's stream failed");
                     self.commands.push_back(Command::CancelFirst(cancel));
                     return Phase::Cancelling(failure);
                 }
@@ -2185,7 +2185,7 @@ impl Flow {
             cancel_on_expiry: r
                 .call
                 .data_session
-                .then(|| cancellation(r.call.id.to_json(), NOT_CONTINUED)),
+                .then(|| Cancellation::of(&r.call, NOT_CONTINUED)),
         });
         Phase::Holding {
             state: Box::new(state),
@@ -2407,12 +2407,12 @@ impl Flow {
     /// session deleted, or, in a data-layer session, the call cancelled by id as a legacy
     /// client cancels one (closing its stream does not: 2025-11-25, Cancellation), so
     /// that the tool stops instead of waiting on until the server's own timeout.
-    fn give_up(&mut self, call: &UpstreamCall, reason: &str) {
+    fn give_up(&mut self, call: &UpstreamCall, reason: &'static str) {
         if !call.data_session {
             return self.commands.push_back(Command::DeleteSession);
         }
         self.commands
-            .push_back(Command::Cancel(cancellation(call.id.to_json(), reason)));
+            .push_back(Command::Cancel(Cancellation::of(call, reason)));
     }
 
     fn learn(&mut self, learnt: Learnt) {
@@ -2532,11 +2532,25 @@ fn read_earlier(left: &mut ReadBefore, stream: Stream, event: &Event) -> bool {
 /// reaper entry expired.
 pub const NOT_CONTINUED: &str = "the client did not continue the call in time";
 
-/// The notification that cancels the upstream request `request_id`, as a legacy client
-/// cancels a request.
-pub fn cancellation(request_id: Value, reason: &str) -> Value {
-    json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
-        "params": {"requestId": request_id, "reason": reason}})
+/// The cancellation of an upstream request (`notifications/cancelled`): the request it
+/// names, and why.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cancellation {
+    pub request_id: Value,
+    pub reason: &'static str,
+}
+
+impl Cancellation {
+    fn of(call: &UpstreamCall, reason: &'static str) -> Cancellation {
+        let request_id = call.id.to_json();
+        Cancellation { request_id, reason }
+    }
+
+    /// The notification, as a legacy client cancels a request.
+    pub fn to_json(&self) -> Value {
+        json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+            "params": {"requestId": self.request_id, "reason": self.reason}})
+    }
 }
 
 /// Whether the call's response is a 2025-11-25 URL-elicitation-required error.

@@ -25,8 +25,8 @@ use crate::gateway::reaper::{Abandoned, NotWatched, Whose};
 use crate::gateway::{peers, respond, Arrival, Gateway, UpstreamSide};
 use crate::metrics::InUse;
 use crate::mrtr::flow::{
-    CallReply, Command, Ending, Failure, FailureKind, Flow, FlowConfig, Input, Learnt, Lost, Note,
-    Stream, StreamGet,
+    CallReply, Cancellation, Command, Ending, Failure, FailureKind, Flow, FlowConfig, Input,
+    Learnt, Lost, Note, Stream, StreamGet,
 };
 use crate::mrtr::modern::{check_answers, ModernRequest};
 use crate::mrtr::replay::{self, Claim, StateDigest};
@@ -858,7 +858,8 @@ async fn execute<'g>(
             Some(Input::BarrierPassed)
         }
         Command::CancelFirst(cancelled) => {
-            let posted = io.upstream.as_ref()?.cancel(&cancelled, "gave_up").await;
+            let upstream = io.upstream.as_ref()?;
+            let posted = upstream.cancel(&cancelled.to_json(), "gave_up").await;
             Some(Input::Posted(posted.map_err(|e| failure(&e))))
         }
         Command::Notify(message) => {
@@ -1227,7 +1228,7 @@ async fn hold(
     flow: &Flow,
     questions: Map<String, Value>,
     expires_at: u64,
-    cancel: Option<Value>,
+    cancel: Option<Cancellation>,
 ) -> Input {
     let gw = call.gw;
     let Some(upstream) = io.upstream.as_ref() else {

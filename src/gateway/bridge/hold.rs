@@ -16,6 +16,7 @@
 
 use super::streams::Streams;
 use crate::gateway::Gateway;
+use crate::mrtr::flow::Cancellation;
 use crate::mrtr::state::now_secs;
 use crate::protocol::revision::Revision;
 use crate::upstream::legacy_session::{Caller, LegacySession};
@@ -111,9 +112,9 @@ pub(super) struct HeldSession {
     pub id: String,
     /// The revision it negotiated.
     pub version: Revision,
-    /// A data-layer session's call is cancelled with this notification (the session
-    /// outlives its flows); a session of the flow's own is deleted.
-    pub cancel: Option<Value>,
+    /// A data-layer session's call is cancelled so (the session outlives its flows); a
+    /// session of the flow's own is deleted.
+    pub cancel: Option<Cancellation>,
     /// The headers of the round that held it (its credentials): an upstream that
     /// authenticates every request refuses the cancellation or DELETE without them.
     pub caller: Caller,

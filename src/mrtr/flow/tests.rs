@@ -2592,11 +2592,11 @@ fn in_data_session() -> FlowConfig {
 }
 
 /// The cancellations a flow left for the shell to post.
-fn cancellations(h: &Harness) -> Vec<&Value> {
+fn cancellations(h: &Harness) -> Vec<Value> {
     h.log
         .iter()
         .filter_map(|c| match c {
-            Command::Cancel(message) => Some(message),
+            Command::Cancel(cancel) => Some(cancel.to_json()),
             _ => None,
         })
         .collect()
@@ -2615,7 +2615,7 @@ fn a_data_session_call_its_client_leaves_is_cancelled_by_id() {
     assert_eq!(
         cancellations(&h),
         [
-            &json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+            json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
             "params": {"requestId": id, "reason": "the client cancelled the request"}})
         ]
     );
@@ -2703,7 +2703,7 @@ fn a_held_data_session_round_says_how_its_call_ends_on_expiry() {
         (h.call_id(), cancel.expect("the round is held"))
     };
     let (id, cancel) = hold(true);
-    let cancel = cancel.expect("a cancellation");
+    let cancel = cancel.expect("a cancellation").to_json();
     assert_eq!(cancel["method"], "notifications/cancelled");
     assert_eq!(cancel["params"]["requestId"], id);
     assert_eq!(hold(false).1, None);
@@ -2767,7 +2767,7 @@ fn a_data_session_call_whose_stream_breaks_asks_whether_its_session_ended() {
         let id = h.call_id();
         h.feed(Input::StreamEnded(Stream::Call));
         let first = h.log.iter().find_map(|c| match c {
-            Command::CancelFirst(message) => Some(message.clone()),
+            Command::CancelFirst(cancel) => Some(cancel.to_json()),
             _ => None,
         });
         let cancel = first.expect("the call cancelled before the answer");
