@@ -3,10 +3,10 @@
 # JSON-RPC classifier and validation, the MRTR translator, an upstream's HTTP response
 # read as the exchange reads it: status line, headers, 1xx, framing, SSE; and sequences
 # of events driving a bridged call's state machine, with its invariants) with
-# cargo-fuzz / libFuzzer,
-# each target for a bounded time (FUZZ_SECONDS, default 30) starting from the seeds
-# checked in under fuzz/seeds. Fails on the first crash, leaving the reproducer in
-# fuzz/artifacts. Longer runs: FUZZ_SECONDS=3600 bash tests/fuzz.sh, or
+# cargo-fuzz / libFuzzer, each target for a bounded time (FUZZ_SECONDS, default 30)
+# starting from the seeds checked in under fuzz/seeds, as many at once as there are
+# cores. Fails when a target crashes, leaving the reproducer in fuzz/artifacts. Longer
+# runs: FUZZ_SECONDS=3600 bash tests/fuzz.sh, or
 # cargo +nightly fuzz run -O TARGET fuzz/corpus/TARGET.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,17 +29,36 @@ else
 fi
 
 fuzz build -O
-for target in $(fuzz list); do
-  corpus=fuzz/corpus/$target
+
+# One target: its seeds, then FUZZ_SECONDS of fuzzing on one core.
+fuzz_one() {
+  local target=$1 corpus=fuzz/corpus/$1 log=fuzz/$1.log runs
   mkdir -p "$corpus"
   cp fuzz/seeds/"$target"/* "$corpus"/
-  log=fuzz/$target.log
-  if ! fuzz run -O "$target" "$corpus" -- -max_total_time="$seconds" -rss_limit_mb=2048 \
-    -timeout=10 -print_final_stats=1 >"$log" 2>&1; then
+  if ! fuzz run -O "$target" "$corpus" -- -max_total_time="$seconds" \
+    -rss_limit_mb=2048 -timeout=10 -print_final_stats=1 >"$log" 2>&1; then
     tail -n 60 "$log" >&2
     echo "fuzz: $target FAILED; the reproducer is in fuzz/artifacts/$target" >&2
-    exit 1
+    return 1
   fi
   runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
   echo "fuzz: $target ok: $runs inputs in ${seconds} s, corpus $(ls "$corpus" | wc -l) files"
+}
+
+# As many targets at once as there are cores (each fuzzes on one).
+at_once=$(nproc)
+running=0
+failed=0
+for target in $(fuzz list); do
+  if [ "$running" -ge "$at_once" ]; then
+    wait -n || failed=1
+    running=$((running - 1))
+  fi
+  fuzz_one "$target" &
+  running=$((running + 1))
 done
+while [ "$running" -gt 0 ]; do
+  wait -n || failed=1
+  running=$((running - 1))
+done
+exit "$failed"
