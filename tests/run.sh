@@ -26,5 +26,5 @@ echo "== micro benchmarks, release, short measurement (full runs: benches/RESULT
 cargo bench --bench core -- --warm-up-time 0.2 --measurement-time 0.5
 echo "== demo: ./demo.sh from a fresh clone with no cmake and no apt-get, and its walkthrough"
 bash tests/demo_fresh.sh
-echo "== fuzz (bounded: FUZZ_SECONDS per target, default 30)"
+echo "== fuzz (bounded: FUZZ_SECONDS per target, default 45, as many at once as cores)"
 bash tests/fuzz.sh
