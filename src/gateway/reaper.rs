@@ -18,9 +18,10 @@
 //! (`RETRY_AFTER`), from a bounded list beside the table.
 
 use super::admin::Drain;
-use crate::mrtr::flow::{Cancellation, FailureKind, NOT_CONTINUED};
+use crate::mrtr::flow::{FailureKind, NOT_CONTINUED};
 use crate::mrtr::state::now_secs;
 use crate::protocol::headers::EndToEnd;
+use crate::protocol::jsonrpc::Cancellation;
 use crate::protocol::revision::Revision;
 use crate::protocol::session_token::SessionToken;
 use crate::upstream::exchange::UpstreamClient;
@@ -652,7 +653,7 @@ impl Reaper {
         cancel: &Cancellation,
         why: &'static str,
     ) {
-        if let Err(e) = upstream.cancel(&cancel.to_json(), why).await {
+        if let Err(e) = upstream.cancel(cancel, why).await {
             if !FailureKind::from(e.failure()).may_pass_later() {
                 let error = crate::outcome::Report(&e);
                 tracing::info!(%error, why, "the upstream refused a call's cancellation");
@@ -721,7 +722,7 @@ async fn end(client: &UpstreamClient, due: &Due) -> Result<(), SessionError> {
     upstream.caller.headers = due.headers.clone();
     match &due.end {
         End::Session => upstream.reap().await,
-        End::Call { cancel, why } => upstream.cancel(&cancel.to_json(), why).await,
+        End::Call { cancel, why } => upstream.cancel(cancel, why).await,
     }
 }
 

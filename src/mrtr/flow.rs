@@ -70,7 +70,7 @@ use super::translate::{Action, Relay, Round, RoundLimits};
 use crate::config::ResumeMode;
 use crate::mrtr::modern::{code as mcode, gateway_code as gcode};
 use crate::outcome::{Class, Refusal};
-use crate::protocol::jsonrpc;
+use crate::protocol::jsonrpc::{self, Cancellation};
 use crate::protocol::revision::Revision;
 use crate::protocol::sse::Event;
 use serde_json::{json, Map, Value};
@@ -2097,7 +2097,7 @@ impl Flow {
                     // The call's stream may have ended with its session (deleted by its
                     // client elsewhere): the cancellation goes up before the client is
                     // answered, and a 404 to it says the session ended.
-                    let cancel = Cancellation::of(&r.call, "the call's stream failed");
+                    let cancel = cancellation_of(&r.call, "the call's stream failed");
                     self.commands.push_back(Command::CancelFirst(cancel));
                     return Phase::Cancelling(failure);
                 }
@@ -2185,7 +2185,7 @@ impl Flow {
             cancel_on_expiry: r
                 .call
                 .data_session
-                .then(|| Cancellation::of(&r.call, NOT_CONTINUED)),
+                .then(|| cancellation_of(&r.call, NOT_CONTINUED)),
         });
         Phase::Holding {
             state: Box::new(state),
@@ -2412,7 +2412,7 @@ impl Flow {
             return self.commands.push_back(Command::DeleteSession);
         }
         self.commands
-            .push_back(Command::Cancel(Cancellation::of(call, reason)));
+            .push_back(Command::Cancel(cancellation_of(call, reason)));
     }
 
     fn learn(&mut self, learnt: Learnt) {
@@ -2532,24 +2532,11 @@ fn read_earlier(left: &mut ReadBefore, stream: Stream, event: &Event) -> bool {
 /// reaper entry expired.
 pub const NOT_CONTINUED: &str = "the client did not continue the call in time";
 
-/// The cancellation of an upstream request (`notifications/cancelled`): the request it
-/// names, and why.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Cancellation {
-    pub request_id: Value,
-    pub reason: &'static str,
-}
-
-impl Cancellation {
-    fn of(call: &UpstreamCall, reason: &'static str) -> Cancellation {
-        let request_id = call.id.to_json();
-        Cancellation { request_id, reason }
-    }
-
-    /// The notification, as a legacy client cancels a request.
-    pub fn to_json(&self) -> Value {
-        json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
-            "params": {"requestId": self.request_id, "reason": self.reason}})
+/// The cancellation of `call`, for `reason`.
+fn cancellation_of(call: &UpstreamCall, reason: &'static str) -> Cancellation {
+    Cancellation {
+        request_id: call.id.to_json(),
+        reason,
     }
 }
 

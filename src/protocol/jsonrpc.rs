@@ -16,6 +16,22 @@ pub mod code {
     pub const INTERNAL_ERROR: i64 = -32603;
 }
 
+/// The cancellation of a request (`notifications/cancelled`): the request it names, and
+/// why.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cancellation {
+    pub request_id: Value,
+    pub reason: &'static str,
+}
+
+impl Cancellation {
+    /// The notification, as a client cancels a request.
+    pub fn to_json(&self) -> Value {
+        json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+            "params": {"requestId": self.request_id, "reason": self.reason}})
+    }
+}
+
 /// What one JSON-RPC message is.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Message {

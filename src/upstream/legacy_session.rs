@@ -6,10 +6,11 @@
 use super::exchange::{Connection, ExchangeError, ExchangeFailure, Response, UpstreamClient};
 use super::{Endpoint, Timeouts};
 use crate::protocol::headers::{EndToEnd, MCP_SESSION_ID};
+use crate::protocol::jsonrpc::{self, Cancellation};
 use crate::protocol::revision::Revision;
+use crate::protocol::sse;
 use crate::protocol::target::upstream_target;
 use crate::protocol::trace::TraceContext;
-use crate::protocol::{jsonrpc, sse};
 use bytes::Bytes;
 use pingora::http::RequestHeader;
 use serde_json::{json, Value};
@@ -531,8 +532,13 @@ impl<'a> LegacySession<'a> {
 
     /// POSTs a call's cancellation (`notifications/cancelled`), within `ABANDON_LIMIT`;
     /// one the upstream takes is counted under `why` (`gave_up`, `abandoned`).
-    pub async fn cancel(&self, cancelled: &Value, why: &'static str) -> Result<(), SessionError> {
-        let posting = self.post_and_expect_accepted(cancelled);
+    pub async fn cancel(
+        &self,
+        cancellation: &Cancellation,
+        why: &'static str,
+    ) -> Result<(), SessionError> {
+        let notification = cancellation.to_json();
+        let posting = self.post_and_expect_accepted(&notification);
         let posted = within(ABANDON_LIMIT, Some(self.endpoint.addr), posting).await;
         if posted.is_ok() {
             self.client.metrics.upstream_cancelled(why);

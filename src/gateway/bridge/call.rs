@@ -25,15 +25,15 @@ use crate::gateway::reaper::{Abandoned, NotWatched, Whose};
 use crate::gateway::{peers, respond, Arrival, Gateway, UpstreamSide};
 use crate::metrics::InUse;
 use crate::mrtr::flow::{
-    CallReply, Cancellation, Command, Ending, Failure, FailureKind, Flow, FlowConfig, Input,
-    Learnt, Lost, Note, Stream, StreamGet,
+    CallReply, Command, Ending, Failure, FailureKind, Flow, FlowConfig, Input, Learnt, Lost, Note,
+    Stream, StreamGet,
 };
 use crate::mrtr::modern::{check_answers, ModernRequest};
 use crate::mrtr::replay::{self, Claim, StateDigest};
 use crate::mrtr::state::{binding, now_ms, now_secs, FlowState, HeldAt, UpstreamCall, Waiting};
 use crate::mrtr::translate::{Relay, RoundLimits};
 use crate::outcome::{Class, Outcome, Refusal, Report};
-use crate::protocol::jsonrpc::{self, code};
+use crate::protocol::jsonrpc::{self, code, Cancellation};
 use crate::protocol::sse::Event;
 use crate::upstream::exchange::{Connection, ExchangeFailure, Response};
 use crate::upstream::legacy_session::{
@@ -859,7 +859,7 @@ async fn execute<'g>(
         }
         Command::CancelFirst(cancelled) => {
             let upstream = io.upstream.as_ref()?;
-            let posted = upstream.cancel(&cancelled.to_json(), "gave_up").await;
+            let posted = upstream.cancel(&cancelled, "gave_up").await;
             Some(Input::Posted(posted.map_err(|e| failure(&e))))
         }
         Command::Notify(message) => {

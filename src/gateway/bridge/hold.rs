@@ -16,8 +16,8 @@
 
 use super::streams::Streams;
 use crate::gateway::Gateway;
-use crate::mrtr::flow::Cancellation;
 use crate::mrtr::state::now_secs;
+use crate::protocol::jsonrpc::Cancellation;
 use crate::protocol::revision::Revision;
 use crate::upstream::legacy_session::{Caller, LegacySession};
 use crate::upstream::{Endpoint, Timeouts};
