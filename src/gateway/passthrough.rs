@@ -846,7 +846,7 @@ async fn end_unrelayed_session(
     let timeouts = &group.timeouts;
     let mut opened = LegacySession::resume(client, endpoint, timeouts, upstream_session, version);
     opened.caller.headers = gw.admission.end_to_end(session, group);
-    gw.upstreams.reaper.abandon(&opened).await;
+    opened.abandon().await;
 }
 
 /// A JSON-RPC body the upstream content-coded although asked for `identity`: the

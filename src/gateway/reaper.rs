@@ -25,7 +25,7 @@ use crate::protocol::jsonrpc::Cancellation;
 use crate::protocol::revision::Revision;
 use crate::protocol::session_token::SessionToken;
 use crate::upstream::exchange::UpstreamClient;
-use crate::upstream::legacy_session::{within, LegacySession, SessionError, ABANDON_LIMIT};
+use crate::upstream::legacy_session::{within, DeleteLater, LegacySession, SessionError};
 use crate::upstream::{Endpoint, Timeouts};
 use async_trait::async_trait;
 use hashbrown::HashTable;
@@ -628,14 +628,6 @@ impl Reaper {
         self.end_again_if_failed(upstream, upstream.reap().await);
     }
 
-    /// Deletes a session nobody will use, on the way to reporting a failure: within
-    /// `ABANDON_LIMIT`, so that an upstream that stopped answering does not hold the
-    /// report; a DELETE the upstream may take later is kept for the sweeps to send again.
-    pub async fn abandon(&self, upstream: &LegacySession<'_>) {
-        let ended = within(ABANDON_LIMIT, Some(upstream.endpoint.addr), upstream.end()).await;
-        self.end_again_if_failed(upstream, ended);
-    }
-
     /// Keeps the DELETE of `upstream`'s session, when its first attempt `ended` in a
     /// failure, for the sweeps to send again when the upstream may take it later.
     fn end_again_if_failed<T>(&self, upstream: &LegacySession<'_>, ended: Result<T, SessionError>) {
@@ -712,6 +704,14 @@ impl Reaper {
         });
         self.retry_kept.notify_one();
         evicted
+    }
+}
+
+impl DeleteLater for Reaper {
+    /// A session nobody will use whose DELETE failed (`LegacySession::abandon`): kept for
+    /// the sweeps to send again when the upstream may take it later.
+    fn delete_later(&self, session: &LegacySession<'_>, failed: &SessionError) {
+        self.keep_for_later(Due::delete(session), failed);
     }
 }
 

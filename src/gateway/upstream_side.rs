@@ -98,7 +98,8 @@ impl UpstreamSide {
             groups,
             client: Arc::new(
                 UpstreamClient::new(metrics)
-                    .with_max_message(config.limits.max_upstream_message_bytes),
+                    .with_max_message(config.limits.max_upstream_message_bytes)
+                    .with_delete_later(reaper.clone()),
             ),
             server_infos: Mutex::default(),
             modern_only: Mutex::default(),

@@ -8,6 +8,7 @@
 //! request provably did not run.
 
 use super::idle::{idle_life, IdleConnections, IDLE_MOST};
+use super::legacy_session::DeleteLater;
 use super::{Endpoint, Timeouts};
 use crate::metrics::{InUse, Metrics};
 use crate::tls::upstream::{handshake_failure, HandshakeFailure};
@@ -184,6 +185,8 @@ pub struct UpstreamClient {
     /// Late answers to `initialize` awaited in the background, to end the sessions they
     /// open (`legacy_session`): each holds a connection, so they are bounded.
     pub late_answers: Arc<tokio::sync::Semaphore>,
+    /// Where the DELETEs of unused sessions that failed go (`LegacySession::abandon`).
+    pub delete_later: Option<Arc<dyn DeleteLater>>,
 }
 
 /// How many late answers to `initialize` are awaited at once.
@@ -197,7 +200,14 @@ impl UpstreamClient {
             metrics,
             max_message: crate::config::DEFAULT_MAX_UPSTREAM_MESSAGE_BYTES,
             late_answers: Arc::new(tokio::sync::Semaphore::new(MAX_LATE_ANSWERS)),
+            delete_later: None,
         }
+    }
+
+    /// With `later` keeping the DELETEs of unused sessions that failed.
+    pub fn with_delete_later(mut self, later: Arc<dyn DeleteLater>) -> UpstreamClient {
+        self.delete_later = Some(later);
+        self
     }
 
     /// With `bytes` the largest message read whole from its responses.

@@ -18,12 +18,20 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-/// Longest wait for the DELETE of a session nobody will use (`LegacySession::abandon`,
-/// the reaper's `abandon`), and for the upstream to take a call's cancellation (`cancel`).
+/// Longest wait for the DELETE of a session nobody will use (`LegacySession::abandon`),
+/// and for the upstream to take a call's cancellation (`cancel`).
 pub const ABANDON_LIMIT: std::time::Duration = std::time::Duration::from_secs(2);
 /// How much longer than the response timeout a late answer to `initialize` is awaited,
 /// to end the session it opens.
 const LATE_INITIALIZE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Where the DELETE of a session nobody will use goes when its first attempt failed
+/// (`LegacySession::abandon`): the gateway's reaper, which sends it again when the
+/// upstream may take it later. Nobody else knows of such a session.
+pub trait DeleteLater: Send + Sync {
+    /// Keeps the DELETE of `session`, which `failed`, to be sent again.
+    fn delete_later(&self, session: &LegacySession<'_>, failed: &SessionError);
+}
 
 /// A session value's parts, owned: what a detached exchange takes along.
 struct Detached {
@@ -518,15 +526,20 @@ impl<'a> LegacySession<'a> {
         }
     }
 
-    /// Ends a session nobody will use, on the way to reporting a failure: best effort,
-    /// and within `ABANDON_LIMIT`, so that an upstream that stopped answering does not
-    /// hold the failure's report for another response timeout.
+    /// Ends a session nobody will use, on the way to reporting a failure: within
+    /// `ABANDON_LIMIT`, so that an upstream that stopped answering does not hold the
+    /// failure's report for another response timeout. A DELETE that failed goes to the
+    /// client's `DeleteLater` (the gateway's reaper), to be sent again.
     pub async fn abandon(&self) {
-        if tokio::time::timeout(ABANDON_LIMIT, self.delete())
-            .await
-            .is_err()
-        {
-            tracing::info!("the upstream did not answer the DELETE of an unused session in time");
+        let ended = within(ABANDON_LIMIT, Some(self.endpoint.addr), self.end()).await;
+        if let Err(e) = ended {
+            match &self.client.delete_later {
+                Some(later) => later.delete_later(self, &e),
+                None => {
+                    let error = crate::outcome::Report(&e);
+                    tracing::info!(%error, "the upstream did not delete an unused session");
+                }
+            }
         }
     }
 

@@ -3,7 +3,7 @@
 //! numbers that must cross unchanged. Each case gets a bounded, clear answer.
 
 use crate::common::*;
-use crate::scripted::{legacy_basics, Answer, Gate, ScriptedUpstream, Seen};
+use crate::scripted::{legacy_basics, Answer, FirstRefused, Gate, ScriptedUpstream, Seen};
 use mrtr_gateway::config::{QuietWindowFor, ResumeMode};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
@@ -609,6 +609,38 @@ fn a_session_whose_handshake_failed_is_deleted() {
     );
 }
 
+/// That DELETE, when the upstream cannot take it at once (a 503 while it restarts), is
+/// sent again later: nobody else knows of the session.
+#[test]
+fn a_session_whose_handshake_failed_has_a_delete_that_failed_sent_again() {
+    let (upstream, deletes) =
+        FirstRefused::deletes_in_front_of(|seen: &Seen| match seen.jsonrpc_method().as_deref() {
+            Some("notifications/initialized") => Answer::status(400, &[], b"no"),
+            _ => legacy_basics(seen, "half-open").unwrap_or_else(|| Answer::status(405, &[], b"")),
+        });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.bridge.warm_sessions_per_shape = 0;
+    });
+    let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
+    assert!(
+        status >= 400 || body.get("error").is_some(),
+        "{status} {body}"
+    );
+    // Each session opened (the call's, and the era probe's) is deleted; the one refused
+    // first is deleted again by the reaper.
+    wait_until(
+        "the refused DELETE sent again",
+        Duration::from_secs(30),
+        || metric_with(&gw.admin, "mrtr_gateway_upstream_sessions_total", "reaped") == Some(1.0),
+    );
+    let seen = upstream.requests();
+    let opened = seen
+        .iter()
+        .filter(|s| s.jsonrpc_method().as_deref() == Some("initialize"))
+        .count();
+    assert_eq!(deletes.seen(), opened + 1, "{seen:?}");
+}
+
 /// The same, with an upstream that stops answering after `initialize`: the DELETE of the
 /// unusable session is tried, but the client's error does not wait another response
 /// timeout for it.
@@ -781,6 +813,57 @@ fn an_upstream_result_cannot_pose_as_a_round() {
     }
 }
 
+/// A gateway in front of `upstream` that finds an answer late past 300 ms: the
+/// connection's time and the response's. It opens no warm sessions.
+fn impatient_gateway(upstream: &ScriptedUpstream) -> TestGateway {
+    TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].connect_timeout_ms = 100;
+        c.upstreams[0].response_timeout_ms = 200;
+        c.bridge.warm_sessions_per_shape = 0;
+    })
+}
+
+/// `answer`, sent after `late`.
+fn late_answer(answer: Answer, late: Duration) -> Answer {
+    Answer::silent().pause(late).bytes(answer.pieces_bytes())
+}
+
+/// The DELETE of the session a late answer to `initialize` opens, when the upstream cannot
+/// take it at once (a 503 while it restarts), is sent again later.
+#[test]
+fn a_late_sessions_delete_that_failed_is_sent_again() {
+    let late = Duration::from_millis(600);
+    let (upstream, deletes) = FirstRefused::deletes_in_front_of(move |seen: &Seen| {
+        let initialize = seen.jsonrpc_method().as_deref() == Some("initialize");
+        match legacy_basics(seen, "late-1") {
+            Some(answer) if initialize => late_answer(answer, late),
+            Some(answer) => answer,
+            None => Answer::status(405, &[], b""),
+        }
+    });
+    let gw = impatient_gateway(&upstream);
+    let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        error_message(&body).contains("did not answer in time"),
+        "{body}"
+    );
+    // Each session a late answer opened is deleted; the one refused first, again.
+    wait_until(
+        "the refused DELETE sent again",
+        Duration::from_secs(30),
+        || {
+            let initializes = upstream
+                .requests()
+                .iter()
+                .filter(|s| s.jsonrpc_method().as_deref() == Some("initialize"))
+                .count();
+            let reaped = metric_with(&gw.admin, "mrtr_gateway_upstream_sessions_total", "reaped");
+            reaped == Some(1.0) && deletes.seen() == initializes + 1
+        },
+    );
+}
+
 /// An upstream that answers `initialize` only after the group's response timeout (a pause,
 /// an overloaded pod) still opens the session: the request fails in time, and the session
 /// the late answer names is ended rather than left to the upstream's expiry (SDK servers
@@ -803,19 +886,12 @@ fn a_session_whose_initialize_answered_late_is_ended() {
             _ => "late-1",
         };
         match legacy_basics(seen, session) {
-            Some(answer) if initialize && !on_time => {
-                Answer::silent().pause(late).bytes(answer.pieces_bytes())
-            }
+            Some(answer) if initialize && !on_time => late_answer(answer, late),
             Some(answer) => answer,
             None => Answer::status(405, &[], b""),
         }
     });
-    // Late: past the connection's time and the response's (300 ms here).
-    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
-        c.upstreams[0].connect_timeout_ms = 100;
-        c.upstreams[0].response_timeout_ms = 200;
-        c.bridge.warm_sessions_per_shape = 0;
-    });
+    let gw = impatient_gateway(&upstream);
     let deletes = |of: &str| {
         let requests = upstream.requests();
         let ended = |s: &&Seen| s.method == "DELETE" && s.header("mcp-session-id") == Some(of);

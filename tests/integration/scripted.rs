@@ -423,6 +423,11 @@ impl FirstRefused {
         first.then(|| Answer::status(503, &[], b"restarting"))
     }
 
+    /// How many requests of the kind came, the refused one included.
+    pub fn seen(&self) -> usize {
+        self.seen.load(Ordering::SeqCst)
+    }
+
     /// The reaper sent the refused DELETE again, and the upstream took it: the session
     /// was deleted at the second attempt, and no DELETE came after.
     pub fn assert_deleted_at_second_attempt(

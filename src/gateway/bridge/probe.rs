@@ -118,13 +118,13 @@ async fn probe(
             Ok(Some(second)) => {
                 let resumed = tokio::time::timeout_at(deadline, resumes_foreign(&second, &id));
                 let verdict = resumed.await.unwrap_or(SessionReplay::Unknown);
-                upstreams.reaper.abandon(&second).await;
+                second.abandon().await;
                 verdict
             }
             _ => SessionReplay::Unknown,
         },
     };
-    upstreams.reaper.abandon(&first).await;
+    first.abandon().await;
     verdict
 }
 

@@ -179,7 +179,7 @@ pub(super) async fn create(
     let sid = upstream.session_id.clone().unwrap_or_default();
     if SessionToken::validate_upstream_session(&sid).is_err() {
         // The session just opened serves nobody: ended, not left to the upstream's timer.
-        gw.upstreams.reaper.abandon(&upstream).await;
+        upstream.abandon().await;
         let text = format!(
             "upstream group '{}' keeps no usable sessions (no valid Mcp-Session-Id), so it cannot hold a data-layer session",
             group.name
