@@ -638,20 +638,22 @@ impl Reaper {
 
     /// Cancels a call in `upstream`'s data-layer session with `cancel`, counted under
     /// `why` (`abandoned`, `gave_up`); one the upstream may take later is kept for the
-    /// sweeps to send again, the same.
+    /// sweeps to send again, the same. Returns how the first attempt went.
     pub async fn cancel(
         &self,
         upstream: &LegacySession<'_>,
         cancel: &Cancellation,
         why: &'static str,
-    ) {
-        if let Err(e) = upstream.cancel(cancel, why).await {
+    ) -> Result<(), SessionError> {
+        let posted = upstream.cancel(cancel, why).await;
+        if let Err(e) = &posted {
             if !FailureKind::from(e.failure()).may_pass_later() {
-                let error = crate::outcome::Report(&e);
+                let error = crate::outcome::Report(e);
                 tracing::info!(%error, why, "the upstream refused a call's cancellation");
             }
-            self.keep_for_later(Due::cancel(upstream, cancel, why), &e);
+            self.keep_for_later(Due::cancel(upstream, cancel, why), e);
         }
+        posted
     }
 
     /// Keeps `due`, which failed with `e` at its first attempt, for the sweeps.

@@ -691,11 +691,7 @@ fn a_failed_call_is_answered_though_its_cancellation_goes_unanswered() {
         if is_cancellation(seen) {
             return Answer::silent();
         }
-        if let Some(answer) = legacy_basics(seen, "s1") {
-            return answer;
-        }
-        // The call's stream ends at once, without a result and without event ids.
-        Answer::sse(&[]).end()
+        stream_ending_at_once(seen)
     });
     let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
         c.upstreams[0].era = UpstreamEra::Legacy;
@@ -721,6 +717,29 @@ fn a_failed_call_is_answered_though_its_cancellation_goes_unanswered() {
             .count(),
         1
     );
+}
+
+/// That cancellation, when the upstream cannot take it at once (a 503 while it
+/// restarts), is sent again later, the same: the client's error says the call failed,
+/// and the tool, if it runs on, is told to stop.
+#[test]
+fn a_failed_calls_cancellation_that_failed_is_sent_again() {
+    let (upstream, cancellations) = FirstRefused::cancellations_in_front_of(stream_ending_at_once);
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+    });
+    let raw = Raw::new(&gw.url);
+    let cookie = cookie_of(&create(&raw, 1, json!({})));
+    let (status, failed) = call_status(&raw, 2, "broken", json!({}), Some(&cookie), json!({}));
+    assert_eq!(status, 200, "{failed}");
+    assert_eq!(failed["error"]["code"], -32603, "{failed}");
+    cancellations.assert_cancelled_again_the_same(&upstream);
+}
+
+/// A legacy server in session `s1` whose calls' streams end at once, without a result and
+/// without event ids.
+fn stream_ending_at_once(seen: &Seen) -> Answer {
+    legacy_basics(seen, "s1").unwrap_or_else(|| Answer::sse(&[]).end())
 }
 
 fn session_deleted_during_a_call(server: Upstream) {

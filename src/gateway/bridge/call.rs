@@ -623,7 +623,7 @@ async fn drive<'g>(
                 }
                 if let (Some(cancelled), Some(upstream)) = (cancel_pending, &io.upstream) {
                     let reaper = &call.gw.upstreams.reaper;
-                    reaper.cancel(upstream, &cancelled, "gave_up").await;
+                    let _first_try = reaper.cancel(upstream, &cancelled, "gave_up").await;
                 }
                 if let Some(shape) = io.warm_after.take() {
                     warm::warm_up(call.gw, call.group, call.request, shape);
@@ -859,7 +859,10 @@ async fn execute<'g>(
         }
         Command::CancelFirst(cancelled) => {
             let upstream = io.upstream.as_ref()?;
-            let posted = upstream.cancel(&cancelled, "gave_up").await;
+            // Kept to be sent again when the upstream may take it later; the answer is
+            // the first attempt's.
+            let reaper = &gw.upstreams.reaper;
+            let posted = reaper.cancel(upstream, &cancelled, "gave_up").await;
             Some(Input::Posted(posted.map_err(|e| failure(&e))))
         }
         Command::Notify(message) => {

@@ -99,7 +99,9 @@ impl Held {
         // Now, and again later if the upstream cannot take it yet.
         match cancel {
             // A data-layer session's call: cancelled (the tool stops waiting).
-            Some(cancel) => reaper.cancel(&upstream, &cancel, "abandoned").await,
+            Some(cancel) => {
+                let _first_try = reaper.cancel(&upstream, &cancel, "abandoned").await;
+            }
             // Its own session: deleted (the SDK servers keep a session until then).
             None => reaper.reap(&upstream).await,
         }
