@@ -508,11 +508,6 @@ impl<'a> LegacySession<'a> {
         SessionError::at(Some(self.endpoint.addr), failure)
     }
 
-    /// Ends the upstream session (best effort).
-    pub async fn delete(&self) {
-        let _ = self.delete_counting("deleted").await;
-    }
-
     /// Ends the upstream session: `Ok(true)` once it has ended (one the upstream no longer
     /// knows has), `Ok(false)` from a server that does not let clients end sessions (405,
     /// as the transport allows: it ends them itself); a denied or otherwise refused
