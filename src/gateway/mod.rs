@@ -29,7 +29,7 @@ use crate::mrtr::modern::{era, Era};
 use crate::principal::Unauthenticated;
 use crate::protocol::headers::{LAST_EVENT_ID, MCP_SESSION_ID};
 use crate::protocol::jsonrpc::{self, code, Body};
-use crate::protocol::oauth::WellKnown;
+use crate::protocol::oauth::{PublicResource, WellKnown};
 use crate::protocol::scheme::Scheme;
 use crate::upstream::Upstreams;
 use async_trait::async_trait;
@@ -245,7 +245,10 @@ impl Gateway {
         }
         let principal = match self.admission.principal(session) {
             Ok(p) => p,
-            Err(Unauthenticated(why)) => return unauthenticated(session, &why).await,
+            Err(Unauthenticated(why)) => {
+                let public = self.admission.public_resource(session, group);
+                return unauthenticated(session, &why, &public).await;
+            }
         };
         let has_session = session.get_header(MCP_SESSION_ID).is_some();
         let version = header(session, "mcp-protocol-version").map(str::to_string);
@@ -484,8 +487,10 @@ pub(crate) async fn refuse_on_peer_listener(session: &mut ServerSession) {
     respond::error(session, 403, None, code::INVALID_REQUEST, message).await;
 }
 
-/// Refuses a request whose bearer token did not verify (RFC 6750).
-async fn unauthenticated(session: &mut ServerSession, why: &str) {
+/// Refuses a request whose bearer token did not verify (RFC 6750), naming where the
+/// group's protected-resource metadata is (RFC 9728 §5.1), which tells an MCP client
+/// where to get a token.
+async fn unauthenticated(session: &mut ServerSession, why: &str, public: &PublicResource) {
     let body = jsonrpc::error_body(
         None,
         code::INVALID_REQUEST,
@@ -495,7 +500,14 @@ async fn unauthenticated(session: &mut ServerSession, why: &str) {
     let Ok(mut header) = pingora::http::ResponseHeader::build(401, Some(4)) else {
         return;
     };
-    let challenge = format!("Bearer error=\"invalid_token\", error_description=\"{why}\"");
+    let metadata = format!("resource_metadata=\"{}\"", public.metadata_url());
+    // A request without credentials is told none of what went wrong (RFC 6750 §3.1).
+    let challenge = match session.get_header(http::header::AUTHORIZATION) {
+        None => format!("Bearer {metadata}"),
+        Some(_) => {
+            format!("Bearer error=\"invalid_token\", error_description=\"{why}\", {metadata}")
+        }
+    };
     let _ = header.insert_header("www-authenticate", challenge);
     respond::write_with(session, header, "application/json", body.into()).await;
 }

@@ -416,6 +416,7 @@ fn a_jwt_principal_survives_token_refresh_and_refuses_others() {
         }
         let reply = raw.request("POST", &headers, Some(&list.to_string()));
         assert_eq!(reply.status, 401, "{case}");
+        let challenge = reply.www_authenticate.clone().unwrap_or_default();
         let body = reply.json();
         assert!(
             body["error"]["message"]
@@ -424,6 +425,20 @@ fn a_jwt_principal_survives_token_refresh_and_refuses_others() {
                 .starts_with("Unauthorized: "),
             "{case}: {body}"
         );
+        // The challenge names where a client learns how to get a token (RFC 9728 §5.1);
+        // one to a request without credentials says nothing of an error (RFC 6750 §3.1).
+        let metadata = guarded
+            .url
+            .replace("/mcp", "/.well-known/oauth-protected-resource/mcp");
+        let named = format!("resource_metadata=\"{metadata}\"");
+        match auth {
+            None => assert_eq!(challenge, format!("Bearer {named}"), "{case}"),
+            Some(_) => assert!(
+                challenge.starts_with("Bearer error=\"invalid_token\"")
+                    && challenge.ends_with(&format!(", {named}")),
+                "{case}: {challenge}"
+            ),
+        }
     }
     assert_eq!(
         tripwire.count(),
