@@ -171,6 +171,7 @@ pub fn loggable(line: &tracing::Metadata<'_>) -> bool {
 }
 
 fn init_logging(format: LogFormat) {
+    use std::io::IsTerminal;
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -178,7 +179,12 @@ fn init_logging(format: LogFormat) {
     let registry = tracing_subscriber::registry()
         .with(tracing_subscriber::filter::filter_fn(loggable))
         .with(filter);
-    let lines = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // Colour only for a person at a terminal: a log collector (a file, a pipe, `kubectl
+    // logs`) would keep the escape codes as text.
+    let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    let lines = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(colour);
     match format {
         LogFormat::Text => registry.with(lines).init(),
         LogFormat::Json => registry.with(lines.json()).init(),

@@ -210,5 +210,10 @@ fn run_refuses_a_listen_address_in_use() {
     std::io::Read::read_to_string(&mut stderr, &mut printed).unwrap();
     let refusal = format!("listen: cannot listen on {listen}");
     assert!(printed.contains(&refusal), "{printed}");
+    // Log lines to a pipe carry no colour codes.
+    assert!(
+        printed.contains(" INFO ") && !printed.contains('\u{1b}'),
+        "{printed:?}"
+    );
     drop(taken);
 }
