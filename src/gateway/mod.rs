@@ -146,7 +146,8 @@ impl Gateway {
             .requests
             .with_label_values(&[era, method, outcome])
             .inc();
-        let ms = started.elapsed().as_secs_f64() * 1000.0;
+        // Whole microseconds: `4.516`, not `4.5160160000000005`.
+        let ms = started.elapsed().as_micros() as f64 / 1000.0;
         tracing::info!(target: "mrtr_gateway::access", era, method, outcome, ms, "request");
     }
 
