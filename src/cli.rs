@@ -181,7 +181,9 @@ fn init_logging(format: LogFormat) {
         .with(filter);
     // Colour only for a person at a terminal: a log collector (a file, a pipe, `kubectl
     // logs`) would keep the escape codes as text.
-    let colour = std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none();
+    // NO_COLOR counts when set and not empty (no-color.org).
+    let no_colour = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+    let colour = std::io::stderr().is_terminal() && !no_colour;
     let lines = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(colour);
