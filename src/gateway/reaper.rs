@@ -647,7 +647,9 @@ impl Reaper {
     ) -> Result<(), SessionError> {
         let posted = upstream.cancel(cancel, why).await;
         if let Err(e) = &posted {
-            if !FailureKind::from(e.failure()).may_pass_later() {
+            // A session already gone has nothing to cancel: no news.
+            let kind = FailureKind::from(e.failure());
+            if !kind.may_pass_later() && kind != FailureKind::Gone {
                 let error = crate::outcome::Report(e);
                 tracing::info!(%error, why, "the upstream refused a call's cancellation");
             }
