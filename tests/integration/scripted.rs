@@ -671,22 +671,43 @@ fn serve(mut stream: TcpStream, connection: usize, shared: Arc<Shared>) {
 }
 
 /// Writes a reply's pieces; false if the connection must end (write failed, gate timed
-/// out).
+/// out). Bytes with no pause or gate between them go out in one write, as a server sends
+/// what it had queued at once: a loaded machine cannot then split them across the
+/// gateway's reads (only a pause or a gate does).
 fn write_reply(stream: &mut TcpStream, reply: &Answer) -> bool {
+    let mut queued = Vec::new();
     for piece in &reply.pieces {
+        if let Piece::Bytes(bytes) = piece {
+            queued.extend_from_slice(bytes);
+            continue;
+        }
+        if !send(stream, &mut queued) {
+            return false;
+        }
         let ok = match piece {
-            Piece::Bytes(bytes) => stream.write_all(bytes).and_then(|_| stream.flush()).is_ok(),
             Piece::Pause(period) => {
                 std::thread::sleep(*period);
                 true
             }
             Piece::Wait(gate) => gate.wait(),
+            Piece::Bytes(_) => true,
         };
         if !ok {
             return false;
         }
     }
-    true
+    send(stream, &mut queued)
+}
+
+/// Writes and clears `queued`, if it holds anything.
+fn send(stream: &mut TcpStream, queued: &mut Vec<u8>) -> bool {
+    let sent = queued.is_empty()
+        || stream
+            .write_all(queued)
+            .and_then(|_| stream.flush())
+            .is_ok();
+    queued.clear();
+    sent
 }
 
 /// Closes with SO_LINGER 0, so the peer gets a reset rather than an orderly close.
