@@ -25,7 +25,8 @@ use crate::protocol::jsonrpc::Cancellation;
 use crate::protocol::revision::Revision;
 use crate::protocol::session_token::SessionToken;
 use crate::upstream::exchange::UpstreamClient;
-use crate::upstream::legacy_session::{within, DeleteLater, LegacySession, SessionError};
+use crate::upstream::legacy_session::{within, LegacySession, SessionError};
+use crate::upstream::DeleteLater;
 use crate::upstream::{Endpoint, Timeouts};
 use async_trait::async_trait;
 use hashbrown::HashTable;
@@ -619,20 +620,16 @@ impl Reaper {
     /// Deletes `upstream`'s session; a DELETE the upstream may take later is kept for
     /// the sweeps to send again.
     pub async fn delete(&self, upstream: &LegacySession<'_>) {
-        self.end_again_if_failed(upstream, upstream.end().await);
+        if let Err(e) = upstream.end().await {
+            self.delete_later(upstream, &e);
+        }
     }
 
     /// Deletes the session of a flow its client abandoned (counted `reaped`); a DELETE
     /// the upstream may take later is kept for the sweeps to send again.
     pub async fn reap(&self, upstream: &LegacySession<'_>) {
-        self.end_again_if_failed(upstream, upstream.reap().await);
-    }
-
-    /// Keeps the DELETE of `upstream`'s session, when its first attempt `ended` in a
-    /// failure, for the sweeps to send again when the upstream may take it later.
-    fn end_again_if_failed<T>(&self, upstream: &LegacySession<'_>, ended: Result<T, SessionError>) {
-        if let Err(e) = ended {
-            self.keep_for_later(Due::delete(upstream), &e);
+        if let Err(e) = upstream.reap().await {
+            self.delete_later(upstream, &e);
         }
     }
 
@@ -712,8 +709,8 @@ impl Reaper {
 }
 
 impl DeleteLater for Reaper {
-    /// A session nobody will use whose DELETE failed (`LegacySession::abandon`): kept for
-    /// the sweeps to send again when the upstream may take it later.
+    /// A session whose DELETE failed: kept for the sweeps to send again when the upstream
+    /// may take it later.
     fn delete_later(&self, session: &LegacySession<'_>, failed: &SessionError) {
         self.keep_for_later(Due::delete(session), failed);
     }

@@ -8,7 +8,7 @@
 //! request provably did not run.
 
 use super::idle::{idle_life, IdleConnections, IDLE_MOST};
-use super::legacy_session::DeleteLater;
+use super::DeleteLater;
 use super::{Endpoint, Timeouts};
 use crate::metrics::{InUse, Metrics};
 use crate::tls::upstream::{handshake_failure, HandshakeFailure};

@@ -25,14 +25,6 @@ pub const ABANDON_LIMIT: std::time::Duration = std::time::Duration::from_secs(2)
 /// to end the session it opens.
 const LATE_INITIALIZE_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// Where the DELETE of a session nobody will use goes when its first attempt failed
-/// (`LegacySession::abandon`): the gateway's reaper, which sends it again when the
-/// upstream may take it later. Nobody else knows of such a session.
-pub trait DeleteLater: Send + Sync {
-    /// Keeps the DELETE of `session`, which `failed`, to be sent again.
-    fn delete_later(&self, session: &LegacySession<'_>, failed: &SessionError);
-}
-
 /// A session value's parts, owned: what a detached exchange takes along.
 struct Detached {
     client: Arc<UpstreamClient>,

@@ -8,6 +8,7 @@ pub mod exchange;
 pub mod idle;
 pub mod legacy_session;
 
+use self::legacy_session::{LegacySession, SessionError};
 use crate::config::{
     parse_endpoint_url, Config, ConfigError, Discovery, EndpointUrl, ToolPolicy,
     UpstreamGroupConfig,
@@ -22,6 +23,14 @@ use std::collections::BTreeMap;
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Where the DELETE of a session nobody will use goes when its first attempt failed
+/// (`LegacySession::abandon`): the gateway's reaper, which sends it again when the
+/// upstream may take it later. Nobody else knows of such a session.
+pub trait DeleteLater: Send + Sync {
+    /// Keeps the DELETE of `session`, which `failed`, to be sent again.
+    fn delete_later(&self, session: &LegacySession<'_>, failed: &SessionError);
+}
 
 /// One upstream MCP endpoint.
 #[derive(Clone, Debug, PartialEq, Eq)]
