@@ -628,17 +628,7 @@ fn a_session_whose_handshake_failed_has_a_delete_that_failed_sent_again() {
     );
     // Each session opened (the call's, and the era probe's) is deleted; the one refused
     // first is deleted again by the reaper.
-    wait_until(
-        "the refused DELETE sent again",
-        Duration::from_secs(30),
-        || metric_with(&gw.admin, "mrtr_gateway_upstream_sessions_total", "reaped") == Some(1.0),
-    );
-    let seen = upstream.requests();
-    let opened = seen
-        .iter()
-        .filter(|s| s.jsonrpc_method().as_deref() == Some("initialize"))
-        .count();
-    assert_eq!(deletes.seen(), opened + 1, "{seen:?}");
+    deletes.assert_every_session_deleted_the_refused_one_again(&gw, &upstream);
 }
 
 /// The same, with an upstream that stops answering after `initialize`: the DELETE of the
@@ -849,19 +839,7 @@ fn a_late_sessions_delete_that_failed_is_sent_again() {
         "{body}"
     );
     // Each session a late answer opened is deleted; the one refused first, again.
-    wait_until(
-        "the refused DELETE sent again",
-        Duration::from_secs(30),
-        || {
-            let initializes = upstream
-                .requests()
-                .iter()
-                .filter(|s| s.jsonrpc_method().as_deref() == Some("initialize"))
-                .count();
-            let reaped = metric_with(&gw.admin, "mrtr_gateway_upstream_sessions_total", "reaped");
-            reaped == Some(1.0) && deletes.seen() == initializes + 1
-        },
-    );
+    deletes.assert_every_session_deleted_the_refused_one_again(&gw, &upstream);
 }
 
 /// An upstream that answers `initialize` only after the group's response timeout (a pause,

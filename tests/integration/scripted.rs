@@ -447,6 +447,29 @@ impl FirstRefused {
         assert_eq!(deletes, 2, "{:?}", upstream.requests());
     }
 
+    /// Every session the upstream opened got a DELETE, and the refused one a second: the
+    /// reaper sent it again (counted `reaped`).
+    pub fn assert_every_session_deleted_the_refused_one_again(
+        &self,
+        gw: &crate::common::TestGateway,
+        upstream: &ScriptedUpstream,
+    ) {
+        crate::common::wait_until(
+            "the refused DELETE sent again",
+            Duration::from_secs(30),
+            || {
+                let opened = upstream
+                    .requests()
+                    .iter()
+                    .filter(|s| s.jsonrpc_method().as_deref() == Some("initialize"))
+                    .count();
+                let name = "mrtr_gateway_upstream_sessions_total";
+                let reaped = crate::common::metric_with(&gw.admin, name, "reaped");
+                reaped == Some(1.0) && self.seen() == opened + 1
+            },
+        );
+    }
+
     /// The refused cancellation was sent again, the same, in the same session.
     pub fn assert_cancelled_again_the_same(&self, upstream: &ScriptedUpstream) {
         crate::common::wait_until(
