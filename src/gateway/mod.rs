@@ -16,6 +16,7 @@ pub mod reaper;
 pub mod reload;
 pub mod respond;
 pub mod server;
+pub mod signals;
 pub mod upstream_side;
 pub mod wellknown;
 

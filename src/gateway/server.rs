@@ -15,6 +15,7 @@ use super::bridge::warm::WarmSweeper;
 use super::connections::{Capped, ConnectionCap};
 use super::reaper::ReaperService;
 use super::reload::{Reloader, WatchedFile};
+use super::signals;
 use super::{Arrival, Gateway, Listener};
 use crate::config::{Config, ConfigError};
 use crate::keys::KeyRing;
@@ -230,38 +231,15 @@ pub fn check_free(addr: &str) -> std::io::Result<()> {
     socket.bind(resolved)
 }
 
-/// Runs until SIGTERM or SIGQUIT (graceful) or SIGINT (fast).
+/// Runs until SIGTERM or SIGQUIT (graceful) or SIGINT (fast), caught from before the
+/// listeners open.
 pub fn run(server: Server) {
-    server.run(RunArgs {
-        shutdown_signal: Box::new(Signals),
-    });
-}
-
-/// The process's signals. Pingora's own watch takes SIGQUIT for a socket handover to a
-/// new process through a fixed path in `/tmp`, which this binary does not use: it would
-/// keep the replica ready and accepting for ten seconds of retries, and hand the listening
-/// socket to whatever listens on that path. Here SIGQUIT drains as SIGTERM does.
-struct Signals;
-
-#[async_trait]
-impl ShutdownSignalWatch for Signals {
-    async fn recv(&self) -> ShutdownSignal {
-        use tokio::signal::unix::{signal, SignalKind};
-        let watched = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::quit()),
-            signal(SignalKind::interrupt()),
-        );
-        let (Ok(mut term), Ok(mut quit), Ok(mut interrupt)) = watched else {
-            tracing::error!("cannot watch for signals; the process stops only when killed");
-            return std::future::pending().await;
-        };
-        tokio::select! {
-            _ = term.recv() => ShutdownSignal::GracefulTerminate,
-            _ = quit.recv() => ShutdownSignal::GracefulTerminate,
-            _ = interrupt.recv() => ShutdownSignal::FastShutdown,
-        }
+    if let Err(e) = signals::catch_early() {
+        tracing::warn!(error = %e, "cannot catch signals before the gateway starts; one that comes then ends it without a drain");
     }
+    server.run(RunArgs {
+        shutdown_signal: Box::new(signals::Signals),
+    });
 }
 
 struct ChannelShutdown(Mutex<Option<oneshot::Receiver<ShutdownSignal>>>);

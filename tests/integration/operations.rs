@@ -451,13 +451,6 @@ impl GatewayProcess {
         wait_until("gateway listener", Duration::from_secs(10), || {
             port_open(port)
         });
-        // Pingora watches for SIGTERM only once its services run, a moment after the
-        // listener opens: one before that ends the process at once, not by a drain.
-        wait_until(
-            "the gateway watching for SIGTERM",
-            Duration::from_secs(10),
-            || catches_sigterm(pid),
-        );
         GatewayProcess {
             proc,
             pid,
@@ -495,17 +488,6 @@ impl GatewayProcess {
             self.proc.exited()
         });
     }
-}
-
-/// Whether process `pid` has a handler for SIGTERM: bit 15 of `SigCgt` in its
-/// `/proc/PID/status` (signal n is bit n - 1 of the mask).
-fn catches_sigterm(pid: i32) -> bool {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let caught = status
-        .lines()
-        .find_map(|l| l.strip_prefix("SigCgt:"))
-        .and_then(|mask| u64::from_str_radix(mask.trim(), 16).ok());
-    caught.is_some_and(|mask| mask & (1 << (libc::SIGTERM - 1)) != 0)
 }
 
 /// A flow held when SIGTERM comes stays held through the grace period (its retry may
