@@ -700,20 +700,19 @@ fn serve(mut stream: TcpStream, connection: usize, shared: Arc<Shared>) {
 fn write_reply(stream: &mut TcpStream, reply: &Answer) -> bool {
     let mut queued = Vec::new();
     for piece in &reply.pieces {
-        if let Piece::Bytes(bytes) = piece {
-            queued.extend_from_slice(bytes);
-            continue;
-        }
-        if !send(stream, &mut queued) {
-            return false;
-        }
         let ok = match piece {
-            Piece::Pause(period) => {
-                std::thread::sleep(*period);
+            Piece::Bytes(bytes) => {
+                queued.extend_from_slice(bytes);
                 true
             }
-            Piece::Wait(gate) => gate.wait(),
-            Piece::Bytes(_) => true,
+            Piece::Pause(period) => {
+                let sent = send(stream, &mut queued);
+                if sent {
+                    std::thread::sleep(*period);
+                }
+                sent
+            }
+            Piece::Wait(gate) => send(stream, &mut queued) && gate.wait(),
         };
         if !ok {
             return false;
