@@ -159,7 +159,9 @@ async fn serve_inner(
                     ..Caller::default()
                 };
                 let sending = (request, body.clone());
-                send_initialize(client, endpoint, timeouts, sending, version, caller).await
+                // Once per session: on the heap, so that every request's future stays small.
+                let init = send_initialize(client, endpoint, timeouts, sending, version, caller);
+                Box::pin(init).await
             }
             _ => {
                 let sending = client.send_on(connection, endpoint, timeouts, request, body.clone());
@@ -302,7 +304,9 @@ async fn resumption(
             trace: TraceContext::default(),
             headers: gw.admission.end_to_end(session, group),
         };
-        let replay = session_replay(&gw.upstreams, group, &route.endpoint, &caller).await;
+        // Rare, and its future large: on the heap, so that every request's stays small.
+        let replay = session_replay(&gw.upstreams, group, &route.endpoint, &caller);
+        let replay = Box::pin(replay).await;
         if replay != SessionReplay::Scoped {
             tracing::debug!(group = %group.name, ?replay, "session GET stream reopened fresh");
             return Ok(None);
@@ -480,7 +484,7 @@ fn upstream_request(
     let target = upstream_target(&route.endpoint.path, client.uri.query());
     // The method is one the gateway serves; the target, an endpoint's and a client's
     // query of at most `MAX_TARGET_BYTES` each, both valid URI parts.
-    let mut req = RequestHeader::build(method, target.as_bytes(), Some(16))
+    let mut req = RequestHeader::build_no_case(method, target.as_bytes(), Some(16))
         .expect("method and target are valid");
     for (name, value) in headers::forwardable(&client.headers) {
         if !forwarded::NAMES.contains(&name.as_str()) {
@@ -550,7 +554,7 @@ pub(crate) fn relayed_header(
     session: &mut ServerSession,
     upstream: &ResponseHeader,
 ) -> ResponseHeader {
-    let mut out = ResponseHeader::build(upstream.status, Some(upstream.headers.len() + 2))
+    let mut out = ResponseHeader::build_no_case(upstream.status, Some(upstream.headers.len() + 2))
         .expect("a status read from the upstream is valid");
     for (name, value) in headers::forwardable(&upstream.headers) {
         let _ = out.append_header(name.clone(), value.clone());
@@ -846,7 +850,8 @@ async fn end_unrelayed_session(
     let timeouts = &group.timeouts;
     let mut opened = LegacySession::resume(client, endpoint, timeouts, upstream_session, version);
     opened.caller.headers = gw.admission.end_to_end(session, group);
-    opened.abandon().await;
+    // Rare, and its future large: on the heap, so that every request's stays small.
+    Box::pin(opened.abandon()).await;
 }
 
 /// A JSON-RPC body the upstream content-coded although asked for `identity`: the
