@@ -120,31 +120,41 @@ pub fn forwarding_headers(client: &HeaderMap, hop: &Hop) -> Vec<(HeaderName, Hea
         Some(prior) => format!("{prior}, {this}"),
         None => this,
     };
-    let mut element = format!("for={}", node(peer));
+    let mut element = String::with_capacity(64);
+    element.push_str("for=");
+    push_node(&mut element, peer);
     if let Some(host) = hop.host {
-        element.push_str(&format!(";host={}", quoted(host)));
+        element.push_str(";host=");
+        push_quoted(&mut element, host);
     }
-    element.push_str(&format!(";proto={}", hop.proto));
+    element.push_str(";proto=");
+    element.push_str(hop.proto.as_str());
     let mut out = vec![
         (
-            X_FORWARDED_FOR,
+            names::X_FORWARDED_FOR,
             chain(believed(X_FORWARDED_FOR), peer.to_string()),
         ),
-        (FORWARDED, chain(believed(FORWARDED), element)),
+        (names::FORWARDED, chain(believed(FORWARDED), element)),
         (
-            X_FORWARDED_PROTO,
-            believed(X_FORWARDED_PROTO).unwrap_or_else(|| hop.proto.to_string()),
+            names::X_FORWARDED_PROTO,
+            believed(X_FORWARDED_PROTO).unwrap_or_else(|| hop.proto.as_str().to_string()),
         ),
     ];
     if let Some(host) = believed(X_FORWARDED_HOST).or(hop.host.map(str::to_string)) {
-        out.push((X_FORWARDED_HOST, host));
+        out.push((names::X_FORWARDED_HOST, host));
     }
     out.into_iter()
-        .filter_map(|(name, value)| {
-            let value = HeaderValue::from_str(&value).ok()?;
-            Some((HeaderName::from_static(name), value))
-        })
+        .filter_map(|(name, value)| Some((name, HeaderValue::from_str(&value).ok()?)))
         .collect()
+}
+
+/// `NAMES` as header names, built at compile time.
+mod names {
+    use http::header::HeaderName;
+    pub const X_FORWARDED_FOR: HeaderName = HeaderName::from_static(super::X_FORWARDED_FOR);
+    pub const FORWARDED: HeaderName = HeaderName::from_static(super::FORWARDED);
+    pub const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static(super::X_FORWARDED_PROTO);
+    pub const X_FORWARDED_HOST: HeaderName = HeaderName::from_static(super::X_FORWARDED_HOST);
 }
 
 /// Every value of `name`, joined as one list; `None` when absent, empty or not text.
@@ -158,24 +168,26 @@ fn joined(headers: &HeaderMap, name: &str) -> Option<String> {
     (!values.is_empty()).then(|| values.join(", "))
 }
 
-/// An RFC 7239 node: an IPv4 address as it is, an IPv6 one bracketed and quoted.
-fn node(ip: IpAddr) -> String {
-    match ip {
-        IpAddr::V4(v4) => v4.to_string(),
-        IpAddr::V6(v6) => format!("\"[{v6}]\""),
-    }
+/// Appends an RFC 7239 node: an IPv4 address as it is, an IPv6 one bracketed and quoted.
+fn push_node(out: &mut String, ip: IpAddr) {
+    use std::fmt::Write;
+    let _ = match ip {
+        IpAddr::V4(v4) => write!(out, "{v4}"),
+        IpAddr::V6(v6) => write!(out, "\"[{v6}]\""),
+    };
 }
 
-/// An RFC 7230 quoted-string.
-fn quoted(text: &str) -> String {
-    let escaped: String = text
-        .chars()
-        .flat_map(|c| match c {
-            '"' | '\\' => vec!['\\', c],
-            c => vec![c],
-        })
-        .collect();
-    format!("\"{escaped}\"")
+/// Appends `text` as an RFC 7230 quoted-string.
+fn push_quoted(out: &mut String, text: &str) {
+    out.reserve(text.len() + 2);
+    out.push('"');
+    for c in text.chars() {
+        if matches!(c, '"' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out.push('"');
 }
 
 #[cfg(test)]
