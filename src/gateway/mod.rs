@@ -749,6 +749,9 @@ mod tests {
     /// A request's whole handling is one future per connection task, living on a worker
     /// thread's stack while polled: it must stay small, in debug builds too, where nothing
     /// is optimised (a bridged retry's chain of nested `async fn`s once needed 2 MiB).
+    /// pingora also moves it onto the heap per request, inside `process_new_http`'s: a
+    /// copy of every byte, and above jemalloc's largest small class (14 KiB) a large
+    /// extent. Rare paths therefore await their futures boxed (13 KiB before they did).
     #[test]
     fn a_requests_future_is_small() {
         let gw = gateway();
@@ -757,7 +760,7 @@ mod tests {
         let handle = gw.handle(&mut session, Arrival::Client);
         let bytes = std::mem::size_of_val(&handle);
         println!("a request's future: {bytes} bytes");
-        assert!(bytes < 16 << 10, "a request's future takes {bytes} bytes");
+        assert!(bytes < 8 << 10, "a request's future takes {bytes} bytes");
     }
 
     /// A request already sent on a kept-alive connection when the drain begins is served,
