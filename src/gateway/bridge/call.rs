@@ -227,7 +227,7 @@ async fn continue_flow(
                 tracing::info!(
                     "a held flow's retry arrived from a client already gone; its call is ended"
                 );
-                held.abandon(gw).await;
+                Box::pin(held.abandon(gw)).await;
                 return Outcome::ClientGone;
             }
             (false, Some(held)) => {
@@ -276,12 +276,12 @@ async fn continue_flow(
     gw.runtime.metrics.upstream_session("reused");
     let scoped = match &state.waiting {
         Waiting::Resumable { positions, .. } if positions.session_from.is_some() => {
-            let verdict = super::probe::session_replay(
+            let verdict = Box::pin(super::probe::session_replay(
                 &gw.upstreams,
                 call.group,
                 &upstream.endpoint,
                 &upstream.caller,
-            )
+            ))
             .await;
             verdict == SessionReplay::Scoped
         }
@@ -527,7 +527,8 @@ async fn to_holder(
             Lost::Holder,
         ),
         Some(owner) => {
-            match peers::forward(gw, session, owner, &call.incoming.body, &last_word).await {
+            let forwarded = peers::forward(gw, session, owner, &call.incoming.body, &last_word);
+            match Box::pin(forwarded).await {
                 Ok(Outcome::Drained) => {
                     let forwards = &gw.runtime.metrics.peer_forwards;
                     forwards.with_label_values(&["shutting_down"]).inc();
@@ -623,7 +624,7 @@ async fn drive<'g>(
                 }
                 if let (Some(cancelled), Some(upstream)) = (cancel_pending, &io.upstream) {
                     let reaper = &call.gw.upstreams.reaper;
-                    let _first_try = reaper.cancel(upstream, &cancelled, "gave_up").await;
+                    let _first_try = Box::pin(reaper.cancel(upstream, &cancelled, "gave_up")).await;
                 }
                 if let Some(shape) = io.warm_after.take() {
                     warm::warm_up(call.gw, call.group, call.request, shape);
@@ -821,7 +822,10 @@ async fn get_or_cut<'g>(
     cut
 }
 
-/// Carries out one command; returns what the flow must be told of its outcome.
+/// Carries out one command; returns what the flow must be told of its outcome. A step
+/// whose future is large and not on every flow's path (opening a session, holding,
+/// cancelling) awaits it boxed, so that the request's future, which pingora moves onto
+/// the heap per request, stays small (ARCHITECTURE.md, "A request's future stays small").
 async fn execute<'g>(
     call: &Call<'g>,
     session: &mut ServerSession,
@@ -834,7 +838,7 @@ async fn execute<'g>(
         gw, group, request, ..
     } = *call;
     match command {
-        Command::OpenSession => Some(open_session(call, io).await),
+        Command::OpenSession => Some(Box::pin(open_session(call, io)).await),
         Command::PostCall { id } => post_call(call, io, id),
         Command::Post(message) => {
             let upstream = io.upstream.as_mut()?;
@@ -862,7 +866,7 @@ async fn execute<'g>(
             // Kept to be sent again when the upstream may take it later; the answer is
             // the first attempt's.
             let reaper = &gw.upstreams.reaper;
-            let posted = reaper.cancel(upstream, &cancelled, "gave_up").await;
+            let posted = Box::pin(reaper.cancel(upstream, &cancelled, "gave_up")).await;
             Some(Input::Posted(posted.map_err(|e| failure(&e))))
         }
         Command::Notify(message) => {
@@ -932,7 +936,10 @@ async fn execute<'g>(
             questions,
             expires_at,
             cancel_on_expiry,
-        } => Some(hold(call, io, flow, questions, expires_at, cancel_on_expiry).await),
+        } => {
+            let held = hold(call, io, flow, questions, expires_at, cancel_on_expiry);
+            Some(Box::pin(held).await)
+        }
         Command::ReleaseClaim => {
             if let Some(used) = io.claim.take() {
                 gw.sealing
@@ -1276,7 +1283,7 @@ async fn hold(
             }))
         }
         Err((refused, held)) => {
-            held.abandon(gw).await;
+            Box::pin(held.abandon(gw)).await;
             let refusal = match refused {
                 NotHeld::Full => Refusal::internal(
                     Class::Overloaded,
