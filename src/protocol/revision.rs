@@ -38,7 +38,33 @@ impl Revision {
 
     /// The `MCP-Protocol-Version` header value naming it.
     pub fn header_value(self) -> http::HeaderValue {
-        http::HeaderValue::from_str(&self.to_string()).expect("digits and dashes")
+        match self.date() {
+            Some(date) => http::HeaderValue::from_bytes(&date),
+            None => http::HeaderValue::from_str(&self.to_string()),
+        }
+        .expect("digits and dashes")
+    }
+
+    /// Its date, `YYYY-MM-DD`, spelled without the formatter's padding: every request of
+    /// an upstream session names it. `None` past year 9999 (no revision `parse` reads).
+    fn date(self) -> Option<[u8; 10]> {
+        let n = self.0;
+        if n > 99_999_999 {
+            return None;
+        }
+        let digit = |place: u32| b'0' + (n / place % 10) as u8;
+        Some([
+            digit(10_000_000),
+            digit(1_000_000),
+            digit(100_000),
+            digit(10_000),
+            b'-',
+            digit(1_000),
+            digit(100),
+            b'-',
+            digit(10),
+            digit(1),
+        ])
     }
 }
 
@@ -51,6 +77,9 @@ impl Default for Revision {
 
 impl fmt::Display for Revision {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(date) = self.date() {
+            return f.write_str(std::str::from_utf8(&date).expect("digits and dashes"));
+        }
         let n = self.0;
         write!(f, "{:04}-{:02}-{:02}", n / 10_000, n / 100 % 100, n % 100)
     }
@@ -62,12 +91,28 @@ mod tests {
 
     #[test]
     fn a_revision_reads_and_prints_as_its_date() {
-        for text in ["2024-11-05", "2025-03-26", "2025-06-18", "2025-11-25"] {
+        for text in [
+            "2024-11-05",
+            "2025-03-26",
+            "2025-06-18",
+            "2025-11-25",
+            "0000-00-00",
+            "0001-02-03",
+            "9999-99-99",
+        ] {
             let revision = Revision::parse(text).expect(text);
             assert_eq!(revision.to_string(), text);
             assert_eq!(revision.header_value(), text);
         }
         assert_eq!(Revision::REQUESTED.to_string(), "2025-11-25");
+    }
+
+    /// No text `parse` reads makes one, but a number past eight digits still prints whole.
+    #[test]
+    fn a_revision_past_year_9999_prints_every_digit() {
+        let revision = Revision(4_000_000_001);
+        assert_eq!(revision.to_string(), "400000-00-01");
+        assert_eq!(revision.header_value(), "400000-00-01");
     }
 
     #[test]
