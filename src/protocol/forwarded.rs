@@ -120,9 +120,10 @@ pub fn forwarding_headers(client: &HeaderMap, hop: &Hop) -> Vec<(HeaderName, Hea
         Some(prior) => format!("{prior}, {this}"),
         None => this,
     };
+    let address = peer.to_string();
     let mut element = String::with_capacity(64);
     element.push_str("for=");
-    push_node(&mut element, peer);
+    push_node(&mut element, peer, &address);
     if let Some(host) = hop.host {
         element.push_str(";host=");
         push_quoted(&mut element, host);
@@ -132,7 +133,7 @@ pub fn forwarding_headers(client: &HeaderMap, hop: &Hop) -> Vec<(HeaderName, Hea
     let mut out = vec![
         (
             names::X_FORWARDED_FOR,
-            chain(believed(X_FORWARDED_FOR), peer.to_string()),
+            chain(believed(X_FORWARDED_FOR), address),
         ),
         (names::FORWARDED, chain(believed(FORWARDED), element)),
         (
@@ -168,13 +169,17 @@ fn joined(headers: &HeaderMap, name: &str) -> Option<String> {
     (!values.is_empty()).then(|| values.join(", "))
 }
 
-/// Appends an RFC 7239 node: an IPv4 address as it is, an IPv6 one bracketed and quoted.
-fn push_node(out: &mut String, ip: IpAddr) {
-    use std::fmt::Write;
-    let _ = match ip {
-        IpAddr::V4(v4) => write!(out, "{v4}"),
-        IpAddr::V6(v6) => write!(out, "\"[{v6}]\""),
-    };
+/// Appends an RFC 7239 node, `ip` written as `address`: an IPv4 address as it is, an
+/// IPv6 one bracketed and quoted.
+fn push_node(out: &mut String, ip: IpAddr, address: &str) {
+    match ip {
+        IpAddr::V4(_) => out.push_str(address),
+        IpAddr::V6(_) => {
+            out.push_str("\"[");
+            out.push_str(address);
+            out.push_str("]\"");
+        }
+    }
 }
 
 /// Appends `text` as an RFC 7230 quoted-string.

@@ -58,14 +58,25 @@ impl IdTag {
         IdTag(URL_SAFE_NO_PAD.encode(rand::random::<[u8; 12]>()))
     }
 
-    /// `id` wrapped: an integer or a string (what `jsonrpc::classify` lets through).
+    /// `id` wrapped, as JSON text: an integer or a string (what `jsonrpc::classify` lets
+    /// through). Built in one buffer: every request on pass-through has one.
     fn wrap(&self, id: &Value) -> Option<String> {
-        let wrapped = match id {
-            Value::Number(n) if n.is_i64() || n.is_u64() => format!("mrtr.{}.n.{n}", self.0),
-            Value::String(s) => format!("mrtr.{}.s.{}", self.0, URL_SAFE_NO_PAD.encode(s)),
+        let mut out = String::with_capacity(MARK.len() + TAG_CHARS + 24);
+        out.push_str("\"mrtr.");
+        out.push_str(&self.0);
+        match id {
+            Value::Number(n) if n.is_i64() || n.is_u64() => {
+                use std::fmt::Write;
+                let _ = write!(out, ".n.{n}");
+            }
+            Value::String(s) => {
+                out.push_str(".s.");
+                URL_SAFE_NO_PAD.encode_string(s, &mut out);
+            }
             _ => return None,
-        };
-        Some(format!("\"{wrapped}\""))
+        }
+        out.push('"');
+        Some(out)
     }
 }
 
@@ -453,6 +464,20 @@ mod tests {
         let answer = json!({"jsonrpc": "2.0", "id": a["id"], "result": {}}).to_string();
         let back = unwrap_in_pieces(answer.as_bytes(), &[]);
         assert_eq!(serde_json::from_slice::<Value>(&back).unwrap()["id"], 2);
+    }
+
+    /// The form every release wraps in and unwraps, so that replicas of two releases
+    /// unwrap each other's ids.
+    #[test]
+    fn ids_wrap_in_the_documented_form() {
+        let tag = tag();
+        let at = |id: Value| {
+            wrapped(json!({"jsonrpc": "2.0", "id": id, "method": "ping"}))["id"].clone()
+        };
+        assert_eq!(at(json!(7)), format!("mrtr.{}.n.7", tag.0));
+        assert_eq!(at(json!(-3)), format!("mrtr.{}.n.-3", tag.0));
+        assert_eq!(at(json!("a?")), format!("mrtr.{}.s.YT8", tag.0));
+        assert_eq!(tag.0.len(), TAG_CHARS);
     }
 
     #[test]
