@@ -1513,7 +1513,7 @@ impl Flow {
         if let Some(fingerprint) = pending.fingerprint {
             self.common.known.push(Known {
                 fingerprint,
-                answer: answer.to_string(),
+                answer: jsonrpc::text_of(&answer),
                 used: true,
             });
         }
@@ -2255,7 +2255,7 @@ impl Flow {
             if let (Some(fingerprint), Some(answer)) = (p.fingerprint, responses.get(&p.key)) {
                 self.common.known.push(Known {
                     fingerprint,
-                    answer: answer.to_string(),
+                    answer: jsonrpc::text_of(answer),
                     used: true,
                 });
             }

@@ -18,6 +18,7 @@
 //! `inspect` a state without knowing the request it belongs to.
 
 use crate::keys::{KeyRing, Purpose};
+use crate::protocol::jsonrpc;
 use crate::protocol::revision::Revision;
 use crate::seal::{self, same, OpenError};
 use serde::{Deserialize, Serialize};
@@ -132,7 +133,7 @@ pub fn fingerprint(method: &str, params: &Value) -> u64 {
     h.update(b"mrtr-gateway request fingerprint v1\0");
     h.update(method.as_bytes());
     h.update(b"\0");
-    h.update(params.to_string().as_bytes());
+    h.update(jsonrpc::text_of(&params).as_bytes());
     let digest = h.finalize();
     u64::from_be_bytes(digest[..8].try_into().expect("8 bytes"))
 }
@@ -299,7 +300,7 @@ pub fn binding(
         h.update(part.as_bytes());
     }
     // serde_json keeps object keys sorted, so equal arguments serialize equally.
-    let args = arguments.map(|a| a.to_string()).unwrap_or_default();
+    let args = arguments.map(jsonrpc::text_of).unwrap_or_default();
     h.update(Sha256::digest(args.as_bytes()));
     let request: [u8; 32] = h.finalize().into();
     let mut bound = [0u8; 32];

@@ -6,7 +6,7 @@
 
 use super::modern::LogLevel;
 use super::state::{fingerprint, Asked, Known, Pending, QuestionKind, ReadBefore, UpstreamId};
-use crate::protocol::jsonrpc::code;
+use crate::protocol::jsonrpc::{self, code};
 use serde_json::{json, Map, Value};
 use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
 
@@ -466,7 +466,7 @@ impl Round {
         };
         let question = self.pending.remove(at);
         if let Some(request) = self.input_requests.remove(&question.key) {
-            let bytes = question.key.len() + request.to_string().len();
+            let bytes = question.key.len() + jsonrpc::text_of(&request).len();
             self.question_bytes = self.question_bytes.saturating_sub(bytes);
         }
         self.answered.push(id);
@@ -560,7 +560,7 @@ impl Round {
         let key = self.key_for(method, &upstream_id, &mut params);
         strip_legacy_fields(&mut params);
         let request = json!({"method": method, "params": params});
-        let bytes = key.len() + request.to_string().len();
+        let bytes = key.len() + jsonrpc::text_of(&request).len();
         if self.question_bytes + bytes > self.limits.max_bytes {
             return vec![Action::Fail(format!(
                 "the server's questions in one round take more than {} bytes, the limit (limits.max_input_requests_bytes)",

@@ -332,7 +332,7 @@ impl<'a> LegacySession<'a> {
 
     /// POSTs one JSON-RPC message and returns the response with its header read.
     pub async fn post(&self, message: &Value) -> Result<Response, SessionError> {
-        let body = Bytes::from(message.to_string());
+        let body = Bytes::from(jsonrpc::text_of(message));
         let req = self.request("POST", body.len(), None);
         let response = self
             .client

@@ -16,6 +16,7 @@
 //! the bound, when it idles out (`KeptSweeper`), and at shutdown.
 
 use crate::gateway::upstream_side::UpstreamSide;
+use crate::protocol::jsonrpc;
 use crate::protocol::revision::Revision;
 use crate::upstream::exchange::UpstreamClient;
 use crate::upstream::legacy_session::{Caller, LegacySession};
@@ -104,8 +105,8 @@ impl KeptSessions {
         h.update(b"mrtr-gateway one-shot shape v1\0");
         for part in [
             group.to_string(),
-            capabilities.to_string(),
-            client_info.to_string(),
+            jsonrpc::text_of(capabilities),
+            jsonrpc::text_of(client_info),
         ] {
             h.update((part.len() as u64).to_be_bytes());
             h.update(part.as_bytes());

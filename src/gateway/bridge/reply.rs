@@ -32,7 +32,7 @@ impl ClientReply {
     /// accepts it (else the notification is dropped); `Err` when the write failed: the
     /// client left, or stopped reading.
     pub async fn notify(&mut self, session: &mut ServerSession, message: &Value) -> Result<(), ()> {
-        let event = sse::Event::message(None, message.to_string()).encode();
+        let event = sse::Event::message(None, jsonrpc::text_of(message)).encode();
         self.stream(session, Bytes::from(event)).await.map(drop)
     }
 
@@ -149,7 +149,7 @@ impl ClientReply {
     /// Writes the response's last message; returns whether the client took it.
     async fn finish(&self, session: &mut ServerSession, status: u16, message: Value) -> bool {
         if self.streaming.is_some() {
-            let event = sse::Event::message(None, message.to_string()).encode();
+            let event = sse::Event::message(None, jsonrpc::text_of(&message)).encode();
             respond::write_body(session, Bytes::from(event), true)
                 .await
                 .is_ok()
@@ -158,7 +158,7 @@ impl ClientReply {
                 session,
                 status,
                 "application/json",
-                Bytes::from(message.to_string()),
+                Bytes::from(jsonrpc::text_of(&message)),
             )
             .await
         }
