@@ -146,7 +146,9 @@ pub async fn serve(
     let method = method_label(message["method"].as_str());
     // The flow id is recorded into this span once known, so the access line carries it.
     let span = tracing::info_span!("request", flow = tracing::field::Empty);
-    let served = serve_inner(gw, session, group, &message, &incoming)
+    // Boxed before it is wrapped: built in place once, not copied into the wrapper and
+    // again with this future when `Gateway::handle` boxes it.
+    let served = Box::pin(serve_inner(gw, session, group, &message, &incoming))
         .instrument(span.clone())
         .await;
     match served {
@@ -660,13 +662,14 @@ async fn end_session_later(gw: &Gateway, upstream: LegacySession<'_>, streams: s
     reaper.forget(&upstream.endpoint, sid);
     let (sid, timeouts) = (sid.to_owned(), *upstream.timeouts);
     let (endpoint, version, caller) = (upstream.endpoint, upstream.version, upstream.caller);
-    tokio::spawn(async move {
+    // Boxed, as `warm::warm_up`'s task is: moved once, not copied on spawn and end.
+    tokio::spawn(Box::pin(async move {
         let mut session = LegacySession::resume(&client, endpoint, &timeouts, sid, version);
         session.caller = caller;
         reaper.delete(&session).await;
         streams.drain(&client, STREAMS_END_WITH_SESSION).await;
         drop(permit);
-    });
+    }));
 }
 
 /// Resource not found, up to 2025-11-25; reserved, never reused, from 2026-07-28.

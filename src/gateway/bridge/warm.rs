@@ -115,7 +115,9 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
         headers: request.headers.clone(),
         ..Caller::default()
     };
-    tokio::spawn(async move {
+    // Boxed: a task's future is copied several times as it is spawned and ended
+    // (ARCHITECTURE.md, "A request's future stays small"); a box is moved once.
+    tokio::spawn(Box::pin(async move {
         let opened = LegacySession::open(&client, endpoint, &timeouts, &caps, &info, &caller).await;
         match opened {
             Ok((session, _)) => match session.session_id.clone() {
@@ -162,7 +164,7 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
             }
         }
         client.metrics.warm_sessions.set(pool.ready() as i64);
-    });
+    }));
 }
 
 /// Deletes `warm` upstream; a DELETE the upstream may take later is handed to the
