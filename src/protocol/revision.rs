@@ -46,7 +46,7 @@ impl Revision {
     }
 
     /// Its date, `YYYY-MM-DD`, spelled without the formatter's padding: every request of
-    /// an upstream session names it. `None` past year 9999 (no revision `parse` reads).
+    /// an upstream session names it. `None` past year 9999, where no parsed revision is.
     fn date(self) -> Option<[u8; 10]> {
         let n = self.0;
         if n > 99_999_999 {
