@@ -298,8 +298,8 @@ impl<'a> LegacySession<'a> {
         // The client's query came as part of its request URI, so the target is one too.
         let target = upstream_target(&self.endpoint.path, self.caller.headers.query());
         // The endpoint's path and the client's query are at most `MAX_TARGET_BYTES` each
-        // (configuration, admission), and valid URI parts. Every name is lowercase (from a
-        // `HeaderMap`, or written so below): no case map to keep beside the headers.
+        // (configuration, admission), and valid URI parts. No case map: pingora writes
+        // standard names title-cased and the rest as given (names are case-insensitive).
         let mut req = RequestHeader::build_no_case(method, target.as_bytes(), Some(16))
             .expect("valid method and target");
         for (name, value) in self.caller.headers.iter() {
