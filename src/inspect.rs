@@ -83,6 +83,15 @@ fn state_report(kid: &str, bound: &[u8; 32], s: &FlowState, now: u64) -> String 
             "session stream from",
             positions.session_from.unwrap_or_default(),
         ),
+        (
+            "resumes primed",
+            match positions.primes {
+                Some(true) => "yes",
+                Some(false) => "no",
+                None => "not known",
+            }
+            .to_string(),
+        ),
         ("known answers", s.known.len().to_string()),
         ("expires", expiry(s.expires_at, now)),
         ("flow deadline", expiry(s.flow_deadline, now)),
@@ -187,6 +196,7 @@ mod tests {
                 positions: Positions {
                     last_event_id: Some("ev-3".into()),
                     round_start: Some("ev-2".into()),
+                    primes: Some(false),
                     ..Positions::default()
                 },
             },
@@ -203,6 +213,7 @@ mod tests {
             "elicitation_0=0",
             "round             2",
             "ev-3",
+            "resumes primed    no",
             "1000 (valid for 600 s more)",
             "0000000000000abc",
             "09090909090909090909090909090909",

@@ -111,7 +111,8 @@ fn pending() -> Vec<Pending> {
         .collect()
 }
 
-fn prior(kind: u8, data_session: bool) -> FlowState {
+/// A state of phase `kind`; a resumable one says `primes` of the upstream's priming.
+fn prior(kind: u8, data_session: bool, primes: Option<bool>) -> FlowState {
     let call = UpstreamCall {
         endpoint: "10.0.0.7:3001".parse().unwrap(),
         session: "s1".into(),
@@ -132,6 +133,7 @@ fn prior(kind: u8, data_session: bool) -> FlowState {
                     call: 1,
                     session: 1,
                 },
+                primes,
             },
         },
         2 => Waiting::Held {
@@ -386,14 +388,18 @@ fuzz_target!(|input: &[u8]| {
         0 => Flow::new_call(config.clone(), now),
         2 if mask & 0x80 != 0 => Flow::retry(
             config.clone(),
-            prior(2, config.data_session),
+            prior(2, config.data_session, None),
             responses.clone(),
             Some(held_questions.clone()),
             now,
         ),
         k => Flow::retry(
             config.clone(),
-            prior(k, config.data_session),
+            prior(
+                k,
+                config.data_session,
+                [None, Some(false), Some(true)][(mask as usize >> 4) % 3],
+            ),
             responses.clone(),
             None,
             now,

@@ -2065,6 +2065,7 @@ impl Flow {
                     session_from: r.round.session_resume_from().map(str::to_string),
                     session_replayable: r.round.session_replayable(),
                     read_before: r.round.read_before(),
+                    primes: self.config.primes,
                 };
                 let state = self.state(Waiting::Resumable {
                     call: r.call.clone(),

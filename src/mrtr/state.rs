@@ -215,6 +215,12 @@ pub struct Positions {
     /// read. Sealed in an extension of its own, after the round's.
     #[serde(skip)]
     pub read_before: ReadBefore,
+    /// Whether the group's resumed streams are primed, as the replica that sealed the
+    /// state knew it (`None`: not known there): a replica that does not know yet takes
+    /// it, rather than waiting to learn it at its first retry. Sealed in an extension of
+    /// its own, after `read_before`'s.
+    #[serde(skip)]
+    pub primes: Option<bool>,
 }
 
 /// How many events carrying a message a stream sent from its first question of a round
@@ -236,6 +242,14 @@ struct RoundExtension {
     /// Each pending question's, in order.
     asked: Vec<Asked>,
     session_replayable: bool,
+}
+
+/// What the sealing replica had learnt of the group's upstream, sealed after
+/// `ReadBefore` (as nothing in a held round) so that the replica taking the retry need not
+/// learn it again. A state without it (sealed by a release before it) says nothing.
+#[derive(Default, Serialize, Deserialize)]
+struct UpstreamFacts {
+    primes: Option<bool>,
 }
 
 impl Waiting {
@@ -437,19 +451,24 @@ impl FlowState {
 
     /// `plain`, a sealed layout of the state, followed by its extensions: the call's
     /// session revision, when there is a call; then, for a round with questions, what
-    /// they were and where they came from, and how many events a resumption from the
-    /// round's start replays that it read.
+    /// they were and where they came from, how many events a resumption from the
+    /// round's start replays that it read, and what this replica knew of the upstream.
     fn extended(&self, plain: Vec<u8>) -> Vec<u8> {
         let serialized = "an extension always serializes";
         let Some(call) = self.waiting.call() else {
             return plain;
         };
         let plain = postcard::to_extend(&call.version, plain).expect(serialized);
-        let (pending, session_replayable, read_before) = match &self.waiting {
+        let (pending, session_replayable, read_before, primes) = match &self.waiting {
             Waiting::Resumable {
                 pending, positions, ..
-            } => (pending, positions.session_replayable, positions.read_before),
-            Waiting::Held { pending, .. } => (pending, false, ReadBefore::default()),
+            } => (
+                pending,
+                positions.session_replayable,
+                positions.read_before,
+                positions.primes,
+            ),
+            Waiting::Held { pending, .. } => (pending, false, ReadBefore::default(), None),
             Waiting::Deferred { .. } | Waiting::Reissue { .. } => return plain,
         };
         let round = RoundExtension {
@@ -457,7 +476,8 @@ impl FlowState {
             session_replayable,
         };
         let plain = postcard::to_extend(&round, plain).expect(serialized);
-        postcard::to_extend(&read_before, plain).expect(serialized)
+        let plain = postcard::to_extend(&read_before, plain).expect(serialized);
+        postcard::to_extend(&UpstreamFacts { primes }, plain).expect(serialized)
     }
 
     /// Sets what the extensions after a sealed layout (`rest`) say, where there are some.
@@ -480,10 +500,12 @@ impl FlowState {
         }
         // Written for held rounds too (as nothing), so that what follows it, in a later
         // release, is found in one place whatever the phase.
-        let read_before = seal::extension::<ReadBefore>(rest)?.unwrap_or_default();
+        let (read_before, rest) = seal::next_extension::<ReadBefore>(rest)?;
+        let facts = seal::extension::<UpstreamFacts>(rest)?.unwrap_or_default();
         if let Some(positions) = positions {
             positions.session_replayable = round.session_replayable;
-            positions.read_before = read_before;
+            positions.read_before = read_before.unwrap_or_default();
+            positions.primes = facts.primes;
         }
         Ok(())
     }
@@ -867,10 +889,75 @@ mod tests {
                 state
             );
         }
-        // Ten bytes more than without the extensions: the revision's four, the round's
-        // (one question, its kind and stream, two; a flag; a length), and two counts.
+        // Eleven bytes more than without the extensions: the revision's four, the round's
+        // (one question, its kind and stream, two; a flag; a length), two counts, and
+        // the upstream's facts (none known: one).
         let without = postcard::to_allocvec(&([0u8; 32], &state)).unwrap().len();
-        assert_eq!(state.plaintext_len(), without + 10);
+        assert_eq!(state.plaintext_len(), without + 11);
+    }
+
+    #[test]
+    fn whether_the_upstream_primes_travels_last_and_a_state_without_it_says_nothing() {
+        let b = binding(&[1; 32], "tools/call", Some("ask_name"), Some(&json!({})));
+        for primes in [Some(false), Some(true), None] {
+            let mut state = on_an_older_revision();
+            if let Waiting::Resumable { positions, .. } = &mut state.waiting {
+                positions.read_before = ReadBefore {
+                    call: 1,
+                    session: 0,
+                };
+                positions.primes = primes;
+            }
+            let sealed = state.seal(&ring(), &b);
+            assert_eq!(
+                FlowState::open(&ring(), &b, &sealed, 1_900_000_000).unwrap(),
+                state
+            );
+            // The release before reads what it knows and leaves the facts.
+            let plain =
+                seal::open(&ring(), Purpose::RequestState, b"", &sealed, usize::MAX).unwrap();
+            let (_, rest): (([u8; 32], FlowState), _) = postcard::take_from_bytes(&plain).unwrap();
+            let (_, rest) = seal::next_extension::<Revision>(rest).unwrap();
+            let (_, rest) = seal::next_extension::<RoundExtension>(rest).unwrap();
+            let read_before = seal::extension::<ReadBefore>(rest).unwrap();
+            assert_eq!(
+                read_before,
+                Some(ReadBefore {
+                    call: 1,
+                    session: 0
+                })
+            );
+        }
+        // A state of that release (everything up to the counts) opens knowing nothing.
+        let mut state = on_an_older_revision();
+        if let Waiting::Resumable { positions, .. } = &mut state.waiting {
+            positions.read_before = ReadBefore {
+                call: 1,
+                session: 0,
+            };
+        }
+        let round = RoundExtension {
+            asked: vec![state.waiting.pending()[0].asked],
+            session_replayable: false,
+        };
+        let plain = postcard::to_allocvec(&(&b, &state)).unwrap();
+        let plain = postcard::to_extend(&state.waiting.call().unwrap().version, plain).unwrap();
+        let plain = postcard::to_extend(&round, plain).unwrap();
+        let plain = postcard::to_extend(
+            &ReadBefore {
+                call: 1,
+                session: 0,
+            },
+            plain,
+        )
+        .unwrap();
+        let theirs = seal::seal(&ring(), Purpose::RequestState, b"", &plain);
+        let opened = FlowState::open(&ring(), &b, &theirs, 1_900_000_000).unwrap();
+        assert_eq!(opened, state);
+        let Waiting::Resumable { positions, .. } = &opened.waiting else {
+            panic!("{opened:?}");
+        };
+        assert_eq!((positions.primes, positions.read_before.call), (None, 1));
     }
 
     #[test]
