@@ -61,6 +61,7 @@ pub struct Metrics {
     pub upstream_resumable: IntGaugeVec,
     /// Restartable calls run again after their upstream session was lost.
     pub call_restarts: IntCounter,
+    pub resumptions_unprimed: IntCounterVec,
     /// Flows held on this replica (hold mode), and the bytes the gateway buffers for them.
     pub held_flows: IntGauge,
     pub held_bytes: IntGauge,
@@ -359,6 +360,12 @@ impl Metrics {
                     "Restartable calls run again after their upstream session was lost",
                 )
                 .expect("valid metric"),
+            ),
+            resumptions_unprimed: counters(
+                &r,
+                "mrtr_gateway_resumptions_unprimed_total",
+                "Retries whose resumed call stream sent no priming event within the wait for one (300 ms while not known whether the group primes, 2 s once known that it does); the answers went up after it",
+                &["group"],
             ),
             keys_loaded: gauge(&r, "mrtr_gateway_keys_loaded", "Keys in the key ring"),
             held_flows: gauge(

@@ -93,6 +93,10 @@ impl UpstreamSide {
         for group in &config.upstreams {
             let unknown = metrics.upstream_resumable.with_label_values(&[&group.name]);
             unknown.set(-1);
+            // At 0 from the start: "none yet" rather than "no data".
+            metrics
+                .resumptions_unprimed
+                .with_label_values(&[&group.name]);
         }
         UpstreamSide {
             groups,

@@ -441,6 +441,10 @@ pub enum Note {
     Restarted,
     /// A round cut short by draining goes to the client, for another replica to resume.
     HandedOver,
+    /// A retry's resumed call stream sent no priming event within the wait for one
+    /// (`SETTLE_UNKNOWN` while the group's priming is not known, `SETTLE_PRIMED` once it
+    /// is): the answers go up after that wait.
+    Unprimed,
 }
 
 /// How the request ends.
@@ -1044,6 +1048,7 @@ impl Flow {
         let phase = std::mem::replace(&mut self.phase, Phase::Done);
         self.phase = match phase {
             Phase::Settling { retry, until } if now >= until => {
+                self.commands.push_back(Command::Note(Note::Unprimed));
                 if self.config.primes.is_none() {
                     self.learn(Learnt::Primes(false));
                 }
@@ -1238,6 +1243,11 @@ impl Flow {
         responses: Map<String, Value>,
         now: Instant,
     ) -> Phase {
+        // Whether the upstream primes, as the replica that sealed the state had learnt,
+        // where this one has not: its first retry need not wait to learn it again.
+        if let (None, Some(primes)) = (self.config.primes, positions.primes) {
+            self.learn(Learnt::Primes(primes));
+        }
         let mut retry = Retry::new(call, pending, responses, AfterAnswers::Read);
         // Each stream that sent an unanswered question is replayed from before the
         // round's first question on it, so the upstream asks it again; a stream that did

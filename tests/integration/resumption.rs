@@ -49,6 +49,39 @@ fn a_server_that_forgets_a_calls_events_at_its_result_loses_no_flow() {
     println!("a store that drops a call's events at its result: 18 flows, none lost");
 }
 
+/// The TypeScript SDK server sends no priming event on a resumed stream. The first retry a
+/// replica takes to it waits to learn that (`mrtr_gateway_resumptions_unprimed_total`
+/// counts the wait); the states it seals from then on say so, and a replica that has not
+/// learnt it yet takes their word: the retries on the other replica never wait.
+#[test]
+fn whether_the_upstream_primes_travels_in_the_state_to_the_replica_taking_the_retry() {
+    let (_upstream, url) = start_upstream(Upstream::TypeScript);
+    let a = TestGateway::start(&[&url], &test_keys());
+    let b = TestGateway::start(&[&url], &test_keys());
+    let unprimed = |g: &TestGateway| {
+        metric_with(
+            &g.admin,
+            "mrtr_gateway_resumptions_unprimed_total",
+            "\"default\"",
+        )
+    };
+    assert_eq!((unprimed(&a), unprimed(&b)), (Some(0.0), Some(0.0)));
+    let lines = python_modern(&[&a.url, "elicit"]);
+    assert_modern_call(&lines, "Python client, elicit on one replica");
+    assert_eq!(
+        unprimed(&a),
+        Some(1.0),
+        "the first retry waited to learn it"
+    );
+    both_clients_alternating(&a, &b, "elicit", 2);
+    both_clients_alternating(&a, &b, "multi", 1);
+    assert_eq!(
+        (unprimed(&a), unprimed(&b)),
+        (Some(1.0), Some(0.0)),
+        "a retry waited for a priming event the states said would not come"
+    );
+}
+
 /// FastMCP for TypeScript asks every question on the session's GET stream, never on the
 /// call's, and waits a second on every `initialize`: both official clients complete one
 /// question, two in turn and two at once (`Promise.all`), every request on the other of

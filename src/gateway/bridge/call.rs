@@ -963,6 +963,15 @@ async fn execute<'g>(
             tracing::info!("round handed over: draining");
             None
         }
+        Command::Note(Note::Unprimed) => {
+            let metrics = &gw.runtime.metrics;
+            metrics
+                .resumptions_unprimed
+                .with_label_values(&[&group.name])
+                .inc();
+            tracing::info!(group = %group.name, "resumed call stream sent no priming event in time; answers posted after the wait");
+            None
+        }
         // The driver carries these out itself: the ends (closing the streams, deleting the
         // session, a cancellation) right before the next command, or after the finish.
         Command::Get(_)

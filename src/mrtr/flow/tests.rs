@@ -355,7 +355,13 @@ fn get_stream_round() -> Harness {
 
 /// A first round that asked one question (id 0) on the call's stream, event `c2`.
 fn first_round() -> Harness {
-    let mut h = Harness::new_call(config(), Upstream::default());
+    first_round_knowing(config().primes)
+}
+
+/// `first_round`, on a replica that knows `primes` of whether the upstream primes.
+fn first_round_knowing(primes: Option<bool>) -> Harness {
+    let config = FlowConfig { primes, ..config() };
+    let mut h = Harness::new_call(config, Upstream::default());
     h.event(Stream::Call, Some("c1"), &json!(""));
     h.event(Stream::Call, Some("c2"), &question(0, "Name?"));
     h.advance(Duration::from_millis(10));
@@ -815,7 +821,7 @@ fn a_result_replayed_before_the_priming_event_is_read_once_the_answers_are_up() 
 
 #[test]
 fn an_unknown_upstream_teaches_whether_it_primes() {
-    let first = first_round();
+    let first = first_round_knowing(None);
     let mut unknown = config();
     unknown.primes = None;
     let mut h = retry_of(
@@ -825,8 +831,11 @@ fn an_unknown_upstream_teaches_whether_it_primes() {
         json!({"elicitation_0": accept("Ada")}),
     );
     assert!(h.posted().is_empty());
-    h.advance(Duration::from_millis(300));
+    h.advance(Duration::from_millis(299));
+    assert!(h.posted().is_empty());
+    h.advance(Duration::from_millis(1));
     assert!(h.log.contains(&Command::Learn(Learnt::Primes(false))));
+    assert!(h.log.contains(&Command::Note(Note::Unprimed)));
     assert_eq!(h.posted().len(), 1, "the answers go up after the wait");
     let mut known_not = config();
     known_not.primes = Some(false);
@@ -844,10 +853,51 @@ fn an_unknown_upstream_teaches_whether_it_primes() {
 }
 
 #[test]
+fn a_replica_that_does_not_know_whether_the_upstream_primes_takes_the_states_word() {
+    let responses = || json!({"elicitation_0": accept("Ada")});
+    let unknown = FlowConfig {
+        primes: None,
+        ..config()
+    };
+    // Sealed where the upstream was known not to prime: the answers go up at once, and
+    // the replica knows it from then on.
+    let first = first_round_knowing(Some(false));
+    let Waiting::Resumable { positions, .. } = &first.state().waiting else {
+        panic!("{:?}", first.state());
+    };
+    assert_eq!(positions.primes, Some(false));
+    let h = retry_of(&first, unknown.clone(), Upstream::default(), responses());
+    assert_eq!(h.log[0], Command::Learn(Learnt::Primes(false)));
+    assert_eq!(h.posted().len(), 1, "no wait to learn it again");
+    assert!(!h.log.contains(&Command::Note(Note::Unprimed)));
+    // Sealed where it was known to prime: the answers wait for the priming event, past
+    // the wait a replica that knows nothing gives it.
+    let first = first_round_knowing(Some(true));
+    let mut h = retry_of(&first, unknown.clone(), Upstream::default(), responses());
+    assert_eq!(h.log[0], Command::Learn(Learnt::Primes(true)));
+    h.advance(Duration::from_millis(1_000));
+    assert!(h.posted().is_empty(), "waiting for the priming event");
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    assert_eq!(h.posted().len(), 1);
+    // A replica that knows keeps what it knows.
+    let first = first_round_knowing(Some(true));
+    let known_not = FlowConfig {
+        primes: Some(false),
+        ..config()
+    };
+    let h = retry_of(&first, known_not, Upstream::default(), responses());
+    assert!(!h
+        .log
+        .iter()
+        .any(|c| matches!(c, Command::Learn(Learnt::Primes(_)))));
+    assert_eq!(h.posted().len(), 1);
+}
+
+#[test]
 fn the_wait_for_priming_counts_from_the_call_streams_resumption() {
     // A server that keeps a closed GET stream makes the session's stream take its retries
     // (up to 140 ms) after the call's stream is back; that time is part of the wait.
-    let first = first_round();
+    let first = first_round_knowing(None);
     let mut unknown = config();
     unknown.primes = None;
     let upstream = Upstream {
