@@ -85,12 +85,11 @@ fn state_report(kid: &str, bound: &[u8; 32], s: &FlowState, now: u64) -> String 
         ),
         (
             "resumes primed",
-            match positions.primes {
-                Some(true) => "yes",
-                Some(false) => "no",
-                None => "not known",
-            }
-            .to_string(),
+            known(positions.upstream.primes).to_string(),
+        ),
+        (
+            "sessions apart",
+            known(positions.upstream.sessions_kept_apart).to_string(),
         ),
         ("known answers", s.known.len().to_string()),
         ("expires", expiry(s.expires_at, now)),
@@ -99,6 +98,15 @@ fn state_report(kid: &str, bound: &[u8; 32], s: &FlowState, now: u64) -> String 
         ("request tag", hex(&bound[16..])),
     ];
     table(&fields)
+}
+
+/// A fact the sealing replica had learnt, or had not.
+fn known(fact: Option<bool>) -> &'static str {
+    match fact {
+        Some(true) => "yes",
+        Some(false) => "no",
+        None => "not known",
+    }
 }
 
 /// What a flow waits as, and for a held one, where: its owner's peer address and slot.
@@ -160,7 +168,9 @@ fn table(fields: &[(&str, String)]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mrtr::state::{binding, Pending, Positions, UpstreamCall, UpstreamId};
+    use crate::mrtr::state::{
+        binding, Pending, Positions, UpstreamCall, UpstreamFacts, UpstreamId,
+    };
     use crate::protocol::revision::Revision;
 
     fn ring(text: &str) -> KeyRing {
@@ -196,7 +206,10 @@ mod tests {
                 positions: Positions {
                     last_event_id: Some("ev-3".into()),
                     round_start: Some("ev-2".into()),
-                    primes: Some(false),
+                    upstream: UpstreamFacts {
+                        primes: Some(false),
+                        sessions_kept_apart: None,
+                    },
                     ..Positions::default()
                 },
             },
@@ -214,6 +227,7 @@ mod tests {
             "round             2",
             "ev-3",
             "resumes primed    no",
+            "sessions apart    not known",
             "1000 (valid for 600 s more)",
             "0000000000000abc",
             "09090909090909090909090909090909",

@@ -16,7 +16,7 @@ use mrtr_gateway::mrtr::flow::{
 use mrtr_gateway::mrtr::modern::LogLevel;
 use mrtr_gateway::mrtr::state::{
     Asked, FlowState, HeldAt, Pending, Positions, QuestionKind, ReadBefore, UpstreamCall,
-    UpstreamId, Waiting,
+    UpstreamFacts, UpstreamId, Waiting,
 };
 use mrtr_gateway::mrtr::translate::{Relay, RoundLimits};
 use mrtr_gateway::outcome::{Class, Refusal};
@@ -89,6 +89,7 @@ fn config(b: &mut Bytes) -> FlowConfig {
             _ => Some(false),
         },
         session_replay_scoped: flags & 0x80 != 0,
+        sessions_kept_apart: (flags & 0x80 != 0).then_some(true),
         shedding: b.next() % 16 == 0,
         now_secs: 1_000_000,
         now_ms: 1_000_000_000,
@@ -133,7 +134,10 @@ fn prior(kind: u8, data_session: bool, primes: Option<bool>) -> FlowState {
                     call: 1,
                     session: 1,
                 },
-                primes,
+                upstream: UpstreamFacts {
+                    primes,
+                    sessions_kept_apart: None,
+                },
             },
         },
         2 => Waiting::Held {

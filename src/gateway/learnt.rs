@@ -38,6 +38,18 @@ pub enum SessionReplay {
     Unavailable,
 }
 
+impl SessionReplay {
+    /// Whether the store keeps sessions apart, where that is known (what a state carries
+    /// to the replica taking its retry).
+    pub fn kept_apart(self) -> Option<bool> {
+        match self {
+            SessionReplay::Scoped => Some(true),
+            SessionReplay::Shared => Some(false),
+            SessionReplay::Unknown | SessionReplay::Unavailable => None,
+        }
+    }
+}
+
 /// What is known of one group.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GroupLearnt {

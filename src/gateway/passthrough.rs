@@ -305,7 +305,7 @@ async fn resumption(
             headers: gw.admission.end_to_end(session, group),
         };
         // Rare, and its future large: on the heap, so that every request's stays small.
-        let replay = session_replay(&gw.upstreams, group, &route.endpoint, &caller);
+        let replay = session_replay(&gw.upstreams, group, &route.endpoint, &caller, None);
         let replay = Box::pin(replay).await;
         if replay != SessionReplay::Scoped {
             tracing::debug!(group = %group.name, ?replay, "session GET stream reopened fresh");

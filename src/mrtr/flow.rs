@@ -64,7 +64,8 @@
 //! or when the grace period ends, and the flow is told which.
 
 use super::state::{
-    FlowState, HeldAt, Known, Pending, Positions, ReadBefore, UpstreamCall, UpstreamId, Waiting,
+    FlowState, HeldAt, Known, Pending, Positions, ReadBefore, UpstreamCall, UpstreamFacts,
+    UpstreamId, Waiting,
 };
 use super::translate::{Action, Relay, Round, RoundLimits};
 use crate::config::ResumeMode;
@@ -514,6 +515,9 @@ pub struct FlowConfig {
     pub primes: Option<bool>,
     /// The group's store keeps sessions apart: a GET stream may be resumed.
     pub session_replay_scoped: bool,
+    /// Whether the group's store keeps sessions apart, as this replica has learnt it
+    /// (`None`: not yet), for the states the flow seals.
+    pub sessions_kept_apart: Option<bool>,
     /// This replica sheds new calls now.
     pub shedding: bool,
     /// This replica can hold flows (a slot, and its peer address if it has one).
@@ -1245,7 +1249,7 @@ impl Flow {
     ) -> Phase {
         // Whether the upstream primes, as the replica that sealed the state had learnt,
         // where this one has not: its first retry need not wait to learn it again.
-        if let (None, Some(primes)) = (self.config.primes, positions.primes) {
+        if let (None, Some(primes)) = (self.config.primes, positions.upstream.primes) {
             self.learn(Learnt::Primes(primes));
         }
         let mut retry = Retry::new(call, pending, responses, AfterAnswers::Read);
@@ -2075,7 +2079,10 @@ impl Flow {
                     session_from: r.round.session_resume_from().map(str::to_string),
                     session_replayable: r.round.session_replayable(),
                     read_before: r.round.read_before(),
-                    primes: self.config.primes,
+                    upstream: UpstreamFacts {
+                        primes: self.config.primes,
+                        sessions_kept_apart: self.config.sessions_kept_apart,
+                    },
                 };
                 let state = self.state(Waiting::Resumable {
                     call: r.call.clone(),

@@ -215,12 +215,24 @@ pub struct Positions {
     /// read. Sealed in an extension of its own, after the round's.
     #[serde(skip)]
     pub read_before: ReadBefore,
-    /// Whether the group's resumed streams are primed, as the replica that sealed the
-    /// state knew it (`None`: not known there): a replica that does not know yet takes
-    /// it, rather than waiting to learn it at its first retry. Sealed in an extension of
-    /// its own, after `read_before`'s.
+    /// What the replica that sealed the state had learnt of the group's upstream. Sealed
+    /// in an extension of its own, after `read_before`'s.
     #[serde(skip)]
+    pub upstream: UpstreamFacts,
+}
+
+/// What a replica learns of a group's upstream by serving it, sealed in each round's
+/// state so that the replica taking the retry, when it has not learnt it yet, takes the
+/// sealing replica's word rather than learning it again (a wait, a probe) on its first
+/// retry. `None` where the sealing replica did not know, or in a state sealed by a release
+/// before it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpstreamFacts {
+    /// Whether its resumed streams are primed once live.
     pub primes: Option<bool>,
+    /// Whether its event store keeps sessions apart (a session's GET stream may be
+    /// resumed), or is shared by them (it is reopened fresh).
+    pub sessions_kept_apart: Option<bool>,
 }
 
 /// How many events carrying a message a stream sent from its first question of a round
@@ -242,14 +254,6 @@ struct RoundExtension {
     /// Each pending question's, in order.
     asked: Vec<Asked>,
     session_replayable: bool,
-}
-
-/// What the sealing replica had learnt of the group's upstream, sealed after
-/// `ReadBefore` (as nothing in a held round) so that the replica taking the retry need not
-/// learn it again. A state without it (sealed by a release before it) says nothing.
-#[derive(Default, Serialize, Deserialize)]
-struct UpstreamFacts {
-    primes: Option<bool>,
 }
 
 impl Waiting {
@@ -459,16 +463,23 @@ impl FlowState {
             return plain;
         };
         let plain = postcard::to_extend(&call.version, plain).expect(serialized);
-        let (pending, session_replayable, read_before, primes) = match &self.waiting {
+        let (pending, session_replayable, read_before, facts) = match &self.waiting {
             Waiting::Resumable {
                 pending, positions, ..
             } => (
                 pending,
                 positions.session_replayable,
                 positions.read_before,
-                positions.primes,
+                positions.upstream,
             ),
-            Waiting::Held { pending, .. } => (pending, false, ReadBefore::default(), None),
+            // Held rounds write them as nothing, so that what follows, in a later
+            // release, is found in one place whatever the phase.
+            Waiting::Held { pending, .. } => (
+                pending,
+                false,
+                ReadBefore::default(),
+                UpstreamFacts::default(),
+            ),
             Waiting::Deferred { .. } | Waiting::Reissue { .. } => return plain,
         };
         let round = RoundExtension {
@@ -477,7 +488,7 @@ impl FlowState {
         };
         let plain = postcard::to_extend(&round, plain).expect(serialized);
         let plain = postcard::to_extend(&read_before, plain).expect(serialized);
-        postcard::to_extend(&UpstreamFacts { primes }, plain).expect(serialized)
+        postcard::to_extend(&facts, plain).expect(serialized)
     }
 
     /// Sets what the extensions after a sealed layout (`rest`) say, where there are some.
@@ -505,7 +516,7 @@ impl FlowState {
         if let Some(positions) = positions {
             positions.session_replayable = round.session_replayable;
             positions.read_before = read_before.unwrap_or_default();
-            positions.primes = facts.primes;
+            positions.upstream = facts;
         }
         Ok(())
     }
@@ -889,24 +900,28 @@ mod tests {
                 state
             );
         }
-        // Eleven bytes more than without the extensions: the revision's four, the round's
+        // Twelve bytes more than without the extensions: the revision's four, the round's
         // (one question, its kind and stream, two; a flag; a length), two counts, and
-        // the upstream's facts (none known: one).
+        // the upstream's two facts (not known: one byte each).
         let without = postcard::to_allocvec(&([0u8; 32], &state)).unwrap().len();
-        assert_eq!(state.plaintext_len(), without + 11);
+        assert_eq!(state.plaintext_len(), without + 12);
     }
 
     #[test]
-    fn whether_the_upstream_primes_travels_last_and_a_state_without_it_says_nothing() {
+    fn what_was_learnt_of_the_upstream_travels_last_and_a_state_without_it_says_nothing() {
         let b = binding(&[1; 32], "tools/call", Some("ask_name"), Some(&json!({})));
-        for primes in [Some(false), Some(true), None] {
+        let known = [None, Some(false), Some(true)];
+        for (primes, sessions_kept_apart) in known.into_iter().zip(known.into_iter().rev()) {
             let mut state = on_an_older_revision();
             if let Waiting::Resumable { positions, .. } = &mut state.waiting {
                 positions.read_before = ReadBefore {
                     call: 1,
                     session: 0,
                 };
-                positions.primes = primes;
+                positions.upstream = UpstreamFacts {
+                    primes,
+                    sessions_kept_apart,
+                };
             }
             let sealed = state.seal(&ring(), &b);
             assert_eq!(
@@ -957,7 +972,8 @@ mod tests {
         let Waiting::Resumable { positions, .. } = &opened.waiting else {
             panic!("{opened:?}");
         };
-        assert_eq!((positions.primes, positions.read_before.call), (None, 1));
+        assert_eq!(positions.upstream, UpstreamFacts::default());
+        assert_eq!(positions.read_before.call, 1);
     }
 
     #[test]

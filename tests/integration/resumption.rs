@@ -82,6 +82,79 @@ fn whether_the_upstream_primes_travels_in_the_state_to_the_replica_taking_the_re
     );
 }
 
+/// Whether the group's store keeps sessions apart travels the same way: the replica that
+/// probed it seals its verdict, and a replica taking a retry without one takes it rather
+/// than opening two throwaway sessions to probe again. Where the store keeps sessions
+/// apart that replica then resumes the session's GET stream from its position; where it
+/// is shared, it reopens the stream fresh.
+#[test]
+fn whether_the_store_keeps_sessions_apart_travels_in_the_state_instead_of_a_second_probe() {
+    for scoped in [true, false] {
+        let upstream = resumable_server(Resumes::Primed, scoped, Asks::OnGetStreamAfterEvent);
+        let a = TestGateway::start(&[&upstream.url()], &test_keys());
+        let b = TestGateway::start(&[&upstream.url()], &test_keys());
+        let (on_a, on_b) = (Raw::new(&a.url), Raw::new(&b.url));
+        let probes = || {
+            let requests = upstream.requests();
+            requests.iter().filter(|s| is_foreign_resumption(s)).count()
+        };
+        let done = |status: u16, reply: &Value| {
+            assert_eq!(
+                (status, &reply["result"]["content"][0]["text"]),
+                (200, &json!("done")),
+                "scoped store: {scoped}: {reply}"
+            );
+        };
+        // A flow on `a` alone: its retry probes the store.
+        let (_, first) = call_hostile(&on_a, 1, json!({}));
+        let (status, reply) = call_hostile(&on_a, 2, answer(&first, json!({"name": "x"})));
+        done(status, &reply);
+        assert_eq!(probes(), 1, "scoped store: {scoped}");
+        // Its first round on `a`, its retry on `b`, which has probed nothing.
+        let (_, first) = call_hostile(&on_a, 3, json!({}));
+        let sid = call_session_latest(&upstream);
+        let before = upstream.requests().len();
+        let (status, reply) = call_hostile(&on_b, 4, answer(&first, json!({"name": "x"})));
+        done(status, &reply);
+        assert_eq!(
+            probes(),
+            1,
+            "scoped store: {scoped}: the second replica probed again"
+        );
+        let get_stream_from: Vec<Option<String>> = upstream.requests()[before..]
+            .iter()
+            .filter(|s| s.method == "GET" && s.header("mcp-session-id") == Some(sid.as_str()))
+            .filter(|s| !s.header("last-event-id").unwrap_or_default().contains("-c"))
+            .map(|s| s.header("last-event-id").map(str::to_string))
+            .collect();
+        let expected = match scoped {
+            true => Some(format!("{sid}-g0")),
+            false => None,
+        };
+        assert_eq!(get_stream_from, [expected], "scoped store: {scoped}");
+    }
+}
+
+/// A probe's resumption: a GET resuming after an event id of a session other than its own.
+fn is_foreign_resumption(seen: &Seen) -> bool {
+    let sid = seen.header("mcp-session-id").unwrap_or_default();
+    seen.method == "GET"
+        && seen
+            .header("last-event-id")
+            .is_some_and(|after| !after.starts_with(&format!("{sid}-")))
+}
+
+/// The upstream session of the latest call.
+fn call_session_latest(upstream: &ScriptedUpstream) -> String {
+    upstream
+        .requests()
+        .iter()
+        .rev()
+        .find(|s| s.jsonrpc_method().as_deref() == Some("tools/call"))
+        .and_then(|s| s.header("mcp-session-id").map(str::to_string))
+        .expect("the call went upstream")
+}
+
 /// FastMCP for TypeScript asks every question on the session's GET stream, never on the
 /// call's, and waits a second on every `initialize`: both official clients complete one
 /// question, two in turn and two at once (`Promise.all`), every request on the other of

@@ -281,6 +281,7 @@ async fn continue_flow(
                 call.group,
                 &upstream.endpoint,
                 &upstream.caller,
+                positions.upstream.sessions_kept_apart,
             ))
             .await;
             verdict == SessionReplay::Scoped
@@ -383,6 +384,7 @@ fn config(call: &Call<'_>, session_replay_scoped: bool) -> FlowConfig {
         replay_refused: learnt.replay_refused,
         primes: learnt.resumption_primes,
         session_replay_scoped,
+        sessions_kept_apart: learnt.session_replay.kept_apart(),
         shedding: shedding(gw),
         now_secs: wall_ms / 1000,
         now_ms: wall_ms,

@@ -42,16 +42,23 @@ const RETRY_AFTER_FAILED_PROBE: Duration = Duration::from_secs(30);
 /// the credentials of `caller` (the request that needs to know). One probe runs at a
 /// time per group; requests that waited for it take its verdict, `Unknown` included, so
 /// a crowd of first resumptions probes once. After a failed probe the next runs
-/// `RETRY_AFTER_FAILED_PROBE` later at the earliest.
+/// `RETRY_AFTER_FAILED_PROBE` later at the earliest. Where this replica does not know and
+/// the retry's state says what the replica that sealed it had learnt (`sealed`, from its
+/// own probe or from a state before), that is taken, kept, and nothing is probed: our
+/// keys sealed it, as this replica's own memory would keep it.
 pub(crate) async fn session_replay(
     upstreams: &UpstreamSide,
     group: &UpstreamGroup,
     endpoint: &Endpoint,
     caller: &Caller,
+    sealed: Option<bool>,
 ) -> SessionReplay {
     let before = upstreams.learnt.get(&group.name);
     if before.session_replay != SessionReplay::Unknown {
         return before.session_replay;
+    }
+    if let Some(kept_apart) = sealed {
+        return take_sealed(upstreams, group, kept_apart);
     }
     if before
         .session_replay_retry_at
@@ -76,6 +83,28 @@ pub(crate) async fn session_replay(
         tracing::info!(group = %group.name, retry_in = ?RETRY_AFTER_FAILED_PROBE, "could not probe whether the upstream's event store keeps sessions apart; GET streams reopen fresh meanwhile");
     } else {
         tracing::info!(group = %group.name, verdict = ?verdict, "probed whether the upstream's event store keeps sessions apart");
+    }
+    verdict
+}
+
+/// Takes the verdict a retry's state carries, as a probe's (requests waiting for a probe
+/// of the group take it too), unless a probe here has given one meanwhile.
+fn take_sealed(upstreams: &UpstreamSide, group: &UpstreamGroup, kept_apart: bool) -> SessionReplay {
+    let mut verdict = match kept_apart {
+        true => SessionReplay::Scoped,
+        false => SessionReplay::Shared,
+    };
+    let before = upstreams.learnt.update(&group.name, |facts| {
+        if facts.session_replay != SessionReplay::Unknown {
+            verdict = facts.session_replay;
+            return;
+        }
+        facts.session_replay = verdict;
+        facts.session_replay_probes = facts.session_replay_probes.wrapping_add(1);
+        facts.session_replay_retry_at = None;
+    });
+    if before.session_replay == SessionReplay::Unknown {
+        tracing::info!(group = %group.name, verdict = ?verdict, "took whether the upstream's event store keeps sessions apart from the state another replica sealed");
     }
     verdict
 }

@@ -36,6 +36,7 @@ fn config() -> FlowConfig {
         replay_refused: false,
         primes: Some(true),
         session_replay_scoped: true,
+        sessions_kept_apart: Some(true),
         shedding: false,
         now_secs: 1_000_000,
         now_ms: 1_000_000_000,
@@ -865,7 +866,8 @@ fn a_replica_that_does_not_know_whether_the_upstream_primes_takes_the_states_wor
     let Waiting::Resumable { positions, .. } = &first.state().waiting else {
         panic!("{:?}", first.state());
     };
-    assert_eq!(positions.primes, Some(false));
+    assert_eq!(positions.upstream.primes, Some(false));
+    assert_eq!(positions.upstream.sessions_kept_apart, Some(true));
     let h = retry_of(&first, unknown.clone(), Upstream::default(), responses());
     assert_eq!(h.log[0], Command::Learn(Learnt::Primes(false)));
     assert_eq!(h.posted().len(), 1, "no wait to learn it again");
