@@ -21,12 +21,15 @@
 //!    each timed (p50, p90, p99, max).
 //! 6. Latency over a delayed link: the client behind a delay proxy (RTT 0, 10, 40 ms), the
 //!    full legacy flow, a legacy client keeping its session, and a bridged flow.
+//! 7. A retry on a replica that has served nothing yet, against one on the replica that
+//!    ran the flow's first round and a flow before it.
 
 mod client;
 mod load;
 mod mcp;
 mod pending;
 mod procs;
+mod replica;
 mod report;
 mod stall;
 mod wan;
@@ -109,7 +112,8 @@ fn main() {
         .enable_all()
         .build()
         .expect("a runtime");
-    // MRTR_BENCH_ONLY=pending (or pass, flow, parked, state, stall, wan) runs one section.
+    // MRTR_BENCH_ONLY=pending (or pass, flow, parked, state, stall, wan, replica) runs one
+    // section.
     let only = std::env::var("MRTR_BENCH_ONLY").unwrap_or_default();
     let run = |section: &str| only.is_empty() || only == section;
     runtime.block_on(async {
@@ -133,6 +137,9 @@ fn main() {
         }
         if run("wan") {
             wan::measure(&scale, &dir, &mut report).await;
+        }
+        if run("replica") {
+            replica::measure(&scale, &dir, &mut report).await;
         }
     });
     let _ = std::fs::remove_dir_all(&dir);

@@ -9,6 +9,12 @@ use std::time::{Duration, Instant};
 
 pub const GATEWAY: &str = env!("CARGO_BIN_EXE_mrtr-gateway");
 
+/// The gateway binary measured: this build's, or `MRTR_BENCH_GATEWAY` (another build, for
+/// a before-and-after run of the same harness; the demo backend stays this build's).
+fn gateway_binary() -> PathBuf {
+    std::env::var_os("MRTR_BENCH_GATEWAY").map_or_else(|| PathBuf::from(GATEWAY), PathBuf::from)
+}
+
 pub struct Proc {
     pub name: &'static str,
     pub addr: String,
@@ -188,8 +194,15 @@ pub struct GatewayOptions {
     pub warm_sessions_per_shape: usize,
 }
 
-/// The gateway in front of `backend`, its config written to `dir`.
+/// The gateway in front of `backend`, its config written to `dir`, with a key of its own.
 pub fn gateway(dir: &Path, backend: &Proc, options: GatewayOptions) -> (Proc, String) {
+    let keys = mrtr_gateway::keys::generate_entry("bench").expect("a valid key id");
+    replica(dir, backend, options, &keys)
+}
+
+/// A gateway in front of `backend` sealing with `keys` (`MRTR_GATEWAY_KEYS`): replicas
+/// given the same keys take each other's retries.
+pub fn replica(dir: &Path, backend: &Proc, options: GatewayOptions, keys: &str) -> (Proc, String) {
     let (addr, admin) = (free_addr(), free_addr());
     let config = format!(
         "listen: {addr}\nadmin_listen: {admin}\nserver:\n  threads: {}\nbridge:\n  quiet_window_ms: {}\n  max_used_states: 1000000\n  max_watched_sessions: {}\n  request_state_ttl_seconds: {}\n  warm_sessions_per_shape: {}\nupstreams:\n  - name: demo\n    path: /mcp\n    endpoints: [http://{}/mcp]\n    health_check_interval_ms: 0\n    resume: {}\n",
@@ -203,14 +216,13 @@ pub fn gateway(dir: &Path, backend: &Proc, options: GatewayOptions) -> (Proc, St
     );
     let path = dir.join(format!("gateway-{}.yaml", addr.replace([':', '.'], "-")));
     std::fs::write(&path, config).expect("write the gateway config");
-    let keys = mrtr_gateway::keys::generate_entry("bench").expect("a valid key id");
     let proc = start(
         "gateway",
         addr,
-        command(Side::Proxy, GATEWAY)
+        command(Side::Proxy, gateway_binary())
             .args(["run", "--config"])
             .arg(&path)
-            .env("MRTR_GATEWAY_KEYS", &keys)
+            .env("MRTR_GATEWAY_KEYS", keys)
             .env("RUST_LOG", "warn"),
     );
     (proc, admin)

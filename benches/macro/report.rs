@@ -6,6 +6,7 @@ use crate::load::Stats;
 use crate::pending::{Parked, Pending};
 use crate::Scale;
 use std::fmt::Write;
+use std::path::Path;
 
 pub struct Report {
     text: String,
@@ -87,6 +88,13 @@ impl Report {
                 " (with uncommitted changes)"
             }
         );
+        if let Some(gateway) = std::env::var_os("MRTR_BENCH_GATEWAY") {
+            let _ = writeln!(
+                text,
+                "- Gateway measured: `{}` (`MRTR_BENCH_GATEWAY`), not this commit's build.",
+                Path::new(&gateway).display()
+            );
+        }
         let _ = writeln!(
             text,
             "- Scale: {} s per load run (the median of {} runs, interleaved), {} connections for calls, {} for flows; {} pending MRTR flows, {} held streams.\n- Loopback only. One single-threaded load generator and the demo backend (one thread) share CPU 0; the proxy under test runs alone on CPU 1 (with two or more CPUs).\n",
@@ -414,6 +422,40 @@ impl Report {
             format!("max {max:.2} ms, p50 {p50:.2} ms ({:.2}×)", max / p50),
             max < 2.0 * p50,
         );
+    }
+
+    /// Retry times on a replica that has served nothing against the replica that served
+    /// the flow's first round, per backend.
+    pub fn replicas(&mut self, rows: &[(&str, crate::replica::Retries)]) {
+        let _ = writeln!(
+            self.text,
+            "## A retry on a replica that has served nothing yet
+
+Two replicas sharing keys, default settings; per trial, the first serves a flow whole, then a flow's first round runs on it and its retry on the fresh replica, and another flow's retry on the first. Retries timed from sending to the result, each on a new client connection; medians and maxima over {} trials.
+
+| backend | retry on the fresh replica: p50, max | on the replica that served: p50, max | fresh / served (p50) |
+| --- | ---: | ---: | ---: |",
+            rows.first().map_or(0, |(_, r)| r.fresh.len())
+        );
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+        for (backend, retries) in rows {
+            let figures = |times: &[std::time::Duration]| {
+                let mut sorted = times.to_vec();
+                sorted.sort();
+                (
+                    ms(percentile(&sorted, 50.0)),
+                    ms(percentile(&sorted, 100.0)),
+                )
+            };
+            let (fresh, fresh_max) = figures(&retries.fresh);
+            let (served, served_max) = figures(&retries.served);
+            let _ = writeln!(
+                self.text,
+                "| {backend} | {fresh:.2} ms, {fresh_max:.2} ms | {served:.2} ms, {served_max:.2} ms | {:.2}× |",
+                fresh / served
+            );
+        }
+        let _ = writeln!(self.text);
     }
 
     /// Flow times over a delayed link, for one backend: each RTT's three variants.

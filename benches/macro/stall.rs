@@ -74,8 +74,14 @@ pub async fn measure(flows: usize, dir: &Path, report: &mut Report) {
 /// One `ask_name` flow: the question, then the answer and the result. Returns when the
 /// question came.
 pub async fn flow(conn: &mut Conn, tag: &str) -> Result<Instant, String> {
-    let first = call(conn, 1, Map::new()).await?;
+    let retry = first_round(conn, tag).await?;
     let asked = Instant::now();
+    answer_round(conn, retry, tag).await.map(|()| asked)
+}
+
+/// An `ask_name` flow's first round: the retry that answers its question as `tag`.
+pub async fn first_round(conn: &mut Conn, tag: &str) -> Result<Map<String, Value>, String> {
+    let first = call(conn, 1, Map::new()).await?;
     let result = &first["result"];
     let requests = result["inputRequests"]
         .as_object()
@@ -87,11 +93,20 @@ pub async fn flow(conn: &mut Conn, tag: &str) -> Result<Instant, String> {
     let mut retry = Map::new();
     retry.insert("inputResponses".into(), Value::Object(responses));
     retry.insert("requestState".into(), result["requestState"].clone());
+    Ok(retry)
+}
+
+/// An `ask_name` flow's retry, whose result must greet `tag`.
+pub async fn answer_round(
+    conn: &mut Conn,
+    retry: Map<String, Value>,
+    tag: &str,
+) -> Result<(), String> {
     let done = call(conn, 2, retry).await?;
     let text = result_text(&done)?;
     let want = format!("Hello, {tag}!");
     (text == want)
-        .then_some(asked)
+        .then_some(())
         .ok_or_else(|| format!("got {text:?}, wanted {want:?}"))
 }
 
