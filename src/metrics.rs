@@ -61,6 +61,7 @@ pub struct Metrics {
     pub upstream_resumable: IntGaugeVec,
     /// Restartable calls run again after their upstream session was lost.
     pub call_restarts: IntCounter,
+    /// Retries that waited out their resumed stream's priming event, by group.
     pub resumptions_unprimed: IntCounterVec,
     /// Flows held on this replica (hold mode), and the bytes the gateway buffers for them.
     pub held_flows: IntGauge,
