@@ -9,10 +9,15 @@ use std::time::{Duration, Instant};
 
 pub const GATEWAY: &str = env!("CARGO_BIN_EXE_mrtr-gateway");
 
-/// The gateway binary measured: this build's, or `MRTR_BENCH_GATEWAY` (another build, for
-/// a before-and-after run of the same harness; the demo backend stays this build's).
+/// Another build's gateway to measure, `MRTR_BENCH_GATEWAY`, for a before-and-after run of
+/// the same harness (the demo backend stays this build's).
+pub fn gateway_override() -> Option<PathBuf> {
+    std::env::var_os("MRTR_BENCH_GATEWAY").map(PathBuf::from)
+}
+
+/// The gateway binary measured: the override, or this build's.
 fn gateway_binary() -> PathBuf {
-    std::env::var_os("MRTR_BENCH_GATEWAY").map_or_else(|| PathBuf::from(GATEWAY), PathBuf::from)
+    gateway_override().unwrap_or_else(|| PathBuf::from(GATEWAY))
 }
 
 pub struct Proc {

@@ -6,7 +6,6 @@ use crate::load::Stats;
 use crate::pending::{Parked, Pending};
 use crate::Scale;
 use std::fmt::Write;
-use std::path::Path;
 
 pub struct Report {
     text: String,
@@ -68,6 +67,13 @@ fn percentile(sorted: &[std::time::Duration], p: f64) -> std::time::Duration {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
+/// The `ps` percentiles of `times`, in milliseconds.
+fn percentiles_ms<const N: usize>(times: &[std::time::Duration], ps: [f64; N]) -> [f64; N] {
+    let mut sorted = times.to_vec();
+    sorted.sort();
+    ps.map(|p| percentile(&sorted, p).as_secs_f64() * 1000.0)
+}
+
 fn ms(stats: &Stats, p: f64) -> String {
     format!("{:.2}", stats.percentile_ms(p))
 }
@@ -88,11 +94,11 @@ impl Report {
                 " (with uncommitted changes)"
             }
         );
-        if let Some(gateway) = std::env::var_os("MRTR_BENCH_GATEWAY") {
+        if let Some(gateway) = crate::procs::gateway_override() {
             let _ = writeln!(
                 text,
                 "- Gateway measured: `{}` (`MRTR_BENCH_GATEWAY`), not this commit's build.",
-                Path::new(&gateway).display()
+                gateway.display()
             );
         }
         let _ = writeln!(
@@ -388,11 +394,8 @@ impl Report {
         direct: &[std::time::Duration],
         backend: &crate::procs::Proc,
     ) {
-        let figures = |times: &[std::time::Duration]| {
-            let mut sorted = times.to_vec();
-            sorted.sort();
-            [50.0, 90.0, 99.0, 100.0].map(|p| percentile(&sorted, p).as_secs_f64() * 1000.0)
-        };
+        let figures =
+            |times: &[std::time::Duration]| percentiles_ms(times, [50.0, 90.0, 99.0, 100.0]);
         let _ = writeln!(
             self.text,
             "## Stalls: {} sequential flows against the {} SDK server with an event store\n",
@@ -437,18 +440,9 @@ Two replicas sharing keys, default settings; per trial, the first serves a flow 
 | --- | ---: | ---: | ---: |",
             rows.first().map_or(0, |(_, r)| r.fresh.len())
         );
-        let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
         for (backend, retries) in rows {
-            let figures = |times: &[std::time::Duration]| {
-                let mut sorted = times.to_vec();
-                sorted.sort();
-                (
-                    ms(percentile(&sorted, 50.0)),
-                    ms(percentile(&sorted, 100.0)),
-                )
-            };
-            let (fresh, fresh_max) = figures(&retries.fresh);
-            let (served, served_max) = figures(&retries.served);
+            let [fresh, fresh_max] = percentiles_ms(&retries.fresh, [50.0, 100.0]);
+            let [served, served_max] = percentiles_ms(&retries.served, [50.0, 100.0]);
             let _ = writeln!(
                 self.text,
                 "| {backend} | {fresh:.2} ms, {fresh_max:.2} ms | {served:.2} ms, {served_max:.2} ms | {:.2}× |",

@@ -48,6 +48,14 @@ impl SessionReplay {
             SessionReplay::Unknown | SessionReplay::Unavailable => None,
         }
     }
+
+    /// The verdict `kept_apart` says (a state's word, taken as a probe's).
+    pub fn of_kept_apart(kept_apart: bool) -> SessionReplay {
+        match kept_apart {
+            true => SessionReplay::Scoped,
+            false => SessionReplay::Shared,
+        }
+    }
 }
 
 /// What is known of one group.

@@ -112,7 +112,9 @@ fn whether_the_store_keeps_sessions_apart_travels_in_the_state_instead_of_a_seco
         assert_eq!(probes(), 1, "scoped store: {scoped}");
         // Its first round on `a`, its retry on `b`, which has probed nothing.
         let (_, first) = call_hostile(&on_a, 3, json!({}));
-        let sid = call_session_latest(&upstream);
+        let sid = call_sessions(&upstream)
+            .pop()
+            .expect("the call went upstream");
         let before = upstream.requests().len();
         let (status, reply) = call_hostile(&on_b, 4, answer(&first, json!({"name": "x"})));
         done(status, &reply);
@@ -142,17 +144,6 @@ fn is_foreign_resumption(seen: &Seen) -> bool {
         && seen
             .header("last-event-id")
             .is_some_and(|after| !after.starts_with(&format!("{sid}-")))
-}
-
-/// The upstream session of the latest call.
-fn call_session_latest(upstream: &ScriptedUpstream) -> String {
-    upstream
-        .requests()
-        .iter()
-        .rev()
-        .find(|s| s.jsonrpc_method().as_deref() == Some("tools/call"))
-        .and_then(|s| s.header("mcp-session-id").map(str::to_string))
-        .expect("the call went upstream")
 }
 
 /// FastMCP for TypeScript asks every question on the session's GET stream, never on the
@@ -382,12 +373,19 @@ fn first_index(upstream: &ScriptedUpstream, what: impl Fn(&Seen) -> bool) -> Opt
 
 /// The upstream session the call ran in.
 fn call_session(upstream: &ScriptedUpstream) -> String {
-    upstream
-        .requests()
+    let first = call_sessions(upstream).into_iter().next();
+    first.expect("the call went upstream")
+}
+
+/// The upstream sessions the calls ran in, in the order they went upstream.
+fn call_sessions(upstream: &ScriptedUpstream) -> Vec<String> {
+    let requests = upstream.requests();
+    let calls = requests
         .iter()
-        .find(|s| s.jsonrpc_method().as_deref() == Some("tools/call"))
-        .and_then(|s| s.header("mcp-session-id").map(str::to_string))
-        .expect("the call went upstream")
+        .filter(|s| s.jsonrpc_method().as_deref() == Some("tools/call"));
+    calls
+        .filter_map(|s| s.header("mcp-session-id").map(str::to_string))
+        .collect()
 }
 
 /// A retry refused with -32602 (HTTP 400) for want of the answer under `key`.

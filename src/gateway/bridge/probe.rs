@@ -90,10 +90,7 @@ pub(crate) async fn session_replay(
 /// Takes the verdict a retry's state carries, as a probe's (requests waiting for a probe
 /// of the group take it too), unless a probe here has given one meanwhile.
 fn take_sealed(upstreams: &UpstreamSide, group: &UpstreamGroup, kept_apart: bool) -> SessionReplay {
-    let mut verdict = match kept_apart {
-        true => SessionReplay::Scoped,
-        false => SessionReplay::Shared,
-    };
+    let mut verdict = SessionReplay::of_kept_apart(kept_apart);
     let before = upstreams.learnt.update(&group.name, |facts| {
         if facts.session_replay != SessionReplay::Unknown {
             verdict = facts.session_replay;
