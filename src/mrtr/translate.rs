@@ -466,7 +466,7 @@ impl Round {
         };
         let question = self.pending.remove(at);
         if let Some(request) = self.input_requests.remove(&question.key) {
-            let bytes = question.key.len() + jsonrpc::text_of(&request).len();
+            let bytes = question.key.len() + jsonrpc::text_len(&request);
             self.question_bytes = self.question_bytes.saturating_sub(bytes);
         }
         self.answered.push(id);
@@ -560,7 +560,7 @@ impl Round {
         let key = self.key_for(method, &upstream_id, &mut params);
         strip_legacy_fields(&mut params);
         let request = json!({"method": method, "params": params});
-        let bytes = key.len() + jsonrpc::text_of(&request).len();
+        let bytes = key.len() + jsonrpc::text_len(&request);
         if self.question_bytes + bytes > self.limits.max_bytes {
             return vec![Action::Fail(format!(
                 "the server's questions in one round take more than {} bytes, the limit (limits.max_input_requests_bytes)",

@@ -241,6 +241,24 @@ pub fn text_of(value: &Value) -> String {
     serde_json::to_string(value).expect("a JSON value always serializes")
 }
 
+/// The length of `value`'s JSON text (`text_of`), counted as it is written, without
+/// building it.
+pub fn text_len(value: &Value) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0 += bytes.len();
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    serde_json::to_writer(&mut count, value).expect("a JSON value always serializes");
+    count.0
+}
+
 /// Whether JSON text holds more than `most` values, counted without building any: each
 /// `[`, `{`, `,` and `:` outside strings starts one more (a close estimate of what
 /// parsing it would allocate). Stops counting past `most`.
@@ -323,6 +341,21 @@ fn replace_lone_surrogates(text: &[u8]) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn text_len_counts_the_text_without_building_it() {
+        let question = json!({"method": "elicitation/create", "params": {
+            "message": "Name \"quoted\", tab\t, ü, 😀, \u{1}",
+            "big": from_slice_lenient::<Value>(b"123456789012345678901234567890.50").unwrap(),
+            "requestedSchema": {"type": "object", "properties": {"n": {"type": "number"}}},
+            "list": [null, true, false, -0.5, [], {}],
+        }});
+        for value in [question.clone(), json!(null), json!(""), json!([1, "x"])] {
+            assert_eq!(text_len(&value), text_of(&value).len(), "{value}");
+        }
+        let (len, bytes) = crate::test_alloc::allocated_by(|| text_len(&question));
+        assert_eq!((len, bytes), (text_of(&question).len(), 0));
+    }
 
     #[test]
     fn lone_surrogate_escapes_read_as_the_replacement_character() {
