@@ -17,6 +17,7 @@ pub mod outcome;
 pub mod principal;
 pub mod protocol;
 pub mod seal;
+pub mod socket;
 pub mod tls;
 pub mod upstream;
 

@@ -110,7 +110,7 @@ fn give_up(session: &mut ServerSession) {
     session.set_keepalive(None);
     let socket = session.digest().and_then(|d| d.socket_digest.as_ref());
     if let (Some(_), Some(stream)) = (socket, session.stream()) {
-        reset_on_close(stream.id());
+        crate::socket::reset_on_close(stream.id());
     }
     session.req_header_mut().extensions_mut().insert(GivenUp);
 }
@@ -124,29 +124,6 @@ pub fn given_up(session: &ServerSession) -> bool {
 pub async fn client_left(session: &mut ServerSession) -> bool {
     let read = tokio::time::timeout(Duration::ZERO, session.read_body_or_idle(true)).await;
     matches!(read, Ok(Err(_)))
-}
-
-/// Sets SO_LINGER to 0 s on the socket `fd`: its close sends a reset, and frees what it
-/// had queued.
-fn reset_on_close(fd: i32) {
-    let linger = libc::linger {
-        l_onoff: 1,
-        l_linger: 0,
-    };
-    // SAFETY: setsockopt(2) on a descriptor this connection owns, reading `linger`, which
-    // is the option's type and size.
-    let rc = unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_LINGER,
-            (&linger as *const libc::linger).cast(),
-            std::mem::size_of::<libc::linger>() as libc::socklen_t,
-        )
-    };
-    if rc != 0 {
-        tracing::debug!(error = %std::io::Error::last_os_error(), "SO_LINGER not set on a client connection given up");
-    }
 }
 
 /// The longest `abort` waits for a connection's orderly shutdown.

@@ -352,7 +352,7 @@ impl UpstreamClient {
                 return Ok((http, Written::Cut));
             }
             Err(failed) => {
-                http.shutdown().await;
+                close(&mut http).await;
                 return Err(failed);
             }
         };
@@ -368,7 +368,7 @@ impl UpstreamClient {
         match header {
             Ok(()) => Ok((http, written)),
             Err(failed) => {
-                http.shutdown().await;
+                close(&mut http).await;
                 Err(failed)
             }
         }
@@ -420,14 +420,33 @@ impl UpstreamClient {
                             .map(|value| value.as_bytes()),
                     ),
                 };
-                if life.is_zero() {
-                    http.shutdown().await;
-                } else if let Some(stream) = http.reuse().await {
+                if life.is_zero() || !http.will_keepalive() {
+                    return close(&mut http).await;
+                }
+                // Pingora's `reuse` closes a body that ended in an error itself, unbounded.
+                let reused = tokio::time::timeout(CLOSE_WITHIN, http.reuse()).await;
+                if let Ok(Some(stream)) = reused {
                     self.idle.put(peer.reuse_hash(), stream, life);
                 }
             }
-            _ => http.shutdown().await,
+            _ => close(&mut http).await,
         }
+    }
+}
+
+/// The longest an upstream connection's orderly close waits to go out.
+const CLOSE_WITHIN: Duration = Duration::from_secs(1);
+
+/// Closes an upstream connection no exchange will use again: its TLS `close_notify` and
+/// FIN within `CLOSE_WITHIN`, else a reset. A TLS stream's shutdown first writes what
+/// its session still holds, and an upstream that stopped reading, its window shut, would
+/// keep that (and the request waiting on it) for ever.
+async fn close(http: &mut HttpSession) {
+    if tokio::time::timeout(CLOSE_WITHIN, http.shutdown())
+        .await
+        .is_err()
+    {
+        crate::socket::reset_on_close(http.stream().id());
     }
 }
 

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use mrtr_gateway::config::{Config, ListenerTls, UpstreamEra, UpstreamGroupConfig};
 use rustls_pki_types::pem::PemObject;
-use rustls_pki_types::{CertificateDer, ServerName};
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use serde_json::{json, Value};
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
@@ -140,6 +140,110 @@ fn refused_twice(upstream_port: u16, ca_file: &Path) -> ((Reply, usize), (Value,
     let after_legacy = relay.count();
     let modern = ask_name(&raw, 2, json!({}));
     ((legacy, after_legacy), (modern, relay.count()))
+}
+
+/// An HTTPS upstream that completes each handshake, reads the start of the request, then
+/// reads nothing more and keeps the connection open (a stuck or hostile server), its
+/// receive buffer small so that a large request fills it.
+struct StalledHttpsUpstream {
+    port: u16,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl StalledHttpsUpstream {
+    fn start(issued: &Issued) -> StalledHttpsUpstream {
+        let chain = CertificateDer::pem_slice_iter(issued.cert.as_bytes())
+            .collect::<Result<Vec<_>, _>>()
+            .expect("certificate PEM");
+        let key = PrivateKeyDer::from_pem_slice(issued.key.as_bytes()).expect("key PEM");
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .expect("TLS versions")
+            .with_no_client_auth()
+            .with_single_cert(chain, key)
+            .expect("a server certificate");
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let socket = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = socket.local_addr().expect("address").port();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            // Dropping the runtime at the end drops every connection it holds.
+            runtime().block_on(async move {
+                socket.set_nonblocking(true).expect("non-blocking");
+                let socket = tokio::net::TcpSocket::from_std_stream(std::net::TcpStream::from(
+                    std::os::fd::OwnedFd::from(socket),
+                ));
+                socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+                let listener = socket.listen(16).expect("listen");
+                let accept = async {
+                    while let Ok((tcp, _)) = listener.accept().await {
+                        let acceptor = acceptor.clone();
+                        tokio::spawn(async move {
+                            let Ok(mut tls) = acceptor.accept(tcp).await else {
+                                return;
+                            };
+                            let _ = tls.read(&mut [0u8; 1024]).await;
+                            std::future::pending::<()>().await;
+                        });
+                    }
+                };
+                tokio::select! {
+                    _ = stopped => {}
+                    _ = accept => {}
+                }
+            });
+        });
+        StalledHttpsUpstream {
+            port,
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for StalledHttpsUpstream {
+    fn drop(&mut self) {
+        let _ = self.stop.take().map(|stop| stop.send(()));
+        let _ = self.thread.take().map(|thread| thread.join());
+    }
+}
+
+/// A request larger than the kernel holds for an HTTPS upstream that stopped reading: its
+/// write fails at the response timeout, and the connection's close cannot send TLS's
+/// `close_notify` into the full socket. The client gets its error and the connection
+/// is let go, rather than both waiting on that close for ever.
+#[test]
+fn an_https_upstream_that_stops_reading_a_request_neither_holds_the_client_nor_the_connection() {
+    let pems = PemDir::new("stalled");
+    let ca = TestCa::new("upstream CA");
+    let ca_file = ca.write(&pems);
+    let upstream = StalledHttpsUpstream::start(&ca.issue(&["127.0.0.1"]));
+    let url = format!("https://127.0.0.1:{}/mcp", upstream.port);
+    let gw = gateway_trusting(&url, &ca_file, |g| {
+        g.era = UpstreamEra::Legacy;
+        g.response_timeout_ms = 500;
+    });
+    let raw = Raw::new(&gw.url);
+    let blob = "x".repeat(3 << 20);
+    let call = json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+        "params": {"name": "store", "arguments": {"blob": blob}}});
+    let reply = raw.post(None, &call);
+    let status = reply.status;
+    let body = reply.json();
+    assert_eq!(
+        (status, &body["id"]),
+        (504, &json!(7)),
+        "the client is told its upstream did not answer: {body}"
+    );
+    let admin = gw.admin.clone();
+    wait_until(
+        "the upstream connection let go",
+        Duration::from_secs(10),
+        || metric(&admin, "mrtr_gateway_upstream_connections") == 0.0,
+    );
+    drop(upstream);
 }
 
 #[test]
