@@ -103,15 +103,19 @@ async fn serve_inner(
     };
     let method = &session.req_header().method;
     let stream = match (&resumption, method == http::Method::GET) {
-        (Some((stream, _)), _) => *stream,
+        (Some(resumed), _) => resumed.stream,
         (None, true) => Stream::Session,
         (None, false) => Stream::Call,
     };
     let wraps_ids = legacy && (method == http::Method::POST || method == http::Method::GET);
-    // The upstream session's tag (a random one before the upstream gave a session).
-    let id_tag = wraps_ids.then(|| match &route.upstream_session {
-        Some(upstream) => IdTag::of_session(upstream),
-        None => IdTag::random(),
+    // The upstream session's tag (a random one before the upstream gave a session), or
+    // the one a resumed call's ids went up under, which its event ids carry.
+    let sealed_tag = resumption.as_ref().and_then(|r| r.tag.clone());
+    let own_tag = sealed_tag.is_some() || route.upstream_session.is_none();
+    let id_tag = wraps_ids.then(|| match (sealed_tag, &route.upstream_session) {
+        (Some(tag), _) => tag,
+        (None, Some(upstream)) => IdTag::of_session(upstream),
+        (None, None) => IdTag::random(),
     });
     let body = match wrap_ids(body, id_tag.as_ref()) {
         Ok(body) => body,
@@ -144,8 +148,8 @@ async fn serve_inner(
         if legacy {
             request.remove_header(LAST_EVENT_ID);
         }
-        if let Some((_, upstream_id)) = &resumption {
-            let _ = request.insert_header(LAST_EVENT_ID, upstream_id.clone());
+        if let Some(resumed) = &resumption {
+            let _ = request.insert_header(LAST_EVENT_ID, resumed.upstream_id.clone());
         }
         let client = &gw.upstreams.client;
         let (endpoint, timeouts) = (&route.endpoint, &group.timeouts);
@@ -225,9 +229,11 @@ async fn serve_inner(
     }
     count_session_event(gw, session, &route, response.header());
     let header = client_response_header(gw, session, group, &route, binding, response.header());
-    let rewrite = id_tag
-        .filter(|_| !coded)
-        .map(|tag| BodyRewrite::new(gw, &route, binding, &response, stream, tag));
+    let rewrite = id_tag.filter(|_| !coded).map(|tag| {
+        let sealed_tag = own_tag.then(|| tag.clone());
+        let rewrite = (stream, sealed_tag);
+        BodyRewrite::new(gw, &route, binding, &response, rewrite, tag)
+    });
     let status = response.header().status.as_u16();
     let outcome = relay(
         gw,
@@ -264,6 +270,15 @@ fn counted_as(status: u16, relayed: Outcome) -> Outcome {
     }
 }
 
+/// Where a legacy client's GET resumes, as its `Last-Event-ID` says.
+struct Resumed {
+    stream: Stream,
+    /// The tag the call's request ids went up under, where it was not its session's.
+    tag: Option<IdTag>,
+    /// The upstream's own event id.
+    upstream_id: http::HeaderValue,
+}
+
 /// Where a legacy client's GET resumes: the stream and the upstream's own event id in
 /// its `Last-Event-ID`, which must be one the gateway sealed for the request's upstream
 /// session. `None` without one, for a session GET stream whose upstream store may be
@@ -277,7 +292,7 @@ async fn resumption(
     route: &Route,
     principal: &[u8; 32],
     legacy: bool,
-) -> Result<Option<(Stream, http::HeaderValue)>, Refusal> {
+) -> Result<Option<Resumed>, Refusal> {
     let resumes = legacy && session.req_header().method == http::Method::GET;
     let Some(client_position) = session.get_header(LAST_EVENT_ID).filter(|_| resumes) else {
         return Ok(None);
@@ -287,19 +302,23 @@ async fn resumption(
         Ok(text) => event_ids::open(&gw.sealing.keys.load(), &binding, text)
             .map_err(|e| e.reason())
             .and_then(|p| match http::HeaderValue::from_bytes(&p.upstream_id) {
-                Ok(id) => Ok((p.stream, id)),
+                Ok(upstream_id) => Ok(Resumed {
+                    stream: p.stream,
+                    tag: p.tag,
+                    upstream_id,
+                }),
                 Err(_) => Err("bad_payload"),
             }),
         Err(_) => Err("malformed"),
     };
-    let (stream, upstream_id) = opened.map_err(|reason| {
+    let resumed = opened.map_err(|reason| {
         let rejections = &gw.runtime.metrics.event_id_rejections;
         rejections.with_label_values(&[reason]).inc();
         tracing::info!(group = %group.name, reason, "Last-Event-ID refused");
         let text = "Last-Event-ID is not an event id this gateway sent in this session; resume from one it sent, or reconnect without one";
         Refusal::new(Class::BadRequest, code::INVALID_REQUEST, text)
     })?;
-    if stream == Stream::Session {
+    if resumed.stream == Stream::Session {
         let caller = Caller {
             trace: TraceContext::default(),
             headers: gw.admission.end_to_end(session, group),
@@ -312,7 +331,7 @@ async fn resumption(
             return Ok(None);
         }
     }
-    Ok(Some((stream, upstream_id)))
+    Ok(Some(resumed))
 }
 
 /// A legacy client's response as it streams: the upstream's SSE event ids sealed to the
@@ -323,13 +342,14 @@ pub(crate) struct BodyRewrite {
 }
 
 impl BodyRewrite {
-    /// The rewrite of `response` to `principal`, which is (or resumes) `stream`.
+    /// The rewrite of `response` to `principal`, which is (or resumes) `stream`, its event
+    /// ids carrying `sealed_tag` where `id_tag` is not the session's.
     fn new(
         gw: &Gateway,
         route: &Route,
         principal: &[u8; 32],
         response: &Response,
-        stream: Stream,
+        (stream, sealed_tag): (Stream, Option<IdTag>),
         id_tag: IdTag,
     ) -> BodyRewrite {
         // Only SSE carries event ids: a JSON response takes no key ring and no binding.
@@ -342,6 +362,7 @@ impl BodyRewrite {
                 ring: gw.sealing.keys.load(),
                 binding: event_ids::binding(principal, upstream_session),
                 stream,
+                tag: sealed_tag,
             })
         });
         BodyRewrite {

@@ -9,7 +9,9 @@
 //!
 //! - every `id:` a legacy client gets is sealed (`Purpose::EventId`), bound to the
 //!   principal and the upstream session id ([`binding`]) and naming the stream it came
-//!   on: a call's, or the session's GET stream;
+//!   on: a call's, or the session's GET stream; a call whose request ids went up under a
+//!   tag other than its session's (`request_ids`: a request outside any session) has
+//!   that tag sealed too, so that its resumption gives the client its ids back;
 //! - a `Last-Event-ID` the gateway cannot open for the request's session is refused, and
 //!   the upstream gets only the id sealed inside one that opens ([`open`]);
 //! - a call's stream is resumed (its name is the call's id, which the gateway made unique
@@ -21,6 +23,7 @@
 //! `id:` line.
 
 use crate::keys::{KeyRing, Purpose, MAX_KID_LEN};
+use crate::protocol::request_ids::{IdTag, TAG_CHARS};
 use crate::seal::{self, OpenError};
 use bytes::Bytes;
 use std::sync::Arc;
@@ -35,10 +38,15 @@ static ID_FINDER: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
     std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"id"));
 
 /// The longest `Last-Event-ID` the gateway opens: the longest upstream id, after the
-/// byte that marks its stream, sealed under the longest key id.
+/// byte that marks its stream and a request-id tag, sealed under the longest key id.
 pub fn max_sealed_event_id() -> usize {
-    seal::sealed_len(MAX_KID_LEN, 1 + MAX_UPSTREAM_EVENT_ID)
+    seal::sealed_len(MAX_KID_LEN, 1 + TAG_CHARS + MAX_UPSTREAM_EVENT_ID)
 }
+
+/// The mark of a call's stream whose request ids went up under a tag other than its
+/// session's (a request outside any session: a stateless server's, an `initialize`'s):
+/// the tag follows it, and the stream's resumption unwraps under it.
+const TAGGED_CALL: u8 = b't';
 
 /// The stream an event came on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,6 +77,8 @@ impl Stream {
 #[derive(Debug, PartialEq, Eq)]
 pub struct Position {
     pub stream: Stream,
+    /// The tag the call's request ids went up under, where it is not its session's.
+    pub tag: Option<IdTag>,
     /// The upstream's own event id.
     pub upstream_id: Vec<u8>,
 }
@@ -83,21 +93,33 @@ pub fn binding(principal: &[u8; 32], upstream_session: Option<&str>) -> Vec<u8> 
 /// The position inside `last_event_id`, if the gateway sealed it under `binding`.
 pub fn open(ring: &KeyRing, binding: &[u8], last_event_id: &str) -> Result<Position, OpenError> {
     let max = max_sealed_event_id();
-    let mut plain = seal::open(ring, Purpose::EventId, binding, last_event_id, max)?;
-    let stream = plain.first().and_then(|m| Stream::of_mark(*m));
-    let stream = stream.ok_or(OpenError::BadPayload)?;
-    plain.remove(0);
+    let plain = seal::open(ring, Purpose::EventId, binding, last_event_id, max)?;
+    let (stream, tag, upstream_id) = match plain.split_first() {
+        Some((&TAGGED_CALL, rest)) if rest.len() >= TAG_CHARS => {
+            let (tag, id) = rest.split_at(TAG_CHARS);
+            let tag = IdTag::from_bytes(tag).ok_or(OpenError::BadPayload)?;
+            (Stream::Call, Some(tag), id)
+        }
+        Some((mark, id)) => {
+            let stream = Stream::of_mark(*mark).ok_or(OpenError::BadPayload)?;
+            (stream, None, id)
+        }
+        None => return Err(OpenError::BadPayload),
+    };
     Ok(Position {
         stream,
-        upstream_id: plain,
+        tag,
+        upstream_id: upstream_id.to_vec(),
     })
 }
 
-/// How the `id:` lines of a stream are sealed: under `binding`, as positions in `stream`.
+/// How the `id:` lines of a stream are sealed: under `binding`, as positions in `stream`,
+/// a call's with `tag` where its request ids went up under one other than its session's.
 pub struct Rewrite {
     pub ring: Arc<KeyRing>,
     pub binding: Vec<u8>,
     pub stream: Stream,
+    pub tag: Option<IdTag>,
 }
 
 /// Where the rewriter stands in the stream's lines.
@@ -278,9 +300,16 @@ impl EventIds {
             ring,
             binding,
             stream,
+            tag,
         } = &self.rewrite;
-        let mut plain = Vec::with_capacity(1 + value.len());
-        plain.push(stream.mark());
+        let mut plain = Vec::with_capacity(1 + TAG_CHARS + value.len());
+        match (stream, tag) {
+            (Stream::Call, Some(tag)) => {
+                plain.push(TAGGED_CALL);
+                plain.extend_from_slice(tag.as_bytes());
+            }
+            _ => plain.push(stream.mark()),
+        }
         plain.extend_from_slice(value);
         let sealed = seal::seal(ring, Purpose::EventId, binding, &plain);
         out.extend_from_slice(b"id: ");
@@ -341,7 +370,54 @@ mod tests {
             ring: ring(),
             binding: bound(session),
             stream,
+            tag: None,
         })
+    }
+
+    /// A call's ids that went up under a tag other than the session's come back with it
+    /// from the stream's event ids, so that its resumption unwraps them; a session GET
+    /// stream's carry none, and ids sealed before tags existed open without one.
+    #[test]
+    fn a_calls_own_request_id_tag_is_sealed_into_its_event_ids() {
+        let tag = IdTag::random();
+        for (stream, sealed) in [(Stream::Call, Some(tag.clone())), (Stream::Session, None)] {
+            let rewrite = Rewrite {
+                ring: ring(),
+                binding: bound("s"),
+                stream,
+                tag: Some(tag.clone()),
+            };
+            let ids = ids_in(&through(
+                EventIds::new(rewrite),
+                b"id: e1
+data: x
+
+",
+                &[],
+            ));
+            let position = open(&ring(), &bound("s"), &ids[0]).expect("it opens");
+            let expected = Position {
+                stream,
+                tag: sealed,
+                upstream_id: b"e1".to_vec(),
+            };
+            assert_eq!(position, expected);
+        }
+        let untagged = ids_in(&through(
+            sealing("s"),
+            b"id: e1
+data: x
+
+",
+            &[],
+        ));
+        let position = open(&ring(), &bound("s"), &untagged[0]).expect("it opens");
+        assert_eq!((position.stream, position.tag), (Stream::Call, None));
+        for plain in [&b"t"[..], b"tshort", b"t!!!!!!!!!!!!!!!!e1"] {
+            let sealed = seal::seal(&ring(), Purpose::EventId, &bound("s"), plain);
+            let opened = open(&ring(), &bound("s"), &sealed);
+            assert_eq!(opened, Err(OpenError::BadPayload), "{plain:?}");
+        }
     }
 
     fn opened(session: &str, id: &str) -> Vec<u8> {
@@ -408,6 +484,7 @@ mod tests {
         let position = open(&ring(), &bound("alice"), &ids_in(&out)[0]).unwrap();
         let expected = Position {
             stream: Stream::Session,
+            tag: None,
             upstream_id: b"g-1".to_vec(),
         };
         assert_eq!(position, expected);
@@ -496,11 +573,13 @@ mod tests {
         let kid = "k".repeat(MAX_KID_LEN);
         let ring = Arc::new(KeyRing::from_keys(vec![Key::new(&kid, &[7; 32]).unwrap()]).unwrap());
         let longest = "e".repeat(MAX_UPSTREAM_EVENT_ID);
-        for line in [format!("id: {longest}"), format!("id:{longest}")] {
+        let lines = [format!("id: {longest}"), format!("id:{longest}")];
+        for (line, tag) in lines.iter().zip([None, Some(IdTag::random())]) {
             let rewrite = Rewrite {
                 ring: ring.clone(),
                 binding: bound("s"),
                 stream: Stream::Call,
+                tag,
             };
             let body = format!("{line}\ndata: x\n\n");
             let ids = ids_in(&through(EventIds::new(rewrite), body.as_bytes(), &[]));

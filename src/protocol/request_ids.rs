@@ -35,7 +35,7 @@ const MARK: &[u8] = b"\"mrtr.";
 static MARK_FINDER: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
     std::sync::LazyLock::new(|| memchr::memmem::Finder::new(MARK));
 /// Characters of a tag: 12 bytes of digest in base64url.
-const TAG_CHARS: usize = 16;
+pub const TAG_CHARS: usize = 16;
 /// The longest wrapped id as JSON text, quotes included.
 const MAX_WRAPPED: usize = MARK.len() + TAG_CHARS + 3 + MAX_CLIENT_ID.div_ceil(3) * 4 + 1;
 
@@ -56,6 +56,21 @@ impl IdTag {
     /// A tag for requests outside any session (`initialize`).
     pub fn random() -> IdTag {
         IdTag(URL_SAFE_NO_PAD.encode(rand::random::<[u8; 12]>()))
+    }
+
+    /// The tag's characters, as a call stream's sealed event ids carry a tag that is not
+    /// its session's (`event_ids`), so that the stream's resumption unwraps under it.
+    pub fn as_bytes(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+
+    /// A tag from its characters (`as_bytes`): `TAG_CHARS` of base64url.
+    pub fn from_bytes(bytes: &[u8]) -> Option<IdTag> {
+        let base64url = |b: &u8| b.is_ascii_alphanumeric() || *b == b'-' || *b == b'_';
+        if bytes.len() != TAG_CHARS || !bytes.iter().all(base64url) {
+            return None;
+        }
+        String::from_utf8(bytes.to_vec()).ok().map(IdTag)
     }
 
     /// `id` wrapped, as JSON text: an integer or a string (what `jsonrpc::classify` lets

@@ -189,6 +189,57 @@ fn legacy_event_ids_come_sealed_and_a_posts_last_event_id_goes_nowhere() {
     assert_eq!(posts[0].header("last-event-id"), None, "forwarded");
 }
 
+/// A server without sessions that keeps a store of its streams' events (the TypeScript
+/// SDK's stateless transport given an `eventStore`): a legacy client's call, cut after an
+/// event, resumed with a GET naming it. Its id went up under a tag of its own (there is
+/// no session to name it after), and the resumed stream's answer carries that wrapped id:
+/// the client gets its own id back, not the wrapped one it could not match.
+#[test]
+fn a_call_resumed_on_a_server_without_sessions_gets_its_own_id_back() {
+    let wrapped = std::sync::Mutex::new(Value::Null);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let progress = json!({"jsonrpc": "2.0", "method": "notifications/progress",
+            "params": {"progressToken": 1, "progress": 1}});
+        match (seen.method.as_str(), seen.header("last-event-id")) {
+            ("POST", _) => {
+                *wrapped.lock().unwrap() = seen.json().unwrap_or_default()["id"].clone();
+                Answer::sse(&[]).event(Some("e1"), &progress).end()
+            }
+            ("GET", Some("e1")) => {
+                let id = wrapped.lock().unwrap().clone();
+                let result = json!({"jsonrpc": "2.0", "id": id, "result": {"content": []}});
+                Answer::sse(&[]).event(Some("e2"), &result).end()
+            }
+            _ => Answer::status(400, &[], b"unknown event id"),
+        }
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Legacy;
+    });
+    let raw = Raw::new(&gw.url);
+    let call = json!({"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+        "params": {"name": "slow", "arguments": {}}});
+    let mut reply = raw.post(None, &call);
+    let (position, _) = reply.next_message().expect("the progress event");
+    let position = position.expect("an event id");
+    let headers = [
+        ("accept", "text/event-stream"),
+        ("last-event-id", position.as_str()),
+        ("mcp-protocol-version", "2025-11-25"),
+    ];
+    let mut resumed = raw.request("GET", &headers, None);
+    assert_eq!(resumed.status, 200);
+    let (_, answer) = resumed.next_message().expect("the call's answer");
+    assert_eq!(answer["id"], 7, "{answer}");
+    let gets: Vec<Seen> = upstream
+        .requests()
+        .into_iter()
+        .filter(|s| s.method == "GET")
+        .collect();
+    assert_eq!(gets.len(), 1);
+    assert_eq!(gets[0].header("last-event-id"), Some("e1"));
+}
+
 /// A legacy client's request goes up asking for `identity` by name (a request without
 /// `Accept-Encoding` accepts any coding), whatever codings the client accepts: its ids
 /// come back in the body. An upstream that codes a JSON-RPC body anyway gets the client
