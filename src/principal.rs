@@ -143,14 +143,18 @@ impl JwtVerifier {
             v.leeway = config.leeway_seconds;
             // jsonwebtoken checks `nbf` only when asked to.
             v.validate_nbf = true;
-            v.set_required_spec_claims(&["exp", "iss", "sub"]);
             if !config.issuers.is_empty() {
                 v.set_issuer(&config.issuers);
             }
+            // jsonwebtoken checks `aud` only in a token that has one: where audiences are
+            // set, a token for no audience in particular (another service's, from the
+            // same issuer) must not pass.
             if config.audiences.is_empty() {
                 v.validate_aud = false;
+                v.set_required_spec_claims(&["exp", "iss", "sub"]);
             } else {
                 v.set_audience(&config.audiences);
+                v.set_required_spec_claims(&["exp", "iss", "sub", "aud"]);
             }
             keys.push((jwk.common.key_id.clone(), key, v));
         }
@@ -185,6 +189,9 @@ impl JwtVerifier {
                 K::ImmatureSignature => "the bearer token is not valid yet",
                 K::InvalidIssuer => "the bearer token's issuer is not accepted",
                 K::InvalidAudience => "the bearer token's audience is not accepted",
+                K::MissingRequiredClaim(claim) if claim == "aud" => {
+                    "the bearer token names no audience (aud)"
+                }
                 K::MissingRequiredClaim(_) => "the bearer token lacks exp, iss or sub",
                 _ => "the bearer token did not verify",
             })
@@ -243,13 +250,20 @@ mod tests {
     const SECRET: &[u8] = b"0123456789abcdef0123456789abcdef";
 
     fn jwt_authenticator(issuers: &[&str]) -> (Authenticator, tempfile_path::Path) {
+        jwt_authenticator_for(issuers, &[])
+    }
+
+    fn jwt_authenticator_for(
+        issuers: &[&str],
+        audiences: &[&str],
+    ) -> (Authenticator, tempfile_path::Path) {
         let jwks = json!({"keys": [{"kty": "oct", "kid": "hs", "alg": "HS256",
             "k": base64::Engine::encode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, SECRET)}]});
         let file = tempfile_path::Path::with_contents(&jwks.to_string());
         let config = JwtConfig {
             jwks_file: file.0.clone(),
             issuers: issuers.iter().map(|s| s.to_string()).collect(),
-            audiences: vec![],
+            audiences: audiences.iter().map(|s| s.to_string()).collect(),
             leeway_seconds: 0,
         };
         let auth = Authenticator::new(&PrincipalSource::Jwt(config)).unwrap();
@@ -378,6 +392,33 @@ mod tests {
             );
         }
         assert!(auth.principal(Some(&token(Some("hs"), ok, SECRET))).is_ok());
+    }
+
+    /// With audiences set, a token must name one of them: one naming none (another
+    /// service's, from the same issuer and key) is refused like one naming another.
+    #[test]
+    fn a_jwt_without_an_audience_is_refused_where_audiences_are_set() {
+        let (auth, _file) = jwt_authenticator_for(&["https://idp"], &["mrtr-gateway"]);
+        let exp = crate::mrtr::state::now_secs() + 600;
+        let claims = |aud: Option<&str>| {
+            let mut claims = json!({"iss": "https://idp", "sub": "alice", "exp": exp});
+            if let Some(aud) = aud {
+                claims["aud"] = json!(aud);
+            }
+            token(Some("hs"), claims, SECRET)
+        };
+        let refused = |why: &str| Err(Unauthenticated(why.to_string()));
+        let none = auth.principal(Some(&claims(None)));
+        assert_eq!(none, refused("the bearer token names no audience (aud)"));
+        let other = auth.principal(Some(&claims(Some("other-api"))));
+        assert_eq!(
+            other,
+            refused("the bearer token's audience is not accepted")
+        );
+        assert!(auth.principal(Some(&claims(Some("mrtr-gateway")))).is_ok());
+        // Without audiences set, none is needed.
+        let (open, _file) = jwt_authenticator(&["https://idp"]);
+        assert!(open.principal(Some(&claims(None))).is_ok());
     }
 
     #[test]
