@@ -37,6 +37,9 @@ pub enum Claim {
     Full,
     /// The claiming principal's share of the table is full of its live entries.
     PrincipalFull,
+    /// The state expired before it was claimed (a claim that waited, as on an owner that
+    /// did not answer): its entry would not outlive the claim, so none is made.
+    Expired,
 }
 
 /// A used state: until when it is remembered, and whose share it counts against.
@@ -83,6 +86,9 @@ impl UsedStates {
         principal: Option<&[u8; 32]>,
         now: u64,
     ) -> Claim {
+        if now >= expires_at {
+            return Claim::Expired;
+        }
         if self.used.get(&state).is_some_and(|used| used.until > now) {
             return Claim::Replayed;
         }
@@ -184,6 +190,10 @@ mod tests {
         assert_eq!(used.claim(digest("state-b"), 100, None, 60), Claim::Fresh);
         // Past its expiry the state itself is refused; the entry may be reused.
         assert_eq!(used.claim(s, 200, None, 100), Claim::Fresh);
+        // A claim made once the state expired (it waited) is refused, not remembered.
+        let late = digest("state-c");
+        assert_eq!(used.claim(late, 100, None, 100), Claim::Expired);
+        assert_eq!(used.claim(late, 100, None, 101), Claim::Expired);
     }
 
     #[test]

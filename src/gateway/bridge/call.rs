@@ -150,6 +150,8 @@ enum NotClaimed {
     Full,
     /// The caller's share of it is.
     PrincipalFull,
+    /// The state expired while the claim waited.
+    Expired,
 }
 
 impl NotClaimed {
@@ -162,6 +164,7 @@ impl NotClaimed {
     ) -> Outcome {
         match self {
             NotClaimed::Replayed => refuse_state(gw, session, reply, group, "replayed").await,
+            NotClaimed::Expired => refuse_state(gw, session, reply, group, "expired").await,
             NotClaimed::Full => {
                 let text = "this replica's replay guard is full: it remembers every requestState it acted on until that state expires, and holds bridge.max_used_states of them; retry later";
                 refuse(session, reply, Refusal::internal(Class::Overloaded, text)).await
@@ -190,6 +193,7 @@ fn claim(call: &Call<'_>, used: StateDigest, state: &FlowState) -> Result<(), No
         Claim::Replayed => Err(NotClaimed::Replayed),
         Claim::Full => Err(NotClaimed::Full),
         Claim::PrincipalFull => Err(NotClaimed::PrincipalFull),
+        Claim::Expired => Err(NotClaimed::Expired),
     }
 }
 
