@@ -442,6 +442,34 @@ fn the_peer_listener_serves_only_retries_of_held_flows() {
     drop(gw);
 }
 
+/// A genuine state of a resumable round, which no replica holds, sent to the peer
+/// listener: refused there and left unclaimed, so its retry on the MCP listener goes on.
+#[test]
+fn the_peer_listener_refuses_the_retry_of_a_flow_no_replica_holds() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let peer_port = free_port();
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.peers.listen = Some(format!("127.0.0.1:{peer_port}"));
+    });
+    let (raw, peer) = (
+        Raw::new(&gw.url),
+        Raw::new(&format!("http://127.0.0.1:{peer_port}/mcp")),
+    );
+    let first = ask_name(&raw, 1, json!({}));
+    assert!(
+        first["result"]["requestState"].is_string(),
+        "a resumable round: {first}"
+    );
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 0.0);
+    let retry = answer(&first, json!({"name": "Alice"}));
+    let params = tool_params("ask_name", retry.clone());
+    let on_peer = peer.modern(2, "tools/call", params, json!({"elicitation": {}}));
+    assert_eq!(on_peer.status, 403);
+    let done = ask_name(&raw, 3, retry);
+    let text = &done["result"]["content"][0]["text"];
+    assert!(text.as_str().is_some_and(|t| t.contains("Alice")), "{done}");
+}
+
 #[test]
 fn held_flows_above_the_limit_shed_new_calls_whose_retries_start_them() {
     let (_upstream, url) = start_upstream(Upstream::PythonWithoutEventStore);

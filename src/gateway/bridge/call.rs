@@ -130,11 +130,19 @@ pub(super) async fn interactive(
         return refuse(session, reply, refusal).await;
     }
     let used = replay::digest(text);
-    if let Waiting::Held { at, .. } = &state.waiting {
-        if !gw.flows.peers.is_me(at.owner) {
+    match &state.waiting {
+        Waiting::Held { at, .. } if !gw.flows.peers.is_me(at.owner) => {
             let owner = at.owner;
             return to_holder(&call, session, reply, state, used, owner).await;
         }
+        Waiting::Held { .. } => {}
+        // Peers forward only retries of held flows: any other state reaching the peer
+        // listener (which checks no Host, Origin or connection cap) is not served there.
+        _ if call.incoming.arrival == Arrival::Peer => {
+            tracing::info!("a retry of a flow no replica holds on the peer listener");
+            return super::refused_on_peer_listener(session).await;
+        }
+        _ => {}
     }
     if let Err(refused) = claim(&call, used, &state) {
         return refused.answer(gw, session, reply, group).await;
