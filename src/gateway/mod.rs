@@ -346,7 +346,7 @@ impl Gateway {
             // The interim 100 goes out before the body by design; pingora would take it
             // for an answer given early and end the connection after this request.
             session.set_close_on_response_before_downstream_finish(false);
-            let sent = session.write_continue_response().await;
+            let sent = respond::write_continue(session).await;
             session.set_close_on_response_before_downstream_finish(true);
             if sent.is_err() {
                 return Err(());
@@ -692,7 +692,12 @@ impl HttpServerApp for Listener {
         match tokio::time::timeout(header_timeout, session.read_request()).await {
             Ok(Ok(true)) => {}
             Ok(Err(e)) if e.etype == pingora::ErrorType::InvalidHTTPHeader => {
-                refuse_unreadable_header(&mut session, &e).await;
+                // Within a write's bound: a client that reads nothing does not hold the
+                // connection (pingora's writes and shutdown wait without one).
+                let write_timeout =
+                    Duration::from_millis(self.gw.config.limits.client_write_timeout_ms);
+                let refusing = refuse_unreadable_header(&mut session, &e);
+                let _ = tokio::time::timeout(write_timeout, refusing).await;
                 return None;
             }
             _ => return None,

@@ -174,11 +174,44 @@ pub async fn write_header(
     if drain.is_some_and(|d| d.is_draining()) {
         session.set_keepalive(None);
     }
-    let written = session.write_response_header(Box::new(header)).await;
+    let bound = session.get_write_timeout();
+    let writing = session.write_response_header(Box::new(header));
+    let written = within(bound, writing).await;
     if written.is_err() {
         cut(session).await;
     }
     written
+}
+
+/// Writes the interim `100 Continue` to a client that expects it before its body; a
+/// write that fails cuts the connection, as `write_header` does.
+pub async fn write_continue(session: &mut ServerSession) -> pingora::Result<()> {
+    let bound = session.get_write_timeout();
+    let written = within(bound, session.write_continue_response()).await;
+    if written.is_err() {
+        cut(session).await;
+    }
+    written
+}
+
+/// `writing` within `bound` (the request's write timeout). Pingora bounds the writes of a
+/// response's body by it, not those of a header, which it flushes when no body follows
+/// (a 202, a 204, an interim 100) or the body's length is unknown: a client that stops
+/// reading, its window shut by pipelined requests' answers, would hold it for ever.
+async fn within<F>(bound: Option<Duration>, writing: F) -> pingora::Result<()>
+where
+    F: std::future::Future<Output = pingora::Result<()>>,
+{
+    let Some(bound) = bound else {
+        return writing.await;
+    };
+    match tokio::time::timeout(bound, writing).await {
+        Ok(written) => written,
+        Err(_) => pingora::Error::e_explain(
+            pingora::ErrorType::WriteTimedout,
+            "the client took no response header within the write timeout",
+        ),
+    }
 }
 
 /// Most bytes handed to one client write: each write waits at most

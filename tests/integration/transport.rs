@@ -1674,6 +1674,62 @@ fn a_relayed_response_cut_at_the_write_timeout_closes_its_connection() {
     assert!(got.len() < 12 << 20, "the body came whole");
 }
 
+/// A client that pipelines requests answered by a header alone (a notification's 202)
+/// and reads nothing, its receive buffer small: the answers fill the connection, and the
+/// next header's write, which pingora flushes without a bound of its own, waits. It is
+/// cut at the write timeout, and the connection's slot freed, while the client still
+/// holds its socket open.
+#[test]
+fn a_client_that_reads_no_answers_to_pipelined_requests_loses_its_connection() {
+    let tripwire = Tripwire::start();
+    let gw = TestGateway::start_with(&[&tripwire.url()], &test_keys(), |c| {
+        c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Legacy;
+        c.limits.client_write_timeout_ms = 300;
+    });
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let client = runtime
+        .block_on(async {
+            let socket = tokio::net::TcpSocket::new_v4()?;
+            socket.set_recv_buffer_size(4096)?;
+            socket.connect(([127, 0, 0, 1], gw.port).into()).await
+        })
+        .and_then(|stream| stream.into_std())
+        .expect("connect to the gateway");
+    client.set_nonblocking(false).expect("blocking");
+    client
+        .set_write_timeout(Some(Duration::from_secs(1)))
+        .expect("write timeout");
+    let notification = json!({"jsonrpc": "2.0", "method": "notifications/initialized"});
+    let one = post(
+        "HTTP/1.1",
+        "mcp-protocol-version: 2026-07-28\r\n",
+        &notification,
+    );
+    let batch = one.repeat(1000);
+    let mut client = client;
+    // Bounded: at most 200 batches, until the writes stall (the gateway stopped reading).
+    for _ in 0..200 {
+        if client.write_all(batch.as_bytes()).is_err() {
+            break;
+        }
+    }
+    let answered = "outcome=\"ok\"";
+    assert!(
+        metric_with(&gw.admin, "mrtr_gateway_requests_total", answered).unwrap_or(0.0) > 0.0,
+        "the requests were answered"
+    );
+    wait_until(
+        "the connection's slot freed",
+        Duration::from_secs(15),
+        || metric(&gw.admin, "mrtr_gateway_client_connections") == 0.0,
+    );
+    assert_eq!(tripwire.count(), 0, "nothing reached an upstream");
+    drop(client);
+}
+
 /// A legacy client that closes a call's SSE stream once it has read the call's result
 /// (the server keeping the stream open a while after it, as the Python SDK's servers
 /// do) was answered: the request counts as `ok`, not as a client gone before its answer.
