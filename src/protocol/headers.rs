@@ -31,12 +31,13 @@ const REWRITTEN: &[&str] = &["host", "content-length", "expect", MCP_SESSION_ID]
 
 /// The headers of `headers` that may be copied to the next hop, in order.
 pub fn forwardable(headers: &HeaderMap) -> impl Iterator<Item = (&HeaderName, &http::HeaderValue)> {
+    // Read as bytes: a value holding a byte outside visible ASCII still nominates the
+    // names beside it (a name itself is always ASCII).
     let nominated: Vec<String> = headers
         .get_all(http::header::CONNECTION)
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(|t| t.trim().to_ascii_lowercase())
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(|t| String::from_utf8_lossy(t.trim_ascii()).to_ascii_lowercase())
         .filter(|t| !t.is_empty())
         .collect();
     headers.iter().filter(move |(name, _)| {
@@ -216,6 +217,14 @@ mod tests {
         }
         let kept: Vec<&str> = forwardable(&h).map(|(n, _)| n.as_str()).collect();
         assert_eq!(kept, ["authorization", "accept", "last-event-id"]);
+        // A byte outside visible ASCII in the value does not hide the names beside it.
+        let mut h = HeaderMap::new();
+        let value = http::HeaderValue::from_bytes(b"x-internal, caf\xE9").unwrap();
+        h.append(http::header::CONNECTION, value);
+        h.append(HeaderName::from_static("x-internal"), "v".parse().unwrap());
+        h.append(HeaderName::from_static("accept"), "*/*".parse().unwrap());
+        let kept: Vec<&str> = forwardable(&h).map(|(n, _)| n.as_str()).collect();
+        assert_eq!(kept, ["accept"]);
     }
 
     fn client_headers() -> HeaderMap {
