@@ -10,7 +10,7 @@
 use super::passthrough;
 use super::Gateway;
 use crate::config::{split_host_port, ConfigError, Discovery, PeerOptions};
-use crate::outcome::Outcome;
+use crate::outcome::{Class, Outcome, Refusal};
 use crate::protocol::headers;
 use crate::upstream::dns::{self, DnsDiscovery};
 use crate::upstream::exchange::ExchangeFailure;
@@ -170,11 +170,28 @@ pub async fn forward(
     })?;
     let header = passthrough::relayed_header(session, response.header());
     let last_word = Some(last_word);
-    let relayed = passthrough::relay(gw, session, header, &mut response, None, None, last_word);
-    let outcome = relayed.await;
+    // The owner may stop answering mid-answer too (frozen once its header went out, its
+    // stream kept alive by this replica's keep-alive comments): the checks go on until
+    // the answer ends, and cut it then.
+    let relayed = tokio::select! {
+        outcome = passthrough::relay(gw, session, header, &mut response, None, None, last_word) => Ok(outcome),
+        why = watch_owner(gw, owner) => Err(why),
+    };
     gw.upstreams.client.finish(response).await;
-    Ok(outcome)
+    let why = match relayed {
+        Ok(outcome) => return Ok(outcome),
+        Err(why) => why,
+    };
+    tracing::info!(%owner, %why, "the replica holding the flow stopped answering mid-answer");
+    // The client sees its answer cut off, as from an upstream that broke off its body.
+    super::respond::abort(session).await;
+    let refusal = Refusal::internal(Class::UpstreamError, OWNER_GONE_MID_ANSWER);
+    Ok(Outcome::Refused(refusal))
 }
+
+/// Why a forwarded retry's answer was cut.
+const OWNER_GONE_MID_ANSWER: &str =
+    "the replica holding the call stopped answering while it relayed this retry's answer";
 
 /// The path on which a replica's peer listener answers 200 at once: while a forwarded
 /// retry waits for its round, the forwarding replica checks that the owner still answers.

@@ -7,7 +7,7 @@
 use crate::common::*;
 use crate::scripted::{
     assert_call_cancelled_in_its_session, holding_script, holding_server, Answer, FirstRefused,
-    ScriptedUpstream, Seen,
+    ScriptedUpstream, Seen, IDLE_LIMIT,
 };
 use mrtr_gateway::config::{Config, UpstreamEra};
 use serde_json::{json, Value};
@@ -696,6 +696,46 @@ fn a_retry_forwarded_to_an_owner_that_stopped_answering_ends_within_seconds() {
     assert_eq!(forwards(&replicas[0], "owner_gone"), 1.0);
     assert_eq!(upstream.count(), 0, "nothing went upstream");
     drop(frozen);
+}
+
+/// A retry forwarded to an owner that sends its answer's header and first event, then
+/// freezes with the connection open (and its peer listener taking checks it never
+/// answers): the liveness checks go on while the answer streams, and the client's answer
+/// is cut within seconds, not kept open by this replica's keep-alive comments for ever.
+#[test]
+fn a_forwarded_answer_whose_owner_freezes_midway_is_cut() {
+    let upstream = Tripwire::start();
+    let owner = ScriptedUpstream::start(|seen: &Seen| {
+        if seen.path.starts_with("/.mrtr-gateway/alive") {
+            return Answer::silent();
+        }
+        let progress = json!({"jsonrpc": "2.0", "method": "notifications/progress",
+            "params": {"progressToken": 1, "progress": 1}});
+        Answer::sse(&[]).event(None, &progress)
+    });
+    let owner_at = format!("127.0.0.1:{}", owner.port);
+    let replicas = peered(&upstream.url(), 1, |c| {
+        c.peers.members.push(owner_at.clone())
+    });
+    let answers = retry_held_by(owner_at.parse().unwrap(), upstream.port);
+    let params = tool_params("ask_name", answers);
+    let raw = Raw::new(&replicas[0].url);
+    let started = Instant::now();
+    let mut reply = raw.modern(1, "tools/call", params, json!({"elicitation": {}}));
+    assert_eq!(reply.status, 200);
+    let (_, first) = reply.next_message().expect("the owner's first event");
+    assert_eq!(first["method"], "notifications/progress", "{first}");
+    assert_eq!(reply.next_message(), None, "the answer went on");
+    // Cut by the replica, before the scripted owner's own idle limit closes its end.
+    let took = started.elapsed();
+    assert!(took < IDLE_LIMIT, "the answer was cut after {took:?}");
+    wait_until(
+        "the forward counted as cut",
+        Duration::from_secs(10),
+        || forwards(&replicas[0], "owner_gone") == 1.0,
+    );
+    assert_eq!(forwards(&replicas[0], "ok"), 0.0);
+    assert_eq!(upstream.count(), 0, "nothing went upstream");
 }
 
 /// One caller holds at most `bridge.max_held_flows_per_principal` flows on a replica, so

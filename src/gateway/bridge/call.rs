@@ -548,6 +548,12 @@ async fn to_holder(
                     forwards.with_label_values(&["shutting_down"]).inc();
                     return Outcome::Drained;
                 }
+                // The owner stopped answering mid-answer: the client's answer was cut.
+                Ok(cut @ Outcome::Refused(_)) => {
+                    let forwards = &gw.runtime.metrics.peer_forwards;
+                    forwards.with_label_values(&["owner_gone"]).inc();
+                    return cut;
+                }
                 Ok(_) => {
                     gw.runtime
                         .metrics
