@@ -790,6 +790,42 @@ fn an_expired_held_flows_delete_that_failed_is_sent_again() {
     assert_eq!(held_event(gw, "expired"), 1.0);
 }
 
+/// Held flows that expire together each end on their own: an upstream that takes the
+/// first one's DELETE and never answers it does not keep the second's waiting (nor the
+/// sweep, nor the flows expiring after).
+#[test]
+fn held_flows_expiring_together_end_apart() {
+    let deletes = std::sync::atomic::AtomicUsize::new(0);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let first_delete = seen.method == "DELETE"
+            && deletes.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0;
+        match first_delete {
+            true => Answer::silent(),
+            false => holding_script(seen),
+        }
+    });
+    let replicas = peered(&upstream.url(), 1, |c| {
+        c.bridge.request_state_ttl_seconds = 1;
+        c.upstreams[0].response_timeout_ms = 30_000;
+    });
+    let gw = &replicas[0];
+    let raw = Raw::new(&gw.url);
+    for id in [1, 2] {
+        let asked = call_tool(&raw, id, "ask", json!({}));
+        assert_eq!(asked["result"]["resultType"], "input_required", "{asked}");
+    }
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 2.0, "held");
+    wait_until(
+        "both sessions' DELETEs sent",
+        Duration::from_secs(10),
+        || {
+            let requests = upstream.requests();
+            requests.iter().filter(|s| s.method == "DELETE").count() >= 2
+        },
+    );
+    assert_eq!(held_event(gw, "expired"), 2.0);
+}
+
 /// A held call in a data-layer session whose client never continues it is cancelled by
 /// id when its flow expires, in its session, which lives on: the tool stops waiting for
 /// an answer that cannot come any more.

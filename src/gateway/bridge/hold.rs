@@ -281,6 +281,10 @@ impl BackgroundService for HeldSweeper {
         // can still be continued through it, so the last of them end near its end (four
         // fifths in, leaving the rest for their DELETEs before the runtime stops).
         let mut last_call: Option<tokio::time::Instant> = None;
+        // Expired flows end each on its own task: an upstream slow to take their DELETEs
+        // (each within the group's response timeout) must not hold the sweep, the flows
+        // expiring meanwhile, or the shutdown's last call.
+        let mut expiring = tokio::task::JoinSet::new();
         loop {
             let ending = async {
                 match last_call {
@@ -296,10 +300,12 @@ impl BackgroundService for HeldSweeper {
                 }
                 _ = ending => break,
             }
+            while expiring.try_join_next().is_some() {}
             for held in self.gw.flows.held.take_expired(now_secs()) {
                 tracing::info!(flow = format!("{:016x}", held.flow_id), "held flow expired");
                 self.gw.runtime.metrics.held_event("expired");
-                held.abandon(&self.gw).await;
+                let gw = self.gw.clone();
+                expiring.spawn(async move { held.abandon(&gw).await });
             }
         }
         // Rounds that could not be handed over end now too, with their upstream calls.
@@ -308,13 +314,12 @@ impl BackgroundService for HeldSweeper {
         if !left.is_empty() {
             tracing::info!(flows = left.len(), "held flows ended at shutdown");
         }
-        let mut ending = tokio::task::JoinSet::new();
         for held in left {
             self.gw.runtime.metrics.held_event("shutdown");
             let gw = self.gw.clone();
-            ending.spawn(async move { held.abandon(&gw).await });
+            expiring.spawn(async move { held.abandon(&gw).await });
         }
-        while ending.join_next().await.is_some() {}
+        while expiring.join_next().await.is_some() {}
     }
 }
 
