@@ -352,7 +352,11 @@ impl Gateway {
                 return Err(());
             }
         }
-        let mut body = BytesMut::with_capacity(declared.unwrap_or(1024).min(limits.max_body_bytes));
+        // Reserved up to what a body usually is, grown as bytes come: a declared length
+        // is a promise, and connections that declare large bodies and send little would
+        // otherwise each hold up to `max_body_bytes`.
+        let reserved = declared.unwrap_or(1024).min(INITIAL_BODY_CAPACITY);
+        let mut body = BytesMut::with_capacity(reserved.min(limits.max_body_bytes));
         let deadline = Instant::now() + Duration::from_millis(limits.body_timeout_ms);
         loop {
             let read = tokio::time::timeout_at(deadline.into(), session.read_request_body());
@@ -572,6 +576,9 @@ async fn refuse_and_close(session: &mut ServerSession, status: u16, code: i64, m
 async fn linger(session: &mut ServerSession) {
     let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
 }
+
+/// The most a request body's buffer reserves before its bytes arrive.
+const INITIAL_BODY_CAPACITY: usize = 64 << 10;
 
 /// Answers a request whose header could not be parsed (a malformed request line or
 /// header, or a target longer than a URI may be) 400, as pingora's proxy does, then closes
