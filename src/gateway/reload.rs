@@ -51,8 +51,14 @@ impl WatchedFile {
     /// Files put in use together (a certificate and its key): a change to any of them
     /// applies them all.
     pub fn together(name: &'static str, paths: Vec<PathBuf>, apply: Apply) -> WatchedFile {
+        // What is in use was read before this watch began, and the files may have changed
+        // since (a Secret updated while the process started): applied again after the
+        // digest, the contents in use are those digested, or newer ones the first poll
+        // finds changed. Contents that do not apply now are left to the polls.
+        let found = digest_of(&paths);
+        let applied = found.is_ok() && paths.first().is_some_and(|first| apply(first).is_ok());
         let seen = Seen {
-            settled: Some(digest_of(&paths)),
+            settled: applied.then_some(found),
             failed_once: None,
         };
         WatchedFile {
@@ -186,6 +192,28 @@ mod tests {
             _ => Err("not good".into()),
         });
         (WatchedFile::new("keys", path.clone(), apply), path)
+    }
+
+    /// Contents that changed after the process read them and before the watch began are
+    /// put in use when the watch begins, not taken as what is already in use.
+    #[test]
+    fn contents_changed_before_the_watch_began_are_put_in_use() {
+        let dir = std::env::temp_dir().join(format!("mrtr-reload-start-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("file");
+        std::fs::write(&path, "good, first").unwrap();
+        let in_use = Arc::new(Mutex::new(std::fs::read_to_string(&path).unwrap()));
+        std::fs::write(&path, "good, second").unwrap();
+        let using = in_use.clone();
+        let apply: Apply = Box::new(move |p: &Path| {
+            let text = std::fs::read_to_string(p).map_err(|e| e.to_string())?;
+            *using.lock().unwrap() = text.clone();
+            Ok(text)
+        });
+        let file = WatchedFile::new("keys", path.clone(), apply);
+        assert_eq!(*in_use.lock().unwrap(), "good, second");
+        assert_eq!(file.reload(false), None, "unchanged since");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// A renewal caught half-written (the certificate replaced, its key not yet) is not
