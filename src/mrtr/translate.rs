@@ -176,6 +176,9 @@ pub struct Round {
     round_start: Option<String>,
     /// Server requests already answered, to ignore when a stream is replayed.
     answered: Vec<UpstreamId>,
+    /// Server requests this round settled without asking the client (cancelled, refused,
+    /// answered from a known answer), bounded by `MAX_SETTLED`.
+    settled: usize,
     /// A restartable tool's round: questions are fingerprinted, and those a known
     /// answer not yet given in this run matches are answered upstream from it.
     restartable: bool,
@@ -203,6 +206,12 @@ pub struct Round {
 /// How many event ids a round remembers to tell whether one comes twice.
 const MAX_IDS_COMPARED: usize = 128;
 
+/// The most server requests one round settles without asking the client (each cancelled,
+/// refused or answered from a known answer is remembered, so that a replay does not ask
+/// it): a server past it, sending request after request that never reaches the client
+/// and so never fills the round, fails the round.
+const MAX_SETTLED: usize = 1024;
+
 impl Round {
     pub fn new(
         call_id: UpstreamId,
@@ -220,6 +229,7 @@ impl Round {
             round_start: None,
             last_event_id,
             answered: Vec::new(),
+            settled: 0,
             restartable: false,
             known: Vec::new(),
             limits: RoundLimits::default(),
@@ -442,10 +452,7 @@ impl Round {
     fn on_notification(&mut self, method: &str, message: Value) -> Vec<Action> {
         match method {
             "notifications/progress" => self.on_progress(message),
-            "notifications/cancelled" => {
-                self.on_cancelled(&message);
-                Vec::new()
-            }
+            "notifications/cancelled" => self.on_cancelled(&message).into_iter().collect(),
             "notifications/message" if self.relay.wants_log(&message) => {
                 vec![Action::Notify(message)]
             }
@@ -456,20 +463,28 @@ impl Round {
     /// The server cancelled a request of its own: a question of the round still to be
     /// asked is not asked, and never answered (2025-11-25: a cancelled request gets no
     /// response); the same request replayed later is not asked again.
-    fn on_cancelled(&mut self, message: &Value) {
+    fn on_cancelled(&mut self, message: &Value) -> Option<Action> {
         let cancelled = message["params"].get("requestId");
-        let Some(id) = cancelled.and_then(UpstreamId::from_json) else {
-            return;
-        };
-        let Some(at) = self.pending.iter().position(|p| p.upstream_id == id) else {
-            return;
-        };
+        let id = cancelled.and_then(UpstreamId::from_json)?;
+        let at = self.pending.iter().position(|p| p.upstream_id == id)?;
         let question = self.pending.remove(at);
         if let Some(request) = self.input_requests.remove(&question.key) {
             let bytes = question.key.len() + jsonrpc::text_len(&request);
             self.question_bytes = self.question_bytes.saturating_sub(bytes);
         }
+        self.settle(id)
+    }
+
+    /// Remembers a server request settled without asking the client; past `MAX_SETTLED`
+    /// in the round, the round fails.
+    fn settle(&mut self, id: UpstreamId) -> Option<Action> {
         self.answered.push(id);
+        self.settled += 1;
+        (self.settled > MAX_SETTLED).then(|| {
+            Action::Fail(format!(
+                "the server sent more than {MAX_SETTLED} requests in one round that were cancelled or refused without reaching the client"
+            ))
+        })
     }
 
     /// The call's progress (the call went up with its own id as the progress token, so
@@ -547,15 +562,20 @@ impl Round {
         }
         if let Some(problem) = malformed_question(method, &params) {
             // Refused as the client would refuse it, once; the tool may go on without.
-            self.answered.push(upstream_id);
-            return vec![refuse(code::INVALID_PARAMS, &problem)];
+            let refused = refuse(code::INVALID_PARAMS, &problem);
+            return [Some(refused), self.settle(upstream_id)]
+                .into_iter()
+                .flatten()
+                .collect();
         }
         let fingerprint = self.restartable.then(|| fingerprint(method, &params));
         if let Some(answer) = fingerprint.and_then(|fp| self.known_answer(fp)) {
-            self.answered.push(upstream_id);
-            return vec![Action::AnswerUpstream(
-                json!({"jsonrpc": "2.0", "id": id, "result": answer}),
-            )];
+            let answer = json!({"jsonrpc": "2.0", "id": id, "result": answer});
+            let answered = Action::AnswerUpstream(answer);
+            return [Some(answered), self.settle(upstream_id)]
+                .into_iter()
+                .flatten()
+                .collect();
         }
         let key = self.key_for(method, &upstream_id, &mut params);
         strip_legacy_fields(&mut params);
@@ -982,6 +1002,28 @@ mod tests {
             r.question_count(),
             1,
             "a cancelled request is not asked again"
+        );
+    }
+
+    /// A server that asks and cancels, request after request, never fills the round nor
+    /// lets it end quiet: past `MAX_SETTLED` such requests the round fails, rather than
+    /// remembering each until the flow's deadline.
+    #[test]
+    fn a_server_cancelling_request_after_request_fails_the_round() {
+        let mut r = round(json!({"elicitation": {}}));
+        let cancel = |id: usize| {
+            json!({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                "params": {"requestId": id}})
+        };
+        for id in 1..=MAX_SETTLED {
+            assert!(r.on_message(elicit(id as i64, json!({}))).is_empty());
+            assert!(r.on_message(cancel(id)).is_empty(), "{id}");
+        }
+        assert!(r.on_message(elicit(0, json!({}))).is_empty());
+        let failed = r.on_message(cancel(0));
+        assert!(
+            matches!(&failed[..], [Action::Fail(why)] if why.contains("cancelled or refused")),
+            "{failed:?}"
         );
     }
 
