@@ -137,6 +137,47 @@ fn whether_the_store_keeps_sessions_apart_travels_in_the_state_instead_of_a_seco
     }
 }
 
+/// A store probe whose foreign resumption meets a 503 (a proxy in front, an upstream
+/// restarting) learns nothing: the GET stream is reopened fresh, as for a store that may
+/// be shared, not resumed after its position, which on a shared store would replay other
+/// sessions' questions.
+#[test]
+fn a_store_probe_that_meets_a_5xx_does_not_take_the_store_as_keeping_sessions_apart() {
+    let script = resumable_script(Resumes::Primed, false, Asks::OnGetStreamAfterEvent);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        if is_foreign_resumption(seen) {
+            return Answer::status(503, &[], b"busy");
+        }
+        script(seen)
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let (_, first) = call_hostile(&raw, 1, json!({}));
+    let sid = call_sessions(&upstream)
+        .pop()
+        .expect("the call went upstream");
+    let before = upstream.requests().len();
+    let (status, reply) = call_hostile(&raw, 2, answer(&first, json!({"name": "x"})));
+    assert_eq!(
+        (status, &reply["result"]["content"][0]["text"]),
+        (200, &json!("done")),
+        "{reply}"
+    );
+    let probes = upstream
+        .requests()
+        .iter()
+        .filter(|s| is_foreign_resumption(s))
+        .count();
+    assert_eq!(probes, 1, "the store was probed");
+    let get_stream_from: Vec<Option<String>> = upstream.requests()[before..]
+        .iter()
+        .filter(|s| s.method == "GET" && s.header("mcp-session-id") == Some(sid.as_str()))
+        .filter(|s| !s.header("last-event-id").unwrap_or_default().contains("-c"))
+        .map(|s| s.header("last-event-id").map(str::to_string))
+        .collect();
+    assert_eq!(get_stream_from, [None], "the GET stream was resumed");
+}
+
 /// A probe's resumption: a GET resuming after an event id of a session other than its own.
 fn is_foreign_resumption(seen: &Seen) -> bool {
     let sid = seen.header("mcp-session-id").unwrap_or_default();
@@ -278,11 +319,20 @@ pub(crate) enum Asks {
 /// `ping` is primed with `{session}-p`. A resumption after another session's event id is refused when `scoped`,
 /// and resolved (a live, primed stream) when not, as a shared store does.
 pub(crate) fn resumable_server(resumes: Resumes, scoped: bool, asks: Asks) -> ScriptedUpstream {
+    ScriptedUpstream::start(resumable_script(resumes, scoped, asks))
+}
+
+/// `resumable_server`'s answer to each request.
+fn resumable_script(
+    resumes: Resumes,
+    scoped: bool,
+    asks: Asks,
+) -> impl Fn(&Seen) -> Answer + Send + Sync + 'static {
     let sessions = AtomicUsize::new(0);
     let answered = Gate::new();
     let call_id = Mutex::new(Value::Null);
     let cut = AtomicBool::new(false);
-    ScriptedUpstream::start(move |seen: &Seen| {
+    move |seen: &Seen| {
         let sid = seen
             .header("mcp-session-id")
             .unwrap_or_default()
@@ -357,7 +407,7 @@ pub(crate) fn resumable_server(resumes: Resumes, scoped: bool, asks: Asks) -> Sc
             }
             _ => legacy_basics(seen, "unused").unwrap_or_else(|| Answer::status(405, &[], b"")),
         }
-    })
+    }
 }
 
 pub(crate) fn call_hostile(raw: &Raw, id: u64, extra: Value) -> (u16, Value) {

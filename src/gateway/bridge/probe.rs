@@ -15,7 +15,7 @@ use crate::gateway::UpstreamSide;
 use crate::protocol::sse;
 use crate::protocol::trace::TraceContext;
 use crate::upstream::exchange::{Connection, Response};
-use crate::upstream::legacy_session::{Caller, LegacySession};
+use crate::upstream::legacy_session::{Caller, LegacySession, SessionFailure};
 use crate::upstream::{Endpoint, UpstreamGroup};
 use serde_json::json;
 use std::time::Duration;
@@ -184,10 +184,14 @@ async fn first_id(response: &mut Response) -> Option<String> {
 }
 
 /// Resumes `session`'s GET stream after another session's event id: refused, or ended
-/// without an event, means sessions are kept apart; anything else, that they are not.
+/// without an event, means sessions are kept apart; an event, that they are not. No
+/// answer, a 5xx, or a status the request itself earned (denied, too large, too many)
+/// says nothing of the store: unknown, so GET streams reopen fresh meanwhile.
 async fn resumes_foreign(session: &LegacySession<'_>, foreign: &str) -> SessionReplay {
-    let Ok(mut response) = session.get_stream(Some(foreign), Connection::Pooled).await else {
-        return SessionReplay::Scoped;
+    let mut response = match session.get_stream(Some(foreign), Connection::Pooled).await {
+        Ok(response) => response,
+        Err(e) if says_nothing_of_the_store(e.failure()) => return SessionReplay::Unknown,
+        Err(_) => return SessionReplay::Scoped,
     };
     let deadline = Instant::now() + FOREIGN_WATCH;
     let mut parser = sse::Parser::new(response.max_message());
@@ -209,4 +213,17 @@ async fn resumes_foreign(session: &LegacySession<'_>, foreign: &str) -> SessionR
     };
     session.client.finish(response).await;
     verdict
+}
+
+/// Whether a failed resumption says nothing of whether the store resolved the id.
+fn says_nothing_of_the_store(failure: &SessionFailure) -> bool {
+    match failure {
+        SessionFailure::Refused(status) => {
+            *status >= 500 || matches!(status, 408 | 409 | 413 | 414 | 425 | 429 | 431)
+        }
+        SessionFailure::Exchange(_)
+        | SessionFailure::NoEndpoint
+        | SessionFailure::Denied { .. } => true,
+        SessionFailure::Protocol(_) | SessionFailure::Gone => false,
+    }
 }
