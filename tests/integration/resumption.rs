@@ -123,12 +123,7 @@ fn whether_the_store_keeps_sessions_apart_travels_in_the_state_instead_of_a_seco
             1,
             "scoped store: {scoped}: the second replica probed again"
         );
-        let get_stream_from: Vec<Option<String>> = upstream.requests()[before..]
-            .iter()
-            .filter(|s| s.method == "GET" && s.header("mcp-session-id") == Some(sid.as_str()))
-            .filter(|s| !s.header("last-event-id").unwrap_or_default().contains("-c"))
-            .map(|s| s.header("last-event-id").map(str::to_string))
-            .collect();
+        let get_stream_from = get_stream_positions(&upstream, &sid, before);
         let expected = match scoped {
             true => Some(format!("{sid}-g0")),
             false => None,
@@ -169,13 +164,23 @@ fn a_store_probe_that_meets_a_5xx_does_not_take_the_store_as_keeping_sessions_ap
         .filter(|s| is_foreign_resumption(s))
         .count();
     assert_eq!(probes, 1, "the store was probed");
-    let get_stream_from: Vec<Option<String>> = upstream.requests()[before..]
+    let get_stream_from = get_stream_positions(&upstream, &sid, before);
+    assert_eq!(get_stream_from, [None], "the GET stream was resumed");
+}
+
+/// Where session `sid`'s GET streams opened after the upstream's `before`th request
+/// resumed from (`None`: opened fresh); the call's own stream's resumptions left out.
+fn get_stream_positions(
+    upstream: &ScriptedUpstream,
+    sid: &str,
+    before: usize,
+) -> Vec<Option<String>> {
+    upstream.requests()[before..]
         .iter()
-        .filter(|s| s.method == "GET" && s.header("mcp-session-id") == Some(sid.as_str()))
+        .filter(|s| s.method == "GET" && s.header("mcp-session-id") == Some(sid))
         .filter(|s| !s.header("last-event-id").unwrap_or_default().contains("-c"))
         .map(|s| s.header("last-event-id").map(str::to_string))
-        .collect();
-    assert_eq!(get_stream_from, [None], "the GET stream was resumed");
+        .collect()
 }
 
 /// A probe's resumption: a GET resuming after an event id of a session other than its own.
