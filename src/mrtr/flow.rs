@@ -177,10 +177,26 @@ impl FailureKind {
         self.unexplained()
             || match self {
                 FailureKind::NoEndpoint | FailureKind::Unreachable | FailureKind::NotSent => true,
-                FailureKind::Refused(status) => matches!(status, 408 | 409 | 425 | 429),
+                FailureKind::Refused(status) => refused_for_now(status),
                 _ => false,
             }
     }
+
+    /// The upstream read the request and refused it as such: the same request will be
+    /// refused again, whoever sends it. Not a denial, nor a refusal for now (a timeout,
+    /// a conflict, a throttle), nor one the request's own size earned (413, 414, 431:
+    /// a smaller request, another caller's, may pass).
+    pub fn refused_for_good(self) -> bool {
+        matches!(self, FailureKind::Refused(status)
+            if (400..500).contains(&status)
+                && !refused_for_now(status)
+                && !matches!(status, 413 | 414 | 431))
+    }
+}
+
+/// A refusal that says nothing of a later request: a timeout, a conflict, a throttle.
+fn refused_for_now(status: u16) -> bool {
+    matches!(status, 408 | 409 | 425 | 429)
 }
 
 impl Failure {
@@ -205,11 +221,9 @@ impl Failure {
         matches!(self.kind, FailureKind::Gone | FailureKind::Unreachable)
     }
 
-    /// The upstream refused the request as such (a 4xx other than a denial, a conflict
-    /// or a throttle, which later may pass): the same request will be refused again.
+    /// The upstream refused the request as such (`FailureKind::refused_for_good`).
     pub fn refused_for_good(&self) -> bool {
-        matches!(self.kind, FailureKind::Refused(status)
-            if (400..500).contains(&status) && !matches!(status, 408 | 409 | 425 | 429))
+        self.kind.refused_for_good()
     }
 
     /// The request provably did not reach the upstream, or was refused there. A 5xx

@@ -607,17 +607,66 @@ fn a_resumption_cut_by_a_restarting_upstream_leaves_the_group_resumable() {
     let upstream = resumable_server(Resumes::CutOnce, true, Asks::AfterPriming);
     let gw = TestGateway::start(&[&upstream.url()], &test_keys());
     let raw = Raw::new(&gw.url);
-    let (_, first) = call_hostile(&raw, 1, json!({}));
-    let resumable = || metric_with(&gw.admin, "mrtr_gateway_upstream_resumable", "default");
-    assert_eq!(resumable(), Some(1.0), "the first round waits resumable");
-    let retry = answer(&first, json!({"name": "x"}));
+    let retry = answer(&first_round_resumable(&gw), json!({"name": "x"}));
     let (status, cut) = call_hostile(&raw, 2, retry.clone());
     assert_eq!(status, 200, "{cut}");
     let message = cut["error"]["message"].as_str().unwrap_or_default();
     assert!(message.contains("resuming the call's stream"), "{cut}");
-    assert_eq!(resumable(), Some(1.0), "the group's flows stay resumable");
+    assert_the_same_state_goes_on(&gw, &upstream, retry);
+}
+
+/// A retry whose own headers are too large for the upstream (Node's 16 KiB limit, below
+/// the gateway's 32 KiB) earns a 431 on its resumption: the client is told, the state
+/// stays good for a retry that fits, and the group's later flows stay resumable, since
+/// one caller's request says nothing of the upstream's store.
+#[test]
+fn a_retry_too_large_for_the_upstream_leaves_the_group_resumable() {
+    let script = resumable_script(Resumes::Primed, true, Asks::AfterPriming);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let bytes: usize = seen.headers.iter().map(|(n, v)| n.len() + v.len()).sum();
+        if bytes > 16 << 10 {
+            return Answer::status(431, &[], b"Request Header Fields Too Large");
+        }
+        script(seen)
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let retry = answer(&first_round_resumable(&gw), json!({"name": "x"}));
+    let padding = "p".repeat(20 << 10);
+    let params = tool_params("hostile", retry.clone());
+    let caps = json!({"elicitation": {}});
+    let padded = raw.modern_with(2, "tools/call", params, caps, &[("x-padding", &padding)]);
+    let refused = padded.json();
+    let message = refused["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("HTTP 431"), "{refused}");
+    assert_the_same_state_goes_on(&gw, &upstream, retry);
+}
+
+fn group_resumable(gw: &TestGateway) -> Option<f64> {
+    metric_with(&gw.admin, "mrtr_gateway_upstream_resumable", "default")
+}
+
+/// The first round of a call of `hostile`, which waits resumable.
+fn first_round_resumable(gw: &TestGateway) -> Value {
+    let (_, first) = call_hostile(&Raw::new(&gw.url), 1, json!({}));
+    assert_eq!(
+        group_resumable(gw),
+        Some(1.0),
+        "the first round waits resumable"
+    );
+    first
+}
+
+/// After a retry refused before it reached the call: the group's flows stay resumable,
+/// no answer went up, and the same `retry` completes the call.
+fn assert_the_same_state_goes_on(gw: &TestGateway, upstream: &ScriptedUpstream, retry: Value) {
+    assert_eq!(
+        group_resumable(gw),
+        Some(1.0),
+        "the group's flows stay resumable"
+    );
     assert!(!upstream.requests().iter().any(is_answer), "nothing posted");
-    let (status, done) = call_hostile(&raw, 3, retry);
+    let (status, done) = call_hostile(&Raw::new(&gw.url), 3, retry);
     assert_eq!(
         (status, &done["result"]["content"][0]["text"]),
         (200, &json!("done")),

@@ -12,6 +12,7 @@
 
 use crate::gateway::learnt::SessionReplay;
 use crate::gateway::UpstreamSide;
+use crate::mrtr::flow::FailureKind;
 use crate::protocol::sse;
 use crate::protocol::trace::TraceContext;
 use crate::upstream::exchange::{Connection, Response};
@@ -215,15 +216,10 @@ async fn resumes_foreign(session: &LegacySession<'_>, foreign: &str) -> SessionR
     verdict
 }
 
-/// Whether a failed resumption says nothing of whether the store resolved the id.
+/// Whether a failed resumption says nothing of whether the store resolved the id: only
+/// a refusal of the request as such (`FailureKind::refused_for_good`), a session the
+/// upstream no longer has, or an answer against the protocol is the store's word.
 fn says_nothing_of_the_store(failure: &SessionFailure) -> bool {
-    match failure {
-        SessionFailure::Refused(status) => {
-            *status >= 500 || matches!(status, 408 | 409 | 413 | 414 | 425 | 429 | 431)
-        }
-        SessionFailure::Exchange(_)
-        | SessionFailure::NoEndpoint
-        | SessionFailure::Denied { .. } => true,
-        SessionFailure::Protocol(_) | SessionFailure::Gone => false,
-    }
+    !matches!(failure, SessionFailure::Protocol(_) | SessionFailure::Gone)
+        && !FailureKind::from(failure).refused_for_good()
 }

@@ -1448,10 +1448,13 @@ fn a_refused_resumption_loses_the_call_ends_its_session_and_teaches_the_group() 
     let refusal = h.refusal();
     assert_eq!(refusal.code, gcode::FLOW_LOST);
     assert!(refusal.message.contains("was refused"), "{refusal}");
-    // A refusal that may pass later (a throttle, a conflict, a server error), or a
-    // connection cut under the resumption (an upstream restarting), leaves the state
-    // good, and teaches nothing of the group's resumptions.
-    for h in [refused(429), refused(503), failed(FailureKind::Cut)] {
+    // A refusal that may pass later (a throttle, a conflict, a server error), one the
+    // retry's own size earned (its headers, its URL), or a connection cut under the
+    // resumption (an upstream restarting), leaves the state good, and teaches nothing of
+    // the group's resumptions.
+    let size_earned = [refused(413), refused(414), refused(431)];
+    let for_now = [refused(429), refused(503), failed(FailureKind::Cut)];
+    for h in size_earned.into_iter().chain(for_now) {
         assert!(h.log.contains(&Command::ReleaseClaim));
         assert!(!h.log.contains(&Command::DeleteSession));
         assert_eq!(h.refusal().class, Class::UpstreamError);
