@@ -919,6 +919,34 @@ fn an_idle_kept_sessions_delete_that_failed_is_sent_again() {
     deletes.assert_deleted_at_second_attempt(&gw, &upstream);
 }
 
+/// A kept one-shot session found idle by a request whose own new session then fails to
+/// open (the upstream restarting: 503 to `initialize`) is deleted all the same: taken out
+/// of the table, no sweep would ever find it again.
+#[test]
+fn an_idle_kept_session_let_go_by_a_request_that_fails_is_deleted() {
+    let initialized = AtomicUsize::new(0);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let initialize = seen.jsonrpc_method().as_deref() == Some("initialize");
+        if initialize && initialized.fetch_add(1, Ordering::SeqCst) > 0 {
+            return Answer::status(503, &[], b"restarting");
+        }
+        tools_list_only(seen)
+    });
+    let gw = kept_session_left_idle(&upstream);
+    // Past the one-second idle time, before the sweep's next pass (every 5 s).
+    std::thread::sleep(Duration::from_millis(1100));
+    let failed = Raw::new(&gw.url)
+        .modern(2, "tools/list", json!({}), json!({}))
+        .json();
+    assert!(failed["error"]["message"].is_string(), "{failed}");
+    wait_until("the idle session deleted", Duration::from_secs(10), || {
+        upstream
+            .requests()
+            .iter()
+            .any(|s| s.method == "DELETE" && s.header("mcp-session-id") == Some("s1"))
+    });
+}
+
 /// A legacy server in session `s1` whose only tool list is empty.
 fn tools_list_only(seen: &Seen) -> Answer {
     if seen.jsonrpc_method().as_deref() == Some("tools/list") {

@@ -508,47 +508,49 @@ async fn one_shot(
         retired.push(*idle);
         None
     });
-    let timeouts = &group.timeouts;
-    if let Some(kept) = kept {
-        let resumed = one_shot::resume(&gw.upstreams.client, group, timeouts, &kept);
-        if resumed.is_none() {
-            // Its endpoint left the group: it serves no one any more.
-            gw.upstreams.kept_sessions.forget(&shape, &kept.session_id);
-        }
-        if let Some(mut upstream) = resumed {
-            upstream.caller = caller(request);
-            match ask_once(gw, &upstream, request).await {
-                // The upstream forgot the session, or its endpoint takes no connection:
-                // either way it did not take the request, which goes again on a new
-                // session (on a healthy endpoint).
-                Err(e) if lost_kept_session(e.failure()) => {
-                    gw.upstreams.kept_sessions.forget(&shape, &kept.session_id)
-                }
-                answer => {
-                    gw.runtime.metrics.upstream_session("reused");
-                    let outcome = answered(gw, session, group, reply, answer).await;
-                    one_shot::retire(&gw.upstreams, retired).await;
-                    return outcome;
+    // What was let go is deleted however the request ends.
+    let outcome = async {
+        let timeouts = &group.timeouts;
+        if let Some(kept) = kept {
+            let resumed = one_shot::resume(&gw.upstreams.client, group, timeouts, &kept);
+            if resumed.is_none() {
+                // Its endpoint left the group: it serves no one any more.
+                gw.upstreams.kept_sessions.forget(&shape, &kept.session_id);
+            }
+            if let Some(mut upstream) = resumed {
+                upstream.caller = caller(request);
+                match ask_once(gw, &upstream, request).await {
+                    // The upstream forgot the session, or its endpoint takes no connection:
+                    // either way it did not take the request, which goes again on a new
+                    // session (on a healthy endpoint).
+                    Err(e) if lost_kept_session(e.failure()) => {
+                        gw.upstreams.kept_sessions.forget(&shape, &kept.session_id)
+                    }
+                    answer => {
+                        gw.runtime.metrics.upstream_session("reused");
+                        return answered(gw, session, group, reply, answer).await;
+                    }
                 }
             }
         }
-    }
-    let upstream = match upstream_for(gw, group, request, None).await {
-        Ok(upstream) => upstream,
-        Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
-    };
-    let answer = ask_once(gw, &upstream, request).await;
-    match (
-        &answer,
-        one_shot::Kept::of(&group.name, &upstream, Instant::now()),
-    ) {
-        (Ok(_), Some(kept)) => {
-            let owner = counted_principal(gw, principal);
-            retired.extend(gw.upstreams.kept_sessions.keep(shape, owner, kept))
+        let upstream = match upstream_for(gw, group, request, None).await {
+            Ok(upstream) => upstream,
+            Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
+        };
+        let answer = ask_once(gw, &upstream, request).await;
+        match (
+            &answer,
+            one_shot::Kept::of(&group.name, &upstream, Instant::now()),
+        ) {
+            (Ok(_), Some(kept)) => {
+                let owner = counted_principal(gw, principal);
+                retired.extend(gw.upstreams.kept_sessions.keep(shape, owner, kept))
+            }
+            _ => end_session(&gw.upstreams.reaper, &upstream).await,
         }
-        _ => end_session(&gw.upstreams.reaper, &upstream).await,
+        answered(gw, session, group, reply, answer).await
     }
-    let outcome = answered(gw, session, group, reply, answer).await;
+    .await;
     one_shot::retire(&gw.upstreams, retired).await;
     outcome
 }
