@@ -8,6 +8,7 @@ use super::{Endpoint, Timeouts};
 use crate::protocol::headers::{EndToEnd, MCP_SESSION_ID};
 use crate::protocol::jsonrpc::{self, Cancellation};
 use crate::protocol::revision::Revision;
+use crate::protocol::session_token::{SessionToken, MAX_UPSTREAM_SESSION_LEN};
 use crate::protocol::sse;
 use crate::protocol::target::upstream_target;
 use crate::protocol::trace::TraceContext;
@@ -227,7 +228,11 @@ impl<'a> LegacySession<'a> {
         let message = read_single(&mut response).await;
         // An SSE answer's stream ends just after its message (SDK servers close it).
         client.release(response, timeouts.response).await;
-        match session.finish_handshake(message).await {
+        let handshake = match session.uncarried_session() {
+            None => session.finish_handshake(message).await,
+            Some(e) => Err(e),
+        };
+        match handshake {
             Ok(result) => Ok((session, result)),
             Err(e) => {
                 // The upstream may hold a session nobody will use: end it, not leave it
@@ -254,6 +259,15 @@ impl<'a> LegacySession<'a> {
         let answer = self.post_detached(client.clone(), init, patience);
         let ender = || self.detached(client.clone(), *self.timeouts);
         initialize_in_time(answer, &self.endpoint, self.timeouts, ender).await
+    }
+
+    /// The error for a session id the 2025 transport forbids (it must be visible ASCII),
+    /// or one longer than a session token or a state carries: no request of the session
+    /// could name it.
+    fn uncarried_session(&self) -> Option<SessionError> {
+        SessionToken::validate_upstream_session(self.session_id.as_deref()?).err()?;
+        let text = format!("opened a session whose Mcp-Session-Id the gateway cannot carry (it must be 1 to {MAX_UPSTREAM_SESSION_LEN} visible ASCII characters)");
+        Some(SessionError::protocol(Some(self.endpoint.addr), text))
     }
 
     /// Checks the answer to `initialize` and sends `notifications/initialized`; returns
@@ -696,10 +710,12 @@ pub async fn send_initialize(
     initialize_in_time(answer, endpoint, timeouts, ender).await
 }
 
-/// The session id a response names (`Mcp-Session-Id`), if readable.
+/// The session id a response names (`Mcp-Session-Id`), if readable; an empty one names
+/// none.
 fn session_id_of(response: &Response) -> Option<String> {
     let id = response.header().headers.get(MCP_SESSION_ID)?;
-    id.to_str().ok().map(str::to_string)
+    let id = id.to_str().ok().filter(|id| !id.is_empty())?;
+    Some(id.to_string())
 }
 
 /// Reads the single JSON-RPC message of a response: a JSON body, or the first message

@@ -4,7 +4,7 @@
 
 use crate::common::*;
 use crate::scripted::{legacy_basics, Answer, FirstRefused, Gate, ScriptedUpstream, Seen};
-use mrtr_gateway::config::{QuietWindowFor, ResumeMode};
+use mrtr_gateway::config::{QuietWindowFor, ResumeMode, UpstreamEra};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};
 
@@ -607,6 +607,45 @@ fn a_session_whose_handshake_failed_is_deleted() {
             opened > 0 && seen.iter().filter(|s| deleted(s)).count() == opened
         },
     );
+}
+
+/// An upstream whose session id the 2025 transport forbids (a space in it) or that no
+/// state could carry (longer than 256 characters) opens no bridged call: the client is
+/// told why, and the session, of no use to anyone, is deleted.
+#[test]
+fn a_session_id_the_gateway_cannot_carry_ends_the_call_clearly_and_is_deleted() {
+    for id in ["two words".to_string(), "x".repeat(300)] {
+        let session = id.clone();
+        let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+            if seen.jsonrpc_method().as_deref() == Some("tools/call") {
+                let result = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {
+                    "content": [{"type": "text", "text": "done"}]}});
+                return Answer::json(200, &result);
+            }
+            legacy_basics(seen, &session).unwrap_or_else(|| Answer::status(405, &[], b""))
+        });
+        let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+            c.upstreams[0].era = UpstreamEra::Legacy;
+        });
+        let (status, body) = call_tool(&Raw::new(&gw.url), json!({}));
+        let message = error_message(&body);
+        assert!(
+            message.contains("Mcp-Session-Id the gateway cannot carry"),
+            "{status} {body}"
+        );
+        let seen = upstream.requests();
+        assert!(
+            !seen
+                .iter()
+                .any(|s| s.jsonrpc_method().as_deref() == Some("tools/call")),
+            "no call went up in a session it could not name"
+        );
+        wait_until("the session deleted", Duration::from_secs(5), || {
+            let deleted =
+                |s: &Seen| s.method == "DELETE" && s.header("mcp-session-id") == Some(&id);
+            upstream.requests().iter().any(deleted)
+        });
+    }
 }
 
 /// That DELETE, when the upstream cannot take it at once (a 503 while it restarts), is
