@@ -67,7 +67,7 @@ use super::state::{
     FlowState, HeldAt, Known, Pending, Positions, ReadBefore, UpstreamCall, UpstreamFacts,
     UpstreamId, Waiting,
 };
-use super::translate::{Action, Relay, Round, RoundLimits};
+use super::translate::{Action, Relay, Round, RoundLimits, UnusableIds};
 use crate::config::ResumeMode;
 use crate::mrtr::modern::{code as mcode, gateway_code as gcode};
 use crate::outcome::{Class, Refusal};
@@ -428,10 +428,10 @@ pub enum Learnt {
     /// The upstream refused a `Last-Event-ID` resumption (or, `empty`, answered it with an
     /// empty stream): with `resume: auto` its flows are held from then on.
     ReplayRefused { empty: bool },
-    /// An event id came twice in one round (on one stream or on both): the upstream's
-    /// ids do not name its events, so its calls cannot be resumed by them. With
+    /// An event id came twice in one round (on one stream or on both), or one cannot be
+    /// sent back as a header: the upstream's ids do not resume its calls. With
     /// `resume: auto` its flows are held from then on.
-    EventIdRepeated,
+    EventIdsUnusable(UnusableIds),
     /// A resumption failed without an answer that says the upstream cannot resume: cut
     /// below HTTP, a server error, or no answer in time. One alone says nothing (an
     /// upstream restarting); the shell learns from a run of them.
@@ -1984,7 +1984,7 @@ impl Flow {
             ResumeMode::Hold => false,
             ResumeMode::Auto => {
                 r.round.last_event_id().is_some()
-                    && !r.round.event_ids_repeat()
+                    && r.round.event_ids_unusable().is_none()
                     && !self.config.replay_refused
             }
         }
@@ -2054,15 +2054,15 @@ impl Flow {
                 })
             }
             RoundEnd::Questions { .. }
-                if (r.round.last_event_id().is_none() || r.round.event_ids_repeat())
+                if (r.round.last_event_id().is_none()
+                    || r.round.event_ids_unusable().is_some())
                     && self.config.resume == ResumeMode::Resumable =>
             {
                 self.commands.push_back(Command::CloseStreams);
                 self.give_up(&r.call, "the call cannot be resumed");
-                let why = if r.round.last_event_id().is_none() {
-                    "its SSE events carry no ids"
-                } else {
-                    "it sent the same SSE event id twice in one round"
+                let why = match r.round.event_ids_unusable() {
+                    Some(unusable) => unusable.why(),
+                    None => "its SSE events carry no ids",
                 };
                 let text = format!("upstream group '{group}' is configured `resume: resumable`, but {why}, so its calls cannot be resumed: configure `resume: auto` or `hold`");
                 self.finish(Ending::Refused(Refusal::internal(
@@ -2074,8 +2074,10 @@ impl Flow {
                 if draining {
                     self.commands.push_back(Command::Note(Note::HandedOver));
                 }
-                if r.round.event_ids_repeat() && !self.config.replay_refused {
-                    self.learn(Learnt::EventIdRepeated);
+                if let Some(unusable) = r.round.event_ids_unusable() {
+                    if !self.config.replay_refused {
+                        self.learn(Learnt::EventIdsUnusable(unusable));
+                    }
                 }
                 let resumable = self.resumes(&r);
                 self.learn(Learnt::Resumable(resumable));
@@ -2449,7 +2451,7 @@ impl Flow {
 
     fn learn(&mut self, learnt: Learnt) {
         match learnt {
-            Learnt::ReplayRefused { .. } | Learnt::EventIdRepeated => {
+            Learnt::ReplayRefused { .. } | Learnt::EventIdsUnusable(_) => {
                 self.config.replay_refused = true
             }
             Learnt::Primes(primes) => self.config.primes = Some(primes),

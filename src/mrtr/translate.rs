@@ -198,9 +198,40 @@ pub struct Round {
     /// Events carrying a message read on each stream since its first question.
     read_since_asked: ReadBefore,
     /// Digests of the event ids seen on either stream this round (the first
-    /// `MAX_IDS_COMPARED`), and whether one came twice.
+    /// `MAX_IDS_COMPARED`), and why the ids cannot resume the call, once one showed it.
     seen_ids: Vec<u64>,
-    id_repeated: bool,
+    ids_unusable: Option<UnusableIds>,
+}
+
+/// Why a round's event ids cannot resume its call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnusableIds {
+    /// One came twice, on one stream or on both: it names no one event.
+    Repeated,
+    /// One cannot be sent back as a `Last-Event-ID` header: it holds a control
+    /// character, or white space at an end (which HTTP strips), or is empty.
+    NotAHeader,
+}
+
+impl UnusableIds {
+    /// What the upstream did, for a client's error or the log.
+    pub fn why(self) -> &'static str {
+        match self {
+            UnusableIds::Repeated => "it sent the same SSE event id twice in one round",
+            UnusableIds::NotAHeader => {
+                "it sent an SSE event id that cannot be sent back as a Last-Event-ID header (empty, a control character, or white space at an end)"
+            }
+        }
+    }
+}
+
+/// Whether `id` goes back to the upstream as it came, as a `Last-Event-ID` value.
+fn is_header_value(id: &str) -> bool {
+    let bytes = id.as_bytes();
+    let ends = [bytes.first(), bytes.last()];
+    !bytes.is_empty()
+        && bytes.iter().all(|&b| b >= 0x20 && b != 0x7f)
+        && !ends.into_iter().flatten().any(|&b| b == b' ')
 }
 
 /// How many event ids a round remembers to tell whether one comes twice.
@@ -241,7 +272,7 @@ impl Round {
             session_asked: false,
             read_since_asked: ReadBefore::default(),
             seen_ids: Vec::new(),
-            id_repeated: false,
+            ids_unusable: None,
         }
     }
 
@@ -347,19 +378,25 @@ impl Round {
     /// Records an event id of either stream (bounded), and whether it came before.
     fn note_id(&mut self, id: &str) {
         let digest = BuildHasherDefault::<DefaultHasher>::default().hash_one(id);
-        self.id_repeated |= self.seen_ids.contains(&digest);
+        if !is_header_value(id) {
+            self.ids_unusable.get_or_insert(UnusableIds::NotAHeader);
+        }
+        if self.seen_ids.contains(&digest) {
+            self.ids_unusable.get_or_insert(UnusableIds::Repeated);
+        }
         if self.seen_ids.len() < MAX_IDS_COMPARED {
             self.seen_ids.push(digest);
         }
     }
 
-    /// Whether an event id came twice this round, on one stream or on both. Such an id
-    /// names no one event: a `Last-Event-ID` resumption by it may replay another stream,
-    /// or events already answered, and the call's result may never be seen (rmcp, the
-    /// Rust SDK, opens every stream with an event whose id is `0`, numbers the GET
-    /// stream's messages from `0` too, and resolves `0` to the GET stream).
-    pub fn event_ids_repeat(&self) -> bool {
-        self.id_repeated
+    /// Why this round's event ids cannot resume its call, if one showed it. An id that
+    /// came twice, on one stream or on both, names no one event: a `Last-Event-ID`
+    /// resumption by it may replay another stream, or events already answered, and the
+    /// call's result may never be seen (rmcp, the Rust SDK, opens every stream with an
+    /// event whose id is `0`, numbers the GET stream's messages from `0` too, and
+    /// resolves `0` to the GET stream). One that is no header value cannot be sent back.
+    pub fn event_ids_unusable(&self) -> Option<UnusableIds> {
+        self.ids_unusable
     }
 
     pub fn has_questions(&self) -> bool {
@@ -1271,31 +1308,48 @@ mod tests {
     }
 
     #[test]
+    fn a_round_tells_when_an_event_id_cannot_be_sent_back() {
+        for id in ["a\u{1}b", "a\tb", "", " a", "a ", "a\u{7f}"] {
+            let mut r = round(json!({}));
+            r.saw_call_event("c-0");
+            r.saw_session_event(id);
+            let unusable = r.event_ids_unusable();
+            assert_eq!(unusable, Some(UnusableIds::NotAHeader), "{id:?}");
+        }
+        for id in ["a b", "0/0", "é-1", "~!"] {
+            let mut r = round(json!({}));
+            r.saw_call_event(id);
+            assert_eq!(r.event_ids_unusable(), None, "{id:?}");
+        }
+    }
+
+    #[test]
     fn a_round_tells_when_an_event_id_comes_twice() {
         let mut r = round(json!({}));
         r.saw_session_event("g-0");
         r.saw_call_event("c-0");
         r.saw_session_event("g-1");
-        assert!(!r.event_ids_repeat(), "distinct ids");
+        assert_eq!(r.event_ids_unusable(), None, "distinct ids");
         r.saw_call_event("g-0");
-        assert!(
-            r.event_ids_repeat(),
+        assert_eq!(
+            r.event_ids_unusable(),
+            Some(UnusableIds::Repeated),
             "the call's stream repeats a GET-stream id"
         );
 
         let mut one_stream = round(json!({}));
         one_stream.saw_session_event("0");
         one_stream.saw_session_event("0");
-        assert!(one_stream.event_ids_repeat(), "twice on one stream");
+        assert_eq!(one_stream.event_ids_unusable(), Some(UnusableIds::Repeated));
 
         let mut many = round(json!({}));
         for n in 0..MAX_IDS_COMPARED + 10 {
             many.saw_call_event(&format!("c-{n}"));
         }
         assert_eq!(many.seen_ids.len(), MAX_IDS_COMPARED, "bounded");
-        assert!(!many.event_ids_repeat());
+        assert_eq!(many.event_ids_unusable(), None);
         many.saw_session_event("c-3");
-        assert!(many.event_ids_repeat());
+        assert_eq!(many.event_ids_unusable(), Some(UnusableIds::Repeated));
     }
 
     #[test]

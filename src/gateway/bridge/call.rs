@@ -1358,10 +1358,7 @@ fn learn(upstreams: &UpstreamSide, group: &UpstreamGroup, request: &ModernReques
             };
             upstreams.note_replay_refused(group, how);
         }
-        Learnt::EventIdRepeated => upstreams.note_replay_refused(
-            group,
-            "one event id twice in a round, so its ids do not name its events",
-        ),
+        Learnt::EventIdsUnusable(unusable) => upstreams.note_replay_refused(group, unusable.why()),
         Learnt::ResumptionFailed => upstreams.note_resumption_failed(group),
         Learnt::ResumptionWorked => {
             upstreams

@@ -1778,7 +1778,9 @@ fn round_with_ids_on_both_streams_alike(config: FlowConfig) -> Harness {
 #[test]
 fn a_round_that_sees_an_event_id_twice_is_held_and_teaches_the_group() {
     let h = round_with_ids_on_both_streams_alike(config());
-    assert!(h.log.contains(&Command::Learn(Learnt::EventIdRepeated)));
+    assert!(h.log.contains(&Command::Learn(Learnt::EventIdsUnusable(
+        UnusableIds::Repeated
+    ))));
     assert!(h.log.contains(&Command::Learn(Learnt::Resumable(false))));
     assert!(h.log.iter().any(|c| matches!(c, Command::Hold { .. })));
     assert!(
@@ -1802,7 +1804,9 @@ fn a_round_that_sees_an_event_id_twice_is_held_and_teaches_the_group() {
     assert!(matches!(unique.state().waiting, Waiting::Resumable { .. }));
     assert!(!unique
         .log
-        .contains(&Command::Learn(Learnt::EventIdRepeated)));
+        .contains(&Command::Learn(Learnt::EventIdsUnusable(
+            UnusableIds::Repeated
+        ))));
 }
 
 #[test]
@@ -1816,6 +1820,31 @@ fn a_group_forced_resumable_whose_event_ids_repeat_gets_a_clear_error() {
         "{refusal:?}"
     );
     assert!(h.log.contains(&Command::DeleteSession));
+}
+
+/// A call-stream event id no `Last-Event-ID` header can carry (a control character in
+/// it): the round is held, the group learns its ids cannot resume, and a group forced
+/// resumable is told why.
+#[test]
+fn a_round_whose_event_id_cannot_be_sent_back_is_held() {
+    let round = |config: FlowConfig| {
+        let mut h = Harness::new_call(config, Upstream::default());
+        h.event(Stream::Call, Some("c\u{1}0"), &json!(""));
+        h.event(Stream::Call, Some("c\u{1}1"), &question(0, "Name?"));
+        h.advance(Duration::from_millis(10));
+        h
+    };
+    let h = round(config());
+    let learnt = Learnt::EventIdsUnusable(UnusableIds::NotAHeader);
+    assert!(h.log.contains(&Command::Learn(learnt)), "{:?}", h.log);
+    assert!(matches!(h.state().waiting, Waiting::Held { .. }));
+    let mut forced = config();
+    forced.resume = ResumeMode::Resumable;
+    let refusal = round(forced).refusal().clone();
+    assert!(
+        refusal.message.contains("Last-Event-ID header"),
+        "{refusal:?}"
+    );
 }
 
 /// A held round's retry whose first answer the upstream refuses (401: the caller's token
