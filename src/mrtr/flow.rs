@@ -632,9 +632,13 @@ enum Phase {
         state: Box<FlowState>,
         questions: Map<String, Value>,
     },
-    /// A data-layer session's call failed (`Failure`); its cancellation is posted, and
-    /// its answer says whether the session itself ended.
-    Cancelling(Failure),
+    /// A data-layer session's call failed; its cancellation is posted, and its answer
+    /// says whether the session itself ended. The answers to `posts_before`, posts
+    /// queued ahead of it (refusals of one batch event), come first and say nothing.
+    Cancelling {
+        failure: Failure,
+        posts_before: usize,
+    },
     Done,
 }
 
@@ -1051,8 +1055,18 @@ impl Flow {
             (Phase::Holding { state, questions }, Input::Held(held)) => {
                 self.held(state, questions, held)
             }
-            (Phase::Cancelling(failed), Input::Posted(cancelled)) => {
-                self.cancelled_after_failure(failed, cancelled)
+            (
+                Phase::Cancelling {
+                    failure,
+                    posts_before,
+                },
+                Input::Posted(_),
+            ) if posts_before > 0 => Phase::Cancelling {
+                failure,
+                posts_before: posts_before - 1,
+            },
+            (Phase::Cancelling { failure, .. }, Input::Posted(cancelled)) => {
+                self.cancelled_after_failure(failure, cancelled)
             }
             // An input the phase does not wait for (a stream ending while a post is
             // answered, a draining signal while a session opens) changes nothing.
@@ -2132,8 +2146,16 @@ impl Flow {
                     // client elsewhere): the cancellation goes up before the client is
                     // answered, and a 404 to it says the session ended.
                     let cancel = cancellation_of(&r.call, "the call's stream failed");
+                    let posts_before = self
+                        .commands
+                        .iter()
+                        .filter(|c| matches!(c, Command::Post(_)))
+                        .count();
                     self.commands.push_back(Command::CancelFirst(cancel));
-                    return Phase::Cancelling(failure);
+                    return Phase::Cancelling {
+                        failure,
+                        posts_before,
+                    };
                 }
                 self.give_up(&r.call, "the call's stream failed");
                 self.failed_during_call(failure)

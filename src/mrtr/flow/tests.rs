@@ -2875,6 +2875,26 @@ fn a_data_session_call_whose_stream_breaks_asks_whether_its_session_ended() {
     );
 }
 
+/// A data-layer session's call whose refusal of one server request fails (a 500), while a
+/// second refusal from the same batch event is still queued: the second one's answer (a
+/// 404) is not taken for the cancellation's, which alone says whether the session ended.
+#[test]
+fn a_cancellation_takes_its_own_answer_not_a_queued_refusals() {
+    let failed = Failure::new(FailureKind::Refused(500), "refused the request (HTTP 500)");
+    let gone = Failure::new(FailureKind::Gone, "no longer has the session");
+    let upstream = Upstream {
+        posts: [Err(failed), Err(gone), Ok(())].into(),
+        ..Upstream::default()
+    };
+    let mut h = Harness::new_call(in_data_session(), upstream);
+    let unknown =
+        |id: u64| json!({"jsonrpc": "2.0", "id": id, "method": "tasks/result", "params": {}});
+    h.event(Stream::Call, Some("c1"), &json!([unknown(7), unknown(8)]));
+    let refusal = h.refusal();
+    assert_eq!(refusal.class, Class::UpstreamError, "{refusal:?}");
+    assert!(refusal.message.contains("HTTP 500"), "{refusal:?}");
+}
+
 #[test]
 fn a_resumption_that_replays_without_end_is_refused_not_held() {
     let first = first_round();
