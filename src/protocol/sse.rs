@@ -114,6 +114,11 @@ impl Parser {
 
     /// Feeds one chunk, appending every completed event to `out`.
     pub fn push(&mut self, chunk: &[u8], out: &mut Vec<Event>) -> Result<(), TooLarge> {
+        // An empty chunk (pingora hands one over for a read that ended in a chunked
+        // body's framing) must not end the wait for the LF of a CR LF.
+        if chunk.is_empty() {
+            return Ok(());
+        }
         let mut rest = chunk;
         if std::mem::take(&mut self.after_cr) {
             rest = rest.strip_prefix(b"\n").unwrap_or(rest);
@@ -185,10 +190,10 @@ impl Parser {
             }
             b"id" if !value.contains('\0') => self.current.id = Some(value.into_owned()),
             b"event" => self.current.event = Some(value.into_owned()),
-            b"retry" => match value.parse() {
-                Ok(ms) => self.current.retry = Some(ms),
-                Err(_) => return,
-            },
+            // ASCII digits only (no sign); a number past u64 is as long a wait as any.
+            b"retry" if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) => {
+                self.current.retry = Some(value.parse().unwrap_or(u64::MAX))
+            }
             _ => return,
         }
         self.fields += 1;
@@ -238,6 +243,8 @@ mod tests {
         let mut out = Vec::new();
         for chunk in input.chunks(piece) {
             p.push(chunk, &mut out).unwrap();
+            // As pingora hands over for a read that ended in a chunked body's framing.
+            p.push(b"", &mut out).unwrap();
         }
         out
     }
@@ -353,5 +360,12 @@ mod tests {
     fn unknown_fields_and_bad_retry_are_ignored() {
         let out = parse_in_pieces(b"foo: bar\nretry: soon\n\ndata\n\n", 3);
         assert_eq!(out, vec![Event::default()]);
+        let retry =
+            |line: &str| parse_in_pieces(format!("{line}\ndata\n\n").as_bytes(), 4)[0].retry;
+        assert_eq!(retry("retry: +50"), None, "digits only");
+        assert_eq!(retry("retry: -1"), None);
+        assert_eq!(retry("retry:"), None);
+        assert_eq!(retry("retry: 99999999999999999999"), Some(u64::MAX));
+        assert_eq!(retry("retry: 0050"), Some(50));
     }
 }
