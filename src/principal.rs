@@ -64,11 +64,41 @@ impl PrincipalSource {
         match (self.header_name(), value) {
             (Some(_), Some(v)) => {
                 h.update(b"1");
-                h.update(v);
+                match self {
+                    PrincipalSource::Authorization => feed_authorization(&mut h, v),
+                    _ => h.update(v),
+                }
             }
             _ => h.update(b"0"),
         }
         h.finalize().into()
+    }
+}
+
+/// The authentication schemes fed to a principal's digest as registered; another one is
+/// fed in lower case.
+const REGISTERED_SCHEMES: [&str; 5] = ["Basic", "Bearer", "Digest", "DPoP", "Negotiate"];
+
+/// Feeds an `Authorization` value to `h` as one spelling of it. Its scheme is
+/// case-insensitive and may be followed by several spaces (RFC 9110 §11.1, §11.4), and
+/// an upstream takes every spelling alike: each would otherwise be a principal of its
+/// own, with shares of its own. A registered scheme is fed as registered, so `Bearer T`,
+/// what clients send, digests as it always has (states bound to it stay good).
+fn feed_authorization(h: &mut Sha256, value: &[u8]) {
+    let (scheme, credentials) = match value.iter().position(|&b| b == b' ') {
+        Some(at) => (&value[..at], Some(value[at..].trim_ascii_start())),
+        None => (value, None),
+    };
+    let registered = REGISTERED_SCHEMES
+        .iter()
+        .find(|r| r.as_bytes().eq_ignore_ascii_case(scheme));
+    match registered {
+        Some(r) => h.update(r.as_bytes()),
+        None => h.update(scheme.to_ascii_lowercase()),
+    }
+    if let Some(credentials) = credentials {
+        h.update(b" ");
+        h.update(credentials);
     }
 }
 
@@ -452,5 +482,33 @@ mod tests {
             PrincipalSource::None.digest(Some(b"x")),
             PrincipalSource::None.digest(None)
         );
+    }
+
+    /// One credential is one principal however its scheme is spelt (one user cannot take
+    /// a share per spelling); the credential itself is compared exactly. `Bearer T`
+    /// digests as the raw value did, so states bound to it stay good across an upgrade.
+    #[test]
+    fn an_authorization_scheme_spelt_otherwise_is_the_same_principal() {
+        let s = PrincipalSource::Authorization;
+        let bearer = s.digest(Some(b"Bearer T0k"));
+        for spelling in [
+            &b"bearer T0k"[..],
+            b"BEARER T0k",
+            b"bEaReR   T0k",
+            b"Bearer \tT0k",
+        ] {
+            assert_eq!(s.digest(Some(spelling)), bearer, "{spelling:?}");
+        }
+        assert_ne!(s.digest(Some(b"Bearer t0k")), bearer, "the token is exact");
+        assert_ne!(s.digest(Some(b"Basic T0k")), bearer);
+        assert_eq!(s.digest(Some(b"dpop x")), s.digest(Some(b"DPoP x")));
+        assert_eq!(s.digest(Some(b"Token x")), s.digest(Some(b"token  x")));
+        let mut raw = Sha256::new();
+        raw.update(b"mrtr-gateway principal v1\0");
+        raw.update(b"1");
+        raw.update(b"Bearer T0k");
+        assert_eq!(bearer, <[u8; 32]>::from(raw.finalize()), "as before");
+        let header = PrincipalSource::Header("x-api-key".into());
+        assert_ne!(header.digest(Some(b"K")), header.digest(Some(b"k")));
     }
 }
