@@ -112,8 +112,10 @@ impl Admission {
     pub fn end_to_end(&self, session: &ServerSession, group: &UpstreamGroup) -> EndToEnd {
         let client = &session.req_header().headers;
         let query = session.req_header().uri.query();
-        let mut headers = EndToEnd::of(client, &group.forward_headers).with_query(query);
-        if let Some(hop) = self.hop(session) {
+        let hop = self.hop(session);
+        let trusted = hop.is_some_and(|hop| hop.trusted);
+        let mut headers = EndToEnd::of(client, &group.forward_headers, trusted).with_query(query);
+        if let Some(hop) = hop {
             for (name, value) in forwarded::forwarding_headers(client, &hop) {
                 headers.push(name, value);
             }

@@ -507,12 +507,14 @@ fn upstream_request(
     // query of at most `MAX_TARGET_BYTES` each, both valid URI parts.
     let mut req = RequestHeader::build_no_case(method, target.as_bytes(), Some(16))
         .expect("method and target are valid");
+    let hop = gw.admission.hop(session);
+    let trusted = hop.is_some_and(|hop| hop.trusted);
     for (name, value) in headers::forwardable(&client.headers) {
-        if !forwarded::NAMES.contains(&name.as_str()) {
+        if forwarded::passes(name.as_str(), trusted) {
             let _ = req.append_header(name.clone(), value.clone());
         }
     }
-    if let Some(hop) = gw.admission.hop(session) {
+    if let Some(hop) = hop {
         for (name, value) in forwarded::forwarding_headers(&client.headers, &hop) {
             let _ = req.insert_header(name, value);
         }

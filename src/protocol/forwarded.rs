@@ -2,7 +2,8 @@
 //! `X-Forwarded-Proto` and `X-Forwarded-Host`. A client's own are believed only from a
 //! trusted peer (a proxy in front, `forwarded.trusted_peers`), which then gets its address
 //! appended; from any other peer they are dropped and replaced, so a client cannot make
-//! an upstream believe it came from elsewhere.
+//! an upstream believe it came from elsewhere. Other proxies' claims of the kind
+//! (`X-Real-IP`, `X-Original-URL`, `CLAIMS`) are dropped from such a peer too.
 
 use super::scheme::Scheme;
 use http::header::HeaderName;
@@ -20,6 +21,30 @@ pub const NAMES: [&str; 4] = [
     X_FORWARDED_PROTO,
     X_FORWARDED_HOST,
 ];
+
+/// Other headers by which a proxy in front says where a request came from, or what it
+/// asked for (nginx's and CDNs' client address, IIS's rewritten URL): some upstreams
+/// believe them, so a client's are passed on only from a trusted peer.
+pub const CLAIMS: [&str; 11] = [
+    "x-real-ip",
+    "true-client-ip",
+    "x-client-ip",
+    "x-cluster-client-ip",
+    "cf-connecting-ip",
+    "fastly-client-ip",
+    "x-forwarded-port",
+    "x-forwarded-prefix",
+    "x-forwarded-server",
+    "x-original-url",
+    "x-rewrite-url",
+];
+
+/// Whether a client's header `name` goes on as sent, from a peer that is `trusted` or
+/// not: never a forwarding header (the gateway writes its own), a claim of `CLAIMS` only
+/// from a trusted peer.
+pub fn passes(name: &str, trusted: bool) -> bool {
+    !NAMES.contains(&name) && (trusted || !CLAIMS.contains(&name))
+}
 
 /// A network in CIDR notation (`10.0.0.0/8`, `fd00::/8`); a bare address is one host.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

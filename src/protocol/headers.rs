@@ -115,13 +115,12 @@ pub struct EndToEnd {
 impl EndToEnd {
     /// The client's headers that `policy` lets through, less hop-by-hop ones, those the
     /// gateway rewrites, those the bridge sets, and forwarding headers (the gateway
-    /// writes its own: `push` them).
-    pub fn of(client: &HeaderMap, policy: &HeaderPolicy) -> EndToEnd {
+    /// writes its own: `push` them) or, from a peer not `trusted`, claims of the kind
+    /// (`forwarded::passes`).
+    pub fn of(client: &HeaderMap, policy: &HeaderPolicy, trusted: bool) -> EndToEnd {
         let kept = forwardable(client).filter(|(name, _)| {
             let n = name.as_str();
-            !BRIDGE_SETS.contains(&n)
-                && !super::forwarded::NAMES.contains(&n)
-                && policy.allows(name)
+            !BRIDGE_SETS.contains(&n) && super::forwarded::passes(n, trusted) && policy.allows(name)
         });
         EndToEnd {
             headers: kept.map(|(n, v)| (n.clone(), v.clone())).collect(),
@@ -245,6 +244,8 @@ mod tests {
                 "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
             ),
             ("x-forwarded-for", "6.6.6.6"),
+            ("x-real-ip", "6.6.6.6"),
+            ("x-original-url", "/admin"),
             ("host", "gw"),
             ("content-length", "10"),
         ] {
@@ -255,14 +256,20 @@ mod tests {
 
     #[test]
     fn a_bridged_exchange_carries_credentials_and_nothing_the_bridge_sets() {
-        let all = EndToEnd::of(
-            &client_headers(),
-            &HeaderPolicy::parse(&["*".into()]).unwrap(),
-        );
+        let every = HeaderPolicy::parse(&["*".into()]).unwrap();
+        let all = EndToEnd::of(&client_headers(), &every, false);
         let names: Vec<&str> = all.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, ["authorization", "x-api-key", "cookie"]);
+        // A proxy in front, trusted, may say where the request came from.
+        let from_proxy = EndToEnd::of(&client_headers(), &every, true);
+        let names: Vec<&str> = from_proxy.iter().map(|(n, _)| n.as_str()).collect();
+        let claims = ["x-real-ip", "x-original-url"];
+        assert_eq!(
+            names,
+            [&["authorization", "x-api-key", "cookie"][..], &claims].concat()
+        );
         let only = HeaderPolicy::parse(&["X-Api-Key".into()]).unwrap();
-        let narrowed = EndToEnd::of(&client_headers(), &only);
+        let narrowed = EndToEnd::of(&client_headers(), &only, false);
         let names: Vec<&str> = narrowed.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, ["x-api-key"]);
         assert!(HeaderPolicy::parse(&["*".into(), "cookie".into()]).is_err());
@@ -272,7 +279,7 @@ mod tests {
     #[test]
     fn credentials_never_show_in_debug_and_decide_the_digest() {
         let policy = HeaderPolicy::All;
-        let mut alice = EndToEnd::of(&client_headers(), &policy);
+        let mut alice = EndToEnd::of(&client_headers(), &policy, false);
         let shown = format!("{alice:?}");
         assert!(!shown.contains("secret-token") && shown.contains("authorization"));
         let before = alice.digest();
@@ -287,14 +294,15 @@ mod tests {
         );
         let mut other = client_headers();
         other.insert("authorization", "Bearer another".parse().unwrap());
-        assert_ne!(EndToEnd::of(&other, &policy).digest(), before);
-        let keyed = EndToEnd::of(&client_headers(), &policy).with_query(Some("apiKey=k1"));
+        assert_ne!(EndToEnd::of(&other, &policy, false).digest(), before);
+        let keyed = EndToEnd::of(&client_headers(), &policy, false).with_query(Some("apiKey=k1"));
         assert!(!format!("{keyed:?}").contains("k1"), "{keyed:?}");
         assert_ne!(keyed.digest(), before, "a key in the URL is who it is");
-        let other_key = EndToEnd::of(&client_headers(), &policy).with_query(Some("apiKey=k2"));
+        let other_key =
+            EndToEnd::of(&client_headers(), &policy, false).with_query(Some("apiKey=k2"));
         assert_ne!(keyed.digest(), other_key.digest());
         assert_eq!(
-            EndToEnd::of(&client_headers(), &policy)
+            EndToEnd::of(&client_headers(), &policy, false)
                 .with_query(Some(""))
                 .digest(),
             before,
