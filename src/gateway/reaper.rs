@@ -15,7 +15,9 @@
 //! the table: when it (or a principal's share) is full, `reclaim` asks the upstream, with
 //! a `ping` in each of the oldest sessions, which ones it no longer has, and frees them.
 //! An end the upstream could not take (down, restarting) is sent again a few times
-//! (`RETRY_AFTER`), from a bounded list beside the table.
+//! (`RETRY_AFTER`), from a bounded list beside the table. Ends go only to endpoints a
+//! group still has (a DNS group's pod that left may have given its address to another
+//! server), and one endpoint that hangs takes only a few of a sweep's at once.
 
 use super::admin::Drain;
 use crate::mrtr::flow::{FailureKind, NOT_CONTINUED};
@@ -36,6 +38,7 @@ use serde_json::Value;
 use slab::Slab;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -57,6 +60,12 @@ const END_WITHIN: Duration = Duration::from_secs(10);
 /// must not keep the other last tries from going out before the process ends.
 const LAST_ENDS_AT_ONCE: usize = 64;
 const LAST_END_WITHIN: Duration = Duration::from_secs(1);
+/// Ends one endpoint takes of a sweep's at once, outside the last stretch: one that hangs
+/// leaves the rest to the others.
+const ENDS_AT_ONCE_PER_ENDPOINT: usize = 4;
+/// How long a sweep starts ends for; those left wait for the next sweep, with the ends
+/// that came due meanwhile.
+const STARTS_FOR: Duration = END_WITHIN;
 /// Most sessions one `reclaim` asks about, the longest it takes, and how long after one
 /// that freed nothing another may run for the same share of the table (a caller that
 /// fills its share with flows it abandoned must not make every call it sends cost the
@@ -575,46 +584,102 @@ impl Reaper {
     }
 
     /// Ends every session and call due at `now`, and those due to be tried again (when
-    /// `stopping`, in the grace period's last stretch: all of them, a last time); returns
-    /// how many it tried.
-    pub async fn sweep(&self, client: &Arc<UpstreamClient>, now: u64, stopping: bool) -> usize {
+    /// `stopping`, in the grace period's last stretch: all of them, a last time), on
+    /// endpoints that are still members of a group (`member`): an address that left its
+    /// group may be another server's now, and gets neither a session id nor credentials.
+    /// Returns how many it tried. Outside the last stretch, one endpoint takes at most
+    /// `ENDS_AT_ONCE_PER_ENDPOINT` of the ends at once, and ends not started within
+    /// `STARTS_FOR` wait for the next sweep, as do those not started when `near_end`
+    /// comes (the ends running then are left to finish on their own): an endpoint that
+    /// hangs holds up neither the others nor the last stretch.
+    pub async fn sweep(
+        &self,
+        client: &Arc<UpstreamClient>,
+        now: u64,
+        stopping: bool,
+        member: impl Fn(&Endpoint) -> bool,
+        near_end: impl std::future::Future<Output = ()>,
+    ) -> usize {
         let first = self.take_due(now).into_iter();
         let mut due: Vec<Retrying> = first.map(|due| Retrying::first(due, now)).collect();
         due.extend(match stopping {
             false => self.take_retries(now),
             true => self.take_all_retries(),
         });
-        let (at_once, limit) = match stopping {
-            false => (ENDS_AT_ONCE, END_WITHIN),
-            true => (LAST_ENDS_AT_ONCE, LAST_END_WITHIN),
+        let before = due.len();
+        due.retain(|r| member(&r.due.endpoint));
+        if due.len() < before {
+            let dropped = before - due.len();
+            tracing::info!(dropped, "ends of upstream sessions or calls on endpoints that left their group were dropped: the address may serve another server now");
+        }
+        let (at_once, per_endpoint, limit) = match stopping {
+            false => (ENDS_AT_ONCE, ENDS_AT_ONCE_PER_ENDPOINT, END_WITHIN),
+            true => (LAST_ENDS_AT_ONCE, LAST_ENDS_AT_ONCE, LAST_END_WITHIN),
         };
         let tried = due.len();
-        let mut due = due.into_iter();
+        let mut waiting = std::collections::VecDeque::from(due);
+        let mut running: HashMap<SocketAddr, usize> = HashMap::new();
         let mut ends = tokio::task::JoinSet::new();
         let mut given_up = self.given_up.swap(0, Ordering::Relaxed);
+        let starts_until = tokio::time::Instant::now() + STARTS_FOR;
+        let mut near_end = std::pin::pin!(near_end);
         loop {
-            while ends.len() < at_once {
-                let Some(Retrying { due, failed, .. }) = due.next() else {
+            let starting = stopping || tokio::time::Instant::now() < starts_until;
+            while starting && ends.len() < at_once {
+                let free = |r: &Retrying| {
+                    running
+                        .get(&r.due.endpoint.addr)
+                        .is_none_or(|n| *n < per_endpoint)
+                };
+                let Some(next) = waiting.iter().position(free) else {
                     break;
                 };
+                let Some(Retrying { due, failed, .. }) = waiting.remove(next) else {
+                    break;
+                };
+                *running.entry(due.endpoint.addr).or_default() += 1;
                 let client = client.clone();
                 ends.spawn(async move {
                     let ended = within(limit, Some(due.endpoint.addr), end(&client, &due)).await;
                     (due, failed, ended.err())
                 });
             }
-            let Some(joined) = ends.join_next().await else {
+            if !starting {
+                self.put_back(waiting.drain(..));
+            }
+            let joined = tokio::select! {
+                joined = ends.join_next() => joined,
+                () = &mut near_end, if !stopping => {
+                    self.put_back(waiting.drain(..));
+                    ends.detach_all();
+                    break;
+                }
+            };
+            let Some(joined) = joined else {
                 break;
             };
-            if let Ok((due, failed, Some(e))) = joined {
-                // In the last stretch, a first attempt still gets its last try.
-                given_up += self.retry_later(due, failed, &e, stopping && failed > 0);
+            if let Ok((due, failed, ended)) = joined {
+                if let Some(n) = running.get_mut(&due.endpoint.addr) {
+                    *n -= 1;
+                }
+                if let Some(e) = ended {
+                    // In the last stretch, a first attempt still gets its last try.
+                    given_up += self.retry_later(due, failed, &e, stopping && failed > 0);
+                }
             }
         }
         if given_up > 0 {
             tracing::warn!(given_up, "ends of flows' upstream sessions or calls were given up on, out of tries or to keep the list of ends to try again bounded; the upstream's own session expiry is left to end them");
         }
         tried
+    }
+
+    /// Keeps ends a sweep did not start for the next one, as they were (their tries
+    /// not counted); beyond `MAX_RETRYING`, since they come from the bounded table.
+    fn put_back(&self, ends: impl Iterator<Item = Retrying>) {
+        let mut retrying = self.retrying.lock().expect("reaper retries lock");
+        let now = now_secs();
+        retrying.extend(ends.map(|r| Retrying { at: now, ..r }));
     }
 
     /// Deletes `upstream`'s session; a DELETE the upstream may take later is kept for
@@ -836,6 +901,8 @@ pub struct ReaperService {
     /// The gateway's metrics, where reaped sessions are counted.
     pub metrics: Arc<crate::metrics::Metrics>,
     pub drain: Arc<Drain>,
+    /// The groups, whose members alone get ends.
+    pub gw: Arc<super::Gateway>,
 }
 
 #[async_trait]
@@ -851,7 +918,12 @@ impl BackgroundService for ReaperService {
                 () = self.reaper.retry_kept.notified(), if stopping => {}
             }
             let stopping = self.drain.is_near_end();
-            let tried = self.reaper.sweep(&client, now_secs(), stopping).await;
+            let member = |endpoint: &Endpoint| self.gw.upstreams.groups.holds(endpoint);
+            let near_end = self.drain.wait_near_end();
+            let tried = self
+                .reaper
+                .sweep(&client, now_secs(), stopping, &member, near_end);
+            let tried = tried.await;
             if tried > 0 {
                 tracing::info!(tried, stopping, "ending the upstream sessions and calls of abandoned flows, and ends that failed before");
             }
@@ -968,6 +1040,142 @@ mod tests {
             assert_eq!(given_up, 1, "given up on");
         }
         assert!(reaper.take_retries(u64::MAX).is_empty(), "none kept");
+    }
+
+    /// A loopback endpoint that accepts connections: `Answers` each DELETE with 200, or
+    /// holds it unanswered; counts the requests (or connections) it got.
+    struct TestEndpoint {
+        port: u16,
+        got: Arc<AtomicUsize>,
+    }
+
+    impl TestEndpoint {
+        async fn start(answers: bool) -> TestEndpoint {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let port = listener.local_addr().unwrap().port();
+            let got = Arc::new(AtomicUsize::new(0));
+            let counted = got.clone();
+            tokio::spawn(async move {
+                while let Ok((mut tcp, _)) = listener.accept().await {
+                    let counted = counted.clone();
+                    tokio::spawn(async move {
+                        let mut buf = [0u8; 4096];
+                        while let Ok(n @ 1..) = tcp.read(&mut buf).await {
+                            if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                                counted.fetch_add(1, Ordering::SeqCst);
+                                if answers {
+                                    let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+                                    let _ = tcp.write_all(ok).await;
+                                }
+                            }
+                        }
+                    });
+                }
+            });
+            TestEndpoint { port, got }
+        }
+
+        fn got(&self) -> usize {
+            self.got.load(Ordering::SeqCst)
+        }
+
+        /// `n` DELETEs of sessions here, kept in `reaper` for its next sweep.
+        fn ends(&self, reaper: &Reaper, n: usize, response: Duration) {
+            let down = SessionError::at(None, SessionFailure::Exchange(ExchangeFailure::Connect));
+            for i in 0..n {
+                let due = Due {
+                    endpoint: endpoint(self.port),
+                    timeouts: Timeouts {
+                        response,
+                        ..timeouts()
+                    },
+                    ..due(&format!("s{i}"))
+                };
+                reaper.retry_later(due, 0, &down, false);
+            }
+        }
+    }
+
+    async fn until(what: &str, condition: impl Fn() -> bool) {
+        let waited = tokio::time::timeout(Duration::from_secs(5), async {
+            while !condition() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        });
+        waited
+            .await
+            .unwrap_or_else(|_| panic!("timed out waiting for {what}"));
+    }
+
+    /// An address that left its group may be another server's now: its ends are dropped,
+    /// neither its session id nor its credentials sent there.
+    #[tokio::test]
+    async fn a_sweep_sends_nothing_to_an_endpoint_no_group_holds() {
+        let reaper = Reaper::new(10, 10);
+        let left = TestEndpoint::start(true).await;
+        left.ends(&reaper, 2, Duration::from_secs(1));
+        let client = Arc::new(UpstreamClient::new(
+            Arc::new(crate::metrics::Metrics::new()),
+        ));
+        let never = std::future::pending::<()>();
+        let tried = reaper
+            .sweep(&client, u64::MAX, false, |_| false, never)
+            .await;
+        assert_eq!((tried, left.got()), (0, 0));
+        assert!(reaper.take_all_retries().is_empty(), "not kept either");
+        left.ends(&reaper, 2, Duration::from_secs(1));
+        let never = std::future::pending::<()>();
+        let tried = reaper
+            .sweep(&client, u64::MAX, false, |_| true, never)
+            .await;
+        assert_eq!((tried, left.got()), (2, 2), "a member gets its ends");
+    }
+
+    /// An endpoint that takes DELETEs and never answers holds a few of a sweep's ends at
+    /// once, not all: another endpoint's go out meanwhile. When the grace period's last
+    /// stretch comes, the sweep ends at once, and the ends it did not start wait for the
+    /// last sweep.
+    #[tokio::test]
+    async fn an_endpoint_that_hangs_holds_neither_the_others_nor_the_last_stretch() {
+        let reaper = Arc::new(Reaper::new(10, 10));
+        let (hangs, answers) = (
+            TestEndpoint::start(false).await,
+            TestEndpoint::start(true).await,
+        );
+        hangs.ends(&reaper, 20, Duration::from_secs(30));
+        answers.ends(&reaper, 2, Duration::from_secs(30));
+        let client = Arc::new(UpstreamClient::new(
+            Arc::new(crate::metrics::Metrics::new()),
+        ));
+        let (last_stretch, near_end) = tokio::sync::oneshot::channel::<()>();
+        let sweeping = reaper.clone();
+        let sweep = tokio::spawn(async move {
+            let near_end = async {
+                let _ = near_end.await;
+            };
+            sweeping
+                .sweep(&client, u64::MAX, false, |_| true, near_end)
+                .await
+        });
+        until("the other endpoint's ends", || answers.got() == 2).await;
+        until("the hanging endpoint's share", || {
+            hangs.got() == ENDS_AT_ONCE_PER_ENDPOINT
+        })
+        .await;
+        let _ = last_stretch.send(());
+        let swept = tokio::time::timeout(Duration::from_secs(5), sweep).await;
+        assert_eq!(swept.expect("the sweep ended").unwrap(), 22);
+        let waiting = reaper.take_all_retries();
+        assert_eq!(
+            waiting.len(),
+            20 - ENDS_AT_ONCE_PER_ENDPOINT,
+            "kept for the last sweep"
+        );
+        assert!(
+            waiting.iter().all(|r| r.failed == 1),
+            "their tries not counted"
+        );
     }
 
     /// One reclaim per share at a time, and none for a while after one freed nothing (the

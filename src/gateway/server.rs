@@ -147,6 +147,7 @@ pub fn build(
             reaper: gateway.upstreams.reaper.clone(),
             metrics: metrics.clone(),
             drain: gateway.runtime.drain.clone(),
+            gw: gateway.clone(),
         },
     ));
     server.add_service(background_service(

@@ -307,6 +307,14 @@ impl Upstreams {
     pub fn by_name(&self, name: &str) -> Option<&UpstreamGroup> {
         self.groups.iter().find(|g| *g.name == *name)
     }
+
+    /// Whether `endpoint` is a member of a group now (a DNS group's answer changes).
+    pub fn holds(&self, endpoint: &Endpoint) -> bool {
+        self.groups.iter().any(|g| {
+            g.endpoint(endpoint.addr)
+                .is_some_and(|e| e.authority == endpoint.authority && e.path == endpoint.path)
+        })
+    }
 }
 
 #[cfg(test)]
@@ -329,6 +337,28 @@ mod tests {
             "/b"
         );
         assert!(g.endpoint("127.0.0.1:3".parse().unwrap()).is_none());
+    }
+
+    /// An endpoint is held while a group has it at that address, name and path.
+    #[test]
+    fn upstreams_hold_their_groups_endpoints_only() {
+        let upstreams = Upstreams {
+            groups: vec![
+                group(&["http://127.0.0.1:1/a"]),
+                group(&["http://127.0.0.1:2/b"]),
+            ],
+        };
+        let held = group(&["http://127.0.0.1:2/b"]).pick().unwrap();
+        assert!(upstreams.holds(&held));
+        let elsewhere = Endpoint {
+            addr: "127.0.0.1:3".parse().unwrap(),
+            ..held.clone()
+        };
+        let other_path = Endpoint {
+            path: "/c".into(),
+            ..held
+        };
+        assert!(!upstreams.holds(&elsewhere) && !upstreams.holds(&other_path));
     }
 
     #[test]
