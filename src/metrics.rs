@@ -419,6 +419,7 @@ impl Metrics {
             "expired",
             "lost",
             "shutdown",
+            "endpoint_left",
         ] {
             self.held_events.with_label_values(&[event]);
         }

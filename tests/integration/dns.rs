@@ -7,7 +7,7 @@ use crate::common::*;
 use hickory_resolver::proto::op::{Message, MessageType, OpCode, ResponseCode};
 use hickory_resolver::proto::rr::rdata::{A, AAAA};
 use hickory_resolver::proto::rr::{Name, RData, Record, RecordType};
-use mrtr_gateway::config::Discovery;
+use mrtr_gateway::config::{Config, Discovery, ResumeMode};
 use mrtr_gateway::upstream::dns::DnsDiscovery;
 use pingora::lb::selection::RoundRobin;
 use pingora::lb::{Backends, LoadBalancer};
@@ -227,6 +227,18 @@ fn unknown_endpoint_rejections(gw: &TestGateway) -> f64 {
     .unwrap_or(0.0)
 }
 
+/// A gateway whose one group is `NAME` on `port`, found through `dns`, as `configure`
+/// changes it further.
+fn dns_gateway(dns: &TestDns, port: u16, configure: impl FnOnce(&mut Config)) -> TestGateway {
+    let url = format!("http://legacy.mcp.test:{port}/mcp");
+    TestGateway::start_with(&[&url], &test_keys(), |c| {
+        c.dns_resolver = Some(dns.addr.to_string());
+        c.upstreams[0].discovery = Discovery::Dns;
+        c.upstreams[0].dns_refresh_ms = 150;
+        configure(c);
+    })
+}
+
 /// New sessions go to the pods the DNS name currently answers; a session token naming a
 /// pod that left the answer is refused as unknown, and nothing reaches that address.
 #[test]
@@ -235,12 +247,7 @@ fn dns_discovered_pods_take_new_sessions_and_pods_that_left_are_refused() {
     let mut pod_a = start_pod(POD_A, port);
     let _pod_b = start_pod(POD_B, port);
     let dns = TestDns::start(ips(&[POD_A]));
-    let url = format!("http://legacy.mcp.test:{port}/mcp");
-    let gw = TestGateway::start_with(&[&url], &test_keys(), |c| {
-        c.dns_resolver = Some(dns.addr.to_string());
-        c.upstreams[0].discovery = Discovery::Dns;
-        c.upstreams[0].dns_refresh_ms = 150;
-    });
+    let gw = dns_gateway(&dns, port, |_| {});
     let raw = Raw::new(&gw.url);
 
     // 1. One pod: sessions open on it, and their tokens name it.
@@ -332,4 +339,35 @@ fn dns_discovered_pods_take_new_sessions_and_pods_that_left_are_refused() {
     assert_eq!(call_add(&raw, &on_b).status, 404);
     assert_eq!(unknown_endpoint_rejections(&gw), 2.0);
     assert_eq!(tripwire.count(), 0);
+}
+
+/// A held flow whose pod leaves the DNS answer, then expires: its streams close, but its
+/// session is not deleted at the address, which may be another server's by then (a pod's
+/// IP is given to the next pod): neither the session id nor the caller's credentials go
+/// there.
+#[test]
+fn a_held_flow_whose_pod_left_expires_without_a_request_to_its_address() {
+    use crate::resumption::{call_hostile, resumable_script, Asks, Resumes};
+    use crate::scripted::ScriptedUpstream;
+    let port = free_port();
+    let script = resumable_script(Resumes::Primed, true, Asks::AfterPriming);
+    let pod = ScriptedUpstream::start_on(&addr(POD_A, port).to_string(), script);
+    let dns = TestDns::start(ips(&[POD_A]));
+    let gw = dns_gateway(&dns, port, |c| {
+        c.upstreams[0].resume = ResumeMode::Hold;
+        c.bridge.request_state_ttl_seconds = 1;
+    });
+    dns.wait_applied();
+    let (status, first) = call_hostile(&Raw::new(&gw.url), 1, json!({}));
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 1.0, "{first}");
+    dns.answer(ips(&[]));
+    dns.wait_applied();
+    let events = "mrtr_gateway_held_flow_events_total";
+    wait_until("the held flow ended", Duration::from_secs(10), || {
+        metric_with(&gw.admin, events, "endpoint_left") == Some(1.0)
+    });
+    assert_eq!(metric_with(&gw.admin, events, "expired"), Some(1.0));
+    let deleted = pod.requests().iter().any(|s| s.method == "DELETE");
+    assert!(!deleted, "a DELETE went to the address that left");
 }

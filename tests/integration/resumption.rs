@@ -328,7 +328,7 @@ pub(crate) fn resumable_server(resumes: Resumes, scoped: bool, asks: Asks) -> Sc
 }
 
 /// `resumable_server`'s answer to each request.
-fn resumable_script(
+pub(crate) fn resumable_script(
     resumes: Resumes,
     scoped: bool,
     asks: Asks,

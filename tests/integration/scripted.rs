@@ -593,7 +593,15 @@ pub struct ScriptedUpstream {
 impl ScriptedUpstream {
     /// Starts serving on a free loopback port; `script` answers every request.
     pub fn start(script: impl Fn(&Seen) -> Answer + Send + Sync + 'static) -> ScriptedUpstream {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the scripted upstream");
+        Self::start_on("127.0.0.1:0", script)
+    }
+
+    /// The same at `addr` (a pod's address, as DNS names it).
+    pub fn start_on(
+        addr: &str,
+        script: impl Fn(&Seen) -> Answer + Send + Sync + 'static,
+    ) -> ScriptedUpstream {
+        let listener = TcpListener::bind(addr).expect("bind the scripted upstream");
         let port = listener.local_addr().expect("local address").port();
         let shared = Arc::new(Shared {
             script: Box::new(script),

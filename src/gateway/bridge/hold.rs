@@ -76,10 +76,20 @@ impl Held {
     }
 
     /// Ends the flow: closes its streams and ends its call upstream, deleting its session
-    /// (one of its own) or cancelling the call (in a data-layer session).
+    /// (one of its own) or cancelling the call (in a data-layer session), unless its
+    /// endpoint left the group meanwhile (a DNS group's pod that left may have given its
+    /// address to another server, which gets neither the session id nor credentials).
     pub async fn abandon(self, gw: &Gateway) {
         let client = &gw.upstreams.client;
         self.streams.close(client).await;
+        if self.session.is_some() && !gw.upstreams.groups.holds(&self.endpoint) {
+            tracing::info!(
+                flow = format!("{:016x}", self.flow_id),
+                "a held flow's endpoint left its group: its upstream call is not ended there"
+            );
+            gw.runtime.metrics.held_event("endpoint_left");
+            return;
+        }
         let Some(HeldSession {
             id,
             version,
