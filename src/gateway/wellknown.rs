@@ -9,6 +9,7 @@ use super::{respond, Gateway};
 use crate::outcome::{Class, Outcome, Refusal};
 use crate::protocol::jsonrpc::code;
 use crate::protocol::oauth::{self, WellKnown, PROTECTED_RESOURCE};
+use crate::upstream::exchange::ExchangeFailure;
 use crate::upstream::{Endpoint, UpstreamGroup};
 use bytes::Bytes;
 use pingora::http::{RequestHeader, ResponseHeader};
@@ -40,11 +41,8 @@ async fn answer(gw: &Gateway, session: &mut ServerSession, wanted: WellKnown<'_>
     let method = &session.req_header().method;
     if method != http::Method::GET && method != http::Method::HEAD {
         let text = format!("method {method} is not allowed on a discovery document; use GET");
-        return refuse(
-            session,
-            Refusal::new(Class::BadRequest, code::INVALID_REQUEST, text),
-        )
-        .await;
+        respond::method_not_allowed(session, "GET, HEAD", &text).await;
+        return Outcome::Refused(Refusal::new(Class::BadRequest, code::INVALID_REQUEST, text));
     }
     let (WellKnown::ProtectedResource { for_path } | WellKnown::AuthorizationServer { for_path }) =
         wanted;
@@ -200,12 +198,17 @@ async fn fetch(
     endpoint: &Endpoint,
     path: &str,
 ) -> Result<Fetched, Refusal> {
-    let unreachable = |what: String| {
-        let text = format!("upstream group '{}' {what}", group.name);
-        Refusal::internal(Class::UpstreamError, text)
+    let unreachable = |failure: ExchangeFailure| {
+        let text = format!("upstream group '{}' {failure}", group.name);
+        Refusal::internal(Class::from(failure), text)
     };
-    let mut request = RequestHeader::build("GET", path.as_bytes(), Some(3))
-        .map_err(|_| unreachable(format!("cannot be asked for '{path}'")))?;
+    let mut request = RequestHeader::build("GET", path.as_bytes(), Some(3)).map_err(|_| {
+        let text = format!(
+            "upstream group '{}' cannot be asked for '{path}'",
+            group.name
+        );
+        Refusal::internal(Class::UpstreamError, text)
+    })?;
     let _ = request.insert_header("host", endpoint.authority.as_str());
     let _ = request.insert_header("accept", "application/json");
     // Read, and relayed without the upstream's headers: uncoded.
@@ -216,7 +219,7 @@ async fn fetch(
         .await
         .map_err(|e| {
             tracing::info!(group = %group.name, error = %crate::outcome::Report(&e), "discovery document not fetched");
-            unreachable(e.failure().to_string())
+            unreachable(e.failure())
         })?;
     let status = response.header().status.as_u16();
     let cache_control = response
@@ -227,7 +230,7 @@ async fn fetch(
         .map(str::to_string);
     let body = response.read_all(MAX_DOCUMENT).await;
     client.finish(response).await;
-    let body = body.map_err(|e| unreachable(e.failure().to_string()))?;
+    let body = body.map_err(|e| unreachable(e.failure()))?;
     Ok(Fetched {
         status,
         body,

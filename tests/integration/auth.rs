@@ -731,3 +731,25 @@ fn an_abandoned_flow_on_a_server_that_wants_credentials_is_deleted_with_them() {
     let reaped = metric_with(&gw.admin, "mrtr_gateway_upstream_sessions_total", "reaped");
     assert_eq!(reaped, Some(1.0), "counted once the server deleted it");
 }
+
+/// A discovery document the upstream does not send in time is the upstream's timeout
+/// (504), as for any request; a method other than GET on a discovery path is 405 with
+/// the methods served there.
+#[test]
+fn a_discovery_document_late_upstream_is_a_timeout_and_a_post_is_not_allowed() {
+    use crate::scripted::{Answer, ScriptedUpstream};
+    let upstream = ScriptedUpstream::start(|_| Answer::silent());
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].response_timeout_ms = 300;
+        c.upstreams[0].health_check_interval_ms = 0;
+    });
+    let raw = Raw::new(&format!(
+        "{}/.well-known/oauth-protected-resource/mcp",
+        origin(&gw.url)
+    ));
+    let late = raw.request("GET", &[], None);
+    assert_eq!(late.status, 504, "{:?}", late.headers);
+    let posted = raw.request("POST", &[("content-type", "application/json")], Some("{}"));
+    assert_eq!(posted.status, 405);
+    assert_eq!(posted.header_values("allow"), ["GET, HEAD"]);
+}
