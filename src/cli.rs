@@ -163,12 +163,17 @@ pub fn main() -> ExitCode {
 /// response headers (`Authorization`, session ids) and body bytes (`requestState`s,
 /// answers, upstream event ids): every chunk at TRACE, and at DEBUG the whole read buffer
 /// of a malformed chunked body, with whatever the client pipelined after it.
+/// Whatever the level, pingora's HTTP app (the admin listener's server) is not: on a
+/// request header it cannot parse, it logs up to 2 KB of it raw, at ERROR.
 pub fn loggable(line: &tracing::Metadata<'_>) -> bool {
     use tracing::Level;
     let own = line.target().starts_with(env!("CARGO_CRATE_NAME"));
     let most_verbose = if own { Level::DEBUG } else { Level::INFO };
-    *line.level() <= most_verbose
+    *line.level() <= most_verbose && line.target() != QUOTES_REQUESTS
 }
+
+/// The target of pingora's lines that quote a request's bytes at ERROR.
+const QUOTES_REQUESTS: &str = "pingora_core::apps::http_app";
 
 fn init_logging(format: LogFormat) {
     use std::io::IsTerminal;
@@ -366,4 +371,39 @@ fn check_config(file: &std::path::Path, peer_advertise: Option<String>) -> Resul
         .map_err(|e| format!("principal.jwt: {e}"))?;
     println!("{}: ok", file.display());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use tracing_subscriber::layer::{Context, SubscriberExt};
+
+    /// Counts the lines that get through.
+    struct Lines(Arc<AtomicUsize>);
+
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Lines {
+        fn on_event(&self, _: &tracing::Event<'_>, _: Context<'_, S>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// pingora's admin-listener errors quote the header they could not parse (credentials
+    /// included): not logged; its other errors are, and the gateway's own debug lines.
+    #[test]
+    fn lines_quoting_a_requests_bytes_are_not_logged() {
+        let lines = Arc::new(AtomicUsize::new(0));
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_subscriber::filter::filter_fn(loggable))
+            .with(Lines(lines.clone()));
+        tracing::subscriber::with_default(subscriber, || {
+            tracing::error!(target: "pingora_core::apps::http_app", "buf: Authorization: Bearer s3cret");
+            assert_eq!(lines.load(Ordering::SeqCst), 0);
+            tracing::error!(target: "pingora_core::connectors", "connect failed");
+            tracing::debug!(target: "pingora_core::connectors", "below info");
+            tracing::debug!("the gateway's own");
+            assert_eq!(lines.load(Ordering::SeqCst), 2);
+        });
+    }
 }
