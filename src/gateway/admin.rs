@@ -308,6 +308,7 @@ impl<A: ServerApp + Send + Sync + 'static> BackgroundService for OwnListener<A> 
         };
         let slots = Arc::new(Semaphore::new(self.max_connections));
         let places = Arc::new(Places::default());
+        let refusing = Arc::new(Semaphore::new(REFUSING_AT_ONCE));
         loop {
             let tcp = match listener.accept().await {
                 Ok((tcp, _)) => tcp,
@@ -322,9 +323,14 @@ impl<A: ServerApp + Send + Sync + 'static> BackgroundService for OwnListener<A> 
             let slot = match slots.clone().try_acquire_owned() {
                 Ok(slot) => slot,
                 Err(_) => {
-                    // Full: the connection let go gives its slot up at once; with none,
-                    // the newcomer waits for a connection to end.
-                    places.make_room(self.bounds.make_room);
+                    // Full: the connection let go gives its slot up at once. With none
+                    // (every one carries a request), the newcomer is told so at once:
+                    // left connected and unanswered, a forwarding replica's check
+                    // would take this replica for frozen, and give up its flows.
+                    if !places.make_room(self.bounds.make_room) {
+                        refuse_full(tcp, &refusing);
+                        continue;
+                    }
                     let Ok(slot) = slots.clone().acquire_owned().await else {
                         return;
                     };
@@ -362,6 +368,35 @@ impl<A: ServerApp + Send + Sync + 'static> BackgroundService for OwnListener<A> 
             });
         }
     }
+}
+
+/// Newcomers told at once that a full listener has no place, and the longest each
+/// telling takes; past that many, a newcomer is closed unanswered.
+const REFUSING_AT_ONCE: usize = 64;
+const REFUSE_WITHIN: Duration = Duration::from_secs(1);
+
+/// What a newcomer to a full listener is told: a JSON-RPC error, as every refusal.
+const FULL: &str = r#"{"jsonrpc":"2.0","id":null,"error":{"code":-32603,"message":"every connection of this listener carries a request; try again"}}"#;
+
+/// Tells `tcp` the listener is full (503), within `REFUSE_WITHIN`, then closes it; what
+/// it sent is read first, so that closing does not reset the answer away.
+fn refuse_full(mut tcp: tokio::net::TcpStream, refusing: &Arc<Semaphore>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let Ok(permit) = refusing.clone().try_acquire_owned() else {
+        return;
+    };
+    tokio::spawn(async move {
+        let told = async {
+            let answer = format!("HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{FULL}", FULL.len());
+            tcp.write_all(answer.as_bytes()).await?;
+            tcp.shutdown().await?;
+            let mut sink = [0u8; 4096];
+            while tcp.read(&mut sink).await? > 0 {}
+            Ok::<_, std::io::Error>(())
+        };
+        let _ = tokio::time::timeout(REFUSE_WITHIN, told).await;
+        drop(permit);
+    });
 }
 
 /// Serves one connection's requests in turn, while the app keeps it alive.
@@ -485,7 +520,8 @@ mod tests {
 
     /// Connections stalled after their first bytes do not keep a probe out of the admin
     /// listener; on the peer listener they keep their places (one may be a forwarded
-    /// retry), and the newcomer waits.
+    /// retry), and the newcomer is told at once that it is full: any answer shows a
+    /// forwarding replica's check that this one lives.
     #[tokio::test]
     async fn stalled_connections_give_their_places_only_on_the_admin_listener() {
         let admin = listening(MakeRoom::SilentThenOldest);
@@ -494,8 +530,14 @@ mod tests {
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
         let peer = listening(MakeRoom::Silent);
         let mut stalled = stalled(peer, b"POST /m").await;
-        let waited = probe(peer, Duration::from_secs(1)).await;
-        assert!(waited.is_err(), "a spoken connection was let go");
+        let full = probe(peer, SECONDS_5).await.expect("answered within 5 s");
+        assert!(full.starts_with("HTTP/1.1 503"), "{full}");
+        let body = full
+            .split_once("\r\n\r\n")
+            .map(|(_, body)| body)
+            .unwrap_or_default();
+        let error: serde_json::Value = serde_json::from_str(body).expect("a JSON-RPC error");
+        assert_eq!(error["error"]["code"], -32603, "{full}");
         // Once they end, a newcomer is served.
         stalled.clear();
         let answer = probe(peer, SECONDS_5)
