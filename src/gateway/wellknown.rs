@@ -182,12 +182,19 @@ async fn authorization_server(
 /// group's path is the document path's suffix (RFC 8414 §3.1), replaced by the
 /// endpoint's; it may also occur inside the well-known name (`/oauth` in
 /// `/.well-known/oauth-authorization-server/oauth`), which stays as it is.
+/// OpenID Connect's form names it first (`/mcp/.well-known/openid-configuration`), and
+/// is replaced so too.
 fn upstream_document_path(path: &str, for_path: &str, endpoint_path: &str) -> String {
-    match path.strip_suffix(for_path) {
-        Some(prefix) if !for_path.is_empty() => {
-            format!("{prefix}{}", endpoint_path.trim_end_matches('/'))
-        }
-        _ => path.to_string(),
+    let endpoint = endpoint_path.trim_end_matches('/');
+    if for_path.is_empty() {
+        return path.to_string();
+    }
+    if let Some(prefix) = path.strip_suffix(for_path) {
+        return format!("{prefix}{endpoint}");
+    }
+    match path.strip_prefix(for_path) {
+        Some(document) => format!("{endpoint}{document}"),
+        None => path.to_string(),
     }
 }
 
@@ -304,6 +311,7 @@ mod tests {
                 "/mcp",
             ),
             ("/.well-known/oauth-authorization-server", "", "/mcp"),
+            ("/mcp/.well-known/openid-configuration", "/mcp", "/internal"),
         ];
         let upstream: Vec<String> = asked
             .iter()
@@ -316,6 +324,7 @@ mod tests {
                 "/.well-known/openid-configuration/tools",
                 "/.well-known/oauth-authorization-server/mcp",
                 "/.well-known/oauth-authorization-server",
+                "/internal/.well-known/openid-configuration",
             ]
         );
     }
