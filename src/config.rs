@@ -321,6 +321,10 @@ pub struct BridgeOptions {
     pub warm_sessions_per_shape: usize,
     /// Most warm sessions (ready or opening) on one replica, over all shapes.
     pub max_warm_sessions: usize,
+    /// Most of those for one principal's shapes (requests without one count only against
+    /// `max_warm_sessions`), so that a client sending ever new capabilities cannot take
+    /// the warm sessions the others' calls would use.
+    pub max_warm_sessions_per_principal: usize,
     /// A warm session unused this long is deleted, and never handed to a call.
     pub warm_session_idle_seconds: u64,
     /// Seal `requestState`s in the previous release's layout, which its replicas open:
@@ -381,6 +385,7 @@ impl Default for BridgeOptions {
             max_one_shot_sessions_per_principal: 16,
             warm_sessions_per_shape: 2,
             max_warm_sessions: 256,
+            max_warm_sessions_per_principal: 16,
             warm_session_idle_seconds: 30,
             seal_previous_version: false,
             max_watched_sessions: 100_000,
@@ -442,6 +447,11 @@ impl BridgeOptions {
             (
                 "max_warm_sessions",
                 self.max_warm_sessions as u64,
+                Some(warm),
+            ),
+            (
+                "max_warm_sessions_per_principal",
+                self.max_warm_sessions_per_principal as u64,
                 Some(warm),
             ),
             (
@@ -1494,6 +1504,7 @@ mod tests {
             "max_one_shot_sessions",
             "max_one_shot_sessions_per_principal",
             "max_warm_sessions",
+            "max_warm_sessions_per_principal",
             "warm_session_idle_seconds",
             "round_silence_seconds",
             "data_session_ttl_seconds",

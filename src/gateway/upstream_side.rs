@@ -117,6 +117,7 @@ impl UpstreamSide {
             warm: Arc::new(WarmSessions::new(
                 config.bridge.warm_sessions_per_shape,
                 config.bridge.max_warm_sessions,
+                config.bridge.max_warm_sessions_per_principal,
                 Duration::from_secs(config.bridge.warm_session_idle_seconds),
             )),
             reaper,

@@ -647,7 +647,8 @@ async fn drive<'g>(
                     let _first_try = Box::pin(reaper.cancel(upstream, &cancelled, "gave_up")).await;
                 }
                 if let Some(shape) = io.warm_after.take() {
-                    warm::warm_up(call.gw, call.group, call.request, shape);
+                    let owner = counted_principal(call.gw, &call.incoming.principal);
+                    warm::warm_up(call.gw, call.group, call.request, shape, owner);
                 }
                 if let Some(upstream) = io.upstream.take().filter(|_| delete_pending) {
                     // The streams left open end with the session.

@@ -20,7 +20,8 @@
 //! timeout): the flow then runs its call on a session opened at once (`Flow` learns the
 //! session was warm; a 404 or a refused connection means the call ran nowhere).
 //!
-//! Bounded: at most `per_shape` per shape and `max` in all, counting those still opening.
+//! Bounded: at most `per_shape` per shape, `per_principal` for one principal's shapes and
+//! `max` in all, counting those still opening.
 
 use super::one_shot::{KeptSessions, Shape};
 use super::streams::{open_session_stream, SessionStream, SESSION_STREAM_PATIENCE};
@@ -90,18 +91,25 @@ pub(super) fn take<'g>(
 /// call of the shape took one, or opened one itself for the second time within the idle
 /// time (so an upstream that refuses the shape's sessions is not asked again for
 /// nothing, and a shape that never recurs costs the server nothing).
-pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernRequest, shape: Shape) {
+/// `owner` is the principal whose share it takes (`None`: anonymous, counted only in all).
+pub(super) fn warm_up(
+    gw: &Gateway,
+    group: &UpstreamGroup,
+    request: &ModernRequest,
+    shape: Shape,
+    owner: Option<[u8; 32]>,
+) {
     // A replica that drains serves no new call: nothing to open ahead of it.
     let drain = gw.runtime.drain.clone();
     if drain.is_draining() {
         return;
     }
     let pool = gw.upstreams.warm.clone();
-    if !pool.reserve(&shape) {
+    if !pool.reserve(&shape, owner) {
         return;
     }
     let Some(endpoint) = group.pick() else {
-        pool.failed(&shape);
+        pool.failed(&shape, owner);
         return;
     };
     let (client, reaper) = (gw.upstreams.client.clone(), gw.upstreams.reaper.clone());
@@ -149,6 +157,7 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
                         caller,
                         opened: Instant::now(),
                         stream,
+                        owner,
                     };
                     if pool.opened(shape, warm).is_some() {
                         // The pool was drained for shutdown meanwhile: not kept upstream.
@@ -156,10 +165,10 @@ pub(super) fn warm_up(gw: &Gateway, group: &UpstreamGroup, request: &ModernReque
                     }
                 }
                 // A server without sessions gains nothing from one opened ahead.
-                None => pool.failed(&shape),
+                None => pool.failed(&shape, owner),
             },
             Err(e) => {
-                pool.failed(&shape);
+                pool.failed(&shape, owner);
                 tracing::debug!(error = %crate::outcome::Report(&e), "a session ahead of demand did not open");
             }
         }
@@ -225,6 +234,8 @@ pub struct Warm {
     /// Its GET stream, opened with it, so the call it serves goes up at once; `None`
     /// when the upstream offers none (the call's flow then tries itself).
     pub stream: Option<Response>,
+    /// The principal whose share it takes (`None`: anonymous).
+    pub owner: Option<[u8; 32]>,
 }
 
 #[derive(Default)]
@@ -233,6 +244,8 @@ struct Pools {
     opening: HashMap<Shape, usize>,
     /// Ready and opening, over every shape.
     total: usize,
+    /// Ready and opening, per principal.
+    by_owner: HashMap<[u8; 32], usize>,
     /// When each shape last opened a session for a call of its own (bounded, idle ones
     /// forgotten): a shape is warmed only once it has come back.
     seen: HashMap<Shape, Instant>,
@@ -254,6 +267,26 @@ impl Pools {
             self.total -= 1;
         }
     }
+
+    /// Counts `owner` once more (`None`: anonymous, not counted).
+    fn owned(&mut self, owner: Option<[u8; 32]>) {
+        if let Some(owner) = owner {
+            *self.by_owner.entry(owner).or_default() += 1;
+        }
+    }
+
+    /// Counts `owner` once less.
+    fn released(&mut self, owner: Option<[u8; 32]>) {
+        let Some(owner) = owner else {
+            return;
+        };
+        if let Some(n) = self.by_owner.get_mut(&owner) {
+            *n -= 1;
+            if *n == 0 {
+                self.by_owner.remove(&owner);
+            }
+        }
+    }
 }
 
 /// The warm sessions of this replica, by shape.
@@ -261,16 +294,18 @@ pub struct WarmSessions {
     pools: Mutex<Pools>,
     per_shape: usize,
     max: usize,
+    per_principal: usize,
     idle: Duration,
 }
 
 impl WarmSessions {
     /// `per_shape` 0 turns warm sessions off.
-    pub fn new(per_shape: usize, max: usize, idle: Duration) -> WarmSessions {
+    pub fn new(per_shape: usize, max: usize, per_principal: usize, idle: Duration) -> WarmSessions {
         WarmSessions {
             pools: Mutex::default(),
             per_shape,
             max,
+            per_principal,
             idle,
         }
     }
@@ -292,6 +327,7 @@ impl WarmSessions {
             pools.ready.remove(shape);
         }
         pools.total -= 1;
+        pools.released(warm.owner);
         Some(warm)
     }
 
@@ -313,15 +349,21 @@ impl WarmSessions {
         before.is_some_and(|at| now.saturating_duration_since(at) < idle)
     }
 
-    /// Whether a session of `shape` may start opening now (room in its pool and in all);
-    /// a `true` must be followed by `opened` or `failed`.
-    pub fn reserve(&self, shape: &Shape) -> bool {
+    /// Whether a session of `shape`, of `owner`'s share, may start opening now (room in
+    /// its pool, in the share and in all); a `true` must be followed by `opened` or
+    /// `failed`.
+    pub fn reserve(&self, shape: &Shape, owner: Option<[u8; 32]>) -> bool {
         let mut pools = self.pools();
-        if pools.closed || pools.count(shape) >= self.per_shape || pools.total >= self.max {
+        let owned = owner.map_or(0, |o| pools.by_owner.get(&o).copied().unwrap_or(0));
+        let full = pools.count(shape) >= self.per_shape
+            || owned >= self.per_principal
+            || pools.total >= self.max;
+        if pools.closed || full {
             return false;
         }
         *pools.opening.entry(*shape).or_default() += 1;
         pools.total += 1;
+        pools.owned(owner);
         true
     }
 
@@ -332,6 +374,7 @@ impl WarmSessions {
         let mut pools = self.pools();
         pools.done_opening(&shape);
         if pools.closed {
+            pools.released(warm.owner);
             return Some(warm);
         }
         pools.ready.entry(shape).or_default().push(warm);
@@ -339,9 +382,11 @@ impl WarmSessions {
         None
     }
 
-    /// A reserved session did not open.
-    pub fn failed(&self, shape: &Shape) {
-        self.pools().done_opening(shape);
+    /// A reserved session, of `owner`'s share, did not open.
+    pub fn failed(&self, shape: &Shape, owner: Option<[u8; 32]>) {
+        let mut pools = self.pools();
+        pools.done_opening(shape);
+        pools.released(owner);
     }
 
     /// Removes and returns the sessions that idled past the limit at `now`, for deletion.
@@ -358,6 +403,9 @@ impl WarmSessions {
             !ready.is_empty()
         });
         pools.total -= gone.len();
+        for warm in &gone {
+            pools.released(warm.owner);
+        }
         gone
     }
 
@@ -367,6 +415,9 @@ impl WarmSessions {
         pools.closed = true;
         let all: Vec<Warm> = pools.ready.drain().flat_map(|(_, w)| w).collect();
         pools.total -= all.len();
+        for warm in &all {
+            pools.released(warm.owner);
+        }
         all
     }
 
@@ -399,6 +450,7 @@ mod tests {
             caller: Caller::default(),
             opened,
             stream: None,
+            owner: None,
         }
     }
 
@@ -406,20 +458,20 @@ mod tests {
     /// opens afterwards is given back for deletion, never kept (it would stay upstream).
     #[test]
     fn a_drained_pool_keeps_nothing_that_opens_after() {
-        let w = WarmSessions::new(2, 10, Duration::from_secs(60));
+        let w = WarmSessions::new(2, 10, 10, Duration::from_secs(60));
         let now = Instant::now();
-        assert!(w.reserve(&[1; 32]));
+        assert!(w.reserve(&[1; 32], None));
         assert!(w.drain().is_empty());
         assert!(w.opened([1; 32], warm("late", now)).is_some(), "given back");
-        assert!(!w.reserve(&[1; 32]), "nothing reserved once drained");
+        assert!(!w.reserve(&[1; 32], None), "nothing reserved once drained");
         assert_eq!(w.ready(), 0);
     }
 
     #[test]
     fn a_ready_session_serves_one_call_of_its_shape_only() {
-        let w = WarmSessions::new(2, 10, Duration::from_secs(30));
+        let w = WarmSessions::new(2, 10, 10, Duration::from_secs(30));
         let now = Instant::now();
-        assert!(w.reserve(&[1; 32]));
+        assert!(w.reserve(&[1; 32], None));
         assert!(w.opened([1; 32], warm("a", now)).is_none());
         assert!(w.take(&[2; 32], now).is_none(), "another shape");
         assert_eq!(
@@ -432,27 +484,61 @@ mod tests {
 
     #[test]
     fn pools_are_bounded_per_shape_and_in_all_counting_those_opening() {
-        let w = WarmSessions::new(2, 3, Duration::from_secs(30));
+        let w = WarmSessions::new(2, 3, 10, Duration::from_secs(30));
         let now = Instant::now();
-        assert!(w.reserve(&[1; 32]));
-        assert!(w.reserve(&[1; 32]));
-        assert!(!w.reserve(&[1; 32]), "two per shape, opening or ready");
+        assert!(w.reserve(&[1; 32], None));
+        assert!(w.reserve(&[1; 32], None));
+        assert!(
+            !w.reserve(&[1; 32], None),
+            "two per shape, opening or ready"
+        );
         assert!(w.opened([1; 32], warm("a", now)).is_none());
-        assert!(!w.reserve(&[1; 32]));
-        assert!(w.reserve(&[2; 32]));
-        assert!(!w.reserve(&[3; 32]), "three in all");
-        w.failed(&[2; 32]);
-        assert!(w.reserve(&[3; 32]), "a failed opening frees its place");
+        assert!(!w.reserve(&[1; 32], None));
+        assert!(w.reserve(&[2; 32], None));
+        assert!(!w.reserve(&[3; 32], None), "three in all");
+        w.failed(&[2; 32], None);
+        assert!(
+            w.reserve(&[3; 32], None),
+            "a failed opening frees its place"
+        );
         assert!(w.take(&[1; 32], now).is_some());
-        assert!(w.reserve(&[1; 32]), "a taken session frees its place");
+        assert!(w.reserve(&[1; 32], None), "a taken session frees its place");
+    }
+
+    /// One principal's shapes take at most its share, opening or ready, however many
+    /// shapes it sends (new capabilities on each call); anonymous ones only the whole.
+    /// A place comes back when its session is taken, fails, idles out or is drained.
+    #[test]
+    fn one_principal_takes_only_its_share() {
+        let w = WarmSessions::new(2, 10, 2, Duration::from_secs(30));
+        let (alice, bob) = (Some([7; 32]), Some([8; 32]));
+        let now = Instant::now();
+        assert!(w.reserve(&[1; 32], alice) && w.reserve(&[2; 32], alice));
+        assert!(!w.reserve(&[3; 32], alice), "alice's share is full");
+        assert!(w.reserve(&[4; 32], bob), "bob's is his own");
+        assert!(w.reserve(&[5; 32], None) && w.reserve(&[6; 32], None));
+        assert!(
+            w.reserve(&[6; 32], None),
+            "anonymous: only the whole bounds it"
+        );
+        w.failed(&[2; 32], alice);
+        let ready = Warm {
+            owner: alice,
+            ..warm("a", now)
+        };
+        assert!(w.opened([1; 32], ready).is_none());
+        assert!(w.reserve(&[3; 32], alice), "a failed opening freed a place");
+        assert!(!w.reserve(&[9; 32], alice));
+        assert!(w.take(&[1; 32], now).is_some());
+        assert!(w.reserve(&[9; 32], alice), "a taken session freed one");
     }
 
     #[test]
     fn idle_sessions_are_never_handed_out_and_are_returned_for_deletion() {
-        let w = WarmSessions::new(3, 10, Duration::from_secs(30));
+        let w = WarmSessions::new(3, 10, 10, Duration::from_secs(30));
         let start = Instant::now();
         for (id, at) in [("old", start), ("new", start + Duration::from_secs(20))] {
-            assert!(w.reserve(&[1; 32]));
+            assert!(w.reserve(&[1; 32], None));
             assert!(w.opened([1; 32], warm(id, at)).is_none());
         }
         let later = start + Duration::from_secs(31);
@@ -468,15 +554,17 @@ mod tests {
         assert_eq!(expired.len(), 1);
         assert_eq!(expired[0].session_id, "old");
         assert_eq!(w.ready(), 0);
-        assert!(w.reserve(&[1; 32]) && w.reserve(&[1; 32]) && w.reserve(&[1; 32]));
+        assert!(
+            w.reserve(&[1; 32], None) && w.reserve(&[1; 32], None) && w.reserve(&[1; 32], None)
+        );
     }
 
     #[test]
     fn drain_returns_every_ready_session() {
-        let w = WarmSessions::new(2, 10, Duration::from_secs(30));
+        let w = WarmSessions::new(2, 10, 10, Duration::from_secs(30));
         let now = Instant::now();
         for shape in [[1; 32], [2; 32]] {
-            assert!(w.reserve(&shape));
+            assert!(w.reserve(&shape, None));
             assert!(w.opened(shape, warm("s", now)).is_none());
         }
         assert_eq!(w.drain().len(), 2);
@@ -485,7 +573,7 @@ mod tests {
 
     #[test]
     fn a_shape_recurs_when_it_came_back_within_the_idle_time() {
-        let w = WarmSessions::new(2, 1, Duration::from_secs(30));
+        let w = WarmSessions::new(2, 1, 1, Duration::from_secs(30));
         let t0 = Instant::now();
         assert!(!w.recurs(&[1; 32], t0), "seen once");
         assert!(w.recurs(&[1; 32], t0 + Duration::from_secs(29)));
@@ -502,7 +590,7 @@ mod tests {
 
     #[test]
     fn turned_off_nothing_is_reserved() {
-        let w = WarmSessions::new(0, 10, Duration::from_secs(30));
-        assert!(!w.reserve(&[1; 32]));
+        let w = WarmSessions::new(0, 10, 10, Duration::from_secs(30));
+        assert!(!w.reserve(&[1; 32], None));
     }
 }
