@@ -78,6 +78,16 @@ impl Peers {
         Ok(dns::balancer(discovery, refresh))
     }
 
+    /// Whether the peer set is known: a DNS name's answer holds a replica. Before its
+    /// first answer (at start, or while the resolver fails then), or with an empty one,
+    /// an owner missing from it says nothing of whether the owner is gone.
+    pub fn known(&self) -> bool {
+        match &self.members {
+            Members::Static(_) => true,
+            Members::Dns(balancer) => !balancer.backends().get_backend().is_empty(),
+        }
+    }
+
     /// Whether `addr` is a replica's peer address now.
     pub fn contains(&self, addr: SocketAddr) -> bool {
         match &self.members {
@@ -110,6 +120,9 @@ pub enum NotForwarded {
     /// This replica could not open a connection (out of file descriptors): nothing was
     /// sent, and the owner may well hold the flow still.
     NoDescriptor,
+    /// This replica does not know its peers yet (`Peers::known`): nothing was sent, and
+    /// the owner may well hold the flow still.
+    PeersUnknown,
     /// This replica is in its grace period's last stretch. `sent`: the owner was
     /// continuing the retry, and the exchange is dropped (the owner, seeing its
     /// connection close, cancels the call as it would for a client of its own); else
@@ -131,6 +144,9 @@ pub async fn forward(
 ) -> Result<Outcome, NotForwarded> {
     if gw.runtime.drain.is_near_end() {
         return Err(NotForwarded::ShuttingDown { sent: false });
+    }
+    if !gw.flows.peers.known() {
+        return Err(NotForwarded::PeersUnknown);
     }
     if !gw.flows.peers.contains(owner) {
         let why = format!("{owner} is not in the peer set");

@@ -670,6 +670,37 @@ fn a_state_naming_an_owner_outside_the_peer_set_is_never_forwarded() {
     assert_eq!(upstream.count(), 0, "nothing went upstream");
 }
 
+/// A replica whose DNS peer set has not answered yet (at its start, while the resolver
+/// fails) cannot tell an owner missing from it from one that is gone: the retry is
+/// refused for now (send it again), unclaimed, and the flow is not taken for lost.
+#[test]
+fn a_replica_that_does_not_know_its_peers_yet_loses_none_of_their_flows() {
+    let (upstream, owner) = (Tripwire::start(), Tripwire::start());
+    let silent_resolver = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let resolver = silent_resolver.local_addr().unwrap().to_string();
+    let peer_port = free_port();
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.dns_resolver = Some(resolver);
+        c.peers.listen = Some(format!("127.0.0.1:{peer_port}"));
+        c.peers.advertise = Some(format!("127.0.0.1:{peer_port}"));
+        c.peers.discovery = mrtr_gateway::config::Discovery::Dns;
+        c.peers.members = vec![format!("replicas.test:{peer_port}")];
+    });
+    let owner_addr = format!("127.0.0.1:{}", owner.port).parse().unwrap();
+    let params = tool_params("ask_name", retry_held_by(owner_addr, upstream.port));
+    let reply = Raw::new(&gw.url).modern(1, "tools/call", params, json!({"elicitation": {}}));
+    let refused = reply.json();
+    let message = refused["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("does not know its peers yet"), "{refused}");
+    assert_eq!(forwards(&gw, "owner_gone"), 0.0, "the flow was not lost");
+    assert_eq!(
+        (owner.count(), upstream.count()),
+        (0, 0),
+        "nothing was sent"
+    );
+}
+
 /// A retry forwarded to an owner that takes the connection but answers nothing (a frozen
 /// process: the kernel still completes the handshake) loses the flow within seconds, not
 /// when the flow's deadline ends the wait half an hour later. The retry reached the owner,

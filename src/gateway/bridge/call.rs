@@ -580,10 +580,16 @@ async fn to_holder(
                     let refusal = Refusal::internal(Class::Overloaded, text);
                     return reply.refuse(session, refusal).await;
                 }
-                Err(peers::NotForwarded::NoDescriptor) => {
+                Err(
+                    unsent
+                    @ (peers::NotForwarded::NoDescriptor | peers::NotForwarded::PeersUnknown),
+                ) => {
                     // Nothing went to the owner, which may hold the flow still: the same
                     // retry may be sent again, unclaimed here.
-                    let text = "this gateway replica has no file descriptor free to reach the replica holding the flow; send the same retry again later";
+                    let text = match unsent {
+                        peers::NotForwarded::PeersUnknown => "this gateway replica does not know its peers yet (their DNS name has not answered with any): it cannot reach the replica holding the flow; send the same retry again later",
+                        _ => "this gateway replica has no file descriptor free to reach the replica holding the flow; send the same retry again later",
+                    };
                     let refusal = Refusal::internal(Class::Overloaded, text);
                     return reply.refuse(session, refusal).await;
                 }
