@@ -626,15 +626,9 @@ impl Reaper {
         loop {
             let starting = stopping || tokio::time::Instant::now() < starts_until;
             while starting && ends.len() < at_once {
-                let free = |r: &Retrying| {
-                    running
-                        .get(&r.due.endpoint.addr)
-                        .is_none_or(|n| *n < per_endpoint)
-                };
-                let Some(next) = waiting.iter().position(free) else {
-                    break;
-                };
-                let Some(Retrying { due, failed, .. }) = waiting.remove(next) else {
+                let Some(Retrying { due, failed, .. }) =
+                    next_free(&mut waiting, &running, per_endpoint)
+                else {
                     break;
                 };
                 *running.entry(due.endpoint.addr).or_default() += 1;
@@ -779,6 +773,22 @@ impl DeleteLater for Reaper {
     fn delete_later(&self, session: &LegacySession<'_>, failed: &SessionError) {
         self.keep_for_later(Due::delete(session), failed);
     }
+}
+
+/// The first of `waiting` whose endpoint runs fewer than `per_endpoint` of the ends
+/// (`running`), taken out.
+fn next_free(
+    waiting: &mut std::collections::VecDeque<Retrying>,
+    running: &HashMap<SocketAddr, usize>,
+    per_endpoint: usize,
+) -> Option<Retrying> {
+    let free = |r: &Retrying| {
+        running
+            .get(&r.due.endpoint.addr)
+            .is_none_or(|n| *n < per_endpoint)
+    };
+    let next = waiting.iter().position(free)?;
+    waiting.remove(next)
 }
 
 /// Sends the end of a flow: its session's DELETE, or its call's cancellation.
