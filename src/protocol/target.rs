@@ -2,7 +2,8 @@
 //! with the client's own query parameters after them. Hosted MCP servers take per-user
 //! API keys and options in the URL (`/mcp?apiKey=…`), so a drop-in must carry them. A
 //! parameter the endpoint's URL sets is the operator's: the client's of the same name is
-//! left out, so that it cannot override it, whichever of two values a server reads.
+//! left out (also one after a `;`, which some servers split on), so that it cannot
+//! override it, whichever of two values a server reads.
 
 use std::borrow::Cow;
 
@@ -21,8 +22,11 @@ pub fn upstream_target<'a>(endpoint: &'a str, client_query: Option<&str>) -> Cow
     };
     let own_query = endpoint.split_once('?').map(|(_, query)| query);
     let configured: Vec<Vec<u8>> = params(own_query.unwrap_or_default()).map(name_of).collect();
+    // Some servers also split a query on `;` (Rack before 3, Python before 3.9.2, Go
+    // before 1.17): a piece naming an operator's parameter after one is left out too.
+    let operators = |param: &str| param.split(';').any(|p| configured.contains(&name_of(p)));
     let carried: Vec<&str> = params(client_query)
-        .filter(|param| !configured.contains(&name_of(param)))
+        .filter(|param| !operators(param))
         .collect();
     if carried.is_empty() {
         return Cow::Borrowed(endpoint);
@@ -103,6 +107,11 @@ mod tests {
         assert_eq!(
             upstream_target("/mcp?a+b=1", Some("a%20b=2&c")),
             "/mcp?a+b=1&c"
+        );
+        assert_eq!(
+            upstream_target(endpoint, Some("x=1;api_key=mine&y=2;z=3")),
+            "/mcp?tenant=a&api_key=operator&y=2;z=3",
+            "nor after a `;`, which some servers split on"
         );
     }
 
