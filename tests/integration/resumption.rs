@@ -94,10 +94,6 @@ fn whether_the_store_keeps_sessions_apart_travels_in_the_state_instead_of_a_seco
         let a = TestGateway::start(&[&upstream.url()], &test_keys());
         let b = TestGateway::start(&[&upstream.url()], &test_keys());
         let (on_a, on_b) = (Raw::new(&a.url), Raw::new(&b.url));
-        let probes = || {
-            let requests = upstream.requests();
-            requests.iter().filter(|s| is_foreign_resumption(s)).count()
-        };
         let done = |status: u16, reply: &Value| {
             assert_eq!(
                 (status, &reply["result"]["content"][0]["text"]),
@@ -109,17 +105,12 @@ fn whether_the_store_keeps_sessions_apart_travels_in_the_state_instead_of_a_seco
         let (_, first) = call_hostile(&on_a, 1, json!({}));
         let (status, reply) = call_hostile(&on_a, 2, answer(&first, json!({"name": "x"})));
         done(status, &reply);
-        assert_eq!(probes(), 1, "scoped store: {scoped}");
+        assert_eq!(foreign_probes(&upstream), 1, "scoped store: {scoped}");
         // Its first round on `a`, its retry on `b`, which has probed nothing.
-        let (_, first) = call_hostile(&on_a, 3, json!({}));
-        let sid = call_sessions(&upstream)
-            .pop()
-            .expect("the call went upstream");
-        let before = upstream.requests().len();
-        let (status, reply) = call_hostile(&on_b, 4, answer(&first, json!({"name": "x"})));
+        let (sid, before, status, reply) = round_then_retry(&upstream, &on_a, &on_b, 3);
         done(status, &reply);
         assert_eq!(
-            probes(),
+            foreign_probes(&upstream),
             1,
             "scoped store: {scoped}: the second replica probed again"
         );
@@ -147,25 +138,39 @@ fn a_store_probe_that_meets_a_5xx_does_not_take_the_store_as_keeping_sessions_ap
     });
     let gw = TestGateway::start(&[&upstream.url()], &test_keys());
     let raw = Raw::new(&gw.url);
-    let (_, first) = call_hostile(&raw, 1, json!({}));
-    let sid = call_sessions(&upstream)
-        .pop()
-        .expect("the call went upstream");
-    let before = upstream.requests().len();
-    let (status, reply) = call_hostile(&raw, 2, answer(&first, json!({"name": "x"})));
+    let (sid, before, status, reply) = round_then_retry(&upstream, &raw, &raw, 1);
     assert_eq!(
         (status, &reply["result"]["content"][0]["text"]),
         (200, &json!("done")),
         "{reply}"
     );
-    let probes = upstream
-        .requests()
-        .iter()
-        .filter(|s| is_foreign_resumption(s))
-        .count();
-    assert_eq!(probes, 1, "the store was probed");
+    assert_eq!(foreign_probes(&upstream), 1, "the store was probed");
     let get_stream_from = get_stream_positions(&upstream, &sid, before);
     assert_eq!(get_stream_from, [None], "the GET stream was resumed");
+}
+
+/// A flow's first round through `first_on` and its retry through `retry_on` (request
+/// ids `id` and `id + 1`): the call's upstream session, how many requests the upstream
+/// had read before the retry, and the retry's status and reply.
+fn round_then_retry(
+    upstream: &ScriptedUpstream,
+    first_on: &Raw,
+    retry_on: &Raw,
+    id: u64,
+) -> (String, usize, u16, Value) {
+    let (_, first) = call_hostile(first_on, id, json!({}));
+    let sid = call_sessions(upstream)
+        .pop()
+        .expect("the call went upstream");
+    let before = upstream.requests().len();
+    let (status, reply) = call_hostile(retry_on, id + 1, answer(&first, json!({"name": "x"})));
+    (sid, before, status, reply)
+}
+
+/// How many store probes (resumptions after another session's event id) the upstream got.
+fn foreign_probes(upstream: &ScriptedUpstream) -> usize {
+    let requests = upstream.requests();
+    requests.iter().filter(|s| is_foreign_resumption(s)).count()
 }
 
 /// Where session `sid`'s GET streams opened after the upstream's `before`th request
