@@ -7,6 +7,7 @@
 //! admin side must stay up through the grace period, so probes see 503 and Prometheus
 //! sees the drain. The peer listener is one too.
 
+use super::connections::Crowding;
 use crate::metrics::Metrics;
 use async_trait::async_trait;
 use http::Response;
@@ -23,8 +24,8 @@ use std::time::Duration;
 use tokio::sync::{oneshot, watch, Semaphore};
 
 /// Most connections an own listener serves at once. Past it, a new connection takes the
-/// place of one let go (`MakeRoom`), or else waits for a free one.
-const MAX_OWN_CONNECTIONS: usize = 1024;
+/// place of one let go (`MakeRoom`), or else is told the listener is full.
+pub const MAX_OWN_CONNECTIONS: usize = 1024;
 /// Longest an admin connection is served.
 pub const ADMIN_CONNECTION_TIME: Duration = Duration::from_secs(10);
 /// How long an own listener waits after a failed accept before the next.
@@ -165,14 +166,17 @@ pub struct OwnListener<A> {
     /// Bound when the server is built, so a taken port fails the start.
     socket: std::sync::Mutex<Option<std::net::TcpListener>>,
     bounds: ConnectionBounds,
-    max_connections: usize,
+    crowding: Arc<Crowding>,
     name: &'static str,
 }
 
-/// How long an own listener's connections are served, and which one a full listener
-/// lets go.
+/// How many connections an own listener serves, for how long, and which one a full
+/// listener lets go.
 #[derive(Clone, Copy, Debug)]
 pub struct ConnectionBounds {
+    /// Most served at once (`MAX_OWN_CONNECTIONS`); from nine tenths of it on, the
+    /// listener is crowded (`Crowding`).
+    pub max_connections: usize,
     /// Longest a connection is served; `None`: as long as it lasts.
     pub connection_time: Option<Duration>,
     /// Longest a new connection may stay silent (`limits.header_timeout_ms`).
@@ -194,27 +198,24 @@ pub enum MakeRoom {
 }
 
 impl<A> OwnListener<A> {
+    /// Binds `addr` for the app `app` makes; an app that keeps connections alive between
+    /// requests watches the crowding it is given, and closes them while it is crowded.
     pub fn bind(
         name: &'static str,
-        app: A,
+        app: impl FnOnce(watch::Receiver<bool>) -> A,
         addr: &str,
         bounds: ConnectionBounds,
     ) -> std::io::Result<OwnListener<A>> {
         let socket = std::net::TcpListener::bind(addr)?;
         socket.set_nonblocking(true)?;
+        let crowding = Arc::new(Crowding::new(bounds.max_connections));
         Ok(OwnListener {
-            app: Arc::new(app),
+            app: Arc::new(app(crowding.subscribe())),
             socket: std::sync::Mutex::new(Some(socket)),
             bounds,
-            max_connections: MAX_OWN_CONNECTIONS,
+            crowding,
             name,
         })
-    }
-
-    #[cfg(test)]
-    fn with_max_connections(mut self, max: usize) -> OwnListener<A> {
-        self.max_connections = max;
-        self
     }
 }
 
@@ -306,7 +307,8 @@ impl<A: ServerApp + Send + Sync + 'static> BackgroundService for OwnListener<A> 
             tracing::error!(listener = self.name, "the listener cannot start");
             return;
         };
-        let slots = Arc::new(Semaphore::new(self.max_connections));
+        let max = self.bounds.max_connections;
+        let slots = Arc::new(Semaphore::new(max));
         let places = Arc::new(Places::default());
         let refusing = Arc::new(Semaphore::new(REFUSING_AT_ONCE));
         loop {
@@ -337,8 +339,11 @@ impl<A: ServerApp + Send + Sync + 'static> BackgroundService for OwnListener<A> 
                     slot
                 }
             };
+            let open = move |slots: &Semaphore| max - slots.available_permits();
+            self.crowding.publish(|| open(&slots));
             let (app, shutdown, places) = (self.app.clone(), shutdown.clone(), places.clone());
             let (bounds, accepted) = (self.bounds, places.accepted(&tcp));
+            let (slots, crowding) = (slots.clone(), self.crowding.clone());
             tokio::spawn(async move {
                 let Accepted { id, let_go } = accepted;
                 let served = async {
@@ -365,6 +370,7 @@ impl<A: ServerApp + Send + Sync + 'static> BackgroundService for OwnListener<A> 
                 }
                 places.left(id);
                 drop(slot);
+                crowding.publish(|| open(&slots));
             });
         }
     }
@@ -430,14 +436,22 @@ mod tests {
 
     /// A listener serving 4 connections at most, with `policy`, and its address.
     fn listening(policy: MakeRoom) -> std::net::SocketAddr {
+        listening_with(4, policy, |_| Hello)
+    }
+
+    /// A listener serving `max` connections at most, with `policy`, and its address.
+    fn listening_with<A: ServerApp + Send + Sync + 'static>(
+        max: usize,
+        policy: MakeRoom,
+        app: impl FnOnce(watch::Receiver<bool>) -> A,
+    ) -> std::net::SocketAddr {
         let bounds = ConnectionBounds {
+            max_connections: max,
             connection_time: Some(Duration::from_secs(30)),
             first_byte_within: Duration::from_secs(30),
             make_room: policy,
         };
-        let listener = OwnListener::bind("test", Hello, "127.0.0.1:0", bounds)
-            .unwrap()
-            .with_max_connections(4);
+        let listener = OwnListener::bind("test", app, "127.0.0.1:0", bounds).unwrap();
         let addr = {
             let socket = listener.socket.lock().unwrap();
             socket.as_ref().unwrap().local_addr().unwrap()
@@ -467,11 +481,19 @@ mod tests {
         addr: std::net::SocketAddr,
         within: Duration,
     ) -> Result<String, tokio::time::error::Elapsed> {
+        probe_at(addr, "/healthz", within).await
+    }
+
+    /// The answer to a `GET` of `path`, within `within`.
+    async fn probe_at(
+        addr: std::net::SocketAddr,
+        path: &str,
+        within: Duration,
+    ) -> Result<String, tokio::time::error::Elapsed> {
         let probe = async {
             let mut probe = TcpStream::connect(addr).await?;
-            probe
-                .write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-                .await?;
+            let request = format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n");
+            probe.write_all(request.as_bytes()).await?;
             let mut answer = String::new();
             probe.read_to_string(&mut answer).await?;
             Ok::<_, std::io::Error>(answer)
@@ -544,5 +566,31 @@ mod tests {
             .await
             .expect("answered once a place freed");
         assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    }
+
+    /// Connections kept alive and idle between requests do not keep a forwarded retry out
+    /// of the peer listener: from nine tenths of its places on it is crowded, and closes
+    /// idle ones until it is not (pingora serves a connection's requests inside one call,
+    /// so the listener itself cannot tell an idle connection from a busy one). Twice as
+    /// many clients as it has places, each keeping its connection, are all answered.
+    #[tokio::test]
+    async fn idle_kept_alive_connections_give_their_places_on_the_peer_listener() {
+        use crate::gateway::{test_gateway, Arrival, Listener};
+        let gw = Arc::new(test_gateway());
+        let peer = listening_with(10, MakeRoom::Silent, |crowding| {
+            Listener::new(gw, Arrival::Peer, Some(crowding))
+        });
+        let alive = b"GET /.mrtr-gateway/alive HTTP/1.1\r\nhost: x\r\n\r\n";
+        let mut kept = Vec::new();
+        for n in 0..20 {
+            let mut connection = TcpStream::connect(peer).await.unwrap();
+            connection.write_all(alive).await.unwrap();
+            let mut answer = [0u8; 512];
+            let read = tokio::time::timeout(SECONDS_5, connection.read(&mut answer)).await;
+            let read = read.expect("answered within 5 s").unwrap();
+            let answer = String::from_utf8_lossy(&answer[..read]).to_string();
+            assert!(answer.starts_with("HTTP/1.1 200"), "client {n}: {answer}");
+            kept.push(connection);
+        }
     }
 }

@@ -7,8 +7,8 @@
 //! Pingora's `HttpServerApp` sees requests, not connections, so the cap is a `ServerApp`
 //! wrapped around the listener's app (whose `ServerApp` is pingora's own), holding a slot
 //! for as long as that app serves the connection. The peer listener is not counted here:
-//! its `OwnListener` has a bound of its own, so a flood of clients cannot starve the
-//! retries other replicas forward.
+//! its `OwnListener` has a bound of its own (crowded alike), so a flood of clients cannot
+//! starve the retries other replicas forward.
 
 use super::preface::PrefaceBy;
 use crate::metrics::Metrics;
@@ -32,11 +32,40 @@ const REFUSAL_READ_LIMIT: Duration = Duration::from_secs(1);
 pub struct ConnectionCap {
     open: AtomicUsize,
     max: usize,
-    /// From this many open connections on, the listener is crowded: idle kept-alive
-    /// connections give their slots up (nginx's manner).
-    crowded_from: usize,
-    crowded: watch::Sender<bool>,
+    crowding: Crowding,
     metrics: Arc<Metrics>,
+}
+
+/// Whether a listener's connections nearly reach its cap (nine tenths of it): while they
+/// do, a connection between requests is closed rather than kept, and answers say
+/// `Connection: close`, until enough idle ones went; so kept-alive connections idle
+/// between requests cannot fill the cap (nginx's manner). Shared by the MCP listener's
+/// cap and the own listeners'.
+pub struct Crowding {
+    from: usize,
+    crowded: watch::Sender<bool>,
+}
+
+impl Crowding {
+    pub fn new(max: usize) -> Crowding {
+        Crowding {
+            from: (max - max / 10).max(1),
+            crowded: watch::Sender::new(false),
+        }
+    }
+
+    pub fn subscribe(&self) -> watch::Receiver<bool> {
+        self.crowded.subscribe()
+    }
+
+    /// Publishes whether `open()` connections crowd the cap, read under the channel's
+    /// lock: of admissions and drops racing, the last to publish shows the latest count.
+    pub fn publish(&self, open: impl FnOnce() -> usize) {
+        self.crowded.send_if_modified(|crowded| {
+            let now = open() >= self.from;
+            std::mem::replace(crowded, now) != now
+        });
+    }
 }
 
 /// A connection's place under the cap, given back when dropped.
@@ -47,8 +76,7 @@ impl ConnectionCap {
         ConnectionCap {
             open: AtomicUsize::new(0),
             max,
-            crowded_from: (max - max / 10).max(1),
-            crowded: watch::Sender::new(false),
+            crowding: Crowding::new(max),
             metrics,
         }
     }
@@ -56,7 +84,7 @@ impl ConnectionCap {
     /// Whether the cap is nearly reached (nine tenths of it): while it is, a connection
     /// between requests is closed rather than kept.
     pub fn crowding(&self) -> watch::Receiver<bool> {
-        self.crowded.subscribe()
+        self.crowding.subscribe()
     }
 
     /// A slot for one more connection, or `None` at the maximum.
@@ -70,14 +98,12 @@ impl ConnectionCap {
     }
 
     /// Publishes how many connections are open (the gauge) and whether they crowd the
-    /// cap, read under the crowding channel's lock: of admissions and drops racing, the
-    /// last to publish shows the latest count.
+    /// cap.
     fn note_open(&self) {
-        self.crowded.send_if_modified(|crowded| {
+        self.crowding.publish(|| {
             let open = self.open.load(Ordering::Acquire);
             self.metrics.client_connections.set(open as i64);
-            let now = open >= self.crowded_from;
-            std::mem::replace(crowded, now) != now
+            open
         });
     }
 }

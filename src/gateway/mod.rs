@@ -743,20 +743,21 @@ impl HttpServerApp for Listener {
     }
 }
 
+/// A gateway in front of an address nothing listens on: enough for unit tests of the
+/// shell that never reach an upstream.
+#[cfg(test)]
+pub(crate) fn test_gateway() -> Gateway {
+    let mut config = Config::default();
+    config.apply_overrides(None, None, vec!["http://127.0.0.1:1/mcp".into()]);
+    let keys = Arc::new(KeyRing::parse("k1:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8").unwrap());
+    let upstreams = Upstreams::build(&config).expect("upstreams");
+    Gateway::new(config, keys, upstreams).expect("a gateway")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A gateway in front of an address nothing listens on, and a request session over an
-    /// in-memory stream: enough to build a request's future without running it.
-    fn gateway() -> Gateway {
-        let mut config = Config::default();
-        config.apply_overrides(None, None, vec!["http://127.0.0.1:1/mcp".into()]);
-        let keys =
-            Arc::new(KeyRing::parse("k1:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8").unwrap());
-        let upstreams = Upstreams::build(&config).expect("upstreams");
-        Gateway::new(config, keys, upstreams).expect("a gateway")
-    }
+    use test_gateway as gateway;
 
     /// A request's whole handling is one future per connection task, living on a worker
     /// thread's stack while polled: it must stay small, in debug builds too, where nothing

@@ -8,6 +8,7 @@
 
 use super::admin::{
     AdminApp, ConnectionBounds, DrainWatch, MakeRoom, OwnListener, ADMIN_CONNECTION_TIME,
+    MAX_OWN_CONNECTIONS,
 };
 use super::bridge::hold::HeldSweeper;
 use super::bridge::one_shot::KeptSweeper;
@@ -111,12 +112,14 @@ pub fn build(
     };
     let first_byte_within = Duration::from_millis(gateway.config.limits.header_timeout_ms);
     let admin_bounds = ConnectionBounds {
+        max_connections: MAX_OWN_CONNECTIONS,
         connection_time: Some(ADMIN_CONNECTION_TIME),
         first_byte_within,
         make_room: MakeRoom::SilentThenOldest,
     };
+    // Its connections idle at most `ADMIN_CONNECTION_TIME`, and the oldest makes room.
     let admin =
-        OwnListener::bind("admin", admin_app, &admin_listen, admin_bounds).map_err(|e| {
+        OwnListener::bind("admin", |_| admin_app, &admin_listen, admin_bounds).map_err(|e| {
             ConfigError::at(
                 "admin_listen",
                 format!("cannot listen on {admin_listen}: {e}"),
@@ -125,8 +128,9 @@ pub fn build(
     server.add_service(mcp);
     server.add_service(background_service("admin", admin));
     if let Some(addr) = &peer_listen {
-        let app = Listener::new(gateway.clone(), Arrival::Peer, None);
+        let app = |crowding| Listener::new(gateway.clone(), Arrival::Peer, Some(crowding));
         let peer_bounds = ConnectionBounds {
+            max_connections: MAX_OWN_CONNECTIONS,
             connection_time: None,
             first_byte_within,
             make_room: MakeRoom::Silent,
