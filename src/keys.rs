@@ -143,15 +143,18 @@ fn validate_kid(kid: &str) -> Result<(), KeyError> {
 
 impl KeyRing {
     /// Parses `KID:BASE64URL_32_BYTES` entries separated by commas, newlines or both.
-    /// Blank entries and lines starting with `#` are skipped.
+    /// Blank entries are skipped, and a `#` comments out the rest of its line (no key id
+    /// or key holds one): every key on a line commented out is gone, and a comment may
+    /// hold commas.
     pub fn parse(text: &str) -> Result<KeyRing, KeyError> {
         let mut keys: Vec<Key> = Vec::new();
         // A file saved by an editor that marks UTF-8 (a Windows one) starts with U+FEFF.
         let text = text.strip_prefix('\u{feff}').unwrap_or(text);
         let entries = text
-            .split([',', '\n'])
+            .lines()
+            .flat_map(|line| line.split('#').next().unwrap_or_default().split(','))
             .map(str::trim)
-            .filter(|e| !e.is_empty() && !e.starts_with('#'));
+            .filter(|e| !e.is_empty());
         for (index, entry) in entries.enumerate() {
             let key = parse_entry(entry).map_err(|why| KeyError::BadEntry { index, why })?;
             if keys.iter().any(|k| k.kid == key.kid) {
@@ -300,6 +303,19 @@ mod tests {
         assert_eq!(dup, KeyError::DuplicateKid("k1".into()));
         assert!(generate_entry("bad kid").is_err());
         assert!(generate_entry("x".repeat(17).as_str()).is_err());
+    }
+
+    /// A key commented out is gone, also one after a comma on the line, and a comment may
+    /// hold commas: a key meant to be retired must not stay in the ring (or seal).
+    #[test]
+    fn a_comment_runs_to_the_end_of_its_line() {
+        let (k0, k1, k2) = ["k0", "k1", "k2"]
+            .map(|k| generate_entry(k).unwrap())
+            .into();
+        let text =
+            format!("# rotated 2026-01-05, k0 removed\n# {k0},{k1}\n{k2} # the new one, first\n");
+        let ring = KeyRing::parse(&text).unwrap();
+        assert_eq!(ring.kids().collect::<Vec<_>>(), ["k2"]);
     }
 
     #[test]

@@ -84,11 +84,14 @@ const REGISTERED_SCHEMES: [&str; 5] = ["Basic", "Bearer", "Digest", "DPoP", "Neg
 /// an upstream takes every spelling alike: each would otherwise be a principal of its
 /// own, with shares of its own. A registered scheme is fed as registered, so `Bearer T`,
 /// what clients send, digests as it always has (states bound to it stay good).
+/// A value without a space names no scheme (a bare API key, whose every byte counts):
+/// it is fed as it is.
 fn feed_authorization(h: &mut Sha256, value: &[u8]) {
-    let (scheme, credentials) = match value.iter().position(|&b| b == b' ') {
-        Some(at) => (&value[..at], Some(value[at..].trim_ascii_start())),
-        None => (value, None),
+    let Some(at) = value.iter().position(|&b| b == b' ') else {
+        h.update(value);
+        return;
     };
+    let (scheme, credentials) = (&value[..at], value[at..].trim_ascii_start());
     let registered = REGISTERED_SCHEMES
         .iter()
         .find(|r| r.as_bytes().eq_ignore_ascii_case(scheme));
@@ -96,10 +99,8 @@ fn feed_authorization(h: &mut Sha256, value: &[u8]) {
         Some(r) => h.update(r.as_bytes()),
         None => h.update(scheme.to_ascii_lowercase()),
     }
-    if let Some(credentials) = credentials {
-        h.update(b" ");
-        h.update(credentials);
-    }
+    h.update(b" ");
+    h.update(credentials);
 }
 
 /// Why a request was not authenticated; the text is safe to show the client.
@@ -510,5 +511,20 @@ mod tests {
         assert_eq!(bearer, <[u8; 32]>::from(raw.finalize()), "as before");
         let header = PrincipalSource::Header("x-api-key".into());
         assert_ne!(header.digest(Some(b"K")), header.digest(Some(b"k")));
+    }
+
+    /// An `Authorization` value without a space names no scheme (a bare API key): every
+    /// byte of it counts, and it digests as the raw value always did.
+    #[test]
+    fn a_bare_authorization_value_is_compared_exactly() {
+        let s = PrincipalSource::Authorization;
+        assert_ne!(s.digest(Some(b"sk-AbC123")), s.digest(Some(b"sk-abc123")));
+        assert_ne!(s.digest(Some(b"Bearer\tT")), s.digest(Some(b"bearer\tT")));
+        let mut raw = Sha256::new();
+        raw.update(b"mrtr-gateway principal v1\0");
+        raw.update(b"1");
+        raw.update(b"sk-AbC123");
+        let raw = <[u8; 32]>::from(raw.finalize());
+        assert_eq!(s.digest(Some(b"sk-AbC123")), raw, "as before");
     }
 }
