@@ -8,7 +8,7 @@
 //! request whose token does not verify is refused before anything is forwarded.
 //! `none` binds nothing; use it only where every caller is trusted alike.
 
-use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, JwkSet};
+use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, Jwk, PublicKeyUse};
 use jsonwebtoken::{Algorithm, DecodingKey, Validation};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -157,40 +157,25 @@ struct Claims {
 }
 
 impl JwtVerifier {
+    /// Reads the JWKS file. A key no JWT can be verified with (one for encryption, of a
+    /// curve or algorithm not supported, malformed) is skipped with a warning, as identity
+    /// providers publish such keys beside their signing keys; a file without one usable
+    /// key is refused.
     fn load(config: &JwtConfig) -> Result<JwtVerifier, String> {
         let path = config.jwks_file.display();
         let text = std::fs::read_to_string(&config.jwks_file)
             .map_err(|e| format!("jwks_file {path}: {e}"))?;
-        let set: JwkSet = serde_json::from_str(&text)
+        let set: JwksFile = serde_json::from_str(&text)
             .map_err(|e| format!("jwks_file {path}: not a JWK set: {e}"))?;
         let mut keys = Vec::new();
-        for (i, jwk) in set.keys.iter().enumerate() {
-            let key = DecodingKey::from_jwk(jwk)
-                .map_err(|e| format!("jwks_file {path}: key #{}: {e}", i + 1))?;
-            let algorithms = algorithms_for(jwk)
-                .map_err(|e| format!("jwks_file {path}: key #{}: {e}", i + 1))?;
-            let mut v = Validation::new(algorithms[0]);
-            v.algorithms = algorithms;
-            v.leeway = config.leeway_seconds;
-            // jsonwebtoken checks `nbf` only when asked to.
-            v.validate_nbf = true;
-            if !config.issuers.is_empty() {
-                v.set_issuer(&config.issuers);
+        for (i, jwk) in set.keys.into_iter().enumerate() {
+            match verifying_key(jwk, config) {
+                Ok(key) => keys.push(key),
+                Err(why) => tracing::warn!(jwks_file = %path, key = i + 1, "{why}; skipped"),
             }
-            // jsonwebtoken checks `aud` only in a token that has one: where audiences are
-            // set, a token for no audience in particular (another service's, from the
-            // same issuer) must not pass.
-            if config.audiences.is_empty() {
-                v.validate_aud = false;
-                v.set_required_spec_claims(&["exp", "iss", "sub"]);
-            } else {
-                v.set_audience(&config.audiences);
-                v.set_required_spec_claims(&["exp", "iss", "sub", "aud"]);
-            }
-            keys.push((jwk.common.key_id.clone(), key, v));
         }
         if keys.is_empty() {
-            return Err(format!("jwks_file {path}: holds no keys"));
+            return Err(format!("jwks_file {path}: holds no key that verifies JWTs"));
         }
         Ok(JwtVerifier { keys })
     }
@@ -232,6 +217,52 @@ impl JwtVerifier {
             _ => Err(refuse("the bearer token lacks exp, iss or sub")),
         }
     }
+}
+
+/// A JWKS file's keys, each read on its own: a key of a kind this build cannot read (an
+/// X25519 one) is skipped, not the file refused.
+#[derive(Deserialize)]
+struct JwksFile {
+    keys: Vec<serde_json::Value>,
+}
+
+/// A JWKS entry as a key to verify JWTs with, under the configured checks; why not.
+fn verifying_key(
+    jwk: serde_json::Value,
+    config: &JwtConfig,
+) -> Result<(Option<String>, DecodingKey, Validation), String> {
+    let jwk: Jwk = serde_json::from_value(jwk).map_err(|e| format!("not a usable JWK: {e}"))?;
+    if matches!(jwk.common.public_key_use, Some(ref u) if *u != PublicKeyUse::Signature) {
+        return Err("not a signing key (\"use\")".into());
+    }
+    if let AlgorithmParameters::OctetKeyPair(okp) = &jwk.algorithm {
+        // jsonwebtoken takes the first 32 bytes of `x` when it verifies, unchecked.
+        let x = base64::Engine::decode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, &okp.x);
+        if okp.curve != EllipticCurve::Ed25519 || x.map_or(true, |x| x.len() != 32) {
+            return Err("an octet key pair that is not a 32-byte Ed25519 key".into());
+        }
+    }
+    let key = DecodingKey::from_jwk(&jwk).map_err(|e| e.to_string())?;
+    let algorithms = algorithms_for(&jwk)?;
+    let mut v = Validation::new(algorithms[0]);
+    v.algorithms = algorithms;
+    v.leeway = config.leeway_seconds;
+    // jsonwebtoken checks `nbf` only when asked to.
+    v.validate_nbf = true;
+    if !config.issuers.is_empty() {
+        v.set_issuer(&config.issuers);
+    }
+    // jsonwebtoken checks `aud` only in a token that has one: where audiences are set, a
+    // token for no audience in particular (another service's, from the same issuer) must
+    // not pass.
+    if config.audiences.is_empty() {
+        v.validate_aud = false;
+        v.set_required_spec_claims(&["exp", "iss", "sub"]);
+    } else {
+        v.set_audience(&config.audiences);
+        v.set_required_spec_claims(&["exp", "iss", "sub", "aud"]);
+    }
+    Ok((jwk.common.key_id, key, v))
 }
 
 /// The algorithms a key may verify: the one it declares, else its type's own.
@@ -288,9 +319,24 @@ mod tests {
         issuers: &[&str],
         audiences: &[&str],
     ) -> (Authenticator, tempfile_path::Path) {
-        let jwks = json!({"keys": [{"kty": "oct", "kid": "hs", "alg": "HS256",
-            "k": base64::Engine::encode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, SECRET)}]});
-        let file = tempfile_path::Path::with_contents(&jwks.to_string());
+        jwt_authenticator_with(vec![hs_key()], issuers, audiences)
+    }
+
+    fn b64(bytes: &[u8]) -> String {
+        base64::Engine::encode(&base64::engine::general_purpose::URL_SAFE_NO_PAD, bytes)
+    }
+
+    /// The JWK of `SECRET`, kid `hs`.
+    fn hs_key() -> serde_json::Value {
+        json!({"kty": "oct", "kid": "hs", "alg": "HS256", "k": b64(SECRET)})
+    }
+
+    fn jwt_authenticator_with(
+        keys: Vec<serde_json::Value>,
+        issuers: &[&str],
+        audiences: &[&str],
+    ) -> (Authenticator, tempfile_path::Path) {
+        let file = tempfile_path::Path::with_contents(&json!({ "keys": keys }).to_string());
         let config = JwtConfig {
             jwks_file: file.0.clone(),
             issuers: issuers.iter().map(|s| s.to_string()).collect(),
@@ -464,12 +510,42 @@ mod tests {
         let err = Authenticator::new(&PrincipalSource::Jwt(config.clone()))
             .err()
             .unwrap();
-        assert!(err.contains("holds no keys"), "{err}");
+        assert!(err.contains("holds no key that verifies JWTs"), "{err}");
         let missing = JwtConfig {
             jwks_file: "/nonexistent/jwks.json".into(),
             ..config
         };
         assert!(Authenticator::new(&PrincipalSource::Jwt(missing)).is_err());
+    }
+
+    /// Keys published beside the signing keys (for encryption, of a curve this build
+    /// cannot read, malformed) are skipped, not the file refused; a token naming one is
+    /// refused as naming no known key, never verified with it (a short Ed25519 key would
+    /// panic the request).
+    #[test]
+    fn keys_no_jwt_can_be_verified_with_are_skipped() {
+        let keys = vec![
+            json!({"kty": "RSA", "kid": "enc", "use": "enc", "alg": "RSA-OAEP",
+                "n": b64(&[0xc5; 256]), "e": "AQAB"}),
+            json!({"kty": "OKP", "kid": "x", "crv": "X25519", "x": b64(&[9; 32])}),
+            json!({"kty": "OKP", "kid": "short", "crv": "Ed25519", "x": b64(&[1; 8])}),
+            json!({"kty": "EC", "kid": "p521", "crv": "P-521", "x": b64(&[1; 66]), "y": b64(&[2; 66])}),
+            hs_key(),
+        ];
+        let (auth, _file) = jwt_authenticator_with(keys, &["https://idp"], &[]);
+        let exp = crate::mrtr::state::now_secs() + 600;
+        let alice = json!({"iss": "https://idp", "sub": "alice", "exp": exp});
+        assert!(auth
+            .principal(Some(&token(Some("hs"), alice.clone(), SECRET)))
+            .is_ok());
+        let header = b64(br#"{"alg":"EdDSA","kid":"short"}"#);
+        let forged = format!(
+            "Bearer {header}.{}.{}",
+            b64(alice.to_string().as_bytes()),
+            b64(&[0; 64])
+        );
+        let refused = auth.principal(Some(forged.as_bytes())).unwrap_err();
+        assert_eq!(refused.0, "the bearer token names no known key");
     }
 
     #[test]
