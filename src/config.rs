@@ -9,7 +9,7 @@ use crate::protocol::oauth::PublicResource;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -211,6 +211,16 @@ impl Limits {
                 Ok(())
             }
         };
+        let at_most = |name: &str, value: u64, max: u64| {
+            if value > max {
+                Err(ConfigError::at(
+                    format!("limits.{name}"),
+                    format!("must be at most {max}"),
+                ))
+            } else {
+                Ok(())
+            }
+        };
         at_least("max_body_bytes", self.max_body_bytes as u64, 1024)?;
         let message_bytes = self.max_upstream_message_bytes as u64;
         at_least("max_upstream_message_bytes", message_bytes, 64 << 10)?;
@@ -218,6 +228,9 @@ impl Limits {
         at_least("max_json_values", self.max_json_values as u64, 1_000)?;
         at_least("max_header_count", self.max_header_count as u64, 8)?;
         at_least("max_header_bytes", self.max_header_bytes as u64, 1024)?;
+        // Above these the HTTP/1 parser refuses a request itself, 400 rather than 431.
+        at_most("max_header_count", self.max_header_count as u64, 256)?;
+        at_most("max_header_bytes", self.max_header_bytes as u64, 1_048_575)?;
         at_least("header_timeout_ms", self.header_timeout_ms, 100)?;
         at_least("client_idle_timeout_ms", self.client_idle_timeout_ms, 100)?;
         at_least("body_timeout_ms", self.body_timeout_ms, 100)?;
@@ -227,10 +240,17 @@ impl Limits {
             self.max_request_state_bytes as u64,
             256,
         )?;
-        if self.max_request_state_bytes > crate::mrtr::state::MAX_STATE_LEN {
+        let state_bytes = self.max_request_state_bytes as u64;
+        at_most(
+            "max_request_state_bytes",
+            state_bytes,
+            crate::mrtr::state::MAX_STATE_LEN as u64,
+        )?;
+        // A state the gateway issues is one it accepts: the retry carrying it must fit.
+        if self.max_body_bytes as u64 <= state_bytes + 1024 {
             return Err(ConfigError::at(
-                "limits.max_request_state_bytes",
-                format!("must be at most {}", crate::mrtr::state::MAX_STATE_LEN),
+                "limits.max_body_bytes",
+                format!("must be above limits.max_request_state_bytes + 1024 ({}): a retry carries its state", state_bytes + 1024),
             ));
         }
         at_least(
@@ -981,8 +1001,11 @@ pub fn parse_endpoint_url(url: &str) -> Result<EndpointUrl, String> {
         Some(Some(port)) if port > 0 => port,
         Some(_) => return Err(format!("'{shown}' has a port that is not 1-65535")),
     };
+    // An empty path is `/`, also before a query (RFC 9112 §3.2.1): `http::Uri` keeps
+    // `?q` as the path and query of `http://h?q`, no request target.
     let path = match uri.path_and_query().map(|p| p.as_str()) {
         None | Some("") => "/".to_string(),
+        Some(p) if p.starts_with('?') => format!("/{p}"),
         Some(p) => p.to_string(),
     };
     let most = crate::protocol::target::MAX_TARGET_BYTES;
@@ -1204,6 +1227,7 @@ impl Config {
         }
         for (i, group) in self.upstreams.iter().enumerate() {
             validate_group(&format!("upstreams[{i}]"), group)?;
+            self.check_not_own_listener(&format!("upstreams[{i}]"), group)?;
             let earlier = &self.upstreams[..i];
             if earlier.iter().any(|g| g.name == group.name) {
                 return Err(ConfigError::at(
@@ -1215,6 +1239,58 @@ impl Config {
                 return Err(ConfigError::at(
                     format!("upstreams[{i}].path"),
                     format!("'{}' is served by another group", group.path),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Config {
+    /// Refuses an endpoint that is one of the gateway's own listeners (the same address,
+    /// or a loopback one under a wildcard listener, on its port): every request sent there
+    /// would come back to the gateway, hop after hop.
+    fn check_not_own_listener(
+        &self,
+        at: &str,
+        group: &UpstreamGroupConfig,
+    ) -> Result<(), ConfigError> {
+        let own = [
+            Some(&self.listen),
+            Some(&self.admin_listen),
+            self.peers.listen.as_ref(),
+        ];
+        let listeners: Vec<SocketAddr> = own
+            .into_iter()
+            .flatten()
+            .filter_map(|addr| addr.parse().ok().map(canonical))
+            .collect();
+        for (j, url) in group.endpoints.iter().enumerate() {
+            let Ok(endpoint) = parse_endpoint_url(url) else {
+                continue;
+            };
+            let ips: Vec<IpAddr> = match endpoint.host.as_str() {
+                "localhost" => vec![Ipv4Addr::LOCALHOST.into(), Ipv6Addr::LOCALHOST.into()],
+                host => host
+                    .parse::<IpAddr>()
+                    .map(|ip| ip.to_canonical())
+                    .into_iter()
+                    .collect(),
+            };
+            let reaches = |l: &SocketAddr, ip: &IpAddr| {
+                let wildcard = l.ip().is_unspecified() && (l.is_ipv6() || ip.is_ipv4());
+                l.port() == endpoint.port && (l.ip() == *ip || (wildcard && ip.is_loopback()))
+            };
+            if let Some(l) = listeners
+                .iter()
+                .find(|l| ips.iter().any(|ip| reaches(l, ip)))
+            {
+                return Err(ConfigError::at(
+                    format!("{at}.endpoints[{j}]"),
+                    format!(
+                        "'{}' is the gateway's own listener {l}: its requests would come back to the gateway",
+                        shown_url(url)
+                    ),
                 ));
             }
         }
@@ -1322,14 +1398,14 @@ fn validate_group(at: &str, group: &UpstreamGroupConfig) -> Result<(), ConfigErr
     Ok(())
 }
 
-/// A public URL: absolute, http or https, without a query.
+/// A public URL: absolute, http or https, without a query or credentials.
 fn check_public_url(path: &str, url: &str) -> Result<(), ConfigError> {
     match PublicResource::parse(url) {
         Some(_) => Ok(()),
         None => Err(ConfigError::at(
             path,
             format!(
-                "'{}' must be an absolute http:// or https:// URL without a query",
+                "'{}' must be an absolute http:// or https:// URL without a query or credentials",
                 shown_url(url)
             ),
         )),
@@ -1751,6 +1827,60 @@ mod tests {
         assert_eq!(typo.path, "tls");
     }
 
+    /// Limits that cannot hold as set are refused: a body limit a retry carrying a state
+    /// at its limit would not fit, header bounds above those the HTTP parser applies.
+    #[test]
+    fn limits_that_could_not_hold_are_refused() {
+        let mut tight = Config::default();
+        tight.apply_overrides(None, None, vec!["http://127.0.0.1:3001/mcp".into()]);
+        tight.limits.max_body_bytes = 2048;
+        let refused = tight.validate().unwrap_err();
+        assert_eq!(
+            refused.path, "limits.max_body_bytes",
+            "under the state's 4096"
+        );
+        tight.limits.max_body_bytes = 8192;
+        tight.limits.max_header_count = 300;
+        assert_eq!(
+            tight.validate().unwrap_err().path,
+            "limits.max_header_count"
+        );
+        tight.limits.max_header_count = 256;
+        tight.limits.max_header_bytes = 2 << 20;
+        assert_eq!(
+            tight.validate().unwrap_err().path,
+            "limits.max_header_bytes"
+        );
+    }
+
+    /// An endpoint at one of the gateway's own listeners is refused (its requests would
+    /// loop); another host on the same port is not.
+    #[test]
+    fn an_endpoint_at_the_gateways_own_listener_is_refused() {
+        let checked = |listen: &str, upstream: &str| {
+            let mut config = Config::default();
+            let upstream = vec![upstream.to_string()];
+            config.apply_overrides(Some(listen.into()), None, upstream);
+            config.validate().map_err(|e| e.path)
+        };
+        for (listen, upstream) in [
+            ("127.0.0.1:8080", "http://127.0.0.1:8080/mcp"),
+            ("0.0.0.0:8080", "http://localhost:8080/mcp"),
+            ("[::]:8080", "http://[::1]:8080/mcp"),
+            ("127.0.0.1:8080", "http://127.0.0.1:9090/mcp"),
+        ] {
+            let refused = checked(listen, upstream).unwrap_err();
+            assert_eq!(refused, "upstreams[0].endpoints[0]", "{listen} {upstream}");
+        }
+        for (listen, upstream) in [
+            ("0.0.0.0:8080", "http://10.1.2.3:8080/mcp"),
+            ("127.0.0.1:8080", "http://127.0.0.2:8080/mcp"),
+            ("127.0.0.1:8080", "http://localhost:3001/mcp"),
+        ] {
+            assert_eq!(checked(listen, upstream), Ok(()), "{listen} {upstream}");
+        }
+    }
+
     #[test]
     fn endpoint_urls_are_taken_apart() {
         let e = parse_endpoint_url("http://127.0.0.1:3001/mcp").unwrap();
@@ -1759,6 +1889,12 @@ mod tests {
             ("127.0.0.1", 3001, "/mcp")
         );
         assert_eq!(parse_endpoint_url("http://svc").unwrap().path, "/");
+        let keyed = parse_endpoint_url("https://mcp.example.com?apiKey=K").unwrap();
+        assert_eq!(keyed.path, "/?apiKey=K", "a request target");
+        assert_eq!(
+            parse_endpoint_url("http://h:3001?t=a").unwrap().path,
+            "/?t=a"
+        );
         assert_eq!(parse_endpoint_url("http://[::1]:9/m").unwrap().host, "::1");
         let https = parse_endpoint_url("https://mcp.example.com/mcp").unwrap();
         assert!(https.tls);

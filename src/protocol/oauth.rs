@@ -34,12 +34,13 @@ impl PublicResource {
     }
 
     /// From a whole URL (`https://mcp.example.com/tools`); `None` if it is not an absolute
-    /// http(s) URL.
+    /// http(s) URL, or it has a query or credentials (`user:password@`, which every
+    /// challenge would publish).
     pub fn parse(url: &str) -> Option<PublicResource> {
         let uri: http::Uri = url.parse().ok()?;
         let scheme = uri.scheme_str().filter(|s| *s == "http" || *s == "https")?;
         let authority = uri.authority()?.as_str();
-        if uri.query().is_some() {
+        if uri.query().is_some() || authority.contains('@') {
             return None;
         }
         Some(PublicResource::new(
@@ -222,6 +223,10 @@ mod tests {
         );
         assert_eq!(PublicResource::parse("ftp://x/y"), None);
         assert_eq!(PublicResource::parse("/relative"), None);
+        assert_eq!(
+            PublicResource::parse("https://u:pw@mcp.example.com/m"),
+            None
+        );
     }
 
     #[test]

@@ -109,7 +109,9 @@ fn forged_session_ids_get_404_and_reach_no_upstream() {
 fn oversized_and_malformed_bodies_get_clear_4xx() {
     let tripwire = Tripwire::start();
     let gw = TestGateway::start_with(&[&tripwire.url()], &test_keys(), |c| {
-        c.limits.max_body_bytes = 2048
+        // A retry must fit its state, so states are held under the small body limit.
+        c.limits.max_request_state_bytes = 512;
+        c.limits.max_body_bytes = 2048;
     });
     let raw = Raw::new(&gw.url);
     let big = json!({"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"echo","arguments":{"text":"x".repeat(4096)}}});
