@@ -27,6 +27,7 @@ use crate::config::{Config, ConfigError};
 use crate::keys::{KeyRing, SharedKeyRing};
 use crate::metrics::Metrics;
 use crate::mrtr::modern::{era, Era};
+use crate::outcome::Class;
 use crate::principal::Unauthenticated;
 use crate::protocol::headers::{LAST_EVENT_ID, MCP_SESSION_ID};
 use crate::protocol::jsonrpc::{self, code, Body};
@@ -141,7 +142,10 @@ impl Gateway {
         outcome: &crate::outcome::Outcome,
         started: Instant,
     ) {
-        let outcome = outcome.label();
+        self.count(era, method, outcome.label(), started);
+    }
+
+    fn count(&self, era: &'static str, method: &'static str, outcome: &str, started: Instant) {
         self.runtime
             .metrics
             .requests
@@ -162,25 +166,47 @@ impl Gateway {
         repeated.or(self.admission.repeated_principal_header(session))
     }
 
+    /// Serves one client request, and counts it where no path it took did: the gateway's
+    /// own refusals before a request reaches pass-through, the bridge or a discovery
+    /// document (their method is not read yet: `other`).
     async fn handle(&self, session: &mut ServerSession, arrival: Arrival) {
+        let started = Instant::now();
+        if let Some(class) = self.route(session, arrival).await {
+            let has_session = session.get_header(MCP_SESSION_ID).is_some();
+            let version = header(session, "mcp-protocol-version");
+            let era = match era(version, None, has_session, None) {
+                Era::Modern => "modern",
+                Era::Legacy => "legacy",
+            };
+            self.count(era, "other", class.label(), started);
+        }
+    }
+
+    /// Routes a request; `Some` with what it was refused as where the gateway refused it
+    /// itself (the paths it is routed to count their own).
+    async fn route(&self, session: &mut ServerSession, arrival: Arrival) -> Option<Class> {
         // Every response header asks it whether to close the connection after it.
         let drain = self.runtime.drain.clone();
         session.req_header_mut().extensions_mut().insert(drain);
         if let Some(message) = target_too_long(session) {
-            return refuse_and_close(session, 414, code::INVALID_REQUEST, &message).await;
+            refuse_and_close(session, 414, code::INVALID_REQUEST, &message).await;
+            return Some(Class::TooLarge);
         }
         if let Err(message) = check_header_limits(session, &self.config.limits) {
-            return refuse_and_close(session, 431, code::INVALID_REQUEST, &message).await;
+            refuse_and_close(session, 431, code::INVALID_REQUEST, &message).await;
+            return Some(Class::TooLarge);
         }
         if let Some(message) = unsupported_coding(session) {
-            return refuse_and_close(session, 501, code::INVALID_REQUEST, &message).await;
+            refuse_and_close(session, 501, code::INVALID_REQUEST, &message).await;
+            return Some(Class::BadRequest);
         }
         if let Some(message) = coded_body(session) {
             // RFC 7694 §3: the 415 says which codings would be taken.
             session.set_keepalive(None);
             respond::invalid_request_with(session, 415, ("accept-encoding", "identity"), &message)
                 .await;
-            return linger(session).await;
+            linger(session).await;
+            return Some(Class::BadRequest);
         }
         let http11 = session.req_header().version == http::Version::HTTP_11;
         let host = request_host(session);
@@ -188,7 +214,8 @@ impl Gateway {
             .then(|| crate::protocol::host_check::malformed_host(host, http11))
             .flatten()
         {
-            return refuse_and_close(session, 400, code::INVALID_REQUEST, &message).await;
+            refuse_and_close(session, 400, code::INVALID_REQUEST, &message).await;
+            return Some(Class::BadRequest);
         }
         // A forwarded retry's Host and Origin were checked by the replica it reached (and
         // its CORS headers are that replica's to add).
@@ -209,12 +236,13 @@ impl Gateway {
                  cors_allowed_origins for web origins)"
             );
             respond::error(session, 403, None, code::INVALID_REQUEST, &message).await;
-            return;
+            return Some(Class::Forbidden);
         }
         let path = session.req_header().uri.path();
         if arrival == Arrival::Peer && path == peers::ALIVE_PATH {
+            // A replica's check, not a client's request: not counted.
             respond::write(session, 200, "text/plain", Bytes::from_static(b"alive\n")).await;
-            return;
+            return None;
         }
         let group = self.upstreams.groups.by_path(path);
         let method = session.req_header().method.clone();
@@ -226,30 +254,34 @@ impl Gateway {
         if group.is_none() && WellKnown::of(path).is_none() {
             let message = format!("no MCP endpoint at {path}");
             respond::error(session, 404, None, code::INVALID_REQUEST, &message).await;
-            return;
+            return Some(Class::BadRequest);
         }
         // Relayed preflights included: which session a request names is not left to the
         // reader.
         if let Some(name) = group.and_then(|_| self.repeated_identity(session)) {
             let message = format!("the {name} header appears more than once; send one");
-            return respond::error(session, 400, None, code::INVALID_REQUEST, &message).await;
+            respond::error(session, 400, None, code::INVALID_REQUEST, &message).await;
+            return Some(Class::BadRequest);
         }
         if method == http::Method::OPTIONS {
             return self.serve_options(session, group, arrival).await;
         }
         let Some(group) = group else {
             // Discovery documents are public: served before any credential is checked.
-            return wellknown::serve(self, session).await;
+            wellknown::serve(self, session).await;
+            return None;
         };
         if !matches!(method.as_str(), "POST" | "GET" | "DELETE") {
             let message = format!("method {method} is not allowed; use POST, GET or DELETE");
-            return respond::method_not_allowed(session, ENDPOINT_METHODS, &message).await;
+            respond::method_not_allowed(session, ENDPOINT_METHODS, &message).await;
+            return Some(Class::BadRequest);
         }
         let principal = match self.admission.principal(session) {
             Ok(p) => p,
             Err(Unauthenticated(why)) => {
                 let public = self.admission.public_resource(session, group);
-                return unauthenticated(session, &why, &public).await;
+                unauthenticated(session, &why, &public).await;
+                return Some(Class::Unauthorized);
             }
         };
         let has_session = session.get_header(MCP_SESSION_ID).is_some();
@@ -267,6 +299,7 @@ impl Gateway {
                         "{method} is not supported in protocol version 2026-07-28; use POST"
                     );
                     respond::method_not_allowed(session, ENDPOINT_METHODS, &message).await;
+                    return Some(Class::BadRequest);
                 }
                 Era::Legacy => {
                     let body = Bytes::new();
@@ -274,10 +307,11 @@ impl Gateway {
                         .await
                 }
             }
-            return;
+            return None;
         }
-        let Ok((body, parsed)) = self.read_json_body(session).await else {
-            return;
+        let (body, parsed) = match self.read_json_body(session).await {
+            Ok(read) => read,
+            Err(refused) => return refused,
         };
         match era(version.as_deref(), None, has_session, parsed.method()) {
             Era::Modern => {
@@ -291,7 +325,9 @@ impl Gateway {
                 // request's future (moved onto the heap whole per request) stays small.
                 Box::pin(bridge::serve(self, session, group, request)).await
             }
-            Era::Legacy if arrival == Arrival::Peer => refuse_on_peer_listener(session).await,
+            Era::Legacy if arrival == Arrival::Peer => {
+                return refuse_on_peer_listener(session).await
+            }
             Era::Legacy => {
                 let parsed = Some(parsed);
                 passthrough::serve(
@@ -306,6 +342,7 @@ impl Gateway {
                 .await
             }
         }
+        None
     }
 
     /// Serves an `OPTIONS` (a browser's preflight, which carries no credentials) before
@@ -318,29 +355,35 @@ impl Gateway {
         session: &mut ServerSession,
         group: Option<&crate::upstream::UpstreamGroup>,
         arrival: Arrival,
-    ) {
+    ) -> Option<Class> {
         if arrival == Arrival::Peer {
             return refuse_on_peer_listener(session).await;
         }
         if self.admission.cors.is_gateways() {
-            return cors::answer_options(session).await;
+            cors::answer_options(session).await;
+            return None;
         }
         let Some(group) = group else {
-            return wellknown::serve(self, session).await;
+            wellknown::serve(self, session).await;
+            return None;
         };
         let anonymous = self.admission.principal_source.digest(None);
         let body = Bytes::new();
-        passthrough::serve(self, session, group, body, None, Client::Legacy, &anonymous).await
+        passthrough::serve(self, session, group, body, None, Client::Legacy, &anonymous).await;
+        None
     }
 
     /// Reads and classifies a POST body within the configured limits; on failure the
-    /// client has had its answer.
-    async fn read_json_body(&self, session: &mut ServerSession) -> Result<(Bytes, Body), ()> {
+    /// client has had its answer (what it was refused as; `None`: it left).
+    async fn read_json_body(
+        &self,
+        session: &mut ServerSession,
+    ) -> Result<(Bytes, Body), Option<Class>> {
         let limits = &self.config.limits;
         let declared = header(session, "content-length").and_then(|v| v.parse::<usize>().ok());
         if declared.is_some_and(|n| n > limits.max_body_bytes) {
             too_large(session, limits.max_body_bytes).await;
-            return Err(());
+            return Err(Some(Class::TooLarge));
         }
         if expects_continue(session) {
             // The interim 100 goes out before the body by design; pingora would take it
@@ -349,7 +392,7 @@ impl Gateway {
             let sent = respond::write_continue(session).await;
             session.set_close_on_response_before_downstream_finish(true);
             if sent.is_err() {
-                return Err(());
+                return Err(None);
             }
         }
         // Reserved up to what a body usually is, grown as bytes come: a declared length
@@ -363,7 +406,7 @@ impl Gateway {
             match read.await {
                 Ok(Ok(Some(chunk))) if body.len() + chunk.len() > limits.max_body_bytes => {
                     too_large(session, limits.max_body_bytes).await;
-                    return Err(());
+                    return Err(Some(Class::TooLarge));
                 }
                 Ok(Ok(Some(chunk))) => body.extend_from_slice(&chunk),
                 Ok(Ok(None)) => break,
@@ -377,7 +420,7 @@ impl Gateway {
                     );
                     session.set_keepalive(None);
                     respond::error(session, 400, None, code::INVALID_REQUEST, &message).await;
-                    return Err(());
+                    return Err(Some(Class::BadRequest));
                 }
                 Ok(Err(_)) | Err(_) => {
                     let message = format!(
@@ -386,7 +429,7 @@ impl Gateway {
                     );
                     session.set_keepalive(None);
                     respond::error(session, 408, None, code::INVALID_REQUEST, &message).await;
-                    return Err(());
+                    return Err(Some(Class::BadRequest));
                 }
             }
         }
@@ -401,7 +444,7 @@ impl Gateway {
                     &invalid.message,
                 )
                 .await;
-                Err(())
+                Err(Some(Class::BadRequest))
             }
         }
     }
@@ -488,9 +531,10 @@ pub enum Arrival {
 }
 
 /// The peer listener serves only forwarded retries of held flows.
-pub(crate) async fn refuse_on_peer_listener(session: &mut ServerSession) {
+pub(crate) async fn refuse_on_peer_listener(session: &mut ServerSession) -> Option<Class> {
     let message = "the peer listener serves only 2026-07-28 retries of flows this replica holds";
     respond::error(session, 403, None, code::INVALID_REQUEST, message).await;
+    Some(Class::Forbidden)
 }
 
 /// Refuses a request whose bearer token did not verify (RFC 6750), naming where the

@@ -154,6 +154,15 @@ fn oversized_and_malformed_bodies_get_clear_4xx() {
         "a 405 names what the endpoint serves (RFC 9110 §15.5.6)"
     );
     assert_eq!(tripwire.count(), 0, "a refused body reached the upstream");
+    // The gateway's own refusals are counted, their method not read yet: the 413, the
+    // six malformed bodies and the 405.
+    let requests = "mrtr_gateway_requests_total";
+    for (outcome, n) in [("too_large", 1.0), ("bad_request", 7.0)] {
+        let labels = format!("era=\"legacy\",method=\"other\",outcome=\"{outcome}\"");
+        wait_until(&labels, Duration::from_secs(5), || {
+            metric_with(&gw.admin, requests, &labels) == Some(n)
+        });
+    }
 }
 
 #[test]

@@ -570,7 +570,7 @@ fn lost_kept_session(failure: &SessionFailure) -> bool {
 pub(super) async fn refused_on_peer_listener(session: &mut ServerSession) -> Outcome {
     super::refuse_on_peer_listener(session).await;
     let text = "the peer listener serves only retries of flows this replica holds";
-    Outcome::Refused(Refusal::new(Class::BadRequest, code::INVALID_REQUEST, text))
+    Outcome::Refused(Refusal::new(Class::Forbidden, code::INVALID_REQUEST, text))
 }
 
 /// Posts a one-shot request and reads its one answer.
