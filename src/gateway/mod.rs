@@ -256,6 +256,15 @@ impl Gateway {
             respond::error(session, 404, None, code::INVALID_REQUEST, &message).await;
             return Some(Class::BadRequest);
         }
+        // Only a POST's body is read: a GET's, DELETE's or relayed OPTIONS's, left on the
+        // connection, would be taken (by the relay's watch for the client's close) for the
+        // next request's start.
+        let relayed_bodiless = matches!(method.as_str(), "GET" | "DELETE" | "OPTIONS");
+        if relayed_bodiless && !session.is_body_empty() {
+            let message = format!("a {method} request carries no body here");
+            refuse_and_close(session, 400, code::INVALID_REQUEST, &message).await;
+            return Some(Class::BadRequest);
+        }
         // Relayed preflights included: which session a request names is not left to the
         // reader.
         if let Some(name) = group.and_then(|_| self.repeated_identity(session)) {

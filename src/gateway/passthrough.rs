@@ -746,7 +746,12 @@ async fn pump(
         }
         let chunk = tokio::select! {
             chunk = upstream.next_chunk() => chunk,
-            _ = session.read_body_or_idle(true) => return Outcome::answered(answered),
+            _ = session.read_body_or_idle(true) => {
+                // Closed, or half-closed and still reading: cut, so that what it got does
+                // not end like a whole body (a terminal chunk at `finish`).
+                respond::cut(session).await;
+                return Outcome::answered(answered);
+            }
             _ = gw.runtime.drain.wait(), if endless && at_boundary => continue,
             () = gw.runtime.drain.wait_near_end(), if at_boundary && last_word.is_some() => {
                 let last = last_word.cloned().unwrap_or_default();

@@ -90,9 +90,10 @@ pub async fn abort(session: &mut ServerSession) {
 }
 
 /// Ends a response whose write failed (the client left, or took nothing within
-/// `limits.client_write_timeout_ms`): an HTTP/2 stream is reset; an HTTP/1 connection is
-/// given up, reset as soon as the request's handling returns.
-async fn cut(session: &mut ServerSession) {
+/// `limits.client_write_timeout_ms`), or whose client closed its side while it streamed:
+/// an HTTP/2 stream is reset; an HTTP/1 connection is given up, reset as soon as the
+/// request's handling returns.
+pub async fn cut(session: &mut ServerSession) {
     match session {
         ServerSession::H1(_) => give_up(session),
         _ => abort(session).await,

@@ -466,6 +466,29 @@ fn a_mirrored_header_sent_twice_with_different_values_is_refused() {
     );
 }
 
+/// A GET, DELETE or OPTIONS with a body is refused and its connection closed: only a
+/// POST's body is read, and one left on the connection would be taken, byte by byte, for
+/// the start of the next request (request smuggling on a kept-alive connection).
+#[test]
+fn a_request_other_than_post_with_a_body_is_refused() {
+    let tripwire = Tripwire::start();
+    let gw = TestGateway::start(&[&tripwire.url()], &test_keys());
+    for method in ["GET", "DELETE", "OPTIONS"] {
+        let request = format!(
+            "{method} /mcp HTTP/1.1\r\nhost: 127.0.0.1\r\naccept: text/event-stream\r\n\
+             content-length: 5\r\n\r\nhello"
+        );
+        let answer = raw_exchange(gw.port, request.as_bytes(), READ_LIMIT);
+        assert!(answer.starts_with("HTTP/1.1 400"), "{method}: {answer}");
+        assert!(answer.contains("carries no body"), "{method}: {answer}");
+    }
+    assert_eq!(
+        tripwire.count(),
+        0,
+        "a refused request reached the upstream"
+    );
+}
+
 /// Two `Authorization` headers name two callers, two `Mcp-Session-Id` or `Last-Event-ID`
 /// headers two sessions or positions: which one the request is bound to would be
 /// anyone's guess (an upstream may read the other), so it gets 400 and goes nowhere.
@@ -1206,6 +1229,35 @@ pub(crate) fn upstream_abort_case() -> usize {
 #[test]
 fn an_upstream_abort_reaches_the_client_as_a_truncated_body() {
     upstream_abort_case();
+}
+
+/// A client that closes its sending side while its answer streams (a half-close: it may
+/// still read) is cut, not sent the terminal chunk: what it got would read as a whole
+/// stream, its answer missing.
+#[test]
+fn a_client_that_half_closes_mid_stream_sees_the_truncation() {
+    let gate = Gate::new();
+    let held = gate.clone();
+    let event =
+        json!({"jsonrpc": "2.0", "method": "notifications/progress", "params": {"progress": 1}});
+    let upstream = ScriptedUpstream::start(move |_: &Seen| {
+        Answer::sse(&[]).event(Some("1"), &event).wait(&held).end()
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let mut stream = connect(gw.port);
+    stream
+        .write_all(post("HTTP/1.1", "", &list_body(1)).as_bytes())
+        .unwrap();
+    let got = read_until(&mut stream, "notifications/progress", READ_LIMIT);
+    assert!(got.contains("notifications/progress"), "{got}");
+    stream.shutdown(std::net::Shutdown::Write).unwrap();
+    let (rest, closed) = read_to_close(&mut stream);
+    gate.open();
+    assert!(closed, "the connection outlived its client's close");
+    assert!(
+        !rest.ends_with("0\r\n\r\n"),
+        "a stream cut short ended cleanly: {rest:?}"
+    );
 }
 
 /// Risk: `Origin: null` (sandboxed frames, `file://` pages, redirects) is refused on a
