@@ -403,10 +403,15 @@ fn is_wrapped_char(b: u8) -> bool {
     b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')
 }
 
+/// An integer as `wrap_body` writes one (its canonical form): anything else (`007`,
+/// `+7`), which only an upstream forging ids could send, would not be JSON given back.
 fn integer(digits: &[u8]) -> Option<String> {
     let text = std::str::from_utf8(digits).ok()?;
-    let ok = text.parse::<i64>().is_ok() || text.parse::<u64>().is_ok();
-    ok.then(|| text.to_string())
+    let canonical = match text.parse::<i64>() {
+        Ok(n) => n.to_string(),
+        Err(_) => text.parse::<u64>().ok()?.to_string(),
+    };
+    (canonical == text).then_some(canonical)
 }
 
 fn string(encoded: &[u8]) -> Option<String> {
@@ -512,6 +517,18 @@ mod tests {
             let out = wrapped(json!({"jsonrpc": "2.0", "id": id, "method": "ping"}));
             let back = unwrap_in_pieces(json!({"id": out["id"]}).to_string().as_bytes(), &[]);
             assert_eq!(serde_json::from_slice::<Value>(&back).unwrap()["id"], id);
+        }
+    }
+
+    /// A wrapped integer id in any form but the one `wrap_body` writes (which only an
+    /// upstream forging ids could send) is left as it is: given back, `007` would not be
+    /// JSON.
+    #[test]
+    fn only_the_canonical_integer_form_unwraps() {
+        for forged in ["007", "+7", "-0", "00"] {
+            let text = format!(r#"{{"id":"mrtr.{}.n.{forged}"}}"#, tag().0);
+            let back = unwrap_in_pieces(text.as_bytes(), &[]);
+            assert_eq!(String::from_utf8(back).unwrap(), text, "{forged}");
         }
     }
 

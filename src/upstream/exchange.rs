@@ -780,14 +780,16 @@ impl Response {
     }
 
     /// Whether the body is content-coded (`Content-Encoding` other than `identity`): its
-    /// bytes are not the media type's, and nothing may be inserted into them.
+    /// bytes are not the media type's, and nothing may be inserted into them. Empty list
+    /// elements name no coding (RFC 9110 §5.6.1).
     pub fn is_encoded(&self) -> bool {
         self.header()
             .headers
             .get_all(http::header::CONTENT_ENCODING)
             .iter()
             .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-            .any(|coding| !coding.trim_ascii().eq_ignore_ascii_case(b"identity"))
+            .map(<[u8]>::trim_ascii)
+            .any(|coding| !coding.is_empty() && !coding.eq_ignore_ascii_case(b"identity"))
     }
 
     /// The next body chunk; `None` at the end of the body.
@@ -896,6 +898,14 @@ mod tests {
         assert_eq!(kind(&identity).await, (true, false));
         let listed = format!("{sse}content-encoding: identity, br\r\n");
         assert_eq!(kind(&listed).await, (true, true));
+        // An empty value, or empty elements, name no coding.
+        for empty in ["content-encoding:\r\n", "content-encoding: ,identity, \r\n"] {
+            assert_eq!(
+                kind(&format!("{sse}{empty}")).await,
+                (true, false),
+                "{empty}"
+            );
+        }
     }
 
     #[tokio::test]
