@@ -91,12 +91,15 @@ enum Command {
         #[arg(long, default_value_t = crate::demo::DemoOptions::default().answer_timeout.as_secs())]
         answer_timeout_seconds: u64,
     },
-    /// Validate a configuration file; exits non-zero on the first problem.
+    /// Validate a configuration file as `run` would take it, with the same flags and
+    /// environment; exits non-zero on the first problem.
     CheckConfig {
         file: std::path::PathBuf,
-        /// This replica's peer address, as `run` would take it (e.g. from the Pod IP).
-        #[arg(long, env = "MRTR_GATEWAY_PEER_ADVERTISE")]
-        peer_advertise: Option<String>,
+        #[command(flatten)]
+        listeners: Listeners,
+        /// Upstream MCP endpoint URL, as `run` takes it; repeat for several.
+        #[arg(long = "upstream")]
+        upstreams: Vec<String>,
     },
     /// Decode a requestState or Mcp-Session-Id with the configured keys and print its
     /// fields; refuses without the key that sealed it.
@@ -142,8 +145,9 @@ pub fn main() -> ExitCode {
         }
         Command::CheckConfig {
             file,
-            peer_advertise,
-        } => check_config(&file, peer_advertise),
+            listeners,
+            upstreams,
+        } => check_config(&file, listeners, upstreams),
         Command::Inspect { token, config } => inspect(&token, config.as_deref()),
         Command::Keygen { kid } => keys::generate_entry(&kid)
             .map(|entry| println!("{entry}"))
@@ -353,9 +357,13 @@ fn inspect(token: &str, file: Option<&std::path::Path>) -> Result<(), String> {
     Ok(())
 }
 
-fn check_config(file: &std::path::Path, peer_advertise: Option<String>) -> Result<(), String> {
+fn check_config(
+    file: &std::path::Path,
+    listeners: Listeners,
+    upstreams: Vec<String>,
+) -> Result<(), String> {
     let mut config = Config::load_unvalidated(file).map_err(config_error)?;
-    config.apply_peer_overrides(None, peer_advertise);
+    listeners.apply(&mut config, upstreams);
     config.validate().map_err(config_error)?;
     warn_of_shares_taking_the_whole(&config);
     crate::upstream::Upstreams::build(&config).map_err(config_error)?;

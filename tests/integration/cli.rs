@@ -49,6 +49,42 @@ fn check_config_accepts_the_example_and_names_the_key_path_of_a_problem() {
     );
 }
 
+/// `check-config` checks what `run` would run: the same flags and environment apply.
+#[test]
+fn check_config_takes_the_flags_run_takes() {
+    let dir = std::env::temp_dir().join(format!("mrtr-check-flags-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("listen-only.yaml");
+    std::fs::write(&file, "listen: 127.0.0.1:18080\n").unwrap();
+    let check = |args: &[&str]| {
+        let out = binary()
+            .arg("check-config")
+            .arg(&file)
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // A file that relies on --upstream, as a drop-in does.
+    let (ok, stderr) = check(&["--upstream", "http://127.0.0.1:3001/mcp"]);
+    assert!(ok, "{stderr}");
+    let (ok, _) = check(&[]);
+    assert!(!ok, "no upstream at all");
+    // A flag that makes the listeners clash.
+    let clash = [
+        "--upstream",
+        "http://127.0.0.1:3001/mcp",
+        "--admin-listen",
+        "127.0.0.1:18080",
+    ];
+    let (ok, stderr) = check(&clash);
+    assert!(!ok && stderr.contains("admin_listen"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn keygen_prints_a_key_the_ring_accepts() {
     let out = binary()
