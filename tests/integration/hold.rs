@@ -406,10 +406,18 @@ fn a_held_flows_retry_from_a_client_already_gone_is_not_continued() {
 
 #[test]
 fn the_peer_listener_serves_only_retries_of_held_flows() {
+    // A group that relays to a 2026-07-28 server holds no flow either: nothing is
+    // relayed from the peer listener (whose Host, Origin and connections are not checked).
+    for era in [UpstreamEra::Legacy, UpstreamEra::Modern] {
+        peer_listener_serves_only_retries_of_held_flows(era);
+    }
+}
+
+fn peer_listener_serves_only_retries_of_held_flows(era: UpstreamEra) {
     let tripwire = Tripwire::start();
     let peer_port = free_port();
     let gw = TestGateway::start_with(&[&tripwire.url()], &test_keys(), |c| {
-        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.upstreams[0].era = era;
         c.peers.listen = Some(format!("127.0.0.1:{peer_port}"));
     });
     let peer = Raw::new(&format!("http://127.0.0.1:{peer_port}/mcp"));
@@ -425,7 +433,7 @@ fn the_peer_listener_serves_only_retries_of_held_flows() {
         json!({"name": "t", "requestState": "AAAA", "inputResponses": {}}),
         json!({}),
     );
-    assert_eq!(forged.json()["error"]["code"], -32602);
+    assert_eq!(forged.json()["error"]["code"], -32602, "{era:?}");
     // No discovery document either (the Host and Origin of its requests are not
     // checked): nothing is fetched upstream for it.
     let base = format!("http://127.0.0.1:{peer_port}");

@@ -276,9 +276,10 @@ async fn serve_inner(
     if incoming.arrival == Arrival::Peer && !is_retry(&kind, &request) {
         return Served::Done(refused_on_peer_listener(session).await);
     }
-    // Only a request that passed validation may make the gateway probe the upstream.
+    // Only a request that passed validation may make the gateway probe the upstream. The
+    // peer listener relays nothing and probes nothing: it serves held flows only.
     let asking = || asker(gw, group, &request, principal);
-    if gw.upstreams.relays(group, asking).await {
+    if incoming.arrival != Arrival::Peer && gw.upstreams.relays(group, asking).await {
         if is_retry(&kind, &request) && sealed_here(gw, &request) {
             // A flow bridged before the upstream became a 2026-07-28 server: its state
             // means nothing to that server.
