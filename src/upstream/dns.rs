@@ -77,7 +77,9 @@ impl DnsDiscovery {
     }
 
     /// The name's current A and AAAA addresses, with the port. Empty when the name has no
-    /// address (NXDOMAIN, or no records); an error when either lookup failed.
+    /// address (NXDOMAIN, or no records). A family whose lookup failed keeps its last
+    /// addresses (a resolver that fails AAAA queries and answers A ones, as some
+    /// firewalls and DNS64 setups do, must not freeze the set); an error when both failed.
     pub async fn resolve(&self) -> Result<BTreeSet<SocketAddr>, LookupFailed> {
         // Every refresh asks the DNS server, so an answer is never older than one refresh.
         self.resolver.clear_cache();
@@ -88,19 +90,27 @@ impl DnsDiscovery {
         let mut addrs = BTreeSet::new();
         let v4 = v4.map(|found| found.iter().map(|a| IpAddr::V4(a.0)).collect::<Vec<_>>());
         let v6 = v6.map(|found| found.iter().map(|a| IpAddr::V6(a.0)).collect::<Vec<_>>());
-        for (family, answer) in [("A", v4), ("AAAA", v6)] {
+        let last = self.last.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut failed = Vec::new();
+        for (family, answer, v4) in [("A", v4, true), ("AAAA", v6, false)] {
             match answer {
                 Ok(ips) => addrs.extend(ips.into_iter().map(|ip| SocketAddr::new(ip, self.port))),
                 Err(e) if has_no_address(&e) => {}
                 Err(e) => {
-                    return Err(LookupFailed(format!(
-                        "{family} lookup of '{}' failed: {e}",
-                        self.name
-                    )))
+                    let kept = last.iter().flatten().filter(|a| a.is_ipv4() == v4);
+                    addrs.extend(kept);
+                    failed.push(format!("{family} lookup of '{}' failed: {e}", self.name));
                 }
             }
         }
-        Ok(addrs)
+        match failed.len() {
+            2 => Err(LookupFailed(failed.join("; "))),
+            1 => {
+                tracing::debug!(group = %self.group, error = %failed[0], "DNS lookup of one family failed; its last addresses kept");
+                Ok(addrs)
+            }
+            _ => Ok(addrs),
+        }
     }
 
     /// Logs a changed answer once.

@@ -30,6 +30,9 @@ enum Answer {
     Addrs(Vec<IpAddr>),
     /// SERVFAIL: the resolver failed, which says nothing about the name.
     ServFail,
+    /// These IPv4 addresses to A queries, SERVFAIL to AAAA ones (some firewalls and DNS64
+    /// resolvers).
+    AaaaFails(Vec<IpAddr>),
 }
 
 struct DnsState {
@@ -122,11 +125,15 @@ fn respond(query: &Message, state: &mut DnsState) -> Message {
         state.a_queries += 1;
     }
     let addrs = match &state.answer {
+        Answer::AaaaFails(_) if question.query_type() == RecordType::AAAA => {
+            reply.set_response_code(ResponseCode::ServFail);
+            return reply;
+        }
         Answer::ServFail => {
             reply.set_response_code(ResponseCode::ServFail);
             return reply;
         }
-        Answer::Addrs(addrs) => addrs,
+        Answer::Addrs(addrs) | Answer::AaaaFails(addrs) => addrs,
     };
     for ip in addrs {
         let rdata = match (question.query_type(), ip) {
@@ -172,6 +179,15 @@ fn dns_discovery_follows_the_answer_and_keeps_the_set_when_a_lookup_fails() {
     dns.answer(Answer::ServFail);
     assert!(rt.block_on(balancer.update()).is_err(), "SERVFAIL fails");
     assert_eq!(current(), expected, "a failed lookup keeps the last set");
+
+    // One family failing does not freeze the other: the A answer is taken, and the last
+    // IPv6 addresses kept.
+    let b = POD_B.parse().unwrap();
+    dns.answer(Answer::AaaaFails(vec![b]));
+    rt.block_on(balancer.update())
+        .expect("the A answer is an answer");
+    let expected = BTreeSet::from([addr(POD_B, 3001), addr("::1", 3001)]);
+    assert_eq!(current(), expected);
 
     dns.answer(ips(&[POD_A, POD_B]));
     rt.block_on(balancer.update()).expect("a lookup");
