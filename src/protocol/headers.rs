@@ -29,16 +29,27 @@ const HOP_BY_HOP: &[&str] = &[
 /// upstream never sees it and never answers it with an interim 100.
 const REWRITTEN: &[&str] = &["host", "content-length", "expect", MCP_SESSION_ID];
 
-/// The headers of `headers` that may be copied to the next hop, in order.
-pub fn forwardable(headers: &HeaderMap) -> impl Iterator<Item = (&HeaderName, &http::HeaderValue)> {
-    // Read as bytes: a value holding a byte outside visible ASCII still nominates the
-    // names beside it (a name itself is always ASCII).
-    let nominated: Vec<String> = headers
+/// The options of every `Connection` field of `headers`, as bytes: a value holding a
+/// byte outside visible ASCII still names the options beside it.
+fn connection_options(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
+    headers
         .get_all(http::header::CONNECTION)
         .iter()
         .flat_map(|v| v.as_bytes().split(|&b| b == b','))
-        .map(|t| String::from_utf8_lossy(t.trim_ascii()).to_ascii_lowercase())
+        .map(<[u8]>::trim_ascii)
         .filter(|t| !t.is_empty())
+}
+
+/// Whether any `Connection` field of `headers` (not only the first) says `close`.
+pub fn says_close(headers: &HeaderMap) -> bool {
+    connection_options(headers).any(|option| option.eq_ignore_ascii_case(b"close"))
+}
+
+/// The headers of `headers` that may be copied to the next hop, in order.
+pub fn forwardable(headers: &HeaderMap) -> impl Iterator<Item = (&HeaderName, &http::HeaderValue)> {
+    // A name itself is always ASCII.
+    let nominated: Vec<String> = connection_options(headers)
+        .map(|t| String::from_utf8_lossy(t).to_ascii_lowercase())
         .collect();
     headers.iter().filter(move |(name, _)| {
         let n = name.as_str();

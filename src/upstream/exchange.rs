@@ -11,6 +11,7 @@ use super::idle::{idle_life, IdleConnections, IDLE_MOST};
 use super::DeleteLater;
 use super::{Endpoint, Timeouts};
 use crate::metrics::{InUse, Metrics};
+use crate::protocol::headers::says_close;
 use crate::tls::upstream::{handshake_failure, HandshakeFailure};
 use bytes::{Bytes, BytesMut};
 use pingora::connectors::TransportConnector;
@@ -420,7 +421,10 @@ impl UpstreamClient {
                             .map(|value| value.as_bytes()),
                     ),
                 };
-                if life.is_zero() || !http.will_keepalive() {
+                // Pingora reads only the first `Connection` field: a `close` in another
+                // would pool a connection the upstream is closing.
+                let closing = header.is_some_and(|h| says_close(&h.headers));
+                if life.is_zero() || closing || !http.will_keepalive() {
                     return close(&mut http).await;
                 }
                 // Pingora's `reuse` closes a body that ended in an error itself, unbounded.

@@ -1107,6 +1107,27 @@ fn a_response_framed_both_ways_does_not_keep_its_connection() {
     );
 }
 
+/// A response whose second `Connection` field says `close` does not keep its connection:
+/// the upstream is closing it, and a request written into that close would fail.
+#[test]
+fn a_close_in_any_connection_field_does_not_keep_the_connection() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        let result = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}});
+        let headers = [("connection", "keep-alive"), ("connection", "close")];
+        Answer::json_with(200, &headers, &result)
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    for id in [1, 2] {
+        assert_eq!(raw.post(None, &list_body(id)).status, 200);
+    }
+    let second = &upstream.requests()[1];
+    assert_eq!(
+        second.on_connection, 0,
+        "a connection its upstream said it closes was reused"
+    );
+}
+
 /// A legacy client's query string (a per-user key in its URL) reaches the upstream after
 /// the endpoint's own query, whose parameters it cannot override.
 pub(crate) fn client_query_case() -> usize {
