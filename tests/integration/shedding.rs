@@ -122,3 +122,38 @@ fn official_clients_retry_a_shed_call_and_complete() {
         );
     }
 }
+
+/// A shed call of a tool that runs only in a data-layer session goes on in one: its retry
+/// without the session's cookie is refused, not started outside any session.
+#[test]
+fn a_shed_call_in_a_session_is_not_started_outside_it() {
+    use mrtr_gateway::config::{SessionPolicy, ToolPolicy};
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = TestGateway::start_with(&[&url], &test_keys(), |c: &mut Config| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.bridge.shed_above_active_rounds = 1;
+        let policy = ToolPolicy {
+            session: SessionPolicy::Required,
+            ..ToolPolicy::default()
+        };
+        c.upstreams[0]
+            .tools
+            .insert("notebook_append".into(), policy);
+    });
+    let raw = Raw::new(&gw.url);
+    let caps = json!({"elicitation": {}});
+    let created = raw.modern(1, "session/create", json!({"hints": {}}), caps.clone());
+    let cookie = created.json()["result"]["_meta"]["mcp/session"]["id"].clone();
+    assert!(cookie.is_string(), "no cookie");
+    let holder = hold_a_round(&gw);
+    let in_session = json!({"name": "notebook_append", "arguments": {"text": "x"},
+        "_meta": {"mcp/session": {"id": cookie}}});
+    let shed = raw.modern(2, "tools/call", in_session, caps.clone()).json();
+    let state = shed["result"]["requestState"].clone();
+    assert!(state.is_string(), "not shed: {shed}");
+    release(&gw, holder);
+    let outside = json!({"name": "notebook_append", "arguments": {"text": "x"},
+        "requestState": state});
+    let refused = raw.modern(3, "tools/call", outside, caps).json();
+    assert_eq!(refused["error"]["code"], -32602, "{refused}");
+}

@@ -454,6 +454,13 @@ fn open_state(call: &Call<'_>, text: &str) -> Result<FlowState, &'static str> {
             return Err("other_session");
         }
     }
+    // A call deferred before it began starts in a session if and only if it was made in
+    // one: without the cookie, a tool the policy runs only in a session would run outside.
+    if let Waiting::Deferred { data_session } = state.waiting {
+        if data_session != call.data_session.is_some() {
+            return Err("other_session");
+        }
+    }
     Ok(state)
 }
 
