@@ -24,6 +24,7 @@ use crate::upstream::{Timeouts, UpstreamGroup};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -78,6 +79,9 @@ impl Kept {
 /// used going first.
 pub struct KeptSessions {
     sessions: Mutex<HashMap<Shape, Kept>>,
+    /// Set, under `sessions`' lock, once every session was taken at shutdown: a session
+    /// offered after that would never be swept, and is handed back for deletion.
+    closed: AtomicBool,
     max: usize,
     max_per_principal: usize,
     idle: Duration,
@@ -87,6 +91,7 @@ impl KeptSessions {
     pub fn new(max: usize, max_per_principal: usize, idle: Duration) -> KeptSessions {
         KeptSessions {
             sessions: Mutex::default(),
+            closed: Default::default(),
             max,
             max_per_principal,
             idle,
@@ -136,10 +141,10 @@ impl KeptSessions {
     /// one has served only the request that opened it); past the owner's share, the least
     /// recently used of its sessions no request runs on; past the bound, the least
     /// recently used of all no request runs on (none while every one is in use: the table
-    /// is over its bound until one is free).
+    /// is over its bound until one is free). After shutdown took them all, this one.
     pub fn keep(&self, shape: Shape, owner: Option<[u8; 32]>, mut kept: Kept) -> Option<Kept> {
         let mut sessions = self.sessions.lock().expect("kept sessions lock");
-        if sessions.contains_key(&shape) {
+        if sessions.contains_key(&shape) || self.closed.load(Ordering::Relaxed) {
             return Some(kept);
         }
         kept.owner = owner;
@@ -174,9 +179,10 @@ impl KeptSessions {
         shapes.iter().filter_map(|s| sessions.remove(s)).collect()
     }
 
-    /// Takes every session (at shutdown), for deletion.
+    /// Takes every session (at shutdown), for deletion; none is kept from then on.
     pub fn take_all(&self) -> Vec<Kept> {
         let mut sessions = self.sessions.lock().expect("kept sessions lock");
+        self.closed.store(true, Ordering::Relaxed);
         sessions.drain().map(|(_, kept)| kept).collect()
     }
 
@@ -334,6 +340,19 @@ mod tests {
             owner: None,
         };
         kept.keep([shape; 32], owner.map(|o| [o; 32]), session)
+    }
+
+    /// A session offered once shutdown took them all is handed back for deletion: no sweep
+    /// would find it again.
+    #[test]
+    fn a_session_offered_after_shutdown_took_them_all_is_handed_back() {
+        let kept = KeptSessions::new(8, 8, Duration::from_secs(30));
+        let now = Instant::now();
+        assert!(keep_at(&kept, 1, "s1", now).is_none());
+        assert_eq!(kept.take_all().len(), 1);
+        let late = keep_at(&kept, 2, "s2", now).expect("handed back");
+        assert_eq!(late.session_id, "s2");
+        assert_eq!(kept.len(), 0);
     }
 
     /// A principal sending ever new shapes (capabilities, client names) pushes out only
