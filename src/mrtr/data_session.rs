@@ -85,11 +85,22 @@ impl DataSession {
         text: &str,
         now: u64,
     ) -> Result<DataSession, OpenError> {
-        let (bound, session) = DataSession::open_unbound(ring, text)?;
-        seal::check_principal(&bound, principal)?;
+        let session = DataSession::open_expired_too(ring, principal, text)?;
         if now >= session.expires_at {
             return Err(OpenError::Expired);
         }
+        Ok(session)
+    }
+
+    /// Opens a cookie presented by `principal`, expired or not: the session it names,
+    /// for ending it upstream (an expired cookie serves nothing else).
+    pub fn open_expired_too(
+        ring: &KeyRing,
+        principal: &[u8],
+        text: &str,
+    ) -> Result<DataSession, OpenError> {
+        let (bound, session) = DataSession::open_unbound(ring, text)?;
+        seal::check_principal(&bound, principal)?;
         Ok(session)
     }
 

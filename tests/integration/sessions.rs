@@ -399,8 +399,69 @@ fn session_delete_ends_the_upstream_session_and_revokes_the_cookie() {
     assert_eq!(status, 404);
 }
 
+/// An expired cookie gets the one error every refused cookie gets, and the session it
+/// names, which no cookie reaches any more, is deleted upstream (the SDK servers keep a
+/// session until it is); nothing else is sent. `session/delete` ends what an expired
+/// cookie names.
 #[test]
-fn foreign_expired_and_tampered_cookies_get_one_error_and_reach_no_upstream() {
+fn an_expired_cookie_is_refused_and_its_session_deleted() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        legacy_basics(seen, "s1").unwrap_or_else(|| Answer::status(200, &[], b""))
+    });
+    let gw = legacy_gateway(&upstream.url());
+    let raw = Raw::new(&gw.url);
+    let ring = KeyRing::parse(&test_keys()).unwrap();
+    let me = PrincipalSource::Authorization.digest(None);
+    let expired = |sid: &str| {
+        let cookie = DataSession {
+            group: "default".into(),
+            endpoint: format!("127.0.0.1:{}", upstream.port).parse().unwrap(),
+            upstream_session: sid.into(),
+            expires_at: now_secs() - 1,
+            session_id: 1,
+            version: Default::default(),
+        };
+        json!({"id": cookie.seal(&ring, &me)})
+    };
+    let (status, body) = call_status(
+        &raw,
+        1,
+        "notebook_read",
+        json!({}),
+        Some(&expired("s1")),
+        json!({}),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["message"], INVALID_COOKIE, "{body}");
+    let deleted = |sid: &str| {
+        upstream
+            .requests()
+            .iter()
+            .any(|s| s.method == "DELETE" && s.header("mcp-session-id") == Some(sid))
+    };
+    wait_until(
+        "the expired session deleted",
+        Duration::from_secs(5),
+        || deleted("s1"),
+    );
+    let meta = json!({"_meta": {"mcp/session": expired("s2")}});
+    let ended = raw.modern(2, "session/delete", meta, json!({})).json();
+    assert_eq!(ended["result"]["deleted"], true, "{ended}");
+    assert!(deleted("s2"), "session/delete sent no DELETE");
+    let methods: Vec<String> = upstream
+        .requests()
+        .iter()
+        .map(|s| s.method.clone())
+        .collect();
+    assert_eq!(
+        methods,
+        ["DELETE", "DELETE"],
+        "nothing but the ends went up"
+    );
+}
+
+#[test]
+fn foreign_and_tampered_cookies_get_one_error_and_reach_no_upstream() {
     let tripwire = Tripwire::start();
     let gw = legacy_gateway(&tripwire.url());
     let raw = Raw::new(&gw.url);
@@ -433,7 +494,6 @@ fn foreign_expired_and_tampered_cookies_get_one_error_and_reach_no_upstream() {
     };
     let cases: Vec<(&str, Value)> = vec![
         ("other principal", json!(good.seal(&ring, &someone))),
-        ("expired", json!(with(&|c| c.expires_at = now_secs() - 1))),
         ("tampered", json!(String::from_utf8(tampered).unwrap())),
         ("other secret", json!(good.seal(&other_secret, &me))),
         ("other group", json!(with(&|c| c.group = "other".into()))),

@@ -301,7 +301,8 @@ async fn serve_inner(
         match session::attach(gw, group, &request, principal) {
             Ok(a) => attached = a,
             Err(refused) => {
-                return Served::Done(session::refuse(gw, session, reply, refused).await)
+                let refusing = session::refuse(gw, session, group, &request, reply, refused);
+                return Served::Done(Box::pin(refusing).await);
             }
         }
     }

@@ -54,6 +54,9 @@ pub(super) enum Refused {
     Required(String),
     /// The cookie did not open or does not belong here, for the logged reason.
     Invalid(&'static str),
+    /// The cookie expired: refused as one that did not open, and its session, which no
+    /// cookie can reach any more, ended upstream.
+    Expired(Box<Attached>),
 }
 
 /// Opens the request's cookie, if it carries one, and applies the tool's session policy.
@@ -81,7 +84,7 @@ pub(super) fn attach(
     if text.len() > MAX_COOKIE_LEN {
         return Err(Refused::Invalid("too_long"));
     }
-    let cookie = DataSession::open(&gw.sealing.keys.load(), principal, text, now_secs())
+    let cookie = DataSession::open_expired_too(&gw.sealing.keys.load(), principal, text)
         .map_err(|e| Refused::Invalid(e.reason()))?;
     if cookie.group != group.name {
         return Err(Refused::Invalid("other_group"));
@@ -89,7 +92,12 @@ pub(super) fn attach(
     let endpoint = group
         .endpoint(cookie.endpoint)
         .ok_or(Refused::Invalid("unknown_endpoint"))?;
-    Ok(Some(Attached { cookie, endpoint }))
+    let attached = Attached { cookie, endpoint };
+    // `session/delete` ends what its cookie names, expired or not.
+    if now_secs() >= attached.cookie.expires_at && request.method != "session/delete" {
+        return Err(Refused::Expired(Box::new(attached)));
+    }
+    Ok(Some(attached))
 }
 
 /// The tool a cookie-less request calls, if its policy requires a session. A retry is
@@ -114,28 +122,44 @@ pub(super) fn refreshed(gw: &Gateway, attached: &mut Attached, principal: &[u8; 
 pub(super) async fn refuse(
     gw: &Gateway,
     session: &mut ServerSession,
+    group: &UpstreamGroup,
+    request: &ModernRequest,
     reply: ClientReply,
     refused: Refused,
 ) -> Outcome {
     match refused {
+        Refused::Expired(attached) => {
+            let outcome = invalid_cookie(gw, session, reply, "expired").await;
+            let upstream = attached.upstream(gw, group, request);
+            gw.upstreams.reaper.delete(&upstream).await;
+            outcome
+        }
         Refused::Required(tool) => {
             let text = format!("Session required: tool '{tool}' runs only in a data-layer session; call session/create and send the cookie it returns in _meta[\"mcp/session\"]");
             let data = json!({"method": "session/create"});
             let refusal = Refusal::new(Class::SessionRequired, scode::SESSION_REQUIRED, text);
             reply.refuse(session, refusal.with_data(data)).await
         }
-        Refused::Invalid(reason) => {
-            gw.runtime
-                .metrics
-                .data_sessions
-                .with_label_values(&["rejected"])
-                .inc();
-            tracing::info!(reason, "session cookie refused");
-            let data = json!({"_meta": revocation()});
-            let refusal = Refusal::new(Class::CookieRejected, scode::SESSION_ENDED, INVALID_COOKIE);
-            reply.refuse(session, refusal.with_data(data)).await
-        }
+        Refused::Invalid(reason) => invalid_cookie(gw, session, reply, reason).await,
     }
+}
+
+/// Answers a request whose cookie was refused for `reason` (logged and counted).
+async fn invalid_cookie(
+    gw: &Gateway,
+    session: &mut ServerSession,
+    reply: ClientReply,
+    reason: &'static str,
+) -> Outcome {
+    gw.runtime
+        .metrics
+        .data_sessions
+        .with_label_values(&["rejected"])
+        .inc();
+    tracing::info!(reason, "session cookie refused");
+    let data = json!({"_meta": revocation()});
+    let refusal = Refusal::new(Class::CookieRejected, scode::SESSION_ENDED, INVALID_COOKIE);
+    reply.refuse(session, refusal.with_data(data)).await
 }
 
 /// Answers a request whose upstream session is gone: the session ended, and the client
