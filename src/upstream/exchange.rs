@@ -566,8 +566,10 @@ async fn read_final_header(http: &mut HttpSession) -> Result<(), Failed> {
     for interim in 0..=MAX_INTERIM_RESPONSES {
         if let Err(e) = http.read_response().await {
             // Pingora marks a connection that closed or reset before a response header
-            // `ReusedOnly`; after an interim response the upstream surely has the request.
-            let unanswered = interim == 0 && matches!(e.retry, pingora::RetryType::ReusedOnly);
+            // `ReusedOnly`, but not a TLS one closed without `close_notify`; after an
+            // interim response the upstream surely has the request.
+            let closed = matches!(e.retry, pingora::RetryType::ReusedOnly) || cut_short(&e);
+            let unanswered = interim == 0 && closed;
             let reached = if unanswered {
                 Reached::Unanswered
             } else {
@@ -589,6 +591,14 @@ async fn read_final_header(http: &mut HttpSession) -> Result<(), Failed> {
     let endless = "sent more interim (1xx) responses than the gateway accepts";
     let endless = Fault::new(ExchangeFailure::Protocol(endless));
     Err(Failed::at(Reached::Beyond, endless))
+}
+
+/// Whether a read failed as the peer's TCP close under TLS without `close_notify` (rustls'
+/// `UnexpectedEof`, which carries no OS error code, so pingora does not take it for a
+/// close): as unanswered as a plain close.
+fn cut_short(e: &pingora::Error) -> bool {
+    let cause = e.root_cause().downcast_ref::<std::io::Error>();
+    cause.is_some_and(|io| io.kind() == std::io::ErrorKind::UnexpectedEof)
 }
 
 /// GET and DELETE may be sent again (RFC 9110 §9.2.2); a POST carries a JSON-RPC

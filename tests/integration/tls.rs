@@ -142,6 +142,22 @@ fn refused_twice(upstream_port: u16, ca_file: &Path) -> ((Reply, usize), (Value,
     ((legacy, after_legacy), (modern, relay.count()))
 }
 
+/// A TLS acceptor serving `issued`'s certificate.
+fn acceptor_for(issued: &Issued) -> tokio_rustls::TlsAcceptor {
+    let chain = CertificateDer::pem_slice_iter(issued.cert.as_bytes())
+        .collect::<Result<Vec<_>, _>>()
+        .expect("certificate PEM");
+    let key = PrivateKeyDer::from_pem_slice(issued.key.as_bytes()).expect("key PEM");
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .expect("TLS versions")
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .expect("a server certificate");
+    tokio_rustls::TlsAcceptor::from(Arc::new(config))
+}
+
 /// An HTTPS upstream that completes each handshake, reads the start of the request, then
 /// reads nothing more and keeps the connection open (a stuck or hostile server), its
 /// receive buffer small so that a large request fills it.
@@ -153,18 +169,7 @@ struct StalledHttpsUpstream {
 
 impl StalledHttpsUpstream {
     fn start(issued: &Issued) -> StalledHttpsUpstream {
-        let chain = CertificateDer::pem_slice_iter(issued.cert.as_bytes())
-            .collect::<Result<Vec<_>, _>>()
-            .expect("certificate PEM");
-        let key = PrivateKeyDer::from_pem_slice(issued.key.as_bytes()).expect("key PEM");
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let config = rustls::ServerConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .expect("TLS versions")
-            .with_no_client_auth()
-            .with_single_cert(chain, key)
-            .expect("a server certificate");
-        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let acceptor = acceptor_for(issued);
         let socket = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
         let port = socket.local_addr().expect("address").port();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -208,6 +213,122 @@ impl Drop for StalledHttpsUpstream {
         let _ = self.stop.take().map(|stop| stop.send(()));
         let _ = self.thread.take().map(|thread| thread.join());
     }
+}
+
+/// A TLS front for a plain-TCP `target` that, when the target closes a connection, drops
+/// its TLS side without `close_notify` (as servers and balancers that cut connections
+/// do): the gateway reads an unexpected end of the TLS stream, not a close.
+struct AbruptTlsFront {
+    port: u16,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl AbruptTlsFront {
+    fn start(issued: &Issued, target: u16) -> AbruptTlsFront {
+        let acceptor = acceptor_for(issued);
+        let socket = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let port = socket.local_addr().expect("address").port();
+        socket.set_nonblocking(true).expect("non-blocking");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            runtime().block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(socket).expect("listener");
+                let accept = async {
+                    while let Ok((tcp, _)) = listener.accept().await {
+                        tokio::spawn(front(acceptor.clone(), tcp, target));
+                    }
+                };
+                tokio::select! {
+                    _ = stopped => {}
+                    _ = accept => {}
+                }
+            });
+        });
+        AbruptTlsFront {
+            port,
+            stop: Some(stop),
+            thread: Some(thread),
+        }
+    }
+}
+
+/// Relays one TLS connection to `target` until the target closes, then drops the TLS
+/// stream without shutting it down.
+async fn front(acceptor: tokio_rustls::TlsAcceptor, tcp: tokio::net::TcpStream, target: u16) {
+    let Ok(tls) = acceptor.accept(tcp).await else {
+        return;
+    };
+    let Ok(backend) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await else {
+        return;
+    };
+    let (mut tls_read, mut tls_write) = tokio::io::split(tls);
+    let (mut backend_read, mut backend_write) = backend.into_split();
+    let up = async {
+        let _ = tokio::io::copy(&mut tls_read, &mut backend_write).await;
+        std::future::pending::<()>().await
+    };
+    let down = async {
+        let mut buf = [0u8; 16 << 10];
+        while let Ok(n) = backend_read.read(&mut buf).await {
+            if n == 0 || tls_write.write_all(&buf[..n]).await.is_err() {
+                break;
+            }
+            let _ = tls_write.flush().await;
+        }
+    };
+    tokio::select! {
+        _ = up => {}
+        _ = down => {}
+    }
+}
+
+impl Drop for AbruptTlsFront {
+    fn drop(&mut self) {
+        let _ = self.stop.take().map(|stop| stop.send(()));
+        let _ = self.thread.take().map(|thread| thread.join());
+    }
+}
+
+/// A DELETE that meets a pooled HTTPS connection the upstream closes without TLS's
+/// `close_notify` is as unanswered as one meeting a plain close: it is sent again on a
+/// fresh connection (a POST never is).
+#[test]
+fn a_delete_on_a_pooled_https_connection_cut_without_close_notify_is_sent_again() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if seen.method == "DELETE" && seen.on_connection > 0 {
+            return Answer::silent().then_close();
+        }
+        legacy_basics(seen, "s1").unwrap_or_else(|| Answer::status(405, &[], b""))
+    });
+    let pems = PemDir::new("abrupt");
+    let ca = TestCa::new("upstream CA");
+    let ca_file = ca.write(&pems);
+    let front = AbruptTlsFront::start(&ca.issue(&["127.0.0.1"]), upstream.port);
+    let url = format!("https://127.0.0.1:{}/mcp", front.port);
+    let gw = gateway_trusting(&url, &ca_file, |g| g.era = UpstreamEra::Legacy);
+    let raw = Raw::new(&gw.url);
+    let opened = raw.post(None, &initialize());
+    assert_eq!(opened.status, 200);
+    let token = opened.header_values("mcp-session-id")[0].to_string();
+    let headers = [
+        ("mcp-session-id", token.as_str()),
+        ("mcp-protocol-version", "2025-11-25"),
+    ];
+    let ended = raw.request("DELETE", &headers, None);
+    assert_eq!(ended.status, 200, "the DELETE was not sent again");
+    let deletes: Vec<Seen> = upstream
+        .requests()
+        .into_iter()
+        .filter(|s| s.method == "DELETE")
+        .collect();
+    assert_eq!(deletes.len(), 2, "{deletes:?}");
+    assert!(
+        deletes[0].on_connection > 0,
+        "the first met a pooled connection"
+    );
+    assert_eq!(deletes[1].on_connection, 0, "sent again on a fresh one");
+    drop(front);
 }
 
 /// A request larger than the kernel holds for an HTTPS upstream that stopped reading: its
