@@ -1648,6 +1648,45 @@ fn a_streaming_bridged_response_counts_as_a_client_stream() {
     });
 }
 
+/// A 2026-07-28 client that closes its sending side while its call streams progress (a
+/// half-close: it may still read) is cut, not sent the terminal chunk: its stream must
+/// not end like a whole one, its result missing. The call is given up as for a client
+/// gone.
+#[test]
+fn a_bridged_client_that_half_closes_mid_stream_sees_the_truncation() {
+    let held = Gate::new();
+    let upstream = {
+        let held = held.clone();
+        streaming_upstream(move |token, id| {
+            let progress = json!({"jsonrpc": "2.0", "method": "notifications/progress",
+                "params": {"progressToken": token, "progress": 1}});
+            let done = json!({"jsonrpc": "2.0", "id": id, "result": {"content": []}});
+            Answer::sse(&[])
+                .event(None, &progress)
+                .wait(&held)
+                .event(None, &done)
+                .end()
+        })
+    };
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Legacy;
+    });
+    let params = json!({"name": "slow", "_meta": {"progressToken": "t"}});
+    let request = raw_modern_request(1, "tools/call", params, json!({}), "");
+    let mut client = connect(gw.port);
+    client.write_all(request.as_bytes()).unwrap();
+    let got = read_until(&mut client, "notifications/progress", READ_LIMIT);
+    assert!(got.contains("notifications/progress"), "{got}");
+    client.shutdown(std::net::Shutdown::Write).unwrap();
+    let (rest, closed) = read_to_close(&mut client);
+    held.open();
+    assert!(closed, "the connection outlived its client's close");
+    assert!(
+        !rest.ends_with("0\r\n\r\n"),
+        "a stream cut short ended cleanly: {rest:?}"
+    );
+}
+
 /// A raw connection that has sent a 2026-07-28 `tools/call` (closing after its answer).
 fn modern_call(port: u16) -> TcpStream {
     let params = json!({"name": "big"});

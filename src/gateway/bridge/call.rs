@@ -1522,7 +1522,13 @@ async fn finish(
             let refusal = super::public_challenge(gw, session, group, refusal);
             refuse(session, reply, refusal).await
         }
-        Ending::ClientGone => Outcome::ClientGone,
+        Ending::ClientGone => {
+            // Closed, or half-closed and still reading: cut, so that a streaming reply
+            // does not end like a whole one (a terminal chunk at `finish`), its result
+            // missing.
+            respond::cut(session).await;
+            Outcome::ClientGone
+        }
     }
 }
 
