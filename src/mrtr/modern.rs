@@ -297,10 +297,10 @@ impl ModernRequest {
             None => return Err(header_mismatch("the Mcp-Method header is required")),
         }
         let target = check_name(method, &params, headers.name)?;
-        match params.get("inputResponses") {
-            Some(Value::Object(responses)) => check_input_responses(responses)?,
-            Some(_) => return Err(invalid_params("inputResponses must be an object")),
-            None => {}
+        // Each answer is checked against the question it answers (`check_answers`), once
+        // the state says which are pending: other keys are ignored, as the spec asks.
+        if params.get("inputResponses").is_some_and(|r| !r.is_object()) {
+            return Err(invalid_params("inputResponses must be an object"));
         }
         if params.get("requestState").is_some_and(|v| !v.is_string()) {
             return Err(invalid_params("requestState must be a string"));
@@ -320,24 +320,23 @@ impl ModernRequest {
     }
 }
 
-/// Every answer is a result object (`ElicitResult`, `CreateMessageResult` or
-/// `ListRootsResult`): anything else is refused before it could be posted upstream.
-fn check_input_responses(responses: &Map<String, Value>) -> Result<(), Refusal> {
-    let Some((key, _)) = responses.iter().find(|(_, answer)| !answer.is_object()) else {
-        return Ok(());
-    };
-    let key: String = key.chars().take(64).collect();
-    Err(invalid_params(format!(
-        "inputResponses[{}] must be an object: an ElicitResult, CreateMessageResult or ListRootsResult",
-        Value::from(key)
-    )))
-}
-
-/// Each answer a retry gives has the shape of the result its question asks for, where
-/// the state says what the question was (`check_answer`).
+/// Each answer a retry gives to a pending question is a result object (`ElicitResult`,
+/// `CreateMessageResult` or `ListRootsResult`: anything else is refused before it could be
+/// posted upstream) of the shape its question asks for, where the state says what the
+/// question was (`check_answer`). Answers under other keys are ignored.
 pub fn check_answers(pending: &[Pending], responses: &Map<String, Value>) -> Result<(), Refusal> {
     for pending in pending {
-        if let (Some(kind), Some(answer)) = (pending.asked.kind, responses.get(&pending.key)) {
+        let Some(answer) = responses.get(&pending.key) else {
+            continue;
+        };
+        if !answer.is_object() {
+            let key: String = pending.key.chars().take(64).collect();
+            return Err(invalid_params(format!(
+                "inputResponses[{}] must be an object: an ElicitResult, CreateMessageResult or ListRootsResult",
+                Value::from(key)
+            )));
+        }
+        if let Some(kind) = pending.asked.kind {
             check_answer(&pending.key, kind, answer)?;
         }
     }
@@ -633,12 +632,19 @@ mod tests {
         let answers = |answer: Value| {
             params(json!({"name": "ask", "inputResponses": {"elicitation_1": answer}}))
         };
-        let bare = v(&answers(json!("Ann")), headers("tools/call", Some("ask")));
-        assert_eq!(bare.code, -32602);
-        assert!(
-            bare.message.contains("inputResponses[\"elicitation_1\"]"),
-            "{}",
-            bare.message
+        // An answer is checked against its question once the state names it: a bare one
+        // under a key nothing asked is ignored (`check_answers` refuses one pending).
+        let bare = ModernRequest::validate(
+            json!(1),
+            "tools/call",
+            Some(&answers(json!("Ann"))),
+            headers("tools/call", Some("ask")),
+        );
+        assert!(bare.is_ok());
+        let not_a_map = params(json!({"name": "ask", "inputResponses": ["x"]}));
+        assert_eq!(
+            v(&not_a_map, headers("tools/call", Some("ask"))).code,
+            -32602
         );
         let accepted = answers(json!({"action": "accept", "content": {"name": "Ann"}}));
         let ok = ModernRequest::validate(
@@ -765,6 +771,20 @@ mod tests {
         let answers = |answer: Value| json!({"k": answer}).as_object().unwrap().clone();
         let wrong = answers(json!({"action": "accept"}));
         assert!(check_answers(&[pending(Some(Roots))], &wrong).is_err());
+        // A bare answer to a pending question is refused whatever the state says of it;
+        // one under a key nothing asked is ignored.
+        let bare = check_answers(&[pending(None)], &answers(json!("Ann"))).unwrap_err();
+        assert!(
+            bare.message
+                .contains("inputResponses[\"k\"] must be an object"),
+            "{}",
+            bare.message
+        );
+        let stray = json!({"k": {"roots": []}, "note": "x"})
+            .as_object()
+            .unwrap()
+            .clone();
+        assert!(check_answers(&[pending(Some(Roots))], &stray).is_ok());
         assert!(
             check_answers(&[pending(None)], &wrong).is_ok(),
             "a state that does not say its kind"
