@@ -1621,10 +1621,14 @@ impl Flow {
                     .iter()
                     .filter(|p| !answered.contains(&p.upstream_id))
                 {
-                    if let Some(question) = questions.get(&p.key) {
-                        reading.round.ask_again(p.clone(), question.clone());
-                        unanswered += 1;
+                    let Some(question) = questions.get(&p.key) else {
+                        continue;
+                    };
+                    if let Err(required) = reading.round.ask_again(p.clone(), question.clone()) {
+                        let end = RoundEnd::MissingCapability(required);
+                        return self.round_over(Ended { reading, end });
                     }
+                    unanswered += 1;
                 }
                 if unanswered == 0 {
                     self.common.round += 1;

@@ -419,17 +419,25 @@ impl Round {
 
     /// Asks again a question of an earlier round that the client left unanswered: the
     /// upstream still waits for it and will not send it again (a held flow's stream is
-    /// read on, not replayed).
-    pub fn ask_again(&mut self, pending: Pending, request: Value) {
+    /// read on, not replayed). A retry declares its capabilities anew: one that no longer
+    /// declares what the question needs is not asked it, and hears which capability
+    /// (`Err`, as `requiredCapabilities`), as a question arriving now would.
+    pub fn ask_again(&mut self, pending: Pending, request: Value) -> Result<(), Value> {
+        let method = request["method"].as_str().unwrap_or_default();
+        let params = &request["params"];
+        if !declared(&self.capabilities, method, params) {
+            return Err(required_capability(method, params));
+        }
         if self
             .pending
             .iter()
             .any(|p| p.upstream_id == pending.upstream_id)
         {
-            return;
+            return Ok(());
         }
         self.input_requests.insert(pending.key.clone(), request);
         self.pending.push(pending);
+        Ok(())
     }
 
     /// Feeds one upstream JSON-RPC message read on the call's stream (after

@@ -1763,6 +1763,33 @@ fn a_round_without_event_ids_is_held_and_its_retry_reads_on_the_held_streams() {
     let _ = id;
 }
 
+/// A held retry that no longer declares elicitation is not asked the earlier round's
+/// unanswered question again (a server must not infer capabilities from earlier
+/// requests): it hears -32021 naming the capability, and the call ends upstream.
+#[test]
+fn a_held_retry_that_drops_a_capability_is_not_asked_again_what_needs_it() {
+    let first = held_round();
+    let Ending::InputRequired { input_requests, .. } = first.ending() else {
+        unreachable!()
+    };
+    let mut without = config();
+    without.capabilities.clear();
+    let h = Harness::retry(
+        without,
+        Upstream::default(),
+        first.state(),
+        json!({"elicitation_0": accept("Ada")}),
+        Some(input_requests.clone()),
+    );
+    let refusal = h.refusal();
+    assert_eq!(refusal.code, mcode::MISSING_REQUIRED_CLIENT_CAPABILITY);
+    assert_eq!(
+        refusal.data,
+        Some(json!({"requiredCapabilities": {"elicitation": {"form": {}}}}))
+    );
+    assert!(h.log.contains(&Command::DeleteSession), "{:?}", h.log);
+}
+
 /// rmcp 0.16's shape: every stream opens with an event whose id is `0`, and the question
 /// comes on the session's GET stream, also as `0`. (rmcp 1 and 2 number the call's
 /// stream `0/N`; the GET stream still repeats `0`.)
