@@ -343,6 +343,28 @@ fn a_legacy_resource_not_found_is_said_as_2026_07_28_says_it() {
     }
 }
 
+/// An upstream's -32042 (URL elicitation required, 2025-11-25 only) whose elicitations
+/// name no url and message cannot become URL-mode input requests; a 2026-07-28 client,
+/// for which -32042 is reserved, hears -32603 saying so, not -32042.
+#[test]
+fn a_url_elicitation_required_error_without_a_usable_elicitation_is_not_relayed_as_32042() {
+    let upstream = ScriptedUpstream::start(serving_calls(|seen: &Seen| {
+        let elicitations = json!([{"mode": "url", "message": "Open it"}, {"mode": "url"}]);
+        let error = json!({"code": -32042, "message": "Consent needed", "data": {"elicitations": elicitations}});
+        Answer::json(
+            200,
+            &json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "error": error}),
+        )
+    }));
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let (_, body) = call_tool(&raw, json!({}));
+    assert_eq!(body["error"]["code"], -32603, "{body}");
+    let message = error_message(&body);
+    assert!(message.contains("named no url and message"), "{body}");
+    assert!(message.contains("Consent needed"), "{body}");
+}
+
 /// A call's response against JSON-RPC (a result that is not an object, a result and an
 /// error both, an error that is not an object) reaches the client as an error saying what
 /// was wrong, not relayed as a result; an error object without a message says so.

@@ -32,6 +32,7 @@ use crate::mrtr::modern::{
     check_header_version, gateway_code as scode, ModernHeaders, ModernRequest, SUPPORTED_VERSIONS,
 };
 use crate::mrtr::state::FlowState;
+use crate::mrtr::translate::Round;
 use crate::outcome::Report;
 use crate::outcome::{Class, Outcome, Refusal};
 use crate::protocol::jsonrpc::{self, code, Body};
@@ -695,17 +696,26 @@ pub(crate) async fn finish_with(
         (Some(_), Some(_)) => "carries both a result and an error",
         (Some(_), None) => "carries a result that is not an object",
         (None, Some(error)) if error.is_object() => {
-            // The upstream's own JSON-RPC error, passed on as it is, but for -32002
-            // (resource not found up to 2025-11-25), which 2026-07-28 reserves and says
-            // with -32602.
-            let text = error["message"]
+            // The upstream's own JSON-RPC error, passed on as it is, but for the codes
+            // 2026-07-28 reserves: -32002 (resource not found up to 2025-11-25) is said
+            // with -32602; -32042 (URL elicitation required) arrives here only when
+            // none of its elicitations had a url and a message to ask the client with.
+            let mut text = error["message"]
                 .as_str()
-                .unwrap_or("the upstream answered with an error that has no message");
+                .unwrap_or("the upstream answered with an error that has no message")
+                .to_string();
             let code = match error["code"].as_i64() {
                 Some(LEGACY_RESOURCE_NOT_FOUND) => code::INVALID_PARAMS,
+                Some(Round::URL_ELICITATION_REQUIRED) => {
+                    text = format!(
+                        "the upstream needs a URL-mode elicitation but named no url and message to ask it with: {text}"
+                    );
+                    code::INTERNAL_ERROR
+                }
                 Some(code) => code,
                 None => code::INTERNAL_ERROR,
             };
+            let text = text.as_str();
             let data = error.get("data").cloned();
             if code == code::METHOD_NOT_FOUND {
                 // A method the server does not serve (prompts/list of one without
