@@ -8,7 +8,7 @@
 use crate::common::*;
 use crate::scripted::{
     assert_call_cancelled_in_its_session, is_cancellation, legacy_basics, Answer, FirstRefused,
-    ScriptedUpstream, Seen,
+    Gate, ScriptedUpstream, Seen,
 };
 use mrtr_gateway::config::{SessionPolicy, ToolPolicy, UpstreamEra};
 use mrtr_gateway::keys::KeyRing;
@@ -822,6 +822,37 @@ fn session_deleted_during_a_call(server: Upstream) {
     assert_eq!(deleted["result"]["deleted"], true, "{deleted}");
     let (status, ended) = running.join().expect("the call's thread");
     assert_session_ended(status, &ended);
+}
+
+/// A client that leaves while its `session/create` opens the upstream session will never
+/// hold the cookie: the session opened for it is deleted, not left to the upstream's
+/// idle timer.
+#[test]
+fn a_session_create_whose_client_left_deletes_the_session_it_opened() {
+    let initialized = Gate::new();
+    let gate = initialized.clone();
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let basic = legacy_basics(seen, "s-left").unwrap_or_else(|| Answer::status(405, &[], b""));
+        match seen.jsonrpc_method().as_deref() {
+            Some("initialize") => Answer::silent().wait(&gate).bytes(basic.pieces_bytes()),
+            _ => basic,
+        }
+    });
+    let gw = legacy_gateway(&upstream.url());
+    let request = raw_modern_request(1, "session/create", json!({}), json!({}), "");
+    let client = raw_send(gw.port, request.as_bytes(), Duration::from_secs(5));
+    wait_until("the initialize sent", Duration::from_secs(5), || {
+        upstream
+            .requests()
+            .iter()
+            .any(|s| s.jsonrpc_method().as_deref() == Some("initialize"))
+    });
+    drop(client);
+    initialized.open();
+    let deleted = |s: &Seen| s.method == "DELETE" && s.header("mcp-session-id") == Some("s-left");
+    wait_until("the session opened deleted", Duration::from_secs(5), || {
+        upstream.requests().iter().any(deleted)
+    });
 }
 
 /// An upstream session whose id the gateway cannot carry in a cookie (over 256 bytes)

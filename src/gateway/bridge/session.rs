@@ -192,14 +192,18 @@ pub(super) async fn create(
     principal: &[u8; 32],
 ) -> Outcome {
     let caps = Value::Object(request.client_capabilities.clone());
-    let (upstream, init) = match gw
-        .upstreams
-        .open_upstream(group, &caps, &client_info(request), &super::caller(request))
-        .await
-    {
+    let (info, caller) = (client_info(request), super::caller(request));
+    let opening = gw.upstreams.open_upstream(group, &caps, &info, &caller);
+    let (opened, client_left) = open_watching_client(session, opening).await;
+    let (upstream, init) = match opened {
         Ok(opened) => opened,
         Err(e) => return upstream_failed(gw, reply, session, group, &e).await,
     };
+    if client_left {
+        // Nobody will hold its cookie: ended now, not left to the upstream's timer.
+        upstream.abandon().await;
+        return Outcome::ClientGone;
+    }
     let sid = upstream.session_id.clone().unwrap_or_default();
     if SessionToken::validate_upstream_session(&sid).is_err() {
         // The session just opened serves nobody: ended, not left to the upstream's timer.
@@ -238,6 +242,25 @@ pub(super) async fn create(
     reply.cookie = Some(cookie);
     let result = decorate(result, &init["serverInfo"], false);
     Outcome::answered(reply.result(session, result).await)
+}
+
+/// Runs `opening` (a session's initialize, which is never cut short: the session it
+/// opens must be known to be ended) while watching the client's connection; true with
+/// the result when the client left meanwhile.
+async fn open_watching_client<T>(
+    session: &mut ServerSession,
+    opening: impl std::future::Future<Output = T>,
+) -> (T, bool) {
+    tokio::pin!(opening);
+    let mut client_left = false;
+    loop {
+        // The client first: a close that came before the session opened is seen.
+        tokio::select! {
+            biased;
+            _ = session.read_body_or_idle(true), if !client_left => client_left = true,
+            opened = &mut opening => return (opened, client_left),
+        }
+    }
 }
 
 /// `session/delete`: DELETEs the upstream session and revokes the cookie.
