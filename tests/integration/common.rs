@@ -8,7 +8,7 @@ use mrtr_gateway::gateway::server::{self, Running};
 use mrtr_gateway::keys::KeyRing;
 use mrtr_gateway::protocol::sse::{self, Event};
 use serde_json::Value;
-use std::io::Read;
+use std::io::{ErrorKind, Read};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
@@ -781,6 +781,42 @@ pub fn raw_send(port: u16, request: &[u8], read_within: Duration) -> TcpStream {
         .expect("read timeout");
     stream.write_all(request).expect("send the request");
     stream
+}
+
+/// Longest a raw client waits for the whole of an answer it reads.
+pub const READ_LIMIT: Duration = Duration::from_secs(5);
+
+/// Reads one response framed by `Content-Length`: its head (lower-cased) and body.
+pub fn read_response(stream: &mut TcpStream) -> (String, String) {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 16 << 10];
+    let deadline = Instant::now() + READ_LIMIT;
+    loop {
+        let text = String::from_utf8_lossy(&got).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let head = head.to_ascii_lowercase();
+            let length = header_value(&head, "content-length")
+                .and_then(|v| v.parse::<usize>().ok())
+                .unwrap_or_else(|| panic!("no content-length in {head}"));
+            if body.len() >= length {
+                return (head, body[..length].to_string());
+            }
+        }
+        assert!(Instant::now() < deadline, "no whole response: {text}");
+        match stream.read(&mut buf) {
+            Ok(0) => panic!("closed before a whole response: {text}"),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(e) => panic!("read failed ({e}) after {text}"),
+        }
+    }
+}
+
+pub fn header_value<'h>(head: &'h str, name: &str) -> Option<&'h str> {
+    head.lines()
+        .filter_map(|l| l.split_once(':'))
+        .find(|(n, _)| n.trim().eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.trim())
 }
 
 /// `raw_send`, then everything the server sends until it closes (or `read_within`

@@ -17,6 +17,7 @@ use mrtr_gateway::mrtr::state::now_secs;
 use mrtr_gateway::principal::PrincipalSource;
 use mrtr_gateway::protocol::session_token::SessionToken;
 use serde_json::{json, Value};
+use std::io::Write;
 use std::time::Duration;
 
 /// A `tools/call` with the session `cookie` (as a result's `_meta["mcp/session"]` gave
@@ -399,6 +400,64 @@ fn session_delete_ends_the_upstream_session_and_revokes_the_cookie() {
     assert_eq!(status, 404);
 }
 
+/// A cookie, sealed for an anonymous client, naming session `sid` on the upstream at
+/// `port`, whose expiry has passed.
+fn expired_cookie(port: u16, sid: &str) -> Value {
+    let ring = KeyRing::parse(&test_keys()).unwrap();
+    let me = PrincipalSource::Authorization.digest(None);
+    let cookie = DataSession {
+        group: "default".into(),
+        endpoint: format!("127.0.0.1:{port}").parse().unwrap(),
+        upstream_session: sid.into(),
+        expires_at: now_secs() - 1,
+        session_id: 1,
+        version: Default::default(),
+    };
+    json!({"id": cookie.seal(&ring, &me)})
+}
+
+/// An expired cookie's session is deleted after the answer, in the background: the
+/// client's next request on the same connection is answered while the upstream has yet
+/// to take the DELETE.
+#[test]
+fn an_expired_cookies_delete_does_not_hold_up_the_clients_next_request() {
+    let deletes = Gate::new();
+    let gate = deletes.clone();
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        let basic = legacy_basics(seen, "s-new").unwrap_or_else(|| Answer::status(405, &[], b""));
+        match seen.method.as_str() {
+            "DELETE" => Answer::silent().wait(&gate).bytes(basic.pieces_bytes()),
+            _ => basic,
+        }
+    });
+    // The upstream is given longer to answer than the client waits for its next answer.
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+        c.upstreams[0].response_timeout_ms = 60_000;
+    });
+    // One client, whose connection is kept alive between its requests.
+    let cookie = expired_cookie(upstream.port, "s-old");
+    let params = json!({"name": "notebook_read", "arguments": {},
+        "_meta": {"mcp/session": {"id": cookie["id"]}}});
+    let refused = raw_modern_request(1, "tools/call", params, json!({}), "");
+    let mut client = raw_send(gw.port, refused.as_bytes(), READ_LIMIT);
+    let (head, body) = read_response(&mut client);
+    assert!(head.starts_with("http/1.1 400"), "{head}");
+    assert!(body.contains(INVALID_COOKIE), "{body}");
+    wait_until("the DELETE sent", Duration::from_secs(5), || {
+        upstream.requests().iter().any(|s| s.method == "DELETE")
+    });
+    // Answered while the upstream holds the DELETE (which it does for 30 s).
+    let create = raw_modern_request(2, "session/create", json!({}), json!({}), "");
+    client
+        .write_all(create.as_bytes())
+        .expect("the second request sent");
+    let (head, body) = read_response(&mut client);
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(body.contains("\"result\""), "{body}");
+    deletes.open();
+}
+
 /// An expired cookie gets the one error every refused cookie gets, and the session it
 /// names, which no cookie reaches any more, is deleted upstream (the SDK servers keep a
 /// session until it is); nothing else is sent. `session/delete` ends what an expired
@@ -410,19 +469,7 @@ fn an_expired_cookie_is_refused_and_its_session_deleted() {
     });
     let gw = legacy_gateway(&upstream.url());
     let raw = Raw::new(&gw.url);
-    let ring = KeyRing::parse(&test_keys()).unwrap();
-    let me = PrincipalSource::Authorization.digest(None);
-    let expired = |sid: &str| {
-        let cookie = DataSession {
-            group: "default".into(),
-            endpoint: format!("127.0.0.1:{}", upstream.port).parse().unwrap(),
-            upstream_session: sid.into(),
-            expires_at: now_secs() - 1,
-            session_id: 1,
-            version: Default::default(),
-        };
-        json!({"id": cookie.seal(&ring, &me)})
-    };
+    let expired = |sid: &str| expired_cookie(upstream.port, sid);
     let (status, body) = call_status(
         &raw,
         1,

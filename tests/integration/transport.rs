@@ -10,9 +10,6 @@ use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-/// Longest any raw read in these tests waits.
-const READ_LIMIT: Duration = Duration::from_secs(5);
-
 fn connect(port: u16) -> TcpStream {
     let stream = TcpStream::connect(("127.0.0.1", port)).expect("connect to the gateway");
     stream
@@ -49,39 +46,6 @@ fn post_raw_to_close(port: u16, headers: &str, body: &str) -> (String, bool) {
     let mut stream = connect(port);
     stream.write_all(request.as_bytes()).unwrap();
     read_to_close(&mut stream)
-}
-
-/// Reads one response framed by `Content-Length`: its head (lower-cased) and body.
-fn read_response(stream: &mut TcpStream) -> (String, String) {
-    let mut got = Vec::new();
-    let mut buf = [0u8; 16 << 10];
-    let deadline = Instant::now() + READ_LIMIT;
-    loop {
-        let text = String::from_utf8_lossy(&got).into_owned();
-        if let Some((head, body)) = text.split_once("\r\n\r\n") {
-            let head = head.to_ascii_lowercase();
-            let length = header_value(&head, "content-length")
-                .and_then(|v| v.parse::<usize>().ok())
-                .unwrap_or_else(|| panic!("no content-length in {head}"));
-            if body.len() >= length {
-                return (head, body[..length].to_string());
-            }
-        }
-        assert!(Instant::now() < deadline, "no whole response: {text}");
-        match stream.read(&mut buf) {
-            Ok(0) => panic!("closed before a whole response: {text}"),
-            Ok(n) => got.extend_from_slice(&buf[..n]),
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
-            Err(e) => panic!("read failed ({e}) after {text}"),
-        }
-    }
-}
-
-fn header_value<'h>(head: &'h str, name: &str) -> Option<&'h str> {
-    head.lines()
-        .filter_map(|l| l.split_once(':'))
-        .find(|(n, _)| n.trim().eq_ignore_ascii_case(name))
-        .map(|(_, v)| v.trim())
 }
 
 /// A raw request with a JSON body and the headers a legacy client sends.

@@ -4,6 +4,7 @@
 //! cookie names instead of a fresh one; see `mrtr::data_session` for the cookie itself.
 
 use super::reply::{decorate, ClientReply};
+use super::streams::Streams;
 use super::{client_info, upstream_failed};
 use crate::config::SessionPolicy;
 use crate::gateway::Gateway;
@@ -130,8 +131,11 @@ pub(super) async fn refuse(
     match refused {
         Refused::Expired(attached) => {
             let outcome = invalid_cookie(gw, session, reply, "expired").await;
-            let upstream = attached.upstream(gw, group, request);
-            gw.upstreams.reaper.delete(&upstream).await;
+            let mut upstream = attached.upstream(gw, group, request);
+            // Its session ends here, in the background: the client's next request on
+            // this connection does not wait for the upstream's DELETE.
+            upstream.persistent = false;
+            super::end_session_later(gw, upstream, Streams::new(None, None)).await;
             outcome
         }
         Refused::Required(tool) => {
