@@ -1531,6 +1531,26 @@ fn streaming_upstream(
     })
 }
 
+/// A gateway in front of a legacy server whose every call sends one progress
+/// notification, then waits at `gate` before its result.
+fn gated_progress_gateway(gate: &Gate) -> (ScriptedUpstream, TestGateway) {
+    let gate = gate.clone();
+    let upstream = streaming_upstream(move |token, id| {
+        let progress = json!({"jsonrpc": "2.0", "method": "notifications/progress",
+            "params": {"progressToken": token, "progress": 1}});
+        let done = json!({"jsonrpc": "2.0", "id": id, "result": {"content": []}});
+        Answer::sse(&[])
+            .event(None, &progress)
+            .wait(&gate)
+            .event(None, &done)
+            .end()
+    });
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Legacy;
+    });
+    (upstream, gw)
+}
+
 /// A 2026-07-28 client that stops reading while its call streams progress loses the call
 /// at the write timeout, as it would by closing its response: the round ends and its
 /// upstream session is deleted. Its connection is reset and its slot under
@@ -1580,22 +1600,7 @@ fn a_client_that_stops_reading_its_progress_loses_the_call_and_its_connection() 
 #[test]
 fn a_streaming_bridged_response_counts_as_a_client_stream() {
     let go_on = Gate::new();
-    let upstream = {
-        let go_on = go_on.clone();
-        streaming_upstream(move |token, id| {
-            let progress = json!({"jsonrpc": "2.0", "method": "notifications/progress",
-                "params": {"progressToken": token, "progress": 1}});
-            let done = json!({"jsonrpc": "2.0", "id": id, "result": {"content": []}});
-            Answer::sse(&[])
-                .event(None, &progress)
-                .wait(&go_on)
-                .event(None, &done)
-                .end()
-        })
-    };
-    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
-        c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Legacy;
-    });
+    let (_upstream, gw) = gated_progress_gateway(&go_on);
     let streams = || metric(&gw.admin, "mrtr_gateway_active_client_streams");
     let params = json!({"name": "slow", "_meta": {"progressToken": "t"}});
     let request = raw_modern_request(1, "tools/call", params, json!({}), "connection: close\r\n");
@@ -1619,22 +1624,7 @@ fn a_streaming_bridged_response_counts_as_a_client_stream() {
 #[test]
 fn a_bridged_client_that_half_closes_mid_stream_sees_the_truncation() {
     let held = Gate::new();
-    let upstream = {
-        let held = held.clone();
-        streaming_upstream(move |token, id| {
-            let progress = json!({"jsonrpc": "2.0", "method": "notifications/progress",
-                "params": {"progressToken": token, "progress": 1}});
-            let done = json!({"jsonrpc": "2.0", "id": id, "result": {"content": []}});
-            Answer::sse(&[])
-                .event(None, &progress)
-                .wait(&held)
-                .event(None, &done)
-                .end()
-        })
-    };
-    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
-        c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Legacy;
-    });
+    let (_upstream, gw) = gated_progress_gateway(&held);
     let params = json!({"name": "slow", "_meta": {"progressToken": "t"}});
     let request = raw_modern_request(1, "tools/call", params, json!({}), "");
     let mut client = connect(gw.port);
