@@ -387,3 +387,35 @@ fn a_held_flow_whose_pod_left_expires_without_a_request_to_its_address() {
     let deleted = pod.requests().iter().any(|s| s.method == "DELETE");
     assert!(!deleted, "a DELETE went to the address that left");
 }
+
+/// A held flow whose pod leaves the DNS answer, then is retried: the call is lost with
+/// the pod (-32012, as a resumable flow's is), and neither the answers nor the session id
+/// and credentials go to the address, which may be another server's by then.
+#[test]
+fn a_held_flow_whose_pod_left_is_lost_on_its_retry_without_a_request_to_its_address() {
+    use crate::resumption::{call_hostile, resumable_script, Asks, Resumes};
+    use crate::scripted::ScriptedUpstream;
+    let port = free_port();
+    let script = resumable_script(Resumes::Primed, true, Asks::AfterPriming);
+    let pod = ScriptedUpstream::start_on(&addr(POD_A, port).to_string(), script);
+    let dns = TestDns::start(ips(&[POD_A]));
+    let gw = dns_gateway(&dns, port, |c| {
+        c.upstreams[0].resume = ResumeMode::Hold;
+    });
+    dns.wait_applied();
+    let raw = Raw::new(&gw.url);
+    let (status, first) = call_hostile(&raw, 1, json!({}));
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 1.0, "{first}");
+    let sent_before = pod.requests().len();
+    dns.answer(ips(&[]));
+    dns.wait_applied();
+    let (_, resumed) = call_hostile(&raw, 2, answer(&first, json!({"name": "Ada"})));
+    assert_eq!(resumed["error"]["code"], -32012, "{resumed}");
+    let sent: Vec<String> = pod.requests()[sent_before..]
+        .iter()
+        .map(|s| format!("{} {}", s.method, String::from_utf8_lossy(&s.body)))
+        .collect();
+    assert!(sent.is_empty(), "sent to the address that left: {sent:?}");
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 0.0);
+}

@@ -242,6 +242,16 @@ async fn continue_flow(
                 Box::pin(held.abandon(gw)).await;
                 return Outcome::ClientGone;
             }
+            (false, Some(held)) if !gw.upstreams.groups.holds(&held.endpoint) => {
+                // Its endpoint left the group (a DNS group's pod that left may have given
+                // its address to another server): the answers, credentials and session id
+                // are not sent there; the call is lost with it, as a resumable one is.
+                Box::pin(held.abandon(gw)).await;
+                let lost = Lost::Upstream;
+                let flow =
+                    Flow::call_lost(config(call, false), state, responses, lost, Instant::now());
+                return drive(call, session, reply, flow, Io::new(None, Some(used))).await;
+            }
             (false, Some(held)) => {
                 gw.runtime.metrics.held_event("resumed");
                 let mut upstream = resume(call, held.endpoint.clone(), &upstream_call);
