@@ -928,9 +928,10 @@ impl Flow {
     }
 
     /// When a silent resumable call stream is reopened (which recovers events an upstream
-    /// stored but did not deliver to a resumed connection).
+    /// stored but did not deliver to a resumed connection). Never in a round that could
+    /// not resume: its live stream is all it has.
     fn poll_at(&self, r: &Reading) -> Option<Instant> {
-        let resumable = r.call_open && r.round.last_event_id().is_some();
+        let resumable = r.call_open && r.round.last_event_id().is_some() && self.resumes(r);
         (r.quiet_until.is_none() && r.reopen_at.is_none() && resumable)
             .then(|| r.last_activity + self.config.poll)
     }

@@ -1990,6 +1990,34 @@ fn a_round_that_hears_nothing_ends_at_the_silence_limit() {
     assert!(polls >= 20, "a silent resumable stream is polled: {polls}");
 }
 
+/// A silent call stream is polled (reopened after its last event id) only where the
+/// round could resume: a group held by configuration, or one that learnt its
+/// resumptions fail, keeps reading the live stream (a reopen would drop it for a
+/// resumption the upstream cannot serve, or one that replays another stream).
+#[test]
+fn a_silent_call_stream_is_polled_only_where_the_round_could_resume() {
+    let polls = |config: FlowConfig| {
+        let mut h = Harness::new_call(config, Upstream::default());
+        h.event(Stream::Call, Some("0"), &json!(""));
+        h.advance(Duration::from_secs(10));
+        assert!(h.ending.is_none());
+        h.log
+            .iter()
+            .filter(|c| is_open(Stream::Call, Some("0"))(c))
+            .count()
+    };
+    assert!(
+        polls(config()) > 0,
+        "a resumable group's silent stream is polled"
+    );
+    let mut held = config();
+    held.resume = ResumeMode::Hold;
+    assert_eq!(polls(held), 0, "resume: hold");
+    let mut learnt = config();
+    learnt.replay_refused = true;
+    assert_eq!(polls(learnt), 0, "a group that learnt its resumptions fail");
+}
+
 /// The state of a round handed over by a drain: the client got it alone, no questions.
 fn handed_over(h: &Harness) -> &FlowState {
     assert!(h.log.contains(&Command::Note(Note::HandedOver)));
