@@ -808,6 +808,10 @@ impl Flow {
             }
             Waiting::Held { call, pending, .. } => match held_questions {
                 Some(questions) => {
+                    // Taken from the held table, a data-layer session's call is this
+                    // request's to see ended: watched if it goes on waiting resumably.
+                    // (A session of the flow's own stays watched from its first round.)
+                    flow.started = call.data_session;
                     let then = AfterAnswers::ReadHeld { questions };
                     flow.answer(Retry::new(call, pending, responses, then), now)
                 }

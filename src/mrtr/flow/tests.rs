@@ -2891,6 +2891,37 @@ fn a_waiting_data_session_call_is_watched_by_id_until_its_retry_ends_it() {
     assert!(!h.log.iter().any(|c| matches!(c, Command::Watch { .. })));
 }
 
+/// A held data-layer session's call that its retry takes from the held table, and whose
+/// next round waits resumably, is watched by the retry: the held table no longer owns
+/// it, and a client that never continues would leave it waiting in the session.
+#[test]
+fn a_held_data_session_call_that_goes_on_resumably_is_watched() {
+    let mut first = Harness::new_call(in_data_session(), Upstream::default());
+    let id = first.call_id();
+    first.event(Stream::Call, None, &question(0, "Name?"));
+    first.advance(Duration::from_millis(10));
+    assert!(first.log.iter().any(|c| matches!(c, Command::Hold { .. })));
+    let Ending::InputRequired { input_requests, .. } = first.ending() else {
+        unreachable!()
+    };
+    let mut h = Harness::retry(
+        in_data_session(),
+        Upstream::default(),
+        first.state(),
+        json!({"elicitation_0": accept("Ada")}),
+        Some(input_requests.clone()),
+    );
+    h.event(Stream::Call, Some("c3"), &json!(""));
+    h.event(Stream::Call, Some("c4"), &question(1, "Age?"));
+    h.advance(Duration::from_millis(10));
+    assert!(matches!(h.state().waiting, Waiting::Resumable { .. }));
+    let watch = h.log.iter().find_map(|c| match c {
+        Command::Watch { call, .. } => Some(call.clone()),
+        _ => None,
+    });
+    assert_eq!(watch, Some(Some(json!(id))), "{:?}", h.log);
+}
+
 /// A data-layer session's call whose stream ends without a result and cannot be resumed
 /// may have ended with its session (deleted by its client elsewhere): its cancellation
 /// goes up before the client is answered, and a 404 to it tells the client the session
