@@ -1486,16 +1486,25 @@ impl Flow {
             Err(failure) if failure.is_lost() && !data_session => {
                 self.lost(Lost::Upstream, &retry.pending, &retry.responses, now)
             }
-            Err(failure) if failure.refused_for_good() && !data_session => {
+            Err(failure) if failure.refused_for_good() => {
                 // As an empty resumption: the call waits for answers it will never get.
                 self.give_up(
                     &retry.call,
                     "the upstream refused to resume the call's stream",
                 );
+                if data_session {
+                    return self.finish(Ending::Refused(self.refusal_for(&failure)));
+                }
                 self.lost(Lost::Unresumable, &retry.pending, &retry.responses, now)
             }
-            Err(failure) => self.finish(Ending::Refused(self.refusal_for(&failure))),
+            Err(failure) => {
+                // It may resume later: a data-layer session's call stays watched, for a
+                // retry of the same state or, failing that, the reaper to end it.
+                self.resumed_data_call = None;
+                self.finish(Ending::Refused(self.refusal_for(&failure)))
+            }
             Ok(()) if data_session => {
+                self.give_up(&retry.call, "the call's events are gone");
                 let failure = Failure::new(
                     FailureKind::Broken,
                     "a Last-Event-ID resumption came back empty: the upstream no longer has the call's events",
@@ -1581,8 +1590,10 @@ impl Flow {
                 self.commands.push_back(Command::ReleaseClaim);
             }
         } else if nothing_posted && failure.never_delivered() {
-            // The upstream has no answer of this state's: the same state may be retried.
+            // The upstream has no answer of this state's: the same state may be retried,
+            // and a data-layer session's call stays watched meanwhile.
             self.commands.push_back(Command::ReleaseClaim);
+            self.resumed_data_call = None;
         } else if !failure.is_lost() {
             // An answer may have reached the call, and the client hears that it failed:
             // the call ends upstream too, or a replay of the state on another replica

@@ -1464,6 +1464,62 @@ fn a_refused_resumption_loses_the_call_ends_its_session_and_teaches_the_group() 
     assert!(teaches(&failed(FailureKind::Broken)));
 }
 
+/// A data-layer session's call whose resumption is refused for good, or comes back
+/// empty, can never be continued: it is cancelled (its session outlives the flow, and
+/// the call would wait in it for answers). One whose resumption failed for now keeps the
+/// state good and stays watched by the reaper, for a retry of the same state or, failing
+/// that, the reaper to end it.
+#[test]
+fn a_data_session_call_that_cannot_be_resumed_is_cancelled_one_that_may_later_stays_watched() {
+    let mut first = Harness::new_call(in_data_session(), Upstream::default());
+    first.event(Stream::Call, Some("c1"), &json!(""));
+    first.event(Stream::Call, Some("c2"), &question(0, "Name?"));
+    first.advance(Duration::from_millis(10));
+    let id = first.call_id();
+    let reopened = |opened: Result<(), Failure>, then_ends: bool| {
+        let mut upstream = Upstream::default();
+        upstream.call_opens.push_back(opened);
+        let responses = json!({"elicitation_0": accept("Ada")});
+        let mut h = retry_of(&first, in_data_session(), upstream, responses);
+        if then_ends {
+            // Each resumed stream ends with nothing in it, as soon as it opens.
+            let opens = |h: &Harness| {
+                h.log
+                    .iter()
+                    .filter(|c| is_open(Stream::Call, Some("c2"))(c))
+                    .count()
+            };
+            for _ in 0..16 {
+                if h.ending.is_some() {
+                    break;
+                }
+                let before = opens(&h);
+                h.feed(Input::StreamEnded(Stream::Call));
+                for _ in 0..1000 {
+                    if h.ending.is_some() || opens(&h) > before {
+                        break;
+                    }
+                    h.advance(Duration::from_millis(1));
+                }
+            }
+        }
+        h
+    };
+    let unwatched = |h: &Harness| h.log.iter().any(|c| matches!(c, Command::Unwatch { .. }));
+    let refused = reopened(Err(Failure::new(FailureKind::Refused(400), "no")), false);
+    let empty = reopened(Ok(()), true);
+    for h in [&refused, &empty] {
+        let cancelled = cancellations(h);
+        assert_eq!(cancelled.len(), 1, "{:?}", h.log);
+        assert_eq!(cancelled[0]["params"]["requestId"], id);
+        assert!(h.ending.is_some());
+    }
+    let for_now = reopened(Err(Failure::new(FailureKind::Refused(503), "busy")), false);
+    assert!(cancellations(&for_now).is_empty(), "{:?}", for_now.log);
+    assert!(for_now.log.contains(&Command::ReleaseClaim));
+    assert!(!unwatched(&for_now), "{:?}", for_now.log);
+}
+
 /// A resumption cut, or failing with a server error or no answer in time, is counted for
 /// the shell to learn from a run of them; one that comes back and settles is told too,
 /// ending the run. A throttle counts as neither, nor does a stream that ends while it
