@@ -1816,6 +1816,8 @@ impl Flow {
         let earlier = read_earlier(&mut r.earlier, stream, &event);
         if stream == Stream::Call {
             r.call_events += 1;
+            // A resumption that brought an event ends a run of empty ones.
+            r.empty_resumptions = 0;
             r.last_activity = now;
             if let Some(ms) = event.retry {
                 r.retry = Duration::from_millis(ms).min(MAX_RETRY);

@@ -1520,6 +1520,48 @@ fn a_data_session_call_that_cannot_be_resumed_is_cancelled_one_that_may_later_st
     assert!(!unwatched(&for_now), "{:?}", for_now.log);
 }
 
+/// Empty resumptions end a round only in a run: a long round whose reopened streams now
+/// and then come back empty (a server that has yet to let go of the previous
+/// connection), between ones that bring events, goes on.
+#[test]
+fn only_a_run_of_empty_resumptions_ends_a_round() {
+    let first = first_round();
+    let mut h = answered(&first, "Ada");
+    let opens = |h: &Harness| {
+        h.log
+            .iter()
+            .filter(|c| {
+                matches!(
+                    c,
+                    Command::Get(StreamGet::Open {
+                        stream: Stream::Call,
+                        ..
+                    })
+                )
+            })
+            .count()
+    };
+    let end_and_reopen = |h: &mut Harness| {
+        let before = opens(h);
+        h.feed(Input::StreamEnded(Stream::Call));
+        for _ in 0..10_000 {
+            if h.ending.is_some() || opens(h) > before {
+                return;
+            }
+            h.advance(Duration::from_millis(1));
+        }
+        panic!("not reopened: {:?}", h.log);
+    };
+    for run in 0..3 {
+        for _ in 0..4 {
+            end_and_reopen(&mut h);
+        }
+        h.event(Stream::Call, Some(&format!("p{run}")), &json!(""));
+        end_and_reopen(&mut h);
+    }
+    assert!(h.ending.is_none(), "{:?}", h.ending);
+}
+
 /// A resumption cut, or failing with a server error or no answer in time, is counted for
 /// the shell to learn from a run of them; one that comes back and settles is told too,
 /// ending the run. A throttle counts as neither, nor does a stream that ends while it
