@@ -289,7 +289,8 @@ impl<'a> LegacySession<'a> {
         Ok(result)
     }
 
-    /// A session opened earlier, possibly by another replica, which negotiated `version`.
+    /// A session opened earlier, possibly by another replica, which negotiated `version`;
+    /// an empty `session_id` is a server that keeps no sessions.
     pub fn resume(
         client: &'a UpstreamClient,
         endpoint: Endpoint,
@@ -301,7 +302,7 @@ impl<'a> LegacySession<'a> {
             client,
             endpoint,
             timeouts,
-            session_id: Some(session_id),
+            session_id: (!session_id.is_empty()).then_some(session_id),
             version,
             caller: Caller::default(),
             persistent: false,

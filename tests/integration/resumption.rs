@@ -1921,3 +1921,66 @@ fn an_abandoned_flows_delete_that_failed_is_sent_again() {
     assert_eq!(first["result"]["resultType"], "input_required", "{first}");
     deletes.assert_deleted_at_second_attempt(&gw, &upstream);
 }
+
+/// A legacy server without sessions (no `Mcp-Session-Id`) whose call asks one question
+/// on its primed stream and resumes it after `Last-Event-ID`; it serves no GET stream
+/// of its own and takes no DELETE (405), as stateless SDK servers answer.
+fn stateless_resumable_server() -> ScriptedUpstream {
+    let call_id = Mutex::new(Value::Null);
+    ScriptedUpstream::start(move |seen: &Seen| {
+        if seen.method == "GET" {
+            return match seen.header("last-event-id") {
+                Some("c2") => {
+                    let id = call_id.lock().unwrap().clone();
+                    let done = json!({"jsonrpc": "2.0", "id": id,
+                        "result": {"content": [{"type": "text", "text": "done"}]}});
+                    Answer::sse(&[]).event(Some("c3"), &done).end()
+                }
+                _ => Answer::status(405, &[], b""),
+            };
+        }
+        if seen.method == "DELETE" {
+            return Answer::status(405, &[], b"");
+        }
+        let body = seen.json().unwrap_or_default();
+        match body["method"].as_str() {
+            Some("initialize") => Answer::json(
+                200,
+                &json!({"jsonrpc": "2.0", "id": body["id"], "result": {
+                    "protocolVersion": "2025-11-25", "capabilities": {"tools": {}},
+                    "serverInfo": {"name": "stateless", "version": "1"}}}),
+            ),
+            Some("tools/call") => {
+                *call_id.lock().unwrap() = body["id"].clone();
+                let question = json!({"jsonrpc": "2.0", "id": 1, "method": "elicitation/create",
+                    "params": {"mode": "form", "message": "Name?", "requestedSchema": {"type": "object"}}});
+                Answer::sse(&[])
+                    .event(Some("c1"), &json!(""))
+                    .event(Some("c2"), &question)
+            }
+            _ => Answer::status(202, &[], b""),
+        }
+    })
+}
+
+/// A flow on a server without sessions resumes without a session id: no request of
+/// its retry carries an empty `Mcp-Session-Id`, and no DELETE names an empty one.
+#[test]
+fn a_flow_on_a_server_without_sessions_never_sends_an_empty_session_id() {
+    let upstream = stateless_resumable_server();
+    let gw = TestGateway::start_with(&[&upstream.url()], &test_keys(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+    });
+    let raw = Raw::new(&gw.url);
+    let first = ask_name(&raw, 1, json!({}));
+    assert_eq!(first["result"]["resultType"], "input_required", "{first}");
+    let done = ask_name(&raw, 2, answer(&first, json!({"name": "Ada"})));
+    assert_eq!(done["result"]["content"][0]["text"], "done", "{done}");
+    let with_ids: Vec<String> = upstream
+        .requests()
+        .iter()
+        .filter(|s| s.header("mcp-session-id").is_some())
+        .map(|s| format!("{} {:?}", s.method, s.header("mcp-session-id")))
+        .collect();
+    assert!(with_ids.is_empty(), "{with_ids:?}");
+}
