@@ -574,6 +574,9 @@ pub struct Flow {
     /// This request runs a lost call again (a restartable tool): the state that led here
     /// stays claimed once the call goes out.
     rerun: bool,
+    /// This request retries a state whose call has yet to go out (deferred, or re-issued
+    /// after a URL elicitation): until it does, nothing of the state ran upstream.
+    unspent: bool,
     /// When a round still reading ends, at the flow's deadline (`max_flow_seconds`).
     ends_at: Instant,
     /// When this request's flow was made, on its clock (the wall clock's `config.now_ms`),
@@ -796,6 +799,10 @@ impl Flow {
         now: Instant,
     ) -> Flow {
         let mut flow = Flow::with(config, Common::of(&state), now);
+        flow.unspent = matches!(
+            state.waiting,
+            Waiting::Deferred { .. } | Waiting::Reissue { .. }
+        );
         flow.phase = match state.waiting {
             Waiting::Deferred { .. } => flow.start(now),
             Waiting::Resumable {
@@ -856,6 +863,7 @@ impl Flow {
             resumed_data_call: None,
             warm_session: false,
             rerun: false,
+            unspent: false,
             began: now,
             clock: now,
         }
@@ -1247,7 +1255,11 @@ impl Flow {
                     self.give_up(&call, "the call's response failed");
                     return self.finish(Ending::Refused(self.refusal_for(&failure)));
                 }
-                self.delete_session(&call);
+                // A session this request opened ends with it; a re-issue's is its
+                // state's, which stays good.
+                if self.started {
+                    self.delete_session(&call);
+                }
                 let refusal = self.refusal_before_call(&failure);
                 return self.finish(Ending::Refused(refusal));
             }
@@ -2382,9 +2394,12 @@ impl Flow {
     /// then ran nothing: its state's claim is released, so the same retry runs it again.
     fn refusal_before_call(&mut self, failure: &Failure) -> Refusal {
         let mut refusal = self.refusal_for(failure);
-        if self.rerun {
+        if self.rerun || self.unspent {
             self.commands.push_back(Command::ReleaseClaim);
-            let again = format!("; the tool was not run again: {SAME_RETRY_AGAIN}");
+            let again = match self.rerun {
+                true => format!("; the tool was not run again: {SAME_RETRY_AGAIN}"),
+                false => format!("; {SAME_RETRY_AGAIN}"),
+            };
             refusal.message.push_str(&again);
         }
         refusal

@@ -2026,6 +2026,53 @@ fn a_table_that_refuses_the_flow_ends_the_call() {
     assert_eq!(h.refusal().class, Class::Overloaded);
 }
 
+/// A re-issue (after a URL elicitation) or a deferred call whose post is refused before
+/// anything ran (a 401: the token expired while the user visited the URL) leaves its
+/// state good, for the same retry once re-authorized; a re-issue keeps the session its
+/// state names.
+#[test]
+fn a_reissue_or_deferred_call_denied_before_it_ran_leaves_its_state_good() {
+    let mut caps = config();
+    caps.capabilities
+        .insert("elicitation".into(), json!({"url": {}}));
+    let mut h = Harness::new_call(caps.clone(), Upstream::default());
+    let id = h.call_id();
+    let error = json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32042, "message": "visit", "data": {"elicitations": [
+        {"mode": "url", "url": "https://example.com/a", "message": "Open A"}]}}});
+    h.event(Stream::Call, Some("c1"), &error);
+    let denied = || Failure::denied(401, Some("Bearer".into()), "requires authorization");
+    let upstream = Upstream {
+        call_failures: VecDeque::from([denied()]),
+        ..Upstream::default()
+    };
+    let responses = json!({"url_0": {"action": "accept"}});
+    let reissued = Harness::retry(caps.clone(), upstream, h.state(), responses, None);
+    assert_eq!(reissued.refusal().class, Class::Unauthorized);
+    assert!(
+        reissued.log.contains(&Command::ReleaseClaim),
+        "{:?}",
+        reissued.log
+    );
+    assert!(
+        !reissued.log.contains(&Command::DeleteSession),
+        "{:?}",
+        reissued.log
+    );
+
+    let shed = FlowConfig {
+        shedding: true,
+        ..config()
+    };
+    let deferred = Harness::new_call(shed, Upstream::default()).state();
+    let upstream = Upstream {
+        open_failure: Some(denied()),
+        ..Upstream::default()
+    };
+    let h = Harness::retry(config(), upstream, deferred, json!({}), None);
+    assert_eq!(h.refusal().class, Class::Unauthorized);
+    assert!(h.log.contains(&Command::ReleaseClaim), "{:?}", h.log);
+}
+
 #[test]
 fn a_url_elicitation_required_error_is_asked_then_the_call_is_posted_again() {
     let mut caps = config();
