@@ -611,6 +611,8 @@ enum Phase {
         call: UpstreamCall,
         until: Instant,
         early: Option<Box<(Input, Instant)>>,
+        /// When the client is next sent a keep-alive comment while the answer is awaited.
+        keepalive_at: Option<Instant>,
     },
     /// A retry reopens the call's stream.
     Reopening(Box<Retry>),
@@ -909,10 +911,23 @@ impl Flow {
     pub fn poll_timeout(&self) -> Option<Instant> {
         match &self.phase {
             Phase::Settling { until, .. } | Phase::Backoff { until, .. } => Some(*until),
-            Phase::Posting { until, early, .. } => match early {
-                Some(early) => Some((early.1 + WITHHELD_AFTER).min(*until).min(self.ends_at)),
-                None => Some((*until).min(self.ends_at)),
-            },
+            Phase::Posting {
+                until,
+                early,
+                keepalive_at,
+                ..
+            } => {
+                let withheld_until = early.as_ref().map(|early| early.1 + WITHHELD_AFTER);
+                [
+                    Some(*until),
+                    Some(self.ends_at),
+                    withheld_until,
+                    *keepalive_at,
+                ]
+                .into_iter()
+                .flatten()
+                .min()
+            }
             // A retry's streams that do not come back end at the round's silence, or the
             // flow's deadline if sooner.
             Phase::Reopening(retry) => {
@@ -981,11 +996,17 @@ impl Flow {
                     call,
                     until,
                     early: None,
+                    keepalive_at,
                 },
                 input @ Input::Event { .. },
             ) => {
                 let early = Some(Box::new((input, now)));
-                Phase::Posting { call, until, early }
+                Phase::Posting {
+                    call,
+                    until,
+                    early,
+                    keepalive_at,
+                }
             }
             (Phase::Posting { call, .. }, Input::ClientGone) => {
                 let reading = self.reading_for(call, None, false, false, now);
@@ -1124,6 +1145,23 @@ impl Flow {
                 self.went_silent(&retry.call)
             }
             Phase::Posting { call, until, .. } if now >= until => self.call_unanswered(call),
+            // An upstream that sends the call's answer only with its first event may be
+            // silent for long: idle timeouts in front must not cut the client meanwhile.
+            Phase::Posting {
+                call,
+                until,
+                early,
+                keepalive_at: Some(at),
+            } if now >= at => {
+                self.commands.push_back(Command::KeepAlive);
+                let keepalive_at = self.config.keepalive.map(|k| now + k);
+                Phase::Posting {
+                    call,
+                    until,
+                    early,
+                    keepalive_at,
+                }
+            }
             Phase::Reading(reading) => self.reading_timeout(reading, now),
             other => other,
         };
@@ -1196,6 +1234,7 @@ impl Flow {
             call,
             until,
             early: None,
+            keepalive_at: self.config.keepalive.map(|k| now + k),
         }
     }
 

@@ -2357,6 +2357,25 @@ fn a_call_answered_with_one_message_after_the_session_spoke_completes() {
     );
 }
 
+/// While the call's answer is awaited (an upstream that sends its POST stream's header
+/// only with the first event), the client is sent keep-alives as while a round reads,
+/// so that idle timeouts in front do not cut it; the answer timeout still ends the wait.
+#[test]
+fn a_client_waiting_for_a_withheld_answer_is_kept_alive() {
+    let keepalives = |h: &Harness| h.log.iter().filter(|c| **c == Command::KeepAlive).count();
+    let config = FlowConfig {
+        keepalive: Some(Duration::from_secs(15)),
+        ..config()
+    };
+    let mut h = Harness::new_call(config, withheld());
+    h.advance(Duration::from_secs(31));
+    assert!(h.ending.is_none());
+    assert_eq!(keepalives(&h), 2, "{:?}", h.log);
+    h.advance(Duration::from_secs(30));
+    assert_eq!(h.refusal().class, Class::UpstreamTimeout);
+    assert_eq!(keepalives(&h), 3, "none after the wait ended: {:?}", h.log);
+}
+
 #[test]
 fn a_call_unanswered_with_nothing_else_coming_times_out() {
     let mut h = Harness::new_call(config(), withheld());
