@@ -1044,11 +1044,19 @@ impl Flow {
                     session_resumed,
                 },
             ) => {
+                // A fresh stream replays nothing: every event on it is new, and a question
+                // it sent before, left unanswered, is never asked again.
+                let unasked =
+                    |p: &Pending| p.asked.on_session && !retry.responses.contains_key(&p.key);
                 if !session_resumed {
-                    // A fresh stream replays nothing: every event on it is new.
                     retry.read_before.session = 0;
                 }
-                self.call_reopened(retry, result, call_at.min(now), now)
+                if !session_resumed && result.is_ok() && retry.pending.iter().any(unasked) {
+                    self.commands.push_back(Command::CloseStreams);
+                    self.unanswerable(&retry)
+                } else {
+                    self.call_reopened(retry, result, call_at.min(now), now)
+                }
             }
             (Phase::Reopening(retry), Input::StreamOpened { result, .. }) => {
                 self.call_reopened(retry, result, now, now)

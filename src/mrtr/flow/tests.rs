@@ -1113,6 +1113,25 @@ fn a_fresh_get_stream_in_place_of_a_resumed_one_is_read_as_new() {
     );
 }
 
+/// A retry that leaves a GET-stream question unanswered counts on the stream's replay
+/// to ask it again; when the upstream reopens the stream fresh instead, nothing will:
+/// no answer goes up, the state stays good, and the client is told which answer it
+/// lacks.
+#[test]
+fn a_get_stream_question_left_unanswered_is_not_lost_when_the_stream_reopens_fresh() {
+    let first = get_stream_round();
+    let only_call = json!({"elicitation_0": accept("red")});
+    let fresh = Upstream {
+        session_resumes: false,
+        ..Upstream::default()
+    };
+    let h = retry_of(&first, with_logs(), fresh, only_call);
+    assert!(h.posted().is_empty(), "{:?}", h.log);
+    assert!(h.log.contains(&Command::ReleaseClaim));
+    let refusal = h.refusal();
+    assert!(refusal.message.contains("\"elicitation_1\""), "{refusal}");
+}
+
 /// Two partial retries: the question the first answered lies after the round's start,
 /// and the second replays from there. It is not asked again, nor answered twice: in the
 /// replay, only the questions still pending count.
