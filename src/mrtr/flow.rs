@@ -1219,10 +1219,19 @@ impl Flow {
     ) -> Phase {
         self.started = !self.config.data_session;
         self.warm_session = warm;
-        // A data-layer session has no GET stream of the flow's: calls in it may run at
-        // once, and only each call's own stream says which call a request belongs to. A
-        // warm session's stream was opened with it.
-        if call.data_session || session_stream {
+        // A warm session's stream was opened with it.
+        if session_stream {
+            return self.post_call(call, now);
+        }
+        self.post_call_with_session_stream(call, now)
+    }
+
+    /// Posts the call once the session's GET stream is open, where servers send the
+    /// questions they do not tie to a request. A data-layer session has no GET stream of
+    /// the flow's: calls in it may run at once, and only each call's own stream says which
+    /// call a request belongs to.
+    fn post_call_with_session_stream(&mut self, call: UpstreamCall, now: Instant) -> Phase {
+        if call.data_session {
             return self.post_call(call, now);
         }
         self.commands.push_back(Command::Get(StreamGet::Open {
@@ -1685,7 +1694,7 @@ impl Flow {
         match then {
             AfterAnswers::Reissue => {
                 self.common.round += 1;
-                self.post_call(call, now)
+                self.post_call_with_session_stream(call, now)
             }
             AfterAnswers::ReadHeld { questions } => {
                 let mut reading = self.reading_for(call, None, true, false, now);

@@ -2114,6 +2114,10 @@ fn a_url_elicitation_required_error_is_asked_then_the_call_is_posted_again() {
     );
     let again = retry.call_id();
     assert_ne!(again, id, "a re-issue goes up under a new id");
+    // Its questions may come on the session's GET stream, opened before it goes up.
+    let stream = retry.position(is_open(Stream::Session, None));
+    let posted = retry.position(|c| matches!(c, Command::PostCall { .. }));
+    assert!(stream.is_some() && stream < posted, "{:?}", retry.log);
     retry.event(Stream::Call, Some("d1"), &result(again, "done"));
     assert!(matches!(retry.ending(), Ending::Complete { .. }));
     // A client that did not declare URL elicitation gets -32021.
