@@ -824,7 +824,10 @@ impl Flow {
                     let then = AfterAnswers::ReadHeld { questions };
                     flow.answer(Retry::new(call, pending, responses, then), now)
                 }
-                None => flow.lost(Lost::Holder, &pending, &responses, now),
+                None => {
+                    flow.holder_gone(&call);
+                    flow.lost(Lost::Holder, &pending, &responses, now)
+                }
             },
             Waiting::Reissue { call } => {
                 let retry = Retry::new(call, Vec::new(), responses, AfterAnswers::Reissue);
@@ -846,6 +849,9 @@ impl Flow {
     ) -> Flow {
         let pending = state.waiting.pending().to_vec();
         let mut flow = Flow::with(config, Common::of(&state), now);
+        if let Some(call) = state.waiting.call().filter(|_| cause == Lost::Holder) {
+            flow.holder_gone(call);
+        }
         flow.phase = flow.lost(cause, &pending, &responses, now);
         flow
     }
@@ -2556,6 +2562,13 @@ impl Flow {
     /// session deleted, or, in a data-layer session, the call cancelled by id as a legacy
     /// client cancels one (closing its stream does not: 2025-11-25, Cancellation), so
     /// that the tool stops instead of waiting on until the server's own timeout.
+    /// The replica holding the call is gone, or no longer holds it: nobody will answer
+    /// the call's questions, and nobody else ends it (a replica that died took its held
+    /// table and its reaper with it).
+    fn holder_gone(&mut self, call: &UpstreamCall) {
+        self.give_up(call, "the replica holding the call is gone");
+    }
+
     fn give_up(&mut self, call: &UpstreamCall, reason: &'static str) {
         if !call.data_session {
             return self.commands.push_back(Command::DeleteSession);

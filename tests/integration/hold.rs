@@ -6,8 +6,8 @@
 
 use crate::common::*;
 use crate::scripted::{
-    assert_call_cancelled_in_its_session, holding_script, holding_server, Answer, FirstRefused,
-    ScriptedUpstream, Seen, IDLE_LIMIT,
+    assert_call_cancelled_in_its_session, holding_script, holding_server, legacy_basics, Answer,
+    FirstRefused, ScriptedUpstream, Seen, IDLE_LIMIT,
 };
 use mrtr_gateway::config::{Config, UpstreamEra};
 use serde_json::{json, Value};
@@ -661,9 +661,15 @@ fn retry_held_by(owner: std::net::SocketAddr, upstream_port: u16) -> Value {
     json!({"inputResponses": {"elicitation_0": {"action": "accept", "content": {"name": "x"}}}, "requestState": state})
 }
 
+/// A state naming an owner outside the peer set (a replica scaled away) is never
+/// forwarded there: the flow is lost, and since nobody else will end the call, the
+/// session its state names is deleted (nothing else goes upstream: no answer).
 #[test]
 fn a_state_naming_an_owner_outside_the_peer_set_is_never_forwarded() {
-    let (upstream, outsider) = (Tripwire::start(), Tripwire::start());
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        legacy_basics(seen, "s").unwrap_or_else(|| Answer::status(405, &[], b""))
+    });
+    let outsider = Tripwire::start();
     let replicas = peered(&upstream.url(), 2, |_| {});
     let owner = format!("127.0.0.1:{}", outsider.port).parse().unwrap();
     let answers = retry_held_by(owner, upstream.port);
@@ -675,7 +681,20 @@ fn a_state_naming_an_owner_outside_the_peer_set_is_never_forwarded() {
         0,
         "nothing went to the address in the state"
     );
-    assert_eq!(upstream.count(), 0, "nothing went upstream");
+    wait_until("the named session deleted", Duration::from_secs(5), || {
+        !upstream.requests().is_empty()
+    });
+    let sent: Vec<(String, Option<String>)> = upstream
+        .requests()
+        .iter()
+        .map(|s| {
+            (
+                s.method.clone(),
+                s.header("mcp-session-id").map(str::to_string),
+            )
+        })
+        .collect();
+    assert_eq!(sent, [("DELETE".to_string(), Some("s".to_string()))]);
 }
 
 /// A replica whose DNS peer set has not answered yet (at its start, while the resolver

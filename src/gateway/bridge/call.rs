@@ -274,9 +274,10 @@ async fn continue_flow(
             (_, None) => {
                 gw.runtime.metrics.held_event("lost");
                 let lost = Lost::Holder;
+                let io = Io::new(named_session(call, &upstream_call), Some(used));
                 let flow =
                     Flow::call_lost(config(call, false), state, responses, lost, Instant::now());
-                return drive(call, session, reply, flow, Io::new(None, Some(used))).await;
+                return drive(call, session, reply, flow, io).await;
             }
         },
         _ => call.group.endpoint(upstream_call.endpoint),
@@ -626,8 +627,23 @@ async fn to_holder(
         return refused.answer(gw, session, reply, call.group).await;
     }
     let responses = input_responses(call.request);
+    // A holder that never saw this retry is gone or unreachable: the call its state names
+    // is ended from here (the flow says so); one that did may be running it on.
+    let upstream = match (lost, state.waiting.call()) {
+        (Lost::Holder, Some(upstream_call)) => named_session(call, upstream_call),
+        _ => None,
+    };
     let flow = Flow::call_lost(config(call, false), state, responses, lost, Instant::now());
-    drive(call, session, reply, flow, Io::new(None, Some(used))).await
+    drive(call, session, reply, flow, Io::new(upstream, Some(used))).await
+}
+
+/// The upstream session a state names, to end its call in: none when its endpoint has
+/// left the group (which gets neither the session id nor credentials).
+fn named_session<'g>(call: &Call<'g>, upstream_call: &UpstreamCall) -> Option<LegacySession<'g>> {
+    let endpoint = call.group.endpoint(upstream_call.endpoint)?;
+    let mut upstream = resume(call, endpoint, upstream_call);
+    upstream.persistent = upstream_call.data_session;
+    Some(upstream)
 }
 
 /// Whether the client has closed its connection already (read once, without waiting),

@@ -2028,6 +2028,51 @@ fn a_held_retry_whose_holder_is_gone_loses_the_flow() {
     );
     assert_eq!(h.refusal().code, gcode::FLOW_LOST);
     assert!(h.refusal().message.contains("replica holding"));
+    // Nobody else ends the call its state names (a replica that died took its held
+    // table and its reaper with it): its session is deleted, or in a data-layer session
+    // the call cancelled.
+    assert!(h.log.contains(&Command::DeleteSession), "{:?}", h.log);
+    let mut data_held = Harness::new_call(in_data_session(), Upstream::default());
+    data_held.event(Stream::Call, None, &question(0, "Name?"));
+    data_held.advance(Duration::from_millis(10));
+    let lost = Flow::call_lost(
+        in_data_session(),
+        data_held.state(),
+        Map::new(),
+        Lost::Holder,
+        Instant::now(),
+    );
+    let mut lost = Harness {
+        flow: lost,
+        upstream: Upstream::default(),
+        now: Instant::now(),
+        log: Vec::new(),
+        ending: None,
+    };
+    lost.settle();
+    assert_eq!(cancellations(&lost).len(), 1, "{:?}", lost.log);
+    // One that may have run it on (it saw the retry, then stopped answering) is not
+    // interfered with.
+    let mid_retry = Flow::call_lost(
+        config(),
+        first.state(),
+        Map::new(),
+        Lost::HolderMidRetry,
+        Instant::now(),
+    );
+    let mut mid_retry = Harness {
+        flow: mid_retry,
+        upstream: Upstream::default(),
+        now: Instant::now(),
+        log: Vec::new(),
+        ending: None,
+    };
+    mid_retry.settle();
+    assert!(
+        !mid_retry.log.contains(&Command::DeleteSession),
+        "{:?}",
+        mid_retry.log
+    );
 }
 
 #[test]
