@@ -1304,9 +1304,13 @@ impl Flow {
         let warm = std::mem::take(&mut self.warm_session);
         let reply = match reply {
             Ok(reply) => reply,
-            Err(failure) if warm && failure.is_lost() => {
-                // A session initialized ahead of demand that the upstream forgot (or whose
-                // endpoint went away) ran nothing: the call goes out on a session opened now.
+            Err(failure)
+                if warm && (failure.is_lost() || failure.kind == FailureKind::Refused(400)) =>
+            {
+                // A session initialized ahead of demand that the upstream forgot (a 404,
+                // or the 400 servers built on the TypeScript SDK's examples answer a
+                // session they do not know with), or whose endpoint went away, ran
+                // nothing: the call goes out on a session opened now.
                 self.commands.push_back(Command::CloseStreams);
                 self.commands.push_back(Command::OpenSession);
                 return Phase::Opening;

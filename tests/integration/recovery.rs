@@ -291,3 +291,39 @@ fn a_request_refused_a_connection_goes_to_the_next_endpoint() {
         );
     }
 }
+
+/// server-everything, like the servers built on the TypeScript SDK's examples, answers a
+/// request in a session it does not know with 400 "Bad Request: No valid session ID
+/// provided". After it restarts, the sessions the gateway keeps for one-shot methods and
+/// opens ahead of calls are replaced: clients see answers, not that bad request.
+#[test]
+fn sessions_a_restarted_server_answering_400_forgot_are_replaced() {
+    let port = free_port();
+    let (mut upstream, url) = start_upstream_on(Upstream::Everything, port);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let list = |id| raw.modern(id, "tools/list", json!({}), json!({}));
+    let echo = |id| {
+        let params = json!({"name": "echo", "arguments": {"message": "hi"}});
+        let reply = raw.modern(id, "tools/call", params, json!({}));
+        (reply.status, reply.json())
+    };
+    assert_eq!(list(1).status, 200);
+    // Two calls, so that the call's shape recurs and sessions are opened ahead of it.
+    for id in [2, 3] {
+        let (status, done) = echo(id);
+        assert_eq!(status, 200, "{done}");
+        assert!(done.to_string().contains("hi"), "{done}");
+    }
+    let _upstream = restart_as(Upstream::Everything, &mut upstream, port);
+    let after = list(4);
+    assert_eq!(after.status, 200, "tools/list after the restart");
+    let body = after.json();
+    assert!(body["result"]["tools"].is_array(), "{body}");
+    let (status, done) = echo(5);
+    assert_eq!(status, 200, "{done}");
+    assert!(
+        done.to_string().contains("hi"),
+        "a call after the restart: {done}"
+    );
+}

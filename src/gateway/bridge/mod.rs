@@ -559,12 +559,16 @@ async fn one_shot(
 }
 
 /// Whether a kept session failed in a way that shows the request did not run and the
-/// session serves no one any more: the upstream forgot it, or its endpoint takes no
-/// connection (down, or gone from the group's answer).
+/// session may serve no one any more: the upstream forgot it (a 404; or a 400, how
+/// servers built on the TypeScript SDK's examples, server-everything among them, answer a
+/// session they do not know), or its endpoint takes no connection (down, or gone from the
+/// group's answer). A 400 the request itself earned is earned again on a new session.
 fn lost_kept_session(failure: &SessionFailure) -> bool {
     matches!(
         failure,
-        SessionFailure::Gone | SessionFailure::Exchange(ExchangeFailure::Connect)
+        SessionFailure::Gone
+            | SessionFailure::Refused(400)
+            | SessionFailure::Exchange(ExchangeFailure::Connect)
     )
 }
 

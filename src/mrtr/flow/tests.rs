@@ -478,6 +478,9 @@ fn a_warm_session_the_upstream_forgot_is_replaced_and_the_call_goes_out_once() {
     for lost in [
         Failure::new(FailureKind::Gone, "no longer has the session"),
         Failure::new(FailureKind::Unreachable, "cannot connect"),
+        // How server-everything, and servers built on the TypeScript SDK's examples,
+        // answer a session they do not know.
+        Failure::new(FailureKind::Refused(400), "No valid session ID provided"),
     ] {
         let upstream = Upstream {
             warm: VecDeque::from([true]),
