@@ -1341,3 +1341,54 @@ fn an_unparsable_upstream_header_is_logged_without_its_bytes() {
         );
     }
 }
+
+/// The kept sessions still open at the end of the grace period are deleted together, not
+/// one after another: an upstream slow to answer a DELETE does not leave the rest of them
+/// open when the process exits.
+#[test]
+fn kept_sessions_are_deleted_together_at_the_end_of_the_grace_period() {
+    let deletes = Gate::default();
+    let gate = deletes.clone();
+    let sessions = AtomicUsize::new(0);
+    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+        match (seen.method.as_str(), seen.jsonrpc_method().as_deref()) {
+            ("DELETE", _) => Answer::silent()
+                .wait(&gate)
+                .bytes(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"),
+            (_, Some("initialize")) => {
+                let id = format!("s{}", sessions.fetch_add(1, Ordering::SeqCst));
+                legacy_basics(seen, &id).expect("an initialize answer")
+            }
+            (_, Some("tools/list")) => Answer::json(
+                200,
+                &json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}}),
+            ),
+            _ => legacy_basics(seen, "s").unwrap_or_else(|| Answer::status(405, &[], b"")),
+        }
+    });
+    let mut gw = GatewayProcess::start(&upstream.url());
+    // Three callers, three kept sessions.
+    for who in ["a", "b", "c"] {
+        let credential = format!("Bearer {who}");
+        let listed = Raw::new(&gw.url)
+            .modern_with(
+                1,
+                "tools/list",
+                json!({}),
+                json!({}),
+                &[("authorization", &credential)],
+            )
+            .json();
+        assert!(listed["result"]["tools"].is_array(), "{listed}");
+    }
+    gw.begin_drain();
+    gw.wait_for_exit();
+    let deleted: Vec<String> = upstream
+        .requests()
+        .iter()
+        .filter(|s| s.method == "DELETE")
+        .filter_map(|s| s.header("mcp-session-id").map(str::to_string))
+        .collect();
+    deletes.open();
+    assert_eq!(deleted.len(), 3, "{deleted:?}");
+}

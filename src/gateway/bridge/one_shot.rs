@@ -230,20 +230,28 @@ pub fn resume<'g>(
     ))
 }
 
+/// DELETEs `retire` sends at once: an upstream slow to answer one does not hold the
+/// others (at shutdown, those not sent before the process exits stay open upstream).
+const RETIRE_AT_ONCE: usize = 64;
+
 /// Deletes kept sessions that were let go (idle, replaced, or over a bound), each in its
 /// own group, which may not be the group of the request that let it go; a DELETE the
 /// upstream may take later is handed to the reaper to send again.
 pub async fn retire(upstreams: &UpstreamSide, retired: Vec<Kept>) {
+    use futures_util::StreamExt;
     let client = &upstreams.client;
-    for kept in retired {
+    let delete = |kept: Kept| async move {
         let Some(group) = upstreams.groups.by_name(&kept.group) else {
-            continue;
+            return;
         };
         if let Some(mut upstream) = resume(client, group, &group.timeouts, &kept) {
             upstream.caller = Caller::clone(&kept.caller);
             upstreams.reaper.delete(&upstream).await;
         }
-    }
+    };
+    futures_util::stream::iter(retired)
+        .for_each_concurrent(RETIRE_AT_ONCE, delete)
+        .await;
 }
 
 /// How often idle kept sessions are looked for.
