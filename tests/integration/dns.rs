@@ -419,3 +419,54 @@ fn a_held_flow_whose_pod_left_is_lost_on_its_retry_without_a_request_to_its_addr
     assert!(sent.is_empty(), "sent to the address that left: {sent:?}");
     assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 0.0);
 }
+
+/// A warm session (opened ahead of a call of a recurring shape) whose pod leaves the DNS
+/// answer idles out without a DELETE to the address, which may be another server's by
+/// then: neither its session id nor the credentials it was opened with go there.
+#[test]
+fn a_warm_session_whose_pod_left_idles_out_without_a_request_to_its_address() {
+    use crate::scripted::{legacy_basics, Answer, ScriptedUpstream, Seen};
+    let port = free_port();
+    let sessions = std::sync::atomic::AtomicUsize::new(0);
+    let pod =
+        ScriptedUpstream::start_on(&addr(POD_A, port).to_string(), move |seen: &Seen| {
+            match (seen.method.as_str(), seen.jsonrpc_method().as_deref()) {
+                ("GET", _) => Answer::sse(&[]),
+                (_, Some("initialize")) => {
+                    let n = sessions.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    legacy_basics(seen, &format!("s{n}")).expect("an initialize answer")
+                }
+                (_, Some("tools/call")) => Answer::json(
+                    200,
+                    &json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"content": []}}),
+                ),
+                _ => legacy_basics(seen, "s").unwrap_or_else(|| Answer::status(405, &[], b"")),
+            }
+        });
+    let dns = TestDns::start(ips(&[POD_A]));
+    let gw = dns_gateway(&dns, port, |c| {
+        c.upstreams[0].era = mrtr_gateway::config::UpstreamEra::Legacy;
+        c.bridge.warm_session_idle_seconds = 1;
+    });
+    dns.wait_applied();
+    let raw = Raw::new(&gw.url);
+    for id in [1, 2] {
+        let params = json!({"name": "work", "arguments": {}});
+        let done = raw.modern(id, "tools/call", params, json!({})).json();
+        assert!(done["result"]["content"].is_array(), "{done}");
+    }
+    wait_until("a warm session ready", Duration::from_secs(10), || {
+        metric(&gw.admin, "mrtr_gateway_warm_sessions") == 1.0
+    });
+    let sent_before = pod.requests().len();
+    dns.answer(ips(&[]));
+    dns.wait_applied();
+    wait_until("the warm session let go", Duration::from_secs(10), || {
+        metric(&gw.admin, "mrtr_gateway_warm_sessions") == 0.0
+    });
+    let sent: Vec<String> = pod.requests()[sent_before..]
+        .iter()
+        .map(|s| format!("{} {:?}", s.method, s.header("mcp-session-id")))
+        .collect();
+    assert!(sent.is_empty(), "sent to the address that left: {sent:?}");
+}

@@ -177,8 +177,13 @@ pub(super) fn warm_up(
 }
 
 /// Deletes `warm` upstream; a DELETE the upstream may take later is handed to the
-/// reaper to send again.
+/// reaper to send again. Not at an endpoint that has left its group: a DNS group's pod
+/// that left may have given its address to another server, which gets neither the
+/// session id nor the credentials it was opened with.
 async fn delete(gw: &Gateway, warm: Warm) {
+    if !gw.upstreams.groups.holds(&warm.endpoint) {
+        return;
+    }
     let (client, reaper) = (&gw.upstreams.client, &gw.upstreams.reaper);
     let (endpoint, timeouts, id) = (warm.endpoint, &warm.timeouts, warm.session_id);
     let mut session = LegacySession::resume(client, endpoint, timeouts, id, warm.version);
