@@ -75,6 +75,9 @@ impl fmt::Display for TooLarge {
 
 impl std::error::Error for TooLarge {}
 
+/// The most room the line buffer keeps between lines.
+const LINE_ROOM_KEPT: usize = 16 << 10;
+
 /// UTF-8's byte order mark, which a stream may begin with (and a reader ignores).
 const BOM: &[u8] = b"\xEF\xBB\xBF";
 
@@ -107,9 +110,10 @@ impl Parser {
         }
     }
 
-    /// Bytes held for an event not yet complete.
+    /// Bytes held for an event not yet complete: its fields so far (the line being read
+    /// among them) and the line buffer's room.
     pub fn buffered(&self) -> usize {
-        self.line.len() + self.event_bytes
+        self.event_bytes.saturating_sub(self.line.len()) + self.line.capacity()
     }
 
     /// Feeds one chunk, appending every completed event to `out`.
@@ -164,8 +168,12 @@ impl Parser {
         }
         let line = std::mem::take(&mut self.line);
         self.field(&line);
-        self.line = line;
-        self.line.clear();
+        // The buffer is reused for the next line, unless a long one grew it: a parser
+        // kept for long (a held flow's) does not hold an event's worth of room for good.
+        if line.capacity() <= LINE_ROOM_KEPT {
+            self.line = line;
+            self.line.clear();
+        }
     }
 
     fn field(&mut self, line: &[u8]) {
@@ -354,6 +362,23 @@ mod tests {
         assert_eq!(out.len(), 2);
         let err = p.push(b"data: 0123456789abcdef\n", &mut out).unwrap_err();
         assert_eq!(err, TooLarge { limit: 16 });
+    }
+
+    #[test]
+    fn what_is_buffered_counts_once_and_a_long_lines_room_is_let_go() {
+        let mut p = Parser::new(4 << 20);
+        let mut out = Vec::new();
+        let long = format!("data: {}", "x".repeat(600 << 10));
+        p.push(long.as_bytes(), &mut out).unwrap();
+        let held = p.buffered();
+        assert!(
+            (long.len()..long.len() * 3 / 2).contains(&held),
+            "the partial line counted once: {held}"
+        );
+        p.push(b"\n\n", &mut out).unwrap();
+        assert_eq!(out.len(), 1);
+        p.push(b"data: short", &mut out).unwrap();
+        assert!(p.buffered() < 64 << 10, "{}", p.buffered());
     }
 
     #[test]
