@@ -316,7 +316,8 @@ pub struct BridgeOptions {
     /// at once (a question that missed its round), or all.
     pub quiet_window_for: QuietWindowFor,
     /// How long a followed upstream stream may stay silent before the bridge reopens it
-    /// with `Last-Event-ID` (recovers events an upstream stored but did not deliver).
+    /// with `Last-Event-ID` (recovers events an upstream stored but did not deliver), in
+    /// a round that could resume; a held one reads its live stream on.
     pub resume_poll_ms: u64,
     /// How long a round may go without any message from its upstream (no question, no
     /// progress, no result) before it ends with an error naming the group and the call,
