@@ -357,26 +357,40 @@ fn dns_discovered_pods_take_new_sessions_and_pods_that_left_are_refused() {
     assert_eq!(tripwire.count(), 0);
 }
 
+/// A flow held on this replica (`resume: hold`, as `configure` changes the gateway
+/// further) whose session is on pod A, the only pod the DNS name answers: the pod, the
+/// DNS server, the gateway, and the round's answer.
+fn flow_held_on_pod_a(
+    configure: impl FnOnce(&mut Config),
+) -> (
+    crate::scripted::ScriptedUpstream,
+    TestDns,
+    TestGateway,
+    serde_json::Value,
+) {
+    use crate::resumption::{call_hostile, resumable_script, Asks, Resumes};
+    let port = free_port();
+    let script = resumable_script(Resumes::Primed, true, Asks::AfterPriming);
+    let pod = crate::scripted::ScriptedUpstream::start_on(&addr(POD_A, port).to_string(), script);
+    let dns = TestDns::start(ips(&[POD_A]));
+    let gw = dns_gateway(&dns, port, |c| {
+        c.upstreams[0].resume = ResumeMode::Hold;
+        configure(c);
+    });
+    dns.wait_applied();
+    let (status, first) = call_hostile(&Raw::new(&gw.url), 1, json!({}));
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 1.0, "{first}");
+    (pod, dns, gw, first)
+}
+
 /// A held flow whose pod leaves the DNS answer, then expires: its streams close, but its
 /// session is not deleted at the address, which may be another server's by then (a pod's
 /// IP is given to the next pod): neither the session id nor the caller's credentials go
 /// there.
 #[test]
 fn a_held_flow_whose_pod_left_expires_without_a_request_to_its_address() {
-    use crate::resumption::{call_hostile, resumable_script, Asks, Resumes};
-    use crate::scripted::ScriptedUpstream;
-    let port = free_port();
-    let script = resumable_script(Resumes::Primed, true, Asks::AfterPriming);
-    let pod = ScriptedUpstream::start_on(&addr(POD_A, port).to_string(), script);
-    let dns = TestDns::start(ips(&[POD_A]));
-    let gw = dns_gateway(&dns, port, |c| {
-        c.upstreams[0].resume = ResumeMode::Hold;
-        c.bridge.request_state_ttl_seconds = 1;
-    });
-    dns.wait_applied();
-    let (status, first) = call_hostile(&Raw::new(&gw.url), 1, json!({}));
-    assert_eq!(status, 200, "{first}");
-    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 1.0, "{first}");
+    let (pod, dns, gw, _) = flow_held_on_pod_a(|c| c.bridge.request_state_ttl_seconds = 1);
     dns.answer(ips(&[]));
     dns.wait_applied();
     let events = "mrtr_gateway_held_flow_events_total";
@@ -393,20 +407,9 @@ fn a_held_flow_whose_pod_left_expires_without_a_request_to_its_address() {
 /// and credentials go to the address, which may be another server's by then.
 #[test]
 fn a_held_flow_whose_pod_left_is_lost_on_its_retry_without_a_request_to_its_address() {
-    use crate::resumption::{call_hostile, resumable_script, Asks, Resumes};
-    use crate::scripted::ScriptedUpstream;
-    let port = free_port();
-    let script = resumable_script(Resumes::Primed, true, Asks::AfterPriming);
-    let pod = ScriptedUpstream::start_on(&addr(POD_A, port).to_string(), script);
-    let dns = TestDns::start(ips(&[POD_A]));
-    let gw = dns_gateway(&dns, port, |c| {
-        c.upstreams[0].resume = ResumeMode::Hold;
-    });
-    dns.wait_applied();
+    use crate::resumption::call_hostile;
+    let (pod, dns, gw, first) = flow_held_on_pod_a(|_| {});
     let raw = Raw::new(&gw.url);
-    let (status, first) = call_hostile(&raw, 1, json!({}));
-    assert_eq!(status, 200, "{first}");
-    assert_eq!(metric(&gw.admin, "mrtr_gateway_held_flows"), 1.0, "{first}");
     let sent_before = pod.requests().len();
     dns.answer(ips(&[]));
     dns.wait_applied();

@@ -2093,20 +2093,33 @@ fn a_table_that_refuses_the_flow_ends_the_call() {
     assert_eq!(h.refusal().class, Class::Overloaded);
 }
 
+/// A client that declares URL elicitation, as `config` otherwise is.
+fn with_url_elicitation() -> FlowConfig {
+    let mut caps = config();
+    caps.capabilities
+        .insert("elicitation".into(), json!({"url": {}}));
+    caps
+}
+
+/// A new call under `config` whose upstream answers it with a 2025-11-25
+/// URL-elicitation-required error (-32042) naming one URL; and the call's id.
+fn url_required_round(config: FlowConfig) -> (Harness, i64) {
+    let mut h = Harness::new_call(config, Upstream::default());
+    let id = h.call_id();
+    let error = json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32042, "message": "visit", "data": {"elicitations": [
+        {"mode": "url", "url": "https://example.com/a", "message": "Open A"}]}}});
+    h.event(Stream::Call, Some("c1"), &error);
+    (h, id)
+}
+
 /// A re-issue (after a URL elicitation) or a deferred call whose post is refused before
 /// anything ran (a 401: the token expired while the user visited the URL) leaves its
 /// state good, for the same retry once re-authorized; a re-issue keeps the session its
 /// state names.
 #[test]
 fn a_reissue_or_deferred_call_denied_before_it_ran_leaves_its_state_good() {
-    let mut caps = config();
-    caps.capabilities
-        .insert("elicitation".into(), json!({"url": {}}));
-    let mut h = Harness::new_call(caps.clone(), Upstream::default());
-    let id = h.call_id();
-    let error = json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32042, "message": "visit", "data": {"elicitations": [
-        {"mode": "url", "url": "https://example.com/a", "message": "Open A"}]}}});
-    h.event(Stream::Call, Some("c1"), &error);
+    let caps = with_url_elicitation();
+    let (h, _) = url_required_round(caps.clone());
     let denied = || Failure::denied(401, Some("Bearer".into()), "requires authorization");
     let upstream = Upstream {
         call_failures: VecDeque::from([denied()]),
@@ -2142,14 +2155,8 @@ fn a_reissue_or_deferred_call_denied_before_it_ran_leaves_its_state_good() {
 
 #[test]
 fn a_url_elicitation_required_error_is_asked_then_the_call_is_posted_again() {
-    let mut caps = config();
-    caps.capabilities
-        .insert("elicitation".into(), json!({"url": {}}));
-    let mut h = Harness::new_call(caps.clone(), Upstream::default());
-    let id = h.call_id();
-    let error = json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32042, "message": "visit", "data": {"elicitations": [
-        {"mode": "url", "url": "https://example.com/a", "message": "Open A"}]}}});
-    h.event(Stream::Call, Some("c1"), &error);
+    let caps = with_url_elicitation();
+    let (h, id) = url_required_round(caps.clone());
     let state = h.state();
     assert!(matches!(state.waiting, Waiting::Reissue { .. }));
     assert!(h.log.contains(&Command::CloseStreams));
@@ -2169,11 +2176,7 @@ fn a_url_elicitation_required_error_is_asked_then_the_call_is_posted_again() {
     retry.event(Stream::Call, Some("d1"), &result(again, "done"));
     assert!(matches!(retry.ending(), Ending::Complete { .. }));
     // A client that did not declare URL elicitation gets -32021.
-    let mut h = Harness::new_call(config(), Upstream::default());
-    let id = h.call_id();
-    let error = json!({"jsonrpc": "2.0", "id": id, "error": {"code": -32042, "message": "visit", "data": {"elicitations": [
-        {"mode": "url", "url": "https://example.com/a", "message": "Open A"}]}}});
-    h.event(Stream::Call, Some("c1"), &error);
+    let (h, _) = url_required_round(config());
     assert_eq!(h.refusal().code, mcode::MISSING_REQUIRED_CLIENT_CAPABILITY);
 }
 
