@@ -12,6 +12,7 @@
 use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasher;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -68,12 +69,10 @@ pub struct GroupLearnt {
     /// Whether its resumed streams end their replay with a priming event; `None` until a
     /// resumption showed it.
     pub resumption_primes: Option<bool>,
+    /// The latest verdict on an endpoint's store (`StoreLearnt`), for what a new call,
+    /// whose endpoint is not known yet, decides by it (whether its rounds ping the
+    /// session before they end). A GET stream is resumed only by its endpoint's own.
     pub session_replay: SessionReplay,
-    /// How many probes of `session_replay` have ended (a failed one leaves it `Unknown`).
-    pub session_replay_probes: u32,
-    /// After a failed probe, when the next may run: until then the verdict stays
-    /// `Unknown` without asking the upstream again.
-    pub session_replay_retry_at: Option<tokio::time::Instant>,
     /// The upstream keeps a session's GET stream after the gateway closed it (a new GET
     /// got 409 for as long as the gateway tried): a GET stream is then reopened with one
     /// attempt, since waiting for the server to let go of the old one never paid.
@@ -81,6 +80,24 @@ pub struct GroupLearnt {
     /// Resumptions failing one after another without an answer saying why.
     pub failing_resumptions: Option<FailingResumptions>,
 }
+
+/// What is known of one endpoint's event store: whether it keeps sessions apart. Kept per
+/// endpoint, not per group: a group's endpoints may run different servers, or one
+/// server's versions during a rollout, and resuming a GET stream on a store shared by
+/// sessions replays other sessions' events.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoreLearnt {
+    pub session_replay: SessionReplay,
+    /// How many probes of `session_replay` have ended (a failed one leaves it `Unknown`).
+    pub probes: u32,
+    /// After a failed probe, when the next may run: until then the verdict stays
+    /// `Unknown` without asking the upstream again.
+    pub retry_at: Option<tokio::time::Instant>,
+}
+
+/// Most endpoints whose stores are remembered; past it, all are forgotten (and probed
+/// again): a DNS group's pods come and go.
+const MAX_STORES: usize = 4096;
 
 /// A run of resumptions that failed without an answer saying why (`Learnt::ResumptionFailed`
 /// of `mrtr::flow`: cut, a server error, no answer in time), none working in between.
@@ -151,6 +168,8 @@ pub struct Learnt {
     call_hasher: RandomState,
     /// Per group, the turn to probe it: held for the whole probe.
     probe_turns: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Each endpoint's store, by group name and address.
+    stores: Mutex<HashMap<(String, SocketAddr), StoreLearnt>>,
 }
 
 impl Learnt {
@@ -170,6 +189,37 @@ impl Learnt {
         let facts = groups.get_mut(group).expect("inserted");
         let before = *facts;
         learn(facts);
+        before
+    }
+
+    /// What is known of the store at `endpoint` of `group`.
+    pub fn store(&self, group: &str, endpoint: SocketAddr) -> StoreLearnt {
+        let stores = self.stores.lock().expect("learnt lock");
+        let key = (group.to_string(), endpoint);
+        stores.get(&key).copied().unwrap_or_default()
+    }
+
+    /// Applies `learn` to what is known of the store at `endpoint` of `group`; returns it
+    /// as it was before. A verdict is also the group's latest (`GroupLearnt`).
+    pub fn update_store(
+        &self,
+        group: &str,
+        endpoint: SocketAddr,
+        learn: impl FnOnce(&mut StoreLearnt),
+    ) -> StoreLearnt {
+        let (before, after) = {
+            let mut stores = self.stores.lock().expect("learnt lock");
+            if stores.len() >= MAX_STORES {
+                stores.clear();
+            }
+            let facts = stores.entry((group.to_string(), endpoint)).or_default();
+            let before = *facts;
+            learn(facts);
+            (before, *facts)
+        };
+        if after.session_replay != SessionReplay::Unknown {
+            self.update(group, |facts| facts.session_replay = after.session_replay);
+        }
         before
     }
 

@@ -473,3 +473,41 @@ fn a_warm_session_whose_pod_left_idles_out_without_a_request_to_its_address() {
         .collect();
     assert!(sent.is_empty(), "sent to the address that left: {sent:?}");
 }
+
+/// Whether an event store keeps sessions apart is each endpoint's own: once pod A's (one
+/// store per session) was probed, a flow on pod B, whose store is shared by its sessions,
+/// does not have its GET stream resumed after its position on A's word (B's replay would
+/// carry other sessions' events); B's store is probed itself.
+#[test]
+fn whether_a_store_keeps_sessions_apart_is_learnt_per_endpoint() {
+    use crate::resumption::{
+        foreign_probes, get_stream_positions, resumable_script, round_then_retry, Asks, Resumes,
+    };
+    use crate::scripted::ScriptedUpstream;
+    let port = free_port();
+    let pod = |ip: &str, scoped: bool| {
+        let script = resumable_script(Resumes::Primed, scoped, Asks::OnGetStreamAfterEvent);
+        ScriptedUpstream::start_on(&addr(ip, port).to_string(), script)
+    };
+    let (a, b) = (pod(POD_A, true), pod(POD_B, false));
+    let dns = TestDns::start(ips(&[POD_A]));
+    let gw = dns_gateway(&dns, port, |_| {});
+    dns.wait_applied();
+    let raw = Raw::new(&gw.url);
+    let done = |status: u16, reply: &serde_json::Value| {
+        let text = &reply["result"]["content"][0]["text"];
+        assert_eq!((status, text), (200, &json!("done")), "{reply}");
+    };
+    let (sid, before, status, reply) = round_then_retry(&a, &raw, &raw, 1);
+    done(status, &reply);
+    assert_eq!(foreign_probes(&a), 1, "A's store probed");
+    let resumed_on_a = get_stream_positions(&a, &sid, before);
+    assert_eq!(resumed_on_a, [Some(format!("{sid}-g0"))]);
+    dns.answer(ips(&[POD_B]));
+    dns.wait_applied();
+    let (sid, before, status, reply) = round_then_retry(&b, &raw, &raw, 3);
+    done(status, &reply);
+    assert_eq!(foreign_probes(&b), 1, "B's store probed");
+    let resumed_on_b = get_stream_positions(&b, &sid, before);
+    assert_eq!(resumed_on_b, [None], "B's GET stream resumed on A's word");
+}

@@ -152,7 +152,7 @@ fn a_store_probe_that_meets_a_5xx_does_not_take_the_store_as_keeping_sessions_ap
 /// A flow's first round through `first_on` and its retry through `retry_on` (request
 /// ids `id` and `id + 1`): the call's upstream session, how many requests the upstream
 /// had read before the retry, and the retry's status and reply.
-fn round_then_retry(
+pub(crate) fn round_then_retry(
     upstream: &ScriptedUpstream,
     first_on: &Raw,
     retry_on: &Raw,
@@ -168,14 +168,14 @@ fn round_then_retry(
 }
 
 /// How many store probes (resumptions after another session's event id) the upstream got.
-fn foreign_probes(upstream: &ScriptedUpstream) -> usize {
+pub(crate) fn foreign_probes(upstream: &ScriptedUpstream) -> usize {
     let requests = upstream.requests();
     requests.iter().filter(|s| is_foreign_resumption(s)).count()
 }
 
 /// Where session `sid`'s GET streams opened after the upstream's `before`th request
 /// resumed from (`None`: opened fresh); the call's own stream's resumptions left out.
-fn get_stream_positions(
+pub(crate) fn get_stream_positions(
     upstream: &ScriptedUpstream,
     sid: &str,
     before: usize,

@@ -1482,10 +1482,19 @@ async fn finish(
             finish_with(reply, session, message, server_info, cacheable).await
         }
         Ending::InputRequired {
-            state,
+            mut state,
             input_requests,
             shed,
         } => {
+            // What the state tells another replica of the store is its endpoint's own
+            // verdict, not the group's latest (which may be another endpoint's).
+            if let Waiting::Resumable {
+                call, positions, ..
+            } = &mut state.waiting
+            {
+                let store = gw.upstreams.learnt.store(&group.name, call.endpoint);
+                positions.upstream.sessions_kept_apart = store.session_replay.kept_apart();
+            }
             let sealed = match state.seal_layout_within(
                 &gw.sealing.keys.load(),
                 &call.bind,

@@ -5,10 +5,11 @@
 //! and SDKs name a call's stream after its id. The GET stream is not: SDKs give every
 //! session's GET stream the same name (`_GET_stream`), so a store shared by all sessions
 //! and keyed by stream (as the SDKs' example stores are) replays every session's GET
-//! events after the position, other users' questions among them. So once per group, on
-//! the endpoint a flow uses, the gateway asks one throwaway session to resume after an
-//! event id another throwaway session was given. A store that keeps sessions apart
-//! refuses it or replays nothing; one that is shared resolves it.
+//! events after the position, other users' questions among them. So once per endpoint
+//! of a group (whose endpoints may run different servers), the gateway asks one
+//! throwaway session to resume after an event id another throwaway session was given. A
+//! store that keeps sessions apart refuses it or replays nothing; one that is shared
+//! resolves it.
 
 use crate::gateway::learnt::SessionReplay;
 use crate::gateway::UpstreamSide;
@@ -19,6 +20,7 @@ use crate::upstream::exchange::{Connection, Response};
 use crate::upstream::legacy_session::{Caller, LegacySession, SessionFailure};
 use crate::upstream::{Endpoint, UpstreamGroup};
 use serde_json::json;
+use std::net::SocketAddr;
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -39,10 +41,11 @@ const PROBE_LIMIT: Duration = Duration::from_secs(10);
 /// does not cost the upstream two sessions each while it cannot open them.
 const RETRY_AFTER_FAILED_PROBE: Duration = Duration::from_secs(30);
 
-/// Whether `group`'s store keeps sessions apart, probing `endpoint` the first time with
-/// the credentials of `caller` (the request that needs to know). One probe runs at a
-/// time per group; requests that waited for it take its verdict, `Unknown` included, so
-/// a crowd of first resumptions probes once. After a failed probe the next runs
+/// Whether the store at `endpoint` of `group` keeps sessions apart (each endpoint's own:
+/// a group's endpoints may run different servers), probing it the first time with the
+/// credentials of `caller` (the request that needs to know). One probe runs at a time
+/// per group; requests that waited for it take its verdict, `Unknown` included, so a
+/// crowd of first resumptions probes once. After a failed probe the next runs
 /// `RETRY_AFTER_FAILED_PROBE` later at the earliest. Where this replica does not know and
 /// the retry's state says what the replica that sealed it had learnt (`sealed`, from its
 /// own probe or from a state before), that is taken, kept, and nothing is probed: our
@@ -54,55 +57,59 @@ pub(crate) async fn session_replay(
     caller: &Caller,
     sealed: Option<bool>,
 ) -> SessionReplay {
-    let before = upstreams.learnt.get(&group.name);
+    let (learnt, at) = (&upstreams.learnt, endpoint.addr);
+    let before = learnt.store(&group.name, at);
     if before.session_replay != SessionReplay::Unknown {
         return before.session_replay;
     }
     if let Some(kept_apart) = sealed {
-        return take_sealed(upstreams, group, kept_apart);
+        return take_sealed(upstreams, group, at, kept_apart);
     }
-    if before
-        .session_replay_retry_at
-        .is_some_and(|at| Instant::now() < at)
-    {
+    if before.retry_at.is_some_and(|at| Instant::now() < at) {
         return SessionReplay::Unknown;
     }
-    let turn = upstreams.learnt.probe_turn(&group.name);
+    let turn = learnt.probe_turn(&group.name);
     let _turn = turn.lock().await;
-    let now = upstreams.learnt.get(&group.name);
-    if now.session_replay_probes != before.session_replay_probes {
+    let now = learnt.store(&group.name, at);
+    if now.probes != before.probes {
         return now.session_replay;
     }
     let verdict = probe(upstreams, group, endpoint, caller).await;
-    upstreams.learnt.update(&group.name, |facts| {
+    learnt.update_store(&group.name, at, |facts| {
         facts.session_replay = verdict;
-        facts.session_replay_probes = facts.session_replay_probes.wrapping_add(1);
-        facts.session_replay_retry_at =
+        facts.probes = facts.probes.wrapping_add(1);
+        facts.retry_at =
             (verdict == SessionReplay::Unknown).then(|| Instant::now() + RETRY_AFTER_FAILED_PROBE);
     });
     if verdict == SessionReplay::Unknown {
-        tracing::info!(group = %group.name, retry_in = ?RETRY_AFTER_FAILED_PROBE, "could not probe whether the upstream's event store keeps sessions apart; GET streams reopen fresh meanwhile");
+        tracing::info!(group = %group.name, endpoint = %at, retry_in = ?RETRY_AFTER_FAILED_PROBE, "could not probe whether the upstream's event store keeps sessions apart; GET streams reopen fresh meanwhile");
     } else {
-        tracing::info!(group = %group.name, verdict = ?verdict, "probed whether the upstream's event store keeps sessions apart");
+        tracing::info!(group = %group.name, endpoint = %at, verdict = ?verdict, "probed whether the upstream's event store keeps sessions apart");
     }
     verdict
 }
 
-/// Takes the verdict a retry's state carries, as a probe's (requests waiting for a probe
-/// of the group take it too), unless a probe here has given one meanwhile.
-fn take_sealed(upstreams: &UpstreamSide, group: &UpstreamGroup, kept_apart: bool) -> SessionReplay {
+/// Takes the verdict a retry's state carries for its endpoint, as a probe's (requests
+/// waiting for a probe of the group take it too), unless a probe here has given one
+/// meanwhile.
+fn take_sealed(
+    upstreams: &UpstreamSide,
+    group: &UpstreamGroup,
+    at: SocketAddr,
+    kept_apart: bool,
+) -> SessionReplay {
     let mut verdict = SessionReplay::of_kept_apart(kept_apart);
-    let before = upstreams.learnt.update(&group.name, |facts| {
+    let before = upstreams.learnt.update_store(&group.name, at, |facts| {
         if facts.session_replay != SessionReplay::Unknown {
             verdict = facts.session_replay;
             return;
         }
         facts.session_replay = verdict;
-        facts.session_replay_probes = facts.session_replay_probes.wrapping_add(1);
-        facts.session_replay_retry_at = None;
+        facts.probes = facts.probes.wrapping_add(1);
+        facts.retry_at = None;
     });
     if before.session_replay == SessionReplay::Unknown {
-        tracing::info!(group = %group.name, verdict = ?verdict, "took whether the upstream's event store keeps sessions apart from the state another replica sealed");
+        tracing::info!(group = %group.name, endpoint = %at, verdict = ?verdict, "took whether the upstream's event store keeps sessions apart from the state another replica sealed");
     }
     verdict
 }
