@@ -168,8 +168,9 @@ pub struct Learnt {
     call_hasher: RandomState,
     /// Per group, the turn to probe it: held for the whole probe.
     probe_turns: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
-    /// Each endpoint's store, by group name and address.
-    stores: Mutex<HashMap<(String, SocketAddr), StoreLearnt>>,
+    /// Each endpoint's store, by group name then address: looked up by `&str`, so a
+    /// round's lookup copies nothing.
+    stores: Mutex<HashMap<String, HashMap<SocketAddr, StoreLearnt>>>,
 }
 
 impl Learnt {
@@ -195,8 +196,8 @@ impl Learnt {
     /// What is known of the store at `endpoint` of `group`.
     pub fn store(&self, group: &str, endpoint: SocketAddr) -> StoreLearnt {
         let stores = self.stores.lock().expect("learnt lock");
-        let key = (group.to_string(), endpoint);
-        stores.get(&key).copied().unwrap_or_default()
+        let known = stores.get(group).and_then(|group| group.get(&endpoint));
+        known.copied().unwrap_or_default()
     }
 
     /// Applies `learn` to what is known of the store at `endpoint` of `group`; returns it
@@ -209,10 +210,15 @@ impl Learnt {
     ) -> StoreLearnt {
         let (before, after) = {
             let mut stores = self.stores.lock().expect("learnt lock");
-            if stores.len() >= MAX_STORES {
+            let known = stores.get(group).is_some_and(|g| g.contains_key(&endpoint));
+            if !known && stores.values().map(HashMap::len).sum::<usize>() >= MAX_STORES {
                 stores.clear();
             }
-            let facts = stores.entry((group.to_string(), endpoint)).or_default();
+            if !stores.contains_key(group) {
+                stores.insert(group.to_string(), HashMap::new());
+            }
+            let group_stores = stores.get_mut(group).expect("inserted");
+            let facts = group_stores.entry(endpoint).or_default();
             let before = *facts;
             learn(facts);
             (before, *facts)
@@ -265,6 +271,43 @@ mod tests {
         assert_eq!(before.resumption_primes, None);
         assert_eq!(learnt.get("g").resumption_primes, Some(true));
         assert_eq!(learnt.get("other"), GroupLearnt::default());
+    }
+
+    /// An endpoint's store verdict is its own, and the group's latest; past
+    /// `MAX_STORES` endpoints all are forgotten, and one already known is never the one
+    /// that makes room.
+    #[test]
+    fn store_facts_are_per_endpoint_and_bounded() {
+        let learnt = Learnt::default();
+        let at = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
+        let before = learnt.update_store("g", at(1), |f| {
+            f.session_replay = SessionReplay::Scoped;
+        });
+        assert_eq!(before, StoreLearnt::default());
+        assert_eq!(
+            learnt.store("g", at(1)).session_replay,
+            SessionReplay::Scoped
+        );
+        assert_eq!(learnt.store("g", at(2)), StoreLearnt::default());
+        assert_eq!(learnt.store("h", at(1)), StoreLearnt::default());
+        assert_eq!(learnt.get("g").session_replay, SessionReplay::Scoped);
+        for port in 2..=MAX_STORES as u16 {
+            learnt.update_store("h", at(port), |f| f.probes = 1);
+        }
+        learnt.update_store("g", at(1), |f| f.probes = 1);
+        assert_eq!(
+            learnt.store("g", at(1)).probes,
+            1,
+            "a known endpoint makes no room"
+        );
+        learnt.update_store("g", at(2), |f| f.probes = 2);
+        assert_eq!(learnt.store("g", at(2)).probes, 2);
+        assert_eq!(
+            learnt.store("g", at(1)),
+            StoreLearnt::default(),
+            "all forgotten"
+        );
+        assert_eq!(learnt.store("h", at(2)), StoreLearnt::default());
     }
 
     /// A run teaches only when its failures, counted once the upstream served other
