@@ -106,6 +106,10 @@ const SETTLE_UNKNOWN: Duration = Duration::from_millis(300);
 /// first event withholds it until the question is answered, while one that sends it at
 /// once takes a few milliseconds even when busy.
 const WITHHELD_AFTER: Duration = Duration::from_millis(100);
+/// Why a held call is given up when its holder is gone, or no longer holds it: nobody
+/// will answer the call's questions, and nobody else ends it (a replica that died took
+/// its held table and its reaper with it).
+const HOLDER_GONE: &str = "the replica holding the call is gone";
 /// What a refusal tells the client when nothing of its retry reached the upstream.
 const SAME_RETRY_AGAIN: &str = "send the same retry again: its requestState is still good";
 
@@ -180,6 +184,19 @@ impl FailureKind {
                 FailureKind::Refused(status) => refused_for_now(status),
                 _ => false,
             }
+    }
+
+    /// A session failed in a way that shows the request did not run there and the
+    /// session may serve no one any more: the upstream forgot it (a 404; or a 400, how
+    /// servers built on the TypeScript SDK's examples, server-everything among them,
+    /// answer a session they do not know), or its endpoint takes no connection (down, or
+    /// gone from the group's answer). A 400 the request itself earned is earned again on
+    /// a new session.
+    pub fn may_be_forgotten_session(self) -> bool {
+        matches!(
+            self,
+            FailureKind::Gone | FailureKind::Unreachable | FailureKind::Refused(400)
+        )
     }
 
     /// The upstream read the request and refused it as such: the same request will be
@@ -825,7 +842,7 @@ impl Flow {
                     flow.answer(Retry::new(call, pending, responses, then), now)
                 }
                 None => {
-                    flow.holder_gone(&call);
+                    flow.give_up(&call, HOLDER_GONE);
                     flow.lost(Lost::Holder, &pending, &responses, now)
                 }
             },
@@ -850,7 +867,7 @@ impl Flow {
         let pending = state.waiting.pending().to_vec();
         let mut flow = Flow::with(config, Common::of(&state), now);
         if let Some(call) = state.waiting.call().filter(|_| cause == Lost::Holder) {
-            flow.holder_gone(call);
+            flow.give_up(call, HOLDER_GONE);
         }
         flow.phase = flow.lost(cause, &pending, &responses, now);
         flow
@@ -1304,13 +1321,10 @@ impl Flow {
         let warm = std::mem::take(&mut self.warm_session);
         let reply = match reply {
             Ok(reply) => reply,
-            Err(failure)
-                if warm && (failure.is_lost() || failure.kind == FailureKind::Refused(400)) =>
-            {
-                // A session initialized ahead of demand that the upstream forgot (a 404,
-                // or the 400 servers built on the TypeScript SDK's examples answer a
-                // session they do not know with), or whose endpoint went away, ran
-                // nothing: the call goes out on a session opened now.
+            Err(failure) if warm && failure.kind.may_be_forgotten_session() => {
+                // A session initialized ahead of demand that the upstream forgot, or
+                // whose endpoint went away, ran nothing: the call goes out on a session
+                // opened now.
                 self.commands.push_back(Command::CloseStreams);
                 self.commands.push_back(Command::OpenSession);
                 return Phase::Opening;
@@ -2566,13 +2580,6 @@ impl Flow {
     /// session deleted, or, in a data-layer session, the call cancelled by id as a legacy
     /// client cancels one (closing its stream does not: 2025-11-25, Cancellation), so
     /// that the tool stops instead of waiting on until the server's own timeout.
-    /// The replica holding the call is gone, or no longer holds it: nobody will answer
-    /// the call's questions, and nobody else ends it (a replica that died took its held
-    /// table and its reaper with it).
-    fn holder_gone(&mut self, call: &UpstreamCall) {
-        self.give_up(call, "the replica holding the call is gone");
-    }
-
     fn give_up(&mut self, call: &UpstreamCall, reason: &'static str) {
         if !call.data_session {
             return self.commands.push_back(Command::DeleteSession);

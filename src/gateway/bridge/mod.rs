@@ -27,7 +27,7 @@ use crate::gateway::reaper::Reaper;
 use crate::metrics::method_label;
 use crate::mrtr::data_session::META_KEY;
 pub(crate) use crate::mrtr::flow::fresh_call_id;
-use crate::mrtr::flow::Failure;
+use crate::mrtr::flow::{Failure, FailureKind};
 use crate::mrtr::modern::{
     check_header_version, gateway_code as scode, ModernHeaders, ModernRequest, SUPPORTED_VERSIONS,
 };
@@ -37,7 +37,6 @@ use crate::outcome::Report;
 use crate::outcome::{Class, Outcome, Refusal};
 use crate::protocol::jsonrpc::{self, code, Body};
 use crate::protocol::oauth;
-use crate::upstream::exchange::ExchangeFailure;
 use crate::upstream::legacy_session::{
     read_single, Caller, LegacySession, SessionError, SessionFailure,
 };
@@ -47,6 +46,7 @@ use one_shot::{KeptSessions, Shape};
 use pingora::protocols::http::ServerSession;
 use reply::{decorate, ClientReply};
 use serde_json::{json, Value};
+use std::borrow::Cow;
 use std::time::Instant;
 use tracing::Instrument;
 
@@ -526,7 +526,7 @@ async fn one_shot(
                     // The upstream forgot the session, or its endpoint takes no connection:
                     // either way it did not take the request, which goes again on a new
                     // session (on a healthy endpoint).
-                    Err(e) if lost_kept_session(e.failure()) => {
+                    Err(e) if FailureKind::from(e.failure()).may_be_forgotten_session() => {
                         gw.upstreams.kept_sessions.forget(&shape, &kept.session_id)
                     }
                     answer => {
@@ -556,20 +556,6 @@ async fn one_shot(
     .await;
     one_shot::retire(&gw.upstreams, retired).await;
     outcome
-}
-
-/// Whether a kept session failed in a way that shows the request did not run and the
-/// session may serve no one any more: the upstream forgot it (a 404; or a 400, how
-/// servers built on the TypeScript SDK's examples, server-everything among them, answer a
-/// session they do not know), or its endpoint takes no connection (down, or gone from the
-/// group's answer). A 400 the request itself earned is earned again on a new session.
-fn lost_kept_session(failure: &SessionFailure) -> bool {
-    matches!(
-        failure,
-        SessionFailure::Gone
-            | SessionFailure::Refused(400)
-            | SessionFailure::Exchange(ExchangeFailure::Connect)
-    )
 }
 
 /// Refuses what the peer listener does not serve (anything but a retry of a flow this
@@ -704,22 +690,21 @@ pub(crate) async fn finish_with(
             // 2026-07-28 reserves: -32002 (resource not found up to 2025-11-25) is said
             // with -32602; -32042 (URL elicitation required) arrives here only when
             // none of its elicitations had a url and a message to ask the client with.
-            let mut text = error["message"]
+            let said = error["message"]
                 .as_str()
-                .unwrap_or("the upstream answered with an error that has no message")
-                .to_string();
-            let code = match error["code"].as_i64() {
-                Some(LEGACY_RESOURCE_NOT_FOUND) => code::INVALID_PARAMS,
-                Some(Round::URL_ELICITATION_REQUIRED) => {
-                    text = format!(
-                        "the upstream needs a URL-mode elicitation but named no url and message to ask it with: {text}"
-                    );
-                    code::INTERNAL_ERROR
-                }
-                Some(code) => code,
-                None => code::INTERNAL_ERROR,
+                .unwrap_or("the upstream answered with an error that has no message");
+            let (code, text) = match error["code"].as_i64() {
+                Some(LEGACY_RESOURCE_NOT_FOUND) => (code::INVALID_PARAMS, Cow::Borrowed(said)),
+                Some(Round::URL_ELICITATION_REQUIRED) => (
+                    code::INTERNAL_ERROR,
+                    Cow::Owned(format!(
+                        "the upstream needs a URL-mode elicitation but named no url and message to ask it with: {said}"
+                    )),
+                ),
+                Some(code) => (code, Cow::Borrowed(said)),
+                None => (code::INTERNAL_ERROR, Cow::Borrowed(said)),
             };
-            let text = text.as_str();
+            let text = text.as_ref();
             let data = error.get("data").cloned();
             if code == code::METHOD_NOT_FOUND {
                 // A method the server does not serve (prompts/list of one without
