@@ -252,6 +252,38 @@ impl Harness {
         self.now = until;
     }
 
+    /// Ends the call's stream, then advances the clock a millisecond at a time until the
+    /// flow opens it again (how long that took) or finishes (`None`).
+    fn end_call_stream_and_await_reopen(&mut self) -> Option<Duration> {
+        let opens = |h: &Harness| {
+            let call_stream = |c: &&Command| {
+                matches!(
+                    c,
+                    Command::Get(StreamGet::Reopen { .. })
+                        | Command::Get(StreamGet::Open {
+                            stream: Stream::Call,
+                            ..
+                        })
+                )
+            };
+            h.log.iter().filter(call_stream).count()
+        };
+        let before = opens(self);
+        self.feed(Input::StreamEnded(Stream::Call));
+        let mut waited = Duration::ZERO;
+        while waited < Duration::from_secs(10) {
+            if self.ending.is_some() {
+                return None;
+            }
+            if opens(self) > before {
+                return Some(waited);
+            }
+            self.advance(Duration::from_millis(1));
+            waited += Duration::from_millis(1);
+        }
+        panic!("neither reopened nor finished: {:?}", self.log);
+    }
+
     fn ending(&self) -> &Ending {
         self.ending.as_ref().expect("the flow finished")
     }
@@ -1360,32 +1392,18 @@ fn an_event_over_the_limit_ends_the_call_without_a_resumption() {
 fn an_empty_resumption_is_tried_again_within_milliseconds_and_given_up_after_300() {
     let first = first_round();
     let mut h = answered(&first, "Ada");
-    let opens = |h: &Harness| {
-        h.log
-            .iter()
-            .filter(|c| is_open(Stream::Call, Some("c2"))(c))
-            .count()
-    };
-    let given_up = |h: &Harness| {
-        h.log
-            .contains(&Command::Learn(Learnt::ReplayRefused { empty: true }))
-    };
     let (mut waits, mut patience) = (Vec::new(), Duration::ZERO);
     for _ in 0..=EMPTY_RETRIES {
-        let before = opens(&h);
-        h.feed(Input::StreamEnded(Stream::Call));
-        let mut waited = Duration::ZERO;
-        while opens(&h) == before && !given_up(&h) && waited < Duration::from_secs(1) {
-            h.advance(Duration::from_millis(1));
-            waited += Duration::from_millis(1);
-        }
-        if given_up(&h) {
+        let Some(waited) = h.end_call_stream_and_await_reopen() else {
             break;
-        }
+        };
         waits.push(waited);
         patience += waited;
     }
-    assert!(given_up(&h), "never gave up: {waits:?}");
+    let given_up = h
+        .log
+        .contains(&Command::Learn(Learnt::ReplayRefused { empty: true }));
+    assert!(given_up, "never gave up: {waits:?}");
     assert!(waits[0] <= Duration::from_millis(5), "{waits:?}");
     assert!(patience >= Duration::from_millis(300), "{waits:?}");
 }
@@ -1505,23 +1523,9 @@ fn a_data_session_call_that_cannot_be_resumed_is_cancelled_one_that_may_later_st
         let mut h = retry_of(&first, in_data_session(), upstream, responses);
         if then_ends {
             // Each resumed stream ends with nothing in it, as soon as it opens.
-            let opens = |h: &Harness| {
-                h.log
-                    .iter()
-                    .filter(|c| is_open(Stream::Call, Some("c2"))(c))
-                    .count()
-            };
             for _ in 0..16 {
-                if h.ending.is_some() {
+                if h.end_call_stream_and_await_reopen().is_none() {
                     break;
-                }
-                let before = opens(&h);
-                h.feed(Input::StreamEnded(Stream::Call));
-                for _ in 0..1000 {
-                    if h.ending.is_some() || opens(&h) > before {
-                        break;
-                    }
-                    h.advance(Duration::from_millis(1));
                 }
             }
         }
@@ -1549,37 +1553,12 @@ fn a_data_session_call_that_cannot_be_resumed_is_cancelled_one_that_may_later_st
 fn only_a_run_of_empty_resumptions_ends_a_round() {
     let first = first_round();
     let mut h = answered(&first, "Ada");
-    let opens = |h: &Harness| {
-        h.log
-            .iter()
-            .filter(|c| {
-                matches!(
-                    c,
-                    Command::Get(StreamGet::Open {
-                        stream: Stream::Call,
-                        ..
-                    })
-                )
-            })
-            .count()
-    };
-    let end_and_reopen = |h: &mut Harness| {
-        let before = opens(h);
-        h.feed(Input::StreamEnded(Stream::Call));
-        for _ in 0..10_000 {
-            if h.ending.is_some() || opens(h) > before {
-                return;
-            }
-            h.advance(Duration::from_millis(1));
-        }
-        panic!("not reopened: {:?}", h.log);
-    };
     for run in 0..3 {
         for _ in 0..4 {
-            end_and_reopen(&mut h);
+            assert!(h.end_call_stream_and_await_reopen().is_some());
         }
         h.event(Stream::Call, Some(&format!("p{run}")), &json!(""));
-        end_and_reopen(&mut h);
+        assert!(h.end_call_stream_and_await_reopen().is_some());
     }
     assert!(h.ending.is_none(), "{:?}", h.ending);
 }
