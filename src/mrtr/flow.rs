@@ -846,12 +846,32 @@ impl Flow {
                     flow.lost(Lost::Holder, &pending, &responses, now)
                 }
             },
+            Waiting::Reissue { call } if declines_every_question(&responses) => {
+                flow.unspent = false;
+                flow.declined_url_elicitation(&call)
+            }
             Waiting::Reissue { call } => {
                 let retry = Retry::new(call, Vec::new(), responses, AfterAnswers::Reissue);
                 flow.answer(retry, now)
             }
         };
         flow
+    }
+
+    /// The user declined (or cancelled) the URL elicitation the server needs before it
+    /// runs the call: the call is not issued again, as a legacy client does not retry
+    /// one whose URL the user refused (the server would only ask again, and a tool that
+    /// acts before it asks would act again). Its session ends with it.
+    fn declined_url_elicitation(&mut self, call: &UpstreamCall) -> Phase {
+        self.delete_session(call);
+        let text = format!(
+            "the user declined the URL-mode elicitation upstream group '{}' needs before it runs {} '{}' (its -32042 error); the call was not issued again",
+            self.config.group, self.config.method, self.config.target
+        );
+        self.finish(Ending::Refused(Refusal::internal(
+            Class::UpstreamError,
+            text,
+        )))
     }
 
     /// A retry whose call is lost before anything is tried (`cause`): a held flow whose
@@ -2716,6 +2736,15 @@ fn cancellation_of(call: &UpstreamCall, reason: &'static str) -> Cancellation {
 /// Whether the call's response is a 2025-11-25 URL-elicitation-required error.
 fn is_url_required(message: &Value) -> bool {
     message["error"]["code"].as_i64() == Some(Round::URL_ELICITATION_REQUIRED)
+}
+
+/// Whether a retry answers its questions, and declines or cancels every one
+/// (`ElicitResult.action`): a retry without answers, or with any other, goes on.
+fn declines_every_question(responses: &Map<String, Value>) -> bool {
+    !responses.is_empty()
+        && responses
+            .values()
+            .all(|r| matches!(r["action"].as_str(), Some("decline" | "cancel")))
 }
 
 /// A fresh id for a call posted upstream (and for each re-issue): random, between 2^32

@@ -466,6 +466,44 @@ fn server_everything_url_elicitation_its_error_path_and_roots_through_the_bridge
     );
 }
 
+/// server-everything's URL elicitation whose error path (-32042) the user declines: the
+/// call is not issued again (it would ask again, now for its own URL) and the client
+/// hears that the user declined what the server needs.
+#[test]
+fn a_declined_url_elicitation_required_error_ends_the_call_without_issuing_it_again() {
+    let (_upstream, url) = start_upstream(Upstream::Everything);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let caps = json!({"elicitation": {"form": {}, "url": {}}});
+    let arguments = json!({"url": "https://modelcontextprotocol.io", "errorPath": true});
+    let params = |extra: Value| {
+        let mut params = json!({"name": "trigger-url-elicitation", "arguments": arguments});
+        params
+            .as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        params
+    };
+    let asked = raw
+        .modern(1, "tools/call", params(json!({})), caps.clone())
+        .json();
+    let result = &asked["result"];
+    assert_eq!(result["resultType"], "input_required", "{asked}");
+    let requests = result["inputRequests"].as_object().unwrap();
+    assert_eq!(requests.len(), 1, "{asked}");
+    let (key, question) = requests.iter().next().unwrap();
+    assert_eq!(question["params"]["mode"], "url", "{asked}");
+    let declined = json!({"inputResponses": {key: {"action": "decline"}}, "requestState": result["requestState"]});
+    let reply = raw.modern(2, "tools/call", params(declined), caps).json();
+    assert_eq!(reply["id"], 2);
+    assert_eq!(reply["error"]["code"], -32603, "{reply}");
+    let message = reply["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("declined the URL-mode elicitation"),
+        "{reply}"
+    );
+}
+
 /// Reads an SSE response to its end: the notifications, then the final message.
 fn notifications_then_result(reply: &mut Reply) -> (Vec<Value>, Value) {
     let mut messages = Vec::new();

@@ -2159,6 +2159,51 @@ fn a_url_elicitation_required_error_is_asked_then_the_call_is_posted_again() {
     assert_eq!(h.refusal().code, mcode::MISSING_REQUIRED_CLIENT_CAPABILITY);
 }
 
+/// A retry that declines (or cancels) every URL elicitation does not issue the call
+/// again: the user refused what the server needs, as a legacy client whose user refuses
+/// the URL does not retry. Its session ends. One answering any of them otherwise, or
+/// none, goes on with a re-issue (the server decides whether the visit happened).
+#[test]
+fn a_declined_url_elicitation_does_not_issue_the_call_again() {
+    let caps = with_url_elicitation();
+    let (h, _) = url_required_round(caps.clone());
+    let retry = |responses: Value| {
+        Harness::retry(
+            caps.clone(),
+            Upstream::default(),
+            h.state(),
+            responses,
+            None,
+        )
+    };
+    let posts = |h: &Harness| {
+        h.log
+            .iter()
+            .filter(|c| matches!(c, Command::PostCall { .. }))
+            .count()
+    };
+    for action in ["decline", "cancel"] {
+        let declined = retry(json!({"url_0": {"action": action}}));
+        assert_eq!(posts(&declined), 0, "{:?}", declined.log);
+        assert!(declined.log.contains(&Command::DeleteSession));
+        assert!(!declined.log.contains(&Command::ReleaseClaim));
+        let refusal = declined.refusal();
+        assert_eq!(refusal.code, crate::protocol::jsonrpc::code::INTERNAL_ERROR);
+        assert!(
+            refusal
+                .message
+                .contains("declined the URL-mode elicitation"),
+            "{refusal}"
+        );
+    }
+    let with_two = json!({"url_0": {"action": "decline"}, "url_1": {"action": "accept"}});
+    for goes_on in [with_two, json!({})] {
+        let h = retry(goes_on);
+        assert_eq!(posts(&h), 1, "{:?}", h.log);
+        assert!(h.ending.is_none());
+    }
+}
+
 #[test]
 fn a_round_that_hears_nothing_ends_at_the_silence_limit() {
     let first = first_round();
