@@ -61,9 +61,9 @@ pub struct UpstreamSide {
     /// The pooled client; it counts into the gateway's metrics. Shared with the work a
     /// request leaves behind (deleting its session, warming the next).
     pub client: Arc<UpstreamClient>,
-    /// Each group's `serverInfo`, from the latest session opened there: it names the
-    /// server in every modern result.
-    server_infos: Mutex<HashMap<String, Value>>,
+    /// Each group's `serverInfo`, from the latest sessions opened there, by who they were
+    /// opened for: it names the server in every modern result.
+    server_infos: Mutex<ServerInfos>,
     /// For `era: auto` groups, what the probe found.
     modern_only: Mutex<HashMap<String, Probed>>,
     /// What this replica learnt about each group's upstream: refused resumptions (with
@@ -124,17 +124,13 @@ impl UpstreamSide {
         }
     }
 
-    /// Keeps the `serverInfo` of an InitializeResult of `group` (taken out of the lock:
-    /// only that part, and cloned before it is taken).
-    pub fn remember_initialize(&self, group: &UpstreamGroup, result: &Value) {
+    /// Keeps the `serverInfo` of an InitializeResult of `group` for `caller` (taken out
+    /// of the lock: only that part, and cloned before it is taken).
+    pub fn remember_initialize(&self, group: &UpstreamGroup, caller: &Caller, result: &Value) {
         let info = result["serverInfo"].clone();
+        let who = caller.headers.digest();
         let mut cache = self.server_infos.lock().expect("server info cache lock");
-        match cache.get_mut(&group.name) {
-            Some(known) => *known = info,
-            None => {
-                cache.insert(group.name.clone(), info);
-            }
-        }
+        cache.remember(&group.name, who, info);
     }
 
     /// Opens an upstream session on a healthy endpoint of `group` with the client's
@@ -173,7 +169,7 @@ impl UpstreamSide {
             }
         };
         match &opened {
-            Ok((_, result)) => self.remember_initialize(group, result),
+            Ok((_, result)) => self.remember_initialize(group, caller, result),
             Err(e) if e.failure().doubts_legacy_era() => self.doubt_era(group, false),
             Err(_) => {}
         }
@@ -399,12 +395,108 @@ impl UpstreamSide {
         }
     }
 
-    /// The upstream's serverInfo for modern results, once known.
-    pub fn server_info(&self, group: &UpstreamGroup) -> Value {
+    /// The upstream's serverInfo for a modern result to `request`, once known
+    /// (`ServerInfos::get`); else one naming the group.
+    pub fn server_info(&self, group: &UpstreamGroup, request: &ModernRequest) -> Value {
+        let who = request.headers.digest();
         let cache = self.server_infos.lock().expect("server info cache lock");
-        match cache.get(&group.name) {
+        match cache.get(&group.name, &who) {
             Some(info) if !info.is_null() => info.clone(),
             _ => json!({"name": group.name, "version": "unknown"}),
         }
+    }
+}
+
+/// Most `serverInfo`s kept, over all groups; past it, all are forgotten.
+const MAX_SERVER_INFOS: usize = 4096;
+
+/// The `serverInfo`s upstream sessions were opened with, per group, by the digest of
+/// the headers that decide who the upstream serves (`EndToEnd::digest`): a server may
+/// name its caller there (a tenant, a user), which no other caller is shown.
+#[derive(Default)]
+pub struct ServerInfos {
+    groups: HashMap<String, GroupServerInfos>,
+    count: usize,
+}
+
+#[derive(Default)]
+struct GroupServerInfos {
+    by_caller: HashMap<[u8; 32], Value>,
+    /// Every caller was given the same one so far.
+    uniform: bool,
+}
+
+impl ServerInfos {
+    fn remember(&mut self, group: &str, who: [u8; 32], info: Value) {
+        let known = self
+            .groups
+            .get(group)
+            .is_some_and(|g| g.by_caller.contains_key(&who));
+        if !known && self.count >= MAX_SERVER_INFOS {
+            *self = ServerInfos::default();
+        }
+        if !self.groups.contains_key(group) {
+            self.groups
+                .insert(group.to_string(), GroupServerInfos::default());
+        }
+        let infos = self.groups.get_mut(group).expect("inserted");
+        let others = infos.by_caller.iter().find(|(w, _)| **w != who);
+        infos.uniform = match others {
+            None => true,
+            Some((_, other)) => infos.uniform && *other == info,
+        };
+        if infos.by_caller.insert(who, info).is_none() {
+            self.count += 1;
+        }
+    }
+
+    /// The caller's own, or, where at least two callers were given the same and none
+    /// another, that one: the server names nobody there.
+    fn get(&self, group: &str, who: &[u8; 32]) -> Option<&Value> {
+        let infos = self.groups.get(group)?;
+        match infos.by_caller.get(who) {
+            Some(own) => Some(own),
+            None if infos.uniform && infos.by_caller.len() >= 2 => infos.by_caller.values().next(),
+            None => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A caller is shown its own `serverInfo`; one the replica has not opened a session
+    /// for is shown the group's only where two or more callers were all given the same,
+    /// never one that names another caller.
+    #[test]
+    fn a_caller_is_shown_its_own_server_info_or_one_every_caller_was_given() {
+        let mut infos = ServerInfos::default();
+        let (ada, bob, cy) = ([1; 32], [2; 32], [3; 32]);
+        let named = |who: &str| json!({"name": "s", "title": who});
+        infos.remember("g", ada, named("Ada"));
+        assert_eq!(infos.get("g", &ada), Some(&named("Ada")));
+        assert_eq!(infos.get("g", &bob), None, "one caller's may name it");
+        infos.remember("g", bob, named("Bob"));
+        assert_eq!(infos.get("g", &bob), Some(&named("Bob")));
+        assert_eq!(infos.get("g", &cy), None, "they differ");
+        assert_eq!(infos.get("other", &ada), None);
+
+        let mut alike = ServerInfos::default();
+        let plain = json!({"name": "s", "version": "1"});
+        alike.remember("g", ada, plain.clone());
+        alike.remember("g", ada, plain.clone());
+        assert_eq!(alike.get("g", &cy), None, "one caller twice is one caller");
+        alike.remember("g", bob, plain.clone());
+        assert_eq!(alike.get("g", &cy), Some(&plain));
+        alike.remember("g", cy, named("Cy"));
+        assert_eq!(alike.get("g", &[4; 32]), None, "no longer alike");
+
+        let mut many = ServerInfos::default();
+        for i in 0..=MAX_SERVER_INFOS {
+            let who: [u8; 32] = std::array::from_fn(|b| (i >> (8 * (b % 4))) as u8);
+            many.remember("g", who, plain.clone());
+        }
+        assert!(many.count <= MAX_SERVER_INFOS);
     }
 }

@@ -85,3 +85,47 @@ pub fn parked_flows_case() -> usize {
 fn many_parked_flows_each_complete_with_their_own_answer() {
     parked_flows_case();
 }
+
+/// A server that names its caller in its `serverInfo` (a tenant, a user): each caller's
+/// results carry its own, never the one the group's latest session was opened with for
+/// someone else.
+#[test]
+fn a_server_info_naming_its_caller_is_shown_to_that_caller_only() {
+    use crate::scripted::{legacy_basics, Answer, ScriptedUpstream, Seen};
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        let who = seen.header("authorization").unwrap_or("nobody").to_string();
+        let session = format!("s-{}", who.replace(' ', "-"));
+        let body = seen.json().unwrap_or_default();
+        if body["method"] == "initialize" {
+            let result = json!({"jsonrpc": "2.0", "id": body["id"], "result": {
+                "protocolVersion": "2025-11-25", "capabilities": {"tools": {}},
+                "serverInfo": {"name": "tenant-server", "version": "1", "title": who}}});
+            return Answer::json_with(200, &[("mcp-session-id", &session)], &result);
+        }
+        if let Some(reply) = legacy_basics(seen, &session) {
+            return reply;
+        }
+        let tools = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}});
+        Answer::json(200, &tools)
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let list_as = |who: &str, id: u64| {
+        let bearer = format!("Bearer {who}");
+        let headers = [("authorization", bearer.as_str())];
+        let reply = raw.modern_with(id, "tools/list", json!({}), json!({}), &headers);
+        let body = reply.json();
+        body["result"]["_meta"]["io.modelcontextprotocol/serverInfo"]["title"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no serverInfo title: {body}"))
+            .to_string()
+    };
+    assert_eq!(list_as("ada", 1), "Bearer ada");
+    assert_eq!(list_as("bob", 2), "Bearer bob");
+    // Ada's next request runs on her kept session; Bob's session was opened last.
+    assert_eq!(
+        list_as("ada", 3),
+        "Bearer ada",
+        "Ada was shown Bob's serverInfo"
+    );
+}

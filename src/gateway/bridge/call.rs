@@ -1468,7 +1468,7 @@ async fn finish(
     let Call {
         gw, group, request, ..
     } = *call;
-    let server_info = &gw.upstreams.server_info(group);
+    let server_info = &gw.upstreams.server_info(group, request);
     match ending {
         Ending::Complete {
             message,

@@ -502,7 +502,7 @@ async fn one_shot(
         };
         let answer = ask_once(gw, &upstream, request).await;
         end_session(&gw.upstreams.reaper, &upstream).await;
-        return answered(gw, session, group, reply, answer).await;
+        return answered(gw, session, (group, request), reply, answer).await;
     }
     let shape = one_shot_shape(group, request, principal);
     let mut retired = Vec::new();
@@ -531,7 +531,7 @@ async fn one_shot(
                     }
                     answer => {
                         gw.runtime.metrics.upstream_session("reused");
-                        return answered(gw, session, group, reply, answer).await;
+                        return answered(gw, session, (group, request), reply, answer).await;
                     }
                 }
             }
@@ -551,7 +551,7 @@ async fn one_shot(
             }
             _ => end_session(&gw.upstreams.reaper, &upstream).await,
         }
-        answered(gw, session, group, reply, answer).await
+        answered(gw, session, (group, request), reply, answer).await
     }
     .await;
     one_shot::retire(&gw.upstreams, retired).await;
@@ -583,7 +583,7 @@ async fn ask_once(
 async fn answered(
     gw: &Gateway,
     session: &mut ServerSession,
-    group: &UpstreamGroup,
+    (group, request): (&UpstreamGroup, &ModernRequest),
     reply: ClientReply,
     answer: Result<Value, SessionError>,
 ) -> Outcome {
@@ -593,7 +593,7 @@ async fn answered(
                 reply,
                 session,
                 message,
-                &gw.upstreams.server_info(group),
+                &gw.upstreams.server_info(group, request),
                 true,
             )
             .await

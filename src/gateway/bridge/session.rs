@@ -306,7 +306,7 @@ pub(super) async fn delete(
     reply
         .result(
             session,
-            decorate(result, &gw.upstreams.server_info(group), false),
+            decorate(result, &gw.upstreams.server_info(group, request), false),
         )
         .await;
     Outcome::Ok
