@@ -348,9 +348,10 @@ pub struct BridgeOptions {
     pub max_warm_sessions_per_principal: usize,
     /// A warm session unused this long is deleted, and never handed to a call.
     pub warm_session_idle_seconds: u64,
-    /// Seal `requestState`s in the previous release's layout, which its replicas open:
-    /// for the first phase of a rolling upgrade, until no replica of it is left. (Every
-    /// release opens its own layout and the previous one.)
+    /// Seal `requestState`s in the previous release's layout, and session tokens and
+    /// data-layer cookies in its format version, which its replicas open: for the first
+    /// phase of a rolling upgrade, until no replica of it is left. (Every release opens
+    /// its own layout and the previous one.)
     pub seal_previous_version: bool,
     /// Most abandoned-flow sessions one replica watches; beyond it new interactive flows
     /// are refused rather than left unwatched.
@@ -424,6 +425,12 @@ impl Default for BridgeOptions {
 }
 
 impl BridgeOptions {
+    /// The format version this replica seals session tokens and cookies in
+    /// (`seal_previous_version`; states follow it in their own layout).
+    pub fn sealing_version(&self) -> u8 {
+        crate::seal::sealing_version(self.seal_previous_version)
+    }
+
     /// Refuses a bound of 0 where it would refuse every flow, or keep nothing of a
     /// feature left on: (field, value, the feature it bounds while that is on).
     fn check_nonzero(&self) -> Result<(), ConfigError> {

@@ -140,9 +140,31 @@ pub fn seal_for_principal<T: Serialize>(
     principal: &[u8],
     value: &T,
 ) -> String {
+    seal_for_principal_as(ring, purpose, VERSION, principal, value)
+}
+
+/// [`seal_for_principal`] marked as format `version` (`sealing_version`).
+pub fn seal_for_principal_as<T: Serialize>(
+    ring: &KeyRing,
+    purpose: Purpose,
+    version: u8,
+    principal: &[u8],
+    value: &T,
+) -> String {
     let plain = postcard::to_extend(&(principal_tag(principal), value), Vec::with_capacity(128))
         .expect("sealed values always serialize");
-    seal(ring, purpose, b"", &plain)
+    seal_version(ring, purpose, version, b"", &plain)
+}
+
+/// The format version a replica seals in: the previous one while `previous` (the first
+/// phase of a rolling upgrade, when replicas of the release before still run and open
+/// only that one), else the current. Every layout but the `requestState`'s reads the
+/// same in both, bar extensions after it, which the release before skips.
+pub fn sealing_version(previous: bool) -> u8 {
+    match previous {
+        true => OLDEST_VERSION,
+        false => VERSION,
+    }
 }
 
 /// Opens text produced by [`seal_for_principal`] without checking the principal; returns

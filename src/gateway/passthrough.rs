@@ -623,7 +623,8 @@ fn client_session_token(
         upstream_session: sid.to_string(),
         issued_at: crate::mrtr::state::now_secs(),
     };
-    Some(token.seal(&gw.sealing.keys.load(), binding))
+    let version = gw.config.bridge.sealing_version();
+    Some(token.seal_as(&gw.sealing.keys.load(), binding, version))
 }
 
 /// The longest response with a Content-Length whose ids are unwrapped in one piece, under

@@ -75,7 +75,13 @@ impl DataSession {
     /// Seals the cookie bound to `principal` (a digest, of which the first 16 bytes are
     /// kept).
     pub fn seal(&self, ring: &KeyRing, principal: &[u8]) -> String {
-        seal::seal_for_principal(ring, Purpose::DataSession, principal, &(self, self.version))
+        self.seal_as(ring, principal, seal::VERSION)
+    }
+
+    /// [`DataSession::seal`] in format `version` (`seal::sealing_version`).
+    pub fn seal_as(&self, ring: &KeyRing, principal: &[u8], version: u8) -> String {
+        let value = &(self, self.version);
+        seal::seal_for_principal_as(ring, Purpose::DataSession, version, principal, value)
     }
 
     /// Opens a cookie presented by `principal`; `now` is seconds since the Unix epoch.
@@ -117,8 +123,9 @@ impl DataSession {
 
     /// The cookie as it goes in `_meta["mcp/session"]` of a result: the sealed id and
     /// its expiry.
-    pub fn cookie(&self, ring: &KeyRing, principal: &[u8]) -> Value {
-        json!({"id": self.seal(ring, principal), "expiry": rfc3339(self.expires_at)})
+    pub fn cookie(&self, ring: &KeyRing, principal: &[u8], version: u8) -> Value {
+        let id = self.seal_as(ring, principal, version);
+        json!({"id": id, "expiry": rfc3339(self.expires_at)})
     }
 
     /// The session's log name.

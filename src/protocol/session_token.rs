@@ -43,7 +43,12 @@ impl SessionToken {
     /// Seals the token bound to `principal` (a digest, of which the first 16 bytes are
     /// kept), which travels inside the ciphertext so that `inspect` can show it.
     pub fn seal(&self, ring: &KeyRing, principal: &[u8]) -> String {
-        seal::seal_for_principal(ring, Purpose::Session, principal, self)
+        self.seal_as(ring, principal, seal::VERSION)
+    }
+
+    /// [`SessionToken::seal`] in format `version` (`seal::sealing_version`).
+    pub fn seal_as(&self, ring: &KeyRing, principal: &[u8], version: u8) -> String {
+        seal::seal_for_principal_as(ring, Purpose::Session, version, principal, self)
     }
 
     pub fn open(ring: &KeyRing, principal: &[u8], token: &str) -> Result<SessionToken, OpenError> {

@@ -875,6 +875,37 @@ fn a_state_sealed_by_the_previous_release_completes_on_this_one() {
     assert_eq!(version, Ok(mrtr_gateway::seal::OLDEST_VERSION));
     let done = ask_name(&raw, 2, answer(&first, json!({"name": "Bo"})));
     assert_eq!(done["result"]["content"][0]["text"], "Hello, Bo!", "{done}");
+    // So are a legacy client's session id and a data-layer session's cookie, which the
+    // replicas not yet upgraded open too; both still serve their client here.
+    let version_of = |purpose, sealed: &str| {
+        mrtr_gateway::seal::open_version(&ring, purpose, b"", sealed, 1 << 16)
+            .map(|(version, _)| version)
+    };
+    let previous = Ok(mrtr_gateway::seal::OLDEST_VERSION);
+    let sid = raw.initialize(json!({}));
+    assert_eq!(
+        version_of(mrtr_gateway::keys::Purpose::Session, &sid),
+        previous
+    );
+    let list = json!({"jsonrpc": "2.0", "id": 2, "method": "tools/list"});
+    assert_eq!(raw.post(Some(&sid), &list).status, 200);
+    let created = raw.modern(3, "session/create", json!({}), json!({})).json();
+    let cookie = &created["result"]["_meta"]["mcp/session"];
+    let id = cookie["id"].as_str().unwrap_or_else(|| panic!("{created}"));
+    assert_eq!(
+        version_of(mrtr_gateway::keys::Purpose::DataSession, id),
+        previous
+    );
+    let params = json!({"_meta": {"mcp/session": cookie}});
+    let listed = raw.modern(4, "tools/list", params, json!({})).json();
+    assert!(listed["result"]["tools"].is_array(), "{listed}");
+    let refreshed = listed["result"]["_meta"]["mcp/session"]["id"]
+        .as_str()
+        .unwrap();
+    assert_eq!(
+        version_of(mrtr_gateway::keys::Purpose::DataSession, refreshed),
+        previous
+    );
 }
 
 /// An answer that is not the result its question asks for (an elicitation's answer to

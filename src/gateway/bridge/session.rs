@@ -115,7 +115,10 @@ fn required_by(group: &UpstreamGroup, request: &ModernRequest) -> Option<String>
 /// The cookie for the response: the same session with a later expiry, sealed anew.
 pub(super) fn refreshed(gw: &Gateway, attached: &mut Attached, principal: &[u8; 32]) -> Value {
     attached.cookie.expires_at = now_secs() + gw.config.bridge.data_session_ttl_seconds;
-    attached.cookie.cookie(&gw.sealing.keys.load(), principal)
+    let version = gw.config.bridge.sealing_version();
+    attached
+        .cookie
+        .cookie(&gw.sealing.keys.load(), principal, version)
 }
 
 /// Answers a request whose session was refused; a bad cookie gets one uniform error
