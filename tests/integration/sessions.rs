@@ -507,6 +507,41 @@ fn an_expired_cookie_is_refused_and_its_session_deleted() {
     );
 }
 
+/// A retry carries the params of the round it answers, cookie included; that cookie may
+/// have expired while the user answered, though every result since carried a fresh one.
+/// The retry of a call begun in the session goes on in it: its session is neither
+/// refused nor deleted, and the result carries a fresh cookie. Another request with the
+/// expired cookie is still refused (above).
+#[test]
+fn a_retry_whose_cookie_expired_while_the_user_answered_goes_on_in_its_session() {
+    let (_upstream, url) = start_upstream(Upstream::Python);
+    let gw = legacy_gateway(&url);
+    let raw = Raw::new(&gw.url);
+    let created = create(&raw, 1, json!({}));
+    let appended = call(
+        &raw,
+        2,
+        "notebook_append",
+        json!({"text": "kept"}),
+        Some(&cookie_of(&created)),
+    );
+    let asked = call(&raw, 3, "ask_name", json!({}), Some(&cookie_of(&appended)));
+    assert_eq!(question(&asked), "What is your name?");
+    // The cookie the round was sent with, as it is once its expiry has passed.
+    let ring = KeyRing::parse(&test_keys()).unwrap();
+    let sent = cookie_of(&appended);
+    let (_, mut cookie) = DataSession::open_unbound(&ring, sent["id"].as_str().unwrap()).unwrap();
+    cookie.expires_at = now_secs() - 1;
+    let me = PrincipalSource::Authorization.digest(None);
+    let expired = json!({"id": cookie.seal(&ring, &me)});
+    let retry = answer(&asked, json!({"name": "Ada"}));
+    let (status, done) = call_status(&raw, 4, "ask_name", json!({}), Some(&expired), retry);
+    assert_eq!(status, 200, "{done}");
+    assert_eq!(text(&done), "Hello, Ada!");
+    let (pages, _) = notebook(&raw, 5, Some(&cookie_of(&done)));
+    assert_eq!(pages, ["kept"], "the session lives on");
+}
+
 #[test]
 fn foreign_and_tampered_cookies_get_one_error_and_reach_no_upstream() {
     let tripwire = Tripwire::start();

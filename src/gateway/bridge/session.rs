@@ -12,7 +12,7 @@ use crate::mrtr::data_session::{
     revocation, CookieField, DataSession, INVALID_COOKIE, MAX_COOKIE_LEN,
 };
 use crate::mrtr::modern::{gateway_code as scode, ModernRequest};
-use crate::mrtr::state::now_secs;
+use crate::mrtr::state::{now_secs, FlowState};
 use crate::outcome::{Class, Outcome, Refusal};
 use crate::protocol::jsonrpc::code;
 use crate::protocol::session_token::SessionToken;
@@ -55,8 +55,9 @@ pub(super) enum Refused {
     Required(String),
     /// The cookie did not open or does not belong here, for the logged reason.
     Invalid(&'static str),
-    /// The cookie expired: refused as one that did not open, and its session, which no
-    /// cookie can reach any more, ended upstream.
+    /// The cookie expired: refused as one that did not open, and its session ended
+    /// upstream (a client sends the latest cookie it was given). A retry of a call begun
+    /// in the session is not refused (`retries_call_in`).
     Expired(Box<Attached>),
 }
 
@@ -94,11 +95,35 @@ pub(super) fn attach(
         .endpoint(cookie.endpoint)
         .ok_or(Refused::Invalid("unknown_endpoint"))?;
     let attached = Attached { cookie, endpoint };
-    // `session/delete` ends what its cookie names, expired or not.
-    if now_secs() >= attached.cookie.expires_at && request.method != "session/delete" {
+    // `session/delete` ends what its cookie names, expired or not; the retry of a call
+    // begun in the session goes on in it.
+    let expired = now_secs() >= attached.cookie.expires_at;
+    if expired && request.method != "session/delete" && !retries_call_in(gw, request, &attached) {
         return Err(Refused::Expired(Box::new(attached)));
     }
     Ok(Some(attached))
+}
+
+/// Whether `request` retries a call begun in the session `attached` names (its
+/// `requestState` says so; `call::open_state` checks the rest of it). A retry carries
+/// the params of the round it answers, cookie included, and a cookie refreshed since
+/// (every result carries one) keeps the session alive: that the retry's has expired
+/// says nothing of the session, which the call still runs in.
+fn retries_call_in(gw: &Gateway, request: &ModernRequest, attached: &Attached) -> bool {
+    let interactive = matches!(
+        request.method.as_str(),
+        "tools/call" | "prompts/get" | "resources/read"
+    );
+    let state = request.params.get("requestState").and_then(Value::as_str);
+    let Some(text) = state.filter(|_| interactive) else {
+        return false;
+    };
+    let Ok((_, state)) = FlowState::open_unbound(&gw.sealing.keys.load(), text) else {
+        return false;
+    };
+    let session = attached.cookie.upstream_session.as_str();
+    let began_in = state.waiting.call().filter(|call| call.data_session);
+    began_in.is_some_and(|call| call.session == session)
 }
 
 /// The tool a cookie-less request calls, if its policy requires a session. A retry is
