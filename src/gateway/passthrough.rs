@@ -509,9 +509,9 @@ fn upstream_request(
         .expect("method and target are valid");
     let hop = gw.admission.hop(session);
     let trusted = hop.is_some_and(|hop| hop.trusted);
-    for (name, value) in headers::forwardable(&client.headers) {
+    for (name, value) in headers::forwardable_request(&client.headers) {
         if forwarded::passes(name.as_str(), trusted) {
-            let _ = req.append_header(name.clone(), value.clone());
+            let _ = req.append_header(name, value);
         }
     }
     if let Some(hop) = hop {

@@ -272,8 +272,8 @@ fn forwarded_request(session: &ServerSession, endpoint: &Endpoint, body: &Bytes)
     let client = session.req_header();
     let mut req = RequestHeader::build("POST", endpoint.path.as_bytes(), Some(16))
         .expect("a path the gateway routed is valid");
-    for (name, value) in headers::forwardable(&client.headers) {
-        let _ = req.append_header(name.clone(), value.clone());
+    for (name, value) in headers::forwardable_request(&client.headers) {
+        let _ = req.append_header(name, value);
     }
     let _ = req.insert_header("host", endpoint.authority.as_str());
     let _ = req.insert_header("content-length", body.len());

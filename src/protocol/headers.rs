@@ -57,6 +57,38 @@ pub fn forwardable(headers: &HeaderMap) -> impl Iterator<Item = (&HeaderName, &h
     })
 }
 
+/// The request headers of `headers` that may be copied to the next hop, in order, with
+/// every `cookie` field joined into one, in the first's place: the next hop is HTTP/1.1,
+/// where a request carries one (RFC 6265 §5.4; servers such as Starlette read only the
+/// first), and an HTTP/2 client may split its cookies over several (RFC 9113 §8.2.3:
+/// joined with "; " before they go on over HTTP/1.1).
+pub fn forwardable_request(
+    headers: &HeaderMap,
+) -> impl Iterator<Item = (HeaderName, HeaderValue)> + '_ {
+    let mut joined = joined_cookies(headers);
+    let several = joined.is_some();
+    forwardable(headers).filter_map(move |(name, value)| {
+        if *name != http::header::COOKIE || !several {
+            return Some((name.clone(), value.clone()));
+        }
+        joined.take().map(|cookie| (name.clone(), cookie))
+    })
+}
+
+/// The request's `cookie` fields joined with "; ", when it has more than one.
+fn joined_cookies(headers: &HeaderMap) -> Option<HeaderValue> {
+    let cookies = headers.get_all(http::header::COOKIE);
+    cookies.iter().nth(1)?;
+    let mut joined = Vec::new();
+    for cookie in cookies {
+        if !joined.is_empty() {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(cookie.as_bytes());
+    }
+    HeaderValue::from_bytes(&joined).ok()
+}
+
 /// Headers of a 2026-07-28 request the bridge never passes to its legacy upstream: it
 /// writes its own body, accept list, protocol version and stream position, and it reads
 /// the upstream's responses itself, so they must come back unencoded and whole.
@@ -129,12 +161,12 @@ impl EndToEnd {
     /// writes its own: `push` them) or, from a peer not `trusted`, claims of the kind
     /// (`forwarded::passes`).
     pub fn of(client: &HeaderMap, policy: &HeaderPolicy, trusted: bool) -> EndToEnd {
-        let kept = forwardable(client).filter(|(name, _)| {
+        let kept = forwardable_request(client).filter(|(name, _)| {
             let n = name.as_str();
             !BRIDGE_SETS.contains(&n) && super::forwarded::passes(n, trusted) && policy.allows(name)
         });
         EndToEnd {
-            headers: kept.map(|(n, v)| (n.clone(), v.clone())).collect(),
+            headers: kept.collect(),
             query: None,
         }
     }
@@ -235,6 +267,39 @@ mod tests {
         h.append(HeaderName::from_static("accept"), "*/*".parse().unwrap());
         let kept: Vec<&str> = forwardable(&h).map(|(n, _)| n.as_str()).collect();
         assert_eq!(kept, ["accept"]);
+    }
+
+    #[test]
+    fn cookie_fields_go_on_joined_in_the_first_ones_place() {
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("authorization", "Bearer t"),
+            ("cookie", "a=1"),
+            ("accept", "*/*"),
+            ("cookie", "b=2"),
+            ("cookie", "c=3"),
+        ] {
+            h.append(HeaderName::from_static(k), v.parse().unwrap());
+        }
+        let kept: Vec<(String, String)> = forwardable_request(&h)
+            .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_string()))
+            .collect();
+        let pairs: Vec<(&str, &str)> = kept.iter().map(|(n, v)| (n.as_str(), v.as_str())).collect();
+        assert_eq!(
+            pairs,
+            [
+                ("authorization", "Bearer t"),
+                ("cookie", "a=1; b=2; c=3"),
+                ("accept", "*/*")
+            ]
+        );
+        // One is left as it is; one the connection nominates stays on its hop.
+        let mut h = HeaderMap::new();
+        h.append(http::header::COOKIE, "a=1".parse().unwrap());
+        assert_eq!(forwardable_request(&h).count(), 1);
+        h.append(http::header::COOKIE, "b=2".parse().unwrap());
+        h.append(http::header::CONNECTION, "cookie".parse().unwrap());
+        assert_eq!(forwardable_request(&h).count(), 0);
     }
 
     fn client_headers() -> HeaderMap {

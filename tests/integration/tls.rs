@@ -822,6 +822,52 @@ fn http2_over_tls_serves_pass_through_and_the_bridge() {
     });
 }
 
+/// An HTTP/2 client may split its cookies over several `cookie` fields (browsers do);
+/// the upstream, over HTTP/1.1, gets them joined in one `Cookie` header (RFC 9113
+/// §8.2.3), through pass-through and the bridge alike: servers such as Starlette read
+/// only the first.
+#[test]
+fn an_http2_clients_cookie_pieces_reach_the_upstream_as_one_header() {
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        if let Some(reply) = legacy_basics(seen, "s1") {
+            return reply;
+        }
+        let tools = json!({"jsonrpc": "2.0", "id": seen.jsonrpc_id(), "result": {"tools": []}});
+        Answer::json(200, &tools)
+    });
+    let tls = TlsGateway::start(&upstream.url(), |c| {
+        c.upstreams[0].era = UpstreamEra::Legacy;
+    });
+    let connector = tls.client(&["h2"]);
+    let url = tls.url.clone();
+    let cookies = [("cookie", "a=1".to_string()), ("cookie", "b=2".to_string())];
+    runtime().block_on(async move {
+        let mut h2 = h2_connect(&connector, tls.gw.port).await;
+        let mut headers = legacy_headers(None);
+        headers.extend(cookies.iter().cloned());
+        let (status, _, messages) = h2_post(&mut h2, &url, &headers, &initialize()).await;
+        assert_eq!(status, 200, "{messages:?}");
+        let (mut headers, body) = modern_request(2, "tools/list", json!({}), json!({}));
+        headers.extend(cookies.iter().cloned());
+        let (status, _, messages) = h2_post(&mut h2, &url, &headers, &body).await;
+        assert_eq!(status, 200, "{messages:?}");
+    });
+    let initializes: Vec<Seen> = upstream
+        .requests()
+        .into_iter()
+        .filter(|s| s.jsonrpc_method().as_deref() == Some("initialize"))
+        .collect();
+    assert_eq!(initializes.len(), 2, "pass-through's and the bridge's");
+    for seen in initializes {
+        assert_eq!(
+            seen.headers_named("cookie"),
+            ["a=1; b=2"],
+            "{:?}",
+            seen.headers
+        );
+    }
+}
+
 /// An HTTP/2 client that resets its stream before its answer (RST_STREAM, as an aborted
 /// fetch does) cancels the bridged call as closing an HTTP/1.1 connection does: the
 /// round ends and the call's upstream session is deleted, which ends the tool; the
