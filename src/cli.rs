@@ -222,7 +222,12 @@ pub fn load_keys(config: &mut Config) -> Result<KeyRing, String> {
 }
 
 /// A valid configuration may still set a per-principal share that divides nothing.
-fn warn_of_shares_taking_the_whole(config: &Config) {
+/// Warns of settings that leave something open (`Config::exposures`) or divide nothing
+/// (`Config::shares_taking_the_whole`).
+fn warn_of_risky_settings(config: &Config) {
+    for exposure in config.exposures() {
+        tracing::warn!("{exposure}");
+    }
     for (share, whole) in config.shares_taking_the_whole() {
         tracing::warn!("bridge.{share} lets one principal take all of bridge.{whole}");
     }
@@ -243,7 +248,7 @@ fn run(
     };
     listeners.apply(&mut config, upstreams);
     config.validate().map_err(config_error)?;
-    warn_of_shares_taking_the_whole(&config);
+    warn_of_risky_settings(&config);
     let keys = Arc::new(load_keys(&mut config)?);
     let (listen, admin) = (config.listen.clone(), config.admin_listen.clone());
     let scheme = config.listener_scheme();
@@ -365,7 +370,7 @@ fn check_config(
     let mut config = Config::load_unvalidated(file).map_err(config_error)?;
     listeners.apply(&mut config, upstreams);
     config.validate().map_err(config_error)?;
-    warn_of_shares_taking_the_whole(&config);
+    warn_of_risky_settings(&config);
     crate::upstream::Upstreams::build(&config).map_err(config_error)?;
     if let Some(tls) = &config.tls {
         crate::tls::listener::ListenerCert::load(tls).map_err(config_error)?;

@@ -4,7 +4,9 @@
 
 use crate::principal::PrincipalSource;
 use crate::protocol::cors::CorsPolicy;
+use crate::protocol::forwarded::Cidr;
 use crate::protocol::headers::HeaderPolicy;
+use crate::protocol::host_check::HostPolicy;
 use crate::protocol::oauth::PublicResource;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -1115,6 +1117,32 @@ impl Config {
             .map_err(|(i, problem)| ConfigError::at(format!("cors_allowed_origins[{i}]"), problem))
     }
 
+    /// What the configuration leaves open that a careful operator would close, each as a
+    /// warning that says what and how: a listener off loopback that accepts any `Host`
+    /// and `Origin` (DNS-rebinding protection off: a web page whose name resolves to the
+    /// gateway's address could drive the servers behind it), and trusted peers that
+    /// take in every address (any client's forwarding headers believed).
+    pub fn exposures(&self) -> Vec<String> {
+        let mut exposures = Vec::new();
+        let any_host = self.listen.parse().is_ok_and(|listen| {
+            HostPolicy::for_listener(listen, &self.allowed_hosts) == HostPolicy::Any
+        });
+        if any_host {
+            exposures.push(format!(
+                "listen {} accepts any Host and Origin: DNS-rebinding protection is off, and a web page whose name resolves to this address can call the MCP servers behind it; list the names clients use in allowed_hosts",
+                self.listen
+            ));
+        }
+        for (i, peer) in self.forwarded.trusted_peers.iter().enumerate() {
+            if Cidr::parse(peer).is_ok_and(|net| net.prefix() == 0) {
+                exposures.push(format!(
+                    "forwarded.trusted_peers[{i}] ({peer}) takes in every address: any client's X-Forwarded-For, Forwarded and the like are believed; list the proxies in front"
+                ));
+            }
+        }
+        exposures
+    }
+
     /// The per-principal shares set so that one principal may take all of the whole
     /// they divide, as (share, whole) key names: none when every request is one
     /// principal (`principal: none`), nor for a feature that is off. A one-shot share is
@@ -1537,6 +1565,27 @@ mod tests {
         let flow = "principal: {jwt: {jwks_file: /etc/jwks.json}}";
         assert!(matches!(principal(flow), Ok(PrincipalSource::Jwt(_))));
         assert!(principal("principal: {cookie: x}").is_err());
+    }
+
+    /// A listener off loopback that accepts any host, and trusted peers that take in
+    /// every address, are named with what to do.
+    #[test]
+    fn settings_that_leave_the_gateway_open_are_named() {
+        let load = |yaml: &str| Config::from_yaml(&format!("{yaml}\n{MINIMAL}")).unwrap();
+        let exposures = |yaml: &str| load(yaml).exposures();
+        assert!(exposures("listen: 127.0.0.1:8080").is_empty());
+        let wildcard = exposures("listen: 0.0.0.0:8080");
+        assert_eq!(wildcard.len(), 1, "{wildcard:?}");
+        assert!(wildcard[0].contains("allowed_hosts"), "{wildcard:?}");
+        assert!(exposures("listen: 0.0.0.0:8080\nallowed_hosts: [mcp.example.com]").is_empty());
+        let everyone =
+            "listen: 127.0.0.1:8080\nforwarded:\n  trusted_peers: [\"10.0.0.0/8\", \"::/0\"]";
+        let everyone = exposures(everyone);
+        assert_eq!(everyone.len(), 1, "{everyone:?}");
+        assert!(
+            everyone[0].contains("trusted_peers[1] (::/0)"),
+            "{everyone:?}"
+        );
     }
 
     /// A share that lets one principal take its whole is named, so that the gateway can

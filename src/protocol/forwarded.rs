@@ -22,10 +22,11 @@ pub const NAMES: [&str; 4] = [
     X_FORWARDED_HOST,
 ];
 
-/// Other headers by which a proxy in front says where a request came from, or what it
-/// asked for (nginx's and CDNs' client address, IIS's rewritten URL): some upstreams
-/// believe them, so a client's are passed on only from a trusted peer.
-pub const CLAIMS: [&str; 11] = [
+/// Other headers by which a proxy in front says where a request came from, how, or what
+/// it asked for (nginx's and CDNs' client address, the scheme as Rack, Spring and IIS
+/// read it, IIS's rewritten URL): some upstreams believe them, so a client's are passed
+/// on only from a trusted peer.
+pub const CLAIMS: [&str; 16] = [
     "x-real-ip",
     "true-client-ip",
     "x-client-ip",
@@ -37,6 +38,11 @@ pub const CLAIMS: [&str; 11] = [
     "x-forwarded-server",
     "x-original-url",
     "x-rewrite-url",
+    "x-forwarded-ssl",
+    "x-forwarded-scheme",
+    "x-forwarded-protocol",
+    "front-end-https",
+    "x-url-scheme",
 ];
 
 /// Whether a client's header `name` goes on as sent, from a peer that is `trusted` or
@@ -74,6 +80,11 @@ impl Cidr {
                 .ok_or_else(|| format!("'{text}': the prefix length must be 0 to {bits}"))?,
         };
         Ok(Cidr { network, prefix })
+    }
+
+    /// The prefix length: 0 takes in every address of its family.
+    pub fn prefix(&self) -> u8 {
+        self.prefix
     }
 
     pub fn contains(&self, ip: IpAddr) -> bool {

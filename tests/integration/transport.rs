@@ -1271,14 +1271,14 @@ fn origin_null_is_refused_on_a_loopback_listener() {
 
 /// Risk: forwarding headers. From an untrusted peer (the default) a client's own
 /// `X-Forwarded-For`, `Forwarded`, `X-Forwarded-Proto` and `X-Forwarded-Host` are
-/// replaced by the gateway's, and other proxies' claims (`X-Real-IP`, `X-Original-URL`)
-/// dropped; from a trusted one (`forwarded.trusted_peers`) they are kept and the peer
+/// replaced by the gateway's, and other proxies' claims (`X-Real-IP`, `X-Original-URL`,
+/// `X-Forwarded-Ssl`) dropped; from a trusted one (`forwarded.trusted_peers`) they are kept and the peer
 /// appended.
 pub(crate) fn forwarded_headers_case() -> usize {
     let upstream = sse_lister();
     let spoofed = "x-forwarded-for: 6.6.6.6\r\nforwarded: for=6.6.6.6;proto=https\r\n\
                    x-forwarded-proto: https\r\nx-forwarded-host: evil.example\r\n\
-                   x-real-ip: 6.6.6.6\r\nx-original-url: /admin\r\n";
+                   x-real-ip: 6.6.6.6\r\nx-original-url: /admin\r\nx-forwarded-ssl: on\r\n";
     let cases: [(bool, [&str; 4]); 2] = [
         (
             false,
@@ -1322,8 +1322,9 @@ pub(crate) fn forwarded_headers_case() -> usize {
                 "{name}, trusted: {trusted}"
             );
         }
-        let claimed = ["x-real-ip", "x-original-url"].map(|n| seen.headers_named(n).len());
-        let expected = if trusted { [1, 1] } else { [0, 0] };
+        let claims = ["x-real-ip", "x-original-url", "x-forwarded-ssl"];
+        let claimed = claims.map(|n| seen.headers_named(n).len());
+        let expected = if trusted { [1, 1, 1] } else { [0, 0, 0] };
         assert_eq!(claimed, expected, "claims passed on, trusted: {trusted}");
     }
     cases.len()
