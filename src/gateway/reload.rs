@@ -167,6 +167,10 @@ impl BackgroundService for Reloader {
             let files: Vec<&str> = self.files.iter().map(|f| f.name).collect();
             tracing::info!(?files, "reloader started: SIGHUP reloads the files");
         }
+        if super::signals::take_early_hangup() {
+            tracing::info!("SIGHUP came while the gateway started: reloading now");
+            self.reload_all(true);
+        }
         let mut tick = tokio::time::interval(self.poll);
         loop {
             tokio::select! {

@@ -3,11 +3,14 @@
 //! signals only once its services have started: a SIGTERM in between (a pod deleted as
 //! it starts) would otherwise end the process at once, listeners open, without a drain.
 //! `Signals` is the watch pingora's main loop awaits; it acts on a signal caught early.
+//! SIGHUP (reload the files) is caught from then on too, so that one sent while the
+//! gateway starts (a certificate renewed) does not end it: the reloader, once it runs,
+//! reloads for it (`take_early_hangup`).
 
 use async_trait::async_trait;
 use pingora::server::{ShutdownSignal, ShutdownSignalWatch};
 use signal_hook_registry::SigId;
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::sync::Mutex;
 
 /// The first stopping signal caught before `Signals` watched; 0 for none.
@@ -15,6 +18,10 @@ static CAUGHT_EARLY: AtomicI32 = AtomicI32::new(0);
 
 /// The early handlers, removed once `Signals` watches.
 static EARLY_HANDLERS: Mutex<Vec<SigId>> = Mutex::new(Vec::new());
+
+/// Whether a SIGHUP came before the reloader watched, and the handler that records it.
+static HANGUP_EARLY: AtomicBool = AtomicBool::new(false);
+static EARLY_HANGUP_HANDLER: Mutex<Option<SigId>> = Mutex::new(None);
 
 const STOPPING: [libc::c_int; 3] = [libc::SIGTERM, libc::SIGQUIT, libc::SIGINT];
 
@@ -29,7 +36,29 @@ pub fn catch_early() -> std::io::Result<()> {
         // SAFETY: the action only stores to an atomic, which is async-signal-safe.
         handlers.push(unsafe { signal_hook_registry::register(signal, record) }?);
     }
+    let record = || HANGUP_EARLY.store(true, Ordering::SeqCst);
+    // SAFETY: as above.
+    let hangup = unsafe { signal_hook_registry::register(libc::SIGHUP, record) }?;
+    let mut early = EARLY_HANGUP_HANDLER
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(earlier) = early.replace(hangup) {
+        signal_hook_registry::unregister(earlier);
+    }
     Ok(())
+}
+
+/// Whether a SIGHUP came before now, once the reloader watches for its own: the early
+/// handler is removed.
+pub fn take_early_hangup() -> bool {
+    let early = EARLY_HANGUP_HANDLER
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .take();
+    if let Some(handler) = early {
+        signal_hook_registry::unregister(handler);
+    }
+    HANGUP_EARLY.swap(false, Ordering::SeqCst)
 }
 
 /// What pingora does on `signal`: SIGINT stops fast, the others drain.
@@ -95,5 +124,16 @@ mod tests {
         let answer = tokio::time::timeout(std::time::Duration::from_secs(10), Signals.recv());
         let answer = answer.await.expect("answered at once");
         assert!(matches!(answer, ShutdownSignal::GracefulTerminate));
+    }
+
+    /// A SIGHUP before the reloader watches does not end the process, and is kept for
+    /// the reloader to act on once.
+    #[test]
+    fn a_sighup_before_the_reloader_watches_is_kept_for_it() {
+        catch_early().expect("handlers registered");
+        // SAFETY: raising a signal this process handles.
+        assert_eq!(unsafe { libc::raise(libc::SIGHUP) }, 0);
+        assert!(take_early_hangup(), "kept");
+        assert!(!take_early_hangup(), "taken once");
     }
 }
