@@ -6,7 +6,9 @@
 //! Before a handshake starts (`PreTlsProcess`) its socket is noted by its kernel cookie
 //! (`SO_COOKIE`, never reused while the system runs), at most `max` at once (a
 //! connection beyond that is closed at once; before refusing one, the notes of sockets
-//! closed meanwhile, by handshakes that failed, are dropped); the listener's app marks
+//! closed meanwhile, by handshakes that failed, are dropped, at most every
+//! `SWEEP_EVERY`: a sweep asks the kernel about every note, under the lock, and a flood
+//! of connections over the bound would otherwise sweep for each); the listener's app marks
 //! it done when the connection reaches it. One still in its handshake after `limit` (the
 //! header timeout) is shut down, which ends the handshake's read. Linux only; elsewhere
 //! nothing is bounded beyond pingora's own.
@@ -17,20 +19,29 @@ use pingora::protocols::l4::stream::Stream as L4Stream;
 use std::collections::HashMap;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// Least time between two sweeps of the notes for closed sockets.
+const SWEEP_EVERY: Duration = Duration::from_millis(100);
 
 /// The handshakes in progress on one listener.
 pub struct Handshakes {
-    /// By socket cookie, the descriptor it was on.
-    pending: Mutex<HashMap<u64, RawFd>>,
+    pending: Mutex<Pending>,
     max: usize,
     limit: Duration,
+}
+
+#[derive(Default)]
+struct Pending {
+    /// By socket cookie, the descriptor it was on.
+    notes: HashMap<u64, RawFd>,
+    swept_at: Option<Instant>,
 }
 
 impl Handshakes {
     pub fn new(max: usize, limit: Duration) -> Arc<Handshakes> {
         Arc::new(Handshakes {
-            pending: Mutex::new(HashMap::new()),
+            pending: Mutex::default(),
             max,
             limit,
         })
@@ -39,40 +50,49 @@ impl Handshakes {
     /// The connection on `fd` finished its handshake (the listener's app has it).
     pub fn done(&self, fd: RawFd) {
         if let Some(cookie) = socket_cookie(fd) {
-            self.lock().remove(&cookie);
+            self.lock().notes.remove(&cookie);
         }
     }
 
     /// How many handshakes are in progress.
     pub fn in_progress(&self) -> usize {
-        self.lock().len()
+        self.lock().notes.len()
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, RawFd>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pending> {
         self.pending.lock().expect("handshakes lock")
     }
 
     /// Notes a handshake starting on `fd`; false when `max` are in progress already.
     fn start(self: &Arc<Self>, fd: RawFd) -> bool {
+        self.start_at(fd, Instant::now())
+    }
+
+    fn start_at(self: &Arc<Self>, fd: RawFd, now: Instant) -> bool {
         let Some(cookie) = socket_cookie(fd) else {
             return true;
         };
         {
             let mut pending = self.lock();
-            if pending.len() >= self.max {
+            let may_sweep = pending
+                .swept_at
+                .is_none_or(|at| now.saturating_duration_since(at) >= SWEEP_EVERY);
+            if pending.notes.len() >= self.max && may_sweep {
                 // A handshake that failed left its note: its socket is gone (or its
                 // descriptor is another socket's now).
-                pending.retain(|cookie, fd| socket_cookie(*fd) == Some(*cookie));
+                pending.swept_at = Some(now);
+                let notes = &mut pending.notes;
+                notes.retain(|cookie, fd| socket_cookie(*fd) == Some(*cookie));
             }
-            if pending.len() >= self.max {
+            if pending.notes.len() >= self.max {
                 return false;
             }
-            pending.insert(cookie, fd);
+            pending.notes.insert(cookie, fd);
         }
         let handshakes = self.clone();
         tokio::spawn(async move {
             tokio::time::sleep(handshakes.limit).await;
-            let stalled = handshakes.lock().remove(&cookie).is_some();
+            let stalled = handshakes.lock().notes.remove(&cookie).is_some();
             // The descriptor still names this connection (the cookie is the socket's),
             // whose handshake has not finished: shutting it down ends its read.
             if stalled && socket_cookie(fd) == Some(cookie) {
@@ -189,5 +209,35 @@ mod tests {
         );
         let (_client, over) = accept();
         assert!(!handshakes.start(over.as_raw_fd()), "a live one's is not");
+    }
+
+    /// Notes are swept at most every `SWEEP_EVERY`: connections over the bound arriving
+    /// faster are refused without asking the kernel about every note again.
+    #[tokio::test]
+    async fn closed_sockets_notes_are_swept_at_most_every_100_ms() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let handshakes = Handshakes::new(1, Duration::from_secs(60));
+        let accept = || {
+            let client = std::net::TcpStream::connect(addr).unwrap();
+            (client, listener.accept().unwrap().0)
+        };
+        let t0 = Instant::now();
+        let (_c1, first) = accept();
+        assert!(handshakes.start_at(first.as_raw_fd(), t0));
+        drop(first);
+        let (_c2, second) = accept();
+        assert!(handshakes.start_at(second.as_raw_fd(), t0), "swept");
+        drop(second);
+        let (_c3, third) = accept();
+        let soon = t0 + SWEEP_EVERY / 2;
+        assert!(
+            !handshakes.start_at(third.as_raw_fd(), soon),
+            "not swept again yet"
+        );
+        assert!(
+            handshakes.start_at(third.as_raw_fd(), t0 + SWEEP_EVERY),
+            "swept"
+        );
     }
 }
