@@ -1882,7 +1882,9 @@ impl Flow {
             Input::Posted(result) => match (r.posting.take(), result) {
                 (Some(AfterPost::End(end)), _) => self.end_round(r, *end),
                 (_, Err(failure)) => self.end_round(r, RoundEnd::Failed(failure)),
-                (_, Ok(())) if r.round.is_full() => self.end_with_questions(r, false),
+                (_, Ok(())) if r.round.is_full() => {
+                    self.end_round(r, RoundEnd::Questions { draining: false })
+                }
                 (_, Ok(())) => self.take_replayed(r, now),
             },
             Input::ClientGone => self.end_round(r, RoundEnd::ClientGone),
@@ -1896,7 +1898,9 @@ impl Flow {
             Input::CallPosted(reply) => self.call_answered_late(r, reply, now),
             // Only a resumable round can be handed over; others finish here. One that
             // cannot be resumed yet is handed over once it can.
-            Input::Draining if self.resumes(&r) => self.end_with_questions(r, true),
+            Input::Draining if self.resumes(&r) => {
+                self.end_round(r, RoundEnd::Questions { draining: true })
+            }
             Input::Draining => {
                 r.drain_pending = true;
                 Phase::Reading(r)
@@ -2001,7 +2005,7 @@ impl Flow {
             r.quiet_until = None;
         }
         if r.round.is_full() && r.posting.is_none() {
-            return self.end_with_questions(r, false);
+            return self.end_round(r, RoundEnd::Questions { draining: false });
         }
         self.read_on(r)
     }
@@ -2010,34 +2014,9 @@ impl Flow {
     /// can now be handed over.
     fn read_on(&mut self, r: Box<Reading>) -> Phase {
         if r.drain_pending && r.posting.is_none() && self.resumes(&r) {
-            return self.end_with_questions(r, true);
+            return self.end_round(r, RoundEnd::Questions { draining: true });
         }
         Phase::Reading(r)
-    }
-
-    /// The round ends with its questions before its quiet window does (the replica
-    /// drains, or the round is full): after the session's barrier where the round needs
-    /// one (`needs_barrier`), as at the window's end, since a question the session's GET
-    /// stream sends late would be lost all the same.
-    fn end_with_questions(&mut self, mut r: Box<Reading>, draining: bool) -> Phase {
-        r.drain_pending |= draining;
-        if r.barrier == Barrier::Awaited {
-            return Phase::Reading(r);
-        }
-        if self.needs_barrier(&r) {
-            self.await_barrier(&mut r);
-            return Phase::Reading(r);
-        }
-        self.end_round(r, RoundEnd::Questions { draining })
-    }
-
-    /// Pings the session before the round ends (`Command::Barrier`); the round reads on
-    /// until the answer is in, then for its quiet window.
-    fn await_barrier(&mut self, r: &mut Reading) {
-        r.barrier = Barrier::Awaited;
-        r.quiet_until = None;
-        let id = fresh_call_id();
-        self.commands.push_back(Command::Barrier { id });
     }
 
     /// The call's stream ended: a resumption that ended without a single event means the
@@ -2086,11 +2065,13 @@ impl Flow {
         }
         if r.quiet_until.is_some_and(|t| now >= t) {
             if self.needs_barrier(&r) {
-                self.await_barrier(&mut r);
+                r.barrier = Barrier::Awaited;
+                r.quiet_until = None;
+                let id = fresh_call_id();
+                self.commands.push_back(Command::Barrier { id });
                 return Phase::Reading(r);
             }
-            let draining = r.drain_pending && self.resumes(&r);
-            return self.end_round(r, RoundEnd::Questions { draining });
+            return self.end_round(r, RoundEnd::Questions { draining: false });
         }
         if now >= r.last_message + self.config.silence {
             return self.end_round(r, RoundEnd::Silent);

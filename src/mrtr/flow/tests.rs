@@ -2607,56 +2607,6 @@ fn a_round_whose_get_stream_reopens_fresh_pings_the_session_before_it_ends() {
     assert!(matches!(h.ending(), Ending::InputRequired { .. }));
 }
 
-/// A round that ends before its quiet window does (the replica drains, or the round
-/// fills up) pings the session first too, where the GET stream reopens fresh: a question
-/// the tool sent there before the ping's answer is the round's, not lost.
-#[test]
-fn a_round_handed_over_or_full_pings_the_session_before_it_ends() {
-    let mut shared = config();
-    shared.session_replay_scoped = false;
-    shared.asks_at_once = true;
-    shared.round_limits.max_questions = 2;
-    shared.capabilities.insert("sampling".into(), json!({}));
-    let barrier = |c: &Command| matches!(c, Command::Barrier { .. });
-    let sampling = |id: i64| {
-        json!({"jsonrpc": "2.0", "id": id, "method": "sampling/createMessage",
-            "params": {"messages": [], "maxTokens": 5}})
-    };
-    let upstream = || Upstream {
-        barrier_answered: false,
-        ..Upstream::default()
-    };
-    // Draining.
-    let mut h = Harness::new_call(shared.clone(), upstream());
-    h.event(Stream::Call, Some("c1"), &json!(""));
-    h.event(Stream::Call, Some("c2"), &question(0, "Name?"));
-    h.feed(Input::Draining);
-    assert!(h.log.iter().any(barrier), "{:?}", h.log);
-    assert!(h.ending.is_none(), "the round waits for the ping's answer");
-    h.event(Stream::Session, Some("g1"), &sampling(1));
-    h.feed(Input::BarrierPassed);
-    h.advance(Duration::from_millis(10));
-    assert!(h.log.contains(&Command::Note(Note::HandedOver)));
-    let Ending::InputRequired { input_requests, .. } = h.ending() else {
-        panic!("{:?}", h.ending());
-    };
-    assert_eq!(input_requests.len(), 2, "{input_requests:?}");
-    // Full.
-    let mut h = Harness::new_call(shared, upstream());
-    h.event(Stream::Call, Some("c1"), &json!(""));
-    h.event(Stream::Call, Some("c2"), &question(0, "Name?"));
-    h.event(Stream::Session, Some("g1"), &sampling(1));
-    assert!(h.log.iter().any(barrier), "{:?}", h.log);
-    assert!(h.ending.is_none(), "the round waits for the ping's answer");
-    h.feed(Input::BarrierPassed);
-    h.advance(Duration::from_millis(10));
-    assert!(!h.log.contains(&Command::Note(Note::HandedOver)));
-    let Ending::InputRequired { input_requests, .. } = h.ending() else {
-        panic!("{:?}", h.ending());
-    };
-    assert_eq!(input_requests.len(), 2, "{input_requests:?}");
-}
-
 /// The replica that opened a flow deletes its session at the flow's deadline, whether
 /// or not a retry runs elsewhere. A round still reading then ends itself just before, with
 /// an error naming the limit, not the upstream's failure its session's end would cause.
