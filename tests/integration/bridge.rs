@@ -466,6 +466,20 @@ fn server_everything_url_elicitation_its_error_path_and_roots_through_the_bridge
     );
 }
 
+/// A 2026-07-28 client's `task` param means nothing on its wire (servers of that
+/// revision ignore it): it does not reach a 2025-11-25 server, which would take it for
+/// a legacy task (server-everything refuses it on a tool without task support).
+#[test]
+fn a_clients_task_param_does_not_reach_a_legacy_server() {
+    let (_upstream, url) = start_upstream(Upstream::Everything);
+    let gw = TestGateway::start(&[&url], &test_keys());
+    let params = json!({"name": "echo", "arguments": {"message": "hi"}, "task": {"ttl": 60000}});
+    let reply = Raw::new(&gw.url).modern(1, "tools/call", params, json!({}));
+    let body = reply.json();
+    assert_eq!(body["result"]["resultType"], "complete", "{body}");
+    assert_eq!(body["result"]["content"][0]["text"], "Echo: hi", "{body}");
+}
+
 /// server-everything's URL elicitation whose error path (-32042) the user declines: the
 /// call is not issued again (it would ask again, now for its own URL) and the client
 /// hears that the user declined what the server needs.

@@ -57,6 +57,10 @@ pub(crate) fn upstream_params(request: &ModernRequest) -> Value {
     request.trace.fill_meta(&mut p);
     p.remove("inputResponses");
     p.remove("requestState");
+    // 2026-07-28 has no `task` param (its tasks extension does not use one, and its
+    // servers ignore it); a 2025-11-25 server would take it for a legacy task and answer
+    // a CreateTaskResult, or refuse the tool, neither of which the client asked for.
+    p.remove("task");
     if let Some(meta) = p.get_mut("_meta").and_then(Value::as_object_mut) {
         // The session cookie is the gateway's; SEP-1655 client-held state keys
         // (`modelcontextprotocol.io/state/*`) and every other key go through.
