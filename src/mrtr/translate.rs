@@ -98,22 +98,23 @@ fn uses_tools(params: &Value) -> bool {
         .any(|key| params.get(key).is_some_and(|v| !v.is_null()))
 }
 
-/// Whether the client declared what `method` with `params` needs. An `elicitation` that
-/// names no mode is form mode's (as before modes existed); one that names modes has form
-/// mode only if it names it.
+/// Whether the client declared what `method` with `params` needs: a capability (and a
+/// sub-capability) is declared by an object, as the schema types them; `null`, `false`
+/// or any other value declares nothing. An `elicitation` that names no mode is form
+/// mode's (as before modes existed); one that names modes has form mode only if it
+/// names it.
 fn declared(capabilities: &Map<String, Value>, method: &str, params: &Value) -> bool {
-    let sub = |capability: &str, key: &str| {
-        (capabilities.get(capability)).is_some_and(|c| c.get(key).is_some())
+    let capability = |name: &str| capabilities.get(name).and_then(Value::as_object);
+    let sub = |name: &str, key: &str| {
+        capability(name).is_some_and(|c| c.get(key).is_some_and(Value::is_object))
     };
     match method {
         "elicitation/create" if params["mode"] == "url" => sub("elicitation", "url"),
-        "elicitation/create" => capabilities.get("elicitation").is_some_and(|e| {
-            e.as_object()
-                .is_none_or(|modes| modes.is_empty() || modes.contains_key("form"))
-        }),
+        "elicitation/create" => capability("elicitation")
+            .is_some_and(|modes| modes.is_empty() || sub("elicitation", "form")),
         "sampling/createMessage" if uses_tools(params) => sub("sampling", "tools"),
-        "sampling/createMessage" => capabilities.contains_key("sampling"),
-        _ => capabilities.contains_key("roots"),
+        "sampling/createMessage" => capability("sampling").is_some(),
+        _ => capability("roots").is_some(),
     }
 }
 
@@ -953,6 +954,25 @@ mod tests {
             );
         }
         assert_eq!(missing(json!({"sampling": {"tools": {}}}), tools), None);
+        // Declared by an object only: null or false declares nothing.
+        let form = elicit(1, json!({}));
+        for nothing in [
+            json!({"elicitation": null}),
+            json!({"elicitation": false}),
+            json!({"elicitation": {"form": null}}),
+        ] {
+            assert!(
+                missing(nothing.clone(), form.clone()).is_some(),
+                "{nothing}"
+            );
+        }
+        assert!(missing(json!({"sampling": null}), plain_sample()).is_some());
+        assert!(missing(json!({"sampling": false}), plain_sample()).is_some());
+    }
+
+    fn plain_sample() -> Value {
+        json!({"jsonrpc": "2.0", "id": 2, "method": "sampling/createMessage",
+            "params": {"messages": [], "maxTokens": 10}})
     }
 
     /// A 2025-03-26 server may send a batch: its questions are asked and its answer taken
