@@ -331,7 +331,8 @@ fn an_overlong_request_target_gets_414_and_reaches_no_upstream() {
 }
 
 /// A 2026-07-28 body of many small values (4 MiB of numbers builds into some 130 MB) is
-/// refused 413 naming `limits.max_json_values` before it is built; a body as large whose
+/// refused 413 naming `limits.max_json_values` before it is built, under the request's
+/// id; a body as large whose
 /// values are few (one long string) is read.
 #[test]
 fn a_body_of_too_many_json_values_is_refused_unbuilt() {
@@ -345,6 +346,7 @@ fn a_body_of_too_many_json_values_is_refused_unbuilt() {
     let body = reply.json();
     let message = body["error"]["message"].as_str().unwrap_or_default();
     assert!(message.contains("limits.max_json_values"), "{body}");
+    assert_eq!(body["id"], 1, "under the request's own id");
     assert_eq!(tripwire.count(), 0, "a refused body reached the upstream");
     let long = "x".repeat(1 << 20);
     let params = json!({"name": "echo", "arguments": {"text": long}});

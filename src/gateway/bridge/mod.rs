@@ -133,7 +133,14 @@ pub async fn serve(
         let text = format!(
             "the request body holds more than {most} JSON values, the most the gateway reads (limits.max_json_values)"
         );
-        respond::error(session, 413, None, code::INVALID_REQUEST, &text).await;
+        respond::error(
+            session,
+            413,
+            incoming.parsed.id(),
+            code::INVALID_REQUEST,
+            &text,
+        )
+        .await;
         let refusal = Refusal::new(Class::TooLarge, code::INVALID_REQUEST, text);
         gw.record("modern", "other", &Outcome::Refused(refusal), started);
         return;
