@@ -466,13 +466,16 @@ fn expects_continue(session: &ServerSession) -> bool {
     pingora::protocols::http::v1::common::is_expect_continue_req(session.req_header())
 }
 
-/// A client that asked for `100 Continue` and was answered before its body was read
-/// may never send that body, or send it late: the connection cannot carry another
-/// request. It is closed, after a lingering drain of whatever body arrives.
+/// A request answered before its body was read (refused for its path, its host or its
+/// credentials; or one that asked for `100 Continue` and may never send the body) leaves
+/// the connection unable to carry another request. It is closed after a lingering drain
+/// of whatever body arrives: closed with the body's bytes unread, the kernel would
+/// reset it, and a client still sending would meet the reset before it read the answer
+/// (a 401's challenge, which starts its authorization).
 async fn close_if_body_unread(session: &mut ServerSession) {
-    if expects_continue(session) && !session.is_body_done() {
+    if !session.is_body_done() {
         session.set_keepalive(None);
-        let _ = tokio::time::timeout(LINGER, session.drain_request_body()).await;
+        linger(session).await;
     }
 }
 

@@ -353,3 +353,35 @@ fn a_body_of_too_many_json_values_is_refused_unbuilt() {
     let reply = raw.modern(2, "tools/call", params, json!({}));
     assert_ne!(reply.status, 413, "one long string is one value");
 }
+
+/// A request answered before its body was read (here at a path with no endpoint; a
+/// missing credential's 401 is answered the same way) has what it still sends of its
+/// body read off before the connection closes: the client reads the whole answer, then
+/// the close, not a reset.
+#[test]
+fn a_request_refused_before_its_body_is_read_gets_its_answer_then_a_close_not_a_reset() {
+    use std::io::{Read, Write};
+    let tripwire = Tripwire::start();
+    let gw = TestGateway::start(&[&tripwire.url()], &test_keys());
+    let head = "POST /nowhere HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 200000\r\n\r\n";
+    let mut client = raw_send(gw.port, head.as_bytes(), READ_LIMIT);
+    client
+        .write_all(&[b' '; 100_000])
+        .expect("half the body sent");
+    let (head, body) = read_response(&mut client);
+    assert!(head.starts_with("http/1.1 404"), "{head}");
+    assert!(body.contains("no MCP endpoint at /nowhere"), "{body}");
+    // The client, still sending its body (as a client library writing it in pieces
+    // does), is not reset under its writes, nor after them.
+    for piece in 0..10 {
+        let sent = client.write_all(&[b' '; 10_000]);
+        assert!(
+            sent.is_ok(),
+            "piece {piece}: the connection was reset: {sent:?}"
+        );
+    }
+    let mut rest = Vec::new();
+    let end = client.read_to_end(&mut rest);
+    assert!(end.is_ok(), "the connection was reset: {end:?}");
+    assert_eq!(tripwire.count(), 0);
+}
