@@ -26,7 +26,10 @@ pub async fn write(
     write_with(session, header, content_type, body).await
 }
 
-/// Writes a whole response under a header the caller started (extra headers set).
+/// Writes a whole response under a header the caller started (extra headers set). The
+/// answer to a HEAD request has the header alone, its `Content-Length` the body's: over
+/// HTTP/1.1 pingora drops the body itself, but over HTTP/2 it would send it, and a
+/// client's HTTP/2 library refuses DATA on a HEAD's stream (a protocol error).
 pub async fn write_with(
     session: &mut ServerSession,
     mut header: ResponseHeader,
@@ -36,6 +39,10 @@ pub async fn write_with(
     let _ = header.insert_header("content-type", content_type);
     let _ = header.insert_header("content-length", body.len());
     super::cors::decorate(session, &mut header);
+    let body = match session.req_header().method == http::Method::HEAD {
+        true => Bytes::new(),
+        false => body,
+    };
     write_header(session, header).await.is_ok() && write_body(session, body, true).await.is_ok()
 }
 

@@ -822,6 +822,27 @@ fn http2_over_tls_serves_pass_through_and_the_bridge() {
     });
 }
 
+/// The answer to a HEAD over HTTP/2 is its header alone: a body there is a protocol
+/// error to the client's HTTP/2 library, which would see no answer at all.
+#[test]
+fn a_head_request_over_http2_gets_the_header_alone() {
+    let (_upstream, upstream_url) = start_upstream(Upstream::Python);
+    let tls = TlsGateway::start(&upstream_url, |_| {});
+    let connector = tls.client(&["h2"]);
+    let url = tls.url.clone();
+    runtime().block_on(async move {
+        let mut h2 = h2_connect(&connector, tls.gw.port).await;
+        let head = http::Request::head(&url)
+            .body(Full::new(Bytes::new()))
+            .expect("a request");
+        let response = h2.send_request(head).await.expect("an answer");
+        assert_eq!(response.status(), 405);
+        let body = response.into_body().collect().await;
+        let body = body.expect("no protocol error").to_bytes();
+        assert!(body.is_empty(), "{body:?}");
+    });
+}
+
 /// An HTTP/2 client may split its cookies over several `cookie` fields (browsers do);
 /// the upstream, over HTTP/1.1, gets them joined in one `Cookie` header (RFC 9113
 /// §8.2.3), through pass-through and the bridge alike: servers such as Starlette read
