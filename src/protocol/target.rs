@@ -2,7 +2,8 @@
 //! with the client's own query parameters after them. Hosted MCP servers take per-user
 //! API keys and options in the URL (`/mcp?apiKey=…`), so a drop-in must carry them. A
 //! parameter the endpoint's URL sets is the operator's: the client's of the same name is
-//! left out (also one after a `;`, which some servers split on), so that it cannot
+//! left out (also one after a `;`, which some servers split on, and one PHP reads as
+//! the same name: `api.key`, `api key`, `api_key[]` for `api_key`), so that it cannot
 //! override it, whichever of two values a server reads.
 
 use std::borrow::Cow;
@@ -22,9 +23,12 @@ pub fn upstream_target<'a>(endpoint: &'a str, client_query: Option<&str>) -> Cow
     };
     let own_query = endpoint.split_once('?').map(|(_, query)| query);
     let configured: Vec<Vec<u8>> = params(own_query.unwrap_or_default()).map(name_of).collect();
+    let configured_php: Vec<Vec<u8>> = configured.iter().map(|n| php_name(n)).collect();
+    let operators_name =
+        |name: Vec<u8>| configured_php.contains(&php_name(&name)) || configured.contains(&name);
     // Some servers also split a query on `;` (Rack before 3, Python before 3.9.2, Go
     // before 1.17): a piece naming an operator's parameter after one is left out too.
-    let operators = |param: &str| param.split(';').any(|p| configured.contains(&name_of(p)));
+    let operators = |param: &str| param.split(';').any(|p| operators_name(name_of(p)));
     let carried: Vec<&str> = params(client_query)
         .filter(|param| !operators(param))
         .collect();
@@ -77,6 +81,24 @@ fn name_of(param: &str) -> Vec<u8> {
     decoded
 }
 
+/// A decoded parameter name as PHP registers it: leading spaces dropped; an array's
+/// name (`key[...]`, a `[` closed later) is its base; else a `[` is an `_`; a space or a
+/// `.` in the name is an `_`.
+fn php_name(name: &[u8]) -> Vec<u8> {
+    let name = &name[name.iter().take_while(|b| **b == b' ').count()..];
+    let open = name.iter().position(|b| *b == b'[');
+    let closed = open.is_some_and(|at| name[at..].contains(&b']'));
+    let base = match (open, closed) {
+        (Some(at), true) => &name[..at],
+        _ => name,
+    };
+    let underscore = |b: &u8| match b {
+        b' ' | b'.' | b'[' => b'_',
+        b => *b,
+    };
+    base.iter().map(underscore).collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -112,6 +134,33 @@ mod tests {
             upstream_target(endpoint, Some("x=1;api_key=mine&y=2;z=3")),
             "/mcp?tenant=a&api_key=operator&y=2;z=3",
             "nor after a `;`, which some servers split on"
+        );
+    }
+
+    /// PHP reads `api.key`, `api key`, ` api_key` and `api_key[]` as `api_key`, and
+    /// `api[key` as `api_key`: none of them overrides the operator's `api_key`.
+    #[test]
+    fn names_php_reads_as_the_operators_are_left_out_too() {
+        let endpoint = "/mcp?api_key=operator";
+        for client in [
+            "api.key=mine",
+            "api%20key=mine",
+            "api+key=mine",
+            "+api_key=mine",
+            "api_key[]=mine",
+            "api_key%5B0%5D=mine",
+            "api[key=mine",
+        ] {
+            assert_eq!(
+                upstream_target(endpoint, Some(client)),
+                endpoint,
+                "{client}"
+            );
+        }
+        assert_eq!(
+            upstream_target(endpoint, Some("api_keys=1&apikey=2")),
+            "/mcp?api_key=operator&api_keys=1&apikey=2",
+            "other names go on"
         );
     }
 
