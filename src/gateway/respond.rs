@@ -174,10 +174,18 @@ pub async fn invalid_request_with(
 /// Writes a response header. Once the replica drains, the connection closes after this
 /// response and the header says so (`Connection: close`): the client sends its next
 /// request on a new connection, to a replica that takes it, rather than on this one.
+/// Nothing is written on a connection already given up (a write that timed out part-way
+/// through a header): a second header would follow the first's bytes.
 pub async fn write_header(
     session: &mut ServerSession,
     header: ResponseHeader,
 ) -> pingora::Result<()> {
+    if given_up(session) {
+        return Err(pingora::Error::explain(
+            pingora::ErrorType::WriteError,
+            "the connection was given up",
+        ));
+    }
     let drain = session.req_header().extensions.get::<Arc<Drain>>();
     if drain.is_some_and(|d| d.is_draining()) {
         session.set_keepalive(None);
