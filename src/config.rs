@@ -164,6 +164,11 @@ pub struct Limits {
     /// Most client connections the MCP listener serves at once; one more is answered
     /// 503 and closed.
     pub max_client_connections: usize,
+    /// Most requests one HTTP/2 connection carries at once (its
+    /// `SETTINGS_MAX_CONCURRENT_STREAMS`); clients queue the rest. Each may hold an
+    /// upstream connection (a pass-through stream), so the connection cap bounds those
+    /// only with this: at most the two multiplied.
+    pub max_streams_per_connection: u32,
     /// Largest message a bridged call reads from its upstream (a JSON answer, one SSE
     /// event): the bridge holds it whole to rewrite it, so it is bounded; a larger one
     /// ends the call with an error naming this limit. Pass-through streams are not held.
@@ -192,6 +197,7 @@ impl Default for Limits {
             max_input_requests_bytes: 1 << 20,
             max_rounds: 32,
             max_client_connections: 10_000,
+            max_streams_per_connection: 32,
             max_upstream_message_bytes: DEFAULT_MAX_UPSTREAM_MESSAGE_BYTES,
         }
     }
@@ -274,6 +280,11 @@ impl Limits {
         at_least(
             "max_client_connections",
             self.max_client_connections as u64,
+            1,
+        )?;
+        at_least(
+            "max_streams_per_connection",
+            u64::from(self.max_streams_per_connection),
             1,
         )
     }

@@ -742,6 +742,14 @@ impl HttpServerApp for Listener {
         Some(&self.options)
     }
 
+    /// Pingora's bounded HTTP/2 defaults, with the requests one connection carries at
+    /// once at `limits.max_streams_per_connection` (pingora's own is 100).
+    fn h2_options(&self) -> Option<pingora::protocols::http::v2::server::H2Options> {
+        let mut options = pingora::protocols::http::v2::server::default_h2_options();
+        options.max_concurrent_streams(self.gw.config.limits.max_streams_per_connection);
+        Some(options)
+    }
+
     async fn process_new_http(
         self: &Arc<Self>,
         mut session: ServerSession,

@@ -843,6 +843,37 @@ fn a_head_request_over_http2_gets_the_header_alone() {
     });
 }
 
+/// An HTTP/2 connection carries at most `limits.max_streams_per_connection` requests at
+/// once (its SETTINGS_MAX_CONCURRENT_STREAMS), 32 unless configured: each may hold an
+/// upstream connection, so the connection cap bounds those only with it.
+#[test]
+fn an_http2_connection_carries_at_most_the_configured_streams_at_once() {
+    let tripwire = Tripwire::start();
+    for (configured, advertised) in [(None, 32), (Some(3), 3)] {
+        let tls = TlsGateway::start(&tripwire.url(), |c| {
+            if let Some(streams) = configured {
+                c.limits.max_streams_per_connection = streams;
+            }
+        });
+        let connector = tls.client(&["h2"]);
+        let (port, url) = (tls.gw.port, tls.url.clone());
+        let streams = runtime().block_on(async move {
+            let stream = tls_connect(&connector, port).await;
+            let (mut h2, connection) = h2::client::handshake(stream).await.expect("a handshake");
+            tokio::spawn(connection);
+            // Once a request was answered, the server's SETTINGS are in.
+            let head = http::Request::head(url.as_str())
+                .body(())
+                .expect("a request");
+            let (response, _) = h2.send_request(head, true).expect("a stream");
+            assert_eq!(response.await.expect("an answer").status(), 405);
+            h2.current_max_send_streams()
+        });
+        assert_eq!(streams, advertised, "configured {configured:?}");
+    }
+    assert_eq!(tripwire.count(), 0);
+}
+
 /// An HTTP/2 client may split its cookies over several `cookie` fields (browsers do);
 /// the upstream, over HTTP/1.1, gets them joined in one `Cookie` header (RFC 9113
 /// §8.2.3), through pass-through and the bridge alike: servers such as Starlette read
