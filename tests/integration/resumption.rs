@@ -124,29 +124,37 @@ fn whether_the_store_keeps_sessions_apart_travels_in_the_state_instead_of_a_seco
 }
 
 /// A store probe whose foreign resumption meets a 503 (a proxy in front, an upstream
-/// restarting) learns nothing: the GET stream is reopened fresh, as for a store that may
-/// be shared, not resumed after its position, which on a shared store would replay other
-/// sessions' questions.
+/// restarting), or a stream cut before any event, learns nothing: the GET stream is
+/// reopened fresh, as for a store that may be shared, not resumed after its position,
+/// which on a shared store would replay other sessions' questions.
 #[test]
-fn a_store_probe_that_meets_a_5xx_does_not_take_the_store_as_keeping_sessions_apart() {
-    let script = resumable_script(Resumes::Primed, false, Asks::OnGetStreamAfterEvent);
-    let upstream = ScriptedUpstream::start(move |seen: &Seen| {
-        if is_foreign_resumption(seen) {
-            return Answer::status(503, &[], b"busy");
-        }
-        script(seen)
-    });
-    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
-    let raw = Raw::new(&gw.url);
-    let (sid, before, status, reply) = round_then_retry(&upstream, &raw, &raw, 1);
-    assert_eq!(
-        (status, &reply["result"]["content"][0]["text"]),
-        (200, &json!("done")),
-        "{reply}"
-    );
-    assert_eq!(foreign_probes(&upstream), 1, "the store was probed");
-    let get_stream_from = get_stream_positions(&upstream, &sid, before);
-    assert_eq!(get_stream_from, [None], "the GET stream was resumed");
+fn a_store_probe_that_meets_a_5xx_or_a_cut_does_not_take_the_store_as_keeping_sessions_apart() {
+    let busy = || Answer::status(503, &[], b"busy");
+    let cut = || Answer::sse(&[]).then_reset();
+    for (what, foreign) in [("5xx", busy as fn() -> Answer), ("cut", cut)] {
+        let script = resumable_script(Resumes::Primed, false, Asks::OnGetStreamAfterEvent);
+        let upstream = ScriptedUpstream::start(move |seen: &Seen| {
+            if is_foreign_resumption(seen) {
+                return foreign();
+            }
+            script(seen)
+        });
+        let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+        let raw = Raw::new(&gw.url);
+        let (sid, before, status, reply) = round_then_retry(&upstream, &raw, &raw, 1);
+        assert_eq!(
+            (status, &reply["result"]["content"][0]["text"]),
+            (200, &json!("done")),
+            "{what}: {reply}"
+        );
+        assert_eq!(foreign_probes(&upstream), 1, "{what}: the store was probed");
+        let get_stream_from = get_stream_positions(&upstream, &sid, before);
+        assert_eq!(
+            get_stream_from,
+            [None],
+            "{what}: the GET stream was resumed"
+        );
+    }
 }
 
 /// A flow's first round through `first_on` and its retry through `retry_on` (request

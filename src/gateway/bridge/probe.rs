@@ -146,9 +146,9 @@ async fn probe(
         return SessionReplay::Unknown;
     };
     let verdict = match tokio::time::timeout_at(deadline, first_event_id(&first)).await {
-        Err(_) => SessionReplay::Unknown,
-        Ok(None) => SessionReplay::Unavailable,
-        Ok(Some(id)) => match tokio::time::timeout_at(deadline, open()).await {
+        Err(_) | Ok(Err(PingFailed)) => SessionReplay::Unknown,
+        Ok(Ok(None)) => SessionReplay::Unavailable,
+        Ok(Ok(Some(id))) => match tokio::time::timeout_at(deadline, open()).await {
             Ok(Some(second)) => {
                 let resumed = tokio::time::timeout_at(deadline, resumes_foreign(&second, &id));
                 let verdict = resumed.await.unwrap_or(SessionReplay::Unknown);
@@ -162,11 +162,15 @@ async fn probe(
     verdict
 }
 
+/// The probe's `ping` failed (cut, refused, a server error): that says nothing of the
+/// upstream's event ids.
+struct PingFailed;
+
 /// The first event id of a `ping`'s SSE answer (SDKs prime POST streams with one); `None`
 /// when the upstream answers in JSON or gives no ids.
-async fn first_event_id(session: &LegacySession<'_>) -> Option<String> {
+async fn first_event_id(session: &LegacySession<'_>) -> Result<Option<String>, PingFailed> {
     let id = crate::gateway::bridge::fresh_call_id();
-    let mut response = session.ping(id).await.ok()?;
+    let mut response = session.ping(id).await.map_err(|_| PingFailed)?;
     let id = if response.is_sse() {
         tokio::time::timeout(FIRST_ID_LIMIT, first_id(&mut response))
             .await
@@ -176,7 +180,7 @@ async fn first_event_id(session: &LegacySession<'_>) -> Option<String> {
         None
     };
     session.client.finish(response).await;
-    id
+    Ok(id)
 }
 
 async fn first_id(response: &mut Response) -> Option<String> {
@@ -193,8 +197,9 @@ async fn first_id(response: &mut Response) -> Option<String> {
 
 /// Resumes `session`'s GET stream after another session's event id: refused, or ended
 /// without an event, means sessions are kept apart; an event, that they are not. No
-/// answer, a 5xx, or a status the request itself earned (denied, too large, too many)
-/// says nothing of the store: unknown, so GET streams reopen fresh meanwhile.
+/// answer, a 5xx, a status the request itself earned (denied, too large, too many), or
+/// a stream cut before any event says nothing of the store: unknown, so GET streams
+/// reopen fresh meanwhile.
 async fn resumes_foreign(session: &LegacySession<'_>, foreign: &str) -> SessionReplay {
     let mut response = match session.get_stream(Some(foreign), Connection::Pooled).await {
         Ok(response) => response,
@@ -208,7 +213,8 @@ async fn resumes_foreign(session: &LegacySession<'_>, foreign: &str) -> SessionR
         match tokio::time::timeout_at(deadline, response.next_chunk()).await {
             // Still open: the store resolved the id and the stream is live.
             Err(_) => break SessionReplay::Shared,
-            Ok(Ok(None) | Err(_)) => break SessionReplay::Scoped,
+            Ok(Ok(None)) => break SessionReplay::Scoped,
+            Ok(Err(_)) => break SessionReplay::Unknown,
             Ok(Ok(Some(chunk))) => {
                 let _ = parser.push(&chunk, &mut events);
                 // An event (replayed, or priming the live stream): the id was resolved.
