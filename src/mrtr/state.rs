@@ -600,6 +600,9 @@ pub mod v1 {
         pub known: Vec<Known>,
         pub flow_id: u64,
         pub held: Option<HeldAt>,
+        /// The session GET stream's position. Read and left: a state opened here
+        /// reopens that stream fresh (`seal_previous`'s states carry none).
+        pub session_event_id: Option<String>,
     }
 
     impl From<FlowState> for super::FlowState {
@@ -673,7 +676,12 @@ pub mod v1 {
                 pending: new.waiting.pending().to_vec(),
                 last_event_id,
                 round_start,
-                round: new.round,
+                // A deferred call is one of round `DEFERRED` there, whatever its rounds
+                // before (a restartable tool run again, then deferred).
+                round: match new.waiting {
+                    Waiting::Deferred { .. } => DEFERRED,
+                    _ => new.round,
+                },
                 expires_at: new.expires_at,
                 flow_deadline: new.flow_deadline,
                 started_ms: new.started_ms,
@@ -682,6 +690,7 @@ pub mod v1 {
                 known: new.known.clone(),
                 flow_id: new.flow_id,
                 held,
+                session_event_id: None,
             }
         }
     }
@@ -879,6 +888,103 @@ mod tests {
             FlowState::open(&ring(), &b, &old, 1_900_000_000).unwrap(),
             one_elicitation()
         );
+    }
+
+    /// The layout the release before phases sealed, field for field as it was
+    /// (`git show 5584835^:src/mrtr/state.rs`), its session GET stream's position last.
+    #[derive(Serialize)]
+    struct Released {
+        group: String,
+        endpoint: SocketAddr,
+        upstream_session: String,
+        call_id: UpstreamId,
+        pending: Vec<Pending>,
+        last_event_id: Option<String>,
+        round_start: Option<String>,
+        round: u16,
+        expires_at: u64,
+        flow_deadline: u64,
+        started_ms: u64,
+        reissue: bool,
+        data_session: bool,
+        known: Vec<Known>,
+        flow_id: u64,
+        held: Option<HeldAt>,
+        session_event_id: Option<String>,
+    }
+
+    /// A state that release sealed opens here, with or without its GET stream's position
+    /// (which is dropped: the stream reopens fresh), as the same phase and revision; and
+    /// what this release seals in the previous layout reads there as that layout.
+    #[test]
+    fn a_state_the_release_before_sealed_opens_whatever_its_get_stream_position() {
+        let b = binding(&[1; 32], "tools/call", Some("ask_name"), Some(&json!({})));
+        let state = one_elicitation();
+        let Waiting::Resumable {
+            call,
+            pending,
+            positions,
+        } = &state.waiting
+        else {
+            unreachable!("one_elicitation waits resumable");
+        };
+        for session_event_id in [None, Some("s1-g4".to_string())] {
+            let released = Released {
+                group: state.group.clone(),
+                endpoint: call.endpoint,
+                upstream_session: call.session.clone(),
+                call_id: call.id.clone(),
+                pending: pending.clone(),
+                last_event_id: positions.last_event_id.clone(),
+                round_start: positions.round_start.clone(),
+                round: state.round,
+                expires_at: state.expires_at,
+                flow_deadline: state.flow_deadline,
+                started_ms: state.started_ms,
+                reissue: false,
+                data_session: false,
+                known: Vec::new(),
+                flow_id: state.flow_id,
+                held: None,
+                session_event_id,
+            };
+            let plain = postcard::to_allocvec(&(&b, &released)).unwrap();
+            let theirs = seal::seal_version(
+                &ring(),
+                Purpose::RequestState,
+                seal::OLDEST_VERSION,
+                b"",
+                &plain,
+            );
+            let opened = FlowState::open(&ring(), &b, &theirs, 1_900_000_000);
+            assert_eq!(opened, Ok(state.clone()), "{:?}", released.session_event_id);
+        }
+        let ours = state.seal_previous(&ring(), &b);
+        let (version, plain) =
+            seal::open_version(&ring(), Purpose::RequestState, b"", &ours, MAX_STATE_LEN).unwrap();
+        assert_eq!(version, seal::OLDEST_VERSION);
+        let (_, read): ([u8; 32], v1::FlowState) = postcard::from_bytes(&plain).unwrap();
+        assert_eq!(
+            read.session_event_id, None,
+            "its extensions are not read as the position"
+        );
+        // A call deferred after rounds (a restartable tool run again) is a deferred call
+        // there, not a resumable one with an invented upstream call.
+        let deferred = FlowState {
+            round: 2,
+            waiting: Waiting::Deferred {
+                data_session: false,
+            },
+            ..one_elicitation()
+        };
+        let sealed = deferred.seal_previous(&ring(), &b);
+        let opened = FlowState::open(&ring(), &b, &sealed, 1_900_000_000).unwrap();
+        assert!(matches!(
+            opened.waiting,
+            Waiting::Deferred {
+                data_session: false
+            }
+        ));
     }
 
     /// A state whose session negotiated an older revision than the one asked for.
