@@ -273,7 +273,12 @@ pub(super) async fn create(
     let result = json!({"id": cookie["id"], "expiry": cookie["expiry"], "data": data.cloned().unwrap_or(json!({}))});
     reply.cookie = Some(cookie);
     let result = decorate(result, &init["serverInfo"], false);
-    Outcome::answered(reply.result(session, result).await)
+    let answered = reply.result(session, result).await;
+    if !answered {
+        // The client left before it had the cookie: nobody can reach the session.
+        upstream.abandon().await;
+    }
+    Outcome::answered(answered)
 }
 
 /// Runs `opening` (a session's initialize, which is never cut short: the session it
