@@ -184,8 +184,9 @@ fn a_session_keeps_upstream_state_across_calls_replicas_and_a_round() {
 /// A retry runs in the data-layer session its call began in: one carrying another
 /// session's cookie is refused with the one error for a bad state, before it is claimed
 /// (the call would otherwise complete in its own session while the result carried the
-/// other's cookie), as is one carrying a cookie for a call begun outside any session;
-/// the same state completes the call with its own cookie.
+/// other's cookie), as is one carrying a cookie for a call begun outside any session,
+/// and one without the cookie of the session its call began in (it would run as outside
+/// any session); the same state completes the call with its own cookie.
 #[test]
 fn a_retry_with_another_sessions_cookie_is_refused() {
     let (_upstream, url) = start_upstream(Upstream::Python);
@@ -213,6 +214,7 @@ fn a_retry_with_another_sessions_cookie_is_refused() {
     assert_eq!(question(&asked), "Text for mine?");
     let retry = answer(&asked, json!({"text": "typed"}));
     refused(ask(4, "mine", b_cookie.as_ref(), retry.clone()));
+    refused(ask(40, "mine", None, retry.clone()));
     let (_, outside) = ask(5, "out", None, json!({}));
     refused(ask(
         6,
@@ -228,7 +230,7 @@ fn a_retry_with_another_sessions_cookie_is_refused() {
     assert!(in_b.is_empty(), "{in_b:?}");
     let rejections = "mrtr_gateway_request_state_rejections_total";
     let other_session = metric_with(&gw.admin, rejections, "other_session");
-    assert_eq!(other_session, Some(2.0));
+    assert_eq!(other_session, Some(3.0));
 }
 
 /// Every request in a data-layer session names the revision the session negotiated,

@@ -458,12 +458,18 @@ fn open_state(call: &Call<'_>, text: &str) -> Result<FlowState, &'static str> {
     }
     // A call goes on in the session it began in, which its state names: a cookie the
     // retry carries must name that one (the result carries the cookie it names), and a
-    // call begun outside any session takes none.
-    if let (Some(upstream), Some(attached)) = (state.waiting.call(), call.data_session) {
-        let began_in = upstream.data_session.then_some(upstream.session.as_str());
-        if began_in != Some(attached.cookie.upstream_session.as_str()) {
-            return Err("other_session");
+    // call begun outside any session takes none. A call begun in one needs its cookie:
+    // without it the retry would run as outside any session (a lost call's restartable
+    // tool run again in a session of its own, against the session policy).
+    match (state.waiting.call(), call.data_session) {
+        (Some(upstream), Some(attached)) => {
+            let began_in = upstream.data_session.then_some(upstream.session.as_str());
+            if began_in != Some(attached.cookie.upstream_session.as_str()) {
+                return Err("other_session");
+            }
         }
+        (Some(upstream), None) if upstream.data_session => return Err("other_session"),
+        _ => {}
     }
     // A call deferred before it began starts in a session if and only if it was made in
     // one: without the cookie, a tool the policy runs only in a session would run outside.
