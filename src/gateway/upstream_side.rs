@@ -11,7 +11,7 @@ use crate::metrics::Metrics;
 use crate::mrtr::modern::ModernRequest;
 use crate::upstream::exchange::{ExchangeFailure, UpstreamClient};
 use crate::upstream::legacy_session::{
-    answers_modern_discover, Caller, LegacySession, SessionError, SessionFailure,
+    answers_modern_discover, Caller, Discovery, LegacySession, SessionError, SessionFailure,
 };
 use crate::upstream::{UpstreamGroup, Upstreams};
 use serde_json::{json, Value};
@@ -389,9 +389,12 @@ impl UpstreamSide {
         let discovered =
             answers_modern_discover(&self.client, &endpoint, &group.timeouts, &asker.caller).await;
         match discovered {
-            Some(true) => Probe::Verdict(true),
-            Some(false) if !denied => Probe::Verdict(false),
-            _ => Probe::Denied,
+            Discovery::Modern => Probe::Verdict(true),
+            Discovery::NotModern if !denied => Probe::Verdict(false),
+            // Only an answer decides: a discover not answered is tried again shortly,
+            // and one denied or throttled for this caller, by the next caller.
+            Discovery::Unanswered => Probe::Unreachable,
+            Discovery::NotModern | Discovery::Denied => Probe::Denied,
         }
     }
 

@@ -765,21 +765,35 @@ async fn read_single_now(response: &mut Response) -> Result<Value, SessionError>
     ))
 }
 
-/// Whether the upstream answers a 2026-07-28 `server/discover` (sent for `caller`) with a
-/// DiscoverResult naming that version; `None` when it denied the caller (401, 403): that
-/// says nothing of its era.
+/// What a 2026-07-28 `server/discover` sent for a caller showed of the upstream's era.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Discovery {
+    /// A DiscoverResult naming that version.
+    Modern,
+    /// An answer that is not one (a legacy server's JSON-RPC error, a 404 page).
+    NotModern,
+    /// The caller was denied (401, 403) or throttled (429): that is the caller's, and
+    /// says nothing of the era.
+    Denied,
+    /// No answer that says anything: not sent, cut, no answer in time, a server error.
+    Unanswered,
+}
+
+/// Sends a 2026-07-28 `server/discover` for `caller` and tells what its answer shows.
 pub async fn answers_modern_discover(
     client: &UpstreamClient,
     endpoint: &Endpoint,
     timeouts: &Timeouts,
     caller: &Caller,
-) -> Option<bool> {
+) -> Discovery {
     let version = crate::mrtr::modern::MODERN_VERSION;
     let message = json!({"jsonrpc": "2.0", "id": 0, "method": "server/discover", "params": {"_meta": {
         "io.modelcontextprotocol/protocolVersion": version, "io.modelcontextprotocol/clientCapabilities": {}}}});
     let body = Bytes::from(message.to_string());
     let target = upstream_target(&endpoint.path, caller.headers.query());
-    let mut req = RequestHeader::build("POST", target.as_bytes(), Some(16)).ok()?;
+    let Ok(mut req) = RequestHeader::build("POST", target.as_bytes(), Some(16)) else {
+        return Discovery::Unanswered;
+    };
     for (name, value) in caller.headers.iter() {
         let _ = req.append_header(name.clone(), value.clone());
     }
@@ -795,19 +809,31 @@ pub async fn answers_modern_discover(
     }
     let _ = req.insert_header("content-length", body.len());
     let Ok(mut response) = client.send(endpoint, timeouts, req, body).await else {
-        return Some(false);
+        return Discovery::Unanswered;
     };
-    if matches!(response.header().status.as_u16(), 401 | 403) {
+    let status = response.header().status.as_u16();
+    let said_nothing = match status {
+        401 | 403 | 429 => Some(Discovery::Denied),
+        408 | 500..=599 => Some(Discovery::Unanswered),
+        _ => None,
+    };
+    if let Some(said_nothing) = said_nothing {
         client.discard(response, timeouts.response).await;
-        return None;
+        return said_nothing;
     }
     let answer = read_single(&mut response).await;
     client.finish(response).await;
-    Some(answer.is_ok_and(|m| {
-        m["result"]["supportedVersions"]
-            .as_array()
-            .is_some_and(|v| v.iter().any(|x| x == version))
-    }))
+    match answer {
+        Ok(m) => {
+            let versions = m["result"]["supportedVersions"].as_array();
+            match versions.is_some_and(|v| v.iter().any(|x| x == version)) {
+                true => Discovery::Modern,
+                false => Discovery::NotModern,
+            }
+        }
+        Err(e) if matches!(e.failure(), SessionFailure::Exchange(_)) => Discovery::Unanswered,
+        Err(_) => Discovery::NotModern,
+    }
 }
 
 #[cfg(test)]

@@ -767,6 +767,52 @@ fn an_auto_group_follows_its_upstream_redeployed_to_the_other_era() {
     );
 }
 
+/// The era probe decides on an answer only: a `server/discover` the upstream throttles
+/// for the asking caller (429) decides nothing for the group, and the next caller's
+/// request probes again and is relayed to the 2026-07-28 server. It used to cache
+/// "legacy" for everyone, bridging every request to a server that refuses `initialize`.
+#[test]
+fn a_discover_throttled_for_one_caller_does_not_make_the_group_legacy() {
+    use crate::scripted::{Answer, ScriptedUpstream, Seen};
+    let upstream = ScriptedUpstream::start(|seen: &Seen| {
+        let id = seen.jsonrpc_id();
+        match seen.jsonrpc_method().as_deref() {
+            Some("server/discover") if seen.header("x-throttled").is_some() => {
+                Answer::status(429, &[("retry-after", "1")], b"slow down")
+            }
+            Some("server/discover") => Answer::json(
+                200,
+                &json!({"jsonrpc": "2.0", "id": id, "result": {
+                "resultType": "complete", "supportedVersions": ["2026-07-28"],
+                "capabilities": {"tools": {}}, "serverInfo": {"name": "modern", "version": "1"},
+                "ttlMs": 0, "cacheScope": "private"}}),
+            ),
+            Some("tools/list")
+                if seen.header("mcp-session-id").is_none()
+                    && seen.header("mcp-protocol-version") == Some("2026-07-28") =>
+            {
+                Answer::json(
+                    200,
+                    &json!({"jsonrpc": "2.0", "id": id, "result": {
+                    "resultType": "complete", "tools": [{"name": "native", "inputSchema": {"type": "object"}}],
+                    "ttlMs": 0, "cacheScope": "private"}}),
+                )
+            }
+            _ => Answer::json(
+                404,
+                &json!({"jsonrpc": "2.0", "id": id,
+                "error": {"code": -32601, "message": "Method not found"}}),
+            ),
+        }
+    });
+    let gw = TestGateway::start(&[&upstream.url()], &test_keys());
+    let raw = Raw::new(&gw.url);
+    let throttled = [("x-throttled", "1")];
+    let _ = raw.modern_with(1, "tools/list", json!({}), json!({}), &throttled);
+    let listed = raw.modern(2, "tools/list", json!({}), json!({})).json();
+    assert_eq!(listed["result"]["tools"][0]["name"], "native", "{listed}");
+}
+
 #[test]
 fn an_upstream_that_speaks_only_2026_07_28_is_detected_and_relayed() {
     let (_upstream, url) = start_upstream(Upstream::TypeScriptModern);
