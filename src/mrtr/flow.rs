@@ -2338,7 +2338,7 @@ impl Flow {
                 "the call needed more than {} rounds, the limit",
                 self.config.max_rounds
             )
-        } else if state.plaintext_len() > self.config.max_state_plaintext {
+        } else if state.plaintext_len_at_most() > self.config.max_state_plaintext {
             let too_large = state.too_large(self.config.max_state_bytes, self.config.kid_len);
             too_large.to_string()
         } else {

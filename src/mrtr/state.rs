@@ -403,6 +403,25 @@ impl FlowState {
         postcard::to_allocvec(&([0u8; 32], self)).map_or(usize::MAX, |v| self.extended(v).len())
     }
 
+    /// The most plaintext this state takes as the shell seals it: in either layout
+    /// (`seal_layout_within`: the previous one is a few bytes larger for some phases),
+    /// and with its endpoint's store verdict known (one byte more than not known). A
+    /// flow checks its limits against this before it holds or watches its call, so
+    /// that the seal cannot fail after.
+    pub fn plaintext_len_at_most(&self) -> usize {
+        let unknown_verdict = match &self.waiting {
+            Waiting::Resumable { positions, .. } => {
+                usize::from(positions.upstream.sessions_kept_apart.is_none())
+            }
+            _ => 0,
+        };
+        let previous = postcard::to_allocvec(&([0u8; 32], v1::FlowState::from(self)))
+            .map_or(usize::MAX, |v| self.extended(v).len());
+        self.plaintext_len()
+            .max(previous)
+            .saturating_add(unknown_verdict)
+    }
+
     /// Why this state is too large for `limit`, sealed under a key id of `kid_len` bytes.
     pub fn too_large(&self, limit: usize, kid_len: usize) -> StateTooLarge {
         StateTooLarge {
@@ -985,6 +1004,45 @@ mod tests {
                 data_session: false
             }
         ));
+    }
+
+    /// What a flow checks its limits against bounds every plaintext the shell may seal
+    /// for the state: either layout, with the endpoint's verdict known.
+    #[test]
+    fn the_most_a_state_takes_bounds_both_layouts_and_a_known_verdict() {
+        let b = binding(&[1; 32], "tools/call", Some("ask_name"), Some(&json!({})));
+        let held = FlowState {
+            waiting: Waiting::Held {
+                call: one_elicitation().waiting.call().unwrap().clone(),
+                pending: one_elicitation().waiting.pending().to_vec(),
+                at: HeldAt {
+                    owner: None,
+                    slot: 7,
+                },
+            },
+            ..one_elicitation()
+        };
+        for state in [one_elicitation(), held] {
+            let mut known = state.clone();
+            if let Waiting::Resumable { positions, .. } = &mut known.waiting {
+                positions.upstream.sessions_kept_apart = Some(true);
+            }
+            let plaintext = |sealed: &str| {
+                let opened =
+                    seal::open_version(&ring(), Purpose::RequestState, b"", sealed, MAX_STATE_LEN);
+                opened.unwrap().1.len()
+            };
+            let most = state.plaintext_len_at_most();
+            let (now, before) = (known.seal(&ring(), &b), known.seal_previous(&ring(), &b));
+            assert!(state.plaintext_len() < plaintext(&now).max(plaintext(&before)));
+            for sealed in [now, before] {
+                assert!(
+                    plaintext(&sealed) <= most,
+                    "{} > {most}",
+                    plaintext(&sealed)
+                );
+            }
+        }
     }
 
     /// A state whose session negotiated an older revision than the one asked for.
