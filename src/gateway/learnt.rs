@@ -4,8 +4,8 @@
 //! stream is live again), and whether the group's event store keeps sessions apart, so
 //! that a session's GET stream can be replayed without another session's events, and
 //! whether it lets go of a closed GET stream in time for a new one; and which of its
-//! tools ask several questions at once (their rounds wait the quiet window). A probe
-//! runs one at a time per group (`Learnt::probe_turn`).
+//! tools ask several questions at once (their rounds wait the quiet window). A store
+//! probe runs one at a time per endpoint (`Learnt::probe_turn`).
 //! `resume: auto`, the retry path and the round's end decide by it; each verdict is
 //! logged once.
 
@@ -158,6 +158,9 @@ impl GroupLearnt {
     }
 }
 
+/// The turn to probe one endpoint's store: held for the whole probe.
+pub type ProbeTurn = Arc<tokio::sync::Mutex<()>>;
+
 /// Every group's learnt facts, by group name.
 #[derive(Default)]
 pub struct Learnt {
@@ -166,8 +169,8 @@ pub struct Learnt {
     /// method, target): 8 bytes each, and nothing allocated to look one up.
     asking_at_once: Mutex<HashSet<u64>>,
     call_hasher: RandomState,
-    /// Per group, the turn to probe it: held for the whole probe.
-    probe_turns: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Per endpoint (group name and address), the turn to probe its store.
+    probe_turns: Mutex<HashMap<(String, SocketAddr), ProbeTurn>>,
     /// Each endpoint's store, by group name then address: looked up by `&str`, so a
     /// round's lookup copies nothing.
     stores: Mutex<HashMap<String, HashMap<SocketAddr, StoreLearnt>>>,
@@ -229,11 +232,18 @@ impl Learnt {
         before
     }
 
-    /// The lock a probe of `group` holds while it runs, so that requests arriving
-    /// together wait for one probe's verdict rather than each probing the upstream.
-    pub fn probe_turn(&self, group: &str) -> Arc<tokio::sync::Mutex<()>> {
+    /// The lock a probe of the store at `endpoint` of `group` holds while it runs, so
+    /// that requests arriving together wait for one probe's verdict rather than each
+    /// probing the upstream; requests for other endpoints (whose verdicts are their own)
+    /// do not wait for it. Past `MAX_STORES` endpoints, the turns nobody holds are
+    /// forgotten.
+    pub fn probe_turn(&self, group: &str, endpoint: SocketAddr) -> ProbeTurn {
         let mut turns = self.probe_turns.lock().expect("learnt lock");
-        turns.entry(group.to_string()).or_default().clone()
+        if turns.len() >= MAX_STORES {
+            turns.retain(|_, turn| Arc::strong_count(turn) > 1);
+        }
+        let turn = turns.entry((group.to_string(), endpoint)).or_default();
+        turn.clone()
     }
 
     /// Whether `target` of `group` (a tool's name, a prompt's, a resource's URI, by
@@ -271,6 +281,29 @@ mod tests {
         assert_eq!(before.resumption_primes, None);
         assert_eq!(learnt.get("g").resumption_primes, Some(true));
         assert_eq!(learnt.get("other"), GroupLearnt::default());
+    }
+
+    /// One probe at a time per endpoint: a probe of one endpoint's store holds no
+    /// request for another's; turns nobody holds are forgotten past `MAX_STORES`.
+    #[test]
+    fn probe_turns_are_per_endpoint_and_bounded() {
+        let learnt = Learnt::default();
+        let at = |port: u16| SocketAddr::from(([127, 0, 0, 1], port));
+        let one = learnt.probe_turn("g", at(1));
+        assert!(Arc::ptr_eq(&one, &learnt.probe_turn("g", at(1))));
+        let held = one.try_lock().expect("free");
+        let other = learnt.probe_turn("g", at(2));
+        assert!(other.try_lock().is_ok(), "another endpoint's turn is free");
+        for port in 3..=MAX_STORES as u16 + 1 {
+            learnt.probe_turn("g", at(port));
+        }
+        let turns = learnt.probe_turns.lock().unwrap().len();
+        assert!(turns < MAX_STORES, "{turns}");
+        assert!(
+            Arc::ptr_eq(&one, &learnt.probe_turn("g", at(1))),
+            "a turn in use stays"
+        );
+        drop(held);
     }
 
     /// An endpoint's store verdict is its own, and the group's latest; past

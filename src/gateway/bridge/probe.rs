@@ -68,7 +68,7 @@ pub(crate) async fn session_replay(
     if before.retry_at.is_some_and(|at| Instant::now() < at) {
         return SessionReplay::Unknown;
     }
-    let turn = learnt.probe_turn(&group.name);
+    let turn = learnt.probe_turn(&group.name, at);
     let _turn = turn.lock().await;
     let now = learnt.store(&group.name, at);
     if now.probes != before.probes {
