@@ -885,13 +885,7 @@ mod tests {
             assert_eq!(opened, state, "the previous layout keeps every phase");
             // What the previous release itself sealed: its own struct, format version 1.
             let plain = postcard::to_allocvec(&(&b, v1::FlowState::from(&state))).unwrap();
-            let theirs = seal::seal_version(
-                &ring(),
-                Purpose::RequestState,
-                seal::OLDEST_VERSION,
-                b"",
-                &plain,
-            );
+            let theirs = sealed_as_the_release_before(&plain);
             assert_eq!(
                 FlowState::open(&ring(), &b, &theirs, 1_900_000_000).unwrap(),
                 state
@@ -907,6 +901,17 @@ mod tests {
             FlowState::open(&ring(), &b, &old, 1_900_000_000).unwrap(),
             one_elicitation()
         );
+    }
+
+    /// `plain` sealed as the release before sealed its states: format version 1.
+    fn sealed_as_the_release_before(plain: &[u8]) -> String {
+        seal::seal_version(
+            &ring(),
+            Purpose::RequestState,
+            seal::OLDEST_VERSION,
+            b"",
+            plain,
+        )
     }
 
     /// The layout the release before phases sealed, field for field as it was
@@ -968,13 +973,7 @@ mod tests {
                 session_event_id,
             };
             let plain = postcard::to_allocvec(&(&b, &released)).unwrap();
-            let theirs = seal::seal_version(
-                &ring(),
-                Purpose::RequestState,
-                seal::OLDEST_VERSION,
-                b"",
-                &plain,
-            );
+            let theirs = sealed_as_the_release_before(&plain);
             let opened = FlowState::open(&ring(), &b, &theirs, 1_900_000_000);
             assert_eq!(opened, Ok(state.clone()), "{:?}", released.session_event_id);
         }

@@ -190,15 +190,17 @@ mod tests {
         assert_eq!(done.read(&mut byte).unwrap(), 1);
     }
 
+    /// A loopback connection to `listener`: its client end, and the accepted end.
+    fn accepted(listener: &std::net::TcpListener) -> (std::net::TcpStream, std::net::TcpStream) {
+        let client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        (client, listener.accept().unwrap().0)
+    }
+
     #[tokio::test]
     async fn a_handshake_whose_socket_closed_leaves_no_slot_taken() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
         let handshakes = Handshakes::new(1, Duration::from_secs(60));
-        let accept = || {
-            let client = std::net::TcpStream::connect(addr).unwrap();
-            (client, listener.accept().unwrap().0)
-        };
+        let accept = || accepted(&listener);
         let (_client, failed) = accept();
         assert!(handshakes.start(failed.as_raw_fd()));
         drop(failed);
@@ -216,12 +218,8 @@ mod tests {
     #[tokio::test]
     async fn closed_sockets_notes_are_swept_at_most_every_100_ms() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
         let handshakes = Handshakes::new(1, Duration::from_secs(60));
-        let accept = || {
-            let client = std::net::TcpStream::connect(addr).unwrap();
-            (client, listener.accept().unwrap().0)
-        };
+        let accept = || accepted(&listener);
         let t0 = Instant::now();
         let (_c1, first) = accept();
         assert!(handshakes.start_at(first.as_raw_fd(), t0));

@@ -111,8 +111,8 @@ pub(super) fn attach(
 /// says nothing of the session, which the call still runs in.
 fn retries_call_in(gw: &Gateway, request: &ModernRequest, attached: &Attached) -> bool {
     let interactive = matches!(
-        request.method.as_str(),
-        "tools/call" | "prompts/get" | "resources/read"
+        super::Kind::of(&request.method),
+        Some(super::Kind::Interactive)
     );
     let state = request.params.get("requestState").and_then(Value::as_str);
     let Some(text) = state.filter(|_| interactive) else {
